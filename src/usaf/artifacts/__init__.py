@@ -1,0 +1,38 @@
+"""Typed artifacts: manifests, atomic writes, loading with checks, and workspace conventions."""
+
+from usaf.artifacts import tokens as _tokens  # noqa: F401  (registers the 'tokens' kind)
+from usaf.artifacts.loader import load_manifest, load_verified, verify_files
+from usaf.artifacts.manifest import (
+    MANIFEST_KINDS,
+    MANIFEST_NAME,
+    EnvironmentRecord,
+    FileRecord,
+    InputRecord,
+    Manifest,
+    current_environment,
+    register,
+)
+from usaf.artifacts.tokens import TokensManifest, TokensSummary
+from usaf.artifacts.workspace import default_output, find_artifacts, pick_latest, workspace_dir
+from usaf.artifacts.writer import ArtifactWriter
+
+__all__ = [
+    "MANIFEST_KINDS",
+    "MANIFEST_NAME",
+    "ArtifactWriter",
+    "EnvironmentRecord",
+    "FileRecord",
+    "InputRecord",
+    "Manifest",
+    "TokensManifest",
+    "TokensSummary",
+    "current_environment",
+    "default_output",
+    "find_artifacts",
+    "load_manifest",
+    "load_verified",
+    "pick_latest",
+    "register",
+    "verify_files",
+    "workspace_dir",
+]

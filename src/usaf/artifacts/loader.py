@@ -1,0 +1,112 @@
+"""Loading and verifying artifacts, with one clear error for each way they can be wrong."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar, overload
+
+from pydantic import ValidationError
+
+from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
+from usaf.errors import UsafError
+
+M = TypeVar("M", bound=Manifest)
+
+
+def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise UsafError(f"{flag} {path}: no such directory", "check the path")
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise UsafError(
+            f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})",
+            "point at a directory written by a usaf command; an interrupted run leaves none",
+        )
+    try:
+        data = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsafError(f"{flag} {manifest_path}: unreadable manifest ({e})", "re-run the stage that made it") from None
+    if not isinstance(data, dict) or "kind" not in data or "schema_version" not in data:
+        raise UsafError(f"{flag} {manifest_path}: not a usaf manifest (no kind/schema_version)", "re-run the stage")
+    return data
+
+
+@overload
+def load_manifest(path: Path, expect: type[M], *, flag: str = ...) -> M: ...
+@overload
+def load_manifest(path: Path, expect: None = ..., *, flag: str = ...) -> Manifest: ...
+
+
+def load_manifest(path: Path, expect: type[M] | None = None, *, flag: str = "path") -> Manifest:
+    """Load an artifact's manifest, checking its kind and schema version.
+
+    Args:
+        path: the artifact directory.
+        expect: the manifest class the caller needs; ``None`` accepts any registered kind.
+        flag: the flag or argument the path came from, named in errors.
+    """
+    data = read_manifest_json(path, flag=flag)
+    kind, version = data["kind"], data["schema_version"]
+    if expect is not None and kind != expect.KIND:
+        raise UsafError(
+            f"{flag} {path}: is a '{kind}' artifact, expected '{expect.KIND}'",
+            f"pass a directory made by the stage that writes '{expect.KIND}'",
+        )
+    cls = expect or MANIFEST_KINDS.get(kind)
+    if cls is None:
+        raise UsafError(
+            f"{flag} {path}: unknown artifact kind '{kind}' (known: {', '.join(sorted(MANIFEST_KINDS))})",
+            "it was made by a newer usaf; upgrade usaf",
+        )
+    if version != cls.SCHEMA_VERSION:
+        newer = isinstance(version, int) and version > cls.SCHEMA_VERSION
+        raise UsafError(
+            f"{flag} {path}: '{kind}' schema version {version}, this usaf reads version {cls.SCHEMA_VERSION}",
+            "upgrade usaf" if newer else "re-run the stage that made it with this usaf",
+        )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UsafError(
+            f"{flag} {path / MANIFEST_NAME}: invalid manifest at '{where}': {first['msg']}",
+            "the file was edited or truncated; re-run the stage that made it",
+        ) from None
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    path: str
+    ok: bool
+    problem: str = ""
+
+
+def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list[FileCheck]:
+    """Check every file the manifest lists: present, same size, and (``hashes``) same sha256."""
+    checks = []
+    for record in manifest.files:
+        file = Path(path) / record.path
+        if not file.is_file():
+            checks.append(FileCheck(record.path, False, "missing"))
+        elif (size := file.stat().st_size) != record.bytes:
+            checks.append(FileCheck(record.path, False, f"{size} bytes, manifest says {record.bytes} (truncated?)"))
+        elif hashes and sha256_file(file) != record.sha256:
+            checks.append(FileCheck(record.path, False, "sha256 differs from the manifest (modified)"))
+        else:
+            checks.append(FileCheck(record.path, True))
+    return checks
+
+
+def load_verified(path: Path, expect: type[M], *, flag: str = "path", hashes: bool = True) -> M:
+    """Load a manifest and refuse the artifact if any of its files is missing, truncated or changed."""
+    manifest = load_manifest(path, expect, flag=flag)
+    bad = [c for c in verify_files(path, manifest, hashes=hashes) if not c.ok]
+    if bad:
+        listing = "; ".join(f"{c.path}: {c.problem}" for c in bad[:5])
+        raise UsafError(f"{flag} {path}: damaged artifact: {listing}", "re-run the stage that made it")
+    return manifest

@@ -1,0 +1,107 @@
+"""The manifest envelope every artifact shares, and the registry of artifact kinds.
+
+An artifact is a directory whose ``manifest.json`` (written last) says what it is (``kind``,
+``schema_version``), what made it (``usaf_version``, ``config``, ``environment``), from what
+(``inputs`` with fingerprints) and what it holds (``files`` with sizes and sha256). A stage's
+manifest subclasses :class:`Manifest`, fixes ``kind``/``schema_version`` and types ``summary``;
+:func:`register` makes it known to the loader and to ``usaf inspect``.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from datetime import datetime
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from usaf._version import __version__
+
+MANIFEST_NAME = "manifest.json"
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FileRecord(Record):
+    path: str = Field(description="path relative to the artifact directory, '/'-separated")
+    bytes: int = Field(ge=0)
+    sha256: str
+
+
+class InputRecord(Record):
+    role: str = Field(description="what the input is for: 'tokenizer', 'corpus', 'model', ...")
+    kind: str = Field(description="an artifact kind, or 'hf_model', 'files', 'hub'")
+    path: str
+    fingerprint: str = Field(description="sha256 of the input's content (an artifact's own fingerprint)")
+
+
+class EnvironmentRecord(Record):
+    python: str
+    platform: str
+    usaf: str
+    torch: str | None = None
+    transformers: str | None = None
+    tokenizers: str | None = None
+    backend: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+
+
+class Manifest(Record):
+    """The shared envelope. Subclasses set ``KIND``/``SCHEMA_VERSION`` and a typed ``summary``."""
+
+    KIND: ClassVar[str] = ""
+    SCHEMA_VERSION: ClassVar[int] = 0
+    DESCRIPTION: ClassVar[str] = ""
+
+    kind: str
+    schema_version: int
+    usaf_version: str
+    created_at: datetime
+    fingerprint: str = Field(description="sha256 over the files' paths and hashes: the artifact's identity")
+    inputs: list[InputRecord]
+    config: dict[str, Any] = Field(description="the resolved settings that made this artifact")
+    environment: EnvironmentRecord
+    files: list[FileRecord]
+    summary: Any = None
+
+    def file(self, path: str) -> FileRecord:
+        for record in self.files:
+            if record.path == path:
+                return record
+        raise KeyError(path)
+
+
+M = TypeVar("M", bound=Manifest)
+
+MANIFEST_KINDS: dict[str, type[Manifest]] = {}
+
+
+def register(cls: type[M]) -> type[M]:
+    """Class decorator: make an artifact kind known to the loader and ``usaf inspect``."""
+    if not cls.KIND or cls.SCHEMA_VERSION < 1:
+        raise TypeError(f"{cls.__name__} must set KIND and SCHEMA_VERSION")
+    MANIFEST_KINDS[cls.KIND] = cls
+    return cls
+
+
+def current_environment(**extra: Any) -> EnvironmentRecord:
+    """Versions of what produced an artifact; torch/transformers only if already imported."""
+
+    def version_of(module: str) -> str | None:
+        mod = sys.modules.get(module)
+        return getattr(mod, "__version__", None) if mod else None
+
+    return EnvironmentRecord(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        usaf=__version__,
+        torch=version_of("torch"),
+        transformers=version_of("transformers"),
+        tokenizers=version_of("tokenizers"),
+        **extra,
+    )

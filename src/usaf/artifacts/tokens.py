@@ -1,0 +1,57 @@
+"""The ``tokens`` artifact written by ``usaf tokenize``: packed sequences split by source."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from usaf.artifacts.manifest import Manifest, Record, register
+
+TRAIN_FILE = "train.jsonl"
+HELDOUT_FILE = "heldout.jsonl"
+
+
+class TokenizerRecord(Record):
+    name_or_path: str
+    fingerprint: str = Field(description="sha256 of the tokenizer's files (tokenizer.json, config, template)")
+    vocab_size: int
+    eos_token_id: int
+    model_max_length: int | None = None
+
+
+class SourceCount(Record):
+    source: str
+    split: Literal["train", "heldout"]
+    documents: int
+    sequences: int
+    tokens: int
+    loss_tokens: int = Field(description="tokens whose label is not -100")
+
+
+class TokensSummary(Record):
+    tokenizer: TokenizerRecord
+    seq_len: int
+    stride: int
+    train_sequences: int
+    heldout_sequences: int
+    train_tokens: int
+    heldout_tokens: int
+    train_loss_tokens: int
+    heldout_loss_tokens: int
+    documents: int
+    input_bytes: int
+    skipped_binary_files: int
+    skipped_empty_documents: int
+    relabelled_shifted_lines: int = Field(description="pre-tokenized lines whose pre-shifted labels were unshifted")
+    heldout_sources: list[str]
+    sources: list[SourceCount]
+
+
+@register
+class TokensManifest(Manifest):
+    KIND = "tokens"
+    SCHEMA_VERSION = 1
+    DESCRIPTION = "packed token sequences (train.jsonl, heldout.jsonl), held out by source"
+
+    summary: TokensSummary

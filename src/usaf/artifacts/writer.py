@@ -1,0 +1,130 @@
+"""Atomic artifact directories.
+
+A stage writes into a hidden temporary sibling of its output directory. Only when every file is in
+place does :meth:`ArtifactWriter.commit` hash the files, write ``manifest.json`` last and rename the
+directory into place. An exception or Ctrl-C before that removes the temporary directory, so a
+consumer never sees a half-written artifact: a directory either has a manifest that matches its
+files, or it does not exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from usaf._version import __version__
+from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, Manifest
+from usaf.errors import UsafError
+
+M = TypeVar("M", bound=Manifest)
+
+_TMP_TAG = ".usaf-tmp-"
+_OLD_TAG = ".usaf-old-"
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete temporaries of this target left by processes that no longer run (e.g. SIGKILL)."""
+    parent = target.parent
+    if not parent.is_dir():
+        return
+    for candidate in parent.glob(f".{target.name}{_TMP_TAG}*"):
+        pid_text = candidate.name.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
+        if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)):
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+class ArtifactWriter:
+    """Context manager that builds an artifact in a temporary directory and commits it atomically.
+
+    Example::
+
+        with ArtifactWriter(out, flag="--out", overwrite=False) as art:
+            (art.dir / "train.jsonl").write_text(...)
+            manifest = art.commit(TokensManifest, inputs=[...], config={...},
+                                  environment=current_environment(), summary=summary)
+    """
+
+    def __init__(self, target: Path, *, flag: str = "--out", overwrite: bool = False) -> None:
+        self.target = Path(target).absolute()
+        self.flag = flag
+        self.overwrite = overwrite
+        self.dir = self.target.parent / f".{self.target.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.committed = False
+
+    def check_target(self) -> None:
+        """Refuse early (before any work) if the output exists and may not be replaced."""
+        if self.target.exists() and not self.overwrite:
+            what = "an artifact" if (self.target / MANIFEST_NAME).is_file() else "a path"
+            raise UsafError(
+                f"{self.flag} {self.target}: {what} already exists there",
+                "pass another path, or --overwrite to replace it",
+            )
+        if self.target.exists() and not self.target.is_dir():
+            raise UsafError(f"{self.flag} {self.target}: exists and is not a directory", "pass another path")
+
+    def __enter__(self) -> ArtifactWriter:
+        self.check_target()
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(self.target)
+            self.dir.mkdir()
+        except OSError as e:
+            raise UsafError(
+                f"{self.flag} {self.target}: cannot create it: {e.strerror}", "pick a writable path"
+            ) from None
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self.committed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def file_records(self) -> list[FileRecord]:
+        records = []
+        for path in sorted(p for p in self.dir.rglob("*") if p.is_file()):
+            rel = path.relative_to(self.dir).as_posix()
+            if rel == MANIFEST_NAME:
+                continue
+            records.append(FileRecord(path=rel, bytes=path.stat().st_size, sha256=sha256_file(path)))
+        return records
+
+    def commit(self, manifest_cls: type[M], **fields: Any) -> M:
+        """Hash the files, write the manifest last, and move the directory into place."""
+        files = self.file_records()
+        manifest = manifest_cls(
+            kind=manifest_cls.KIND,
+            schema_version=manifest_cls.SCHEMA_VERSION,
+            usaf_version=__version__,
+            created_at=datetime.now(timezone.utc),
+            fingerprint=combine((f.path, f.sha256) for f in files),
+            files=files,
+            **fields,
+        )
+        manifest_path = self.dir / MANIFEST_NAME
+        with manifest_path.open("w", encoding="utf-8") as f:
+            f.write(manifest.model_dump_json(indent=2))
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._move_into_place()
+        self.committed = True
+        return manifest
+
+    def _move_into_place(self) -> None:
+        old = None
+        if self.target.exists():
+            if not self.overwrite:  # appeared while we were working
+                raise UsafError(f"{self.flag} {self.target}: appeared while writing", "pass another path")
+            old = self.target.parent / f".{self.target.name}{_OLD_TAG}{uuid.uuid4().hex[:8]}"
+            os.replace(self.target, old)
+        os.replace(self.dir, self.target)
+        if old is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(old)

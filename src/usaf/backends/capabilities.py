@@ -1,0 +1,113 @@
+"""What a backend can do, and the dtype policy that follows from it.
+
+Code outside ``usaf.backends`` branches on these flags, never on backend names, so a new backend
+(or a new card) only has to declare its flags correctly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Flags a backend declares about itself.
+
+    Attributes:
+        bf16: bfloat16 math runs natively (not emulated): NVIDIA compute capability >= 8.0, ROCm,
+            MPS on macOS 14+, CPUs (slow without AMX, but exact to spec).
+        fp16: float16 math is supported.
+        autocast: ``torch.autocast`` works for this device type. Without it, mixed precision means
+            casting weights and activations to the compute dtype explicitly.
+        prefers_half: half precision is the faster default here (GPUs). CPUs default to fp32 because
+            half precision is rarely faster there and costs accuracy.
+        pinned_memory: page-locked host buffers make host -> device copies faster and asynchronous,
+            so streaming weights from host memory should use them.
+        memory_stats: device total/free/allocated memory can be queried.
+        unified_memory: device tensors live in host RAM (CPU, Apple silicon), so keeping a copy in
+            host memory "to stream it" saves nothing.
+        float64: float64 tensors are supported (MPS has none; some DirectML GPUs lack them).
+        torch_compile: ``torch.compile`` (inductor) is expected to work: Triton on CUDA >= 7.0 / ROCm,
+            a C++ compiler on CPU.
+        grouped_mm: torch's grouped matmul kernel runs here (transformers' ``grouped_mm`` experts
+            path): CPU with torch >= 2.9, CUDA >= 8.0 with torch >= 2.9 (Hopper only before).
+    """
+
+    bf16: bool
+    fp16: bool
+    autocast: bool
+    prefers_half: bool
+    pinned_memory: bool
+    memory_stats: bool
+    unified_memory: bool
+    float64: bool
+    torch_compile: bool
+    grouped_mm: bool
+
+    def as_dict(self) -> dict[str, bool]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DTypePolicy:
+    """The dtypes a run uses on one backend (see method.md §6: one loss-scaling policy).
+
+    Attributes:
+        compute: dtype of frozen weights (dequantized expert bases, attention) and of activations.
+        master: dtype of trainable parameters and optimizer state; always float32, so small
+            updates to sparse deltas are not rounded away.
+        autocast: dtype for ``torch.autocast``, or ``None`` when the backend has no autocast or the
+            run is fp32; then the engine casts explicitly to ``compute``.
+        loss_scaling: fp16 gradients underflow without dynamic loss scaling; bf16 and fp32 need none.
+    """
+
+    compute: torch.dtype
+    master: torch.dtype
+    autocast: torch.dtype | None
+    loss_scaling: bool
+
+    @property
+    def mixed(self) -> bool:
+        """Whether this is a mixed-precision run (compute dtype narrower than the fp32 master)."""
+        return self.compute != self.master
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "compute": dtype_name(self.compute),
+            "master": dtype_name(self.master),
+            "autocast": None if self.autocast is None else dtype_name(self.autocast),
+            "loss_scaling": self.loss_scaling,
+        }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (for manifests and tables)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_policy(caps: Capabilities, amp: bool | None = None) -> DTypePolicy:
+    """Derive the dtype policy from capabilities.
+
+    Args:
+        caps: the backend's capabilities.
+        amp: ``True``/``False`` forces mixed precision on/off (``USE_AMP``); ``None`` takes the
+            backend's default (half precision on GPUs, fp32 on CPU).
+
+    Returns:
+        bf16 where the backend has it; fp16 with dynamic loss scaling where it has only fp16; fp32
+        when mixed precision is off or impossible.
+    """
+    fp32 = torch.float32
+    use_half = caps.prefers_half if amp is None else amp
+    if use_half and caps.bf16:
+        half, scaling = torch.bfloat16, False
+    elif use_half and caps.fp16:
+        half, scaling = torch.float16, True
+    else:
+        return DTypePolicy(compute=fp32, master=fp32, autocast=None, loss_scaling=False)
+    return DTypePolicy(
+        compute=half, master=fp32, autocast=half if caps.autocast else None, loss_scaling=scaling
+    )

@@ -1,0 +1,51 @@
+"""The Typer application. Command modules import only typer and the standard library at import
+time (their heavy imports sit inside the command bodies), so ``usaf --help`` stays instant.
+
+A command is listed here only once it works; later stages add their module and one line below.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from usaf._version import __version__
+from usaf.cli import doctor, inspect, tokenize
+
+app = typer.Typer(
+    name="usaf",
+    help=(
+        "Sparse native fine-tuning of Mixture-of-Experts language models on one consumer GPU or a CPU.\n\n"
+        "Stages chain through a workspace: each writes a typed artifact directory the next one finds."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"usaf {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """usaf command line."""
+
+
+app.command("tokenize", no_args_is_help=False)(tokenize.command)
+app.command("inspect")(inspect.command)
+app.command("doctor")(doctor.command)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,54 @@
+"""The one pair of rich consoles, and how a command turns errors into exit codes.
+
+Results (tables, ``--json``) go to stdout; progress, notes and errors go to stderr, so that
+``usaf inspect DIR --json | jq`` works while progress still shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from usaf.errors import UsafError
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+EXIT_INTERRUPTED = 130
+
+
+def note(message: str) -> None:
+    """A one-line remark on stderr (which artifact was picked, what a run will cost)."""
+    err.print(f"[dim]{message}[/dim]")
+
+
+def print_json(data: Any) -> None:
+    # Plain print: rich would wrap long lines and break machine readers.
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def handle_errors(verbose: bool = False) -> Iterator[None]:
+    """UsafError -> one red line (+ hint) and exit 2; Ctrl-C -> exit 130; bugs keep their traceback."""
+    try:
+        yield
+    except UsafError as e:
+        if verbose:
+            err.print(traceback.format_exc(), markup=False)
+        # Messages hold user text (paths, values like "[doctor]" or ":x:"): never markup or emoji.
+        err.print("[bold red]error:[/bold red] ", end="")
+        err.print(e.message, markup=False, emoji=False, highlight=False)
+        if e.hint:
+            err.print("[yellow]hint:[/yellow] ", end="")
+            err.print(e.hint, markup=False, emoji=False, highlight=False)
+        raise typer.Exit(UsafError.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]: nothing half-written was left behind")
+        raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -1,0 +1,227 @@
+"""``usaf doctor``: what this machine has, and what a run here would use.
+
+Versions, optional extras, every backend (with the reason each unavailable one is unavailable), the
+environment variables that steer devices, and the backend and dtypes a stage would pick. torch and
+``usaf.backends`` are imported inside the command body so that ``usaf --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt
+
+# Distribution names whose versions matter when a run misbehaves (usaf's own dependencies).
+CORE_PACKAGES = (
+    "usaf",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "hqq",
+    "pydantic",
+    "typer",
+    "rich",
+    "psutil",
+)
+EXTRAS = {"directml": ("torch-directml",), "dev": ("pytest", "ruff")}
+_ENV_PREFIX = "USAF_"
+
+
+def command(
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Check this machine: versions, devices, environment, and what a run here would use."""
+    from usaf.cli.console import handle_errors
+
+    with handle_errors(verbose):
+        report = collect(device=device, config=config, env=os.environ)
+        if json_output:
+            from usaf.cli.console import print_json
+
+            print_json(report)
+        else:
+            render(report, verbose=verbose)
+
+
+@functools.cache
+def _config_class() -> type:
+    # Defined on first use: importing pydantic at module import would slow down `usaf --help`.
+    from pydantic import Field
+
+    from usaf.config import StageConfig
+
+    class DoctorConfig(StageConfig):
+        """Settings of ``usaf doctor`` (table ``[doctor]`` of ``--config``)."""
+
+        device: str | None = Field(
+            default=None,
+            description="auto|cpu|cuda|cuda:N|mps|directml[:N]; unset: legacy USE_CUDA, else auto.",
+        )
+
+    return DoctorConfig
+
+
+def _versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for dist in CORE_PACKAGES:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return versions
+
+
+def _extras() -> dict[str, dict[str, str | None]]:
+    found: dict[str, dict[str, str | None]] = {}
+    for extra, dists in EXTRAS.items():
+        found[extra] = {}
+        for dist in dists:
+            try:
+                found[extra][dist] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                found[extra][dist] = None
+    return found
+
+
+def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    rows = []
+    for name in sorted(n for n in env if n.startswith(_ENV_PREFIX)):
+        flag = "--" + name[len(_ENV_PREFIX) :].lower().replace("_", "-")
+        rows.append((name, env[name], f"{flag} of every command that has it (the flag itself wins)"))
+    return rows
+
+
+def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """Everything doctor reports, as one JSON-ready dict.
+
+    Raises:
+        UsafError: for an invalid ``--device``/``USAF_DEVICE``/``--config`` value or a device not
+            present here.
+    """
+    import torch
+
+    from usaf.backends import explain_env, probe_backends, resolve_backend
+    from usaf.config import resolve_config
+
+    settings = resolve_config(
+        _config_class(), section="doctor", cli={"device": device}, config_file=config, env=env
+    )
+    backend = resolve_backend(settings.device, env=env)
+    build = (
+        f"ROCm {torch.version.hip}"
+        if torch.version.hip
+        else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    )
+    environment = [*explain_env(env), *_usaf_env(env)]
+    return {
+        "usaf": _versions()["usaf"],
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "torch_build": build,
+        "extras": _extras(),
+        "devices": [p.as_dict() for p in probe_backends(env)],
+        "environment": [{"name": n, "value": v, "meaning": m} for n, v, m in environment],
+        "settings": {"device": settings.device},
+        "run": {
+            **backend.describe(),
+            "memory": backend.memory().as_dict(),
+            "notes": [{"level": n.level, "message": n.message} for n in backend.notes],
+        },
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _device_rows(probe: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for d in probe["devices"]:
+        details = dict(d["details"])
+        if d["compute_capability"]:
+            details = {"compute capability": d["compute_capability"], **details}
+        if "ram_available" in details:
+            details["ram_available"] = _gib(details["ram_available"])
+        shown = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in details.items() if v is not None)
+        rows.append((probe["label"], d["device"], d["name"], _gib(d["total_memory"]), shown))
+    return rows
+
+
+def render(report: dict[str, Any], *, verbose: bool = False) -> None:
+    """Print the report as rich tables on stdout."""
+    from rich.table import Table
+
+    from usaf.cli.console import out
+
+    versions = Table(title="versions", title_justify="left", show_header=False)
+    versions.add_row("python", f"{report['python']['version']} ({report['platform']})")
+    for dist, version in report["versions"].items():
+        shown = version or "[red]not installed[/red]"
+        versions.add_row(dist, f"{shown} ({report['torch_build']} build)" if dist == "torch" else shown)
+    for extra, dists in report["extras"].items():
+        for dist, version in dists.items():
+            versions.add_row(f"{dist} [dim](extra {extra})[/dim]", version or "[dim]not installed[/dim]")
+    out.print(versions)
+
+    devices = Table(title="devices (in --device auto order)", title_justify="left")
+    for column in ("backend", "device", "name", "memory", "details"):
+        devices.add_column(column, overflow="fold")
+    missing = Table(title="unavailable backends", title_justify="left")
+    for column in ("backend", "why", "fix"):
+        missing.add_column(column, overflow="fold")
+    for probe in report["devices"]:
+        if probe["available"]:
+            for row in _device_rows(probe):
+                devices.add_row(*row)
+        else:
+            missing.add_row(probe["label"], probe["reason"], probe["fix"] or "-")
+    out.print(devices)
+    if missing.row_count:
+        out.print(missing)
+
+    env_table = Table(title="environment", title_justify="left")
+    for column in ("variable", "value", "meaning"):
+        env_table.add_column(column, overflow="fold")
+    for row in report["environment"]:
+        env_table.add_row(row["name"], row["value"], row["meaning"])
+    if not report["environment"]:
+        env_table.add_row("[dim](none set)[/dim]", "", "no USAF_*, legacy or device variables")
+    out.print(env_table)
+
+    run = report["run"]
+    policy, caps, memory = run["dtype_policy"], run["capabilities"], run["memory"]
+    table = Table(title="what a run here would use", title_justify="left", show_header=False)
+    table.add_row("backend", f"{run['label']} ({run['device']}: {run['device_name']})")
+    table.add_row("compute dtype", policy["compute"])
+    table.add_row("trainables (master)", policy["master"])
+    table.add_row("autocast", policy["autocast"] or "off")
+    table.add_row("loss scaling", "dynamic (fp16)" if policy["loss_scaling"] else "none")
+    table.add_row("pinned host memory", "yes" if caps["pinned_memory"] else "no")
+    host = f"{_gib(memory['host_available'])} available of {_gib(memory['host_total'])}"
+    table.add_row("host RAM", host)
+    if memory["device_total"] is not None:
+        device_memory = f"{_gib(memory['device_free'])} free of {_gib(memory['device_total'])}"
+        table.add_row("device memory", device_memory)
+    for note in run["notes"]:
+        color = "yellow" if note["level"] == "warning" else "dim"
+        table.add_row(f"[{color}]{note['level']}[/{color}]", note["message"])
+    out.print(table)
+
+    if verbose:
+        flags = Table(title="capabilities", title_justify="left", show_header=False)
+        for name, value in caps.items():
+            flags.add_row(name, "yes" if value else "no")
+        out.print(flags)

@@ -1,0 +1,112 @@
+"""``usaf inspect PATH``: what an artifact (or a model directory) is, and whether its files are intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from usaf.cli.options import JsonOpt, VerboseOpt
+
+
+def command(
+    path: Annotated[Path, typer.Argument(help="An artifact directory (has manifest.json) or a model directory.")],
+    no_hash: Annotated[
+        bool,
+        typer.Option("--no-hash", help="Check files' presence and sizes only, not their sha256 (faster)."),
+    ] = False,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Print an artifact's manifest and verify its files, or describe a model directory."""
+    from usaf.cli.console import handle_errors
+
+    with handle_errors(verbose):
+        from usaf.artifacts import MANIFEST_NAME
+        from usaf.errors import UsafError
+
+        if not path.exists():
+            raise UsafError(f"{path}: no such file or directory", "check the path")
+        if (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file():
+            _inspect_artifact(path, hashes=not no_hash, as_json=json_output)
+        else:
+            _inspect_model(path, as_json=json_output)
+
+
+def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]], *, limit: int = 12) -> None:
+    """Nested manifest values as ``a.b.c: value`` rows; long lists are summarised."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), item, rows, limit=limit)
+    elif isinstance(value, list) and value and isinstance(value[0], dict):
+        rows.append((prefix, f"{len(value)} entries"))
+        for i, item in enumerate(value[:limit]):
+            _flatten(f"{prefix}[{i}]", item, rows, limit=limit)
+        if len(value) > limit:
+            rows.append((f"{prefix}[...]", f"{len(value) - limit} more (see --json)"))
+    else:
+        rows.append((prefix, str(value)))
+
+
+def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
+    from rich.table import Table
+
+    from usaf.artifacts import load_manifest, verify_files
+    from usaf.cli.console import out, print_json
+    from usaf.errors import UsafError
+
+    manifest = load_manifest(path)
+    checks = verify_files(path, manifest, hashes=hashes)
+    bad = [c for c in checks if not c.ok]
+    if as_json:
+        print_json(
+            {
+                "path": str(path),
+                "manifest": manifest.model_dump(mode="json"),
+                "verified": not bad,
+                "hashes_checked": hashes,
+                "problems": [{"path": c.path, "problem": c.problem} for c in bad],
+            }
+        )
+    else:
+        table = Table(title=f"{manifest.kind} artifact: {path}", title_justify="left", show_header=False)
+        table.add_column("field", style="bold")
+        table.add_column("value", overflow="fold")
+        data = manifest.model_dump(mode="json")
+        files = data.pop("files")
+        rows: list[tuple[str, str]] = []
+        _flatten("", data, rows)
+        for key, value in rows:
+            table.add_row(key, value)
+        out.print(table)
+        files_table = Table(title="files", title_justify="left")
+        for column in ("path", "bytes", "sha256", "status"):
+            files_table.add_column(column, justify="right" if column == "bytes" else "left")
+        for record, check in zip(files, checks):
+            status = "[green]ok[/green]" if check.ok else f"[red]{check.problem}[/red]"
+            files_table.add_row(record["path"], f"{record['bytes']:,}", record["sha256"][:16], status)
+        out.print(files_table)
+    if bad:
+        raise UsafError(
+            f"{path}: {len(bad)} of {len(checks)} files fail verification ({bad[0].path}: {bad[0].problem})",
+            "re-run the stage that made this artifact",
+        )
+
+
+def _inspect_model(path: Path, *, as_json: bool) -> None:
+    from rich.table import Table
+
+    from usaf.cli.console import out, print_json
+    from usaf.families import describe_model
+
+    description = describe_model(path)
+    if as_json:
+        print_json({"path": str(path), "model": description.to_dict()})
+        return
+    table = Table(title=f"model: {path}", title_justify="left", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in description.rows():
+        table.add_row(key, value)
+    out.print(table)

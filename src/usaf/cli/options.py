@@ -1,0 +1,38 @@
+"""Option aliases shared by commands, so each flag is spelled and documented once.
+
+Every flag defaults to ``None`` (= not set) so :func:`usaf.config.resolve_config` can tell a flag
+the user gave from one that should fall through to ``USAF_*`` variables, ``--config`` or defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", help="TOML file of settings: the command's table over [defaults].", show_default=False),
+]
+WorkspaceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--workspace",
+        help="Where stages write by default and look for their inputs [env: USAF_WORKSPACE; default: current dir].",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Show tracebacks and debug logging.", envvar="USAF_VERBOSE")
+]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="auto|cpu|cuda|cuda:N|mps|directml [env: USAF_DEVICE; legacy USE_CUDA=1 means cuda].",
+        show_default=False,
+    ),
+]

@@ -1,0 +1,52 @@
+"""A rich progress bar implementing :class:`usaf.stages.progress.Progress` (bytes and tokens per second)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from usaf.cli.console import err
+
+
+class RichProgress:
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._started = 0.0
+
+    def start(self, description: str, total: int | None, unit: str) -> None:
+        columns: list[Any] = [TextColumn("[bold]{task.description}"), BarColumn()]
+        if unit == "bytes":
+            columns += [DownloadColumn(), TransferSpeedColumn()]
+        else:
+            columns += [TextColumn("{task.completed}/{task.total} " + unit)]
+        columns += [TextColumn("{task.fields[rate]}"), TimeRemainingColumn()]
+        self._progress = Progress(*columns, console=err, disable=not self.enabled, transient=False)
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, rate="")
+        self._started = time.perf_counter()
+
+    def advance(self, amount: int, **counters: int) -> None:
+        if self._progress is None:
+            return
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        rate = "  ".join(f"{value:,} {name} ({value / elapsed:,.0f}/s)" for name, value in counters.items())
+        self._progress.update(self._task, advance=amount, rate=rate)
+
+    def note(self, message: str) -> None:
+        err.print(f"[dim]{message}[/dim]")
+
+    def finish(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,49 @@
+"""Streaming JSONL reading with errors that name ``file:line``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from usaf.errors import UsafError
+
+
+def iter_jsonl_objects(path: Path, *, what: str = "JSONL") -> Iterator[tuple[int, dict[str, Any], int]]:
+    """Yield ``(line_number, object, line_bytes)`` for each non-blank line; one object per line.
+
+    Raises:
+        UsafError: naming ``path:line`` for a line that is not valid JSON or not a JSON object,
+            or for a file that is not UTF-8.
+    """
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise UsafError(f"{path}: cannot read it: {e.strerror}", "check the path and its permissions") from None
+    with f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except UnicodeDecodeError:
+                raise UsafError(f"{path}:{number}: not UTF-8 text", f"{what} files must be UTF-8") from None
+            except json.JSONDecodeError as e:
+                raise UsafError(
+                    f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})",
+                    f"each line of a {what} file must be one JSON object",
+                ) from None
+            if not isinstance(obj, dict):
+                raise UsafError(
+                    f"{path}:{number}: a JSON {type(obj).__name__}, not an object",
+                    f'each line of a {what} file must be one JSON object, e.g. {{"text": "..."}}',
+                )
+            yield number, obj, len(raw)
+
+
+def dumps_sequence(input_ids: list[int], labels: list[int], source: str) -> str:
+    """One line of a tokens file. Int lists are joined by hand: ~2x faster than json.dumps here."""
+    ids = ",".join(map(str, input_ids))
+    labs = ids if labels == input_ids else ",".join(map(str, labels))
+    return f'{{"input_ids":[{ids}],"labels":[{labs}],"source":{json.dumps(source, ensure_ascii=False)}}}\n'

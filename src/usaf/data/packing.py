@@ -1,0 +1,74 @@
+"""Packing documents into fixed-length training sequences, one stream per source.
+
+Documents of one source are concatenated (each already ends with an EOS separator) and cut into
+windows of ``seq_len`` tokens. With ``stride`` > 0, consecutive windows overlap by ``stride``
+tokens and the repeated tokens get label -100 in the later window, so every token is scored
+exactly once but with more left context. Labels are unshifted (Hugging Face convention: the model
+shifts them); -100 means "no loss here".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Sequence:
+    input_ids: list[int]
+    labels: list[int]
+    source: str
+
+    @property
+    def loss_tokens(self) -> int:
+        return len(self.labels) - self.labels.count(IGNORE_INDEX)
+
+
+@dataclass
+class SourcePacker:
+    """Accumulates one source's tokens and emits full windows as soon as they exist.
+
+    The buffer is consumed through a start offset and compacted only when the consumed head
+    outgrows the rest, so a long document costs O(tokens), not O(tokens x windows).
+    """
+
+    source: str
+    seq_len: int
+    stride: int = 0
+    _ids: list[int] = field(default_factory=list)
+    _labels: list[int] = field(default_factory=list)
+    _start: int = 0  # first buffered token not yet consumed
+    _fresh: int = 0  # buffered tokens not yet emitted in any window
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stride < self.seq_len:
+            raise ValueError("stride must be in [0, seq_len)")
+
+    def add(self, ids: list[int], labels: list[int]) -> list[Sequence]:
+        self._ids.extend(ids)
+        self._labels.extend(labels)
+        self._fresh += len(ids)
+        out = []
+        step = self.seq_len - self.stride
+        while len(self._ids) - self._start >= self.seq_len:
+            start, end = self._start, self._start + self.seq_len
+            labels_window = self._labels[start:end]
+            out.append(Sequence(self._ids[start:end], labels_window, self.source))
+            self._start += step
+            self._fresh = len(self._ids) - end
+            # The overlap kept for the next window was scored in this one.
+            self._labels[self._start : end] = [IGNORE_INDEX] * self.stride
+        if self._start > len(self._ids) // 2:
+            del self._ids[: self._start], self._labels[: self._start]
+            self._start = 0
+        return out
+
+    def flush(self) -> Sequence | None:
+        """The final, shorter window, if it holds tokens no earlier window had."""
+        ids, labels = self._ids[self._start :], self._labels[self._start :]
+        fresh = self._fresh
+        self._ids, self._labels, self._start, self._fresh = [], [], 0, 0
+        if fresh <= 0 or len(ids) < 2:
+            return None
+        return Sequence(ids, labels, self.source)

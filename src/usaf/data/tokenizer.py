@@ -1,0 +1,91 @@
+"""Loading a model's tokenizer (local directory or hub id) and describing it for manifests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from usaf.artifacts.hashing import sha256_text
+from usaf.artifacts.tokens import TokenizerRecord
+from usaf.errors import UsafError
+
+_UNBOUNDED = 10**8  # transformers' "no limit" model_max_length is ~1e30
+
+
+def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "--model") -> Any:
+    """A fast (Rust-backed) tokenizer for ``model``, a local directory or a hub id.
+
+    Hub ids are resolved by transformers through the Hugging Face cache (``HF_HOME``) and honour
+    ``HF_HUB_OFFLINE``. ``trust_remote_code`` is only ever enabled by an explicit user flag.
+    """
+    from transformers import AutoTokenizer
+
+    local = Path(model)
+    if (model.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
+        raise UsafError(f"{flag} {model}: no such directory", "pass a model directory or a hub id")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsafError(
+            f"{flag} {model}: no usable tokenizer ({first})",
+            "pass a model directory holding tokenizer.json, or a hub id available offline in HF_HOME",
+        ) from None
+    if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
+        raise UsafError(
+            f"{flag} {model}: the tokenizer has no fast (tokenizer.json) version",
+            "convert it once with transformers (AutoTokenizer.from_pretrained(..., use_fast=True).save_pretrained)",
+        )
+    if tokenizer.eos_token_id is None:
+        raise UsafError(f"{flag} {model}: the tokenizer has no EOS token", "packing needs one as a separator")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Content hash: vocabulary and rules, special tokens and chat template (not file paths)."""
+    parts = {
+        "tokenizer": tokenizer.backend_tokenizer.to_str(),
+        "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()},
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return sha256_text(json.dumps(parts, sort_keys=True))
+
+
+def model_max_positions(model: str) -> int | None:
+    """``max_position_embeddings`` from the model's config.json, if it can be read without a download."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(model, "config.json"))
+        except Exception:  # offline, no such repo: fall back to the tokenizer's own limit
+            return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def max_sequence_length(model: str, tokenizer: Any) -> int | None:
+    """The longest sequence the model accepts: its config's positions, else the tokenizer's limit."""
+    positions = model_max_positions(model)
+    if positions is not None:
+        return positions
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < _UNBOUNDED else None
+
+
+def tokenizer_record(model: str, tokenizer: Any) -> TokenizerRecord:
+    limit = getattr(tokenizer, "model_max_length", None)
+    return TokenizerRecord(
+        name_or_path=model,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        model_max_length=limit if isinstance(limit, int) and limit < _UNBOUNDED else None,
+    )

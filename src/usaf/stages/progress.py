@@ -1,0 +1,38 @@
+"""How stages report progress without knowing about terminals (the CLI renders it with rich)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Progress(Protocol):
+    def start(self, description: str, total: int | None, unit: str) -> None:
+        """Begin a phase of ``total`` units (``None``: unknown)."""
+
+    def advance(self, amount: int, **counters: int) -> None:
+        """``amount`` more units done; ``counters`` are running totals to show (e.g. tokens)."""
+
+    def note(self, message: str) -> None:
+        """A one-line remark for the user."""
+
+    def finish(self) -> None:
+        """End the current phase."""
+
+
+class NullProgress:
+    """Progress that shows nothing (library use, tests)."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def start(self, description: str, total: int | None, unit: str) -> None:
+        pass
+
+    def advance(self, amount: int, **counters: int) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+    def finish(self) -> None:
+        pass

@@ -1,0 +1,392 @@
+"""``usaf tokenize``: corpus -> packed token sequences, held out by source.
+
+Streams: documents are read one at a time and tokenized in batches of about ``BATCH_BYTES`` of
+text, sequences are written as soon as they are full, so memory does not grow with the corpus
+(it grows with the number of sources open at once: one for directory inputs, whose files are
+walked source by source; all of a JSONL corpus's sources, at most one sequence each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
+from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, SourceCount, TokensManifest, TokensSummary
+from usaf.config import StageConfig
+from usaf.data.chat import label_chat
+from usaf.data.corpus import Corpus, Document, discover, iter_documents
+from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
+from usaf.data.packing import Sequence, SourcePacker
+from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_record
+from usaf.data.tokens import labels_look_shifted, unshift_labels
+from usaf.errors import UsafError
+from usaf.stages.progress import NullProgress, Progress
+
+BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep the Rust threads busy
+
+
+class TokenizeConfig(StageConfig):
+    """Settings of ``usaf tokenize``; each field's description is its flag's help."""
+
+    inputs: list[Path] = Field(default_factory=list, description="Text files, directories or JSONL files.")
+    model: str | None = Field(None, description="Model directory or hub id whose tokenizer to use.")
+    out: Path | None = Field(None, description="Output directory [default: WORKSPACE/tokens/<time>-<name>].")
+    workspace: Path | None = Field(None, description="Workspace for the default output.")
+    seq_len: int = Field(512, ge=2, description="Tokens per sequence.")
+    stride: int = Field(0, ge=0, description="Overlap between consecutive sequences of a source (tokens).")
+    text_field: str = Field("text", min_length=1, description="JSONL field holding the text.")
+    source_field: str = Field("source", min_length=1, description="JSONL field naming the source.")
+    source_depth: int = Field(1, ge=0, description="Path components under a directory input that name a source.")
+    include: list[str] = Field(default_factory=list, description="Only files matching these globs.")
+    exclude: list[str] = Field(default_factory=list, description="Skip files matching these globs.")
+    held_out: list[str] = Field(default_factory=list, description="Sources (globs) to hold out.")
+    held_out_frac: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of sources to hold out.")
+    seed: int = Field(0, description="Seed of the --held-out-frac choice.")
+    decode_errors: Literal["strict", "replace", "skip"] = Field("strict", description="Non-UTF-8 files.")
+    fix_shifted_labels: bool = Field(False, description="Unshift pre-shifted labels of pre-tokenized input.")
+    trust_remote_code: bool = Field(False, description="Allow the tokenizer's own Python code to run.")
+    overwrite: bool = Field(False, description="Replace --out if it exists.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TokenizeConfig:
+        problems = []
+        if not self.inputs:
+            problems.append("no INPUTS given: pass text files, directories or JSONL files")
+        if self.model is None:
+            problems.append("--model is required: the model (directory or hub id) whose tokenizer to use")
+        if self.stride >= self.seq_len:
+            problems.append(f"--stride {self.stride} must be smaller than --seq-len {self.seq_len}")
+        if self.held_out and self.held_out_frac:
+            problems.append("pass either --held-out or --held-out-frac, not both")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+@dataclass
+class _Counts:
+    split: Literal["train", "heldout"]
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+
+
+@dataclass
+class _Totals:
+    per_source: dict[str, _Counts] = field(default_factory=dict)
+    documents: int = 0
+    input_bytes: int = 0
+    skipped_empty: int = 0
+    relabelled: int = 0
+
+
+def _collect_sources(corpus: Corpus, config: TokenizeConfig) -> list[str]:
+    """Every source of the corpus (reads JSONL files once; text files' sources are known)."""
+    sources = set()
+    for file in corpus.files:
+        if file.kind == "text":
+            sources.add(file.source)
+            continue
+        for _, obj, _ in iter_jsonl_objects(file.path):
+            value = obj.get(config.source_field, obj.get("repo", file.source))
+            sources.add(value if isinstance(value, str) else file.source)
+    return sorted(sources)
+
+
+def select_heldout(sources: list[str], patterns: list[str], frac: float, seed: int) -> set[str]:
+    """Held-out sources: those matching ``patterns``, or a seeded ``frac`` of them, never all."""
+    if patterns:
+        chosen = set()
+        for pattern in patterns:
+            hits = {s for s in sources if fnmatch(s, pattern) or fnmatch(s, "*/" + pattern)}
+            if not hits:
+                shown = ", ".join(sources[:12]) + (" ..." if len(sources) > 12 else "")
+                raise UsafError(f"--held-out {pattern}: matches no source (sources: {shown})", "fix the pattern")
+            chosen |= hits
+    elif frac > 0:
+        if len(sources) < 2:
+            raise UsafError(
+                f"--held-out-frac {frac}: the corpus has only {len(sources)} source; nothing left to hold out",
+                "add sources, or lower --source-depth so files form separate sources",
+            )
+        count = min(len(sources) - 1, max(1, round(frac * len(sources))))
+        ranked = sorted(sources, key=lambda s: hashlib.sha256(f"{seed}:{s}".encode()).hexdigest())
+        chosen = set(ranked[:count])
+    else:
+        return set()
+    if len(chosen) == len(sources):
+        raise UsafError("--held-out: every source would be held out, leaving nothing to train on", "hold out fewer")
+    return chosen
+
+
+def _text_batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
+    """Group consecutive plain-text documents (up to BATCH_BYTES); other documents go alone."""
+    batch: list[Document] = []
+    size = 0
+    for doc in docs:
+        if doc.text is None:
+            if batch:
+                yield batch
+                batch, size = [], 0
+            yield [doc]
+            continue
+        batch.append(doc)
+        size += doc.nbytes
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class _Tokenizer:
+    """Turns documents into (ids, labels) pairs: text with EOS separators, chat, or pre-tokenized."""
+
+    def __init__(self, tokenizer: Any, config: TokenizeConfig, totals: _Totals) -> None:
+        self.hf = tokenizer
+        self.fast = tokenizer.backend_tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        self.config = config
+        self.totals = totals
+
+    def encode_texts(self, batch: list[Document]) -> list[Any] | None:
+        """The slow part, run on a worker thread (the Rust tokenizer releases the GIL)."""
+        if batch[0].text is None:
+            return None
+        return self.fast.encode_batch([d.text for d in batch], add_special_tokens=True)
+
+    def pairs(
+        self, batch: list[Document], encodings: list[Any] | None
+    ) -> Iterator[tuple[Document, list[int], list[int]]]:
+        """``(document, input_ids, labels)`` for each non-empty document of the batch."""
+        if encodings is not None:
+            for doc, enc in zip(batch, encodings):
+                ids = enc.ids
+                if not ids or not doc.text.strip():
+                    self.totals.skipped_empty += 1
+                    continue
+                if ids[-1] != self.eos:
+                    ids.append(self.eos)  # document separator; learning to end a document is intended
+                yield doc, ids, ids
+            return
+        doc = batch[0]
+        if doc.messages is not None:
+            ids, labels = label_chat(self.hf, doc.messages, doc.origin)
+            yield doc, [*ids, self.eos], [*labels, -100]
+            return
+        yield doc, *self._pretokenized(doc)
+
+    def _pretokenized(self, doc: Document) -> tuple[list[int], list[int]]:
+        ids, labels = doc.input_ids, doc.labels
+        bad = next((v for v in ids if not 0 <= v < self.vocab_size), None)
+        if bad is not None:
+            raise UsafError(
+                f"{doc.origin}: token id {bad} is outside this tokenizer's vocabulary ({self.vocab_size})",
+                "the line was tokenized for another model; pass that model's --model",
+            )
+        if len(ids) > self.config.seq_len:
+            raise UsafError(
+                f"{doc.origin}: pre-tokenized line of {len(ids)} tokens exceeds --seq-len {self.config.seq_len}",
+                "raise --seq-len, or give the text instead so usaf packs it",
+            )
+        if labels_look_shifted(ids, labels):
+            if not self.config.fix_shifted_labels:
+                raise UsafError(
+                    f"{doc.origin}: labels are pre-shifted (labels[i] == input_ids[i+1]); a Hugging Face model "
+                    "shifts again and would learn to predict the token after next",
+                    "pass --fix-shifted-labels to unshift them",
+                )
+            labels = unshift_labels(labels)
+            self.totals.relabelled += 1
+        return ids, labels
+
+
+def _corpus_fingerprint(corpus: Corpus) -> str:
+    return combine((f"{f.source}|{f.path.name}|{i}", sha256_file(f.path)) for i, f in enumerate(corpus.files))
+
+
+def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[TokensManifest, Path]:
+    """Tokenize, pack and split the corpus; returns the manifest and the artifact's path."""
+    progress = progress or NullProgress()
+    tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+    limit = max_sequence_length(config.model, tokenizer)
+    if limit is not None and config.seq_len > limit:
+        raise UsafError(f"--seq-len {config.seq_len} exceeds the model's maximum of {limit} tokens", "lower --seq-len")
+
+    corpus = discover(config.inputs, include=config.include, exclude=config.exclude, source_depth=config.source_depth)
+    if not corpus.files:
+        skipped = f" ({len(corpus.skipped_binary)} binary files skipped)" if corpus.skipped_binary else ""
+        raise UsafError(
+            f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{skipped}",
+            "check the paths and --include/--exclude",
+        )
+    heldout: set[str] = set()
+    if config.held_out or config.held_out_frac:
+        heldout = select_heldout(_collect_sources(corpus, config), config.held_out, config.held_out_frac, config.seed)
+
+    out = config.out or default_output(workspace_dir(config.workspace), "tokens", config.inputs[0].resolve().name)
+    totals = _Totals()
+    with ArtifactWriter(out, overwrite=config.overwrite) as art:
+        with (
+            (art.dir / TRAIN_FILE).open("w", encoding="utf-8") as train,
+            (art.dir / HELDOUT_FILE).open("w", encoding="utf-8") as held,
+        ):
+            writers = {"train": train, "heldout": held}
+
+            def emit(seq: Sequence) -> None:
+                counts = totals.per_source[seq.source]
+                counts.sequences += 1
+                counts.tokens += len(seq.input_ids)
+                counts.loss_tokens += seq.loss_tokens
+                writers[counts.split].write(dumps_sequence(seq.input_ids, seq.labels, seq.source))
+
+            _tokenize_corpus(corpus, config, tokenizer, heldout, totals, emit, progress)
+
+        if totals.documents == 0 or not any(c.sequences for c in totals.per_source.values()):
+            raise UsafError(
+                f"empty corpus: {len(corpus.files)} files held no text (empty documents: {totals.skipped_empty})",
+                "check the inputs",
+            )
+        summary = _summary(config, tokenizer, corpus, heldout, totals)
+        if summary.train_sequences == 0:
+            raise UsafError(
+                "no training sequences: every sequence came from a held-out source", "hold out fewer sources"
+            )
+        manifest = art.commit(
+            TokensManifest,
+            inputs=[
+                InputRecord(
+                    role="tokenizer",
+                    kind="tokenizer",
+                    path=config.model,
+                    fingerprint=summary.tokenizer.fingerprint,
+                ),
+                InputRecord(
+                    role="corpus",
+                    kind="files",
+                    path=";".join(str(p) for p in config.inputs),
+                    fingerprint=_corpus_fingerprint(corpus),
+                ),
+            ],
+            config=config.model_dump(mode="json"),
+            environment=current_environment(seed=config.seed),
+            summary=summary,
+        )
+    return manifest, art.target
+
+
+def _tokenize_corpus(
+    corpus: Corpus,
+    config: TokenizeConfig,
+    tokenizer: Any,
+    heldout: set[str],
+    totals: _Totals,
+    emit: Any,
+    progress: Progress,
+) -> None:
+    encoder = _Tokenizer(tokenizer, config, totals)
+    packers: dict[str, SourcePacker] = {}
+    tokens_seen = 0
+    previous: Document | None = None
+
+    def process(batch: list[Document], encodings: list[Any] | None) -> None:
+        nonlocal tokens_seen, previous
+        for doc, ids, labels in encoder.pairs(batch, encodings):
+            # A directory walk visits sources one after another: close the finished one now,
+            # so memory holds one source's partial sequence, not every source's.
+            if previous is not None and previous.source != doc.source and not previous.from_jsonl:
+                finished = packers.pop(previous.source, None)
+                if finished is not None and (last := finished.flush()) is not None:
+                    emit(last)
+            previous = doc
+            totals.documents += 1
+            counts = totals.per_source.setdefault(doc.source, _Counts("heldout" if doc.source in heldout else "train"))
+            counts.documents += 1
+            if doc.input_ids is not None:  # pre-tokenized lines are sequences already
+                emit(Sequence(ids, labels, doc.source))
+            else:
+                packer = packers.setdefault(doc.source, SourcePacker(doc.source, config.seq_len, config.stride))
+                for seq in packer.add(ids, labels):
+                    emit(seq)
+            tokens_seen += len(ids)
+        batch_bytes = sum(d.nbytes for d in batch)
+        totals.input_bytes += batch_bytes
+        progress.advance(batch_bytes, tokens=tokens_seen)
+
+    documents = (
+        doc
+        for file in corpus.files
+        for doc in iter_documents(
+            file,
+            text_field=config.text_field,
+            source_field=config.source_field,
+            decode_errors=config.decode_errors,
+        )
+    )
+    progress.start("tokenizing", corpus.total_bytes, "bytes")
+    # Pipeline: the worker encodes batch k+1 while this thread packs and writes batch k.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="usaf-encode") as pool:
+        pending: tuple[list[Document], Future] | None = None
+        for batch in _text_batches(documents):
+            future = pool.submit(encoder.encode_texts, batch)
+            if pending is not None:
+                process(pending[0], pending[1].result())
+            pending = (batch, future)
+        if pending is not None:
+            process(pending[0], pending[1].result())
+    for packer in packers.values():
+        if (last := packer.flush()) is not None:
+            emit(last)
+    progress.finish()
+
+
+def _summary(
+    config: TokenizeConfig, tokenizer: Any, corpus: Corpus, heldout: set[str], totals: _Totals
+) -> TokensSummary:
+    by_split: Counter[str] = Counter()
+    sources = []
+    for name in sorted(totals.per_source):
+        c = totals.per_source[name]
+        sources.append(
+            SourceCount(
+                source=name,
+                split=c.split,
+                documents=c.documents,
+                sequences=c.sequences,
+                tokens=c.tokens,
+                loss_tokens=c.loss_tokens,
+            )
+        )
+        by_split[f"{c.split}_sequences"] += c.sequences
+        by_split[f"{c.split}_tokens"] += c.tokens
+        by_split[f"{c.split}_loss_tokens"] += c.loss_tokens
+    return TokensSummary(
+        tokenizer=tokenizer_record(config.model, tokenizer),
+        seq_len=config.seq_len,
+        stride=config.stride,
+        train_sequences=by_split["train_sequences"],
+        heldout_sequences=by_split["heldout_sequences"],
+        train_tokens=by_split["train_tokens"],
+        heldout_tokens=by_split["heldout_tokens"],
+        train_loss_tokens=by_split["train_loss_tokens"],
+        heldout_loss_tokens=by_split["heldout_loss_tokens"],
+        documents=totals.documents,
+        input_bytes=totals.input_bytes,
+        skipped_binary_files=len(corpus.skipped_binary),
+        skipped_empty_documents=totals.skipped_empty,
+        relabelled_shifted_lines=totals.relabelled,
+        heldout_sources=sorted(heldout),
+        sources=sources,
+    )

@@ -1,0 +1,215 @@
+"""Artifacts: atomic writes, typed loading with clear errors, verification, workspace discovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from helpers import invoke, leftovers
+from usaf.artifacts import (
+    ArtifactWriter,
+    InputRecord,
+    Manifest,
+    TokensManifest,
+    current_environment,
+    default_output,
+    load_manifest,
+    load_verified,
+    pick_latest,
+    register,
+    verify_files,
+)
+from usaf.artifacts.tokens import TokenizerRecord, TokensSummary
+from usaf.errors import UsafError
+
+
+@register
+class NoteManifest(Manifest):
+    """A throwaway kind for these tests."""
+
+    KIND = "test_note"
+    SCHEMA_VERSION = 2
+    summary: dict
+
+
+def write_note(target: Path, text: str = "hello", *, origin: str = "a", overwrite: bool = False) -> NoteManifest:
+    with ArtifactWriter(target, overwrite=overwrite) as art:
+        (art.dir / "note.txt").write_text(text)
+        (art.dir / "sub").mkdir()
+        (art.dir / "sub" / "more.bin").write_bytes(b"\x00\x01" * 100)
+        return art.commit(
+            NoteManifest,
+            inputs=[InputRecord(role="origin", kind="files", path=origin, fingerprint=origin)],
+            config={"text": text},
+            environment=current_environment(),
+            summary={"origin": origin},
+        )
+
+
+def test_commit_writes_files_then_manifest_and_records_hashes(tmp_path):
+    target = tmp_path / "out"
+    manifest = write_note(target)
+    on_disk = json.loads((target / "manifest.json").read_text())
+    assert on_disk["kind"] == "test_note" and on_disk["schema_version"] == 2
+    assert [f["path"] for f in on_disk["files"]] == ["note.txt", "sub/more.bin"]
+    assert manifest.file("sub/more.bin").bytes == 200
+    assert all(c.ok for c in verify_files(target, manifest))
+    assert leftovers(tmp_path) == []
+
+
+def test_failure_inside_the_writer_leaves_nothing(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError), ArtifactWriter(target) as art:
+        (art.dir / "half.txt").write_text("partial")
+        raise RuntimeError("crash mid-write")
+    assert not target.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_existing_output_needs_overwrite_and_is_replaced_atomically(tmp_path):
+    target = tmp_path / "out"
+    write_note(target, "one")
+    with pytest.raises(UsafError, match="already exists"):
+        write_note(target, "two")
+    assert (target / "note.txt").read_text() == "one"
+    write_note(target, "two", overwrite=True)
+    assert (target / "note.txt").read_text() == "two"
+    assert leftovers(tmp_path) == []
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.usaf-tmp-{dead.stdout.strip()}-deadbeef"
+    stale.mkdir()
+    alive = tmp_path / f".out.usaf-tmp-{os.getpid()}-cafecafe"  # ours: must survive
+    alive.mkdir()
+    write_note(tmp_path / "out")
+    assert not stale.exists() and alive.exists()
+
+
+def test_loader_errors_are_one_clear_line(tmp_path):
+    with pytest.raises(UsafError, match="no such directory"):
+        load_manifest(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsafError, match="not a usaf artifact"):
+        load_manifest(tmp_path / "empty")
+    target = tmp_path / "note"
+    write_note(target)
+    with pytest.raises(UsafError, match="is a 'test_note' artifact, expected 'tokens'"):
+        load_manifest(target, TokensManifest, flag="--data")
+    manifest_path = target / "manifest.json"
+    good = manifest_path.read_text()
+    data = json.loads(good)
+    for version, hint in ((3, "upgrade usaf"), (1, "re-run the stage")):
+        manifest_path.write_text(json.dumps({**data, "schema_version": version}))
+        with pytest.raises(UsafError, match=f"schema version {version}, this usaf reads version 2") as e:
+            load_manifest(target)
+        assert hint in e.value.hint
+    manifest_path.write_text(json.dumps({**data, "kind": "from_the_future"}))
+    with pytest.raises(UsafError, match="unknown artifact kind 'from_the_future'"):
+        load_manifest(target)
+    manifest_path.write_text(json.dumps({**data, "fingerprint": 42}))
+    with pytest.raises(UsafError, match="invalid manifest at 'fingerprint'"):
+        load_manifest(target)
+    manifest_path.write_text(good[: len(good) // 2])
+    with pytest.raises(UsafError, match="unreadable manifest"):
+        load_manifest(target)
+    manifest_path.write_text(good)
+    assert load_manifest(target).kind == "test_note"  # control: the original still loads
+
+
+def test_verification_catches_truncation_and_modification(tmp_path):
+    target = tmp_path / "note"
+    write_note(target)
+    assert load_verified(target, NoteManifest)  # control
+    blob = target / "sub" / "more.bin"
+    original = blob.read_bytes()
+    blob.write_bytes(original[:-1])
+    with pytest.raises(UsafError, match="sub/more.bin: 199 bytes, manifest says 200"):
+        load_verified(target, NoteManifest)
+    blob.write_bytes(b"\xff" + original[1:])  # same size, one byte flipped
+    with pytest.raises(UsafError, match="sha256 differs"):
+        load_verified(target, NoteManifest)
+    assert load_verified(target, NoteManifest, hashes=False)  # size-only check cannot see a flipped byte
+    blob.unlink()
+    with pytest.raises(UsafError, match="sub/more.bin: missing"):
+        load_verified(target, NoteManifest)
+
+
+def test_inspect_prints_and_verifies(tmp_path):
+    target = tmp_path / "note"
+    write_note(target, origin="src-a")
+    result = invoke("inspect", target)
+    assert result.exit_code == 0, result.output
+    assert "test_note artifact" in result.stdout and "note.txt" in result.stdout and "ok" in result.stdout
+    result = invoke("inspect", target, "--json")
+    data = json.loads(result.stdout)
+    assert data["verified"] is True and data["manifest"]["summary"] == {"origin": "src-a"}
+    (target / "note.txt").write_text("changed!")
+    result = invoke("inspect", target, "--json")
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["verified"] is False
+    assert "fail verification" in result.stderr and "note.txt" in result.stderr
+    result = invoke("inspect", tmp_path / "nothing")
+    assert result.exit_code == 2 and "no such file or directory" in result.stderr
+
+
+def test_default_output_is_unique_and_in_the_workspace(tmp_path):
+    now = datetime(2026, 1, 2, 3, 4, 5)
+    first = default_output(tmp_path, "tokens", "My Corpus!", now=now)
+    assert first == tmp_path / "tokens" / "20260102-030405-my-corpus"
+    first.mkdir(parents=True)
+    assert default_output(tmp_path, "tokens", "My Corpus!", now=now).name == "20260102-030405-my-corpus-2"
+
+
+def test_pick_latest_takes_the_newest_and_refuses_mixed_lineage(tmp_path):
+    with pytest.raises(UsafError, match="no 'test_note' artifact in the workspace"):
+        pick_latest(tmp_path, NoteManifest, flag="--note")
+    write_note(tmp_path / "notes" / "old", origin="a")
+    write_note(tmp_path / "new", origin="a")
+    (tmp_path / "notes" / ".hidden.usaf-tmp-1-x").mkdir()  # temporaries are never candidates
+    # Make the timestamps unambiguous.
+    for name, delta in ((tmp_path / "notes" / "old", -60), (tmp_path / "new", 0)):
+        path = name / "manifest.json"
+        data = json.loads(path.read_text())
+        data["created_at"] = (datetime.now(timezone.utc) + timedelta(seconds=delta)).isoformat()
+        path.write_text(json.dumps(data))
+    lineage = lambda m: m.summary["origin"]  # noqa: E731
+    assert pick_latest(tmp_path, NoteManifest, flag="--note", lineage=lineage).path == (tmp_path / "new").resolve()
+    write_note(tmp_path / "other", origin="b")
+    with pytest.raises(UsafError, match="2 different origins") as e:
+        pick_latest(tmp_path, NoteManifest, flag="--note", lineage=lineage)
+    assert "--note" in e.value.hint
+    # Without a lineage rule the newest wins regardless.
+    assert pick_latest(tmp_path, NoteManifest, flag="--note").path == (tmp_path / "other").resolve()
+
+
+def test_tokens_manifest_round_trips(tmp_path):
+    summary = TokensSummary(
+        tokenizer=TokenizerRecord(name_or_path="t", fingerprint="f", vocab_size=10, eos_token_id=0),
+        seq_len=8,
+        stride=0,
+        train_sequences=1,
+        heldout_sequences=0,
+        train_tokens=8,
+        heldout_tokens=0,
+        train_loss_tokens=8,
+        heldout_loss_tokens=0,
+        documents=1,
+        input_bytes=10,
+        skipped_binary_files=0,
+        skipped_empty_documents=0,
+        relabelled_shifted_lines=0,
+        heldout_sources=[],
+        sources=[],
+    )
+    with ArtifactWriter(tmp_path / "tok") as art:
+        (art.dir / "train.jsonl").write_text("{}\n")
+        art.commit(TokensManifest, inputs=[], config={}, environment=current_environment(), summary=summary)
+    assert load_verified(tmp_path / "tok", TokensManifest).summary == summary

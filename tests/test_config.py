@@ -1,0 +1,78 @@
+"""Settings precedence: flag > USAF_* env > --config TOML ([command] over [defaults]) > legacy env > default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import Field, ValidationError
+
+from usaf.config import StageConfig, resolve_config
+from usaf.errors import UsafError
+
+
+class Demo(StageConfig):
+    frac: float = Field(0.005, gt=0, le=1)
+    steps: int = Field(180, ge=1)
+    layers: list[int] = Field(default_factory=list)
+    name: str = "x"
+
+
+def toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "usaf.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_when_nothing_is_set():
+    cfg = resolve_config(Demo, section="demo", cli={"frac": None}, env={})
+    assert cfg == Demo()
+
+
+def test_each_source_wins_over_the_next(tmp_path):
+    file = toml(tmp_path, "[defaults]\nfrac = 0.1\nsteps = 5\nname = 'd'\n[demo]\nfrac = 0.2\n")
+    env = {"USAF_STEPS": "7", "FRAC": "0.9", "STEPS": "99"}
+    legacy = {"FRAC": "frac", "STEPS": "steps"}
+    cfg = resolve_config(Demo, section="demo", cli={"name": "cli"}, config_file=file, env=env, legacy_env=legacy)
+    # name: flag; steps: USAF_ env over TOML and legacy; frac: [demo] over [defaults] and legacy.
+    assert (cfg.name, cfg.steps, cfg.frac) == ("cli", 7, 0.2)
+    # Legacy variables fill what nothing else set.
+    cfg = resolve_config(Demo, section="demo", cli={}, env={"FRAC": "0.3"}, legacy_env=legacy)
+    assert cfg.frac == 0.3
+
+
+def test_list_values_from_env_as_commas_or_json():
+    assert resolve_config(Demo, section="demo", cli={}, env={"USAF_LAYERS": "1, 2,3"}).layers == [1, 2, 3]
+    assert resolve_config(Demo, section="demo", cli={}, env={"USAF_LAYERS": "[4,5]"}).layers == [4, 5]
+
+
+def test_every_problem_is_reported_with_its_source(tmp_path):
+    file = toml(tmp_path, "[demo]\nsteps = 0\n")
+    with pytest.raises(UsafError) as e:
+        resolve_config(Demo, section="demo", cli={"frac": 2.0}, config_file=file, env={"USAF_NAME": ""})
+    message = e.value.message
+    assert "--frac = 2.0" in message and "less than or equal to 1" in message
+    assert f"--config {file} [demo] steps = 0" in message
+    assert e.value.hint
+
+
+def test_unknown_toml_key_and_bad_toml_are_errors(tmp_path):
+    with pytest.raises(UsafError, match="has no setting 'fracc'"):
+        resolve_config(Demo, section="demo", cli={}, config_file=toml(tmp_path, "[demo]\nfracc = 1\n"), env={})
+    with pytest.raises(UsafError, match="not valid TOML"):
+        resolve_config(Demo, section="demo", cli={}, config_file=toml(tmp_path, "[demo\n"), env={})
+    with pytest.raises(UsafError, match="no such file"):
+        resolve_config(Demo, section="demo", cli={}, config_file=tmp_path / "missing.toml", env={})
+
+
+def test_other_commands_tables_are_ignored(tmp_path):
+    file = toml(tmp_path, "[train]\nlr = 1\n[demo]\nsteps = 3\n")
+    assert resolve_config(Demo, section="demo", cli={}, config_file=file, env={}).steps == 3
+
+
+def test_config_is_frozen_and_forbids_extra_keys():
+    cfg = Demo()
+    with pytest.raises(ValidationError):
+        cfg.frac = 0.5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        resolve_config(Demo, section="demo", cli={"nope": 1}, env={})

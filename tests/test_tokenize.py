@@ -1,0 +1,363 @@
+"""`usaf tokenize` end to end through the real CLI, including every bad input's message and exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import invoke, leftovers, read_jsonl
+from usaf.artifacts import TokensManifest, load_verified
+from usaf.testing import build_tiny_tokenizer, stdlib_dir
+
+STDLIB = stdlib_dir()
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer(path, model_max_length=1024)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def tokenize(*args, env=None):
+    return invoke("tokenize", *args, env=env)
+
+
+def assert_clean_failure(result, out: Path, *needles: str) -> None:
+    """One red error line naming the problem, exit 2, no output, no temporaries."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+    assert not out.exists()
+    if out.parent.exists():
+        assert leftovers(out.parent) == []
+
+
+def test_stdlib_packages_split_by_source_with_disjoint_sources(tmp_path, tok_dir):
+    out = tmp_path / "tokens"
+    result = tokenize(
+        STDLIB / "json",
+        STDLIB / "email",
+        STDLIB / "textwrap.py",
+        "--model",
+        tok_dir,
+        "--seq-len",
+        128,
+        "--source-depth",
+        0,
+        "--held-out",
+        "email",
+        "--out",
+        out,
+    )
+    assert result.exit_code == 0, result.output
+    assert "train" in result.stdout and "heldout" in result.stdout
+    manifest = load_verified(out, TokensManifest)
+    train, held = read_jsonl(out / "train.jsonl"), read_jsonl(out / "heldout.jsonl")
+    train_sources, held_sources = {r["source"] for r in train}, {r["source"] for r in held}
+    assert train_sources == {"json", "textwrap.py"} and held_sources == {"email"}
+    assert manifest.summary.heldout_sources == ["email"]
+    assert manifest.summary.train_sequences == len(train) and manifest.summary.heldout_sequences == len(held)
+    assert manifest.summary.train_tokens == sum(len(r["input_ids"]) for r in train)
+    for rows in (train, held):
+        for r in rows:
+            assert r["labels"] == r["input_ids"]  # plain text: unshifted, every token scored
+            assert 2 <= len(r["input_ids"]) <= 128
+    # All but each source's last sequence are full.
+    assert sum(len(r["input_ids"]) < 128 for r in train) <= len(train_sources)
+    roles = {i.role: i for i in manifest.inputs}
+    assert roles["tokenizer"].fingerprint == manifest.summary.tokenizer.fingerprint
+    assert manifest.config["seq_len"] == 128
+
+
+def test_packing_round_trips_the_text_with_eos_separators(tmp_path, tok_dir, tokenizer):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = {"a.txt": "def alpha():\n    return 1\n" * 40, "b.txt": "class Beta:\n    pass\n" * 30}
+    for name, text in texts.items():
+        (corpus / name).write_text(text)
+    out = tmp_path / "out"
+    assert tokenize(corpus, "--model", tok_dir, "--seq-len", 64, "--source-depth", 0, "--out", out).exit_code == 0
+    rows = read_jsonl(out / "train.jsonl")
+    ids = [t for r in rows for t in r["input_ids"]]
+    eos = tokenizer.eos_token_id
+    assert ids.count(eos) == 2  # one separator after each document
+    decoded = tokenizer.decode(ids, skip_special_tokens=False).split(tokenizer.eos_token)
+    assert decoded[:2] == [texts["a.txt"], texts["b.txt"]]
+
+
+def test_stride_overlaps_and_scores_every_token_once(tmp_path, tok_dir):
+    out = tmp_path / "out"
+    result = tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--seq-len", 64, "--stride", 16, "--out", out)
+    assert result.exit_code == 0, result.output
+    rows = read_jsonl(out / "train.jsonl")
+    assert len(rows) > 3
+    for prev, cur in zip(rows, rows[1:]):
+        assert cur["input_ids"][:16] == prev["input_ids"][-16:]
+        assert cur["labels"][:16] == [-100] * 16
+    scored = [t for r in rows for t, lab in zip(r["input_ids"], r["labels"]) if lab != -100]
+    # Compare with no stride: the scored tokens are exactly the token stream.
+    plain = tmp_path / "plain"
+    assert tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--seq-len", 64, "--out", plain).exit_code == 0
+    assert scored == [t for r in read_jsonl(plain / "train.jsonl") for t in r["input_ids"]]
+
+
+def test_chat_jsonl_scores_assistant_turns_only(tmp_path, tok_dir, tokenizer):
+    chat = tmp_path / "chat.jsonl"
+    conversations = [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say hello."},
+            {"role": "assistant", "content": "Hello there."},
+            {"role": "user", "content": "Again?"},
+            {"role": "assistant", "content": "Hello again."},
+        ],
+        [{"role": "user", "content": "Sum 2 and 2."}, {"role": "assistant", "content": "It is 4."}],
+    ]
+    chat.write_text(
+        "".join(json.dumps({"messages": c, "source": f"conv{i}"}) + "\n" for i, c in enumerate(conversations))
+    )
+    out = tmp_path / "out"
+    result = tokenize(chat, "--model", tok_dir, "--seq-len", 256, "--out", out)
+    assert result.exit_code == 0, result.output
+    rows = {r["source"]: r for r in read_jsonl(out / "train.jsonl")}
+    first = rows["conv0"]
+    scored = [t for t, lab in zip(first["input_ids"], first["labels"]) if lab != -100]
+    text = tokenizer.decode(scored)
+    assert text == "Hello there.<|im_end|>\nHello again.<|im_end|>\n"
+    unscored = tokenizer.decode([t for t, lab in zip(first["input_ids"], first["labels"]) if lab == -100])
+    assert "Say hello." in unscored and "Be brief." in unscored and "Hello there" not in unscored
+
+
+def test_original_format_pre_shifted_labels_are_detected_and_fixable(tmp_path, tok_dir, tokenizer):
+    ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"][:40]
+    original = tmp_path / "orig.jsonl"  # the original README's recipe: labels = chunk[1:] + [eos]
+    original.write_text(json.dumps({"input_ids": ids, "labels": ids[1:] + [0]}) + "\n")
+    out = tmp_path / "out"
+    result = tokenize(original, "--model", tok_dir, "--out", out)
+    assert_clean_failure(result, out, f"{original}:1", "pre-shifted", "--fix-shifted-labels")
+    result = tokenize(original, "--model", tok_dir, "--out", out, "--fix-shifted-labels")
+    assert result.exit_code == 0, result.output
+    (row,) = read_jsonl(out / "train.jsonl")
+    assert row["input_ids"] == ids and row["labels"] == [-100, *ids[1:]]
+    assert load_verified(out, TokensManifest).summary.relabelled_shifted_lines == 1
+    # Control: correctly unshifted pre-tokenized lines pass through untouched.
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
+    out2 = tmp_path / "out2"
+    assert tokenize(fine, "--model", tok_dir, "--out", out2).exit_code == 0
+    assert read_jsonl(out2 / "train.jsonl")[0]["labels"] == ids
+
+
+def test_held_out_fraction_is_seeded_and_disjoint(tmp_path, tok_dir):
+    outs = []
+    for seed in (1, 1, 2):
+        out = tmp_path / f"out{len(outs)}"
+        result = tokenize(
+            STDLIB / "json",
+            STDLIB / "textwrap.py",
+            STDLIB / "string.py",
+            STDLIB / "shlex.py",
+            "--model",
+            tok_dir,
+            "--source-depth",
+            0,
+            "--held-out-frac",
+            0.5,
+            "--seed",
+            seed,
+            "--seq-len",
+            64,
+            "--out",
+            out,
+        )
+        assert result.exit_code == 0, result.output
+        outs.append(load_verified(out, TokensManifest).summary)
+    assert outs[0].heldout_sources == outs[1].heldout_sources and len(outs[0].heldout_sources) == 2
+    train = {c.source for c in outs[0].sources if c.split == "train"}
+    assert train.isdisjoint(outs[0].heldout_sources) and len(train) == 2
+
+
+def test_binary_files_are_skipped_and_counted_and_globs_filter(tmp_path, tok_dir):
+    corpus = tmp_path / "corpus"
+    (corpus / "pkg").mkdir(parents=True)
+    (corpus / "pkg" / "a.py").write_text("x = 1\n" * 50)
+    (corpus / "pkg" / "b.md").write_text("# title\n" * 50)
+    (corpus / "pkg" / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
+    (corpus / ".git").mkdir()
+    (corpus / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    out = tmp_path / "out"
+    result = tokenize(corpus, "--model", tok_dir, "--exclude", "*.md", "--seq-len", 32, "--out", out)
+    assert result.exit_code == 0, result.output
+    summary = load_verified(out, TokensManifest).summary
+    assert summary.skipped_binary_files == 1 and summary.documents == 1
+    assert [c.source for c in summary.sources] == ["corpus/pkg"]
+    assert "1 binary files skipped" in result.stdout
+    out2 = tmp_path / "out2"
+    assert tokenize(corpus, "--model", tok_dir, "--include", "*.md", "--out", out2).exit_code == 0
+    assert load_verified(out2, TokensManifest).summary.documents == 1
+
+
+def test_default_output_goes_to_the_workspace(tmp_path, tok_dir):
+    result = tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--workspace", tmp_path, "--json")
+    assert result.exit_code == 0, result.output
+    path = Path(json.loads(result.stdout)["path"])
+    assert path.parent == tmp_path / "tokens" and path.name.endswith("-textwrap.py")
+
+
+def test_settings_come_from_env_and_config_file(tmp_path, tok_dir):
+    config = tmp_path / "usaf.toml"
+    config.write_text(f"[tokenize]\nseq_len = 48\nmodel = '{tok_dir}'\n")
+    out = tmp_path / "out"
+    result = tokenize(STDLIB / "textwrap.py", "--config", config, "--out", out, env={"USAF_STRIDE": "8"})
+    assert result.exit_code == 0, result.output
+    manifest = load_verified(out, TokensManifest)
+    assert (manifest.config["seq_len"], manifest.config["stride"]) == (48, 8)
+    out2 = tmp_path / "out2"
+    result = tokenize(
+        STDLIB / "textwrap.py", "--config", config, "--seq-len", 40, "--out", out2, env={"USAF_SEQ_LEN": "44"}
+    )
+    assert load_verified(out2, TokensManifest).config["seq_len"] == 40  # the flag wins
+
+
+# ---- bad input: one clear line, exit 2, nothing written ----------------------------------------
+
+
+def test_missing_path(tmp_path, tok_dir):
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(tmp_path / "nope", "--model", tok_dir, "--out", out), out, "nope", "no such file")
+
+
+def test_empty_corpus(tmp_path, tok_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "empty corpus")
+    (empty / "blob.bin").write_bytes(b"\x00" * 10)
+    assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "1 binary files skipped")
+    (empty / "blank.txt").write_text("   \n\n")
+    assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "empty corpus")
+
+
+def test_undecodable_file(tmp_path, tok_dir):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("fine text\n" * 20)
+    (corpus / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1") * 20)
+    out = tmp_path / "out"
+    assert_clean_failure(
+        tokenize(corpus, "--model", tok_dir, "--out", out), out, "latin1.txt", "not UTF-8", "--decode-errors"
+    )
+    assert tokenize(corpus, "--model", tok_dir, "--out", out, "--decode-errors", "skip").exit_code == 0
+    assert load_verified(out, TokensManifest).summary.documents == 1
+    out2 = tmp_path / "out2"
+    assert tokenize(corpus, "--model", tok_dir, "--out", out2, "--decode-errors", "replace").exit_code == 0
+    assert load_verified(out2, TokensManifest).summary.documents == 2
+
+
+@pytest.mark.parametrize(
+    ("line", "needles"),
+    [
+        ("[1, 2, 3]", ["bad.jsonl:2", "a JSON list, not an object"]),
+        ('{"text": "ok"', ["bad.jsonl:2", "not valid JSON"]),
+        (
+            '{"body": "no text field", "id": 3}',
+            ["bad.jsonl:2", "no 'text' field", "keys: body, id", "--text-field"],
+        ),
+        ('{"text": 42}', ["bad.jsonl:2", "'text' is a int"]),
+        ('{"messages": [{"role": "user"}]}', ["bad.jsonl:2", "'messages' must be"]),
+        ('{"input_ids": [1, 2], "labels": [1]}', ["bad.jsonl:2", "equal-length"]),
+        ('{"input_ids": [1, 99999]}', ["bad.jsonl:2", "token id 99999 is outside"]),
+    ],
+)
+def test_malformed_jsonl_lines_name_file_and_line(tmp_path, tok_dir, line, needles):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a good first line"}\n' + line + "\n")
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(bad, "--model", tok_dir, "--out", out), out, *needles)
+
+
+def test_seq_len_beyond_the_model_maximum(tmp_path, tok_dir):
+    out = tmp_path / "out"
+    assert_clean_failure(
+        tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--seq-len", 4096, "--out", out),
+        out,
+        "--seq-len 4096",
+        "maximum of 1024",
+    )
+    model_dir = tmp_path / "model"  # a model's config.json wins over the tokenizer's own limit
+    build_tiny_tokenizer(model_dir, model_max_length=100_000)
+    (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    assert_clean_failure(
+        tokenize(STDLIB / "textwrap.py", "--model", model_dir, "--seq-len", 512, "--out", out),
+        out,
+        "maximum of 256",
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--seq-len", "0"], ["--seq-len = 0", "greater than or equal to 2"]),
+        (["--seq-len", "64", "--stride", "64"], ["--stride 64 must be smaller than --seq-len 64"]),
+        (["--held-out", "nosuchpkg"], ["--held-out nosuchpkg: matches no source"]),
+        (["--held-out-frac", "1.5"], ["--held-out-frac = 1.5"]),
+        (["--decode-errors", "ignore"], ["--decode-errors = 'ignore'"]),
+    ],
+)
+def test_bad_values(tmp_path, tok_dir, args, needles):
+    out = tmp_path / "out"
+    result = tokenize(STDLIB / "json", "--model", tok_dir, "--out", out, *args)
+    assert_clean_failure(result, out, *needles)
+
+
+def test_missing_model_and_bad_model(tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(STDLIB / "json", "--out", out), out, "--model is required")
+    assert_clean_failure(
+        tokenize(STDLIB / "json", "--model", tmp_path / "nomodel", "--out", out),
+        out,
+        "--model",
+        "no such directory",
+    )
+    (tmp_path / "emptymodel").mkdir()
+    assert_clean_failure(
+        tokenize(STDLIB / "json", "--model", tmp_path / "emptymodel", "--out", out),
+        out,
+        "no usable tokenizer",
+    )
+
+
+def test_existing_output_is_not_clobbered(tmp_path, tok_dir):
+    out = tmp_path / "out"
+    assert tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--out", out).exit_code == 0
+    before = (out / "manifest.json").read_text()
+    result = tokenize(STDLIB / "string.py", "--model", tok_dir, "--out", out)
+    assert result.exit_code == 2 and "already exists" in result.stderr and "--overwrite" in result.stderr
+    assert (out / "manifest.json").read_text() == before
+    assert tokenize(STDLIB / "string.py", "--model", tok_dir, "--out", out, "--overwrite").exit_code == 0
+    assert load_verified(out, TokensManifest).summary.sources[0].source == "string.py"
+
+
+def test_ctrl_c_leaves_no_partial_output(tmp_path, tok_dir, monkeypatch):
+    from usaf.cli import progress
+
+    def interrupt(self, amount, **counters):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress.RichProgress, "advance", interrupt)
+    out = tmp_path / "out"
+    result = tokenize(STDLIB / "json", "--model", tok_dir, "--out", out)
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
