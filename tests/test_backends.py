@@ -204,9 +204,7 @@ def test_cuda_index_selects_and_bad_index_names_the_flag(monkeypatch: pytest.Mon
     assert "from 0 to 1" in (info.value.hint or "")
 
 
-@pytest.mark.parametrize(
-    ("bf16", "compute", "scaling"), [(True, torch.bfloat16, False), (False, torch.float16, True)]
-)
+@pytest.mark.parametrize(("bf16", "compute", "scaling"), [(True, torch.bfloat16, False), (False, torch.float16, True)])
 def test_mps_policy_follows_bf16(
     monkeypatch: pytest.MonkeyPatch, bf16: bool, compute: torch.dtype, scaling: bool
 ) -> None:

@@ -62,7 +62,10 @@ class ArtifactWriter:
     def check_target(self) -> None:
         """Refuse early (before any work) if the output exists and may not be replaced."""
         if self.target.exists() and not self.overwrite:
-            what = "an artifact" if (self.target / MANIFEST_NAME).is_file() else "a path"
+            if (self.target / MANIFEST_NAME).is_file():
+                what = "an artifact"
+            else:
+                what = "a directory" if self.target.is_dir() else "a file"
             raise UsafError(
                 f"{self.flag} {self.target}: {what} already exists there",
                 "pass another path, or --overwrite to replace it",
@@ -116,6 +119,12 @@ class ArtifactWriter:
         self._move_into_place()
         self.committed = True
         return manifest
+
+    def commit_foreign(self) -> Path:
+        """Move a directory in another tool's format (a Hugging Face model) into place, no manifest."""
+        self._move_into_place()
+        self.committed = True
+        return self.target
 
     def _move_into_place(self) -> None:
         old = None

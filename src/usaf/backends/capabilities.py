@@ -108,6 +108,4 @@ def dtype_policy(caps: Capabilities, amp: bool | None = None) -> DTypePolicy:
         half, scaling = torch.float16, True
     else:
         return DTypePolicy(compute=fp32, master=fp32, autocast=None, loss_scaling=False)
-    return DTypePolicy(
-        compute=half, master=fp32, autocast=half if caps.autocast else None, loss_scaling=scaling
-    )
+    return DTypePolicy(compute=half, master=fp32, autocast=half if caps.autocast else None, loss_scaling=scaling)

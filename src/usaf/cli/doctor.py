@@ -115,9 +115,7 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
     from usaf.backends import explain_env, probe_backends, resolve_backend
     from usaf.config import resolve_config
 
-    settings = resolve_config(
-        _config_class(), section="doctor", cli={"device": device}, config_file=config, env=env
-    )
+    settings = resolve_config(_config_class(), section="doctor", cli={"device": device}, config_file=config, env=env)
     backend = resolve_backend(settings.device, env=env)
     build = (
         f"ROCm {torch.version.hip}"

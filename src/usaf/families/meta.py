@@ -1,0 +1,94 @@
+"""The in-memory model of a config, built on the meta device (no memory, no weights, ~10 ms).
+
+transformers is the authority on which tensors a model holds; instantiating the model class on the
+meta device gives their exact names and shapes. The structural fallback, the two-way mapping check
+and config-only parameter counts all use it.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+from usaf.errors import UsafError
+
+
+def build_config(config: Mapping[str, Any]):
+    """A transformers config object from a ``config.json`` dict (as ``from_pretrained`` would build it)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if not model_type or model_type not in CONFIG_MAPPING:
+        raise UsafError(
+            f"transformers {_tf_version()} does not know model_type={model_type!r}",
+            "upgrade transformers, or use a model whose code ships with transformers (no trust_remote_code)",
+        )
+    cfg = dict(config)
+    cfg.pop("model_type", None)
+    cfg.pop("quantization_config", None)  # only from_pretrained applies it; the meta model is unquantized
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+@lru_cache(maxsize=16)
+def _meta_model_cached(config_json: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = build_config(json.loads(config_json))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            try:
+                return AutoModelForCausalLM.from_config(cfg)
+            except ValueError:
+                # Multimodal wrappers are not causal LMs for the Auto class; their image-text class is.
+                from transformers import AutoModelForImageTextToText
+
+                return AutoModelForImageTextToText.from_config(cfg)
+
+
+def meta_model(config: Mapping[str, Any]):
+    """The model of ``config`` on the meta device (cached; treat it as read-only)."""
+    return _meta_model_cached(json.dumps(config, sort_keys=True, default=str))
+
+
+def expected_tensors(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """In-memory ``state_dict`` name -> shape of the model of ``config`` (parameters and persistent buffers).
+
+    Tied parameters appear under every name that shares them, as in ``model.state_dict()``.
+    """
+    model = meta_model(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def tied_names(config: Mapping[str, Any]) -> dict[str, str]:
+    """In-memory name -> the name it shares its tensor with, for tied parameters (lm_head -> embeddings)."""
+    model = meta_model(config)
+    first_by_id: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = first_by_id.setdefault(id(param), name)
+        if owner != name:
+            tied[name] = owner
+    return tied
+
+
+def unique_numels(config: Mapping[str, Any]) -> dict[str, int]:
+    """In-memory name -> numel, counting tied parameters once (parameters and persistent buffers)."""
+    model = meta_model(config)
+    out = {name: p.numel() for name, p in model.named_parameters()}
+    state = model.state_dict()
+    for name, buf in model.named_buffers():
+        if name in state and name not in out:
+            out[name] = buf.numel()
+    return out

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny MoE models built once per test session and reused across test modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# The families with their own file, plus two structural-fallback types: glm4_moe (DeepSeek-like
+# routing with shared experts) and phimoe (Mixtral-like on-disk names renamed by transformers).
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+FALLBACK_TYPES = ("glm4_moe", "phimoe")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(family, **build_kwargs) -> Path``: built on first request, then cached."""
+    from usaf.testing import build_tiny_model
+
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def get(family: str, **kwargs) -> Path:
+        kwargs.setdefault("tokenizer", False)
+        key = (family, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            cache[key] = build_tiny_model(family, root / f"{family}-{len(cache)}", **kwargs)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def loaded_model(tiny_model):
+    """``loaded_model(family, **build_kwargs)``: ``AutoModelForCausalLM.from_pretrained`` of the tiny model (cached)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[Path, torch.nn.Module] = {}
+
+    def get(family: str, **kwargs):
+        path = tiny_model(family, **kwargs)
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path).eval()
+        return cache[path]
+
+    return get

@@ -1,0 +1,85 @@
+"""The CLI surface: instant help/version, only working commands listed, `python -m usaf`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from helpers import invoke
+from usaf import __version__
+
+BUILT = {"tokenize", "inspect", "doctor", "tiny-model"}
+NOT_YET = {"quantize", "score", "train", "eval", "export", "generate", "demo", "plan"}
+
+
+def test_help_lists_only_working_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    listed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 1}
+    assert listed >= BUILT, listed
+    assert not (NOT_YET & listed), NOT_YET & listed
+
+
+def test_every_command_has_help():
+    for command in BUILT:
+        result = invoke(command, "--help")
+        assert result.exit_code == 0, (command, result.output)
+        assert "Usage" in result.stdout
+
+
+def test_version_and_module_entry_point():
+    assert invoke("--version").stdout.strip() == f"usaf {__version__}"
+    proc = subprocess.run([sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == f"usaf {__version__}"
+
+
+def test_cli_import_does_not_load_heavy_modules():
+    code = (
+        "import sys, usaf.cli.app; "
+        "heavy = [m for m in ('torch', 'transformers', 'tokenizers', 'hqq', 'safetensors') if m in sys.modules]; "
+        "print(','.join(heavy))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "", f"imported at CLI start: {proc.stdout}"
+
+
+def test_unknown_command_is_a_usage_error():
+    result = invoke("quantize")
+    assert result.exit_code == 2
+
+
+def test_example_config_file_is_valid_for_every_table():
+    from pathlib import Path
+
+    from usaf.config import resolve_config
+    from usaf.stages.tokenize import TokenizeConfig
+
+    example = Path(__file__).parent.parent / "examples" / "usaf.toml"
+    cfg = resolve_config(
+        TokenizeConfig, section="tokenize", cli={"inputs": [Path(".")], "model": "m"}, config_file=example, env={}
+    )
+    assert cfg.held_out_frac == 0.1 and cfg.decode_errors == "replace"
+
+
+def test_tiny_model_then_inspect_describes_it(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "tiny"
+    result = invoke("tiny-model", out, "--family", "mixtral", "--layers", "3", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["path"] == str(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "mixtral" and model.config.num_hidden_layers == 3
+    assert len(AutoTokenizer.from_pretrained(out)) == model.config.vocab_size
+    result = invoke("inspect", out, "--json")
+    assert result.exit_code == 0, result.output
+    described = json.loads(result.stdout)["model"]
+    assert described["spec"]["family"] == "mixtral"
+    assert sum(p.numel() for p in model.parameters()) == described["total_params"]
+    # Existing output and unknown families: one clear line, exit 2, nothing written.
+    result = invoke("tiny-model", out)
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    result = invoke("tiny-model", tmp_path / "llama", "--family", "llama")
+    assert result.exit_code == 2 and "--family llama" in result.stderr and not (tmp_path / "llama").exists()
