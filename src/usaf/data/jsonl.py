@@ -9,6 +9,8 @@ from typing import Any
 
 from usaf.errors import UsafError
 
+_COMPACT = (",", ":")
+
 
 def iter_jsonl_objects(path: Path, *, what: str = "JSONL") -> Iterator[tuple[int, dict[str, Any], int]]:
     """Yield ``(line_number, object, line_bytes)`` for each non-blank line; one object per line.
@@ -43,7 +45,7 @@ def iter_jsonl_objects(path: Path, *, what: str = "JSONL") -> Iterator[tuple[int
 
 
 def dumps_sequence(input_ids: list[int], labels: list[int], source: str) -> str:
-    """One line of a tokens file. Int lists are joined by hand: ~2x faster than json.dumps here."""
-    ids = ",".join(map(str, input_ids))
-    labs = ids if labels == input_ids else ",".join(map(str, labels))
-    return f'{{"input_ids":[{ids}],"labels":[{labs}],"source":{json.dumps(source, ensure_ascii=False)}}}\n'
+    """One line of a tokens file. A label list equal to its ids is serialised once (plain text)."""
+    ids = json.dumps(input_ids, separators=_COMPACT)
+    labs = ids if labels == input_ids else json.dumps(labels, separators=_COMPACT)
+    return f'{{"input_ids":{ids},"labels":{labs},"source":{json.dumps(source, ensure_ascii=False)}}}\n'

@@ -53,11 +53,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise UsafError(f"{path}: not a readable safetensors file ({e})", "re-download or re-save the model") from None
     out = {}
+    data_end = 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
+        data_end = max(data_end, end)
         out[name] = TensorInfo(name, path.name, entry["dtype"], tuple(entry["shape"]), end - begin)
+    expected_size = 8 + length + data_end
+    if (size := path.stat().st_size) < expected_size:
+        raise UsafError(
+            f"{path}: truncated ({size:,} bytes, its header describes {expected_size:,})",
+            "the download is incomplete; re-download this shard",
+        )
     return out
 
 
