@@ -28,6 +28,7 @@ M = TypeVar("M", bound=Manifest)
 
 _TMP_TAG = ".usaf-tmp-"
 _OLD_TAG = ".usaf-old-"
+_PARTIAL_TAG = ".usaf-partial"
 
 
 def _remove_stale_temporaries(target: Path) -> None:
@@ -52,12 +53,30 @@ class ArtifactWriter:
                                   environment=current_environment(), summary=summary)
     """
 
-    def __init__(self, target: Path, *, flag: str = "--out", overwrite: bool = False) -> None:
+    def __init__(self, target: Path, *, flag: str = "--out", overwrite: bool = False, resumable: bool = False) -> None:
+        """Args:
+        target: the artifact directory to create.
+        flag: the flag the path came from, for messages.
+        overwrite: replace an existing ``target`` (atomically, at commit).
+        resumable: build in a fixed ``.NAME.usaf-partial`` directory that survives a failure or
+            Ctrl-C, so a rerun continues from what it holds (``resumed`` says whether it existed).
+        """
         self.target = Path(target).absolute()
         self.flag = flag
         self.overwrite = overwrite
-        self.dir = self.target.parent / f".{self.target.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.resumable = resumable
+        if resumable:
+            self.dir = self.partial_dir(self.target)
+        else:
+            self.dir = self.target.parent / f".{self.target.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.resumed = False
         self.committed = False
+
+    @staticmethod
+    def partial_dir(target: Path) -> Path:
+        """Where a resumable writer of ``target`` keeps its work between runs."""
+        target = Path(target).absolute()
+        return target.parent / f".{target.name}{_PARTIAL_TAG}"
 
     def check_target(self) -> None:
         """Refuse early (before any work) if the output exists and may not be replaced."""
@@ -78,7 +97,8 @@ class ArtifactWriter:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_temporaries(self.target)
-            self.dir.mkdir()
+            self.resumed = self.resumable and self.dir.is_dir()
+            self.dir.mkdir(exist_ok=self.resumable)
         except OSError as e:
             raise UsafError(
                 f"{self.flag} {self.target}: cannot create it: {e.strerror}", "pick a writable path"
@@ -86,7 +106,7 @@ class ArtifactWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self.committed:
+        if not self.committed and not self.resumable:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def file_records(self) -> list[FileRecord]:

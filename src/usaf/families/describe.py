@@ -14,6 +14,7 @@ from usaf.errors import UsafError
 from usaf.families.checkpoint import TensorInfo, checkpoint_files, quantized_formats, read_checkpoint
 from usaf.families.registry import load_model_config, resolve_family
 from usaf.families.spec import FamilySpec
+from usaf.units import human_bytes
 
 ROLES = ("experts", "routers", "shared experts", "attention", "embeddings", "norms", "dense MLP", "other")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
@@ -71,10 +72,10 @@ class ModelDescription:
             ("dtypes", ", ".join(self.dtypes) or "unknown"),
         ]  # fmt: skip
         for c in self.counts:
-            rows.append((f"params: {c.role}", f"{c.params:,} ({_human(c.bytes)})"))
-        rows.append(("params: total", f"{self.total_params:,} ({_human(self.total_bytes)})"))
+            rows.append((f"params: {c.role}", f"{c.params:,} ({human_bytes(c.bytes)})"))
+        rows.append(("params: total", f"{self.total_params:,} ({human_bytes(self.total_bytes)})"))
         if self.not_loaded:
-            rows.append(("not loaded", f"{self.not_loaded.params:,} ({_human(self.not_loaded.bytes)})"))
+            rows.append(("not loaded", f"{self.not_loaded.params:,} ({human_bytes(self.not_loaded.bytes)})"))
         rows.append(("counts from", self.counts_source))
         if self.problem:
             rows.append(("problem", self.problem))
@@ -97,14 +98,6 @@ def _ranges(layers: tuple[int, ...]) -> str:
             parts.append(str(start) if start == n else f"{start}-{n}")
             start = None
     return ",".join(parts)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _memory_layout(s: FamilySpec) -> str:

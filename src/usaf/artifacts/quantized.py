@@ -1,0 +1,75 @@
+"""The ``quantized_model`` artifact written by ``usaf quantize``: 4-bit experts plus the rest as-is."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from usaf.artifacts.manifest import Manifest, Record, register
+
+EXPERTS_FILE = "experts_q4.pt"
+BASE_INDEX_FILE = "base.safetensors.index.json"
+
+
+class ShardRecord(Record):
+    name: str
+    bytes: int
+    header_sha256: str = Field(description="sha256 of the safetensors header (names, dtypes, shapes, offsets)")
+
+
+class SourceModelRecord(Record):
+    model: str = Field(description="what the user passed: a directory or a hub id")
+    path: str = Field(description="the resolved local directory")
+    family: str
+    model_type: str
+    config_sha256: str
+    shards: list[ShardRecord]
+    fingerprint: str = Field(description="config hash + every shard's name, size and header hash")
+
+
+class QuantSettingsRecord(Record):
+    method: Literal["hqq", "rtn"]
+    nbits: int
+    group_size_requested: int
+    packing: str
+    device: str
+
+
+class TensorQuantRecord(Record):
+    name: str = Field(description="in-memory name, e.g. model.layers.3.mlp.experts.gate_up_proj")
+    layer: int
+    shape: list[int] = Field(description="in-memory shape")
+    group_size: int = Field(description="effective group size along the input axis")
+    params: int
+    source_bytes: int
+    quantized_bytes: int
+    rel_error: float = Field(description="||W - dequant(Q)||_F / ||W||_F")
+
+
+class QuantizedModelSummary(Record):
+    source: SourceModelRecord
+    quant: QuantSettingsRecord
+    moe_layers: list[int]
+    tensors: list[TensorQuantRecord]
+    tensors_quantized: int
+    params_quantized: int
+    tensors_kept: int = Field(description="non-expert tensors stored as they were (attention, norms, routers, ...)")
+    params_kept: int
+    tensors_ignored: list[str] = Field(description="checkpoint tensors not part of the model (e.g. MTP layers)")
+    experts_source_bytes: int
+    experts_quantized_bytes: int
+    base_bytes: int
+    compression_ratio: float = Field(description="experts' source bytes / quantized bytes")
+    mean_rel_error: float
+    max_rel_error: float
+    group_sizes_adjusted: list[str] = Field(description="tensors whose group size differs from the requested one")
+
+
+@register
+class QuantizedModelManifest(Manifest):
+    KIND = "quantized_model"
+    SCHEMA_VERSION = 1
+    DESCRIPTION = "quantized experts (experts_q4.pt), non-expert weights, config and tokenizer"
+
+    summary: QuantizedModelSummary

@@ -1,0 +1,108 @@
+"""``usaf quantize MODEL``: 4-bit expert weights, everything else as it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt, WorkspaceOpt
+
+
+def command(
+    model: Annotated[
+        str | None, typer.Argument(help="Hugging Face model directory or hub id (e.g. Qwen/Qwen3-30B-A3B).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory [default: WORKSPACE/quantized_model/<time>-<name>].")
+    ] = None,
+    method: Annotated[
+        str | None, typer.Option(help="hqq (half-quadratic, default) or rtn (min-max round-to-nearest, fast).")
+    ] = None,
+    nbits: Annotated[int | None, typer.Option(help="Bits per expert weight: 2, 3, 4 or 8 [default: 4].")] = None,
+    group_size: Annotated[
+        int | None,
+        typer.Option(help="Weights per scale/zero along the input axis [default: 128; the largest divisor if not]."),
+    ] = None,
+    resume: Annotated[
+        bool | None, typer.Option("--resume", help="Accept an existing complete --out made with these settings.")
+    ] = None,
+    force: Annotated[
+        bool | None, typer.Option("--force", help="Replace an existing --out; discard an interrupted run's work.")
+    ] = None,
+    device: DeviceOpt = None,
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Quantize a MoE model's expert weights (HQQ 4-bit by default) into a self-contained directory.
+
+    Reads one MoE layer's experts at a time; an interrupted run resumes when the same command is rerun.
+    """
+    from usaf.cli.console import handle_errors
+
+    with handle_errors(verbose):
+        from usaf.cli.console import out as stdout
+        from usaf.cli.console import print_json
+        from usaf.cli.progress import RichProgress
+        from usaf.config import resolve_config
+        from usaf.stages import quantize
+
+        settings = resolve_config(
+            quantize.QuantizeConfig,
+            section="quantize",
+            cli={
+                "model": model,
+                "out": out,
+                "workspace": workspace,
+                "method": method,
+                "nbits": nbits,
+                "group_size": group_size,
+                "device": device,
+                "resume": resume,
+                "force": force,
+            },
+            config_file=config,
+        )
+        manifest, path = quantize.run(settings, progress=RichProgress())
+        if json_output:
+            print_json({"path": str(path), **manifest.model_dump(mode="json")})
+            return
+        _print_summary(stdout, manifest, path)
+
+
+def _print_summary(console, manifest, path: Path) -> None:
+    from rich.table import Table
+
+    from usaf.units import human_bytes
+
+    s = manifest.summary
+    table = Table(title=f"quantized model → {path}", title_justify="left")
+    for column in ("layer", "tensor", "shape", "group", "rel. error", "source", "quantized"):
+        table.add_column(column, justify="left" if column == "tensor" else "right")
+    rows = s.tensors if len(s.tensors) <= 16 else [*s.tensors[:8], None, *s.tensors[-8:]]
+    for r in rows:
+        if r is None:
+            table.add_row("…", f"({len(s.tensors) - 16} more)", "", "", "", "", "")
+            continue
+        table.add_row(
+            str(r.layer),
+            r.name.rsplit(".", 1)[-1],
+            "×".join(map(str, r.shape)),
+            str(r.group_size),
+            f"{r.rel_error:.4f}",
+            human_bytes(r.source_bytes),
+            human_bytes(r.quantized_bytes),
+        )
+    console.print(table)
+    console.print(
+        f"{s.source.family}: {len(s.moe_layers)} MoE layers, {s.tensors_quantized} expert tensors "
+        f"({s.params_quantized:,} weights) {s.quant.method} {s.quant.nbits}-bit: "
+        f"{human_bytes(s.experts_source_bytes)} → {human_bytes(s.experts_quantized_bytes)} "
+        f"(×{s.compression_ratio:.2f}); relative error mean {s.mean_rel_error:.4f}, max {s.max_rel_error:.4f}; "
+        f"{s.tensors_kept} other tensors kept ({human_bytes(s.base_bytes)})"
+    )
+    if s.group_sizes_adjusted:
+        console.print(f"group size adjusted to divide the input width: {', '.join(s.group_sizes_adjusted[:4])}")

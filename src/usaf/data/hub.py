@@ -1,0 +1,57 @@
+"""Resolving a MODEL argument: a local Hugging Face directory, or a hub id from the local cache / hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from usaf.errors import UsafError
+
+# What usaf needs of a hub repository: weights as safetensors, config, tokenizer. Never *.bin
+# pickles, never code (*.py: trust_remote_code is not supported for quantization).
+HUB_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template*",
+    "vocab*",
+    "merges.txt",
+    "*.tiktoken",
+]
+
+
+def looks_like_path(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or "\\" in model or model.count("/") > 1
+
+
+def resolve_model_dir(model: str, *, flag: str = "MODEL") -> Path:
+    """A local directory for ``model``: the directory itself, or the hub snapshot (cache first).
+
+    Honours ``HF_HOME`` and ``HF_HUB_OFFLINE`` through ``huggingface_hub``; downloads only
+    :data:`HUB_PATTERNS`.
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or looks_like_path(model):
+        raise UsafError(
+            f"{flag} {model}: no such directory", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
+    except HFValidationError:
+        raise UsafError(f"{flag} {model}: neither a directory nor a valid hub id", "check the spelling") from None
+    except LocalEntryNotFoundError:
+        raise UsafError(
+            f"{flag} {model}: not in the local Hugging Face cache, and the hub cannot be reached (HF_HUB_OFFLINE?)",
+            "download it once with network access, or pass a local model directory",
+        ) from None
+    except RepositoryNotFoundError:
+        raise UsafError(f"{flag} {model}: no such repository on the hub (or it is gated)", "check the id") from None
+    except OSError as e:
+        raise UsafError(f"{flag} {model}: download failed ({e})", "retry, or pass a local model directory") from None

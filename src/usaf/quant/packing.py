@@ -1,0 +1,109 @@
+"""Bit packing of quantization codes along the last axis: layout ``usaf-lsb-v1``.
+
+hqq packs its own way (4-bit: the two halves of the *row* axis share a byte), so one expert's codes
+would not be a contiguous slice of a stacked tensor. This layout packs each row on its own:
+
+- 8 bits: the codes themselves, one ``uint8`` per code; ``packed_I = I``.
+- 2, 3 and 4 bits: the row is zero-padded to ``I_pad = ceil(I / 8) * 8`` codes; each block of 8
+  consecutive codes ``c0..c7`` (columns ``8b .. 8b+7``) becomes ``nbits`` bytes ``B0..B(nbits-1)``
+  (bytes ``nbits*b .. nbits*b + nbits-1``) such that, as little-endian integers,
+  ``sum_k c_k << (k * nbits) == sum_j B_j << (8 * j)``; i.e. code ``k`` occupies bits
+  ``[k*nbits, (k+1)*nbits)`` of the block's bit stream, least significant bit first. So
+  ``packed_I = I_pad * nbits / 8``. Examples: 4 bits, ``B_j = c_{2j} | c_{2j+1} << 4``; 3 bits,
+  ``B0 = c0 | c1 << 3 | (c2 & 3) << 6``, ``B1 = c2 >> 2 | c3 << 1 | c4 << 4 | (c5 & 1) << 7``,
+  ``B2 = c5 >> 1 | c6 << 2 | c7 << 5``. The padding codes are 0 and are dropped on unpacking; the
+  padding is implied by ``I`` (which the caller records), so it is not stored separately.
+
+Only shifts, masks and ORs on ``uint8`` are used, so unpacking runs on any torch device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACKING = "usaf-lsb-v1"
+PACKED_NBITS = (2, 3, 4)  # bit widths that are packed 8 codes -> nbits bytes; 8 bits is stored as is
+
+# For code k of a block of 8: (byte index, shift within that byte, spills into the next byte)
+_POSITIONS = {n: tuple(((k * n) // 8, (k * n) % 8, (k * n) % 8 + n > 8) for k in range(8)) for n in PACKED_NBITS}
+
+
+def packed_width(in_features: int, nbits: int) -> int:
+    """Bytes per row of ``in_features`` codes of ``nbits`` bits in this layout."""
+    if nbits == 8:
+        return in_features
+    _check_nbits(nbits)
+    return -(-in_features // 8) * nbits
+
+
+def pack_codes(codes: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**nbits)`` along the last axis.
+
+    Args:
+        codes: ``(..., I)`` integer tensor (any integer dtype; values checked).
+        nbits: 2, 3, 4 or 8.
+
+    Returns:
+        ``(..., packed_width(I, nbits))`` uint8 tensor on the device of ``codes``.
+
+    Raises:
+        ValueError: unsupported ``nbits``, a non-integer tensor, or a code out of range.
+    """
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise ValueError(f"codes must be an integer tensor, got {codes.dtype}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**nbits):
+        raise ValueError(f"codes out of range for {nbits} bits: [{int(codes.min())}, {int(codes.max())}]")
+    codes = codes.to(torch.uint8)
+    if nbits == 8:
+        return codes.contiguous()
+    _check_nbits(nbits)
+    *lead, i = codes.shape
+    pad = packed_width(i, nbits) // nbits * 8 - i
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    blocks = codes.reshape(*lead, (i + pad) // 8, 8)  # (..., I_pad/8, 8)
+    out = torch.zeros((*lead, blocks.shape[-2], nbits), dtype=torch.uint8, device=codes.device)
+    for k, (j, shift, spills) in enumerate(_POSITIONS[nbits]):
+        c = blocks[..., k]
+        out[..., j] |= c << shift  # uint8 arithmetic drops the bits that spill over the byte
+        if spills:
+            out[..., j + 1] |= c >> (8 - shift)
+    return out.reshape(*lead, out.shape[-2] * nbits)
+
+
+def unpack_codes(packed: torch.Tensor, nbits: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`.
+
+    Args:
+        packed: ``(..., packed_width(in_features, nbits))`` uint8.
+        nbits: 2, 3, 4 or 8.
+        in_features: ``I``, the number of codes per row before padding.
+
+    Returns:
+        ``(..., I)`` uint8 codes, on the device of ``packed``.
+
+    Raises:
+        ValueError: wrong dtype or last dimension.
+    """
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    width = packed_width(in_features, nbits)
+    if packed.shape[-1] != width:
+        raise ValueError(f"packed rows have {packed.shape[-1]} bytes, expected {width} for I={in_features}")
+    if nbits == 8:
+        return packed
+    *lead, _ = packed.shape
+    blocks = packed.reshape(*lead, width // nbits, nbits)  # (..., I_pad/8, nbits)
+    out = torch.empty((*lead, blocks.shape[-2], 8), dtype=torch.uint8, device=packed.device)
+    mask = 2**nbits - 1
+    for k, (j, shift, spills) in enumerate(_POSITIONS[nbits]):
+        c = blocks[..., j] >> shift
+        if spills:
+            c = c | (blocks[..., j + 1] << (8 - shift))  # high bits fall off uint8; the mask drops the rest
+        out[..., k] = c & mask
+    return out.reshape(*lead, width // nbits * 8)[..., :in_features]
+
+
+def _check_nbits(nbits: int) -> None:
+    if nbits not in PACKED_NBITS:
+        raise ValueError(f"nbits must be one of 2, 3, 4, 8; got {nbits}")

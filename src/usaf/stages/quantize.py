@@ -1,0 +1,327 @@
+"""``usaf quantize``: a Hugging Face MoE checkpoint -> a self-contained quantized model directory.
+
+One MoE layer's experts at a time: read its on-disk tensors lazily, fuse them into the in-memory
+layout transformers v5 uses, quantize, and save the layer to ``layers/`` in a resumable partial
+directory. Then the non-expert weights are copied, shard by shard, as safetensors in their own dtype,
+and ``experts_q4.pt`` is assembled by a streaming writer, so peak memory is one layer's experts plus
+one shard, whatever the number of layers. The finished directory appears atomically; an interrupted
+run leaves ``.NAME.usaf-partial`` and the same command resumes from it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
+from usaf.artifacts.loader import load_verified
+from usaf.artifacts.quantized import (
+    EXPERTS_FILE,
+    QuantizedModelManifest,
+    QuantizedModelSummary,
+    QuantSettingsRecord,
+    TensorQuantRecord,
+)
+from usaf.config import StageConfig
+from usaf.data.hub import resolve_model_dir
+from usaf.errors import UsafError
+from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
+from usaf.families.mapping import load_expert_layer
+from usaf.quant import QuantizedTensor, dequantize, quantize_experts
+from usaf.quant.ptfile import StreamingTorchSave
+from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.quantize_parts import (
+    PARTIAL_SETTINGS,
+    base_shard_plan,
+    copy_model_files,
+    source_record,
+    write_base_shards,
+)
+
+LAYERS_DIR = "layers"
+
+
+class QuantizeConfig(StageConfig):
+    """Settings of ``usaf quantize``."""
+
+    model: str | None = Field(None, description="Model directory or hub id.")
+    out: Path | None = Field(None, description="Output directory [default: WORKSPACE/quantized_model/<time>-<name>].")
+    workspace: Path | None = None
+    method: Literal["hqq", "rtn"] = Field("hqq", description="hqq (half-quadratic) or rtn (min-max round-to-nearest).")
+    nbits: Literal[2, 3, 4, 8] = Field(4, description="Bits per expert weight.")
+    group_size: int = Field(128, ge=8, le=4096, description="Weights per scale/zero along the input axis.")
+    device: str = Field("auto", description="Where to quantize: auto|cpu|cuda|cuda:N|mps|directml.")
+    resume: bool = Field(False, description="Accept an existing complete --out made with these settings.")
+    force: bool = Field(False, description="Replace an existing --out and discard a partial run.")
+
+
+def _check_disk_space(target: Path, needed: int) -> None:
+    probe = target.parent if target.parent.exists() else Path.cwd()
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise UsafError(
+            f"--out {target}: {free / 2**30:.1f} GiB free on that disk, about {needed / 2**30:.1f} GiB needed",
+            "free some space or pass --out on another disk",
+        )
+
+
+def _estimate_note(layer_tensor: torch.Tensor, config: QuantizeConfig, device: torch.device, slices: int) -> str:
+    """Quantize one expert slice to time it, and extrapolate to the whole model."""
+    one = layer_tensor[:1].float()
+    start = time.perf_counter()
+    quantize_experts(one, method=config.method, nbits=config.nbits, group_size=config.group_size, device=device)
+    per_slice = time.perf_counter() - start
+    total = per_slice * slices
+    hours, rest = divmod(int(total), 3600)
+    hint = "; --method rtn is much faster on CPU" if config.method == "hqq" else ""
+    return (
+        f"estimated {hours}h{rest // 60:02d}m{rest % 60:02d}s on CPU for {slices} expert slices "
+        f"({per_slice:.2f} s per {list(one.shape[1:])} slice, {config.method}){hint}"
+    )
+
+
+def _save_layer(path: Path, entries: dict[str, QuantizedTensor], errors: dict[str, float]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_layer(path: Path) -> dict[str, Any] | None:
+    """A finished layer file, or None if it is absent or unreadable (then it is redone)."""
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception:  # a file cut short by a crash: redo the layer
+        return None
+
+
+def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[QuantizedModelManifest, Path]:
+    """Quantize ``config.model``'s experts; returns the manifest and the output directory."""
+    from usaf.backends import resolve_backend
+
+    progress = progress or NullProgress()
+    if config.model is None:
+        raise UsafError("MODEL is required: a model directory or hub id", "e.g. usaf quantize Qwen/Qwen3-30B-A3B")
+    model_dir = resolve_model_dir(config.model)
+    spec = resolve_family(load_model_config(model_dir))
+    infos = read_checkpoint(model_dir)
+    plan = map_checkpoint(model_dir, spec)
+    source = source_record(config.model, model_dir, spec, infos)
+    backend = resolve_backend(None if config.device == "auto" else config.device)
+
+    out = Path(config.out or default_output(workspace_dir(config.workspace), "quantized_model", model_dir.name))
+    settings = {
+        "source": source.fingerprint,
+        "method": config.method,
+        "nbits": config.nbits,
+        "group_size": config.group_size,
+    }
+    if out.exists():
+        if config.resume and not config.force:
+            manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
+            s = manifest.summary
+            done = (s.source.fingerprint, s.quant.method, s.quant.nbits, s.quant.group_size_requested)
+            if done != tuple(settings.values()):
+                raise UsafError(
+                    f"--out {out}: holds a quantization of another model or with other settings",
+                    "pass --force to replace it, or another --out",
+                )
+            progress.note(f"{out} is already complete; nothing to do")
+            return manifest, out
+        if not config.force:
+            raise UsafError(f"--out {out}: already exists", "pass --resume to accept it, --force to replace it")
+
+    experts_source_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
+    shards = base_shard_plan(plan, infos)
+    base_bytes = sum(infos[n].nbytes for shard in shards for n in shard.disk_names)
+    # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
+    _check_disk_space(out, int(experts_source_bytes * (config.nbits / 16 + 0.1) * 2 + base_bytes))
+
+    partial = ArtifactWriter.partial_dir(out)
+    if partial.is_dir():
+        previous = partial / PARTIAL_SETTINGS
+        same = previous.is_file() and json.loads(previous.read_text()) == settings
+        if config.force or not same:
+            if not same and not config.force:
+                raise UsafError(
+                    f"--out {out}: an interrupted run with other settings or another model left {partial}",
+                    "rerun with its settings to resume it, or pass --force to discard it",
+                )
+            shutil.rmtree(partial)
+
+    try:
+        with ArtifactWriter(out, overwrite=config.force, resumable=True) as art:
+            (art.dir / PARTIAL_SETTINGS).write_text(json.dumps(settings))
+            if art.resumed:
+                progress.note(f"resuming the interrupted run in {art.dir}")
+            records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
+            write_base_shards(shards, model_dir, infos, art.dir, progress)
+            _assemble_experts(plan, art.dir, progress)
+            copy_model_files(model_dir, art.dir)
+            (art.dir / PARTIAL_SETTINGS).unlink()
+            summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
+            manifest = art.commit(
+                QuantizedModelManifest,
+                inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
+                config=config.model_dump(mode="json"),
+                environment=current_environment(**_env(backend)),
+                summary=summary,
+            )
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise UsafError(f"--out {out}: no space left on the disk", "free some space and rerun to resume") from None
+        raise
+    return manifest, art.target
+
+
+def _weight_tensors(layer: Any) -> list[Any]:
+    """The layer's fused expert weight plans (gate_up, down); biases are kept, not quantized."""
+    return [t for t in layer.tensors if t.role in ("gate_up", "down")]
+
+
+def _source_bytes(layer: Any, infos: dict, target: str | None = None) -> int:
+    return sum(infos[n].nbytes for t in _weight_tensors(layer) if target in (None, t.target) for n in t.source_names)
+
+
+def _env(backend: Any) -> dict[str, Any]:
+    return {"backend": backend.name, "device": str(backend.device), "dtype": "float32"}
+
+
+def _quantize_layers(
+    config: QuantizeConfig,
+    plan: Any,
+    model_dir: Path,
+    infos: dict,
+    work: Path,
+    device: torch.device,
+    progress: Progress,
+) -> tuple[list[TensorQuantRecord], str]:
+    """Quantize every MoE layer not already saved in ``work/layers``; returns per-tensor records and the packing."""
+    layers_dir = work / LAYERS_DIR
+    layers_dir.mkdir(exist_ok=True)
+    total_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
+    estimated = device.type != "cpu"  # the estimate is only printed for CPU runs
+    records: list[TensorQuantRecord] = []
+    packing = ""
+    progress.start("quantizing experts", total_bytes, "bytes")
+    for done, layer in enumerate(plan.experts, start=1):
+        layer_bytes = _source_bytes(layer, infos)
+        path = layers_dir / f"layer-{layer.layer:05d}.pt"
+        saved = _load_layer(path)
+        if saved is None:
+            fused = load_expert_layer(model_dir, layer, infos)  # in-memory name -> fused tensor
+            weights = {t.target: fused[t.target] for t in _weight_tensors(layer)}
+            if not estimated:
+                slices = len(plan.experts) * len(weights) * layer.num_experts
+                progress.note(_estimate_note(next(iter(weights.values())), config, device, slices))
+                estimated = True
+            entries, errors = {}, {}
+            for name, w in weights.items():
+                q = quantize_experts(
+                    w,
+                    method=config.method,
+                    nbits=config.nbits,
+                    group_size=config.group_size,
+                    transposed=layer.layout.transposed,
+                    device=device,
+                )
+                entries[name] = q
+                errors[name] = _relative_error(w, q)
+            _save_layer(path, entries, errors)
+            saved = {"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors}
+            del fused, weights, entries
+        for name, entry in saved["entries"].items():
+            q = QuantizedTensor.from_dict(entry, name=name)
+            packing = q.packing
+            records.append(
+                TensorQuantRecord(
+                    name=name,
+                    layer=layer.layer,
+                    shape=list(q.memory_shape),
+                    group_size=q.group_size,
+                    params=q.shape[0] * q.shape[1] * q.shape[2],
+                    source_bytes=_source_bytes(layer, infos, name),
+                    quantized_bytes=q.nbytes,
+                    rel_error=float(saved["errors"][name]),
+                )
+            )
+        progress.advance(layer_bytes, layers=done)
+    progress.finish()
+    return records, packing
+
+
+def _relative_error(w: torch.Tensor, q: QuantizedTensor) -> float:
+    """||W - deq||_F / ||W||_F, one expert at a time (memory: one expert slice)."""
+    num = den = 0.0
+    for e in range(q.shape[0]):
+        ref = w[e].float()
+        diff = dequantize(q, experts=[e])[0] - ref
+        num += float(diff.pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+def _assemble_experts(plan: Any, work: Path, progress: Progress) -> None:
+    """Stream every layer file into one ``experts_q4.pt`` (one layer in memory), then drop ``layers/``."""
+    layers_dir = work / LAYERS_DIR
+    progress.start(f"writing {EXPERTS_FILE}", len(plan.experts), "layers")
+    with StreamingTorchSave(work / EXPERTS_FILE) as archive:
+        for layer in plan.experts:
+            saved = torch.load(layers_dir / f"layer-{layer.layer:05d}.pt", weights_only=True)
+            for name, entry in saved["entries"].items():
+                archive.add(name, entry)
+            progress.advance(1)
+    progress.finish()
+    shutil.rmtree(layers_dir)
+
+
+def _summary(
+    config: QuantizeConfig,
+    source: Any,
+    plan: Any,
+    infos: dict,
+    records: list[TensorQuantRecord],
+    packing: str,
+    experts_source_bytes: int,
+    work: Path,
+    shards: list,
+) -> QuantizedModelSummary:
+    quantized_bytes = sum(r.quantized_bytes for r in records)
+    kept = [n for shard in shards for n in shard.disk_names]
+    base_bytes = sum(p.stat().st_size for p in work.glob("base-*.safetensors"))
+    errors = [r.rel_error for r in records]
+    if not records:
+        raise UsafError("no expert tensors were quantized", "the model has no MoE layers usaf recognises")
+    return QuantizedModelSummary(
+        source=source,
+        quant=QuantSettingsRecord(
+            method=config.method,
+            nbits=config.nbits,
+            group_size_requested=config.group_size,
+            packing=packing,
+            device=config.device,
+        ),
+        moe_layers=[layer.layer for layer in plan.experts],
+        tensors=records,
+        tensors_quantized=len(records),
+        params_quantized=sum(r.params for r in records),
+        tensors_kept=len(kept),
+        params_kept=sum(infos[n].numel for n in kept),
+        tensors_ignored=sorted(plan.ignored),
+        experts_source_bytes=experts_source_bytes,
+        experts_quantized_bytes=quantized_bytes,
+        base_bytes=base_bytes,
+        compression_ratio=experts_source_bytes / max(quantized_bytes, 1),
+        mean_rel_error=sum(errors) / len(errors),
+        max_rel_error=max(errors),
+        group_sizes_adjusted=[f"{r.name}: {r.group_size}" for r in records if r.group_size != config.group_size],
+    )

@@ -1,0 +1,12 @@
+"""Formatting quantities for people."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``; binary units, one decimal."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

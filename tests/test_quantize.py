@@ -1,0 +1,282 @@
+"""`usaf quantize` end to end: every family, weights_only loading, equivalence with transformers' own
+fused tensors, resume after interruption, and every bad input's message and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import FAMILIES
+from helpers import invoke, leftovers
+from usaf.artifacts import QuantizedModelManifest, load_verified
+from usaf.families import load_model_config, resolve_family
+from usaf.families.convert import gate_up_halves
+from usaf.quant import QuantizedTensor, dequantize
+
+# 4-bit min-max / HQQ on random-normal weights with group 8..32: ~0.08-0.12 relative error.
+MAX_REL_ERROR_4BIT = 0.2
+
+
+def quantize(*args, env=None):
+    return invoke("quantize", *args, env=env)
+
+
+def assert_clean_failure(result, out: Path, *needles: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+    assert not out.exists()
+    assert not any(p.name.endswith(".usaf-partial") for p in out.parent.iterdir()), list(out.parent.iterdir())
+    assert leftovers(out.parent) == []
+
+
+def load_experts(out: Path) -> dict[str, QuantizedTensor]:
+    raw = torch.load(out / "experts_q4.pt", weights_only=True)
+    return {name: QuantizedTensor.from_dict(entry, name=name) for name, entry in raw.items()}
+
+
+def base_tensors(out: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((out / "base.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for file in sorted(set(index.values())):
+        with safe_open(str(out / file), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    assert set(tensors) == set(index)
+    return tensors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_matches_transformers_fused_tensors(family, tiny_model, loaded_model, tmp_path):
+    source = tiny_model(family, tokenizer=True)
+    out = tmp_path / "q"
+    result = quantize(source, "--out", out, "--method", "rtn", "--group-size", "8")
+    assert result.exit_code == 0, result.output
+    manifest = load_verified(out, QuantizedModelManifest)
+    model = loaded_model(family, tokenizer=True)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    spec = resolve_family(load_model_config(source))
+    experts = load_experts(out)
+    assert set(experts) == {n for i in spec.moe_layers for n in (spec.gate_up_name(i), spec.down_name(i))}
+    for name, q in experts.items():
+        reference = params[name].detach().float()
+        restored = dequantize(q)
+        assert restored.shape == reference.shape, name
+        error = ((restored - reference).norm() / reference.norm()).item()
+        assert error < MAX_REL_ERROR_4BIT, (name, error)
+        if name.endswith("gate_up_proj"):  # negative control: gate and up swapped must not pass
+            gate, up = gate_up_halves(restored, spec.layout)
+            swapped = restored.clone()
+            s_gate, s_up = gate_up_halves(swapped, spec.layout)
+            s_gate.copy_(up)
+            s_up.copy_(gate)
+            swapped_error = ((swapped - reference).norm() / reference.norm()).item()
+            assert swapped_error > 5 * error and swapped_error > 0.5, (name, swapped_error)
+    # Every other tensor is stored exactly, under its in-memory name, in its own dtype.
+    base = base_tensors(out)
+    expected = {n: t for n, t in {**params, **buffers}.items() if n not in experts and n in base}
+    missing = set(params) - set(experts) - set(base)
+    assert not missing, missing
+    for name, tensor in expected.items():
+        assert torch.equal(base[name], tensor.detach()), name
+    # Source files carried over byte for byte; counts add up to the model's parameters.
+    assert (out / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    assert (out / "tokenizer.json").is_file()
+    s = manifest.summary
+    assert s.tensors_quantized == 2 * len(spec.moe_layers)
+    assert s.params_quantized + s.params_kept >= sum(p.numel() for p in params.values())
+    assert s.compression_ratio > 2.5  # fp32 tiny model, 4-bit codes + fp16 scales every 8 weights
+    assert 0 < s.mean_rel_error <= s.max_rel_error < MAX_REL_ERROR_4BIT
+
+
+def test_hqq_default_beats_rtn_and_reports_estimate(tiny_model, tmp_path):
+    source = tiny_model("qwen3_moe")
+    errors = {}
+    for method in ("hqq", "rtn"):
+        out = tmp_path / method
+        result = quantize(source, "--out", out, "--method", method, "--group-size", "32")
+        assert result.exit_code == 0, result.output
+        assert "estimated" in result.stderr  # CPU runs say what they will cost before starting
+        errors[method] = load_verified(out, QuantizedModelManifest).summary.mean_rel_error
+    assert errors["hqq"] < errors["rtn"], errors
+
+
+def test_group_size_adjusted_to_divide_the_input_width(tiny_model, tmp_path):
+    source = tiny_model("qwen3_moe")  # hidden 32, expert width 24: 128 divides neither
+    out = tmp_path / "q"
+    result = quantize(source, "--out", out, "--method", "rtn")
+    assert result.exit_code == 0, result.output
+    s = load_verified(out, QuantizedModelManifest).summary
+    groups = {r.name.rsplit(".", 1)[-1]: r.group_size for r in s.tensors}
+    assert groups == {"gate_up_proj": 32, "down_proj": 24}
+    assert len(s.group_sizes_adjusted) == s.tensors_quantized
+    assert "group size adjusted" in result.stdout
+
+
+def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, monkeypatch):
+    import usaf.stages.quantize as stage
+
+    source = tiny_model("qwen3_moe", num_layers=4)
+    straight = tmp_path / "straight"
+    assert quantize(source, "--out", straight, "--method", "rtn", "--group-size", "8").exit_code == 0
+
+    saved = []
+    real = stage._save_layer
+
+    def interrupt_after_two_layers(path, *args):
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+        saved.append(path.name)
+        return real(path, *args)
+
+    monkeypatch.setattr(stage, "_save_layer", interrupt_after_two_layers)
+    resumed = tmp_path / "resumed"
+    result = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8")
+    assert result.exit_code == 130 and not resumed.exists()
+    partial = tmp_path / ".resumed.usaf-partial"
+    assert sorted(p.name for p in (partial / "layers").iterdir()) == ["layer-00000.pt", "layer-00001.pt"]
+
+    saved.clear()
+    monkeypatch.setattr(stage, "_save_layer", lambda path, *a: saved.append(path.name) or real(path, *a))
+    result = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8")
+    assert result.exit_code == 0, result.output
+    assert "resuming" in result.stderr
+    assert saved == ["layer-00002.pt", "layer-00003.pt"]  # layers 0 and 1 were not quantized again
+    assert not partial.exists()
+    for name in ["experts_q4.pt", *(p.name for p in straight.glob("base-*.safetensors"))]:
+        assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+def test_existing_output_resume_and_force(tiny_model, tmp_path):
+    source = tiny_model("olmoe")
+    out = tmp_path / "q"
+    assert quantize(source, "--out", out, "--method", "rtn").exit_code == 0
+    result = quantize(source, "--out", out, "--method", "rtn")
+    assert result.exit_code == 2 and "already exists" in result.stderr and "--resume" in result.stderr
+    result = quantize(source, "--out", out, "--method", "rtn", "--resume")
+    assert result.exit_code == 0 and "already complete" in result.stderr
+    result = quantize(source, "--out", out, "--method", "rtn", "--nbits", "8", "--resume")
+    assert result.exit_code == 2 and "other settings" in result.stderr
+    result = quantize(source, "--out", out, "--method", "rtn", "--nbits", "8", "--force")
+    assert result.exit_code == 0
+    assert load_verified(out, QuantizedModelManifest).summary.quant.nbits == 8
+
+
+def test_partial_run_with_other_settings_is_not_mixed_in(tiny_model, tmp_path):
+    source = tiny_model("mixtral")
+    out = tmp_path / "q"
+    partial = tmp_path / ".q.usaf-partial"
+    partial.mkdir()
+    (partial / "partial-settings.json").write_text(json.dumps({"source": "other"}))
+    result = quantize(source, "--out", out, "--method", "rtn")
+    assert result.exit_code == 2 and "--force" in result.stderr and partial.exists()
+    assert quantize(source, "--out", out, "--method", "rtn", "--force").exit_code == 0
+    assert not partial.exists()
+
+
+def test_default_output_goes_to_the_workspace(tiny_model, tmp_path):
+    result = quantize(tiny_model("qwen3_moe"), "--method", "rtn", "--workspace", tmp_path, "--json")
+    assert result.exit_code == 0, result.output
+    path = Path(json.loads(result.stdout)["path"])
+    assert path.parent == tmp_path / "quantized_model"
+
+
+def test_hub_id_from_a_prepopulated_offline_cache(tiny_model, tmp_path):
+    """A hub id resolves through HF_HOME's cache with HF_HUB_OFFLINE=1 (no network)."""
+    snapshot = tmp_path / "hf" / "hub" / "models--usaf-test--tiny-moe" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model("qwen3_moe", tokenizer=True), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "q"
+    cmd = [sys.executable, "-m", "usaf", "quantize", "usaf-test/tiny-moe", "--out", str(out), "--method", "rtn"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert load_verified(out, QuantizedModelManifest).summary.source.model == "usaf-test/tiny-moe"
+    proc = subprocess.run(
+        [*cmd[:4], "usaf-test/absent", "--out", str(tmp_path / "x")], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "not in the local Hugging Face cache" in proc.stderr
+
+
+# ---- bad input: one clear line, exit 2, no final or partial directory --------------------------------
+
+
+def test_not_a_moe_model(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "q"
+    assert_clean_failure(quantize(tmp_path / "llama", "--out", out), out, "unsupported model", "model_type=llama")
+
+
+def test_missing_and_truncated_shards(tiny_model, tmp_path):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model("qwen3_moe", max_shard_size="20KB"), sharded)
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 2
+    out = tmp_path / "q"
+    shards[1].unlink()
+    assert_clean_failure(quantize(sharded, "--out", out), out, "missing", shards[1].name)
+    single = tmp_path / "single"
+    shutil.copytree(tiny_model("qwen3_moe"), single)
+    weights = single / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert_clean_failure(quantize(single, "--out", out), out, "model.safetensors", "truncated")
+
+
+def test_shape_disagreeing_with_config(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3_moe"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["moe_intermediate_size"] = 16  # the checkpoint's experts are 24 wide
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "q"
+    assert_clean_failure(quantize(model, "--out", out), out, "does not match", "gate_proj.weight", "expected")
+
+
+def test_no_space_left(tiny_model, tmp_path, monkeypatch):
+    import usaf.stages.quantize as stage
+
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**6, 10**6 - 10, 10))
+    out = tmp_path / "q"
+    assert_clean_failure(quantize(tiny_model("qwen3_moe"), "--out", out), out, "--out", "GiB free", "needed")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--nbits", "5"], ["--nbits = 5"]),
+        (["--method", "gptq"], ["--method = 'gptq'"]),
+        (["--group-size", "0"], ["--group-size = 0"]),
+        (["--device", "tpu"], ["--device"]),
+    ],
+)
+def test_bad_values(tiny_model, tmp_path, args, needles):
+    out = tmp_path / "q"
+    assert_clean_failure(quantize(tiny_model("qwen3_moe"), "--out", out, *args), out, *needles)
+
+
+def test_missing_model_argument(tmp_path):
+    out = tmp_path / "q"
+    assert_clean_failure(quantize("--out", out), out, "MODEL is required")
+    assert_clean_failure(quantize(tmp_path / "nope", "--out", out), out, "no such directory")
