@@ -45,3 +45,24 @@ def loaded_model(tiny_model):
         return cache[path]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def quantized(tiny_model, tmp_path_factory):
+    """``quantized(family, **build_kwargs) -> Path`` of an RTN 4-bit quantization (cached)."""
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+
+    cache = {}
+    root = tmp_path_factory.mktemp("quantized")
+
+    def get(family: str, **kwargs):
+        key = (family, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            source = tiny_model(family, **kwargs)
+            _, cache[key] = quantize(
+                QuantizeConfig(model=str(source), out=root / f"{family}-{len(cache)}", method="rtn", group_size=8)
+            )
+        return cache[key]
+
+    return get

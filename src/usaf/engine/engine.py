@@ -1,0 +1,285 @@
+"""``SparseEngine``: what ``score``, ``train`` and ``eval`` drive.
+
+It owns the choice of trainable layers (resident dequantized bases, sparse deltas, fp32 routers), the
+loss (token-weighted cross-entropy, plus the model's own load-balancing loss and a router z-loss when
+asked), dense-score passes, the frozen-prefix runner, per-layer expert-load statistics and memory
+accounting. It never prints and never touches files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from usaf.engine.deltas import SparseDelta
+from usaf.engine.experts import ExpertWeight
+from usaf.engine.loading import LoadedModel
+from usaf.engine.prefix import PrefixRunner
+from usaf.engine.scores import ScoreAccumulator
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor  # what backward() is called on
+    ce: torch.Tensor  # token-weighted mean cross-entropy
+    aux: torch.Tensor | None  # the model's own load-balancing loss (unscaled)
+    z: torch.Tensor | None  # router z-loss (unscaled)
+    tokens: int  # scored tokens
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    tokens_per_expert: list[int]
+    entropy: float  # of the expert-load distribution, in nats (max: log E)
+    max_share: float
+    dead_experts: int
+
+
+class SparseEngine:
+    """Sparse fine-tuning of a quantized MoE model's top layers.
+
+    Args:
+        loaded: the model from :func:`usaf.engine.loading.load_quantized_model`.
+        trainable_layers: MoE layers whose expert deltas (and routers) train.
+        train_router: also train those layers' router weights (dense, fp32).
+        aux_loss_coef: weight of the model's own load-balancing loss in :meth:`loss`.
+        z_loss_coef: weight of the router z-loss (mean squared logsumexp of router logits).
+        resident_device: where trainable layers' dequantized bases live (default: the model's device).
+        pin_resident: keep them in pinned host memory instead (streamed to the device per expert).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        trainable_layers: Sequence[int],
+        train_router: bool = True,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        resident_device: torch.device | None = None,
+        pin_resident: bool = False,
+    ) -> None:
+        spec = loaded.spec
+        bad = sorted(set(trainable_layers) - set(spec.moe_layers))
+        if bad or not trainable_layers:
+            raise ValueError(
+                f"trainable layers must be MoE layers {list(spec.moe_layers)}; got {list(trainable_layers)}"
+            )
+        self.loaded = loaded
+        self.model = loaded.model
+        self.spec = spec
+        self.trainable_layers = tuple(sorted(trainable_layers))
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.weights: dict[str, ExpertWeight] = {}  # in-memory name -> trainable expert tensor
+        for layer in self.trainable_layers:
+            state = loaded.experts[layer]
+            for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
+                weight.make_resident(resident_device, pin=pin_resident)
+                self.weights[name] = weight
+        self.routers: dict[str, nn.Parameter] = {}
+        self.router_anchors: dict[str, torch.Tensor] = {}
+        if train_router:
+            for layer in self.trainable_layers:
+                for name in spec.router_names(layer):
+                    module_name, _, attr = name.rpartition(".")
+                    module = self.model.get_submodule(module_name)
+                    if attr not in module._parameters:
+                        continue  # e.g. DeepSeek's e_score_correction_bias: a buffer, not trained
+                    master = nn.Parameter(module._parameters[attr].detach().float().clone(), requires_grad=True)
+                    module._parameters[attr] = master
+                    self.routers[name] = master
+                    self.router_anchors[name] = master.detach().clone()
+        first = self.trainable_layers[0]
+        self.prefix = PrefixRunner(self.model.model.layers, first) if first > 0 else None
+
+    # -- deltas ----------------------------------------------------------------------------------
+
+    def set_deltas(self, selection: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor] | None = None):
+        """Install a sparse delta per trainable tensor: sorted flat indices into its ``(E, O, I)``."""
+        unknown = set(selection) - set(self.weights)
+        if unknown:
+            raise KeyError(f"not trainable tensors: {sorted(unknown)}")
+        for name, weight in self.weights.items():
+            indices = selection.get(name)
+            if indices is None:
+                weight.delta = None
+                continue
+            vals = None if values is None else values.get(name)
+            device = weight.resident.device if weight.resident is not None else None
+            weight.delta = SparseDelta(weight.shape, indices, vals).to(device)
+
+    def deltas(self) -> dict[str, SparseDelta]:
+        return {name: w.delta for name, w in self.weights.items() if w.delta is not None}
+
+    def parameter_groups(self, *, lr: float, router_lr: float, weight_decay: float) -> list[dict]:
+        """Groups for :class:`usaf.engine.optim.SparseAdamW`.
+
+        Deltas decay toward 0 (that is, toward the base weight); routers toward their pretrained weights.
+        """
+        groups = [
+            {
+                "name": "deltas",
+                "params": [d.values for d in self.deltas().values()],
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "anchor": None,
+            },
+        ]
+        if self.routers:
+            groups.append(
+                {
+                    "name": "routers",
+                    "params": list(self.routers.values()),
+                    "lr": router_lr,
+                    "weight_decay": weight_decay,
+                    "anchor": [self.router_anchors[n] for n in self.routers],
+                }
+            )
+        return groups
+
+    # -- the loss ------------------------------------------------------------------------------------
+
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        prefix_states: torch.Tensor | None = None,
+    ) -> LossParts:
+        """Token-weighted next-token cross-entropy (labels unshifted, -100 ignored) + router losses.
+
+        ``prefix_states (B, T, H)``: the hidden states entering the first trainable layer (from
+        :meth:`prefix_states`); the frozen layers below are then not run.
+        """
+        want_router_logits = self.aux_loss_coef > 0 or self.z_loss_coef > 0
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        if want_router_logits:
+            kwargs["output_router_logits"] = True
+        if prefix_states is not None:
+            if self.prefix is None:
+                raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+            with self.prefix.injecting(prefix_states):
+                outputs = self.model(**kwargs)
+        else:
+            outputs = self.model(**kwargs)
+        logits = outputs.logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
+        targets = labels[:, 1:]
+        tokens = int((targets != IGNORE_INDEX).sum())
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        ) / max(tokens, 1)
+        loss, aux, z = ce, None, None
+        if self.aux_loss_coef > 0:
+            aux = getattr(outputs, "aux_loss", None)
+            if aux is None:
+                raise ValueError(f"{self.spec.model_type} computes no load-balancing loss; pass aux_loss_coef=0")
+            loss = loss + self.aux_loss_coef * aux
+        if self.z_loss_coef > 0:
+            z = self._z_loss(outputs.router_logits)
+            loss = loss + self.z_loss_coef * z
+        return LossParts(loss, ce, aux, z, tokens)
+
+    def _z_loss(self, router_logits: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Mean squared logsumexp of the trainable layers' router logits (ST-MoE's z-loss)."""
+        per_layer = [logits for logits in router_logits if logits is not None]
+        chosen = [per_layer[self.spec.moe_layers.index(layer)] for layer in self.trainable_layers]
+        return torch.stack([torch.logsumexp(x.float(), dim=-1).pow(2).mean() for x in chosen]).mean()
+
+    @torch.no_grad()
+    def prefix_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states ``(B, T, H)`` entering the first trainable layer (what the prefix cache stores)."""
+        if self.prefix is None:
+            raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+        return self.prefix.capture(self.model, input_ids, attention_mask)
+
+    # -- dense scores ----------------------------------------------------------------------------------
+
+    def dense_scores(
+        self,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        *,
+        candidates: int | Mapping[str, int],
+        statistic: str = "grad",
+        exact: bool = False,
+    ) -> dict[str, ScoreAccumulator]:
+        """Accumulate a per-weight importance statistic over ``batches`` (input_ids, labels, mask).
+
+        Each trainable tensor's dense gradient exists one expert slice at a time inside the backward
+        and is reduced immediately into a :class:`ScoreAccumulator` of ``candidates`` entries.
+        """
+        accumulators = {}
+        for name, weight in self.weights.items():
+            k = candidates if isinstance(candidates, int) else candidates[name]
+            acc = ScoreAccumulator(weight.shape, k, statistic, exact=exact)
+            accumulators[name] = acc
+            weight.score_sink = acc.sink
+        try:
+            for input_ids, labels, mask in batches:
+                self.model.zero_grad(set_to_none=True)
+                self.loss(input_ids, labels, mask).loss.backward()
+                for acc in accumulators.values():
+                    acc.end_batch()
+        finally:
+            for weight in self.weights.values():
+                weight.score_sink = None
+            self.model.zero_grad(set_to_none=True)
+            for delta in self.deltas().values():
+                delta.values.grad = None
+        return accumulators
+
+    # -- statistics ------------------------------------------------------------------------------------
+
+    def load_stats(self, *, reset: bool = True) -> dict[int, LayerLoad]:
+        """Per MoE layer: tokens per expert since the last reset, load entropy, max share, dead experts."""
+        stats = {}
+        for layer, state in self.loaded.experts.items():
+            counts = state.tokens_per_expert.clone()
+            total = int(counts.sum())
+            shares = counts.double() / max(total, 1)
+            nonzero = shares[shares > 0]
+            entropy = float(-(nonzero * nonzero.log()).sum()) if total else 0.0
+            stats[layer] = LayerLoad(
+                counts.tolist(), entropy, float(shares.max()) if total else 0.0, int((counts == 0).sum())
+            )
+            if reset:
+                state.tokens_per_expert.zero_()
+        return stats
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by component: 4-bit experts, resident bases, deltas, routers (fp32 masters), other weights."""
+        quantized = resident = delta = 0
+        for state in self.loaded.experts.values():
+            for weight in (state.gate_up, state.down):
+                sizes = weight.nbytes()
+                quantized += sizes["quantized"]
+                resident += sizes["resident"]
+                delta += sizes["delta"]
+        routers = sum(p.numel() * 4 for p in self.routers.values())
+        other = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        return {
+            "experts_4bit": quantized,
+            "resident_bases": resident,
+            "deltas": delta,
+            "routers": routers,
+            "other_weights": other - routers,
+        }
+
+    def trainable_count(self) -> dict[str, int]:
+        return {
+            "delta_entries": sum(d.nnz for d in self.deltas().values()),
+            "router_params": sum(p.numel() for p in self.routers.values()),
+        }
+
+
+def budget(shape: tuple[int, int, int], frac: float) -> int:
+    """Entries a per-tensor budget of ``frac`` gives a tensor of ``shape`` (at least 1)."""
+    return max(1, math.floor(frac * shape[0] * shape[1] * shape[2]))

@@ -1,0 +1,143 @@
+"""The MoE experts computation usaf plugs into transformers: 4-bit bases, resident bases, sparse deltas.
+
+transformers v5 dispatches every MoE layer's experts forward through its experts-implementation
+registry (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``, chosen by
+``config._experts_implementation``). usaf registers one more implementation, ``"usaf"``, and attaches
+its per-layer state to each experts module instance (``module.usaf_experts``). Everything else — the
+attention, the router, the family's gating (``module._apply_gate``: SwiGLU, gpt-oss's clamped
+variant), biases, shared experts — stays transformers' own code. Nothing global is patched: the
+registry is transformers' extension point, and a model not built by usaf never selects ``"usaf"``.
+
+Weights are held in the quantized tensor's stored orientation ``(E, O, I)`` (out-major) and applied as
+``x @ W_e^T``; for gpt-oss, whose in-memory weights are input-major, that is the same product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from usaf.engine.deltas import SparseDelta
+from usaf.engine.sparse_linear import sparse_delta_linear
+from usaf.quant import QuantizedTensor, dequantize
+
+IMPLEMENTATION = "usaf"
+
+ScoreSinkFactory = Callable[[int], Callable[[torch.Tensor, torch.Tensor], None]]
+
+
+class ExpertWeight(nn.Module):
+    """One fused expert tensor of one layer: a 4-bit base, optionally resident, optionally a sparse delta.
+
+    Frozen layers dequantize only the experts a batch routes to, on every forward. Trainable layers
+    keep a resident dequantized base ``(E, O, I)`` in the compute dtype (made once), and may carry a
+    :class:`SparseDelta` whose values train.
+    """
+
+    def __init__(self, q: QuantizedTensor, *, compute_dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.shape = q.shape  # (E, O, I)
+        self.compute_dtype = compute_dtype
+        self.q = q.to(device)
+        self.resident: torch.Tensor | None = None
+        self.delta: SparseDelta | None = None
+        self.score_sink: ScoreSinkFactory | None = None  # dense-score mode: expert -> sink
+
+    def make_resident(self, device: torch.device | None = None, *, pin: bool = False) -> None:
+        """Dequantize every expert once; kept on ``device`` (or pinned host memory) for the run."""
+        base = dequantize(self.q, dtype=self.compute_dtype, memory_layout=False)  # (E, O, I)
+        if pin:
+            base = base.pin_memory()
+        self.resident = base.to(device) if device is not None else base
+
+    def base(self, expert: int, device: torch.device) -> torch.Tensor:
+        """The frozen base of one expert, ``(O, I)``, in the compute dtype on ``device``."""
+        if self.resident is not None:
+            return self.resident[expert].to(device, non_blocking=True)
+        return dequantize(self.q, experts=[expert], dtype=self.compute_dtype, device=device, memory_layout=False)[0]
+
+    def linear(self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (T, I) -> (T, O)`` through expert ``expert``'s base + delta."""
+        weight = self.base(expert, x.device)
+        sink = self.score_sink(expert) if self.score_sink is not None else None
+        if self.delta is None and sink is None:
+            return F.linear(x, weight.to(x.dtype), bias)
+        if self.delta is not None:
+            rows, cols, values = self.delta.expert_entries(expert)
+        else:  # score mode without a delta: an empty trainable set still routes the backward here
+            rows = cols = torch.zeros(0, dtype=torch.int64, device=x.device)
+            values = _EMPTY_VALUES.get(x.device)
+        return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink)
+
+    def nbytes(self) -> dict[str, int]:
+        resident = self.resident.numel() * self.resident.element_size() if self.resident is not None else 0
+        delta = self.delta.nnz * (4 + 8) if self.delta is not None else 0  # fp32 value + int64 index
+        return {"quantized": self.q.nbytes, "resident": resident, "delta": delta}
+
+
+class _EmptyValues:
+    """One zero-size tensor that requires grad per device, so score mode reaches the custom backward."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device not in self._by_device:
+            self._by_device[device] = torch.zeros(0, dtype=torch.float32, device=device, requires_grad=True)
+        return self._by_device[device]
+
+
+_EMPTY_VALUES = _EmptyValues()
+
+
+class LayerExperts(nn.Module):
+    """usaf's state for one MoE layer's experts module: gate_up and down weights, and load statistics."""
+
+    def __init__(self, layer: int, gate_up: ExpertWeight, down: ExpertWeight) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate_up = gate_up
+        self.down = down
+        self.num_experts = gate_up.shape[0]
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # since last reset
+
+    def record_load(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]
+        self.tokens_per_expert += counts.cpu()
+        return counts
+
+
+def usaf_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"usaf"`` experts implementation: ``(T, H) -> (T, H)``, only experts that got tokens do work."""
+    state: LayerExperts | None = getattr(self, "usaf_experts", None)
+    if state is None:
+        raise RuntimeError("experts_implementation='usaf' on a module usaf did not prepare; build it with usaf.engine")
+    out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
+    counts = state.record_load(top_k_index)
+    has_bias = getattr(self, "has_bias", False)
+    for expert in torch.nonzero(counts).flatten().tolist():
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        x = hidden_states[token_idx]  # (t, H)
+        gate_up_bias = self.gate_up_proj_bias[expert] if has_bias else None
+        h = state.gate_up.linear(x, expert, gate_up_bias)  # (t, 2I), the family's own column order
+        h = self._apply_gate(h)  # (t, I)
+        down_bias = self.down_proj_bias[expert] if has_bias else None
+        y = state.down.linear(h, expert, down_bias)  # (t, H)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        y = y * top_k_weights[token_idx, k_pos, None]
+        out = out.index_add(0, token_idx, y.float())
+    return out.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make ``experts_implementation="usaf"`` known to transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, usaf_experts_forward)

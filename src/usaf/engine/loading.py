@@ -1,0 +1,124 @@
+"""Building a transformers model from a usaf quantized-model directory.
+
+The model is built on the meta device from the directory's own ``config.json`` with
+``experts_implementation="usaf"``; non-expert tensors are read from the ``base-*.safetensors`` shards
+(already under their in-memory names) straight into place; each MoE layer's fused expert parameters
+are removed and replaced by usaf's :class:`~usaf.engine.experts.LayerExperts` (4-bit codes, memory-mapped
+from ``experts_q4.pt``). Nothing is allocated at the full size of the experts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from usaf.artifacts import QuantizedModelManifest, load_verified
+from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
+from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
+from usaf.errors import UsafError
+from usaf.families import FamilySpec, load_model_config, resolve_family
+from usaf.quant import QuantizedTensor
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    spec: FamilySpec
+    experts: dict[int, LayerExperts]  # MoE layer index -> usaf's state for it
+    manifest: QuantizedModelManifest
+    path: Path
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = value
+    else:
+        raise UsafError(f"{name}: in the base weights but not in the model", "the quantized directory is inconsistent")
+
+
+def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are computed at construction, so meta ones are rebuilt."""
+    for name, module in model.named_modules():
+        if not any(b is not None and b.is_meta for b in module._buffers.values()):
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise UsafError(f"{name}: has computed buffers usaf cannot rebuild", "report this model type")
+        with torch.device(device):
+            fresh = type(module)(config=config)
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[key] = fresh._buffers[key]
+
+
+def load_quantized_model(
+    path: Path, *, device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32, flag: str = "--model"
+) -> LoadedModel:
+    """Build the model of a ``usaf quantize`` output directory on ``device``.
+
+    Args:
+        path: the quantized-model directory.
+        device: where non-expert weights and expert codes live.
+        compute_dtype: dtype of non-expert weights and of dequantized expert bases.
+        flag: the flag ``path`` came from, for messages.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    device = torch.device(device)
+    manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
+    spec = resolve_family(load_model_config(path))
+    register()
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=compute_dtype)
+
+    from safetensors import safe_open
+
+    weight_map = json.loads((path / BASE_INDEX_FILE).read_text())["weight_map"]
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
+                target_dtype = current.dtype if current.is_floating_point() else None
+                _set_tensor(model, name, f.get_tensor(name).to(dtype=target_dtype))
+
+    raw = torch.load(path / EXPERTS_FILE, weights_only=True, mmap=True)
+    experts: dict[int, LayerExperts] = {}
+    for layer in spec.moe_layers:
+        module = model.get_submodule(spec.experts_prefix(layer))
+        weights = []
+        for name in (spec.gate_up_name(layer), spec.down_name(layer)):
+            if name not in raw:
+                raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
+            q = QuantizedTensor.from_dict(raw[name], name=name)
+            weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=device))
+            delattr(module, name.rsplit(".", 1)[1])  # the meta fused parameter; usaf computes instead
+        module.usaf_experts = LayerExperts(layer, *weights)
+        experts[layer] = module.usaf_experts
+
+    _rebuild_meta_buffers(model, device)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise UsafError(
+            f"{path}: {len(left)} model tensors have no value (e.g. {left[0]})",
+            "the quantized directory is incomplete; re-run usaf quantize",
+        )
+    model.requires_grad_(False)
+    model.eval()
+    return LoadedModel(model, spec, experts, manifest, path)
+
+
+def _is_parameter(model: nn.Module, name: str) -> bool:
+    module_name, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(module_name)._parameters

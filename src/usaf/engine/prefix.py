@@ -1,0 +1,154 @@
+"""The frozen prefix: run the model from cached hidden states, and the cache that holds them.
+
+When every layer below ``start`` is frozen, the hidden state entering layer ``start`` is a pure
+function of the sample, so it is computed once and reused by every later forward. :class:`PrefixRunner`
+does this *inside* the model's own forward, so that attention masks, rotary embeddings and each
+family's quirks stay transformers' code: the prefix layers' ``forward`` is wrapped per instance to
+pass their input through untouched while a cached state is being injected, and a pre-hook on layer
+``start`` swaps its input for the cached state. Capturing works the other way round: a pre-hook on
+layer ``start`` records its input and stops the forward there.
+
+:class:`PrefixCache` keeps states in RAM up to a budget and spills the rest to a memory-mapped file.
+Keys are content hashes (token ids, model fingerprint, ``start``, dtype, library versions), so a
+changed model or setting never reuses a stale state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook: the rest of the forward is not needed."""
+
+
+class PrefixRunner:
+    """Skip layers ``[0, start)`` of ``layers`` by injecting the hidden state that enters ``layers[start]``."""
+
+    def __init__(self, layers: nn.ModuleList, start: int) -> None:
+        if not 0 < start < len(layers):
+            raise ValueError(f"prefix start {start} must be inside 1..{len(layers) - 1}")
+        self.start = start
+        self._inject: torch.Tensor | None = None
+        self._captured: torch.Tensor | None = None
+        self._capturing = False
+        for layer in layers[:start]:
+            original = layer.forward
+
+            def forward(hidden_states: torch.Tensor, *args: Any, _original=original, **kwargs: Any) -> torch.Tensor:
+                if self._inject is not None:
+                    return hidden_states  # skipped: its output is replaced at layer `start` anyway
+                return _original(hidden_states, *args, **kwargs)
+
+            layer.forward = forward  # this instance only; the class is untouched
+        layers[start].register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self._capturing:
+            self._captured = hidden.detach()
+            raise _StopForward
+        if self._inject is None:
+            return None
+        if self._inject.shape != hidden.shape:
+            raise ValueError(f"cached prefix state {tuple(self._inject.shape)} != expected {tuple(hidden.shape)}")
+        injected = self._inject.to(hidden.dtype)
+        if args:
+            return (injected, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": injected}
+
+    @contextlib.contextmanager
+    def injecting(self, hidden: torch.Tensor) -> Iterator[None]:
+        """Within the block, model forwards start at layer ``start`` from ``hidden (B, T, H)``."""
+        self._inject = hidden
+        try:
+            yield
+        finally:
+            self._inject = None
+
+    @torch.no_grad()
+    def capture(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """The hidden state ``(B, T, H)`` entering layer ``start`` for this batch."""
+        self._capturing = True
+        try:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            self._capturing = False
+        captured, self._captured = self._captured, None
+        if captured is None:
+            raise RuntimeError("the forward never reached the prefix boundary layer")
+        return captured
+
+
+def cache_key(tokens: torch.Tensor, *, model_fingerprint: str, start: int, dtype: torch.dtype) -> str:
+    """Content hash of everything the cached state depends on."""
+    import transformers
+
+    digest = hashlib.sha256()
+    digest.update(tokens.to(torch.int64).cpu().numpy().tobytes())
+    digest.update(f"|{tuple(tokens.shape)}|{model_fingerprint}|{start}|{dtype}".encode())
+    digest.update(f"|torch {torch.__version__}|transformers {transformers.__version__}".encode())
+    return digest.hexdigest()
+
+
+class PrefixCache:
+    """Hidden states by key: in RAM up to ``ram_budget_bytes``, then appended to a memory-mapped file."""
+
+    def __init__(self, ram_budget_bytes: int, spill_path: Path | None = None) -> None:
+        self.ram_budget_bytes = ram_budget_bytes
+        self.spill_path = Path(spill_path) if spill_path is not None else None
+        self._ram: dict[str, torch.Tensor] = {}
+        self._spilled: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # key -> (offset, shape, dtype)
+        self._ram_bytes = 0
+        self._spill_bytes = 0
+        self._mmap: np.memmap | None = None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._ram or key in self._spilled
+
+    def __len__(self) -> int:
+        return len(self._ram) + len(self._spilled)
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        return {"ram": self._ram_bytes, "disk": self._spill_bytes}
+
+    def put(self, key: str, state: torch.Tensor) -> None:
+        state = state.detach().contiguous().cpu()
+        size = state.numel() * state.element_size()
+        if self._ram_bytes + size <= self.ram_budget_bytes or self.spill_path is None:
+            self._ram[key] = state
+            self._ram_bytes += size
+            return
+        raw = state.view(torch.uint8).numpy()
+        with self.spill_path.open("ab") as f:
+            offset = f.tell()
+            f.write(raw.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        self._spilled[key] = (offset, tuple(state.shape), state.dtype)
+        self._spill_bytes += size
+        self._mmap = None  # the file grew: remap on the next read
+
+    def get(self, key: str) -> torch.Tensor | None:
+        if key in self._ram:
+            return self._ram[key]
+        if key not in self._spilled:
+            return None
+        offset, shape, dtype = self._spilled[key]
+        if self._mmap is None:
+            self._mmap = np.memmap(self.spill_path, dtype=np.uint8, mode="r")
+        size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        raw = torch.from_numpy(np.array(self._mmap[offset : offset + size]))
+        return raw.view(dtype).reshape(shape)

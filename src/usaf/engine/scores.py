@@ -1,0 +1,446 @@
+"""Streaming importance scores over one fused expert tensor ``(E, O, I)`` (method §3 dense-score mode, §4).
+
+What is accumulated
+-------------------
+The engine hands over one expert slice at a time: the dense weight gradient ``grad (O, I)`` of expert
+``e``, with that slice's base ``weight (O, I)``. Each :meth:`ScoreAccumulator.add` turns the slice into
+a non-negative statistic (``grad``: ``|g|``; ``grad2``: ``g²``; ``grad_x_weight``: ``|w·g|``) and adds
+it to the score of the flat indices ``e*O*I + r*I + c`` (as in :mod:`usaf.engine.deltas`). The score of
+an element is the sum of its statistic over **every slice added** — over K batches, and over the
+microbatches within a batch: two slices of one expert in one batch count as two samples
+(``|g1| + |g2|``, not ``|g1 + g2|``). Summing the microbatch gradients before taking the statistic
+would need a dense buffer for every expert a batch touches, i.e. O(E·O·I); a caller that wants the
+statistic of the whole-batch gradient must sum microbatches itself and add one slice per expert per
+batch. ``counts[e]`` records how many slices of expert ``e`` were added (routing frequency; experts
+that got no tokens produce no slice).
+
+Two modes
+---------
+``exact=True`` keeps a dense fp32 accumulator of the whole tensor: ``4·E·O·I`` bytes (e.g. 1.6 GB for
+one Qwen3-30B-A3B layer's ``gate_up`` tensor, 128 × 1536 × 2048), allocated at the first ``add``.
+Every result is exact (up to fp32 summation order). For tests, tiny models and machines with RAM to
+spare.
+
+The default pooled mode keeps at most ``P = pool_factor × candidates`` (index, score) pairs — 12 bytes
+each — plus ``counts`` and the two halves of ``error_bound`` (16 bytes per expert): O(P + E) memory,
+independent of O·I. One ``add`` of expert ``e`` (transient memory and time O(O·I + P)):
+
+1. Pooled entries of expert ``e`` gather their full contribution from the slice (never truncated).
+2. Of the other entries, only those that could enter the pool are kept: positive, above the pool's
+   minimum once it is full, and at most ``P`` of them (``torch.topk`` on the flattened slice).
+3. Pool and entrants are merged and the ``P`` best by score stay. An evicted entry loses its history:
+   if it re-enters later, it starts from that later contribution.
+
+Zero statistics are never pooled: they carry no evidence, so an expert that was never added has no
+candidates. :func:`merge` unions pools (shared indices add) and keeps the ``P`` best the same way.
+
+Exactness (pooled mode)
+-----------------------
+Contributions are non-negative and are only ever dropped, never invented, so every pooled score is a
+*lower bound* of the element's true total, and an unpooled element's pooled score is 0.
+``error_bound[e]`` is an upper bound on what any element of expert ``e`` may have lost. Split time
+into *epochs* at the adds of expert ``e``: within one epoch an element loses at most one thing —
+either its contribution at the add that opens the epoch (it did not get in) or its pooled score when
+evicted (it cannot be evicted twice without re-entering, and it can only enter at an add of ``e``).
+So ``error_bound[e]`` sums, over the epochs of ``e``, the largest contribution or pooled score of
+``e`` dropped in that epoch, and for every element ``x`` of expert ``e``:
+``pooled(x) <= true(x) <= pooled(x) + error_bound[e]`` (``pooled(x) = 0`` when ``x`` is not pooled).
+
+``top(k)`` (``k <= P``) returns the true top-k with exact scores in any of these cases:
+
+* **No loss**: the union of the supports (entries with a non-zero statistic) of all slices added has
+  at most ``P`` elements. Nothing is truncated or evicted; ``error_bound`` stays 0.
+* **Disjoint contributions**: every element receives a non-zero contribution from at most one
+  ``add`` — e.g. one batch with one slice per expert (no microbatching). Slices of different experts
+  are disjoint, so the pool is the exact running top-P of fixed totals, whatever ``P >= k``.
+* **General sufficient condition**: every element of the true top-k set ``T`` enters the pool at its
+  first non-zero contribution and is never evicted. Then ``T``'s scores are exact and every other
+  pooled score is a lower bound of a total no larger than ``min(T)``.
+
+Otherwise the result is an approximation: an element's score misses whatever it contributed before
+its latest entry into the pool. Elements that are large consistently from the first batches enter
+at once and stay; elements that become large only in late batches, or that hover around the pool
+threshold, are under-scored (by at most ``error_bound[e]``). A larger ``pool_factor`` shrinks the
+loss. :meth:`ScoreAccumulator.certified` checks at run time, from the bounds above, whether the top-k
+set is provably the true one (a sufficient check: ``False`` does not mean the set is wrong).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["STATISTICS", "ScoreAccumulator", "merge", "slice_statistic"]
+
+STATISTICS = ("grad", "grad2", "grad_x_weight")  # |g|, g², |w·g|
+
+
+def slice_statistic(statistic: str, grad: Tensor, weight: Tensor | None = None) -> Tensor:
+    """The non-negative per-element statistic of one slice, as a new fp32 tensor of ``grad``'s shape.
+
+    Args:
+        statistic: one of :data:`STATISTICS`.
+        grad: dense weight gradient of one expert slice, ``(O, I)``, any float dtype.
+        weight: that slice's base weight ``(O, I)``; required for ``grad_x_weight``.
+
+    Returns:
+        ``(O, I)`` fp32; always a fresh tensor (callers may modify it in place).
+    """
+    g = grad.detach().to(torch.float32)
+    if statistic == "grad":
+        return g.abs()
+    if statistic == "grad2":
+        return g * g
+    if statistic == "grad_x_weight":
+        if weight is None:
+            raise ValueError("statistic 'grad_x_weight' needs the slice's base weight")
+        if weight.shape != grad.shape:
+            raise ValueError(f"weight {tuple(weight.shape)} does not match grad {tuple(grad.shape)}")
+        return (weight.detach().to(device=g.device, dtype=torch.float32) * g).abs()
+    raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
+
+
+class ScoreAccumulator:
+    """Accumulated importance of one fused expert tensor ``(E, O, I)``, reduced to a pool of candidates.
+
+    See the module docstring for the algorithm and exactly when results are exact.
+
+    Attributes:
+        shape: ``(E, O, I)``.
+        candidates: the default ``k`` of :meth:`top`.
+        statistic: one of :data:`STATISTICS`.
+        capacity: pool size ``P = min(pool_factor × candidates, E·O·I)``.
+        exact: dense fp32 accumulator instead of the pool.
+        counts: ``(E,)`` int64, slices added per expert (routing frequency).
+        batches: number of :meth:`end_batch` calls.
+        error_bound: ``(E,)`` fp32 (property), upper bound on the score any element of each expert may
+            have lost (always 0 in exact mode).
+        device: where the state lives; ``None`` until the first ``add`` adopts the gradient's device.
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        candidates: int,
+        statistic: str = "grad",
+        *,
+        pool_factor: int = 4,
+        exact: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        num_experts, out_features, in_features = (int(d) for d in shape)
+        if min(num_experts, out_features, in_features) < 1:
+            raise ValueError(f"shape must be positive (E, O, I), got {tuple(shape)}")
+        if statistic not in STATISTICS:
+            raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
+        if candidates < 1 or pool_factor < 1:
+            raise ValueError(f"candidates and pool_factor must be >= 1, got {candidates}, {pool_factor}")
+        if candidates > num_experts * out_features * in_features:
+            raise ValueError(f"candidates {candidates} exceed the {tuple(shape)} tensor's elements")
+        self.shape = (num_experts, out_features, in_features)
+        self.numel = num_experts * out_features * in_features
+        self.candidates = int(candidates)
+        self.statistic = statistic
+        self.pool_factor = int(pool_factor)
+        self.capacity = min(self.pool_factor * self.candidates, self.numel)
+        self.exact = bool(exact)
+        self.device = torch.device(device) if device is not None else None
+        self.batches = 0
+        where = self.device or torch.device("cpu")
+        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=where)
+        # error_bound = closed epochs' losses + the running max loss of each expert's open epoch.
+        self._closed_loss = torch.zeros(num_experts, dtype=torch.float32, device=where)
+        self._epoch_loss = torch.zeros(num_experts, dtype=torch.float32, device=where)
+        self._indices = torch.zeros(0, dtype=torch.int64, device=where)  # (n <= P,) flat, unordered
+        self._scores = torch.zeros(0, dtype=torch.float32, device=where)  # (n,) aligned with _indices
+        self._dense: Tensor | None = None  # (E, O, I) fp32, exact mode only, allocated at first add
+
+    # ------------------------------------------------------------------ accumulation
+
+    @torch.no_grad()
+    def add(self, expert: int, grad: Tensor, weight: Tensor | None = None) -> None:
+        """Add the statistic of one expert slice.
+
+        Args:
+            expert: expert index ``e`` in ``[0, E)``.
+            grad: ``(O, I)`` dense weight gradient of that expert (any float dtype, any device).
+            weight: ``(O, I)`` base weight of the slice; needed for ``grad_x_weight``.
+
+        Raises:
+            ValueError: wrong shape, missing weight, or a non-finite gradient (it would poison the
+                ranking; skip such a batch before adding).
+        """
+        num_experts, out_features, in_features = self.shape
+        expert = int(expert)
+        if not 0 <= expert < num_experts:
+            raise IndexError(f"expert {expert} out of range for {num_experts} experts")
+        if tuple(grad.shape) != (out_features, in_features):
+            raise ValueError(f"grad {tuple(grad.shape)} is not one ({out_features}, {in_features}) expert slice")
+        self._adopt(grad.device)
+        stat = slice_statistic(self.statistic, grad, weight).to(self.device).reshape(-1)  # (O*I,) fp32, ours
+        if not bool(torch.isfinite(stat).all()):
+            raise ValueError(f"non-finite gradient for expert {expert}; skip the batch instead of scoring it")
+        self.counts[expert] += 1
+        if self.exact:
+            self._dense[expert].view(-1).add_(stat)
+        else:
+            self._add_to_pool(expert, stat)
+
+    def sink(self, expert: int) -> Callable[[Tensor, Tensor], None]:
+        """``sink(grad, weight)`` adding one slice of ``expert``.
+
+        ``ScoreAccumulator.sink`` itself is an ``expert -> sink`` factory, the form
+        ``usaf.engine.experts.ExpertWeight.score_sink`` takes.
+        """
+        return lambda grad, weight: self.add(expert, grad, weight)
+
+    def end_batch(self) -> None:
+        """Mark a batch boundary; optional.
+
+        It only counts batches (for reports): the algorithm needs no boundary, because pooled entries
+        take each slice's full contribution as it arrives.
+        """
+        self.batches += 1
+
+    def _adopt(self, device: torch.device) -> None:
+        # The first slice decides where the state lives, so a GPU engine keeps its pool on the GPU.
+        if self.device is None:
+            self.device = torch.device(device)
+            self._to(self.device)
+        if self.exact and self._dense is None:
+            self._dense = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+
+    def _to(self, device: torch.device) -> None:
+        self.counts = self.counts.to(device)
+        self._closed_loss = self._closed_loss.to(device)
+        self._epoch_loss = self._epoch_loss.to(device)
+        self._indices = self._indices.to(device)
+        self._scores = self._scores.to(device)
+        if self._dense is not None:
+            self._dense = self._dense.to(device)
+
+    def _add_to_pool(self, expert: int, stat: Tensor) -> None:
+        per_expert = self.shape[1] * self.shape[2]
+        low = expert * per_expert
+        indices, scores = self._indices, self._scores
+        # An add of this expert opens its next epoch (see the module docstring): close the last one.
+        self._closed_loss[expert] += self._epoch_loss[expert]
+        self._epoch_loss[expert] = 0
+        # 1. Pooled entries of this expert take their whole contribution, however small.
+        mine = ((indices >= low) & (indices < low + per_expert)).nonzero().squeeze(1)  # (m,)
+        local = indices[mine] - low
+        scores.index_add_(0, mine, stat[local])
+        stat[local] = 0  # accounted for: not an entrant
+        # 2. Entrants: only what could enter the pool (positive; above the minimum once it is full).
+        floor = scores.min() if indices.numel() >= self.capacity else stat.new_zeros(())
+        enter = (stat > floor).nonzero().squeeze(1)  # (n,) local flat indices
+        if enter.numel() > self.capacity:
+            enter = enter[stat[enter].topk(self.capacity, sorted=False).indices]
+        entering = stat[enter]
+        stat[enter] = 0
+        lost = stat.max()  # the largest contribution that found no place (0 if none)
+        # 3. Keep the P best of pool + entrants; the rest are evicted with their history.
+        indices, scores, dropped = self._keep_best(torch.cat([indices, enter + low]), torch.cat([scores, entering]))
+        dropped[expert] = torch.maximum(dropped[expert], lost)
+        torch.maximum(self._epoch_loss, dropped, out=self._epoch_loss)
+        self._indices, self._scores = indices, scores
+
+    def _keep_best(self, indices: Tensor, scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The ``capacity`` best of ``(indices, scores)`` and, per expert, the largest score evicted ``(E,)``."""
+        dropped = torch.zeros(self.shape[0], dtype=torch.float32, device=scores.device)
+        excess = indices.numel() - self.capacity
+        if excess <= 0:
+            return indices, scores, dropped
+        # Evict the `excess` smallest: cheaper than a top-P when only a few entrants arrived.
+        evict = scores.topk(excess, largest=False, sorted=False).indices
+        keep = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
+        keep[evict] = False
+        per_expert = self.shape[1] * self.shape[2]
+        dropped.scatter_reduce_(0, indices[evict] // per_expert, scores[evict], reduce="amax")
+        return indices[keep], scores[keep], dropped
+
+    # ------------------------------------------------------------------ results
+
+    @torch.no_grad()
+    def ranked(self) -> tuple[Tensor, Tensor]:
+        """All pooled candidates (exact mode: the ``capacity`` best), by score descending.
+
+        Returns:
+            ``(indices, scores)``: ``(n,)`` int64 flat indices and ``(n,)`` fp32 scores, ``n <= capacity``;
+            only positive scores; equal scores in ascending index order.
+        """
+        if self.exact:
+            if self._dense is None:
+                return self._empty()
+            scores, indices = self._dense.view(-1).topk(self.capacity)
+            positive = scores > 0
+            indices, scores = indices[positive], scores[positive]
+        else:
+            indices, scores = self._indices, self._scores
+        by_index = indices.argsort()
+        indices, scores = indices[by_index], scores[by_index]
+        # Stable sort on score after ordering by index: ties come out in ascending index order.
+        order = scores.sort(descending=True, stable=True).indices
+        return indices[order].clone(), scores[order].clone()
+
+    @torch.no_grad()
+    def top(self, k: int | None = None) -> tuple[Tensor, Tensor]:
+        """The ``k`` best candidates by score, returned in ascending index order (as ``SparseDelta`` wants).
+
+        Args:
+            k: how many; default ``candidates``. Pooled mode requires ``k <= capacity``.
+
+        Returns:
+            ``(indices, scores)``: ``(n,)`` int64 sorted ascending and their fp32 scores, ``n <= k``.
+            ``n < k`` when fewer than ``k`` elements have a positive score: callers must check
+            (selecting fewer weights than asked should fail loudly, method §4).
+        """
+        k = self.candidates if k is None else int(k)
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        if self.exact and self._dense is not None and k > self.capacity:
+            scores, indices = self._dense.view(-1).topk(min(k, self.numel))
+            positive = scores > 0
+            indices, scores = indices[positive], scores[positive]
+        else:
+            if not self.exact and k > self.capacity:
+                raise ValueError(f"k={k} exceeds the pool of {self.capacity}; raise pool_factor")
+            indices, scores = self.ranked()
+            indices, scores = indices[:k], scores[:k]
+        order = indices.argsort()
+        return indices[order], scores[order]
+
+    @torch.no_grad()
+    def certified(self, k: int | None = None) -> bool:
+        """Whether the set returned by ``top(k)`` is provably the true top-k (ties aside).
+
+        True when the k-th pooled score (a lower bound of every selected total) is at least every
+        unselected element's upper bound ``pooled + error_bound[expert]``. Always true in exact mode.
+        """
+        if self.exact:
+            return True
+        k = self.candidates if k is None else int(k)
+        indices, scores = self.ranked()
+        if k == 0:
+            return True
+        # With fewer than k positives, every unselected total must be provably 0.
+        kth = float(scores[k - 1]) if scores.numel() >= k else 0.0
+        per_expert = self.shape[1] * self.shape[2]
+        bound = self.error_bound
+        rest = scores[k:] + bound[indices[k:] // per_expert]
+        ceiling = max(float(bound.max()), float(rest.max()) if rest.numel() else 0.0)
+        return kth >= ceiling
+
+    @property
+    def error_bound(self) -> Tensor:
+        """``(E,)`` fp32: what any element of each expert may have lost (see the module docstring)."""
+        return self._closed_loss + self._epoch_loss
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of accumulated state held now (pool, counts, bounds; the dense array in exact mode)."""
+        tensors = [self.counts, self._closed_loss, self._epoch_loss, self._indices, self._scores]
+        if self._dense is not None:
+            tensors.append(self._dense)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _empty(self) -> tuple[Tensor, Tensor]:
+        return self._indices[:0].clone(), self._scores[:0].clone()
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints/str/bool and CPU tensors (copies), loadable with ``torch.load(weights_only=True)``."""
+        state: dict[str, Any] = {
+            "shape": tuple(self.shape),
+            "candidates": self.candidates,
+            "statistic": self.statistic,
+            "pool_factor": self.pool_factor,
+            "exact": self.exact,
+            "batches": self.batches,
+            "counts": _cpu_copy(self.counts),
+            "closed_loss": _cpu_copy(self._closed_loss),
+            "epoch_loss": _cpu_copy(self._epoch_loss),
+            "indices": _cpu_copy(self._indices),
+            "scores": _cpu_copy(self._scores),
+        }
+        if self._dense is not None:
+            state["dense"] = _cpu_copy(self._dense)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the configuration must match this accumulator's."""
+        mine = (tuple(self.shape), self.statistic, self.exact, self.capacity)
+        theirs = (tuple(int(d) for d in state["shape"]), state["statistic"], bool(state["exact"]))
+        theirs += (min(int(state["pool_factor"]) * int(state["candidates"]), self.numel),)
+        if mine != theirs:
+            raise ValueError(f"state (shape, statistic, exact, capacity) {theirs} does not match {mine}")
+        where = self.device or torch.device("cpu")
+        self.batches = int(state["batches"])
+        self.counts = state["counts"].to(where, torch.int64)
+        self._closed_loss = state["closed_loss"].to(where, torch.float32)
+        self._epoch_loss = state["epoch_loss"].to(where, torch.float32)
+        self._indices = state["indices"].to(where, torch.int64)
+        self._scores = state["scores"].to(where, torch.float32)
+        self._dense = state["dense"].to(where, torch.float32) if "dense" in state else None
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device | str | None = None) -> ScoreAccumulator:
+        """A new accumulator restored from :meth:`state_dict` (e.g. one gathered from another rank)."""
+        acc = cls(
+            tuple(state["shape"]),
+            int(state["candidates"]),
+            state["statistic"],
+            pool_factor=int(state["pool_factor"]),
+            exact=bool(state["exact"]),
+            device=device,
+        )
+        acc.load_state_dict(state)
+        return acc
+
+
+@torch.no_grad()
+def merge(accumulators: Iterable[ScoreAccumulator]) -> ScoreAccumulator:
+    """Combine accumulators over disjoint sets of slices (e.g. data-parallel ranks) into a new one.
+
+    Scores of shared indices add, counts and batches add, and the ``capacity`` best stay (pooled
+    mode); error bounds add, plus what the merge itself evicts. Exact when every part is exact and
+    the union of their pools fits the capacity, or in exact mode.
+    """
+    parts = list(accumulators)
+    if not parts:
+        raise ValueError("merge needs at least one accumulator")
+    first = parts[0]
+    config = (first.shape, first.statistic, first.exact, first.capacity)
+    for part in parts[1:]:
+        if (part.shape, part.statistic, part.exact, part.capacity) != config:
+            raise ValueError("merge needs accumulators with the same shape, statistic, mode and capacity")
+    where = next((p.device for p in parts if p.device is not None), None)
+    out = ScoreAccumulator(
+        first.shape, first.candidates, first.statistic, pool_factor=first.pool_factor, exact=first.exact, device=where
+    )
+    where = where or torch.device("cpu")
+    out.batches = sum(p.batches for p in parts)
+    out.counts = sum((p.counts.to(where) for p in parts), out.counts)
+    # Every part's losses (open epochs included) carry over; the merge's evictions open a new epoch.
+    out._closed_loss = sum((p.error_bound.to(where) for p in parts), out._closed_loss)
+    if first.exact:
+        for part in (p for p in parts if p._dense is not None):
+            # One running sum: never more than two dense arrays alive at once.
+            dense = part._dense.to(where)
+            out._dense = dense.clone() if out._dense is None else out._dense.add_(dense)
+        return out
+    indices = torch.cat([p._indices.to(where) for p in parts])
+    scores = torch.cat([p._scores.to(where) for p in parts])
+    unique, inverse = torch.unique(indices, return_inverse=True)
+    summed = torch.zeros(unique.numel(), dtype=torch.float32, device=where).index_add_(0, inverse, scores)
+    out._indices, out._scores, out._epoch_loss = out._keep_best(unique, summed)
+    return out
+
+
+def _cpu_copy(t: Tensor) -> Tensor:
+    # A copy even on CPU: a state dict must not change when the accumulator keeps adding.
+    return t.detach().to("cpu", copy=True)

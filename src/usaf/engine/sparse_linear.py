@@ -1,0 +1,296 @@
+"""One expert's linear layer over a frozen base weight plus a trainable sparse delta (method.md §3).
+
+``y = x @ (W + D)^T + b`` where ``D[rows, cols] = values`` is never materialised as a dense delta.
+Backward returns ``dx = dy @ (W + D)`` and ``dvalues`` as a sampled dense–dense product (SDDMM) over
+only the ``n`` delta positions. No dense ``(O, I)`` gradient is formed unless a ``score_sink`` asks
+for it (dense-score mode).
+
+Two strategies compute the same thing (see :data:`STRATEGIES`): ``"gather"`` is the literal
+arithmetic — dense ``x @ W^T`` plus gather–multiply–scatter terms, in token chunks so temporaries
+are ``O(chunk_tokens × n)`` — and works for every dtype and device; ``"merge"`` forms the
+trained weight ``W + D`` for this one expert (one ``(O, I)`` temporary, like a dtype cast of ``W``)
+and uses one GEMM for ``y`` and one for ``dx``. Except under ``"gather"``, ``dvalues`` comes from
+``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (its kernel refuses bf16/fp16; other devices are
+untested here, so they gather). ``"auto"`` merges in fp32/fp64 when the sparse terms would cost more than the merge; it
+never merges in bf16/fp16, where rounding ``W + D`` to the weight's precision would erase deltas
+smaller than half an ulp of the base weight.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch.autograd.function import once_differentiable
+
+ScoreSink = Callable[[torch.Tensor, torch.Tensor], None]
+"""``sink(grad_w (O, I) fp32, weight (O, I)) -> None``; must reduce ``grad_w`` at once, not keep it."""
+
+STRATEGIES = ("auto", "gather", "merge")
+"""``sparse_delta_linear(strategy=...)`` choices; all give the same result up to rounding."""
+
+# "auto" merges once the sparse terms' T * n elements reach this share of the merge's O * I. Measured
+# on 2 CPU cores (O=1536, I=2048, n=0.5 %): forward+backward break even near T * n = O * I / 2.
+_MERGE_SHARE = 1 / 2
+
+__all__ = ["STRATEGIES", "ScoreSink", "sparse_delta_linear"]
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32: bf16/fp16 products and sums of many terms lose the small delta contributions."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off inside the kernel: the contract is "compute in the dtype of x", whatever the caller's context."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return nullcontext()
+
+
+def _add_gathered_product(
+    out: torch.Tensor,
+    src: torch.Tensor,
+    gather: torch.Tensor,
+    scatter: torch.Tensor,
+    values: torch.Tensor,
+    chunk_tokens: int,
+) -> None:
+    """In place: ``out[:, scatter[j]] += src[:, gather[j]] * values[j]`` for every entry ``j``.
+
+    Forward uses it as ``y += x D^T`` (gather cols, scatter rows), backward as ``dx += dy D``
+    (gather rows, scatter cols). Token chunks bound the ``(chunk, n)`` temporaries; every token row
+    is independent, so the result does not depend on ``chunk_tokens``.
+
+    Args:
+        out: ``(T, A)`` tensor updated in place.
+        src: ``(T, B)`` tensor read.
+        gather: ``(n,)`` int64 column indices into ``src``.
+        scatter: ``(n,)`` int64 column indices into ``out``.
+        values: ``(n,)`` delta values.
+        chunk_tokens: tokens per chunk.
+    """
+    acc_dtype = _accumulate_dtype(out.dtype)
+    vals = values.to(acc_dtype)  # (n,)
+    for start in range(0, src.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, src.shape[0])
+        contrib = src[start:end].index_select(1, gather).to(acc_dtype) * vals  # (t, n)
+        if out.dtype == acc_dtype:
+            out[start:end].index_add_(1, scatter, contrib)
+        else:
+            # Sum the duplicate-row contributions in fp32 and round once, not once per entry.
+            block = out[start:end].to(acc_dtype)  # (t, A)
+            block.index_add_(1, scatter, contrib)
+            out[start:end] = block.to(out.dtype)
+
+
+def _sampled_product(
+    dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """SDDMM: ``out[j] = sum_t dy[t, rows[j]] * x[t, cols[j]]``, accumulated in at least fp32.
+
+    Args:
+        dy: ``(T, O)`` output gradient.
+        x: ``(T, I)`` activations.
+        rows: ``(n,)`` int64.
+        cols: ``(n,)`` int64.
+        chunk_tokens: tokens per chunk; temporaries are ``(chunk, n)``.
+
+    Returns:
+        ``(n,)`` tensor in ``_accumulate_dtype(x.dtype)``.
+    """
+    acc_dtype = _accumulate_dtype(x.dtype)
+    out = torch.zeros(rows.shape[0], dtype=acc_dtype, device=x.device)  # (n,)
+    for start in range(0, x.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, x.shape[0])
+        g = dy[start:end].index_select(1, rows).to(acc_dtype)  # (t, n)
+        a = x[start:end].index_select(1, cols).to(acc_dtype)  # (t, n)
+        g.mul_(a)  # in place: one (t, n) temporary fewer
+        out += g.sum(0)
+    return out
+
+
+def _merged_weight(weight: torch.Tensor, rows, cols, values, dtype: torch.dtype) -> torch.Tensor:
+    """``W + D`` for one expert in ``dtype``: a fresh ``(O, I)`` tensor, never a view of ``weight``."""
+    merged = weight.to(dtype, copy=True)  # (O, I)
+    # accumulate=True: the same arithmetic as the sparse terms even if a caller passes duplicates.
+    return merged.index_put_((rows, cols), values.to(dtype), accumulate=True)
+
+
+def _sampled_addmm_supported(x: torch.Tensor) -> bool:
+    """CPU fp32/fp64 only: bf16/fp16 are refused by the kernel, and other backends are untested here."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+def _sampled_product_csr(dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Same result as :func:`_sampled_product` via ``torch.sparse.sampled_addmm`` (no ``(T, n)`` temporaries).
+
+    Args:
+        dy: ``(T, O)`` fp32/fp64, on CPU.
+        x: ``(T, I)`` same dtype.
+        rows: ``(n,)`` int64.
+        cols: ``(n,)`` int64.
+
+    Returns:
+        ``(n,)`` tensor in ``x.dtype``, in the order of ``rows``/``cols``.
+    """
+    out_features, in_features = dy.shape[1], x.shape[1]
+    order = None
+    if rows.numel() > 1 and bool((rows[1:] < rows[:-1]).any()):
+        order = torch.argsort(rows, stable=True)  # CSR needs row-major order; SparseDelta slices already are
+        rows, cols = rows[order], cols[order]
+    crow = torch.zeros(out_features + 1, dtype=torch.int64, device=rows.device)  # (O + 1,)
+    torch.cumsum(torch.bincount(rows, minlength=out_features), 0, out=crow[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        pattern = torch.sparse_csr_tensor(
+            crow,
+            cols,
+            torch.zeros(rows.shape[0], dtype=x.dtype, device=x.device),
+            (out_features, in_features),
+            check_invariants=False,
+        )
+    sampled = torch.sparse.sampled_addmm(pattern, dy.t(), x, beta=0.0).values()  # (n,)
+    if order is None:
+        return sampled
+    return torch.empty_like(sampled).index_copy_(0, order, sampled)
+
+
+def _use_merge(strategy: str, x: torch.Tensor, weight: torch.Tensor, n: int) -> bool:
+    if strategy != "auto":
+        return strategy == "merge"
+    if x.dtype not in (torch.float32, torch.float64):
+        return False  # see the module docstring: merging in low precision loses small deltas
+    return x.shape[0] * n >= _MERGE_SHARE * weight.shape[0] * weight.shape[1]
+
+
+class _SparseDeltaLinear(torch.autograd.Function):
+    """Autograd function behind :func:`sparse_delta_linear`; gradients for ``x`` and ``values`` only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, rows, cols, values, bias, score_sink, chunk_tokens, strategy):
+        active = bool(rows.numel() and x.shape[0])  # False: the delta contributes nothing
+        merge = active and _use_merge(strategy, x, weight, rows.numel())
+        with _no_autocast(x.device):
+            w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
+            y = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))  # (T, O)
+            del w
+            if active and not merge:
+                _add_gathered_product(y, x, cols, rows, values, chunk_tokens)
+        # The original weight, not its cast: saving a cast copy would hold an extra (O, I) per expert
+        # until backward, defeating "one dense expert slice at a time".
+        ctx.save_for_backward(x, weight, rows, cols, values)
+        ctx.score_sink = score_sink
+        ctx.chunk_tokens = chunk_tokens
+        ctx.merge = merge
+        ctx.strategy = strategy
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, rows, cols, values = ctx.saved_tensors
+        chunk_tokens, merge = ctx.chunk_tokens, ctx.merge
+        active = bool(rows.numel() and x.shape[0])
+        need_dx, need_dvalues = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        dx = dvalues = None
+        with _no_autocast(x.device):
+            dy = dy.to(x.dtype)  # (T, O)
+            if need_dx:
+                # Merged again rather than saved from forward: holding W + D until backward would keep
+                # one extra (O, I) per expert alive across the whole layer.
+                w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
+                dx = dy @ w  # (T, I)
+                del w
+                if active and not merge:
+                    _add_gathered_product(dx, dy, rows, cols, values, chunk_tokens)
+            if need_dvalues:
+                if not active:
+                    dvalues = torch.zeros_like(values)
+                elif ctx.strategy != "gather" and _sampled_addmm_supported(x):
+                    dvalues = _sampled_product_csr(dy, x, rows, cols).to(values.dtype)  # (n,)
+                else:
+                    dvalues = _sampled_product(dy, x, rows, cols, chunk_tokens).to(values.dtype)  # (n,)
+            # With no tokens dW is identically zero: skip the (O, I) allocation and the call.
+            if ctx.score_sink is not None and x.shape[0]:
+                # fp32 operands: scores are summed over many batches and compared across experts.
+                grad_w = dy.to(torch.float32).t() @ x.to(torch.float32)  # (O, I)
+                ctx.score_sink(grad_w, weight)
+                del grad_w
+        return dx, None, None, None, dvalues, None, None, None, None
+
+
+def sparse_delta_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    score_sink: ScoreSink | None = None,
+    chunk_tokens: int = 1024,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """``y = x @ (weight + D)^T + bias`` with ``D[rows, cols] = values``, without forming ``D``.
+
+    Computes in ``x.dtype`` (``weight`` and ``bias`` are cast, autocast is switched off inside);
+    the sparse terms and ``dvalues`` are accumulated in at least fp32. ``weight`` and ``bias`` never
+    receive a gradient. Backward runs only if ``x`` or ``values`` requires grad — a ``SparseDelta``
+    slice always does, even when empty, so dense-score mode works on experts with no entries.
+
+    Args:
+        x: ``(T, I)`` activations of the tokens routed to one expert; ``T`` may be 0.
+        weight: ``(O, I)`` frozen base slice of that expert, any float dtype. It is saved for
+            backward as given (no copy).
+        rows: ``(n,)`` int64 output indices of the delta entries; ``n`` may be 0.
+        cols: ``(n,)`` int64 input indices. ``(rows, cols)`` pairs are assumed unique (as in
+            ``SparseDelta``); duplicates would simply add.
+        values: ``(n,)`` delta values (fp32 in training; fp64 works for gradcheck). May be a slice
+            of a larger parameter: its gradient accumulates into the parameter.
+        bias: optional ``(O,)`` frozen bias.
+        score_sink: optional ``sink(grad_w, weight)``. If given, backward also forms this expert's
+            dense weight gradient ``grad_w = dy^T @ x`` as ``(O, I)`` fp32, passes it with the
+            original ``weight`` to the sink, and drops it. Not called when ``T == 0`` (``grad_w``
+            would be all zeros).
+        chunk_tokens: tokens per chunk of the gathered sparse terms; bounds their temporaries to
+            ``chunk_tokens × n`` elements.
+        strategy: ``"gather"`` (sparse terms by gather/scatter), ``"merge"`` (GEMMs with ``W + D``
+            formed for this expert, one ``(O, I)`` temporary at a time) or ``"auto"`` (merge
+            only in fp32/fp64 and when ``T * n >= O * I / 2``). An explicit ``"merge"`` in bf16/fp16
+            rounds ``W + D`` to that precision. Except with ``"gather"``, ``dvalues`` comes from
+            ``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (gathered in chunks elsewhere).
+            See the module docstring.
+
+    Returns:
+        ``(T, O)`` tensor in ``x.dtype``.
+
+    Raises:
+        ValueError: on inconsistent shapes, a non-positive ``chunk_tokens`` or an unknown ``strategy``.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be (T, I) and (O, I)")
+    if not (rows.shape == cols.shape == values.shape and values.dim() == 1):
+        raise ValueError(
+            f"rows {tuple(rows.shape)}, cols {tuple(cols.shape)}, values {tuple(values.shape)} must be equal (n,)"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be ({weight.shape[0]},)")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    # detach(): "never gets a gradient" holds even if a caller's weight or bias requires grad.
+    return _SparseDeltaLinear.apply(
+        x,
+        weight.detach(),
+        rows,
+        cols,
+        values,
+        None if bias is None else bias.detach(),
+        score_sink,
+        int(chunk_tokens),
+        strategy,
+    )

@@ -1,0 +1,160 @@
+"""The engine against dense autograd, for every family: gradients of the sparse values and the routers,
+the frozen-prefix cache, dense scores, and a few optimizer steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+from helpers import reference_model
+from usaf.engine.engine import IGNORE_INDEX, SparseEngine
+from usaf.engine.loading import load_quantized_model
+
+FAMILY_LAYERS = 3  # a frozen prefix below the trainable top layer for every family (deepseek: layer 0 dense)
+
+
+def batch(seed: int = 0, size: tuple[int, int] = (2, 20)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 512, size, generator=g)
+    labels = ids.clone()
+    labels[0, :3] = IGNORE_INDEX  # some unscored positions
+    return ids, labels
+
+
+def reference_loss(model, ids, labels):
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    tokens = (targets != IGNORE_INDEX).sum()
+    return (
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        / tokens
+    )
+
+
+def random_selection(engine: SparseEngine, frac: float = 0.1, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    selection = {}
+    for name, weight in engine.weights.items():
+        numel = weight.shape[0] * weight.shape[1] * weight.shape[2]
+        selection[name] = torch.randperm(numel, generator=g)[: max(1, int(frac * numel))].sort().values
+    return selection
+
+
+def stored_grad(reference, name: str, transposed: bool) -> torch.Tensor:
+    """The dense gradient of a fused expert parameter in usaf's stored (E, O, I) orientation, flattened."""
+    grad = reference.get_parameter(name).grad
+    return (grad.transpose(1, 2) if transposed else grad).reshape(-1)
+
+
+def make_engine(quantized, family, **kwargs):
+    loaded = load_quantized_model(quantized(family, num_layers=FAMILY_LAYERS))
+    top = loaded.spec.moe_layers[-1]
+    return SparseEngine(loaded, trainable_layers=[top], **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sparse_and_router_gradients_equal_dense_autograd(family, tiny_model, quantized):
+    engine = make_engine(quantized, family)
+    selection = random_selection(engine)
+    engine.set_deltas(selection)
+    ids, labels = batch()
+    engine.loss(ids, labels).loss.backward()
+
+    reference = reference_model(tiny_model(family, num_layers=FAMILY_LAYERS), engine.loaded)
+    for name in engine.weights:
+        reference.get_parameter(name).requires_grad_(True)
+    reference_loss(reference, ids, labels).backward()
+
+    for name, weight in engine.weights.items():
+        dense = stored_grad(reference, name, weight.q.transposed)
+        got = weight.delta.values.grad
+        torch.testing.assert_close(got, dense[selection[name]], rtol=1e-4, atol=1e-6)
+        # Negative control: the same gradient gathered one column over must not match.
+        shifted = (selection[name] + 1) % dense.numel()
+        assert not torch.allclose(got, dense[shifted], rtol=1e-3, atol=1e-6), name
+    assert engine.routers, "routers must be trainable"
+    for name, master in engine.routers.items():
+        torch.testing.assert_close(master.grad, reference.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_from_the_prefix_cache_equals_the_full_forward(family, quantized):
+    engine = make_engine(quantized, family)
+    engine.set_deltas(random_selection(engine))
+    ids, labels = batch(1)
+    full = engine.loss(ids, labels).loss
+    states = engine.prefix_states(ids)
+    cached = engine.loss(ids, labels, prefix_states=states).loss
+    torch.testing.assert_close(cached, full, rtol=1e-6, atol=1e-6)
+    # Negative control: a state from other tokens gives another loss.
+    other = engine.prefix_states(batch(2)[0])
+    assert not torch.allclose(engine.loss(ids, labels, prefix_states=other).loss, full)
+
+
+def test_dense_scores_equal_the_naive_top_k(tiny_model, quantized):
+    engine = make_engine(quantized, "qwen3_moe")
+    ids, labels = batch(3)
+    k = 50
+    scores = engine.dense_scores([(ids, labels, None)], candidates=k, statistic="grad")
+
+    reference = reference_model(tiny_model("qwen3_moe", num_layers=FAMILY_LAYERS), engine.loaded)
+    for name in engine.weights:
+        reference.get_parameter(name).requires_grad_(True)
+    reference_loss(reference, ids, labels).backward()
+    for name, weight in engine.weights.items():
+        naive = stored_grad(reference, name, weight.q.transposed).abs()
+        expected = torch.topk(naive, k).indices.sort().values
+        got, _ = scores[name].top(k)
+        assert torch.equal(got, expected), name
+    # No gradient state is left behind by a scoring pass.
+    assert all(p.grad is None for p in engine.routers.values())
+
+
+def test_optimizer_steps_lower_the_loss_and_leave_the_rest_untouched(quantized):
+    from usaf.engine.optim import SparseAdamW
+
+    engine = make_engine(quantized, "qwen3_moe")
+    engine.set_deltas(random_selection(engine, frac=0.05))
+    trained = {id(p) for group in engine.parameter_groups(lr=1, router_lr=1, weight_decay=0) for p in group["params"]}
+    frozen_before = {n: p.detach().clone() for n, p in engine.model.named_parameters() if id(p) not in trained}
+    assert len(frozen_before) > 10
+    codes_before = {n: w.q.codes.clone() for n, w in engine.weights.items()}
+    optimizer = SparseAdamW(engine.parameter_groups(lr=0.1, router_lr=1e-2, weight_decay=0.0), max_grad_norm=1.0)
+    ids, labels = batch(4)
+    losses = []
+    for _ in range(8):
+        parts = engine.loss(ids, labels)
+        losses.append(parts.loss.item())
+        engine.model.zero_grad(set_to_none=True)
+        for d in engine.deltas().values():
+            d.values.grad = None
+        parts.loss.backward()
+        assert optimizer.step().applied
+    assert losses[-1] < losses[0] - 0.05, losses
+    for name, before in frozen_before.items():
+        assert torch.equal(engine.model.get_parameter(name), before), name
+    for name, weight in engine.weights.items():
+        assert torch.equal(weight.q.codes, codes_before[name])
+        assert weight.delta.values.abs().sum() > 0
+
+
+def test_load_stats_and_memory_accounting(quantized):
+    engine = make_engine(quantized, "mixtral")
+    ids, labels = batch(5)
+    with torch.no_grad():
+        engine.loss(ids, labels)
+    stats = engine.load_stats()
+    for load in stats.values():
+        assert sum(load.tokens_per_expert) == ids.numel() * engine.spec.top_k
+        assert 0 < load.entropy <= torch.log(torch.tensor(float(engine.spec.num_experts))) + 1e-9
+        assert load.dead_experts == sum(1 for c in load.tokens_per_expert if c == 0)
+    assert all(sum(s.tokens_per_expert) == 0 for s in engine.load_stats().values())  # reset
+    memory = engine.memory()
+    resident = sum(w.shape[0] * w.shape[1] * w.shape[2] * 4 for w in engine.weights.values())
+    assert memory["resident_bases"] == resident
+    assert memory["experts_4bit"] > 0 and memory["deltas"] == 0
+    engine.set_deltas(random_selection(engine, frac=0.01))
+    assert engine.memory()["deltas"] == engine.trainable_count()["delta_entries"] * 12

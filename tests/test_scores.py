@@ -1,0 +1,309 @@
+"""usaf.engine.scores: streaming top-k of an accumulated gradient statistic against the naive dense one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from usaf.engine.scores import STATISTICS, ScoreAccumulator, merge, slice_statistic
+
+SHAPE = (6, 12, 20)  # (E, O, I): 1440 elements
+
+
+def naive_statistic(statistic: str, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The statistic computed on whole dense tensors, independently of the module's slice code."""
+    return {"grad": grad.abs(), "grad2": grad.square(), "grad_x_weight": (weight * grad).abs()}[statistic]
+
+
+def naive_top(total: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of a dense ``(E, O, I)`` total as (indices ascending, scores)."""
+    scores, indices = total.reshape(-1).topk(k)
+    order = indices.argsort()
+    return indices[order], scores[order]
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return len(set(a.tolist()) & set(b.tolist())) / max(len(b), 1)
+
+
+def stream(acc_list, slices, total=None, weight=None):
+    """Add ``(batch, expert, grad)`` slices to every accumulator; keep the naive dense total."""
+    last_batch = None
+    for batch, expert, grad in slices:
+        if last_batch is not None and batch != last_batch:
+            for acc in acc_list:
+                acc.end_batch()
+        last_batch = batch
+        w = None if weight is None else weight[expert]
+        for acc in acc_list:
+            acc.add(expert, grad, w)
+        if total is not None:
+            total[expert] += naive_statistic(acc_list[0].statistic, grad, w if w is not None else torch.ones_like(grad))
+    for acc in acc_list:
+        acc.end_batch()
+
+
+def make_slices(gen, shape, batches, *, micro=2, present=0.8, signal=0.0, support=None, skip=()):
+    """``(batch, expert, grad)``: Gaussian gradients ``signal·mu + z``, microbatched, some experts absent."""
+    num_experts, out_features, in_features = shape
+    mu = torch.randn(shape, generator=gen) * signal
+    out = []
+    for batch in range(batches):
+        for _ in range(micro):
+            for expert in torch.randperm(num_experts, generator=gen).tolist():
+                if expert in skip or torch.rand((), generator=gen) >= present:
+                    continue
+                grad = mu[expert] + torch.randn(out_features, in_features, generator=gen)
+                if support is not None:  # zero outside a fixed support, and randomly within it
+                    keep = support[expert] & (torch.rand(out_features, in_features, generator=gen) < 0.7)
+                    grad = grad * keep
+                out.append((batch, expert, grad))
+    return out
+
+
+def assert_same_top(acc: ScoreAccumulator, total: torch.Tensor, k: int) -> None:
+    indices, scores = acc.top(k)
+    want_indices, want_scores = naive_top(total, k)
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(scores, want_scores)
+
+
+# ---------------------------------------------------------------- exact regimes
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_one_batch_equals_naive_top_k(statistic):
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(SHAPE, generator=gen)
+    weight = torch.randn(SHAPE, generator=gen)
+    # pool_factor=1: the pool is exactly k, the tightest case the one-batch guarantee covers.
+    acc = ScoreAccumulator(SHAPE, 40, statistic, pool_factor=1)
+    for expert in torch.randperm(SHAPE[0], generator=gen).tolist():
+        acc.add(expert, grad[expert], weight[expert])
+    acc.end_batch()
+    indices, _ = acc.top()
+    assert torch.equal(indices, indices.sort().values)
+    assert_same_top(acc, naive_statistic(statistic, grad, weight), 40)
+    ranked_indices, ranked_scores = acc.ranked()
+    assert torch.all(ranked_scores[:-1] >= ranked_scores[1:])
+    assert set(ranked_indices.tolist()) == set(indices.tolist())
+    assert acc.certified()  # one epoch per expert: every loss is below the final k-th score
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_k_batches_with_pool_covering_dense_support_equal_naive(statistic):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(SHAPE, generator=gen)
+    numel = SHAPE[0] * SHAPE[1] * SHAPE[2]
+    acc = ScoreAccumulator(SHAPE, 30, statistic, pool_factor=numel // 30 + 1)  # capacity = E·O·I
+    total = torch.zeros(SHAPE)
+    stream([acc], make_slices(gen, SHAPE, 5, signal=1.0), total, weight)
+    assert_same_top(acc, total, 30)
+    assert float(acc.error_bound.max()) == 0.0 and acc.certified()
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_k_batches_with_pool_covering_sparse_support_equal_naive(statistic):
+    """The condition is about the union of supports, not E·O·I: a pool of 240 for 1440 elements."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(SHAPE, generator=gen)
+    support = torch.zeros(SHAPE, dtype=torch.bool)
+    support.view(-1)[torch.randperm(support.numel(), generator=gen)[:200]] = True
+    acc = ScoreAccumulator(SHAPE, 30, statistic, pool_factor=8)
+    total = torch.zeros(SHAPE)
+    stream([acc], make_slices(gen, SHAPE, 6, support=support), total, weight)
+    assert acc.capacity == 240 < total.numel()
+    assert_same_top(acc, total, 30)
+    assert float(acc.error_bound.max()) == 0.0 and acc.certified()
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_exact_mode_equals_naive_always(statistic):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(SHAPE, generator=gen)
+    acc = ScoreAccumulator(SHAPE, 30, statistic, pool_factor=1, exact=True)
+    total = torch.zeros(SHAPE)
+    stream([acc], make_slices(gen, SHAPE, 6), total, weight)
+    assert_same_top(acc, total, 30)
+    assert_same_top(acc, total, 500)  # beyond the pool: exact mode reads the dense array
+    assert acc.nbytes >= 4 * total.numel() and acc.certified()
+
+
+def test_microbatch_slices_add_their_statistics():
+    """Two slices of one expert are two samples: |g1| + |g2|, not |g1 + g2| (documented)."""
+    g1, g2 = torch.tensor([[1.0, -2.0]]), torch.tensor([[-1.0, 3.0]])
+    acc = ScoreAccumulator((1, 1, 2), 2, "grad", exact=True)
+    acc.add(0, g1)
+    acc.add(0, g2)
+    indices, scores = acc.top()
+    assert indices.tolist() == [0, 1] and scores.tolist() == [2.0, 5.0]
+
+
+# ---------------------------------------------------------------- approximate regime
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_approximate_regime_overlap_and_bounds(statistic):
+    """Pool 2 % of the tensor, 16 batches × 2 microbatches, dense Gaussian grads ``3·mu + z``."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (8, 32, 64)
+    weight = torch.randn(shape, generator=gen)
+    acc = ScoreAccumulator(shape, 80, statistic, pool_factor=4)  # k = 0.5 % of 16384, pool = 320
+    total = torch.zeros(shape)
+    stream([acc], make_slices(gen, shape, 16, present=0.9, signal=3.0), total, weight)
+    indices, _ = acc.top()
+    measured = overlap(indices, naive_top(total, 80)[0])
+    print(f"{statistic}: overlap with the naive top-k {measured:.3f}, certified {acc.certified()}")
+    assert measured >= 0.9
+    # The documented bounds: pooled <= true <= pooled + error_bound[expert], for every element.
+    pooled = torch.zeros(total.numel())
+    pool_indices, pool_scores = acc.ranked()
+    pooled[pool_indices] = pool_scores
+    bound = acc.error_bound.repeat_interleave(shape[1] * shape[2])
+    slack = 1e-4 * total.reshape(-1)  # fp32 summation order
+    assert torch.all(pooled <= total.reshape(-1) + slack)
+    assert torch.all(total.reshape(-1) <= pooled + bound + slack)
+    assert float(acc.error_bound.max()) > 0  # this regime really loses history
+
+
+def test_negative_control_wrong_statistic_differs():
+    """Accumulating |g| on heavy-tailed grads does not reproduce g²'s top-k: the comparison can fail."""
+    gen = torch.Generator().manual_seed(4)
+    acc = ScoreAccumulator(SHAPE, 30, "grad", pool_factor=1, exact=True)
+    total_grad, total_grad2 = torch.zeros(SHAPE), torch.zeros(SHAPE)
+    for _ in range(8):
+        for expert in range(SHAPE[0]):
+            # Heavy tails: a Gaussian scaled by u^(-1/3) (power-law tail, index 3). g² is ruled by
+            # single spikes, |g| much less so.
+            scale = torch.rand(SHAPE[1:], generator=gen).pow(-1 / 3)
+            grad = torch.randn(SHAPE[1:], generator=gen) * scale
+            acc.add(expert, grad)
+            total_grad[expert] += grad.abs()
+            total_grad2[expert] += grad.square()
+    indices, _ = acc.top()
+    assert overlap(indices, naive_top(total_grad, 30)[0]) == 1.0
+    mismatched = overlap(indices, naive_top(total_grad2, 30)[0])
+    print(f"grad accumulated vs grad2's naive top-k: overlap {mismatched:.3f}")
+    assert mismatched < 0.9
+
+
+# ---------------------------------------------------------------- bookkeeping, merge, resume, memory
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_unrouted_experts_get_no_candidates_and_counts(exact):
+    gen = torch.Generator().manual_seed(5)
+    acc = ScoreAccumulator(SHAPE, 30, "grad", pool_factor=4, exact=exact)
+    slices = make_slices(gen, SHAPE, 4, skip=(1, 4))
+    stream([acc], slices)
+    per_expert = SHAPE[1] * SHAPE[2]
+    for indices in (acc.top()[0], acc.ranked()[0]):
+        assert not set((indices // per_expert).tolist()) & {1, 4}
+    want = torch.bincount(torch.tensor([e for _, e, _ in slices]), minlength=SHAPE[0])
+    assert torch.equal(acc.counts, want) and want[1] == want[4] == 0
+    assert acc.batches == 4
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_merge_of_disjoint_halves_equals_one_accumulator(exact):
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(SHAPE, generator=gen)
+    numel = SHAPE[0] * SHAPE[1] * SHAPE[2]
+    config = dict(pool_factor=numel // 30 + 1, exact=exact)  # pooled: capacity covers the support
+    whole, half_a, half_b = (ScoreAccumulator(SHAPE, 30, "grad_x_weight", **config) for _ in range(3))
+    slices = make_slices(gen, SHAPE, 6)
+    stream([whole], slices, weight=weight)
+    stream([half_a], slices[0::2], weight=weight)
+    stream([half_b], slices[1::2], weight=weight)
+    merged = merge([half_a, half_b])
+    assert torch.equal(merged.counts, whole.counts)
+    indices, scores = merged.top()
+    want_indices, want_scores = whole.top()
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(scores, want_scores)
+
+
+def test_merge_bounds_hold_in_the_approximate_regime():
+    gen = torch.Generator().manual_seed(7)
+    parts = [ScoreAccumulator(SHAPE, 10, "grad", pool_factor=2) for _ in range(2)]
+    total = torch.zeros(SHAPE)
+    slices = make_slices(gen, SHAPE, 6, signal=1.0)
+    for i, part in enumerate(parts):
+        stream([part], slices[i::2], total)
+    merged = merge(parts)
+    pooled = torch.zeros(total.numel())
+    pooled[merged.ranked()[0]] = merged.ranked()[1]
+    bound = merged.error_bound.repeat_interleave(SHAPE[1] * SHAPE[2])
+    assert merged.ranked()[0].numel() == merged.capacity == 20
+    assert torch.all(pooled <= total.reshape(-1) + 1e-4)
+    assert torch.all(total.reshape(-1) <= pooled + bound + 1e-4)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_state_dict_round_trip_resumes_exactly(tmp_path, exact):
+    gen = torch.Generator().manual_seed(8)
+    slices = make_slices(gen, SHAPE, 6, signal=1.0)
+    first, rest = slices[: len(slices) // 2], slices[len(slices) // 2 :]
+    config = dict(pool_factor=2, exact=exact)
+    uninterrupted = ScoreAccumulator(SHAPE, 20, "grad2", **config)
+    stream([uninterrupted], slices)
+    before = ScoreAccumulator(SHAPE, 20, "grad2", **config)
+    stream([before], first)
+    torch.save(before.state_dict(), tmp_path / "scores.pt")
+    resumed = ScoreAccumulator.from_state_dict(torch.load(tmp_path / "scores.pt", weights_only=True))
+    for key, value in before.state_dict().items():
+        got = resumed.state_dict()[key]
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+    stream([resumed], rest)
+    for got, want in zip(resumed.ranked(), uninterrupted.ranked()):
+        assert torch.equal(got, want)
+    assert torch.equal(resumed.error_bound, uninterrupted.error_bound)
+    assert torch.equal(resumed.counts, uninterrupted.counts)
+    with pytest.raises(ValueError, match="does not match"):
+        ScoreAccumulator(SHAPE, 20, "grad", **config).load_state_dict(before.state_dict())
+
+
+def test_pooled_nbytes_is_independent_of_tensor_size():
+    gen = torch.Generator().manual_seed(9)
+    held = []
+    for shape in ((4, 16, 16), (4, 512, 1024)):  # 1,024 vs 2,097,152 elements
+        acc = ScoreAccumulator(shape, 64, "grad", pool_factor=4)
+        for expert in range(shape[0]):
+            acc.add(expert, torch.randn(shape[1:], generator=gen))
+        assert acc.ranked()[0].numel() == acc.capacity == 256  # the pool is full
+        held.append(acc.nbytes)
+    # 12 bytes per pooled entry (int64 index + fp32 score) + 16 per expert (int64 count + 2 fp32 bounds).
+    assert held[0] == held[1] == 12 * 256 + 16 * 4
+
+
+def test_invalid_input_is_refused():
+    acc = ScoreAccumulator(SHAPE, 10, "grad_x_weight")
+    grad = torch.randn(SHAPE[1:])
+    with pytest.raises(ValueError, match="base weight"):
+        acc.add(0, grad)
+    with pytest.raises(ValueError, match="expert slice"):
+        acc.add(0, grad.t(), grad.t())
+    with pytest.raises(IndexError):
+        acc.add(SHAPE[0], grad, grad)
+    with pytest.raises(ValueError, match="non-finite"):
+        acc.add(0, torch.full(SHAPE[1:], float("nan")), grad)
+    with pytest.raises(ValueError, match="exceeds the pool"):
+        acc.top(acc.capacity + 1)
+    with pytest.raises(ValueError, match="unknown statistic"):
+        ScoreAccumulator(SHAPE, 10, "hessian")
+    with pytest.raises(ValueError, match="unknown statistic"):
+        slice_statistic("hessian", grad)
+    with pytest.raises(ValueError, match="exceed"):
+        ScoreAccumulator(SHAPE, 1441)
+    assert acc.counts.sum() == 0  # refused slices were not counted
+
+
+def test_sink_adds_like_add():
+    gen = torch.Generator().manual_seed(10)
+    grad, weight = torch.randn(SHAPE[1:], generator=gen), torch.randn(SHAPE[1:], generator=gen)
+    via_sink, via_add = (ScoreAccumulator(SHAPE, 10, "grad_x_weight") for _ in range(2))
+    via_sink.sink(2)(grad, weight)
+    via_add.add(2, grad, weight)
+    for got, want in zip(via_sink.top(), via_add.top()):
+        assert torch.equal(got, want)
+    assert via_sink.counts[2] == 1
