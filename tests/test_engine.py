@@ -157,4 +157,37 @@ def test_load_stats_and_memory_accounting(quantized):
     assert memory["resident_bases"] == resident
     assert memory["experts_4bit"] > 0 and memory["deltas"] == 0
     engine.set_deltas(random_selection(engine, frac=0.01))
-    assert engine.memory()["deltas"] == engine.trainable_count()["delta_entries"] * 12
+    nnz = engine.trainable_count()["delta_entries"]
+    offsets = sum(d.offsets.numel() * 8 for d in engine.deltas().values())
+    assert engine.memory()["deltas"] == nnz * (4 + 4 * 8) + offsets  # fp32 value + 4 int64 indices per entry
+
+
+def test_prefix_cache_spills_to_disk_and_serves_identical_states(quantized, tmp_path, monkeypatch):
+    from usaf.engine.prefix import PrefixCache
+
+    engine = make_engine(quantized, "olmoe")
+    engine.set_deltas(random_selection(engine))
+    ids, labels = batch(6, size=(3, 16))
+    mask = torch.ones_like(ids)
+    mask[2, 10:] = 0  # a right-padded sample
+    one_state = 16 * engine.spec.hidden_size * 4
+    cache = PrefixCache(ram_budget_bytes=one_state, spill_path=tmp_path / "prefix.bin")
+    computed = []
+    real = engine.prefix_states
+    monkeypatch.setattr(engine, "prefix_states", lambda x, m=None: computed.append(x.shape) or real(x, m))
+    first = engine.cached_prefix_states(ids, cache, model_fingerprint="m", attention_mask=mask)
+    assert len(computed) == 3 and len(cache) == 3
+    assert cache.nbytes["ram"] == one_state and cache.nbytes["disk"] > 0 and (tmp_path / "prefix.bin").is_file()
+    second = engine.cached_prefix_states(ids, cache, model_fingerprint="m", attention_mask=mask)
+    assert len(computed) == 3  # all three served from RAM or the memory-mapped file
+    assert torch.equal(first, second)
+    # Served states equal freshly computed ones at every real position (right padding is invisible).
+    direct = real(ids)
+    torch.testing.assert_close(first[:2], direct[:2])
+    torch.testing.assert_close(first[2, :10], direct[2, :10])
+    loss_cached = engine.loss(ids[:2], labels[:2], prefix_states=first[:2]).loss
+    torch.testing.assert_close(loss_cached, engine.loss(ids[:2], labels[:2]).loss)
+    # Another model fingerprint is another key: nothing stale is reused.
+    engine.cached_prefix_states(ids, cache, model_fingerprint="other", attention_mask=mask)
+    assert len(computed) == 6
+    assert engine.memory(cache=cache)["prefix_cache_disk"] == cache.nbytes["disk"]

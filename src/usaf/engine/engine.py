@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
 from usaf.engine.loading import LoadedModel
-from usaf.engine.prefix import PrefixRunner
+from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
 
 IGNORE_INDEX = -100
@@ -201,6 +201,37 @@ class SparseEngine:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
         return self.prefix.capture(self.model, input_ids, attention_mask)
 
+    def cached_prefix_states(
+        self,
+        input_ids: torch.Tensor,
+        cache: PrefixCache,
+        *,
+        model_fingerprint: str,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B, T, H)`` prefix states of a batch from ``cache``; samples not cached are computed and stored.
+
+        Keys are per sample (its unpadded token ids, the model fingerprint, the first trainable layer,
+        the dtype and library versions). Padding is assumed on the right, where a causal model's real
+        tokens never see it, so a sample's state does not depend on the batch it came in.
+        """
+        if self.prefix is None:
+            raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+        dtype = next(self.model.parameters()).dtype
+        lengths = (
+            attention_mask.sum(dim=1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
+        )
+        rows = [input_ids[i, : int(n)] for i, n in enumerate(lengths)]
+        keys = [cache_key(r, model_fingerprint=model_fingerprint, start=self.prefix.start, dtype=dtype) for r in rows]
+        for row, key in zip(rows, keys):
+            if key not in cache:
+                cache.put(key, self.prefix_states(row[None])[0])  # (t, H), one sample: never skipped
+        states = [cache.get(key) for key in keys]
+        out = torch.zeros(len(rows), input_ids.shape[1], states[0].shape[-1], dtype=states[0].dtype)
+        for i, state in enumerate(states):
+            out[i, : state.shape[0]] = state
+        return out.to(input_ids.device)
+
     # -- dense scores ----------------------------------------------------------------------------------
 
     def dense_scores(
@@ -254,8 +285,9 @@ class SparseEngine:
                 state.tokens_per_expert.zero_()
         return stats
 
-    def memory(self) -> dict[str, int]:
-        """Bytes by component: 4-bit experts, resident bases, deltas, routers (fp32 masters), other weights."""
+    def memory(self, *, optimizer: object | None = None, cache: PrefixCache | None = None) -> dict[str, int]:
+        """Bytes by component: 4-bit experts, resident bases, deltas, routers (fp32 masters), other
+        weights, and (when given) the optimizer's state and the prefix cache (RAM and disk)."""
         quantized = resident = delta = 0
         for state in self.loaded.experts.values():
             for weight in (state.gate_up, state.down):
@@ -264,14 +296,26 @@ class SparseEngine:
                 resident += sizes["resident"]
                 delta += sizes["delta"]
         routers = sum(p.numel() * 4 for p in self.routers.values())
-        other = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-        return {
+        counted = {id(p) for p in self.routers.values()} | {id(d.values) for d in self.deltas().values()}
+        counted |= {id(b) for d in self.deltas().values() for b in d.buffers()}
+        other = sum(
+            t.numel() * t.element_size()
+            for t in [*self.model.parameters(), *self.model.buffers()]
+            if id(t) not in counted
+        )
+        out = {
             "experts_4bit": quantized,
             "resident_bases": resident,
             "deltas": delta,
             "routers": routers,
-            "other_weights": other - routers,
+            "other_weights": other,
         }
+        if optimizer is not None:
+            out["optimizer_state"] = optimizer.state_bytes()
+        if cache is not None:
+            out["prefix_cache_ram"] = cache.nbytes["ram"]
+            out["prefix_cache_disk"] = cache.nbytes["disk"]
+        return out
 
     def trainable_count(self) -> dict[str, int]:
         return {

@@ -74,7 +74,9 @@ class ExpertWeight(nn.Module):
 
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.numel() * self.resident.element_size() if self.resident is not None else 0
-        delta = self.delta.nnz * (4 + 8) if self.delta is not None else 0  # fp32 value + int64 index
+        delta = 0
+        if self.delta is not None:  # fp32 values + the int64 index buffers (flat, expert, row, col, offsets)
+            delta = sum(t.numel() * t.element_size() for t in [*self.delta.parameters(), *self.delta.buffers()])
         return {"quantized": self.q.nbytes, "resident": resident, "delta": delta}
 
 
