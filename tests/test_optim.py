@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from usaf.engine.optim import SparseAdamW, StepReport, WarmupCosine
+from usaf.engine.optim import SparseAdamW, StepReport
+from usaf.engine.schedule import WarmupCosine
 
 BETAS = (0.9, 0.99)
 EPS = 1e-8
