@@ -191,3 +191,41 @@ def test_prefix_cache_spills_to_disk_and_serves_identical_states(quantized, tmp_
     engine.cached_prefix_states(ids, cache, model_fingerprint="other", attention_mask=mask)
     assert len(computed) == 6
     assert engine.memory(cache=cache)["prefix_cache_disk"] == cache.nbytes["disk"]
+
+
+def test_router_losses_are_the_models_own_and_reach_only_the_routers(quantized):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    engine = make_engine(quantized, "qwen3_moe", aux_loss_coef=0.5, z_loss_coef=0.1)
+    ids, labels = batch(7)
+    parts = engine.loss(ids, labels)
+    outputs = engine.model(input_ids=ids, output_router_logits=True, use_cache=False)
+    config = engine.model.config
+    expected_aux = load_balancing_loss_func(outputs.router_logits, config.num_experts, config.num_experts_per_tok)
+    torch.testing.assert_close(parts.aux, expected_aux)
+    top_logits = outputs.router_logits[engine.spec.moe_layers.index(engine.trainable_layers[0])]
+    torch.testing.assert_close(parts.z, torch.logsumexp(top_logits.float(), -1).pow(2).mean())
+    torch.testing.assert_close(parts.loss, parts.ce + 0.5 * parts.aux + 0.1 * parts.z)
+    # The router terms' gradient reaches the trainable routers (and nothing else trains).
+    (0.5 * parts.aux + 0.1 * parts.z).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.routers.values())
+    # A family without a load-balancing loss says so instead of silently training without it.
+    with pytest.raises(ValueError, match="no load-balancing loss"):
+        make_engine(quantized, "deepseek_v3", aux_loss_coef=0.1).loss(ids, labels)
+
+
+def test_resident_bases_go_to_the_device_only_when_they_fit():
+    from types import SimpleNamespace
+
+    from usaf.engine.engine import resident_placement
+
+    def backend(kind: str, free: int | None, pinned: bool):
+        memory = SimpleNamespace(device_free=free)
+        return SimpleNamespace(
+            device=torch.device(kind), memory=lambda: memory, capabilities=SimpleNamespace(pinned_memory=pinned)
+        )
+
+    assert resident_placement(backend("cpu", None, False), 10**12) == (torch.device("cpu"), False)
+    assert resident_placement(backend("cuda", 10 * 2**30, True), 2**30) == (torch.device("cuda"), False)
+    assert resident_placement(backend("cuda", 2**30, True), 2**30) == (torch.device("cpu"), True)
+    assert resident_placement(backend("cuda", None, False), 1) == (torch.device("cpu"), False)  # unknown free

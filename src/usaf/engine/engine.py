@@ -324,6 +324,21 @@ class SparseEngine:
         }
 
 
+def resident_placement(backend: object, nbytes: int, *, headroom: float = 0.8) -> tuple[torch.device, bool]:
+    """Where trainable layers' resident bases go: ``(device, pin)``.
+
+    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory; otherwise in host memory,
+    pinned where the backend supports it (then each expert slice is copied to the device when used).
+    """
+    device = backend.device
+    if device.type == "cpu":
+        return device, False
+    free = backend.memory().device_free
+    if free is not None and nbytes <= headroom * free:
+        return device, False
+    return torch.device("cpu"), bool(backend.capabilities.pinned_memory)
+
+
 def budget(shape: tuple[int, int, int], frac: float) -> int:
     """Entries a per-tensor budget of ``frac`` gives a tensor of ``shape`` (at least 1)."""
     return max(1, math.floor(frac * shape[0] * shape[1] * shape[2]))
