@@ -1,5 +1,6 @@
 """Typed artifacts: manifests, atomic writes, loading with checks, and workspace conventions."""
 
+from usaf.artifacts import plan as _plan  # noqa: F401  (registers 'plan')
 from usaf.artifacts import quantized as _quantized  # noqa: F401  (registers 'quantized_model')
 from usaf.artifacts import tokens as _tokens  # noqa: F401  (registers the 'tokens' kind)
 from usaf.artifacts.loader import load_manifest, load_verified, verify_files
@@ -13,6 +14,7 @@ from usaf.artifacts.manifest import (
     current_environment,
     register,
 )
+from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
 from usaf.artifacts.tokens import TokensManifest, TokensSummary
 from usaf.artifacts.workspace import default_output, find_artifacts, pick_latest, workspace_dir
@@ -26,6 +28,7 @@ __all__ = [
     "FileRecord",
     "InputRecord",
     "Manifest",
+    "PlanManifest",
     "QuantizedModelManifest",
     "TokensManifest",
     "TokensSummary",

@@ -83,6 +83,8 @@ def pick_latest(
     *,
     flag: str,
     lineage: Callable[[M], str] | None = None,
+    accept: Callable[[M], bool] | None = None,
+    wanted: str = "",
 ) -> Found[M]:
     """The newest artifact of ``cls`` in ``workspace``, refusing when lineages differ.
 
@@ -92,11 +94,15 @@ def pick_latest(
         flag: the flag that would name the input explicitly, for messages.
         lineage: what must agree between candidates for "the newest" to be a safe choice
             (e.g. the source model's fingerprint); ``None`` means any newest one will do.
+        accept: only candidates for which this is true (e.g. tokens made with the model's tokenizer).
+        wanted: how to describe accepted candidates in the error when there are none.
     """
     found = find_artifacts(workspace, cls)
+    if accept is not None:
+        found = [f for f in found if accept(f.manifest)]
     if not found:
         raise UsafError(
-            f"{flag}: not given, and no '{cls.KIND}' artifact in the workspace {workspace}",
+            f"{flag}: not given, and no '{cls.KIND}' artifact{wanted} in the workspace {workspace}",
             f"pass {flag} PATH, or run the stage that makes '{cls.KIND}' first",
         )
     if lineage is not None:

@@ -241,6 +241,7 @@ class SparseEngine:
         candidates: int | Mapping[str, int],
         statistic: str = "grad",
         exact: bool = False,
+        pool_factor: int = 4,
     ) -> dict[str, ScoreAccumulator]:
         """Accumulate a per-weight importance statistic over ``batches`` (input_ids, labels, mask).
 
@@ -250,7 +251,7 @@ class SparseEngine:
         accumulators = {}
         for name, weight in self.weights.items():
             k = candidates if isinstance(candidates, int) else candidates[name]
-            acc = ScoreAccumulator(weight.shape, k, statistic, exact=exact)
+            acc = ScoreAccumulator(weight.shape, k, statistic, exact=exact, pool_factor=pool_factor)
             accumulators[name] = acc
             weight.score_sink = acc.sink
         try:

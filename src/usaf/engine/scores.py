@@ -265,6 +265,12 @@ class ScoreAccumulator:
     # ------------------------------------------------------------------ results
 
     @torch.no_grad()
+    def dense_map(self) -> Tensor:
+        """The full ``(E, O, I)`` statistic (exact mode only; zeros if nothing was added)."""
+        if not self.exact:
+            raise ValueError("a dense map exists only in exact mode")
+        return self._dense if self._dense is not None else torch.zeros(self.shape, dtype=torch.float32)
+
     def ranked(self) -> tuple[Tensor, Tensor]:
         """All pooled candidates (exact mode: the ``capacity`` best), by score descending.
 

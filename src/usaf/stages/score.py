@@ -1,0 +1,324 @@
+"""``usaf score``: which expert weights to train, from gradients on calibration data.
+
+Runs the engine's dense-score mode over every calibration batch (each expert slice's gradient is
+reduced into a streaming top-k the moment it exists), selects masks under the budget, measures the
+selection's stability on two disjoint halves of the data, and records the routing statistics of the
+same pass. Writes a ``plan`` artifact that ``usaf train`` consumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from usaf.artifacts import (
+    ArtifactWriter,
+    InputRecord,
+    PlanManifest,
+    QuantizedModelManifest,
+    TokensManifest,
+    current_environment,
+    default_output,
+    load_verified,
+    pick_latest,
+    workspace_dir,
+)
+from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.plan import (
+    FULL_MAPS_FILE,
+    IMPORTANCE_FILE,
+    MASKS_FILE,
+    ROUTING_FILE,
+    LayerRouting,
+    PlanSummary,
+    TensorSelection,
+)
+from usaf.artifacts.tokens import TRAIN_FILE
+from usaf.config import StageConfig
+from usaf.data.batches import Batch, batches, sample_lines
+from usaf.errors import UsafError
+from usaf.stages.progress import NullProgress, Progress
+
+DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
+
+
+class ScoreConfig(StageConfig):
+    """Settings of ``usaf score``."""
+
+    model: Path | None = Field(None, description="Quantized model directory [default: newest in the workspace].")
+    data: Path | None = Field(None, description="Tokens directory or JSONL [default: newest matching tokens].")
+    out: Path | None = None
+    workspace: Path | None = None
+    frac: float = Field(0.005, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.")
+    train_from: int | None = Field(None, ge=0, description="First trainable layer: every MoE layer from it up.")
+    layers: list[int] | None = Field(None, description="Explicit trainable MoE layers.")
+    calib_samples: int = Field(64, ge=1, description="Calibration sequences.")
+    statistic: Literal["grad", "grad2", "grad_x_weight"] = "grad"
+    budget: Literal["per-tensor", "per-layer", "global", "per-expert"] = "per-tensor"
+    router: bool = Field(True, description="The trainable layers' routers train too (counted in the plan).")
+    device: str = "auto"
+    microbatch: int = Field(4, ge=1)
+    seed: int = 0
+    candidates_factor: int = Field(
+        4, ge=1, le=1024, description="Candidates kept per tensor, as a multiple of its budget (12 bytes each)."
+    )
+    full_maps: bool = Field(False, description="Keep full-size importance maps (exact; O(weights) memory).")
+    stability: bool = Field(True, description="Score two disjoint halves of the data and report their overlap.")
+    overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _one_layer_choice(self) -> ScoreConfig:
+        if self.train_from is not None and self.layers is not None:
+            raise ValueError("pass either --train-from or --layers, not both")
+        return self
+
+
+def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:
+    """``--layers``, else every MoE layer from ``--train-from``, else the top quarter (at least one)."""
+    if config.layers is not None:
+        bad = sorted(set(config.layers) - set(moe_layers))
+        if bad or not config.layers:
+            raise UsafError(
+                f"--layers {config.layers}: not MoE layers of this model", f"choose from {list(moe_layers)}"
+            )
+        return sorted(set(config.layers))
+    if config.train_from is not None:
+        chosen = [i for i in moe_layers if i >= config.train_from]
+        if not chosen:
+            raise UsafError(
+                f"--train-from {config.train_from}: no MoE layer at or above it", f"MoE layers: {list(moe_layers)}"
+            )
+        return chosen
+    count = max(1, math.ceil(DEFAULT_TOP_FRACTION * len(moe_layers)))
+    return list(moe_layers[-count:])
+
+
+def resolve_model(config: Any, progress: Progress) -> tuple[Path, QuantizedModelManifest]:
+    if config.model is None:
+        found = pick_latest(
+            workspace_dir(config.workspace),
+            QuantizedModelManifest,
+            flag="--model",
+            lineage=lambda m: m.summary.source.fingerprint,
+        )
+        progress.note(f"using the quantized model {found.path} (newest in the workspace)")
+        return found.path, found.manifest
+    return config.model, load_verified(config.model, QuantizedModelManifest, flag="--model", hashes=False)
+
+
+def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Progress) -> tuple[Path, str]:
+    """The training sequences file and the fingerprint of what it came from; checks the tokenizer."""
+    data = config.data
+    if data is None:
+        found = pick_latest(
+            workspace_dir(config.workspace),
+            TokensManifest,
+            flag="--data",
+            accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,
+            wanted=" made with this model's tokenizer",
+        )
+        progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
+        data = found.path
+    if data.is_dir():
+        manifest = load_verified(data, TokensManifest, flag="--data")
+        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
+            raise UsafError(
+                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}) "
+                "than the model's",
+                "re-run usaf tokenize with --model pointing at this model",
+            )
+        return data / TRAIN_FILE, manifest.fingerprint
+    if not data.is_file():
+        raise UsafError(f"--data {data}: no such file or directory", "pass a tokens directory or a JSONL file")
+    return data, sha256_file(data)
+
+
+def _counted(items: list[Batch], progress: Progress, description: str) -> Iterator[tuple]:
+    progress.start(description, len(items), "batches")
+    tokens = 0
+    for batch in items:
+        yield batch.input_ids, batch.labels, batch.attention_mask
+        tokens += batch.tokens
+        progress.advance(1, tokens=tokens)
+    progress.finish()
+
+
+def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanManifest, Path]:
+    """Score, select and write the plan; returns its manifest and path."""
+    from usaf.backends import resolve_backend
+    from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.engine.selection import SelectionError, jaccard, pool_size, select
+
+    progress = progress or NullProgress()
+    start = time.perf_counter()
+    model_dir, model_manifest = resolve_model(config, progress)
+    tokenizer = load_tokenizer(str(model_dir), flag="--model")
+    data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
+    out = config.out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
+    ArtifactWriter(out, overwrite=config.overwrite).check_target()
+
+    lines = sample_lines(data_file, config.calib_samples, seed=config.seed, vocab_size=len(tokenizer))
+    if not lines:
+        raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
+    if len(lines) < config.calib_samples:
+        progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
+
+    backend = resolve_backend(None if config.device == "auto" else config.device)
+    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
+    layers = trainable_layers(config, loaded.spec.moe_layers)
+    engine = SparseEngine(loaded, trainable_layers=layers, train_router=config.router)
+    shapes = {name: w.shape for name, w in engine.weights.items()}
+    layer_of = {name: int(name.split(".layers.")[1].split(".")[0]) for name in shapes}
+    pools = pool_size(shapes, config.frac, config.budget, layer_of)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def score(subset: list, description: str) -> dict:
+        items = list(batches(subset, config.microbatch, pad))
+        return engine.dense_scores(
+            _counted(items, progress, description),
+            candidates=pools,
+            statistic=config.statistic,
+            exact=config.full_maps,
+            pool_factor=config.candidates_factor,
+        )
+
+    engine.load_stats(reset=True)
+    accumulators = score(lines, "scoring")
+    routing = engine.load_stats(reset=True)
+    try:
+        masks = select(accumulators, frac=config.frac, mode=config.budget, layer_of=layer_of)
+    except SelectionError as e:
+        raise UsafError(
+            f"selection smaller than its budget: {e}",
+            "use more --calib-samples, a smaller --frac, or another --budget",
+        ) from None
+
+    stability: dict[str, float] = {}
+    if config.stability and len(lines) >= 2:
+        halves = [score(lines[0::2], "stability, half 1"), score(lines[1::2], "stability, half 2")]
+        try:
+            a, b = (select(h, frac=config.frac, mode=config.budget, layer_of=layer_of) for h in halves)
+            stability = {name: jaccard(a[name], b[name]) for name in masks}
+        except SelectionError as e:
+            progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
+
+    summary = _summary(
+        config,
+        engine,
+        layers,
+        masks,
+        accumulators,
+        stability,
+        routing,
+        lines,
+        layer_of,
+        model_manifest.fingerprint,
+        data_fingerprint,
+        time.perf_counter() - start,
+    )
+    with ArtifactWriter(out, overwrite=config.overwrite) as art:
+        _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
+        manifest = art.commit(
+            PlanManifest,
+            inputs=[
+                InputRecord(
+                    role="model", kind="quantized_model", path=str(model_dir), fingerprint=model_manifest.fingerprint
+                ),
+                InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=data_fingerprint),
+            ],
+            config=config.model_dump(mode="json"),
+            environment=current_environment(
+                backend=backend.name,
+                device=str(backend.device),
+                dtype=str(backend.policy.compute).removeprefix("torch."),
+                seed=config.seed,
+            ),
+            summary=summary,
+        )
+    return manifest, art.target
+
+
+def _write_files(work: Path, masks: dict, accumulators: dict, routing: dict, *, full_maps: bool) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: idx.contiguous() for name, idx in masks.items()}, str(work / MASKS_FILE))
+    importance = {}
+    for name, acc in accumulators.items():
+        indices, scores = acc.ranked()
+        importance[f"{name}.indices"] = indices.contiguous()
+        importance[f"{name}.scores"] = scores.contiguous()
+    save_file(importance, str(work / IMPORTANCE_FILE))
+    if full_maps:
+        save_file(
+            {name: acc.dense_map().contiguous() for name, acc in accumulators.items()}, str(work / FULL_MAPS_FILE)
+        )
+    routing_json = {str(layer): vars(load) for layer, load in routing.items()}
+    (work / ROUTING_FILE).write_text(json.dumps(routing_json, indent=1))
+
+
+def _summary(
+    config,
+    engine,
+    layers,
+    masks,
+    accumulators,
+    stability,
+    routing,
+    lines,
+    layer_of,
+    model_fingerprint: str,
+    data_fingerprint: str,
+    seconds: float,
+) -> PlanSummary:
+    from usaf.engine.selection import pool_size
+
+    budgets = pool_size({n: a.shape for n, a in accumulators.items()}, config.frac, config.budget, layer_of)
+    tensors = []
+    for name, idx in masks.items():
+        acc = accumulators[name]
+        experts, rows, cols = acc.shape
+        per_expert = torch.bincount(idx // (rows * cols), minlength=experts).tolist()
+        tensors.append(
+            TensorSelection(
+                name=name,
+                layer=layer_of[name],
+                shape=list(acc.shape),
+                budget=budgets[name] if config.budget == "per-tensor" else int(idx.numel()),
+                selected=int(idx.numel()),
+                candidates=int(acc.ranked()[0].numel()),
+                per_expert=per_expert,
+                certified=bool(acc.certified(int(idx.numel()))) if config.budget == "per-tensor" else acc.exact,
+                stability=stability.get(name),
+            )
+        )
+    entries = sum(t.selected for t in tensors)
+    router_params = engine.trainable_count()["router_params"]
+    if entries == 0 or any(t.selected == 0 for t in tensors):
+        raise UsafError("the selection is empty for some tensor", "check the data and --frac")
+    return PlanSummary(
+        model_fingerprint=model_fingerprint,
+        tokens_fingerprint=data_fingerprint,
+        trainable_layers=layers,
+        frac=config.frac,
+        budget=config.budget,
+        statistic=config.statistic,
+        router=config.router,
+        calib_samples=len(lines),
+        calib_tokens=sum(len(line.input_ids) for line in lines),
+        tensors=tensors,
+        expert_entries=entries,
+        router_params=router_params,
+        trainable_params=entries + router_params,
+        stability_mean=sum(stability.values()) / len(stability) if stability else None,
+        routing=[LayerRouting(layer=layer, **vars(load)) for layer, load in routing.items()],
+        seconds=seconds,
+    )
