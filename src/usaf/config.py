@@ -160,7 +160,10 @@ def resolve_config(
         except ValidationError as e:
             for err in e.errors():
                 field = str(err["loc"][0]) if err["loc"] else ""
-                where = origin.get(field, f"{flag_name(field)} (default)") if field else cls.__name__
+                if not field:  # a cross-field check: its message names the flags itself
+                    problems.append(str(err["msg"]).removeprefix("Value error, "))
+                    continue
+                where = origin.get(field, f"{flag_name(field)} (default)")
                 given = f" = {values[field]!r}" if field in values else ""
                 problems.append(f"{where}{given}: {err['msg']}")
     raise UsafError(

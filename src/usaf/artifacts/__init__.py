@@ -2,6 +2,7 @@
 
 from usaf.artifacts import plan as _plan  # noqa: F401  (registers 'plan')
 from usaf.artifacts import quantized as _quantized  # noqa: F401  (registers 'quantized_model')
+from usaf.artifacts import run as _run  # noqa: F401  (registers 'run')
 from usaf.artifacts import tokens as _tokens  # noqa: F401  (registers the 'tokens' kind)
 from usaf.artifacts.loader import load_manifest, load_verified, verify_files
 from usaf.artifacts.manifest import (
@@ -16,6 +17,7 @@ from usaf.artifacts.manifest import (
 )
 from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
+from usaf.artifacts.run import RunManifest
 from usaf.artifacts.tokens import TokensManifest, TokensSummary
 from usaf.artifacts.workspace import default_output, find_artifacts, pick_latest, workspace_dir
 from usaf.artifacts.writer import ArtifactWriter
@@ -30,6 +32,7 @@ __all__ = [
     "Manifest",
     "PlanManifest",
     "QuantizedModelManifest",
+    "RunManifest",
     "TokensManifest",
     "TokensSummary",
     "current_environment",

@@ -110,32 +110,11 @@ class ArtifactWriter:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def file_records(self) -> list[FileRecord]:
-        records = []
-        for path in sorted(p for p in self.dir.rglob("*") if p.is_file()):
-            rel = path.relative_to(self.dir).as_posix()
-            if rel == MANIFEST_NAME:
-                continue
-            records.append(FileRecord(path=rel, bytes=path.stat().st_size, sha256=sha256_file(path)))
-        return records
+        return record_files(self.dir, (p for p in self.dir.rglob("*") if p.is_file()))
 
     def commit(self, manifest_cls: type[M], **fields: Any) -> M:
         """Hash the files, write the manifest last, and move the directory into place."""
-        files = self.file_records()
-        manifest = manifest_cls(
-            kind=manifest_cls.KIND,
-            schema_version=manifest_cls.SCHEMA_VERSION,
-            usaf_version=__version__,
-            created_at=datetime.now(timezone.utc),
-            fingerprint=combine((f.path, f.sha256) for f in files),
-            files=files,
-            **fields,
-        )
-        manifest_path = self.dir / MANIFEST_NAME
-        with manifest_path.open("w", encoding="utf-8") as f:
-            f.write(manifest.model_dump_json(indent=2))
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        manifest = write_manifest(self.dir, manifest_cls, self.file_records(), **fields)
         self._move_into_place()
         self.committed = True
         return manifest
@@ -157,3 +136,34 @@ class ArtifactWriter:
         if old is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(old)
+
+
+def record_files(root: Path, paths: Any) -> list[FileRecord]:
+    """Size and sha256 of each file (paths under ``root``), sorted, the manifest itself excluded."""
+    records = []
+    for path in sorted(paths):
+        rel = path.relative_to(root).as_posix()
+        if rel != MANIFEST_NAME:
+            records.append(FileRecord(path=rel, bytes=path.stat().st_size, sha256=sha256_file(path)))
+    return records
+
+
+def write_manifest(directory: Path, manifest_cls: type[M], files: list[FileRecord], **fields: Any) -> M:
+    """Build the manifest of ``files`` and write it into ``directory`` (temp file, fsync, rename)."""
+    manifest = manifest_cls(
+        kind=manifest_cls.KIND,
+        schema_version=manifest_cls.SCHEMA_VERSION,
+        usaf_version=__version__,
+        created_at=datetime.now(timezone.utc),
+        fingerprint=combine((f.path, f.sha256) for f in files),
+        files=files,
+        **fields,
+    )
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(manifest.model_dump_json(indent=2))
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST_NAME)
+    return manifest

@@ -40,7 +40,11 @@ class RichProgress:
         if self._progress is None:
             return
         elapsed = max(time.perf_counter() - self._started, 1e-9)
-        rate = "  ".join(f"{value:,} {name} ({value / elapsed:,.0f}/s)" for name, value in counters.items())
+        # Integers are running totals (shown with their rate); floats are current values (a loss).
+        rate = "  ".join(
+            f"{name} {value:.4f}" if isinstance(value, float) else f"{value:,} {name} ({value / elapsed:,.0f}/s)"
+            for name, value in counters.items()
+        )
         self._progress.update(self._task, advance=amount, rate=rate)
 
     def note(self, message: str) -> None:

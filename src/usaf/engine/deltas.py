@@ -58,6 +58,24 @@ class SparseDelta(nn.Module):
         start, end = self.segment(expert)
         return self.rows[start:end], self.cols[start:end], self.values[start:end]
 
+    @torch.no_grad()
+    def reindex(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Swap in a new index set and its values, keeping the ``values`` Parameter object.
+
+        Optimizers and parameter groups hold that object, so it stays; its gradient belonged to the
+        old positions and is dropped. The caller moves optimizer state (``SparseAdamW.remap_state``).
+
+        Args:
+            indices: ``(n',)`` flat indices, unique and sorted ascending (checked).
+            values: ``(n',)`` new values (cast to fp32).
+        """
+        fresh = SparseDelta(self.shape, indices, values)  # validates and derives the buffers
+        device = self.values.device
+        for name, buffer in fresh.named_buffers():
+            setattr(self, name, buffer.to(device))
+        self.values.data = fresh.values.data.to(device)
+        self.values.grad = None
+
     def dense(self, expert: int | None = None) -> torch.Tensor:
         """The delta as a dense tensor: ``(O, I)`` for one expert, else ``(E, O, I)``. For tests and export."""
         if expert is not None:

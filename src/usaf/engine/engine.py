@@ -295,7 +295,7 @@ class SparseEngine:
                 sizes = weight.nbytes()
                 quantized += sizes["quantized"]
                 resident += sizes["resident"]
-                delta += sizes["delta"]
+                delta += sizes["delta"] + sizes.get("frozen", 0)
         routers = sum(p.numel() * 4 for p in self.routers.values())
         counted = {id(p) for p in self.routers.values()} | {id(d.values) for d in self.deltas().values()}
         counted |= {id(b) for d in self.deltas().values() for b in d.buffers()}

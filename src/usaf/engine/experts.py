@@ -45,6 +45,12 @@ class ExpertWeight(nn.Module):
         self.resident: torch.Tensor | None = None
         self.delta: SparseDelta | None = None
         self.score_sink: ScoreSinkFactory | None = None  # dense-score mode: expert -> sink
+        # The frozen record (usaf.engine.reselect): trained values of entries dropped at reselections,
+        # sorted unique flat indices into (E, O, I) + fp32 cumulative values. They are also written
+        # into ``resident``, so the forward pays nothing; the record lets checkpoints and export
+        # reproduce base + frozen + active exactly.
+        self.frozen_indices = torch.zeros(0, dtype=torch.int64)  # (m,)
+        self.frozen_values = torch.zeros(0, dtype=torch.float32)  # (m,)
 
     def make_resident(self, device: torch.device | None = None, *, pin: bool = False) -> None:
         """Dequantize every expert once; kept on ``device`` (or pinned host memory) for the run."""
@@ -52,6 +58,56 @@ class ExpertWeight(nn.Module):
         if pin:
             base = base.pin_memory()
         self.resident = base.to(device) if device is not None else base
+        self._write_frozen(self.frozen_indices)  # a record restored before the base became resident
+
+    @torch.no_grad()
+    def fold(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` at flat ``indices`` to the frozen record and to the resident base.
+
+        Duplicates (within ``indices`` or with the record) sum. Each touched element of ``resident``
+        is rewritten as ``dequantize(q) + frozen`` in fp32, rounded once to the compute dtype, so
+        repeated folds do not accumulate rounding and a rebuilt resident base (resume) is identical.
+
+        Args:
+            indices: ``(k,)`` int64 flat indices into ``(E, O, I)``.
+            values: ``(k,)`` values to add (cast to fp32).
+        """
+        if self.resident is None:
+            raise ValueError("fold needs a resident base (make_resident first)")
+        device = self.resident.device
+        indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).to(device)
+        values = torch.as_tensor(values).reshape(-1).to(device, torch.float32)
+        if indices.shape != values.shape:
+            raise ValueError(f"indices {tuple(indices.shape)} do not match values {tuple(values.shape)}")
+        numel = self.shape[0] * self.shape[1] * self.shape[2]
+        if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < numel):
+            raise ValueError(f"fold indices out of range for shape {tuple(self.shape)}")
+        merged = torch.cat([self.frozen_indices.to(device), indices])
+        unique, inverse = torch.unique(merged, return_inverse=True)  # sorted ascending
+        summed = torch.zeros(unique.numel(), dtype=torch.float32, device=device)
+        summed.index_add_(0, inverse, torch.cat([self.frozen_values.to(device), values]))
+        self.frozen_indices, self.frozen_values = unique, summed
+        self._write_frozen(torch.unique(indices))
+
+    @torch.no_grad()
+    def _write_frozen(self, indices: torch.Tensor) -> None:
+        """``resident[i] = round(dequantize(q)[i] + frozen[i])`` for the given (unique) flat indices."""
+        if self.resident is None or not indices.numel():
+            return
+        device = self.resident.device
+        indices = indices.to(device)
+        at = torch.searchsorted(self.frozen_indices.to(device), indices)  # positions in the record
+        frozen = self.frozen_values.to(device)[at]  # (k,)
+        per_expert = self.shape[1] * self.shape[2]
+        experts = indices // per_expert
+        flat = self.resident.view(-1)
+        for expert in torch.unique(experts).tolist():
+            # One expert at a time: a transient (O, I) fp32, never a second copy of the whole tensor.
+            mine = experts == expert
+            local = indices[mine] - expert * per_expert
+            base = dequantize(self.q, experts=[expert], dtype=torch.float32, device=device, memory_layout=False)
+            total = base.view(-1)[local] + frozen[mine]  # fp32, one rounding to the compute dtype below
+            flat[indices[mine]] = total.to(flat.dtype)
 
     def base(self, expert: int, device: torch.device) -> torch.Tensor:
         """The frozen base of one expert, ``(O, I)``, in the compute dtype on ``device``."""
@@ -77,7 +133,8 @@ class ExpertWeight(nn.Module):
         delta = 0
         if self.delta is not None:  # fp32 values + the int64 index buffers (flat, expert, row, col, offsets)
             delta = sum(t.numel() * t.element_size() for t in [*self.delta.parameters(), *self.delta.buffers()])
-        return {"quantized": self.q.nbytes, "resident": resident, "delta": delta}
+        frozen = self.frozen_indices.nbytes + self.frozen_values.nbytes
+        return {"quantized": self.q.nbytes, "resident": resident, "delta": delta, "frozen": frozen}
 
 
 class _EmptyValues:

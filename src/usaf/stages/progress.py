@@ -9,8 +9,8 @@ class Progress(Protocol):
     def start(self, description: str, total: int | None, unit: str) -> None:
         """Begin a phase of ``total`` units (``None``: unknown)."""
 
-    def advance(self, amount: int, **counters: int) -> None:
-        """``amount`` more units done; ``counters`` are running totals to show (e.g. tokens)."""
+    def advance(self, amount: int, **counters: float) -> None:
+        """``amount`` more units done; int ``counters`` are running totals (tokens), floats current values (loss)."""
 
     def note(self, message: str) -> None:
         """A one-line remark for the user."""
@@ -28,7 +28,7 @@ class NullProgress:
     def start(self, description: str, total: int | None, unit: str) -> None:
         pass
 
-    def advance(self, amount: int, **counters: int) -> None:
+    def advance(self, amount: int, **counters: float) -> None:
         pass
 
     def note(self, message: str) -> None:

@@ -1,0 +1,107 @@
+"""``usaf train``: sparse fine-tuning with RigL reselection, router co-training and exact resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt, WorkspaceOpt
+
+Opt = typer.Option
+
+
+def command(
+    model: Annotated[Path | None, Opt(help="Quantized model directory [default: newest in the workspace].")] = None,
+    data: Annotated[Path | None, Opt(help="Tokens directory or JSONL [default: newest matching the model].")] = None,
+    plan: Annotated[Path | None, Opt(help="Plan from usaf score [default: newest made for the model].")] = None,
+    eval_data: Annotated[Path | None, Opt(help="Held-out tokens (a tokens dir uses its heldout.jsonl).")] = None,
+    out: Annotated[Path | None, Opt(help="Run directory [default: WORKSPACE/run/<time>-<name>].")] = None,
+    steps: Annotated[int | None, Opt(help="Optimizer steps (or --epochs).")] = None,
+    epochs: Annotated[float | None, Opt(help="Passes over the data [default: 1].")] = None,
+    microbatch: Annotated[int | None, Opt(help="Sequences per forward [default: 2].")] = None,
+    grad_accum: Annotated[int | None, Opt(help="Microbatches per optimizer step [default: 1].")] = None,
+    lr: Annotated[float | None, Opt(help="Peak learning rate of the deltas [default: 1e-2].")] = None,
+    router_lr: Annotated[float | None, Opt(help="Peak learning rate of the routers [default: 1e-4].")] = None,
+    weight_decay: Annotated[float | None, Opt(help="Decoupled, toward the pretrained weights [default: 0].")] = None,
+    clip: Annotated[float | None, Opt(help="Gradient-norm clip over all trainables [default: 1.0].")] = None,
+    warmup: Annotated[float | None, Opt(help="Warmup as a fraction of the run [default: 0.05].")] = None,
+    reselect_every: Annotated[
+        int | None, Opt(help="Steps between RigL reselections; 0 = static mask [default: 50].")
+    ] = None,
+    reselect_fraction: Annotated[
+        float | None, Opt(help="Initial fraction replaced, cosine to 0 at 75% [default: 0.2].")
+    ] = None,
+    aux_loss_coef: Annotated[float | None, Opt(help="The model's load-balancing loss weight [default: 0].")] = None,
+    z_loss_coef: Annotated[float | None, Opt(help="Router z-loss weight [default: 0].")] = None,
+    router: Annotated[bool | None, Opt("--router/--no-router", help="Train the routers [default: on].")] = None,
+    eval_every: Annotated[
+        int | None, Opt(help="Held-out loss every N steps; 0 = only at the end [default: 0].")
+    ] = None,
+    save_every: Annotated[int | None, Opt(help="Checkpoint every N steps [default: 50].")] = None,
+    seed: Annotated[int | None, Opt(help="Seed of the data order [default: 0].")] = None,
+    resume: Annotated[bool | None, Opt("--resume", help="Continue the interrupted run in --out.")] = None,
+    overwrite: Annotated[bool | None, Opt("--overwrite", help="Replace --out.")] = None,
+    device: DeviceOpt = None,
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Train sparse deltas of the planned expert weights (+ routers) over the 4-bit base.
+
+    Ctrl-C saves a checkpoint; the same command resumes from it exactly.
+    """
+    from usaf.cli.console import handle_errors
+
+    with handle_errors(verbose):
+        from usaf.cli.console import out as stdout
+        from usaf.cli.console import print_json
+        from usaf.cli.progress import RichProgress
+        from usaf.config import resolve_config
+        from usaf.stages import train
+
+        cli = {
+            "model": model,
+            "data": data,
+            "plan": plan,
+            "eval_data": eval_data,
+            "out": out,
+            "workspace": workspace,
+            "steps": steps,
+            "epochs": epochs,
+            "microbatch": microbatch,
+            "grad_accum": grad_accum,
+            "lr": lr,
+            "router_lr": router_lr,
+            "weight_decay": weight_decay,
+            "clip": clip,
+            "warmup": warmup,
+            "reselect_every": reselect_every,
+            "reselect_fraction": reselect_fraction,
+            "aux_loss_coef": aux_loss_coef,
+            "z_loss_coef": z_loss_coef,
+            "router": router,
+            "eval_every": eval_every,
+            "save_every": save_every,
+            "seed": seed,
+            "resume": resume,
+            "overwrite": overwrite,
+            "device": device,
+        }
+        settings = resolve_config(
+            train.TrainConfig, section="train", cli=cli, config_file=config, legacy_env=train.LEGACY_ENV
+        )
+        manifest, path = train.run(settings, progress=RichProgress())
+        if json_output:
+            print_json({"path": str(path), **manifest.model_dump(mode="json")})
+            return
+        s = manifest.summary
+        evals = f"; held-out loss {s.eval_losses[-1][1]:.4f}" if s.eval_losses else ""
+        stdout.print(
+            f"run → {path}: {s.steps} steps, {s.tokens:,} tokens, loss {s.first_loss:.4f} → {s.final_loss:.4f}{evals}; "
+            f"{s.expert_entries:,} expert weights + {s.router_params:,} router weights trained, "
+            f"{s.frozen_entries:,} dropped-and-kept, {len(s.reselections)} reselections, "
+            f"{s.skipped_steps} skipped steps"
+        )

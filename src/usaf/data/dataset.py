@@ -1,0 +1,56 @@
+"""Random access to a tokens JSONL file without holding it in memory (byte offsets of its lines)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from usaf.data.tokens import TokenLine, iter_token_file
+
+
+class TokenDataset:
+    """Every line of a tokens file, validated once, then read back by index.
+
+    Memory: 8 bytes per sequence (its offset), not the sequences themselves.
+    """
+
+    def __init__(self, path: Path, *, vocab_size: int, max_len: int | None = None) -> None:
+        self.path = Path(path)
+        for _ in iter_token_file(self.path, vocab_size=vocab_size, max_len=max_len):
+            pass  # validates every line (ids in the vocabulary, lengths, no pre-shifted labels)
+        offsets = []
+        with self.path.open("rb") as f:
+            position = 0
+            for raw in f:
+                if raw.strip():
+                    offsets.append(position)
+                position += len(raw)
+        self.offsets = torch.tensor(offsets, dtype=torch.int64)
+        self._order: tuple[tuple[int, int], torch.Tensor] | None = None  # ((seed, epoch), order)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index: int) -> TokenLine:
+        with self.path.open("rb") as f:
+            f.seek(int(self.offsets[index]))
+            obj = json.loads(f.readline())
+        ids = obj["input_ids"]
+        return TokenLine(index + 1, ids, obj.get("labels", ids), obj.get("source", ""))
+
+    def order(self, epoch: int, seed: int) -> torch.Tensor:
+        """The shuffled order of one epoch, a pure function of (seed, epoch): resume needs no saved order."""
+        if self._order is None or self._order[0] != (seed, epoch):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            self._order = ((seed, epoch), torch.randperm(len(self), generator=generator))
+        return self._order[1]
+
+    def samples_for_step(self, step: int, per_step: int, seed: int) -> list[TokenLine]:
+        """The ``per_step`` sequences of global step ``step`` in the endless sequence of shuffled epochs."""
+        out = []
+        for k in range(step * per_step, (step + 1) * per_step):
+            epoch, position = divmod(k, len(self))
+            out.append(self[int(self.order(epoch, seed)[position])])
+        return out

@@ -1,0 +1,343 @@
+"""``usaf train``: sparse fine-tuning of a quantized MoE model from a plan, with RigL reselection.
+
+The run directory holds ``run-settings.json``, ``metrics.jsonl``, atomic ``checkpoints/step-N/`` and, when
+the run completes, ``final/`` and ``manifest.json``. Ctrl-C writes a checkpoint of the last finished
+step; running the same command again (or ``--resume``) continues from the newest checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from usaf.artifacts import (
+    InputRecord,
+    PlanManifest,
+    RunManifest,
+    current_environment,
+    default_output,
+    load_verified,
+    pick_latest,
+    workspace_dir,
+)
+from usaf.artifacts.plan import MASKS_FILE
+from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary
+from usaf.config import StageConfig
+from usaf.errors import UsafError
+from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.score import resolve_data, resolve_model
+
+# The original tool's environment variables, honoured below --config (README documents them).
+LEGACY_ENV = {
+    "FRAC": "frac",
+    "STEPS": "steps",
+    "EPOCHS": "epochs",
+    "TRAIN_FROM": "train_from",
+    "MICROBATCH": "microbatch",
+    "LR_PEAK": "lr",
+    "RESELECT_EVERY": "reselect_every",
+    "DATASET_PATH": "data",
+    "QUANT_PATH": "model",
+}
+
+
+class TrainConfig(StageConfig):
+    """Settings of ``usaf train`` (each also ``USAF_<NAME>`` and a ``[train]`` TOML key)."""
+
+    model: Path | None = None
+    data: Path | None = None
+    plan: Path | None = None
+    eval_data: Path | None = None
+    out: Path | None = None
+    workspace: Path | None = None
+    frac: float = Field(0.005, gt=0, lt=1)
+    train_from: int | None = Field(None, ge=0)
+    steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    microbatch: int = Field(2, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-2, gt=0, description="Peak learning rate of the deltas (sparse deltas need a high one).")
+    router_lr: float = Field(1e-4, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip: float | None = Field(1.0, gt=0)
+    warmup: float = Field(0.05, ge=0, lt=1, description="Warmup steps as a fraction of the run.")
+    reselect_every: int = Field(50, ge=0)
+    reselect_fraction: float = Field(0.2, ge=0, le=1)
+    aux_loss_coef: float = Field(0.0, ge=0)
+    z_loss_coef: float = Field(0.0, ge=0)
+    router: bool = True
+    eval_every: int = Field(0, ge=0)
+    save_every: int = Field(50, ge=0)
+    seed: int = 0
+    device: str = "auto"
+    calib_samples: int = Field(64, ge=1)
+    prefix_cache_gib: float = Field(2.0, ge=0, description="RAM for cached prefix states before spilling to disk.")
+    resume: bool = False
+    overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("pass either --steps or --epochs, not both")
+        if self.steps is not None and self.reselect_every > self.steps:
+            raise ValueError(
+                f"--reselect-every {self.reselect_every} exceeds --steps {self.steps}; "
+                "lower it or pass 0 for a static mask"
+            )
+        return self
+
+
+def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data_fp: str) -> dict:
+    keep = config.model_dump(mode="json", exclude={"resume", "overwrite", "out", "workspace"})
+    return {**keep, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp, "data_fingerprint": data_fp}
+
+
+def _resolve_plan(config: TrainConfig, model_fp: str, model_dir: Path, progress: Progress) -> tuple[Path, PlanManifest]:
+    if config.plan is not None:
+        plan = load_verified(config.plan, PlanManifest, flag="--plan")
+        path = config.plan
+    else:
+        found = pick_latest(
+            workspace_dir(config.workspace),
+            PlanManifest,
+            flag="--plan",
+            accept=lambda m: m.summary.model_fingerprint == model_fp,
+            wanted=" made for this model",
+        )
+        path, plan = found.path, found.manifest
+        progress.note(f"using the plan {path} (newest made for this model)")
+    if plan.summary.model_fingerprint != model_fp:
+        raise UsafError(f"--plan {path}: made for another quantized model", f"re-run usaf score --model {model_dir}")
+    return path, plan
+
+
+def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
+    """Train; returns the run's manifest and directory."""
+    from safetensors.torch import load_file
+
+    from usaf.backends import resolve_backend
+    from usaf.data.dataset import TokenDataset
+    from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.engine.prefix import PrefixCache
+    from usaf.stages.trainer import LoopSettings, Trainer, latest_checkpoint
+
+    progress = progress or NullProgress()
+    start = time.perf_counter()
+    model_dir, model_manifest = resolve_model(config, progress)
+    tokenizer = load_tokenizer(str(model_dir), flag="--model")
+    data_file, data_fp = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
+    plan_dir, plan = _resolve_plan(config, model_manifest.fingerprint, model_dir, progress)
+    run_dir = Path(config.out or default_output(workspace_dir(config.workspace), "run", model_dir.name))
+    settings_record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp)
+
+    resume_from = None
+    if run_dir.exists():
+        if (run_dir / "manifest.json").is_file() and not config.overwrite:
+            raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
+        previous = run_dir / SETTINGS_FILE
+        if config.overwrite:
+            shutil.rmtree(run_dir)
+        elif previous.is_file() and json.loads(previous.read_text()) == settings_record:
+            resume_from = latest_checkpoint(run_dir)
+        elif any(run_dir.iterdir()):
+            raise UsafError(
+                f"--out {run_dir}: holds another run (other settings or inputs)",
+                "pass another --out, or --overwrite to replace it",
+            )
+    elif config.resume:
+        raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
+
+    backend = resolve_backend(None if config.device == "auto" else config.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    data = TokenDataset(data_file, vocab_size=len(tokenizer))
+    if len(data) == 0:
+        raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
+    eval_data = None
+    if config.eval_data is not None:
+        eval_file, _ = resolve_data(
+            config.model_copy(update={"data": config.eval_data}), tokenizer_fingerprint(tokenizer), progress
+        )
+        if eval_file.name == "train.jsonl":
+            eval_file = eval_file.with_name("heldout.jsonl")
+        eval_data = TokenDataset(eval_file, vocab_size=len(tokenizer))
+    per_step = config.microbatch * config.grad_accum
+    steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * len(data) / per_step))
+    if config.reselect_every > steps:
+        raise UsafError(
+            f"--reselect-every {config.reselect_every} exceeds the run's {steps} steps",
+            "lower it, or pass 0 for a static mask",
+        )
+
+    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
+    engine = SparseEngine(
+        loaded,
+        trainable_layers=plan.summary.trainable_layers,
+        train_router=config.router,
+        aux_loss_coef=config.aux_loss_coef,
+        z_loss_coef=config.z_loss_coef,
+    )
+    masks = load_file(str(plan_dir / MASKS_FILE))
+    unknown = set(masks) - set(engine.weights)
+    if unknown:
+        raise UsafError(
+            f"--plan {plan_dir}: masks for tensors this model does not train: {sorted(unknown)[:3]}",
+            "re-run usaf score for this model",
+        )
+    engine.set_deltas(masks)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SETTINGS_FILE).write_text(json.dumps(settings_record, indent=1))
+    prefix = None
+    if engine.prefix is not None:
+        cache = PrefixCache(int(config.prefix_cache_gib * 2**30), run_dir / "prefix-cache.bin")
+        prefix = (cache, model_manifest.fingerprint)
+    loop = LoopSettings(
+        steps=steps,
+        microbatch=config.microbatch,
+        grad_accum=config.grad_accum,
+        lr=config.lr,
+        router_lr=config.router_lr,
+        weight_decay=config.weight_decay,
+        clip=config.clip,
+        warmup_steps=int(config.warmup * steps),
+        reselect_every=config.reselect_every,
+        reselect_fraction=config.reselect_fraction,
+        eval_every=config.eval_every,
+        save_every=config.save_every,
+        seed=config.seed,
+    )
+    trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix)
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+        progress.note(f"resuming from {resume_from} (step {trainer.state.step} of {steps})")
+    progress.note(_plan_line(engine, trainer, steps, per_step))
+    _loop(trainer, steps, progress)
+    return _finish(
+        config,
+        trainer,
+        run_dir,
+        model_dir,
+        model_manifest,
+        plan_dir,
+        plan,
+        data_file,
+        data_fp,
+        backend,
+        time.perf_counter() - start,
+    )
+
+
+def _plan_line(engine, trainer, steps: int, per_step: int) -> str:
+    from usaf.units import human_bytes
+
+    counts = engine.trainable_count()
+    memory = engine.memory(optimizer=trainer.optimizer)
+    parts = ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in memory.items() if v)
+    return (
+        f"training {counts['delta_entries']:,} expert weights + {counts['router_params']:,} router weights "
+        f"in layers {list(engine.trainable_layers)} for {steps} steps of {per_step} sequences; memory: {parts}"
+    )
+
+
+def _loop(trainer, steps: int, progress: Progress) -> None:
+    from usaf.engine.reselect import collect_scores, reselect, update_fraction
+
+    s = trainer.s
+    progress.start("training", steps, "steps")
+    progress.advance(trainer.state.step)
+    collector = None
+    try:
+        while trainer.state.step < steps:
+            step = trainer.state.step
+            # Grow candidates are ranked by the gradients of the last SCORE_BATCHES steps before a reselection.
+            if s.reselect_every and collector is None and _collecting(step, s.reselect_every, steps):
+                collector = collect_scores(trainer.engine)
+            record = trainer.step()
+            trainer.log(record)
+            if s.reselect_every and trainer.state.step % s.reselect_every == 0 and trainer.state.step < steps:
+                fraction = update_fraction(trainer.state.step, steps, s.reselect_fraction)
+                scores, collector = collector, None
+                if scores is not None:
+                    scores.close()  # sinks off: the accumulators stay readable
+                    if fraction > 0:
+                        report = reselect(trainer.engine, trainer.optimizer, scores, fraction)
+                        trainer.log({"reselection": trainer.record_reselection(trainer.state.step, report)})
+            if s.eval_every and trainer.state.step % s.eval_every == 0:
+                loss = trainer.evaluate()
+                if loss is not None:
+                    trainer.state.eval_losses.append([trainer.state.step, loss])
+                    trainer.log({"step": trainer.state.step, "eval_loss": loss})
+            if s.save_every and trainer.state.step % s.save_every == 0:
+                trainer.save_checkpoint(trainer.checkpoint_dir())
+            progress.advance(1, tokens=trainer.state.tokens, loss=record["loss"])
+    except KeyboardInterrupt:
+        if collector is not None:
+            collector.close()
+        saved = trainer.save_checkpoint(trainer.checkpoint_dir())
+        progress.note(f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume")
+        raise
+    finally:
+        progress.finish()
+
+
+def _collecting(step: int, every: int, steps: int) -> bool:
+    """Whether step ``step`` (0-based) is one of the batches that rank candidates for the next reselection."""
+    from usaf.stages.trainer import SCORE_BATCHES
+
+    position = (step % every) + 1  # 1..every within the current cycle
+    return position > every - SCORE_BATCHES and (step // every + 1) * every < steps
+
+
+def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan, data_file, data_fp, backend, seconds):
+    from usaf.artifacts.run import ReselectionRecord
+    from usaf.artifacts.writer import record_files, write_manifest
+
+    state = trainer.state
+    if trainer.eval_data is not None and (not state.eval_losses or state.eval_losses[-1][0] != state.step):
+        loss = trainer.evaluate()  # the held-out loss of the final weights, always reported
+        state.eval_losses.append([state.step, loss])
+        trainer.log({"step": state.step, "eval_loss": loss})
+    final = trainer.save_checkpoint(run_dir / FINAL_DIR)
+    if state.first_loss is None:
+        raise UsafError("every step was skipped (non-finite loss or gradient)", "lower --lr or check the data")
+    counts = trainer.engine.trainable_count()
+    summary = RunSummary(
+        model_fingerprint=model_manifest.fingerprint,
+        plan_fingerprint=plan.fingerprint,
+        data_fingerprint=data_fp,
+        trainable_layers=list(trainer.engine.trainable_layers),
+        steps=state.step,
+        tokens=state.tokens,
+        skipped_steps=state.skipped,
+        first_loss=state.first_loss,
+        final_loss=state.last_loss,
+        eval_losses=state.eval_losses,
+        expert_entries=counts["delta_entries"],
+        router_params=counts["router_params"],
+        frozen_entries=sum(int(w.frozen_indices.numel()) for w in trainer.engine.weights.values()),
+        reselections=[ReselectionRecord(**r) for r in state.reselections],
+        seconds=seconds,
+    )
+    manifest = write_manifest(
+        run_dir,
+        RunManifest,
+        record_files(run_dir, (p for p in final.rglob("*") if p.is_file())),
+        inputs=[
+            InputRecord(
+                role="model", kind="quantized_model", path=str(model_dir), fingerprint=model_manifest.fingerprint
+            ),
+            InputRecord(role="plan", kind="plan", path=str(plan_dir), fingerprint=plan.fingerprint),
+            InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=data_fp),
+        ],
+        config=config.model_dump(mode="json"),
+        environment=current_environment(backend=backend.name, device=str(backend.device), seed=config.seed),
+        summary=summary,
+    )
+    return manifest, run_dir

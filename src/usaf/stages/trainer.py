@@ -1,0 +1,265 @@
+"""The training loop of ``usaf train``, and its checkpoints.
+
+One step = ``grad_accum`` microbatches of ``microbatch`` sequences, the loss of each weighted by its
+share of the step's scored tokens (so the step's loss is token-weighted, whatever the padding), then
+one optimizer step over the deltas and routers at the schedule's learning rate. A non-finite loss or
+gradient skips the step (the optimizer leaves everything bit-identical) and is counted.
+
+A checkpoint holds everything a resumed run needs to continue *exactly*: the active deltas and the
+frozen cumulative record, router masters, the optimizer state (moments and per-entry step counts),
+the step, counters, reselection history and torch's RNG state. The data order is a pure function of
+(seed, step), so it needs no saving. Checkpoints are written to a temporary directory and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from usaf.artifacts.run import (
+    CHECKPOINTS_DIR,
+    DELTAS_FILE,
+    METRICS_FILE,
+    OPTIMIZER_FILE,
+    ROUTERS_FILE,
+    STATE_FILE,
+    ReselectionRecord,
+)
+from usaf.data.batches import collate
+from usaf.data.dataset import TokenDataset
+from usaf.engine.engine import SparseEngine
+from usaf.engine.optim import SparseAdamW
+from usaf.engine.schedule import WarmupCosine
+from usaf.errors import UsafError
+
+SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    eval_losses: list[list[float]] = field(default_factory=list)
+    reselections: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class LoopSettings:
+    steps: int
+    microbatch: int
+    grad_accum: int
+    lr: float
+    router_lr: float
+    weight_decay: float
+    clip: float | None
+    warmup_steps: int
+    reselect_every: int
+    reselect_fraction: float
+    eval_every: int
+    save_every: int
+    seed: int
+
+
+class Trainer:
+    def __init__(
+        self,
+        engine: SparseEngine,
+        settings: LoopSettings,
+        data: TokenDataset,
+        eval_data: TokenDataset | None,
+        run_dir: Path,
+        *,
+        pad_id: int,
+        prefix: tuple[Any, str] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.s = settings
+        self.data = data
+        self.eval_data = eval_data
+        self.run_dir = run_dir
+        self.pad_id = pad_id
+        self.prefix = prefix  # (PrefixCache, model fingerprint) or None
+        self.optimizer = SparseAdamW(
+            engine.parameter_groups(lr=settings.lr, router_lr=settings.router_lr, weight_decay=settings.weight_decay),
+            max_grad_norm=settings.clip,
+        )
+        self.schedule = WarmupCosine(settings.warmup_steps, settings.steps)
+        self.state = TrainState()
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def _microbatches(self, step: int) -> list:
+        lines = self.data.samples_for_step(step, self.s.microbatch * self.s.grad_accum, self.s.seed)
+        return [collate(lines[i : i + self.s.microbatch], self.pad_id) for i in range(0, len(lines), self.s.microbatch)]
+
+    def _loss(self, batch) -> Any:
+        states = None
+        if self.prefix is not None:
+            cache, fingerprint = self.prefix
+            states = self.engine.cached_prefix_states(
+                batch.input_ids, cache, model_fingerprint=fingerprint, attention_mask=batch.attention_mask
+            )
+        return self.engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
+
+    def step(self) -> dict[str, Any]:
+        """Run the next optimizer step; returns its metrics record."""
+        start = time.perf_counter()
+        step = self.state.step
+        batches = self._microbatches(step)
+        scored = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
+        self._zero_grad()
+        loss_sum = 0.0
+        for batch in batches:
+            parts = self._loss(batch)
+            weight = parts.tokens / max(scored, 1)
+            (parts.loss * weight).backward()
+            loss_sum += float(parts.loss.detach()) * weight
+        lr_factor = self.schedule.apply(self.optimizer, step)
+        report = self.optimizer.step()
+        finite = report.applied and torch.isfinite(torch.tensor(loss_sum))
+        self.state.step += 1
+        self.state.tokens += sum(b.tokens for b in batches)
+        if not finite:
+            self.state.skipped += 1
+        else:
+            self.state.first_loss = loss_sum if self.state.first_loss is None else self.state.first_loss
+            self.state.last_loss = loss_sum
+        seconds = time.perf_counter() - start
+        return {
+            "step": self.state.step,
+            "loss": loss_sum,
+            "lr": self.s.lr * lr_factor,
+            "grad_norm": report.grad_norm,
+            "skipped": not finite,
+            "tokens": self.state.tokens,
+            "tokens_per_s": sum(b.tokens for b in batches) / max(seconds, 1e-9),
+            "seconds": seconds,
+        }
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+        self.engine.model.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Token-weighted held-out loss (no gradients; not counted in step time)."""
+        if self.eval_data is None or len(self.eval_data) == 0:
+            return None
+        total = tokens = 0.0
+        for start in range(0, len(self.eval_data), self.s.microbatch):
+            lines = [self.eval_data[i] for i in range(start, min(start + self.s.microbatch, len(self.eval_data)))]
+            parts = self._loss(collate(lines, self.pad_id))
+            total += float(parts.ce) * parts.tokens
+            tokens += parts.tokens
+        return total / max(tokens, 1)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        """Write a complete checkpoint atomically (temp dir + rename) and return its path."""
+        from safetensors.torch import save_file
+
+        from usaf.engine.reselect import cumulative_delta
+
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        deltas = {}
+        for name, weight in self.engine.weights.items():
+            if weight.delta is not None:
+                deltas[f"{name}.indices"] = weight.delta.indices.cpu().contiguous()
+                deltas[f"{name}.values"] = weight.delta.values.detach().cpu().contiguous()
+            deltas[f"{name}.frozen_indices"] = weight.frozen_indices.cpu().contiguous()
+            deltas[f"{name}.frozen_values"] = weight.frozen_values.cpu().contiguous()
+            idx, val = cumulative_delta(weight)
+            deltas[f"{name}.cumulative_indices"] = idx.cpu().contiguous()
+            deltas[f"{name}.cumulative_values"] = val.cpu().contiguous()
+        save_file(deltas, str(tmp / DELTAS_FILE))
+        save_file(
+            {n: p.detach().cpu().contiguous() for n, p in self.engine.routers.items()} or {"_none": torch.zeros(0)},
+            str(tmp / ROUTERS_FILE),
+        )
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(),
+                "rng": torch.get_rng_state(),
+            },
+            tmp / OPTIMIZER_FILE,
+        )
+        (tmp / STATE_FILE).write_text(json.dumps(vars(self.state), indent=1))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+        return directory
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        try:
+            deltas = load_file(str(directory / DELTAS_FILE))
+            routers = load_file(str(directory / ROUTERS_FILE))
+            extra = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
+            state = json.loads((directory / STATE_FILE).read_text())
+        except Exception as e:  # any damage: refuse, never half-load
+            raise UsafError(
+                f"--resume {directory}: unreadable checkpoint ({e})", "resume from an earlier checkpoint"
+            ) from None
+        selection = {n: deltas[f"{n}.indices"] for n in self.engine.weights if f"{n}.indices" in deltas}
+        values = {n: deltas[f"{n}.values"] for n in selection}
+        self.engine.set_deltas(selection, values)
+        for name, weight in self.engine.weights.items():
+            if weight.frozen_indices.numel():
+                raise RuntimeError("a checkpoint is restored into a fresh engine only")
+            frozen = deltas[f"{name}.frozen_indices"]
+            if frozen.numel():  # dropped-and-kept deltas: back into the record and the resident base
+                weight.fold(frozen, deltas[f"{name}.frozen_values"])
+        with torch.no_grad():
+            for name, master in self.engine.routers.items():
+                master.copy_(routers[name])
+        self.optimizer = SparseAdamW(
+            self.engine.parameter_groups(lr=self.s.lr, router_lr=self.s.router_lr, weight_decay=self.s.weight_decay),
+            max_grad_norm=self.s.clip,
+        )
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.schedule.load_state_dict(extra["schedule"])
+        torch.set_rng_state(extra["rng"])
+        self.state = TrainState(**state)
+
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step:07d}"
+
+    def log(self, record: dict[str, Any]) -> None:
+        with (self.run_dir / METRICS_FILE).open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def record_reselection(self, step: int, report: Any) -> dict:
+        total = report.total
+        record = ReselectionRecord(
+            step=step,
+            fraction=report.fraction,
+            kept=total.kept,
+            dropped=total.dropped,
+            grown=total.grown,
+            turnover=total.turnover,
+        ).model_dump()
+        self.state.reselections.append(record)
+        return record
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    directory = run_dir / CHECKPOINTS_DIR
+    if not directory.is_dir():
+        return None
+    complete = sorted(p for p in directory.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file())
+    return complete[-1] if complete else None

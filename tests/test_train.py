@@ -1,0 +1,273 @@
+"""`usaf train` through the CLI: learning, exact resume, Ctrl-C, reselection, NaN steps, routers, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAMILIES
+from helpers import invoke
+from usaf.artifacts import RunManifest, load_verified
+from usaf.testing import stdlib_dir
+
+
+@pytest.fixture(scope="module")
+def prepared(quantized, tmp_path_factory):
+    """``prepared(family) -> (qdir, tokens, plan)``: a 3-layer model, tokens and a plan (frac 0.3: a random
+    model needs many trainable weights to show learning within a few steps)."""
+    cache = {}
+    root = tmp_path_factory.mktemp("train")
+
+    def get(family: str):
+        if family not in cache:
+            qdir = quantized(family, num_layers=3, tokenizer=True)
+            tokens, plan = root / f"{family}-tokens", root / f"{family}-plan"
+            result = invoke(
+                "tokenize",
+                stdlib_dir() / "textwrap.py",
+                stdlib_dir() / "shlex.py",
+                "--model",
+                qdir,
+                "--seq-len",
+                32,
+                "--source-depth",
+                0,
+                "--held-out",
+                "shlex.py",
+                "--out",
+                tokens,
+            )
+            assert result.exit_code == 0, result.output
+            result = invoke(
+                "score",
+                "--model",
+                qdir,
+                "--data",
+                tokens,
+                "--frac",
+                0.05,
+                "--calib-samples",
+                8,
+                "--train-from",
+                2,
+                "--no-stability",
+                "--out",
+                plan,
+            )
+            assert result.exit_code == 0, result.output
+            cache[family] = (qdir, tokens, plan)
+        return cache[family]
+
+    return get
+
+
+def train(qdir, tokens, plan, out, *extra):
+    return invoke(
+        "train",
+        "--model",
+        qdir,
+        "--data",
+        tokens,
+        "--plan",
+        plan,
+        "--out",
+        out,
+        "--lr",
+        0.05,
+        "--save-every",
+        0,
+        *extra,
+    )
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_deltas(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "deltas.safetensors"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_decreases_for_every_family(family, prepared, tmp_path):
+    """A memorisation task: two sequences, seen again and again, must get likelier."""
+    qdir, tokens, plan = prepared(family)
+    memory = tmp_path / "two.jsonl"
+    memory.write_text("".join((tokens / "train.jsonl").read_text().splitlines(keepends=True)[:2]))
+    run = tmp_path / "run"
+    result = train(
+        qdir, memory, plan, run, "--steps", 30, "--reselect-every", 10, "--eval-data", tokens, "--eval-every", 15
+    )
+    assert result.exit_code == 0, result.output
+    manifest = load_verified(run, RunManifest)
+    s = manifest.summary
+    losses = [m["loss"] for m in metrics(run) if "loss" in m]
+    assert len(losses) == 30 and s.skipped_steps == 0
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
+    assert len(s.eval_losses) == 2 and len(s.reselections) == 2
+
+
+def test_resume_is_exact(prepared, tmp_path, monkeypatch):
+    from usaf.stages import trainer
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 20, "--reselect-every", 5, "--reselect-fraction", 0.3]
+    straight = tmp_path / "straight"
+    assert train(qdir, tokens, plan, straight, *args).exit_code == 0
+
+    real_step = trainer.Trainer.step
+
+    def interrupt_at_10(self):
+        if self.state.step == 10:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt_at_10)
+    resumed = tmp_path / "resumed"
+    result = train(qdir, tokens, plan, resumed, *args)
+    assert result.exit_code == 130 and "run the same command to resume" in result.stderr
+    assert (resumed / "checkpoints" / "step-0000010").is_dir() and not (resumed / "manifest.json").exists()
+    monkeypatch.setattr(trainer.Trainer, "step", real_step)
+    result = train(qdir, tokens, plan, resumed, *args)
+    assert result.exit_code == 0, result.output
+    assert "resuming from" in result.stderr
+    losses = lambda run: [m["loss"] for m in metrics(run) if "loss" in m]  # noqa: E731
+    assert losses(resumed) == losses(straight)
+    a, b = final_deltas(straight), final_deltas(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_in_a_subprocess_saves_and_the_rerun_resumes(prepared, tmp_path):
+    qdir, tokens, plan = prepared("olmoe")
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "usaf",
+        "train",
+        "--model",
+        str(qdir),
+        "--data",
+        str(tokens),
+        "--plan",
+        str(plan),
+        "--out",
+        str(run),
+        "--steps",
+        "150",
+        "--save-every",
+        "0",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert len(checkpoints) == 1 and "interrupted" in stderr
+    done = int(checkpoints[0].name.split("-")[1])
+    assert 0 < done < 150
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"step {done} of 150" in resumed.stderr
+    assert load_verified(run, RunManifest).summary.steps == 150
+
+
+def test_reselection_keeps_the_set_size_and_every_trained_value(prepared, tmp_path):
+    qdir, tokens, plan = prepared("mixtral")
+    masks = load_file(str(plan / "masks.safetensors"))
+    static = tmp_path / "static"
+    assert train(qdir, tokens, plan, static, "--steps", 12, "--reselect-every", 0).exit_code == 0
+    deltas = final_deltas(static)
+    for name, mask in masks.items():
+        assert torch.equal(deltas[f"{name}.indices"], mask)  # a static mask never changes
+        assert deltas[f"{name}.frozen_indices"].numel() == 0
+    dynamic = tmp_path / "dynamic"
+    assert (
+        train(qdir, tokens, plan, dynamic, "--steps", 12, "--reselect-every", 4, "--reselect-fraction", 0.5).exit_code
+        == 0
+    )
+    s = load_verified(dynamic, RunManifest).summary
+    deltas = final_deltas(dynamic)
+    assert len(s.reselections) == 2
+    for record in s.reselections:
+        assert record.kept + record.dropped == sum(m.numel() for m in masks.values())
+        assert record.grown == record.dropped and 0 < record.turnover <= 0.5
+    for name, mask in masks.items():
+        assert deltas[f"{name}.indices"].numel() == mask.numel()  # set size unchanged
+        assert not torch.equal(deltas[f"{name}.indices"], mask)
+        # Every value ever trained is in the cumulative delta: active and dropped-and-kept together.
+        cumulative = set(deltas[f"{name}.cumulative_indices"].tolist())
+        assert set(deltas[f"{name}.indices"].tolist()) | set(deltas[f"{name}.frozen_indices"].tolist()) == cumulative
+    assert s.frozen_entries > 0
+
+
+def test_a_non_finite_step_is_skipped_and_counted(prepared, tmp_path, monkeypatch):
+    from usaf.engine import engine as engine_module
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    real_loss = engine_module.SparseEngine.loss
+    calls = []
+
+    def poisoned(self, *args, **kwargs):
+        parts = real_loss(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the third step's loss is NaN
+            parts.loss = parts.loss * float("nan")
+        return parts
+
+    monkeypatch.setattr(engine_module.SparseEngine, "loss", poisoned)
+    run = tmp_path / "run"
+    assert train(qdir, tokens, plan, run, "--steps", 5, "--reselect-every", 0).exit_code == 0
+    records = [m for m in metrics(run) if "loss" in m]
+    assert [m["skipped"] for m in records] == [False, False, True, False, False]
+    assert load_verified(run, RunManifest).summary.skipped_steps == 1
+    deltas = final_deltas(run)
+    assert all(torch.isfinite(v).all() for k, v in deltas.items() if k.endswith("values"))
+
+
+def test_router_on_and_off(prepared, tmp_path):
+    qdir, tokens, plan = prepared("qwen3_moe")
+    off, on = tmp_path / "off", tmp_path / "on"
+    assert train(qdir, tokens, plan, off, "--steps", 4, "--no-router", "--reselect-every", 0).exit_code == 0
+    assert train(qdir, tokens, plan, on, "--steps", 4, "--router-lr", 0.01, "--reselect-every", 0).exit_code == 0
+    assert load_verified(off, RunManifest).summary.router_params == 0
+    assert set(load_file(str(off / "final" / "routers.safetensors"))) == {"_none"}
+    routers = load_file(str(on / "final" / "routers.safetensors"))
+    base = {}
+    for shard in qdir.glob("base-*.safetensors"):
+        base.update(load_file(str(shard)))
+    assert routers and all(not torch.equal(routers[n], base[n].float()) for n in routers)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+
+
+def test_bad_inputs(prepared, tmp_path):
+    qdir, tokens, plan = prepared("qwen3_moe")
+    other_q, _, other_plan = prepared("olmoe")
+    out = tmp_path / "run"
+    result = train(qdir, tokens, other_plan, out, "--steps", 2, "--reselect-every", 0)
+    assert result.exit_code == 2 and "made for another quantized model" in result.stderr and not out.exists()
+    result = train(qdir, tokens, plan, out, "--steps", 5, "--reselect-every", 10)
+    assert result.exit_code == 2 and "--reselect-every 10 exceeds --steps 5" in result.stderr and not out.exists()
+    # A corrupt checkpoint is refused on resume, and nothing is overwritten.
+    assert train(qdir, tokens, plan, out, "--steps", 4, "--save-every", 2, "--reselect-every", 0).exit_code == 0
+    (out / "manifest.json").unlink()
+    newest = sorted((out / "checkpoints").iterdir())[-1]
+    (newest / "deltas.safetensors").write_bytes(b"garbage")
+    result = train(qdir, tokens, plan, out, "--steps", 4, "--save-every", 2, "--reselect-every", 0)
+    assert result.exit_code == 2 and "unreadable checkpoint" in result.stderr
+    assert (newest / "deltas.safetensors").read_bytes() == b"garbage"
