@@ -41,36 +41,26 @@ def command(
 
     Reads one MoE layer's experts at a time; an interrupted run resumes when the same command is rerun.
     """
-    from usaf.cli.console import handle_errors
+    from usaf.cli.stage import run_stage
 
-    with handle_errors(verbose):
-        from usaf.cli.console import out as stdout
-        from usaf.cli.console import print_json
-        from usaf.cli.progress import RichProgress
-        from usaf.config import resolve_config
-        from usaf.stages import quantize
-
-        settings = resolve_config(
-            quantize.QuantizeConfig,
-            section="quantize",
-            cli={
-                "model": model,
-                "out": out,
-                "workspace": workspace,
-                "method": method,
-                "nbits": nbits,
-                "group_size": group_size,
-                "device": device,
-                "resume": resume,
-                "force": force,
-            },
-            config_file=config,
-        )
-        manifest, path = quantize.run(settings, progress=RichProgress())
-        if json_output:
-            print_json({"path": str(path), **manifest.model_dump(mode="json")})
-            return
-        _print_summary(stdout, manifest, path)
+    run_stage(
+        "quantize",
+        cli={
+            "model": model,
+            "out": out,
+            "workspace": workspace,
+            "method": method,
+            "nbits": nbits,
+            "group_size": group_size,
+            "device": device,
+            "resume": resume,
+            "force": force,
+        },
+        config_file=config,
+        json_output=json_output,
+        verbose=verbose,
+        summary=_print_summary,
+    )
 
 
 def _print_summary(console, manifest, path: Path) -> None:

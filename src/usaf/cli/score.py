@@ -56,46 +56,35 @@ def command(
     verbose: VerboseOpt = False,
 ) -> None:
     """Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train)."""
-    from usaf.cli.console import handle_errors
+    from usaf.cli.stage import run_stage
 
-    with handle_errors(verbose):
-        from usaf.cli.console import out as stdout
-        from usaf.cli.console import print_json
-        from usaf.cli.progress import RichProgress
-        from usaf.config import resolve_config
-        from usaf.stages import score
-
-        settings = resolve_config(
-            score.ScoreConfig,
-            section="score",
-            cli={
-                "model": model,
-                "data": data,
-                "out": out,
-                "workspace": workspace,
-                "frac": frac,
-                "train_from": train_from,
-                "layers": layers or None,
-                "calib_samples": calib_samples,
-                "statistic": statistic,
-                "budget": budget,
-                "router": router,
-                "device": device,
-                "microbatch": microbatch,
-                "seed": seed,
-                "candidates_factor": candidates_factor,
-                "full_maps": full_maps,
-                "stability": stability,
-                "overwrite": overwrite or None,
-            },
-            config_file=config,
-            legacy_env={"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"},
-        )
-        manifest, path = score.run(settings, progress=RichProgress())
-        if json_output:
-            print_json({"path": str(path), **manifest.model_dump(mode="json")})
-            return
-        _print_summary(stdout, manifest, path)
+    run_stage(
+        "score",
+        cli={
+            "model": model,
+            "data": data,
+            "out": out,
+            "workspace": workspace,
+            "frac": frac,
+            "train_from": train_from,
+            "layers": layers or None,
+            "calib_samples": calib_samples,
+            "statistic": statistic,
+            "budget": budget,
+            "router": router,
+            "device": device,
+            "microbatch": microbatch,
+            "seed": seed,
+            "candidates_factor": candidates_factor,
+            "full_maps": full_maps,
+            "stability": stability,
+            "overwrite": overwrite or None,
+        },
+        config_file=config,
+        json_output=json_output,
+        verbose=verbose,
+        summary=_print_summary,
+    )
 
 
 def _print_summary(console, manifest, path: Path) -> None:

@@ -65,45 +65,35 @@ def command(
     verbose: VerboseOpt = False,
 ) -> None:
     """Tokenize text into packed sequences (train.jsonl, heldout.jsonl), held out by source."""
-    from usaf.cli.console import handle_errors
+    from usaf.cli.stage import run_stage
 
-    with handle_errors(verbose):
-        from usaf.cli.console import out as stdout
-        from usaf.cli.console import print_json
-        from usaf.cli.progress import RichProgress
-        from usaf.config import resolve_config
-        from usaf.stages import tokenize
-
-        settings = resolve_config(
-            tokenize.TokenizeConfig,
-            section="tokenize",
-            cli={
-                "inputs": inputs or None,
-                "model": model,
-                "out": out,
-                "workspace": workspace,
-                "seq_len": seq_len,
-                "stride": stride,
-                "held_out": held_out or None,
-                "held_out_frac": held_out_frac,
-                "source_depth": source_depth,
-                "include": include or None,
-                "exclude": exclude or None,
-                "text_field": text_field,
-                "source_field": source_field,
-                "decode_errors": decode_errors,
-                "fix_shifted_labels": fix_shifted_labels,
-                "seed": seed,
-                "trust_remote_code": trust_remote_code,
-                "overwrite": overwrite or None,
-            },
-            config_file=config,
-        )
-        manifest, path = tokenize.run(settings, progress=RichProgress())
-        if json_output:
-            print_json({"path": str(path), **manifest.model_dump(mode="json")})
-            return
-        _print_summary(stdout, manifest, path)
+    run_stage(
+        "tokenize",
+        cli={
+            "inputs": inputs or None,
+            "model": model,
+            "out": out,
+            "workspace": workspace,
+            "seq_len": seq_len,
+            "stride": stride,
+            "held_out": held_out or None,
+            "held_out_frac": held_out_frac,
+            "source_depth": source_depth,
+            "include": include or None,
+            "exclude": exclude or None,
+            "text_field": text_field,
+            "source_field": source_field,
+            "decode_errors": decode_errors,
+            "fix_shifted_labels": fix_shifted_labels,
+            "seed": seed,
+            "trust_remote_code": trust_remote_code,
+            "overwrite": overwrite or None,
+        },
+        config_file=config,
+        json_output=json_output,
+        verbose=verbose,
+        summary=_print_summary,
+    )
 
 
 def _print_summary(console, manifest, path: Path) -> None:

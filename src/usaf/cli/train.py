@@ -53,16 +53,11 @@ def command(
 
     Ctrl-C saves a checkpoint; the same command resumes from it exactly.
     """
-    from usaf.cli.console import handle_errors
+    from usaf.cli.stage import run_stage
 
-    with handle_errors(verbose):
-        from usaf.cli.console import out as stdout
-        from usaf.cli.console import print_json
-        from usaf.cli.progress import RichProgress
-        from usaf.config import resolve_config
-        from usaf.stages import train
-
-        cli = {
+    run_stage(
+        "train",
+        cli={
             "model": model,
             "data": data,
             "plan": plan,
@@ -89,19 +84,20 @@ def command(
             "resume": resume,
             "overwrite": overwrite,
             "device": device,
-        }
-        settings = resolve_config(
-            train.TrainConfig, section="train", cli=cli, config_file=config, legacy_env=train.LEGACY_ENV
-        )
-        manifest, path = train.run(settings, progress=RichProgress())
-        if json_output:
-            print_json({"path": str(path), **manifest.model_dump(mode="json")})
-            return
-        s = manifest.summary
-        evals = f"; held-out loss {s.eval_losses[-1][1]:.4f}" if s.eval_losses else ""
-        stdout.print(
-            f"run → {path}: {s.steps} steps, {s.tokens:,} tokens, loss {s.first_loss:.4f} → {s.final_loss:.4f}{evals}; "
-            f"{s.expert_entries:,} expert weights + {s.router_params:,} router weights trained, "
-            f"{s.frozen_entries:,} dropped-and-kept, {len(s.reselections)} reselections, "
-            f"{s.skipped_steps} skipped steps"
-        )
+        },
+        config_file=config,
+        json_output=json_output,
+        verbose=verbose,
+        summary=_print_summary,
+    )
+
+
+def _print_summary(console, manifest, path: Path) -> None:
+    s = manifest.summary
+    evals = f"; held-out loss {s.eval_losses[-1][1]:.4f}" if s.eval_losses else ""
+    console.print(
+        f"run → {path}: {s.steps} steps, {s.tokens:,} tokens, loss {s.first_loss:.4f} → {s.final_loss:.4f}{evals}; "
+        f"{s.expert_entries:,} expert weights + {s.router_params:,} router weights trained, "
+        f"{s.frozen_entries:,} dropped-and-kept, {len(s.reselections)} reselections, "
+        f"{s.skipped_steps} skipped steps"
+    )

@@ -47,6 +47,7 @@ from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
+LEGACY_ENV = {"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"}  # the original tool's
 
 
 class ScoreConfig(StageConfig):
