@@ -166,6 +166,8 @@ def test_default_output_is_unique_and_in_the_workspace(tmp_path):
     assert first == tmp_path / "tokens" / "20260102-030405-my-corpus"
     first.mkdir(parents=True)
     assert default_output(tmp_path, "tokens", "My Corpus!", now=now).name == "20260102-030405-my-corpus-2"
+    # A label that is itself a default output's name does not stack timestamps.
+    assert default_output(tmp_path, "plan", "20250101-000000-tiny-moe", now=now).name == "20260102-030405-tiny-moe"
 
 
 def test_pick_latest_takes_the_newest_and_refuses_mixed_lineage(tmp_path):

@@ -36,6 +36,7 @@ def workspace_dir(explicit: Path | None = None) -> Path:
 
 
 def _slug(label: str) -> str:
+    label = re.sub(r"^\d{8}-\d{6}-", "", label)  # a label taken from another default output: one stamp is enough
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.").lower()
     return slug[:48] or "run"
 
