@@ -83,3 +83,20 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     assert result.exit_code == 2 and "already exists" in result.stderr
     result = invoke("tiny-model", tmp_path / "llama", "--family", "llama")
     assert result.exit_code == 2 and "--family llama" in result.stderr and not (tmp_path / "llama").exists()
+
+
+def test_the_example_pipeline_chains_every_stage_through_the_workspace(tmp_path):
+    """examples/pipeline.sh: tiny-model → tokenize → quantize → score → train with no paths between stages."""
+    import json
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "pipeline.sh"
+    bin_dir = str(Path(sys.executable).parent)  # the `usaf` console script of this environment
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kind in ("tokens", "quantized_model", "plan", "run"):
+        (artifact,) = (tmp_path / kind).iterdir()
+        assert json.loads((artifact / "manifest.json").read_text())["kind"] == kind
+    assert "newest made for this model" in proc.stderr
