@@ -116,7 +116,22 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     assert len(s.eval_losses) == 2 and len(s.reselections) == 2
 
 
-def test_resume_is_exact(prepared, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "interrupt_at",
+    [
+        10,  # right after a reselection
+        pytest.param(
+            8,  # inside the scoring window (steps 7-10) of the reselection at step 10
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known defect: resuming inside a scoring window diverges after the next reselection "
+                "(step 12 loss off by ~1e-3) although the saved scores, deltas and optimizer state round-trip "
+                "exactly in a separate 12-step check; not diagnosed yet",
+            ),
+        ),
+    ],
+)
+def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
     from usaf.stages import trainer
 
     qdir, tokens, plan = prepared("qwen3_moe")
@@ -126,22 +141,22 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch):
 
     real_step = trainer.Trainer.step
 
-    def interrupt_at_10(self):
-        if self.state.step == 10:
+    def interrupt(self):
+        if self.state.step == interrupt_at:
             raise KeyboardInterrupt
         return real_step(self)
 
-    monkeypatch.setattr(trainer.Trainer, "step", interrupt_at_10)
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
     resumed = tmp_path / "resumed"
     result = train(qdir, tokens, plan, resumed, *args)
     assert result.exit_code == 130 and "run the same command to resume" in result.stderr
-    assert (resumed / "checkpoints" / "step-0000010").is_dir() and not (resumed / "manifest.json").exists()
+    assert (resumed / "checkpoints" / f"step-{interrupt_at:07d}").is_dir() and not (resumed / "manifest.json").exists()
     monkeypatch.setattr(trainer.Trainer, "step", real_step)
     result = train(qdir, tokens, plan, resumed, *args)
     assert result.exit_code == 0, result.output
     assert "resuming from" in result.stderr
     losses = lambda run: [m["loss"] for m in metrics(run) if "loss" in m]  # noqa: E731
-    assert losses(resumed) == losses(straight)
+    assert losses(resumed) == losses(straight), str([losses(straight), losses(resumed)])
     a, b = final_deltas(straight), final_deltas(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -252,18 +252,17 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
     s = trainer.s
     progress.start("training", steps, "steps")
     progress.advance(trainer.state.step)
-    collector = None
     try:
         while trainer.state.step < steps:
             step = trainer.state.step
             # Grow candidates are ranked by the gradients of the last SCORE_BATCHES steps before a reselection.
-            if s.reselect_every and collector is None and _collecting(step, s.reselect_every, steps):
-                collector = collect_scores(trainer.engine)
+            if s.reselect_every and trainer.collector is None and _collecting(step, s.reselect_every, steps):
+                trainer.collector = collect_scores(trainer.engine)
             record = trainer.step()
             trainer.log(record)
             if s.reselect_every and trainer.state.step % s.reselect_every == 0 and trainer.state.step < steps:
                 fraction = update_fraction(trainer.state.step, steps, s.reselect_fraction)
-                scores, collector = collector, None
+                scores, trainer.collector = trainer.collector, None
                 if scores is not None:
                     scores.close()  # sinks off: the accumulators stay readable
                     if fraction > 0:
@@ -278,9 +277,9 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
                 trainer.save_checkpoint(trainer.checkpoint_dir())
             progress.advance(1, tokens=trainer.state.tokens, loss=record["loss"])
     except KeyboardInterrupt:
-        if collector is not None:
-            collector.close()
-        saved = trainer.save_checkpoint(trainer.checkpoint_dir())
+        saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
+        if trainer.collector is not None:
+            trainer.collector.close()
         progress.note(f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume")
         raise
     finally:

@@ -95,6 +95,7 @@ class Trainer:
         )
         self.schedule = WarmupCosine(settings.warmup_steps, settings.steps)
         self.state = TrainState()
+        self.collector: Any = None  # grow scores being collected for the next reselection (checkpointed)
 
     # -- one step -------------------------------------------------------------------------------------
 
@@ -235,6 +236,12 @@ class Trainer:
         self.schedule.load_state_dict(extra["schedule"])
         torch.set_rng_state(extra["rng"])
         self.state = TrainState(**state)
+        if "scores" in extra:
+            from usaf.engine.reselect import collect_scores
+
+            self.collector = collect_scores(self.engine)
+            for name, acc in self.collector.items():
+                acc.load_state_dict(extra["scores"][name])
 
     def checkpoint_dir(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step:07d}"
