@@ -8,9 +8,19 @@ is an interrupted run, which ``usaf train`` resumes.
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
 from usaf.artifacts.manifest import Manifest, Record, register
+from usaf.errors import UsafError
+
+if TYPE_CHECKING:  # torch stays out of the CLI's import time
+    import torch
 
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
@@ -56,3 +66,107 @@ class RunManifest(Manifest):
     DESCRIPTION = "a finished training run: final sparse delta + routers, checkpoints, metrics"
 
     summary: RunSummary
+
+
+# -- reading what a run trained ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainedChange:
+    """Everything a run changed in its quantized model, ready to apply (``SparseEngine.apply_change``).
+
+    ``deltas[name] = (indices (m,) int64, values (m,) fp32)``: sorted flat indices into the stored
+    ``(E, O, I)`` expert tensor and the cumulative delta there (frozen-by-reselection ∪ active), so the
+    trained weight is ``dequantize(q) + delta``. ``routers[name]``: the trained router weights (fp32).
+    """
+
+    source: Path
+    fingerprint: str  # identifies the change (the run manifest's fingerprint, or the checkpoint's step)
+    model_fingerprint: str
+    trainable_layers: list[int]
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    routers: dict[str, torch.Tensor]
+
+    @property
+    def expert_entries(self) -> int:
+        return sum(int(i.numel()) for i, _ in self.deltas.values())
+
+
+def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedChange:
+    """Read a finished run (its ``final/``), an unfinished run (its newest checkpoint) or one checkpoint.
+
+    Raises UsafError naming ``flag`` when the directory is none of these or its files are damaged.
+    """
+    from usaf.artifacts.loader import load_verified
+
+    path = Path(path)
+    if not path.is_dir():
+        raise UsafError(f"{flag} {path}: no such directory", "pass a run directory written by usaf train")
+    if (path / "manifest.json").is_file():
+        manifest = load_verified(path, RunManifest, flag=flag)
+        return _read_checkpoint(
+            path / FINAL_DIR,
+            flag=flag,
+            source=path,
+            fingerprint=manifest.fingerprint,
+            model_fingerprint=manifest.summary.model_fingerprint,
+            layers=manifest.summary.trainable_layers,
+        )
+    checkpoint, run_dir = path, path.parent.parent
+    if not (path / STATE_FILE).is_file():  # an unfinished run directory: its newest complete checkpoint
+        run_dir = path
+        done = sorted(p for p in (path / CHECKPOINTS_DIR).glob("step-*") if (p / STATE_FILE).is_file())
+        if not done:
+            raise UsafError(
+                f"{flag} {path}: not a usaf run (no manifest.json, no checkpoint)",
+                "pass the --out directory of usaf train, or one of its checkpoints/step-N",
+            )
+        checkpoint = done[-1]
+    settings = run_dir / SETTINGS_FILE
+    try:
+        record = json.loads(settings.read_text(encoding="utf-8"))
+        model_fingerprint = record["model_fingerprint"]
+    except (OSError, ValueError, KeyError):
+        raise UsafError(
+            f"{flag} {checkpoint}: its run's {SETTINGS_FILE} is missing or unreadable",
+            "pass the run directory written by usaf train",
+        ) from None
+    return _read_checkpoint(
+        checkpoint,
+        flag=flag,
+        source=checkpoint,
+        fingerprint=f"{model_fingerprint[:16]}:{checkpoint.name}",
+        model_fingerprint=model_fingerprint,
+        layers=None,
+    )
+
+
+def _read_checkpoint(
+    directory: Path, *, flag: str, source: Path, fingerprint: str, model_fingerprint: str, layers: list[int] | None
+) -> TrainedChange:
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(directory / DELTAS_FILE))
+        routers = load_file(str(directory / ROUTERS_FILE))
+    except (OSError, SafetensorError) as e:
+        raise UsafError(
+            f"{flag} {directory}: unreadable checkpoint ({e})", "pass an intact run or checkpoint"
+        ) from None
+    suffix = ".cumulative_indices"
+    deltas = {}
+    for key in tensors:
+        if key.endswith(suffix):
+            name = key[: -len(suffix)]
+            indices, values = tensors[key], tensors.get(f"{name}.cumulative_values")
+            if values is None or values.shape != indices.shape or indices.dtype != torch.int64:
+                raise UsafError(f"{flag} {directory}: malformed delta for {name}", "pass an intact run or checkpoint")
+            deltas[name] = (indices, values.float())
+    if not deltas:
+        raise UsafError(f"{flag} {directory}: the checkpoint holds no deltas", "pass an intact run or checkpoint")
+    routers.pop("_none", None)
+    if layers is None:
+        layers = sorted({int(m.group(1)) for n in deltas if (m := re.search(r"layers\.(\d+)\.", n))})
+    return TrainedChange(source, fingerprint, model_fingerprint, list(layers), deltas, dict(routers))

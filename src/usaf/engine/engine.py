@@ -116,6 +116,31 @@ class SparseEngine:
             device = weight.resident.device if weight.resident is not None else None
             weight.delta = SparseDelta(weight.shape, indices, vals).to(device)
 
+    @torch.no_grad()
+    def apply_change(self, change) -> None:
+        """Install a finished run's change (:class:`usaf.artifacts.run.TrainedChange`) for inference.
+
+        The cumulative deltas become this engine's active deltas (the same forward as training's), the
+        routers are copied into the model. The engine must train exactly the change's layers; its
+        routers must be trainable when the change has routers.
+        """
+        if tuple(sorted(change.trainable_layers)) != self.trainable_layers:
+            raise ValueError(f"change trains layers {change.trainable_layers}, engine {list(self.trainable_layers)}")
+        unknown = set(change.deltas) - set(self.weights)
+        if unknown:
+            raise KeyError(f"change has deltas for tensors this model does not have: {sorted(unknown)[:3]}")
+        missing = set(change.routers) - set(self.routers)
+        if missing:
+            raise KeyError(f"change has routers the engine does not train: {sorted(missing)[:3]}")
+        self.set_deltas(
+            {n: i for n, (i, _) in change.deltas.items()}, {n: v for n, (_, v) in change.deltas.items()}
+        )
+        for delta in self.deltas().values():
+            delta.values.requires_grad_(False)
+        for name, master in self.routers.items():
+            if name in change.routers:
+                master.copy_(change.routers[name].to(master.device, master.dtype))
+
     def deltas(self) -> dict[str, SparseDelta]:
         return {name: w.delta for name, w in self.weights.items() if w.delta is not None}
 
