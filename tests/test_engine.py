@@ -162,6 +162,29 @@ def test_load_stats_and_memory_accounting(quantized):
     assert engine.memory()["deltas"] == nnz * (4 + 4 * 8) + offsets  # fp32 value + 4 int64 indices per entry
 
 
+def test_activation_accounting_measures_what_a_training_forward_saves(quantized):
+    engine = make_engine(quantized, "qwen3_moe")
+    ids, labels = batch(6, size=(2, 32))
+    with torch.no_grad():
+        engine.loss(ids, labels)
+    assert "activations" not in engine.memory()  # no graph, nothing held for a backward
+    engine.loss(ids, labels)
+    short = engine.activations.last
+    long_ids, long_labels = batch(6, size=(2, 128))
+    engine.loss(long_ids, long_labels)
+    long = engine.activations.last
+    assert engine.memory()["activations"] == engine.activations.peak == long
+    # Activations grow with the tokens in the batch (about linearly here); weights are not counted in them:
+    assert 3.0 < long / short < 5.0, (short, long)
+    weights = engine.memory()
+    assert short < weights["other_weights"] + weights["resident_bases"]
+    # Frozen layers below the trainable one build no graph (nothing there requires grad), so starting
+    # from the cached prefix saves compute, not activation memory.
+    states = engine.prefix_states(long_ids)
+    engine.loss(long_ids, long_labels, prefix_states=states)
+    assert engine.activations.last == long
+
+
 def test_prefix_cache_spills_to_disk_and_serves_identical_states(quantized, tmp_path, monkeypatch):
     from usaf.engine.prefix import PrefixCache
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
 from usaf.engine.loading import LoadedModel
@@ -98,6 +99,7 @@ class SparseEngine:
                     self.routers[name] = master
                     self.router_anchors[name] = master.detach().clone()
         first = self.trainable_layers[0]
+        self.activations = SavedTensorMeter(self._weight_storages)
         self.prefix = PrefixRunner(self.model.model.layers, first) if first > 0 else None
 
     # -- deltas ----------------------------------------------------------------------------------
@@ -189,19 +191,20 @@ class SparseEngine:
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
         if want_router_logits:
             kwargs["output_router_logits"] = True
-        if prefix_states is not None:
-            if self.prefix is None:
-                raise ValueError("no frozen prefix: the first trainable layer is layer 0")
-            with self.prefix.injecting(prefix_states):
+        if prefix_states is not None and self.prefix is None:
+            raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+        with self.activations.measure():
+            if prefix_states is not None:
+                with self.prefix.injecting(prefix_states):
+                    outputs = self.model(**kwargs)
+            else:
                 outputs = self.model(**kwargs)
-        else:
-            outputs = self.model(**kwargs)
-        logits = outputs.logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
-        targets = labels[:, 1:]
-        tokens = int((targets != IGNORE_INDEX).sum())
-        ce = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        ) / max(tokens, 1)
+            logits = outputs.logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
+            targets = labels[:, 1:]
+            tokens = int((targets != IGNORE_INDEX).sum())
+            ce = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            ) / max(tokens, 1)
         loss, aux, z = ce, None, None
         if self.aux_loss_coef > 0:
             aux = getattr(outputs, "aux_loss", None)
@@ -313,7 +316,8 @@ class SparseEngine:
 
     def memory(self, *, optimizer: object | None = None, cache: PrefixCache | None = None) -> dict[str, int]:
         """Bytes by component: 4-bit experts, resident bases, deltas, routers (fp32 masters), other
-        weights, and (when given) the optimizer's state and the prefix cache (RAM and disk)."""
+        weights, activations (measured: the largest training forward's saved tensors so far), and (when
+        given) the optimizer's state and the prefix cache (RAM and disk)."""
         quantized = resident = delta = 0
         for state in self.loaded.experts.values():
             for weight in (state.gate_up, state.down):
@@ -336,12 +340,23 @@ class SparseEngine:
             "routers": routers,
             "other_weights": other,
         }
+        if self.activations.peak:
+            out["activations"] = self.activations.peak  # measured: the largest training forward's saved tensors
         if optimizer is not None:
             out["optimizer_state"] = optimizer.state_bytes()
         if cache is not None:
             out["prefix_cache_ram"] = cache.nbytes["ram"]
             out["prefix_cache_disk"] = cache.nbytes["disk"]
         return out
+
+    def _weight_storages(self) -> set[int]:
+        """Data pointers of every weight storage: parameters, buffers, resident bases, 4-bit experts."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for state in self.loaded.experts.values():
+            for weight in (state.gate_up, state.down):
+                q = weight.q
+                tensors.extend(t for t in (weight.resident, q.codes, q.scale, q.zero) if t is not None)
+        return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
     def trainable_count(self) -> dict[str, int]:
         return {
