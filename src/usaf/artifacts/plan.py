@@ -34,6 +34,14 @@ class LayerRouting(Record):
     dead_experts: int
 
 
+class PrefixCacheRecord(Record):
+    samples: int = Field(description="distinct training sequences whose prefix state is stored")
+    tokens: int
+    bytes: int
+    start: int = Field(description="the first trainable layer: states are the hidden states entering it")
+    dtype: str
+
+
 class PlanSummary(Record):
     model_fingerprint: str
     tokens_fingerprint: str
@@ -50,6 +58,7 @@ class PlanSummary(Record):
     trainable_params: int = Field(description="expert entries + router parameters")
     stability_mean: float | None
     routing: list[LayerRouting]
+    prefix_cache: PrefixCacheRecord | None = Field(None, description="states stored by --cache, for usaf train")
     seconds: float
 
 

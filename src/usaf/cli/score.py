@@ -48,6 +48,14 @@ def command(
         bool | None,
         typer.Option("--stability/--no-stability", help="Measure mask overlap of two data halves [default: on]."),
     ] = None,
+    cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--cache/--no-cache",
+            help="Store every training sequence's frozen-prefix state in the plan, so train starts at once "
+            "[default: off].",
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = None,
     workspace: WorkspaceOpt = None,
@@ -78,6 +86,7 @@ def command(
             "candidates_factor": candidates_factor,
             "full_maps": full_maps,
             "stability": stability,
+            "cache": cache,
             "overwrite": overwrite or None,
         },
         config_file=config,
@@ -119,3 +128,11 @@ def _print_summary(console, manifest, path: Path) -> None:
         + ")"
     )
     console.print("hottest experts: " + "; ".join(hottest))
+    if s.prefix_cache is not None:
+        from usaf.units import human_bytes
+
+        c = s.prefix_cache
+        console.print(
+            f"prefix cache: {c.samples:,} sequences / {c.tokens:,} tokens entering layer {c.start} "
+            f"({human_bytes(c.bytes)}, {c.dtype})"
+        )

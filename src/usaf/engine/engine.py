@@ -134,9 +134,7 @@ class SparseEngine:
         missing = set(change.routers) - set(self.routers)
         if missing:
             raise KeyError(f"change has routers the engine does not train: {sorted(missing)[:3]}")
-        self.set_deltas(
-            {n: i for n, (i, _) in change.deltas.items()}, {n: v for n, (_, v) in change.deltas.items()}
-        )
+        self.set_deltas({n: i for n, (i, _) in change.deltas.items()}, {n: v for n, (_, v) in change.deltas.items()})
         for delta in self.deltas().values():
             delta.values.requires_grad_(False)
         for name, master in self.routers.items():
@@ -229,6 +227,13 @@ class SparseEngine:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
         return self.prefix.capture(self.model, input_ids, attention_mask)
 
+    def prefix_key(self, tokens: torch.Tensor, model_fingerprint: str) -> str:
+        """Cache key of one sample's prefix state: its unpadded ``tokens (t,)`` and all else it depends on."""
+        if self.prefix is None:
+            raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+        dtype = next(self.model.parameters()).dtype
+        return cache_key(tokens, model_fingerprint=model_fingerprint, start=self.prefix.start, dtype=dtype)
+
     def cached_prefix_states(
         self,
         input_ids: torch.Tensor,
@@ -245,14 +250,16 @@ class SparseEngine:
         """
         if self.prefix is None:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
-        dtype = next(self.model.parameters()).dtype
         lengths = (
             attention_mask.sum(dim=1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
         )
         rows = [input_ids[i, : int(n)] for i, n in enumerate(lengths)]
-        keys = [cache_key(r, model_fingerprint=model_fingerprint, start=self.prefix.start, dtype=dtype) for r in rows]
+        keys = [self.prefix_key(r, model_fingerprint) for r in rows]
         for row, key in zip(rows, keys):
-            if key not in cache:
+            if key in cache:
+                cache.hits += 1
+            else:
+                cache.misses += 1
                 cache.put(key, self.prefix_states(row[None])[0])  # (t, H), one sample: never skipped
         states = [cache.get(key) for key in keys]
         out = torch.zeros(len(rows), input_ids.shape[1], states[0].shape[-1], dtype=states[0].dtype)

@@ -10,13 +10,15 @@ layer ``start`` records its input and stops the forward there.
 
 :class:`PrefixCache` keeps states in RAM up to a budget and spills the rest to a memory-mapped file.
 Keys are content hashes (token ids, model fingerprint, ``start``, dtype, library versions), so a
-changed model or setting never reuses a stale state.
+changed model or setting never reuses a stale state. A :class:`PrefixStore` is the persistent,
+read-only form (``usaf score --cache`` writes one into its plan): a cache consults it before computing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,12 +104,74 @@ def cache_key(tokens: torch.Tensor, *, model_fingerprint: str, start: int, dtype
     return digest.hexdigest()
 
 
-class PrefixCache:
-    """Hidden states by key: in RAM up to ``ram_budget_bytes``, then appended to a memory-mapped file."""
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
-    def __init__(self, ram_budget_bytes: int, spill_path: Path | None = None) -> None:
+
+class PrefixStore:
+    """Persistent prefix states: one binary file of raw tensors and a JSON index ``key -> [offset, shape, dtype]``.
+
+    Written once (:meth:`write`), then read through a memory map; entries are immutable, so any number
+    of runs can share a store.
+    """
+
+    def __init__(self, states_path: Path, index_path: Path) -> None:
+        self.states_path = Path(states_path)
+        index = json.loads(Path(index_path).read_text(encoding="utf-8"))
+        self.meta = {k: v for k, v in index.items() if k != "entries"}
+        self._entries = {k: (int(o), tuple(shape), _DTYPES[dt]) for k, (o, shape, dt) in index["entries"].items()}
+        self._mmap: np.memmap | None = None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        if key not in self._entries:
+            return None
+        if self._mmap is None:
+            self._mmap = np.memmap(self.states_path, dtype=np.uint8, mode="r")
+        offset, shape, dtype = self._entries[key]
+        return _read(self._mmap, offset, shape, dtype)
+
+    @staticmethod
+    def write(states_path: Path, index_path: Path, items, *, meta: dict) -> dict[str, int]:
+        """Write ``(key, state (t, H))`` pairs; returns ``{"samples", "tokens", "bytes"}``."""
+        entries: dict[str, list] = {}
+        tokens = 0
+        with Path(states_path).open("wb") as f:
+            for key, state in items:
+                if key in entries:
+                    continue  # a repeated sequence: one state serves every occurrence
+                state = state.detach().contiguous().cpu()
+                entries[key] = [f.tell(), list(state.shape), str(state.dtype).removeprefix("torch.")]
+                f.write(state.view(torch.uint8).numpy().tobytes())
+                tokens += int(state.shape[0])
+            size = f.tell()
+            f.flush()
+            os.fsync(f.fileno())
+        Path(index_path).write_text(json.dumps({**meta, "entries": entries}), encoding="utf-8")
+        return {"samples": len(entries), "tokens": tokens, "bytes": size}
+
+
+def _read(mmap: np.memmap, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(np.array(mmap[offset : offset + size]))
+    return raw.view(dtype).reshape(shape)
+
+
+class PrefixCache:
+    """Hidden states by key: from a read-only :class:`PrefixStore` when given, else in RAM up to
+    ``ram_budget_bytes``, then appended to a memory-mapped file. ``hits``/``misses`` count lookups by
+    :meth:`SparseEngine.cached_prefix_states` (a miss is computed, never skipped)."""
+
+    def __init__(self, ram_budget_bytes: int, spill_path: Path | None = None, *, store: PrefixStore | None = None):
         self.ram_budget_bytes = ram_budget_bytes
         self.spill_path = Path(spill_path) if spill_path is not None else None
+        self.store = store
+        self.hits = 0
+        self.misses = 0
         self._ram: dict[str, torch.Tensor] = {}
         self._spilled: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # key -> (offset, shape, dtype)
         self._ram_bytes = 0
@@ -115,10 +179,10 @@ class PrefixCache:
         self._mmap: np.memmap | None = None
 
     def __contains__(self, key: str) -> bool:
-        return key in self._ram or key in self._spilled
+        return key in self._ram or key in self._spilled or (self.store is not None and key in self.store)
 
     def __len__(self) -> int:
-        return len(self._ram) + len(self._spilled)
+        return len(self._ram) + len(self._spilled) + (len(self.store) if self.store is not None else 0)
 
     @property
     def nbytes(self) -> dict[str, int]:
@@ -145,10 +209,8 @@ class PrefixCache:
         if key in self._ram:
             return self._ram[key]
         if key not in self._spilled:
-            return None
+            return self.store.get(key) if self.store is not None else None
         offset, shape, dtype = self._spilled[key]
         if self._mmap is None:
             self._mmap = np.memmap(self.spill_path, dtype=np.uint8, mode="r")
-        size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        raw = torch.from_numpy(np.array(self._mmap[offset : offset + size]))
-        return raw.view(dtype).reshape(shape)
+        return _read(self._mmap, offset, shape, dtype)

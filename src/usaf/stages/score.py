@@ -72,6 +72,7 @@ class ScoreConfig(StageConfig):
     )
     full_maps: bool = Field(False, description="Keep full-size importance maps (exact; O(weights) memory).")
     stability: bool = Field(True, description="Score two disjoint halves of the data and report their overlap.")
+    cache: bool = Field(False, description="Also store every training sequence's frozen-prefix state for train.")
     overwrite: bool = False
 
     @model_validator(mode="after")
@@ -177,6 +178,11 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
     layers = trainable_layers(config, loaded.spec.moe_layers)
     engine = SparseEngine(loaded, trainable_layers=layers, train_router=config.router)
+    if config.cache and engine.prefix is None:
+        raise UsafError(
+            f"--cache: no frozen prefix to cache (the first trainable layer is {layers[0]})",
+            "drop --cache, or train fewer layers (--train-from above 0)",
+        )
     shapes = {name: w.shape for name, w in engine.weights.items()}
     layer_of = {name: int(name.split(".layers.")[1].split(".")[0]) for name in shapes}
     pools = pool_size(shapes, config.frac, config.budget, layer_of)
@@ -228,6 +234,9 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     )
     with ArtifactWriter(out, overwrite=config.overwrite) as art:
         _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
+        if config.cache:
+            summary = _with_prefix_store(summary, engine, data_file, art.dir, model_manifest.fingerprint, tokenizer,
+                                         pad, config.microbatch, progress)  # fmt: skip
         manifest = art.commit(
             PlanManifest,
             inputs=[
@@ -246,6 +255,25 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
             summary=summary,
         )
     return manifest, art.target
+
+
+def _with_prefix_store(summary, engine, data_file, work, model_fingerprint, tokenizer, pad, microbatch, progress):
+    from usaf.artifacts.plan import PrefixCacheRecord
+    from usaf.stages.prefix_cache import write_store
+
+    stored = write_store(
+        engine,
+        data_file,
+        work,
+        model_fingerprint=model_fingerprint,
+        vocab_size=len(tokenizer),
+        pad_id=pad,
+        microbatch=microbatch,
+        progress=progress,
+    )
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    record = PrefixCacheRecord(**stored, start=engine.prefix.start, dtype=dtype)
+    return summary.model_copy(update={"prefix_cache": record})
 
 
 def _write_files(work: Path, masks: dict, accumulators: dict, routing: dict, *, full_maps: bool) -> None:

@@ -126,6 +126,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.prefix import PrefixCache
+    from usaf.stages.prefix_cache import open_store
     from usaf.stages.trainer import LoopSettings, Trainer, latest_checkpoint
 
     progress = progress or NullProgress()
@@ -196,8 +197,11 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     (run_dir / SETTINGS_FILE).write_text(json.dumps(settings_record, indent=1))
     prefix = None
     if engine.prefix is not None:
-        cache = PrefixCache(int(config.prefix_cache_gib * 2**30), run_dir / "prefix-cache.bin")
+        store = open_store(plan_dir)  # written by usaf score --cache
+        cache = PrefixCache(int(config.prefix_cache_gib * 2**30), run_dir / "prefix-cache.bin", store=store)
         prefix = (cache, model_manifest.fingerprint)
+        if store is not None:
+            progress.note(f"prefix states of {len(store):,} sequences read from the plan (usaf score --cache)")
     loop = LoopSettings(
         steps=steps,
         microbatch=config.microbatch,
@@ -322,6 +326,8 @@ def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan,
         router_params=counts["router_params"],
         frozen_entries=sum(int(w.frozen_indices.numel()) for w in trainer.engine.weights.values()),
         reselections=[ReselectionRecord(**r) for r in state.reselections],
+        prefix_cache_hits=trainer.prefix[0].hits if trainer.prefix else None,
+        prefix_cache_misses=trainer.prefix[0].misses if trainer.prefix else None,
         seconds=seconds,
     )
     manifest = write_manifest(

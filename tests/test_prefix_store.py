@@ -1,0 +1,91 @@
+"""`usaf score --cache` stores the frozen-prefix states of the training data; `usaf train` reads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import invoke, leftovers
+from usaf.artifacts import PlanManifest, RunManifest, load_verified
+from usaf.testing import stdlib_dir
+
+
+@pytest.fixture(scope="module")
+def setup(quantized, tmp_path_factory):
+    qdir = quantized("qwen3_moe", num_layers=3, tokenizer=True)
+    tokens = tmp_path_factory.mktemp("store") / "tokens"
+    result = invoke("tokenize", stdlib_dir() / "textwrap.py", "--model", qdir, "--seq-len", 48, "--out", tokens)
+    assert result.exit_code == 0, result.output
+    return qdir, tokens
+
+
+def score(qdir, tokens, out, *extra):
+    return invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
+                  "--train-from", 2, "--no-stability", "--out", out, *extra)  # fmt: skip
+
+
+def train(qdir, tokens, plan, out):
+    return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--steps", 6,
+                  "--reselect-every", 0, "--save-every", 0, "--lr", 0.05)  # fmt: skip
+
+
+def test_train_reads_every_prefix_state_from_the_plan_and_learns_the_same(setup, tmp_path):
+    qdir, tokens = setup
+    result = score(qdir, tokens, tmp_path / "cached", "--cache")
+    assert result.exit_code == 0, result.output
+    assert "prefix cache:" in result.output
+    plan = load_verified(tmp_path / "cached", PlanManifest)  # hashes every file, the store included
+    lines = (tokens / "train.jsonl").read_text().splitlines()
+    distinct = len({json.dumps(json.loads(line)["input_ids"]) for line in lines})
+    record = plan.summary.prefix_cache
+    assert record.samples == distinct and record.start == 2 and record.dtype == "float32"
+    assert record.tokens == sum(len(json.loads(line)["input_ids"]) for line in set(lines))
+    assert result.exit_code == 0 and score(qdir, tokens, tmp_path / "plain").exit_code == 0
+
+    result = train(qdir, tokens, tmp_path / "cached", tmp_path / "run-cached")
+    assert result.exit_code == 0, result.output
+    assert "read from the plan" in result.output
+    cached = load_verified(tmp_path / "run-cached", RunManifest).summary
+    assert cached.prefix_cache_misses == 0 and cached.prefix_cache_hits == 6 * 2  # 6 steps × microbatch 2
+    result = train(qdir, tokens, tmp_path / "plain", tmp_path / "run-plain")
+    assert result.exit_code == 0, result.output
+    plain = load_verified(tmp_path / "run-plain", RunManifest).summary
+    assert plain.prefix_cache_misses > 0  # negative control: without the store, states are computed
+    assert cached.final_loss == pytest.approx(plain.final_loss, abs=1e-5)
+
+
+def test_a_store_is_consulted_and_its_states_are_what_the_forward_uses(setup, tmp_path):
+    """Wrong states planted in a store change the loss; the right ones reproduce the full forward."""
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.engine.prefix import PrefixCache, PrefixStore
+
+    qdir, _ = setup
+    engine = SparseEngine(load_quantized_model(qdir), trainable_layers=[2])
+    ids = torch.randint(1, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    states = engine.prefix_states(ids)  # (2, 16, H)
+    keys = [engine.prefix_key(row, "fp") for row in ids]
+    for name, planted in (("right", states), ("wrong", torch.zeros_like(states))):
+        PrefixStore.write(tmp_path / f"{name}.bin", tmp_path / f"{name}.json", zip(keys, planted), meta={})
+    with torch.no_grad():
+        full = float(engine.loss(ids, ids).ce)
+        for name in ("right", "wrong"):
+            cache = PrefixCache(0, store=PrefixStore(tmp_path / f"{name}.bin", tmp_path / f"{name}.json"))
+            got = engine.cached_prefix_states(ids, cache, model_fingerprint="fp")
+            assert (cache.hits, cache.misses) == (2, 0)
+            loss = float(engine.loss(ids, ids, prefix_states=got).ce)
+            assert (loss == pytest.approx(full, abs=1e-6)) == (name == "right")
+        cache = PrefixCache(0, store=PrefixStore(tmp_path / "right.bin", tmp_path / "right.json"))
+        engine.cached_prefix_states(ids, cache, model_fingerprint="another model")
+        assert (cache.hits, cache.misses) == (0, 2)  # other keys never reuse a stale state
+
+
+def test_cache_without_a_frozen_prefix_is_refused(setup, tmp_path):
+    qdir, tokens = setup
+    result = invoke("score", "--model", qdir, "--data", tokens, "--train-from", 0, "--cache", "--calib-samples", 4,
+                    "--no-stability", "--out", tmp_path / "plan")  # fmt: skip
+    assert result.exit_code == 2
+    assert "--cache: no frozen prefix" in result.output
+    assert not (tmp_path / "plan").exists() and leftovers(tmp_path) == []
