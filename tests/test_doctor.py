@@ -45,6 +45,15 @@ def test_doctor_tables() -> None:
     assert "capabilities" in runner.invoke(app, ["doctor", "--verbose"]).stdout
 
 
+@pytest.fixture(autouse=True)
+def _no_device_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor lists the device-related variables that are set; the tests set the ones they want."""
+    from usaf.backends.legacy import _OTHER_MEANINGS
+
+    for name in _OTHER_MEANINGS:
+        monkeypatch.delenv(str(name), raising=False)
+
+
 def test_doctor_json_fields() -> None:
     report = doctor_json()
     assert report["versions"]["torch"] == torch.__version__

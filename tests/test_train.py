@@ -120,15 +120,7 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     "interrupt_at",
     [
         10,  # right after a reselection
-        pytest.param(
-            8,  # inside the scoring window (steps 7-10) of the reselection at step 10
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known defect: resuming inside a scoring window diverges after the next reselection "
-                "(step 12 loss off by ~1e-3) although the saved scores, deltas and optimizer state round-trip "
-                "exactly in a separate 12-step check; not diagnosed yet",
-            ),
-        ),
+        8,  # inside the scoring window (steps 7-10) of the reselection at step 10: the checkpoint carries its scores
     ],
 )
 def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
@@ -286,3 +278,77 @@ def test_bad_inputs(prepared, tmp_path):
     result = train(qdir, tokens, plan, out, "--steps", 4, "--save-every", 2, "--reselect-every", 0)
     assert result.exit_code == 2 and "unreadable checkpoint" in result.stderr
     assert (newest / "deltas.safetensors").read_bytes() == b"garbage"
+
+
+def test_short_runs_default_to_a_static_mask_and_seq_len_cuts_sequences(prepared, tmp_path):
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--steps", 3,
+                    "--seq-len", 8, "--save-every", 0)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "too short for a reselection every 50: static mask" in result.output
+    s = load_verified(run, RunManifest).summary
+    assert s.reselections == [] and s.tokens == 3 * 2 * 8  # 3 steps × microbatch 2 × 8 tokens (sequences are 32)
+    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", tmp_path / "long",
+                    "--steps", 2, "--seq-len", 10**6)  # fmt: skip
+    assert result.exit_code == 2 and "--seq-len 1000000 exceeds the model's context" in result.stderr
+    assert not (tmp_path / "long").exists()
+
+
+def test_routing_collapse_is_warned_once_per_layer():
+    from usaf.engine.engine import LayerLoad
+    from usaf.stages.trainer import Trainer, TrainState
+
+    loads = iter(
+        [
+            LayerLoad([10, 10, 10, 10], 1.38, 0.25, 0),  # baseline window
+            LayerLoad([12, 9, 10, 9], 1.38, 0.30, 0),  # healthy
+            LayerLoad([34, 2, 2, 2], 0.7, 0.85, 0),  # one expert takes over
+            LayerLoad([40, 0, 0, 0], 0.0, 1.0, 3),  # still collapsed: no second warning
+        ]
+    )
+
+    class Engine:
+        trainable_layers = (2,)
+
+        def load_stats(self, reset=True):
+            return {1: LayerLoad([0] * 4, 0.0, 0.0, 4), 2: next(loads)}  # layer 1: frozen, skipped by the cache
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.engine, trainer.state = Engine(), TrainState()
+    assert trainer._check_routing() == [] and trainer._check_routing() == []
+    warned = trainer._check_routing()
+    assert len(warned) == 1 and warned[0].startswith("layer 2: routing collapsing, one expert takes 85%")
+    assert trainer._check_routing() == [] and trainer.state.routing_warnings == warned
+
+
+def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path, monkeypatch):
+    from usaf.stages import trainer
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    workspace = tmp_path / "empty-workspace"  # no plan to find
+    args = ["--model", qdir, "--data", tokens, "--workspace", workspace, "--steps", 6, "--frac", 0.05,
+            "--train-from", 2, "--calib-samples", 8, "--save-every", 2]  # fmt: skip
+    real_step = trainer.Trainer.step
+
+    def interrupt(self):
+        if self.state.step == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
+    run = tmp_path / "run"
+    result = invoke("train", *args, "--out", run)
+    assert result.exit_code == 130 and "scoring now into" in result.stderr, result.output
+    monkeypatch.setattr(trainer.Trainer, "step", real_step)
+    result = invoke("train", *args, "--out", run)
+    assert result.exit_code == 0, result.output
+    assert "scoring now" not in result.stderr and "resuming from" in result.stderr  # the same plan, reused
+    plan = tmp_path / "plan"
+    result = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--train-from", 2,
+                    "--calib-samples", 8, "--microbatch", 2, "--no-stability", "--out", plan)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    on_the_fly, scored = load_file(str(run / "plan" / "masks.safetensors")), load_file(str(plan / "masks.safetensors"))
+    assert on_the_fly.keys() == scored.keys() and all(torch.equal(on_the_fly[k], scored[k]) for k in scored)
+    manifest = load_verified(run, RunManifest)
+    assert [i.path for i in manifest.inputs if i.role == "plan"] == [str(run / "plan")]

@@ -56,6 +56,7 @@ class RunSummary(Record):
     router_params: int
     frozen_entries: int = Field(description="dropped-by-reselection entries kept in the cumulative delta")
     reselections: list[ReselectionRecord]
+    routing_warnings: list[str] = Field(default_factory=list, description="trainable layers whose routing collapsed")
     prefix_cache_hits: int | None = Field(None, description="sequences whose frozen-prefix state was cached")
     prefix_cache_misses: int | None = Field(None, description="sequences whose prefix state had to be computed")
     seconds: float

@@ -36,3 +36,16 @@ DeviceOpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+# Selection options shared by `usaf score` and `usaf train` (which scores on the fly without a plan).
+FracOpt = Annotated[
+    float | None, typer.Option(help="Fraction of the trainable layers' expert weights [default: 0.005].")
+]
+TrainFromOpt = Annotated[int | None, typer.Option(help="First trainable layer (every MoE layer from it up).")]
+LayersOpt = Annotated[list[int] | None, typer.Option("--layers", help="A trainable MoE layer (repeatable).")]
+CalibSamplesOpt = Annotated[int | None, typer.Option(help="Calibration sequences [default: 64].")]
+StatisticOpt = Annotated[str | None, typer.Option(help="grad (|g|, default) | grad2 (g²) | grad_x_weight (|w·g|).")]
+BudgetOpt = Annotated[
+    str | None, typer.Option(help="per-tensor (default) | per-layer | global | per-expert: how --frac is spread.")
+]

@@ -7,7 +7,20 @@ from typing import Annotated
 
 import typer
 
-from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, OverwriteOpt, VerboseOpt, WorkspaceOpt
+from usaf.cli.options import (
+    BudgetOpt,
+    CalibSamplesOpt,
+    ConfigOpt,
+    DeviceOpt,
+    FracOpt,
+    JsonOpt,
+    LayersOpt,
+    OverwriteOpt,
+    StatisticOpt,
+    TrainFromOpt,
+    VerboseOpt,
+    WorkspaceOpt,
+)
 
 
 def command(
@@ -18,18 +31,12 @@ def command(
         Path | None, typer.Option(help="Tokens directory (usaf tokenize) or tokens JSONL [default: newest matching].")
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Output directory [default: WORKSPACE/plan/<time>-<name>].")] = None,
-    frac: Annotated[
-        float | None, typer.Option(help="Fraction of the trainable layers' expert weights [default: 0.005].")
-    ] = None,
-    train_from: Annotated[int | None, typer.Option(help="First trainable layer (every MoE layer from it up).")] = None,
-    layers: Annotated[list[int] | None, typer.Option("--layers", help="A trainable MoE layer (repeatable).")] = None,
-    calib_samples: Annotated[int | None, typer.Option(help="Calibration sequences [default: 64].")] = None,
-    statistic: Annotated[
-        str | None, typer.Option(help="grad (|g|, default) | grad2 (g²) | grad_x_weight (|w·g|).")
-    ] = None,
-    budget: Annotated[
-        str | None, typer.Option(help="per-tensor (default) | per-layer | global | per-expert: how --frac is spread.")
-    ] = None,
+    frac: FracOpt = None,
+    train_from: TrainFromOpt = None,
+    layers: LayersOpt = None,
+    calib_samples: CalibSamplesOpt = None,
+    statistic: StatisticOpt = None,
+    budget: BudgetOpt = None,
     router: Annotated[
         bool | None, typer.Option("--router/--no-router", help="Train the routers too [default: on].")
     ] = None,

@@ -7,7 +7,19 @@ from typing import Annotated
 
 import typer
 
-from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt, WorkspaceOpt
+from usaf.cli.options import (
+    BudgetOpt,
+    CalibSamplesOpt,
+    ConfigOpt,
+    DeviceOpt,
+    FracOpt,
+    JsonOpt,
+    LayersOpt,
+    StatisticOpt,
+    TrainFromOpt,
+    VerboseOpt,
+    WorkspaceOpt,
+)
 
 Opt = typer.Option
 
@@ -15,11 +27,20 @@ Opt = typer.Option
 def command(
     model: Annotated[Path | None, Opt(help="Quantized model directory [default: newest in the workspace].")] = None,
     data: Annotated[Path | None, Opt(help="Tokens directory or JSONL [default: newest matching the model].")] = None,
-    plan: Annotated[Path | None, Opt(help="Plan from usaf score [default: newest made for the model].")] = None,
+    plan: Annotated[
+        Path | None, Opt(help="Plan from usaf score [default: newest for the model, else scored now into RUN/plan].")
+    ] = None,
     eval_data: Annotated[Path | None, Opt(help="Held-out tokens (a tokens dir uses its heldout.jsonl).")] = None,
     out: Annotated[Path | None, Opt(help="Run directory [default: WORKSPACE/run/<time>-<name>].")] = None,
+    frac: FracOpt = None,
+    train_from: TrainFromOpt = None,
+    layers: LayersOpt = None,
+    calib_samples: CalibSamplesOpt = None,
+    statistic: StatisticOpt = None,
+    budget: BudgetOpt = None,
     steps: Annotated[int | None, Opt(help="Optimizer steps (or --epochs).")] = None,
     epochs: Annotated[float | None, Opt(help="Passes over the data [default: 1].")] = None,
+    seq_len: Annotated[int | None, Opt(help="Cut longer sequences to N tokens [default: as tokenized].")] = None,
     microbatch: Annotated[int | None, Opt(help="Sequences per forward [default: 2].")] = None,
     grad_accum: Annotated[int | None, Opt(help="Microbatches per optimizer step [default: 1].")] = None,
     lr: Annotated[float | None, Opt(help="Peak learning rate of the deltas [default: 1e-2].")] = None,
@@ -28,7 +49,8 @@ def command(
     clip: Annotated[float | None, Opt(help="Gradient-norm clip over all trainables [default: 1.0].")] = None,
     warmup: Annotated[float | None, Opt(help="Warmup as a fraction of the run [default: 0.05].")] = None,
     reselect_every: Annotated[
-        int | None, Opt(help="Steps between RigL reselections; 0 = static mask [default: 50].")
+        int | None,
+        Opt(help="Steps between RigL reselections; 0 = static mask [default: 50; static for runs of <= 50 steps]."),
     ] = None,
     reselect_fraction: Annotated[
         float | None, Opt(help="Initial fraction replaced, cosine to 0 at 75% [default: 0.2].")
@@ -64,8 +86,15 @@ def command(
             "eval_data": eval_data,
             "out": out,
             "workspace": workspace,
+            "frac": frac,
+            "train_from": train_from,
+            "layers": layers or None,
+            "calib_samples": calib_samples,
+            "statistic": statistic,
+            "budget": budget,
             "steps": steps,
             "epochs": epochs,
+            "seq_len": seq_len,
             "microbatch": microbatch,
             "grad_accum": grad_accum,
             "lr": lr,
@@ -93,11 +122,31 @@ def command(
 
 
 def _print_summary(console, manifest, path: Path) -> None:
+    from rich.table import Table
+
     s = manifest.summary
-    evals = f"; held-out loss {s.eval_losses[-1][1]:.4f}" if s.eval_losses else ""
-    console.print(
-        f"run → {path}: {s.steps} steps, {s.tokens:,} tokens, loss {s.first_loss:.4f} → {s.final_loss:.4f}{evals}; "
-        f"{s.expert_entries:,} expert weights + {s.router_params:,} router weights trained, "
-        f"{s.frozen_entries:,} dropped-and-kept, {len(s.reselections)} reselections, "
-        f"{s.skipped_steps} skipped steps"
-    )
+    table = Table(title=f"run → {path}", title_justify="left", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    rate = s.tokens / s.seconds if s.seconds else 0.0
+    rows = [
+        ("steps (skipped)", f"{s.steps} ({s.skipped_steps})"),
+        ("tokens", f"{s.tokens:,}"),
+        ("wall time (with loading and scoring)", f"{s.seconds:,.0f} s ({rate:,.0f} tokens/s)"),
+        ("train loss first → last", f"{s.first_loss:.4f} → {s.final_loss:.4f}"),
+    ]
+    if s.eval_losses:
+        rows.append(("held-out loss first → last", f"{s.eval_losses[0][1]:.4f} → {s.eval_losses[-1][1]:.4f}"))
+    rows += [
+        ("layers", ", ".join(map(str, s.trainable_layers))),
+        ("expert weights + router weights", f"{s.expert_entries:,} + {s.router_params:,}"),
+        ("reselections (grown in total)", f"{len(s.reselections)} ({sum(r.grown for r in s.reselections):,})"),
+        ("dropped-and-kept entries", f"{s.frozen_entries:,}"),
+    ]
+    if s.prefix_cache_hits is not None:
+        rows.append(("prefix cache hits / misses", f"{s.prefix_cache_hits:,} / {s.prefix_cache_misses:,}"))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    for warning in s.routing_warnings:
+        console.print(f"warning: {warning}")

@@ -12,6 +12,7 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -21,8 +22,8 @@ from usaf.artifacts import (
     RunManifest,
     current_environment,
     default_output,
+    find_artifacts,
     load_verified,
-    pick_latest,
     workspace_dir,
 )
 from usaf.artifacts.plan import MASKS_FILE
@@ -57,6 +58,9 @@ class TrainConfig(StageConfig):
     workspace: Path | None = None
     frac: float = Field(0.005, gt=0, lt=1)
     train_from: int | None = Field(None, ge=0)
+    layers: list[int] | None = Field(None, description="Explicit trainable MoE layers (scoring on the fly).")
+    statistic: Literal["grad", "grad2", "grad_x_weight"] = "grad"
+    budget: Literal["per-tensor", "per-layer", "global", "per-expert"] = "per-tensor"
     steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     microbatch: int = Field(2, ge=1)
@@ -66,7 +70,10 @@ class TrainConfig(StageConfig):
     weight_decay: float = Field(0.0, ge=0)
     clip: float | None = Field(1.0, gt=0)
     warmup: float = Field(0.05, ge=0, lt=1, description="Warmup steps as a fraction of the run.")
-    reselect_every: int = Field(50, ge=0)
+    reselect_every: int | None = Field(
+        None, ge=0, description="Steps between reselections; 0 = static [default: 50, static for runs of <= 50 steps]."
+    )
+    seq_len: int | None = Field(None, ge=2, description="Cut longer sequences to this many tokens.")
     reselect_fraction: float = Field(0.2, ge=0, le=1)
     aux_loss_coef: float = Field(0.0, ge=0)
     z_loss_coef: float = Field(0.0, ge=0)
@@ -84,7 +91,7 @@ class TrainConfig(StageConfig):
     def _length(self) -> TrainConfig:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("pass either --steps or --epochs, not both")
-        if self.steps is not None and self.reselect_every > self.steps:
+        if self.steps is not None and self.reselect_every is not None and self.reselect_every > self.steps:
             raise ValueError(
                 f"--reselect-every {self.reselect_every} exceeds --steps {self.steps}; "
                 "lower it or pass 0 for a static mask"
@@ -97,23 +104,53 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
     return {**keep, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp, "data_fingerprint": data_fp}
 
 
-def _resolve_plan(config: TrainConfig, model_fp: str, model_dir: Path, progress: Progress) -> tuple[Path, PlanManifest]:
+PLAN_DIR = "plan"  # inside the run directory: the plan scored on the fly when none was given or found
+
+
+def _resolve_plan(
+    config: TrainConfig, model_fp: str, model_dir: Path, data: Path, run_dir: Path, progress: Progress
+) -> tuple[Path, PlanManifest]:
+    """``--plan``; else the workspace's newest plan for this model; else one scored now into RUN/plan."""
     if config.plan is not None:
-        plan = load_verified(config.plan, PlanManifest, flag="--plan")
-        path = config.plan
+        path, plan = config.plan, load_verified(config.plan, PlanManifest, flag="--plan")
+    elif (run_dir / PLAN_DIR / "manifest.json").is_file():  # scored on the fly by an earlier, interrupted start
+        path = run_dir / PLAN_DIR
+        plan = load_verified(path, PlanManifest, flag="--plan")
     else:
-        found = pick_latest(
-            workspace_dir(config.workspace),
-            PlanManifest,
-            flag="--plan",
-            accept=lambda m: m.summary.model_fingerprint == model_fp,
-            wanted=" made for this model",
-        )
-        path, plan = found.path, found.manifest
-        progress.note(f"using the plan {path} (newest made for this model)")
+        found = find_artifacts(workspace_dir(config.workspace), PlanManifest)
+        own = run_dir.resolve()
+        mine = [a for a in found if a.manifest.summary.model_fingerprint == model_fp and own not in a.path.parents]
+        if mine:  # newest first
+            path, plan = mine[0].path, mine[0].manifest
+            progress.note(f"using the plan {path} (newest made for this model)")
+        else:
+            path, plan = _score_on_the_fly(config, model_dir, data, run_dir, progress)
     if plan.summary.model_fingerprint != model_fp:
         raise UsafError(f"--plan {path}: made for another quantized model", f"re-run usaf score --model {model_dir}")
     return path, plan
+
+
+def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir: Path, progress: Progress):
+    from usaf.stages import score
+
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UsafError(
+            f"--out {run_dir}: holds another run (other settings or inputs)",
+            "pass another --out, or --overwrite to replace it",
+        )
+    progress.note(f"no --plan and none in the workspace for this model: scoring now into {run_dir / PLAN_DIR}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    options = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "router", "device", "seed")
+    settings = score.ScoreConfig(
+        model=model_dir,
+        data=data,
+        out=run_dir / PLAN_DIR,
+        microbatch=config.microbatch,
+        stability=False,
+        **{name: getattr(config, name) for name in options},
+    )
+    manifest, path = score.run(settings, progress=progress)
+    return path, manifest
 
 
 def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
@@ -134,26 +171,27 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fp = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
-    plan_dir, plan = _resolve_plan(config, model_manifest.fingerprint, model_dir, progress)
     run_dir = Path(config.out or default_output(workspace_dir(config.workspace), "run", model_dir.name))
+    if run_dir.exists() and config.overwrite:
+        shutil.rmtree(run_dir)
+    if (run_dir / "manifest.json").is_file():
+        raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
+    if config.resume and not run_dir.exists():
+        raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
+    data_source = config.data if config.data is not None else data_file.parent
+    plan_dir, plan = _resolve_plan(config, model_manifest.fingerprint, model_dir, data_source, run_dir, progress)
     settings_record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp)
 
     resume_from = None
     if run_dir.exists():
-        if (run_dir / "manifest.json").is_file() and not config.overwrite:
-            raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
         previous = run_dir / SETTINGS_FILE
-        if config.overwrite:
-            shutil.rmtree(run_dir)
-        elif previous.is_file() and json.loads(previous.read_text()) == settings_record:
+        if previous.is_file() and json.loads(previous.read_text()) == settings_record:
             resume_from = latest_checkpoint(run_dir)
-        elif any(run_dir.iterdir()):
+        elif any(p.name != PLAN_DIR for p in run_dir.iterdir()):
             raise UsafError(
                 f"--out {run_dir}: holds another run (other settings or inputs)",
                 "pass another --out, or --overwrite to replace it",
             )
-    elif config.resume:
-        raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
 
     backend = resolve_backend(None if config.device == "auto" else config.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -170,11 +208,8 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         eval_data = TokenDataset(eval_file, vocab_size=len(tokenizer))
     per_step = config.microbatch * config.grad_accum
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * len(data) / per_step))
-    if config.reselect_every > steps:
-        raise UsafError(
-            f"--reselect-every {config.reselect_every} exceeds the run's {steps} steps",
-            "lower it, or pass 0 for a static mask",
-        )
+    reselect_every = _reselect_every(config.reselect_every, steps, progress)
+    _check_seq_len(config.seq_len, str(model_dir), tokenizer)
 
     loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
     engine = SparseEngine(
@@ -211,11 +246,12 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         weight_decay=config.weight_decay,
         clip=config.clip,
         warmup_steps=int(config.warmup * steps),
-        reselect_every=config.reselect_every,
+        reselect_every=reselect_every,
         reselect_fraction=config.reselect_fraction,
         eval_every=config.eval_every,
         save_every=config.save_every,
         seed=config.seed,
+        seq_len=config.seq_len,
     )
     trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix)
     if resume_from is not None:
@@ -236,6 +272,31 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         backend,
         time.perf_counter() - start,
     )
+
+
+DEFAULT_RESELECT_EVERY = 50
+
+
+def _reselect_every(requested: int | None, steps: int, progress: Progress) -> int:
+    """``--reselect-every`` as given; by default 50, or a static mask when the run is too short for one."""
+    if requested is not None:
+        if requested > steps:
+            raise UsafError(
+                f"--reselect-every {requested} exceeds the run's {steps} steps", "lower it, or pass 0 for a static mask"
+            )
+        return requested
+    if steps <= DEFAULT_RESELECT_EVERY:
+        progress.note(f"a {steps}-step run is too short for a reselection every {DEFAULT_RESELECT_EVERY}: static mask")
+        return 0
+    return DEFAULT_RESELECT_EVERY
+
+
+def _check_seq_len(seq_len: int | None, model: str, tokenizer) -> None:
+    from usaf.data.tokenizer import max_sequence_length
+
+    limit = max_sequence_length(model, tokenizer)
+    if seq_len is not None and limit is not None and seq_len > limit:
+        raise UsafError(f"--seq-len {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
 
 
 def _plan_line(engine, trainer, steps: int, per_step: int) -> str:
@@ -264,6 +325,8 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
                 trainer.collector = collect_scores(trainer.engine)
             record = trainer.step()
             trainer.log(record)
+            for warning in record.get("routing_warnings", []):
+                progress.note(f"warning: {warning}")
             if s.reselect_every and trainer.state.step % s.reselect_every == 0 and trainer.state.step < steps:
                 fraction = update_fraction(trainer.state.step, steps, s.reselect_fraction)
                 scores, trainer.collector = trainer.collector, None
@@ -326,6 +389,7 @@ def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan,
         router_params=counts["router_params"],
         frozen_entries=sum(int(w.frozen_indices.numel()) for w in trainer.engine.weights.values()),
         reselections=[ReselectionRecord(**r) for r in state.reselections],
+        routing_warnings=state.routing_warnings,
         prefix_cache_hits=trainer.prefix[0].hits if trainer.prefix else None,
         prefix_cache_misses=trainer.prefix[0].misses if trainer.prefix else None,
         seconds=seconds,

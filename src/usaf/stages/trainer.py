@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from usaf.engine.schedule import WarmupCosine
 from usaf.errors import UsafError
 
 SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
+ROUTING_WINDOW = 10  # steps whose expert loads are pooled before checking a trainable layer for collapse
 
 
 @dataclass
@@ -51,6 +52,8 @@ class TrainState:
     last_loss: float | None = None
     eval_losses: list[list[float]] = field(default_factory=list)
     reselections: list[dict] = field(default_factory=list)
+    routing_baseline: dict[str, list[float]] = field(default_factory=dict)  # layer -> [max share, dead experts]
+    routing_warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class LoopSettings:
     eval_every: int
     save_every: int
     seed: int
+    seq_len: int | None = None  # longer sequences are cut to this many tokens
 
 
 class Trainer:
@@ -100,8 +104,14 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------------------
 
     def _microbatches(self, step: int) -> list:
-        lines = self.data.samples_for_step(step, self.s.microbatch * self.s.grad_accum, self.s.seed)
+        lines = self._cut(self.data.samples_for_step(step, self.s.microbatch * self.s.grad_accum, self.s.seed))
         return [collate(lines[i : i + self.s.microbatch], self.pad_id) for i in range(0, len(lines), self.s.microbatch)]
+
+    def _cut(self, lines: list) -> list:
+        n = self.s.seq_len
+        if n is None:
+            return lines
+        return [replace(line, input_ids=line.input_ids[:n], labels=line.labels[:n]) for line in lines]
 
     def _loss(self, batch) -> Any:
         states = None
@@ -136,7 +146,9 @@ class Trainer:
             self.state.first_loss = loss_sum if self.state.first_loss is None else self.state.first_loss
             self.state.last_loss = loss_sum
         seconds = time.perf_counter() - start
+        warnings = self._check_routing() if self.state.step % ROUTING_WINDOW == 0 else []
         return {
+            **({"routing_warnings": warnings} if warnings else {}),
             "step": self.state.step,
             "loss": loss_sum,
             "lr": self.s.lr * lr_factor,
@@ -151,14 +163,56 @@ class Trainer:
         self.optimizer.zero_grad()
         self.engine.model.zero_grad(set_to_none=True)
 
+    def _check_routing(self) -> list[str]:
+        """Compare the trainable layers' expert load over the last window with the first window's.
+
+        Collapse: one expert taking over half the tokens (and twice its initial share), or a quarter of
+        the experts (at least one) newly receiving none. Each layer warns once.
+        """
+        stats = self.engine.load_stats(reset=True)
+        new = []
+        for layer in self.engine.trainable_layers:
+            load, key = stats[layer], str(layer)
+            if sum(load.tokens_per_expert) == 0:
+                continue
+            if key not in self.state.routing_baseline:
+                self.state.routing_baseline[key] = [load.max_share, load.dead_experts]
+                continue
+            if any(w.startswith(f"layer {layer}:") for w in self.state.routing_warnings):
+                continue
+            share, dead = self.state.routing_baseline[key]
+            experts = len(load.tokens_per_expert)
+            if load.max_share > max(0.5, 2 * share):
+                new.append(
+                    f"layer {layer}: routing collapsing, one expert takes {load.max_share:.0%} of tokens "
+                    f"(was {share:.0%}); try a lower --router-lr, --aux-loss-coef 0.01 or --no-router"
+                )
+            elif load.dead_experts >= dead + max(1, experts // 4):
+                new.append(
+                    f"layer {layer}: {load.dead_experts} of {experts} experts get no tokens (was {int(dead)}); "
+                    "try --aux-loss-coef 0.01 or --no-router"
+                )
+        self.state.routing_warnings.extend(new)
+        return new
+
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Token-weighted held-out loss (no gradients; not counted in step time)."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return None
+        loads = [state.tokens_per_expert.clone() for state in self.engine.loaded.experts.values()]
+        try:
+            return self._evaluate()
+        finally:  # held-out forwards do not count in the training routing window
+            for state, saved in zip(self.engine.loaded.experts.values(), loads):
+                state.tokens_per_expert.copy_(saved)
+
+    def _evaluate(self) -> float:
         total = tokens = 0.0
         for start in range(0, len(self.eval_data), self.s.microbatch):
-            lines = [self.eval_data[i] for i in range(start, min(start + self.s.microbatch, len(self.eval_data)))]
+            lines = self._cut(
+                [self.eval_data[i] for i in range(start, min(start + self.s.microbatch, len(self.eval_data)))]
+            )
             parts = self._loss(collate(lines, self.pad_id))
             total += float(parts.ce) * parts.tokens
             tokens += parts.tokens
@@ -190,14 +244,14 @@ class Trainer:
             {n: p.detach().cpu().contiguous() for n, p in self.engine.routers.items()} or {"_none": torch.zeros(0)},
             str(tmp / ROUTERS_FILE),
         )
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict(),
-                "rng": torch.get_rng_state(),
-            },
-            tmp / OPTIMIZER_FILE,
-        )
+        extra = {
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        if self.collector is not None:  # inside a scoring window: the grow scores collected so far
+            extra["scores"] = {name: acc.state_dict() for name, acc in self.collector.accumulators.items()}
+        torch.save(extra, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(vars(self.state), indent=1))
         if directory.exists():
             shutil.rmtree(directory)
@@ -240,7 +294,7 @@ class Trainer:
             from usaf.engine.reselect import collect_scores
 
             self.collector = collect_scores(self.engine)
-            for name, acc in self.collector.items():
+            for name, acc in self.collector.accumulators.items():
                 acc.load_state_dict(extra["scores"][name])
 
     def checkpoint_dir(self) -> Path:
