@@ -352,3 +352,73 @@ def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path,
     assert on_the_fly.keys() == scored.keys() and all(torch.equal(on_the_fly[k], scored[k]) for k in scored)
     manifest = load_verified(run, RunManifest)
     assert [i.path for i in manifest.inputs if i.role == "plan"] == [str(run / "plan")]
+
+
+def test_fp16_training_scales_the_loss_learns_and_resumes_exactly(prepared, tmp_path, monkeypatch):
+    from usaf.stages import trainer
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    memory = tmp_path / "two.jsonl"
+    memory.write_text("".join((tokens / "train.jsonl").read_text().splitlines(keepends=True)[:2]))
+    args = ["--steps", 16, "--reselect-every", 8, "--dtype", "float16"]
+    straight = tmp_path / "straight"
+    assert train(qdir, memory, plan, straight, *args).exit_code == 0
+    records = [m for m in metrics(straight) if "loss" in m]
+    assert all(m["loss_scale"] > 1 for m in records)
+    losses = [m["loss"] for m in records]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
+    assert load_verified(straight, RunManifest).environment.dtype == "float16"
+
+    real_step = trainer.Trainer.step
+
+    def interrupt(self):
+        if self.state.step == 6:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
+    resumed = tmp_path / "resumed"
+    assert train(qdir, memory, plan, resumed, *args).exit_code == 130
+    monkeypatch.setattr(trainer.Trainer, "step", real_step)
+    assert train(qdir, memory, plan, resumed, *args).exit_code == 0
+    assert [m["loss"] for m in metrics(resumed) if "loss" in m] == losses
+    a, b = final_deltas(straight), final_deltas(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_out_of_memory_retries_with_a_smaller_microbatch(prepared, tmp_path, monkeypatch):
+    from usaf.engine.engine import SparseEngine
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 6, "--reselect-every", 0, "--microbatch", 4]
+    real_loss = SparseEngine.loss
+    calls = {"oom": 0}
+
+    def tight_memory(self, input_ids, *a, **k):
+        if input_ids.shape[0] > 1 and calls["oom"] < 3:  # a 4-sequence microbatch, then a 2-sequence one, fail
+            calls["oom"] += 1
+            raise torch.OutOfMemoryError("simulated")
+        return real_loss(self, input_ids, *a, **k)
+
+    monkeypatch.setattr(SparseEngine, "loss", tight_memory)
+    run = tmp_path / "run"
+    result = train(qdir, tokens, plan, run, *args)
+    assert result.exit_code == 0, result.output
+    assert "out of memory at microbatch 4 × 1: retrying step 1 with microbatch 2 × grad-accum 2" in result.stderr
+    assert "microbatch 1 × grad-accum 4 (kept from now on)" in result.stderr
+    retries = [m["oom_retry"] for m in metrics(run) if "oom_retry" in m]
+    assert retries == [{"microbatch": 2, "grad_accum": 2}, {"microbatch": 1, "grad_accum": 4}]
+    monkeypatch.setattr(SparseEngine, "loss", real_loss)
+    # The same sequences and the same token-weighted loss as asking for microbatch 1 × 4 from the start:
+    reference = tmp_path / "reference"
+    assert train(qdir, tokens, plan, reference, "--steps", 6, "--reselect-every", 0, "--microbatch", 1,
+                 "--grad-accum", 4).exit_code == 0  # fmt: skip
+    got, want = [m["loss"] for m in metrics(run) if "loss" in m], [m["loss"] for m in metrics(reference) if "loss" in m]
+    assert got == pytest.approx(want, abs=1e-6)
+
+    def always(self, input_ids, *a, **k):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(SparseEngine, "loss", always)
+    result = train(qdir, tokens, plan, tmp_path / "hopeless", *args)
+    assert result.exit_code == 2 and "out of device memory at microbatch 1" in result.stderr

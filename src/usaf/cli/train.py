@@ -65,6 +65,9 @@ def command(
     seed: Annotated[int | None, Opt(help="Seed of the data order [default: 0].")] = None,
     resume: Annotated[bool | None, Opt("--resume", help="Continue the interrupted run in --out.")] = None,
     overwrite: Annotated[bool | None, Opt("--overwrite", help="Replace --out.")] = None,
+    dtype: Annotated[
+        str | None, Opt(help="auto | float32 | bfloat16 | float16 (with dynamic loss scaling) [default: auto].")
+    ] = None,
     device: DeviceOpt = None,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
@@ -113,6 +116,7 @@ def command(
             "resume": resume,
             "overwrite": overwrite,
             "device": device,
+            "dtype": dtype,
         },
         config_file=config,
         json_output=json_output,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
@@ -94,8 +95,12 @@ class SparseEngine:
                     module = self.model.get_submodule(module_name)
                     if attr not in module._parameters:
                         continue  # e.g. DeepSeek's e_score_correction_bias: a buffer, not trained
+                    compute = module._parameters[attr].dtype
                     master = nn.Parameter(module._parameters[attr].detach().float().clone(), requires_grad=True)
                     module._parameters[attr] = master
+                    if compute != torch.float32:  # the model computes in half: it sees a cast of the fp32 master
+                        parametrize.register_parametrization(module, attr, _CastTo(compute), unsafe=True)
+                        assert module.parametrizations[attr].original is master
                     self.routers[name] = master
                     self.router_anchors[name] = master.detach().clone()
         first = self.trainable_layers[0]
@@ -370,6 +375,17 @@ class SparseEngine:
             "delta_entries": sum(d.nnz for d in self.deltas().values()),
             "router_params": sum(p.numel() for p in self.routers.values()),
         }
+
+
+class _CastTo(nn.Module):
+    """A parametrization: the fp32 router master, cast to the compute dtype where the model reads it."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, master: torch.Tensor) -> torch.Tensor:
+        return master.to(self.dtype)
 
 
 def resident_placement(backend: object, nbytes: int, *, headroom: float = 0.8) -> tuple[torch.device, bool]:

@@ -82,6 +82,9 @@ class TrainConfig(StageConfig):
     save_every: int = Field(50, ge=0)
     seed: int = 0
     device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype [default: bf16 where native, else fp16 + loss scaling; fp32 on CPU]."
+    )
     calib_samples: int = Field(64, ge=1)
     prefix_cache_gib: float = Field(2.0, ge=0, description="RAM for cached prefix states before spilling to disk.")
     resume: bool = False
@@ -155,6 +158,7 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
 
 def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
     """Train; returns the run's manifest and directory."""
+    import torch
     from safetensors.torch import load_file
 
     from usaf.backends import resolve_backend
@@ -162,6 +166,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
+    from usaf.engine.loss_scale import DynamicLossScaler
     from usaf.engine.prefix import PrefixCache
     from usaf.stages.prefix_cache import open_store
     from usaf.stages.trainer import LoopSettings, Trainer, latest_checkpoint
@@ -211,7 +216,8 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     reselect_every = _reselect_every(config.reselect_every, steps, progress)
     _check_seq_len(config.seq_len, str(model_dir), tokenizer)
 
-    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
+    compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
+    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=compute)
     engine = SparseEngine(
         loaded,
         trainable_layers=plan.summary.trainable_layers,
@@ -253,7 +259,8 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         seed=config.seed,
         seq_len=config.seq_len,
     )
-    trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix)
+    scaler = DynamicLossScaler() if compute == torch.float16 else None  # fp16 gradients underflow without it
+    trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix, loss_scaler=scaler)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
         progress.note(f"resuming from {resume_from} (step {trainer.state.step} of {steps})")
@@ -325,6 +332,8 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
                 trainer.collector = collect_scores(trainer.engine)
             record = trainer.step()
             trainer.log(record)
+            for note in record.get("notes", []):
+                progress.note(note)
             for warning in record.get("routing_warnings", []):
                 progress.note(f"warning: {warning}")
             if s.reselect_every and trainer.state.step % s.reselect_every == 0 and trainer.state.step < steps:
@@ -406,7 +415,12 @@ def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan,
             InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=data_fp),
         ],
         config=config.model_dump(mode="json"),
-        environment=current_environment(backend=backend.name, device=str(backend.device), seed=config.seed),
+        environment=current_environment(
+            backend=backend.name,
+            device=str(backend.device),
+            dtype=str(next(trainer.engine.model.parameters()).dtype).removeprefix("torch."),
+            seed=config.seed,
+        ),
         summary=summary,
     )
     return manifest, run_dir

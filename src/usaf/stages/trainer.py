@@ -32,7 +32,7 @@ from usaf.artifacts.run import (
     STATE_FILE,
     ReselectionRecord,
 )
-from usaf.data.batches import collate
+from usaf.data.batches import Batch, collate
 from usaf.data.dataset import TokenDataset
 from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
@@ -54,6 +54,8 @@ class TrainState:
     reselections: list[dict] = field(default_factory=list)
     routing_baseline: dict[str, list[float]] = field(default_factory=dict)  # layer -> [max share, dead experts]
     routing_warnings: list[str] = field(default_factory=list)
+    microbatch: int | None = None  # set when an out-of-memory retry changed it (kept on resume)
+    grad_accum: int | None = None
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Trainer:
         *,
         pad_id: int,
         prefix: tuple[Any, str] | None = None,
+        loss_scaler: Any = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -100,6 +103,7 @@ class Trainer:
         self.schedule = WarmupCosine(settings.warmup_steps, settings.steps)
         self.state = TrainState()
         self.collector: Any = None  # grow scores being collected for the next reselection (checkpointed)
+        self.scaler = loss_scaler  # DynamicLossScaler under fp16 compute, else None
 
     # -- one step -------------------------------------------------------------------------------------
 
@@ -114,6 +118,8 @@ class Trainer:
         return [replace(line, input_ids=line.input_ids[:n], labels=line.labels[:n]) for line in lines]
 
     def _loss(self, batch) -> Any:
+        device = next(self.engine.model.parameters()).device
+        batch = Batch(batch.input_ids.to(device), batch.labels.to(device), batch.attention_mask.to(device))
         states = None
         if self.prefix is not None:
             cache, fingerprint = self.prefix
@@ -123,20 +129,29 @@ class Trainer:
         return self.engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
 
     def step(self) -> dict[str, Any]:
-        """Run the next optimizer step; returns its metrics record."""
+        """Run the next optimizer step; returns its metrics record.
+
+        Out of device memory, the step is retried with a smaller microbatch and more accumulation (the
+        same sequences, the same token-weighted loss), and that setting is kept for the rest of the run.
+        """
         start = time.perf_counter()
         step = self.state.step
-        batches = self._microbatches(step)
-        scored = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
-        self._zero_grad()
-        loss_sum = 0.0
-        for batch in batches:
-            parts = self._loss(batch)
-            weight = parts.tokens / max(scored, 1)
-            (parts.loss * weight).backward()
-            loss_sum += float(parts.loss.detach()) * weight
+        notes = []
+        while True:
+            scores = self._collector_state()
+            try:
+                loss_sum, batches = self._forward_backward(step)
+                break
+            except torch.OutOfMemoryError:
+                self._zero_grad()
+                self._restore_collector(scores)  # the failed attempt's partial grow scores are discarded
+                notes.append(self._shrink_microbatch())
+        if self.scaler is not None:
+            self.scaler.unscale_(self._trainables())
         lr_factor = self.schedule.apply(self.optimizer, step)
         report = self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(not report.skipped_nonfinite)
         finite = report.applied and torch.isfinite(torch.tensor(loss_sum))
         self.state.step += 1
         self.state.tokens += sum(b.tokens for b in batches)
@@ -149,6 +164,8 @@ class Trainer:
         warnings = self._check_routing() if self.state.step % ROUTING_WINDOW == 0 else []
         return {
             **({"routing_warnings": warnings} if warnings else {}),
+            **({"notes": notes} if notes else {}),
+            **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
             "step": self.state.step,
             "loss": loss_sum,
             "lr": self.s.lr * lr_factor,
@@ -158,6 +175,58 @@ class Trainer:
             "tokens_per_s": sum(b.tokens for b in batches) / max(seconds, 1e-9),
             "seconds": seconds,
         }
+
+    def _forward_backward(self, step: int) -> tuple[float, list]:
+        """Gradients of the step's token-weighted loss (times the loss scale, under fp16)."""
+        batches = self._microbatches(step)
+        scored = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
+        self._zero_grad()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss_sum = 0.0
+        for batch in batches:
+            parts = self._loss(batch)
+            weight = parts.tokens / max(scored, 1)
+            (parts.loss * (weight * scale)).backward()
+            loss_sum += float(parts.loss.detach()) * weight
+        return loss_sum, batches
+
+    def _trainables(self) -> list[torch.Tensor]:
+        return [d.values for d in self.engine.deltas().values()] + list(self.engine.routers.values())
+
+    def _shrink_microbatch(self) -> str:
+        """Halve the microbatch (to a divisor of the step's sequences) and raise the accumulation to match."""
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        total = self.s.microbatch * self.s.grad_accum
+        smaller = [d for d in range(1, self.s.microbatch // 2 + 1) if total % d == 0]
+        if not smaller:
+            raise UsafError(
+                f"out of device memory at microbatch {self.s.microbatch} (step {self.state.step + 1})",
+                "use a shorter --seq-len, fewer trainable layers (a higher --train-from), or another --device",
+            )
+        before = (self.s.microbatch, self.s.grad_accum)
+        self.s.microbatch, self.s.grad_accum = smaller[-1], total // smaller[-1]
+        self.state.microbatch, self.state.grad_accum = self.s.microbatch, self.s.grad_accum
+        note = (
+            f"out of memory at microbatch {before[0]} × {before[1]}: retrying step {self.state.step + 1} "
+            f"with microbatch {self.s.microbatch} × grad-accum {self.s.grad_accum} (kept from now on)"
+        )
+        self.log({"step": self.state.step + 1, "oom_retry": {"microbatch": self.s.microbatch,
+                                                              "grad_accum": self.s.grad_accum}})  # fmt: skip
+        return note
+
+    def _collector_state(self) -> dict | None:
+        if self.collector is None:
+            return None
+        return {name: acc.state_dict() for name, acc in self.collector.accumulators.items()}
+
+    def _restore_collector(self, state: dict | None) -> None:
+        if state is not None:
+            for name, acc in self.collector.accumulators.items():
+                acc.load_state_dict(state[name])
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -250,7 +319,9 @@ class Trainer:
             "rng": torch.get_rng_state(),
         }
         if self.collector is not None:  # inside a scoring window: the grow scores collected so far
-            extra["scores"] = {name: acc.state_dict() for name, acc in self.collector.accumulators.items()}
+            extra["scores"] = self._collector_state()
+        if self.scaler is not None:
+            extra["loss_scale"] = self.scaler.state_dict()
         torch.save(extra, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(vars(self.state), indent=1))
         if directory.exists():
@@ -290,6 +361,10 @@ class Trainer:
         self.schedule.load_state_dict(extra["schedule"])
         torch.set_rng_state(extra["rng"])
         self.state = TrainState(**state)
+        if self.state.microbatch is not None:  # an out-of-memory retry before the checkpoint
+            self.s.microbatch, self.s.grad_accum = self.state.microbatch, self.state.grad_accum
+        if self.scaler is not None and "loss_scale" in extra:
+            self.scaler.load_state_dict(extra["loss_scale"])
         if "scores" in extra:
             from usaf.engine.reselect import collect_scores
 
