@@ -58,6 +58,12 @@ def hf_logits(path, ids):
         return model(input_ids=ids).logits
 
 
+def hf_state(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
 def engine_logits(qdir, change, ids):
     from usaf.stages.change import model_with_change
 
@@ -110,7 +116,6 @@ def stored(param: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_onto_the_original_changes_exactly_the_trained_entries(family, trained, tmp_path):
-    from transformers import AutoModelForCausalLM
 
     source, qdir, run = trained(family)
     out = tmp_path / "hf"
@@ -130,8 +135,7 @@ def test_export_onto_the_original_changes_exactly_the_trained_entries(family, tr
     assert touched and all(n in routers or spec.disk.to_memory(n).startswith(trained_prefixes) for n in touched)
 
     # in memory (transformers' own loading): original + delta at the delta's positions, nothing else moved
-    before = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
-    after = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    before, after = hf_state(source), hf_state(out)
     for name, (indices, values) in change.deltas.items():
         old, new = stored(before[name], spec.layout.transposed), stored(after[name], spec.layout.transposed)
         assert torch.equal(new[indices], old[indices] + values)  # fp32 source: one exact fp32 sum
@@ -169,7 +173,7 @@ def test_delta_applied_later_writes_the_same_directory(family, trained, tmp_path
 
 
 def test_dtype_override_and_small_shards(trained, tmp_path):
-    _, qdir, run = trained("qwen3_moe")
+    source, qdir, run = trained("qwen3_moe")
     out = tmp_path / "bf16"
     export("--model", qdir, "--checkpoint", run, "--out", out, "--dtype", "bfloat16", "--max-shard-gib", 0.00005)
     summary = load_verified(out, HfExportManifest).summary
@@ -179,6 +183,57 @@ def test_dtype_override_and_small_shards(trained, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {s.name for s in summary.shards}
     assert summary.verify.tolerance > 1e-3  # bf16 rounding of every weight, checked at bf16's tolerance
+    # onto the original, the reference rounds as the writer does: the same weights, the same logits
+    onto = tmp_path / "bf16-base"
+    export("--model", qdir, "--checkpoint", run, "--out", onto, "--dtype", "bfloat16", "--base", source)
+    verified = load_verified(onto, HfExportManifest).summary.verify
+    assert verified.max_abs_diff == 0.0 and verified.change_max_abs_effect > 1e-2
+
+
+def mxfp4_gpt_oss(source, out):
+    """``source`` (a tiny gpt-oss) with its gate_up experts re-encoded as MXFP4 blocks/scales, as hub releases ship."""
+    from safetensors.torch import load_file, save_file
+
+    spec = resolve_family(json.loads((source / "config.json").read_text()))
+    e, h, i2 = spec.gate_up_shape  # [E, H, 2I]; H = 32 = one MXFP4 block (down_proj's I = 24 stays plain)
+    gen = torch.Generator().manual_seed(3)
+    tensors = load_file(source / "model.safetensors")
+    for layer in spec.moe_layers:
+        codes = torch.randint(0, 16, (e, i2, h), generator=gen)  # FP4 codes of [E, 2I, H]
+        exps = torch.randint(-8, -4, (e, i2, h // 32), generator=gen)  # weights of a few 1e-2, like the rest
+        name = spec.gate_up_name(layer)
+        del tensors[name]
+        tensors[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).reshape(e, i2, 1, 16)
+        tensors[name + "_scales"] = (exps + 127).to(torch.uint8)  # E8M0: biased exponent
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def test_mxfp4_original_is_written_decoded(tiny_model, tmp_path):
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+
+    source = mxfp4_gpt_oss(tiny_model("gpt_oss", num_layers=NUM_LAYERS, tokenizer=True), tmp_path / "mxfp4")
+    _, qdir = quantize(QuantizeConfig(model=str(source), out=tmp_path / "q", method="rtn", group_size=8))
+    run = train_run(qdir, tokenize(qdir, tmp_path / "tokens"), tmp_path)
+    out = tmp_path / "hf"
+    export("--model", qdir, "--checkpoint", run, "--out", out, "--base", source)
+    summary = load_verified(out, HfExportManifest).summary
+    assert summary.verify.max_abs_diff == 0.0  # vs transformers' own MXFP4 decoding + the change
+    assert any("MXFP4" in n for n in summary.notes) and any("quantization_config" in n for n in summary.notes)
+    written = read_checkpoint(out)
+    assert not [n for n in written if n.endswith(("_blocks", "_scales"))]
+    name = "model.layers.0.mlp.experts.gate_up_proj"  # an untrained layer: decoded, exactly
+    assert written[name].dtype == "BF16"
+    assert torch.equal(hf_state(out)[name], hf_state(source)[name])  # == transformers' own MXFP4 decoding
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
 
 
 def test_shards_are_written_one_at_a_time(trained, tmp_path, monkeypatch):

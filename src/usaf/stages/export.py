@@ -192,7 +192,9 @@ def _export_hf(
                 model_dir=model_dir,
                 change=change,
                 base_dir=base_dir,
-                written_dtype=source.expert_dtype,
+                expert_dtype=source.expert_dtype,
+                written=source.written,
+                override=dtype,
                 device=backend.device,
                 progress=progress,
             )

@@ -93,7 +93,8 @@ class _Source:
         self.dtype = dtype  # --dtype for floating tensors; None keeps each tensor's own
         self.counts = Counts()
         self.units: list[Unit] = []
-        self.expert_dtype: torch.dtype = torch.float32  # the dtype expert tensors are written in
+        self.expert_dtype: torch.dtype = torch.float32  # the least precise dtype expert tensors are written in
+        self.written: dict[str, torch.dtype] = {}  # in-memory name -> dtype, for every changed tensor written
 
     def out_code(self, code: str) -> str:
         return _CODES[self.dtype] if self.dtype is not None and code in _FLOAT_CODES else code
@@ -120,7 +121,8 @@ class _Source:
         if tuple(trained.shape) != tuple(original.shape):
             raise ValueError(f"{memory_name}: trained router {tuple(trained.shape)}, model {tuple(original.shape)}")
         self.counts.router_tensors += 1
-        return trained.to(self.out_dtype(original.dtype)).contiguous()
+        self.written[memory_name] = self.out_dtype(original.dtype)
+        return trained.to(self.written[memory_name]).contiguous()
 
     def merge_layer(
         self, plan: ExpertLayerPlan, memory: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]
@@ -141,6 +143,7 @@ class _Source:
                 memory[t.target] = merged.to(out_dtype).contiguous()
                 self.counts.expert_tensors_changed += 1
                 self.counts.expert_entries += int(indices.numel())
+                self.written[t.target] = out_dtype
             else:
                 memory[t.target] = w.to(out_dtype).contiguous()
         return plan.split(memory)
