@@ -170,6 +170,12 @@ def test_delta_applied_later_writes_the_same_directory(family, trained, tmp_path
     assert files == sorted(p.name for p in later.iterdir() if p.name != "manifest.json")
     for name in files:
         assert (direct / name).read_bytes() == (later / name).read_bytes(), name
+    # a delta edited after export is refused (its manifest hashes every file)
+    data = bytearray((delta / "deltas.safetensors").read_bytes())
+    data[-1] ^= 1
+    (delta / "deltas.safetensors").write_bytes(bytes(data))
+    result = invoke("export", "--model", qdir, "--checkpoint", delta, "--out", tmp_path / "again")
+    assert result.exit_code == 2 and "--checkpoint" in result.output and "damaged" in result.output
 
 
 def test_dtype_override_and_small_shards(trained, tmp_path):

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from usaf.artifacts.hf_export import INDEX_FILE, ExportShardRecord
-from usaf.stages.export_sources import Unit, _Source
+from usaf.stages.export_sources import ExportSource, Unit
 from usaf.stages.progress import Progress
 
 
@@ -33,7 +33,9 @@ def plan_shards(units: list[Unit], max_bytes: int) -> list[list[Unit]]:
     return [s for s in shards if s]
 
 
-def write_shards(source: _Source, shards: list[list[Unit]], work: Path, progress: Progress) -> list[ExportShardRecord]:
+def write_shards(
+    source: ExportSource, shards: list[list[Unit]], work: Path, progress: Progress
+) -> list[ExportShardRecord]:
     """Produce and save every shard into ``work``; write the index last. Returns one record per shard."""
     from safetensors.torch import save_file
 

@@ -20,6 +20,7 @@ Either way the sum is formed in fp32 and rounded once to the output dtype. Nothi
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -63,16 +64,24 @@ class Counts:
     notes: list[str] = field(default_factory=list)
 
 
-def merge_delta(memory: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, transposed: bool):
-    """``memory + delta`` as a new fp32 tensor in the memory layout; ``memory`` is not modified.
+def merge_delta(
+    memory: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, transposed: bool, owned: bool = False
+) -> torch.Tensor:
+    """``memory + delta`` in fp32, in the memory layout.
 
     Args:
         memory: ``(E, O, I)``, or ``(E, I, O)`` if ``transposed`` (gpt-oss), any float dtype.
         indices: ``(m,)`` sorted unique flat indices into the stored ``(E, O, I)`` orientation.
         values: ``(m,)`` fp32 deltas.
+        transposed: the memory layout is the stored one transposed.
+        owned: ``memory`` may be modified (then an fp32 tensor whose stored view is contiguous is
+            updated in place instead of copied: one layer's experts in memory, not two).
     """
     stored = memory.transpose(1, 2) if transposed else memory  # (E, O, I) view: the deltas' orientation
-    merged = torch.empty(stored.shape, dtype=torch.float32).copy_(stored)  # (E, O, I) fp32, contiguous
+    if owned and stored.dtype == torch.float32 and stored.is_contiguous():
+        merged = stored
+    else:
+        merged = torch.empty(stored.shape, dtype=torch.float32).copy_(stored)  # (E, O, I) fp32, contiguous
     merged.view(-1).index_add_(0, indices.to(torch.int64), values.to(torch.float32))
     return merged.transpose(1, 2) if transposed else merged  # a view back in the memory layout
 
@@ -84,8 +93,8 @@ def least_precise(dtypes) -> torch.dtype:
     return found[0] if found else torch.float32
 
 
-class _Source:
-    """What both sources share: dtype policy, routers, delta bookkeeping."""
+class ExportSource(ABC):
+    """What both sources share: the units to write, dtype policy, routers, delta bookkeeping."""
 
     def __init__(self, spec: FamilySpec, change: TrainedChange, dtype: torch.dtype | None) -> None:
         self.spec = spec
@@ -125,21 +134,25 @@ class _Source:
         return trained.to(self.written[memory_name]).contiguous()
 
     def merge_layer(
-        self, plan: ExpertLayerPlan, memory: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]
+        self,
+        plan: ExpertLayerPlan,
+        memory: dict[str, torch.Tensor],
+        dtypes: dict[str, torch.dtype],
     ) -> dict[str, torch.Tensor]:
         """Add the deltas to one layer's fused tensors, round once to the output dtype, split to disk names.
 
         Args:
             plan: the layer's fused <-> on-disk plan.
-            memory: in-memory name -> fused tensor in the memory layout (replaced in this dict).
+            memory: in-memory name -> fused tensor in the memory layout, loaded or made for this call (so
+                an fp32 one may take the deltas in place); replaced in this dict.
             dtypes: in-memory name -> the dtype the tensor has in the original (before --dtype).
         """
         for t in plan.tensors:
             w = memory[t.target]
             out_dtype = self.out_dtype(dtypes[t.target])
-            if t.target in self.change.deltas:
+            if t.target in self.change.deltas:  # only fused weights (gate_up, down) have deltas
                 indices, values = self.change.deltas[t.target]
-                merged = merge_delta(w, indices, values, transposed=plan.layout.transposed and w.dim() == 3)
+                merged = merge_delta(w, indices, values, transposed=plan.layout.transposed, owned=True)
                 memory[t.target] = merged.to(out_dtype).contiguous()
                 self.counts.expert_tensors_changed += 1
                 self.counts.expert_entries += int(indices.numel())
@@ -148,11 +161,12 @@ class _Source:
                 memory[t.target] = w.to(out_dtype).contiguous()
         return plan.split(memory)
 
+    @abstractmethod
     def produce(self, unit: Unit) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The unit's output tensors: output name -> contiguous tensor owning its storage."""
 
 
-class OriginalSource(_Source):
+class OriginalSource(ExportSource):
     """``--base``: the original checkpoint, with the trained layers' experts and routers replaced."""
 
     def __init__(
@@ -188,10 +202,12 @@ class OriginalSource(_Source):
                 names = layer.source_names
                 size = sum(self.nbytes(infos[n].dtype, infos[n].shape) for n in names)
                 self.units.append(Unit(_order(names[0]), "copy", names, size))
-        codes = {infos[n].dtype for layer in self.plan.experts for t in layer.tensors if t.role in ("gate_up", "down")
-                 for n in t.source_names if not n.endswith(("_blocks", "_scales"))}  # fmt: skip
-        decoded_dtypes = [torch.bfloat16] if decoded else []
-        self.expert_dtype = self.dtype or least_precise([*(_DTYPES.get(c) for c in codes), *decoded_dtypes])
+        expert_dtypes = [torch.bfloat16] if decoded else []  # MXFP4 decodes to bf16
+        for layer in self.plan.experts:
+            for t in layer.tensors:
+                if t.role in ("gate_up", "down") and t.op is not ExpertOp.MXFP4:
+                    expert_dtypes += [_DTYPES.get(infos[n].dtype) for n in t.source_names]
+        self.expert_dtype = self.dtype or least_precise(expert_dtypes)
         if decoded:
             self.counts.notes.append(
                 "the original's MXFP4 experts are written decoded (bf16): trained layers cannot be re-encoded "
@@ -222,7 +238,7 @@ class OriginalSource(_Source):
         return {n: self.cast(t) for n, t in tensors.items()}
 
 
-class QuantizedSource(_Source):
+class QuantizedSource(ExportSource):
     """No ``--base``: the quantized model's stored weights and dequantized experts, canonical on-disk names."""
 
     def __init__(self, model_dir: Path, spec: FamilySpec, change: TrainedChange, dtype: torch.dtype | None) -> None:
@@ -264,14 +280,15 @@ class QuantizedSource(_Source):
             for t in layer.tensors:
                 if t.role in ("gate_up", "down"):
                     q = QuantizedTensor.from_dict(self.experts[t.target], name=t.target)
-                    memory[t.target] = dequantize(q, dtype=torch.float32)  # memory layout, fp32: rounded once, later
-                    dtypes[t.target] = getattr(torch, q.source_dtype)  # the dtype the original had
+                    stored = dequantize(q, dtype=torch.float32, memory_layout=False)  # (E, O, I) fp32
+                    memory[t.target] = stored.transpose(1, 2) if q.transposed else stored  # the memory layout
+                    dtypes[t.target] = getattr(torch, q.source_dtype)  # the original's: rounded to it once, later
                 else:
                     memory[t.target] = self._base(t.target)
                     dtypes[t.target] = memory[t.target].dtype
             return self.merge_layer(layer, memory, dtypes)
         (name,) = unit.names
-        memory = self.spec.disk.to_memory(name) if unit.source is None else unit.source
+        memory = unit.source  # the in-memory name it is stored under in the base shards
         tensor = self._base(memory)
         if unit.kind == "router":
             return {name: self.router(memory, tensor)}
