@@ -42,7 +42,7 @@ def command(
             "--verify/--no-verify", help="Reload with transformers and compare logits before committing [default: on]."
         ),
     ] = None,
-    device: Annotated[str | None, Opt(help="Where verification runs, in fp32 [default: cpu].")] = None,
+    device: Annotated[str | None, Opt(help="Where verification runs (--format hf), in fp32 [default: cpu].")] = None,
     overwrite: OverwriteOpt = False,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,

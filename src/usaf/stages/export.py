@@ -56,14 +56,15 @@ class ExportConfig(StageConfig):
     )
     max_shard_gib: float | None = Field(None, gt=0, description=f"Shard size limit [default: {DEFAULT_SHARD_GIB}].")
     verify: bool = Field(True, description="Reload the export and compare logits before committing it.")
-    device: str = Field("cpu", description="Where verification runs (models are loaded in fp32).")
+    device: str | None = Field(None, description="Where --format hf verification runs, in fp32 [default: cpu].")
     overwrite: bool = False
 
     @model_validator(mode="after")
     def _hf_only(self) -> ExportConfig:
         if self.format == "delta":
-            given = [flag for flag, v in (("--base", self.base), ("--dtype", self.dtype),
-                                          ("--max-shard-gib", self.max_shard_gib)) if v is not None]  # fmt: skip
+            # (--device is not among them: USAF_DEVICE and [defaults] set it for every command)
+            hf_only = {"--base": self.base, "--dtype": self.dtype, "--max-shard-gib": self.max_shard_gib}
+            given = [flag for flag, value in hf_only.items() if value is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to --format hf only; drop them or pass --format hf")
         return self
@@ -172,7 +173,7 @@ def _export_hf(
         source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
     else:
         source = QuantizedSource(model_dir, spec, change, dtype)
-    backend = resolve_backend(None if config.device == "auto" else config.device)
+    backend = resolve_backend(config.device or "cpu")  # "auto" picks a GPU, where fp32 models rarely fit
     shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
     with writer as art:
         records = write_shards(source, shards, art.dir, progress)
