@@ -96,16 +96,21 @@ class TrainedChange:
 
 
 def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedChange:
-    """Read a finished run (its ``final/``), an unfinished run (its newest checkpoint) or one checkpoint.
+    """Read a finished run (its ``final/``), an unfinished run (its newest checkpoint), one checkpoint,
+    or a delta exported by ``usaf export --format delta``.
 
     Raises UsafError naming ``flag`` when the directory is none of these or its files are damaged.
     """
-    from usaf.artifacts.loader import load_verified
+    from usaf.artifacts.loader import load_verified, read_manifest_json
 
     path = Path(path)
     if not path.is_dir():
         raise UsafError(f"{flag} {path}: no such directory", "pass a run directory written by usaf train")
     if (path / "manifest.json").is_file():
+        from usaf.artifacts.delta import DeltaManifest, read_delta
+
+        if read_manifest_json(path, flag=flag)["kind"] == DeltaManifest.KIND:
+            return read_delta(path, load_verified(path, DeltaManifest, flag=flag), flag=flag)
         manifest = load_verified(path, RunManifest, flag=flag)
         return _read_checkpoint(
             path / FINAL_DIR,

@@ -1,0 +1,124 @@
+"""Finding a trained change and its quantized model, checking they belong together, and applying it.
+
+Shared by ``usaf export`` and ``usaf generate``: a change (a run, one of its checkpoints, or an exported
+delta) is only meaningful on the quantized model it was trained on, so every path here checks the
+model fingerprint the change records against the model's own, and names both when they differ.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
+from usaf.artifacts.run import TrainedChange, load_trained_change
+from usaf.errors import UsafError
+from usaf.stages.progress import Progress
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+def resolve_model_and_change(
+    model: Path | None,
+    checkpoint: Path | None,
+    workspace: Path | None,
+    progress: Progress,
+    *,
+    use_change: bool = True,
+) -> tuple[Path, QuantizedModelManifest, TrainedChange | None]:
+    """The quantized model directory, its manifest and the change to apply (None if ``use_change`` is False).
+
+    Not given, the model is the workspace's newest (the one the change was trained on, if a change was
+    given) and the change is the newest run trained on that model.
+    """
+    change = load_trained_change(checkpoint, flag="--checkpoint") if checkpoint is not None and use_change else None
+    ws = workspace_dir(workspace)
+    if model is not None:
+        manifest = load_verified(model, QuantizedModelManifest, flag="--model", hashes=False)
+    elif change is not None:
+        found = pick_latest(
+            ws,
+            QuantizedModelManifest,
+            flag="--model",
+            accept=lambda m: m.fingerprint == change.model_fingerprint,
+            wanted=f" that the change {checkpoint} was trained on",
+        )
+        model, manifest = found.path, found.manifest
+        progress.note(f"using the quantized model {model} (the one the change was trained on)")
+    else:
+        found = pick_latest(ws, QuantizedModelManifest, flag="--model", lineage=lambda m: m.summary.source.fingerprint)
+        model, manifest = found.path, found.manifest
+        progress.note(f"using the quantized model {model} (newest in the workspace)")
+    if use_change and change is None:
+        run = pick_latest(
+            ws,
+            RunManifest,
+            flag="--checkpoint",
+            accept=lambda m: m.summary.model_fingerprint == manifest.fingerprint,
+            wanted=" trained on this model",
+        )
+        progress.note(f"using the run {run.path} (newest trained on this model)")
+        change = load_trained_change(run.path, flag="--checkpoint")
+    if change is not None:
+        check_change(change, manifest, model)
+    return Path(model), manifest, change
+
+
+def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model: Path) -> None:
+    """Refuse a change made for another model, or one whose tensors or indices this model does not have."""
+    if change.model_fingerprint != manifest.fingerprint:
+        raise UsafError(
+            f"--checkpoint {change.source}: trained on the quantized model with fingerprint "
+            f"{change.model_fingerprint[:16]}…, but --model {model} has fingerprint {manifest.fingerprint[:16]}…",
+            "pass the --model the run was trained on (its manifest lists it under inputs)",
+        )
+    numel = {t.name: t.params for t in manifest.summary.tensors}
+    layers = set(manifest.summary.moe_layers)
+    bad_layers = sorted(set(change.trainable_layers) - layers)
+    if bad_layers:
+        raise UsafError(
+            f"--checkpoint {change.source}: trains layers {bad_layers}, which are not MoE layers of --model {model}",
+            "pass the --model the run was trained on",
+        )
+    for name, (indices, _) in change.deltas.items():
+        if name not in numel:
+            raise UsafError(
+                f"--checkpoint {change.source}: a delta for {name}, which --model {model} does not have",
+                "pass the --model the run was trained on",
+            )
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel[name]):
+            raise UsafError(
+                f"--checkpoint {change.source}: delta indices of {name} out of range for its {numel[name]} weights",
+                "the checkpoint is damaged; export it again from the run",
+            )
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise UsafError(
+                f"--checkpoint {change.source}: delta indices of {name} are not sorted and unique",
+                "the checkpoint is damaged; export it again from the run",
+            )
+
+
+def model_with_change(
+    model_dir: Path, change: TrainedChange | None, *, device: torch.device, dtype: Any = None
+) -> nn.Module:
+    """The quantized model as the engine runs it, with ``change`` applied (or none), in eval mode.
+
+    ``dtype``: compute dtype of non-expert weights and dequantized bases (default fp32).
+    """
+    import torch
+
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+
+    loaded = load_quantized_model(model_dir, device=device, compute_dtype=dtype or torch.float32)
+    if change is not None:
+        engine = SparseEngine(loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers))
+        try:
+            engine.apply_change(change)
+        except (KeyError, ValueError) as e:
+            raise UsafError(f"--checkpoint {change.source}: cannot be applied ({e})", "pass an intact run") from None
+        # The engine's state (resident bases, deltas, router masters) lives on the model's modules.
+    loaded.model.eval()
+    return loaded.model

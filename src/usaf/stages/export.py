@@ -1,0 +1,250 @@
+"""``usaf export``: a trained change merged into a Hugging Face model directory, or the change alone.
+
+``--format hf`` writes the family's own checkpoint (its on-disk names and layout, sharded safetensors
+with an index, config and tokenizer): with ``--base``, the original full-precision weights with the
+change applied; without, the quantized model's dequantized experts plus the change. Tensors stream one
+shard and one layer at a time; nothing is re-quantized. The result is reloaded with transformers and
+its logits compared with a reference before it is committed (``--no-verify`` skips that).
+
+``--format delta`` writes the change alone (a ``delta`` artifact), which ``--checkpoint`` accepts later.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from usaf.artifacts import (
+    ArtifactWriter,
+    DeltaManifest,
+    HfExportManifest,
+    InputRecord,
+    QuantizedModelManifest,
+    current_environment,
+    default_output,
+    workspace_dir,
+)
+from usaf.artifacts.delta import DELTA_FILE, DeltaSummary, DeltaTensorRecord, write_delta_files
+from usaf.artifacts.hf_export import HfExportSummary
+from usaf.artifacts.loader import read_manifest_json
+from usaf.artifacts.run import TrainedChange
+from usaf.config import StageConfig
+from usaf.errors import UsafError
+from usaf.stages.change import resolve_model_and_change
+from usaf.stages.progress import NullProgress, Progress
+
+DEFAULT_SHARD_GIB = 2.0
+
+
+class ExportConfig(StageConfig):
+    """Settings of ``usaf export``."""
+
+    model: Path | None = Field(None, description="Quantized model directory [default: newest in the workspace].")
+    checkpoint: Path | None = Field(
+        None, description="Run, checkpoint or delta to export [default: newest run trained on the model]."
+    )
+    out: Path | None = Field(None, description="Output directory [default: WORKSPACE/hf_export|delta/<time>-<name>].")
+    workspace: Path | None = None
+    base: str | None = Field(None, description="Original model (directory or hub id) to merge into.")
+    format: Literal["hf", "delta"] = Field("hf", description="hf: a merged model directory; delta: the change alone.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Cast floating tensors to this dtype [default: each keeps the original's]."
+    )
+    max_shard_gib: float | None = Field(None, gt=0, description=f"Shard size limit [default: {DEFAULT_SHARD_GIB}].")
+    verify: bool = Field(True, description="Reload the export and compare logits before committing it.")
+    device: str | None = Field(None, description="Where --format hf verification runs, in fp32 [default: cpu].")
+    overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _hf_only(self) -> ExportConfig:
+        if self.format == "delta":
+            # (--device is not among them: USAF_DEVICE and [defaults] set it for every command)
+            hf_only = {"--base": self.base, "--dtype": self.dtype, "--max-shard-gib": self.max_shard_gib}
+            given = [flag for flag, value in hf_only.items() if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to --format hf only; drop them or pass --format hf")
+        return self
+
+
+def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any, Path]:
+    """Export; returns the manifest (``hf_export`` or ``delta``) and the output directory."""
+    progress = progress or NullProgress()
+    started = time.perf_counter()
+    model_dir, qmanifest, change = resolve_model_and_change(config.model, config.checkpoint, config.workspace, progress)
+    assert change is not None  # resolve_model_and_change finds one or raises
+    kind = "hf_export" if config.format == "hf" else "delta"
+    out = Path(config.out or default_output(workspace_dir(config.workspace), kind, change.source.name))
+    writer = ArtifactWriter(out, flag="--out", overwrite=config.overwrite)
+    writer.check_target()  # before any work: an existing --out is refused at once
+    inputs = [
+        InputRecord(role="model", kind="quantized_model", path=str(model_dir), fingerprint=qmanifest.fingerprint),
+        InputRecord(role="change", kind=_change_kind(change), path=str(change.source), fingerprint=change.fingerprint),
+    ]
+    if config.format == "delta":
+        from usaf.families import load_model_config, resolve_family
+
+        transposed = resolve_family(load_model_config(model_dir)).layout.transposed
+        with writer as art:
+            summary = _write_delta(art.dir, change, qmanifest, transposed=transposed, verify=config.verify)
+            manifest = art.commit(
+                DeltaManifest,
+                inputs=inputs,
+                config=config.model_dump(mode="json"),
+                environment=current_environment(),
+                summary=summary,
+            )
+        return manifest, writer.target
+    return _export_hf(config, model_dir, qmanifest, change, writer, inputs, progress, started)
+
+
+def _change_kind(change: TrainedChange) -> str:
+    try:
+        return str(read_manifest_json(change.source)["kind"])
+    except UsafError:
+        return "checkpoint"
+
+
+def _stored_shape(shape: list[int], transposed: bool) -> list[int]:
+    return [shape[0], shape[2], shape[1]] if transposed else list(shape)
+
+
+def _write_delta(
+    work: Path, change: TrainedChange, qmanifest: QuantizedModelManifest, *, transposed: bool, verify: bool
+) -> DeltaSummary:
+    write_delta_files(work, change)
+    if verify:  # read the files back: the shared artifact must hold exactly the change, bit for bit
+        import torch
+        from safetensors.torch import load_file
+
+        back = load_file(str(work / DELTA_FILE))
+        for name, (indices, values) in change.deltas.items():
+            if not (torch.equal(back[f"{name}.indices"], indices) and torch.equal(back[f"{name}.values"], values)):
+                raise UsafError(f"verification failed: {DELTA_FILE} does not hold {name} as trained", "report this")
+    shapes = {t.name: t.shape for t in qmanifest.summary.tensors}  # in-memory shapes
+    tensors = [
+        DeltaTensorRecord(name=name, shape=_stored_shape(shapes[name], transposed), entries=int(indices.numel()))
+        for name, (indices, _) in sorted(change.deltas.items())
+    ]
+    source = qmanifest.summary.source
+    return DeltaSummary(
+        model_fingerprint=qmanifest.fingerprint,
+        source_fingerprint=source.fingerprint,
+        family=source.family,
+        model_type=source.model_type,
+        change_fingerprint=change.fingerprint,
+        trainable_layers=list(change.trainable_layers),
+        tensors=tensors,
+        expert_entries=change.expert_entries,
+        router_tensors=len(change.routers),
+        router_params=sum(int(t.numel()) for t in change.routers.values()),
+    )
+
+
+def _export_hf(
+    config: ExportConfig,
+    model_dir: Path,
+    qmanifest: QuantizedModelManifest,
+    change: TrainedChange,
+    writer: ArtifactWriter,
+    inputs: list[InputRecord],
+    progress: Progress,
+    started: float,
+):
+    import torch
+
+    from usaf.backends import resolve_backend
+    from usaf.families import load_model_config, resolve_family
+    from usaf.stages.export_base import resolve_base
+    from usaf.stages.export_shards import plan_shards, write_shards
+    from usaf.stages.export_sources import OriginalSource, QuantizedSource
+    from usaf.stages.export_verify import verify
+
+    spec = resolve_family(load_model_config(model_dir))
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    base_dir, base_fp = None, None
+    if config.base is not None:
+        base = resolve_base(config.base, spec, qmanifest, model_dir, change)
+        base_dir, base_fp = base.dir, base.fingerprint
+        inputs.append(InputRecord(role="base", kind="hf_model", path=config.base, fingerprint=base_fp))
+        source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
+    else:
+        source = QuantizedSource(model_dir, spec, change, dtype)
+    backend = resolve_backend(config.device or "cpu")  # "auto" picks a GPU, where fp32 models rarely fit
+    shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
+    with writer as art:
+        records = write_shards(source, shards, art.dir, progress)
+        counts = source.counts
+        if counts.expert_tensors_changed != len(change.deltas) or counts.router_tensors != len(change.routers):
+            raise RuntimeError(  # every trained tensor must land somewhere: a miss is a bug, never a silent drop
+                f"applied {counts.expert_tensors_changed}/{len(change.deltas)} deltas and "
+                f"{counts.router_tensors}/{len(change.routers)} routers"
+            )
+        notes = list(counts.notes)
+        notes += _model_files(base_dir or model_dir, art.dir, config.dtype)
+        checked = None
+        if config.verify:
+            checked = verify(
+                art.dir,
+                spec=spec,
+                model_dir=model_dir,
+                change=change,
+                base_dir=base_dir,
+                expert_dtype=source.expert_dtype,
+                written=source.written,
+                override=dtype,
+                device=backend.device,
+                progress=progress,
+            )
+        summary = HfExportSummary(
+            base="original" if base_dir is not None else "dequantized",
+            base_path=str(base_dir) if base_dir is not None else None,
+            base_fingerprint=base_fp,
+            model_fingerprint=qmanifest.fingerprint,
+            change_fingerprint=change.fingerprint,
+            change_source=str(change.source),
+            family=spec.family,
+            model_type=spec.model_type,
+            dtype=config.dtype or "original",
+            shards=records,
+            tensors=sum(r.tensors for r in records),
+            bytes=sum(r.bytes for r in records),
+            expert_tensors_changed=counts.expert_tensors_changed,
+            expert_entries=counts.expert_entries,
+            router_tensors=counts.router_tensors,
+            tensors_copied=counts.tensors_copied,
+            notes=notes,
+            verify=checked,
+            seconds=time.perf_counter() - started,
+        )
+        manifest = art.commit(
+            HfExportManifest,
+            inputs=inputs,
+            config=config.model_dump(mode="json"),
+            environment=current_environment(backend=backend.name, device=str(backend.device), dtype="float32"),
+            summary=summary,
+        )
+    return manifest, writer.target
+
+
+def _model_files(source_dir: Path, work: Path, dtype: str | None) -> list[str]:
+    """Copy config, generation config and tokenizer; edit config.json only where the export differs."""
+    from usaf.stages.quantize_parts import copy_model_files
+
+    copy_model_files(source_dir, work)
+    config = json.loads((work / "config.json").read_text(encoding="utf-8"))
+    notes = []
+    if "quantization_config" in config:  # the export's weights are dense: a stale entry would misload them
+        config.pop("quantization_config")
+        notes.append("config.json: quantization_config removed (the exported weights are not quantized)")
+    if dtype is not None:
+        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+        for key in keys:
+            config[key] = dtype
+        notes.append(f"config.json: {'/'.join(keys)} set to {dtype}")
+    if notes:  # re-written with its own field names and order; otherwise it stays byte for byte the original
+        (work / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return notes

@@ -1,0 +1,91 @@
+"""``usaf export --base``: making sure the original given is the model that was quantized.
+
+The quantized manifest records the source's fingerprint: config.json's hash plus every shard's name,
+size and header hash. That is cheap for a 60 GB checkpoint but blind to the weights themselves: a
+fine-tune of the same architecture, saved the same way, has the same fingerprint. So the tensors the
+quantized model holds byte-for-byte copies of are compared too, where that is cheap and telling: every
+router, every small tensor (norms, biases), and every non-expert tensor of the trained layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from usaf.artifacts import QuantizedModelManifest
+from usaf.artifacts.quantized import BASE_INDEX_FILE
+from usaf.artifacts.run import TrainedChange
+from usaf.errors import UsafError
+from usaf.families import FamilySpec, MappingPlan, TensorInfo
+
+SMALL_NUMEL = 1 << 20  # tensors up to this many elements are always compared (norms, biases, routers)
+
+
+@dataclass(frozen=True)
+class Base:
+    dir: Path
+    infos: dict[str, TensorInfo]
+    plan: MappingPlan
+    fingerprint: str
+
+
+def resolve_base(
+    base: str, spec: FamilySpec, qmanifest: QuantizedModelManifest, model_dir: Path, change: TrainedChange
+) -> Base:
+    """The --base directory, its headers, mapping and fingerprint, checked against the quantized model."""
+    from usaf.data.hub import resolve_model_dir
+    from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
+    from usaf.stages.quantize_parts import source_record
+
+    base_dir = resolve_model_dir(base, flag="--base")
+    if not (base_dir / "config.json").is_file():
+        raise UsafError(f"--base {base}: no config.json there", "pass the original Hugging Face model directory")
+    infos = read_checkpoint(base_dir)
+    record = source_record(base, base_dir, resolve_family(load_model_config(base_dir)), infos)
+    expected = qmanifest.summary.source
+    if record.fingerprint != expected.fingerprint:
+        raise UsafError(
+            f"--base {base}: not the model --model {model_dir} was quantized from: its fingerprint is "
+            f"{record.fingerprint[:16]}…, the quantized model records {expected.fingerprint[:16]}… ({expected.model})",
+            f"pass --base {expected.model}, or export without --base (the dequantized weights)",
+        )
+    plan = map_checkpoint(base_dir, spec)
+    _compare_copies(base, base_dir, infos, plan, spec, model_dir, change)
+    return Base(base_dir, infos, plan, record.fingerprint)
+
+
+def _compare_copies(
+    base: str,
+    base_dir: Path,
+    infos: dict[str, TensorInfo],
+    plan: MappingPlan,
+    spec: FamilySpec,
+    model_dir: Path,
+    change: TrainedChange,
+) -> None:
+    import torch
+
+    from usaf.families import load_tensors
+    from usaf.families.checkpoint import read_header
+
+    weight_map = json.loads((model_dir / BASE_INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+    stored: dict[str, TensorInfo] = {}
+    for file in sorted(set(weight_map.values())):
+        stored.update(read_header(model_dir / file))
+    routers = {n for layer in spec.moe_layers for n in spec.router_names(layer)}
+    trained = tuple(f"{spec.layer_prefix(layer)}." for layer in change.trainable_layers)
+    pairs = [
+        (disk, memory)
+        for disk, memory in sorted(plan.renamed.items())
+        if memory in stored and (memory in routers or memory.startswith(trained) or infos[disk].numel <= SMALL_NUMEL)
+    ]
+    for disk, memory in pairs:
+        original = load_tensors(base_dir, [disk], infos)[disk]
+        copy = load_tensors(model_dir, [memory], stored)[memory]
+        if original.dtype != copy.dtype or not torch.equal(original, copy):
+            raise UsafError(
+                f"--base {base}: its {disk} differs from the copy the quantized model {model_dir} holds; "
+                "same architecture and fingerprint, other weights (another fine-tune of the same model?)",
+                "pass the exact checkpoint that was quantized, or export without --base",
+            )

@@ -1,0 +1,149 @@
+"""``usaf generate``: sampled text from the quantized model with a trained change applied, streamed.
+
+The model is the one training and evaluation use (4-bit experts, the change's sparse deltas and routers
+through the engine), driven by transformers' own ``generate`` with its KV cache: usaf's experts
+implementation maps ``(T, H)`` routed tokens to ``(T, H)`` outputs with no state across calls, so a
+decoding step with one new token and cached keys/values is the same computation as a full forward
+(a test checks greedy decoding with and without the cache agree).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from usaf.config import StageConfig
+from usaf.errors import UsafError
+from usaf.stages.change import model_with_change, resolve_model_and_change
+from usaf.stages.progress import NullProgress, Progress
+
+
+class GenerateConfig(StageConfig):
+    """Settings of ``usaf generate``."""
+
+    prompt: str = Field(description="The prompt (a user message when the chat template is applied).")
+    model: Path | None = Field(None, description="Quantized model directory [default: newest in the workspace].")
+    checkpoint: Path | None = Field(None, description="Run, checkpoint or delta [default: newest run for the model].")
+    no_checkpoint: bool = Field(False, description="Generate with the untrained quantized model.")
+    workspace: Path | None = None
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling: smallest set of tokens with this mass.")
+    max_new_tokens: int = Field(128, ge=1)
+    seed: int = 0
+    chat: bool = Field(True, description="Apply the tokenizer's chat template when it has one.")
+    device: str = "auto"
+
+    @model_validator(mode="after")
+    def _one_checkpoint_choice(self) -> GenerateConfig:
+        if self.no_checkpoint and self.checkpoint is not None:
+            raise ValueError("pass either --checkpoint or --no-checkpoint, not both")
+        return self
+
+
+@dataclass(frozen=True)
+class Generation:
+    model: Path
+    checkpoint: Path | None
+    prompt: str
+    rendered_prompt: str  # what was tokenized: the chat-templated prompt, or the prompt itself
+    chat_template: bool  # whether the chat template was applied
+    prompt_tokens: int
+    text: str
+    new_tokens: int
+    seconds: float
+    device: str
+
+
+def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> tuple[str, list[int], bool]:
+    """The text to encode, its token ids and whether the chat template was applied.
+
+    With a template, the prompt is one user message followed by the assistant's generation prompt, and the
+    rendered text is encoded without adding special tokens again (the template writes its own).
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return rendered, list(tokenizer(rendered, add_special_tokens=False)["input_ids"]), True
+    return prompt, list(tokenizer(prompt)["input_ids"]), False
+
+
+def _streamer(tokenizer: Any, on_text: Callable[[str], None]) -> Any:
+    from transformers import TextStreamer
+
+    class Streamer(TextStreamer):
+        """transformers' word-boundary streaming, handing text to a callback instead of print()."""
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                on_text(text)
+
+    return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def generation_config(config: GenerateConfig, tokenizer: Any, model_dir: Path) -> Any:
+    """Sampling settings from the flags only; end-of-sequence ids from the model's generation config."""
+    from transformers import GenerationConfig
+
+    eos = tokenizer.eos_token_id
+    if (model_dir / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos  # e.g. Qwen's two end tokens
+    sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p}
+    return GenerationConfig(
+        max_new_tokens=config.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        **(sampling if config.temperature > 0 else {"do_sample": False}),
+    )
+
+
+def run(
+    config: GenerateConfig, *, on_text: Callable[[str], None] | None = None, progress: Progress | None = None
+) -> Generation:
+    """Generate from ``config.prompt``; new text goes to ``on_text`` as it is decoded."""
+    import torch
+
+    from usaf.backends import resolve_backend
+    from usaf.data.tokenizer import load_tokenizer
+
+    progress = progress or NullProgress()
+    if not config.prompt:
+        raise UsafError("PROMPT is empty", 'pass the text to continue, e.g. usaf generate "def fib(n):"')
+    model_dir, _, change = resolve_model_and_change(
+        config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
+    )
+    backend = resolve_backend(None if config.device == "auto" else config.device)
+    tokenizer = load_tokenizer(str(model_dir), flag="--model")
+    rendered, ids, templated = render_prompt(tokenizer, config.prompt, chat=config.chat)
+    if config.chat and not templated:
+        progress.note("the tokenizer has no chat template: the prompt is used as it is")
+    model = model_with_change(model_dir, change, device=backend.device)
+    input_ids = torch.tensor([ids], device=backend.device)  # (1, T)
+    streamer = _streamer(tokenizer, on_text) if on_text is not None else None
+    torch.manual_seed(config.seed)  # sampling draws from torch's global generator: same seed, same text
+    started = time.perf_counter()
+    with torch.no_grad():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=generation_config(config, tokenizer, model_dir),
+            streamer=streamer,
+        )
+    new = output[0, input_ids.shape[1] :].tolist()
+    return Generation(
+        model=model_dir,
+        checkpoint=change.source if change is not None else None,
+        prompt=config.prompt,
+        rendered_prompt=rendered,
+        chat_template=templated,
+        prompt_tokens=len(ids),
+        text=tokenizer.decode(new, skip_special_tokens=True),
+        new_tokens=len(new),
+        seconds=time.perf_counter() - started,
+        device=str(backend.device),
+    )

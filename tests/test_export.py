@@ -1,0 +1,326 @@
+"""`usaf export`: merged Hugging Face directories (dequantized base or --base original) and deltas, for every family.
+
+Each family gets one tiny run made through the real CLI (tokenize → score → train, layer 2 and its router
+trained with one RigL reselection). The exported directory must load with plain transformers and
+reproduce the engine's logits with the change applied; with --base, every tensor the change does not
+touch must be the original's bytes and the touched ones original + delta exactly at the delta's positions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import FAMILIES
+from helpers import invoke, leftovers
+from trained import tokenize, train_run
+from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
+from usaf.artifacts.run import load_trained_change
+from usaf.families import read_checkpoint, resolve_family
+
+NUM_LAYERS = 3  # layer 2 trains (deepseek_v3: layer 0 dense, 1-2 MoE)
+
+
+@pytest.fixture(scope="module")
+def trained(quantized, tiny_model, tmp_path_factory):
+    """``trained(family) -> (source dir, quantized dir, run dir)``, built once per module."""
+    root = tmp_path_factory.mktemp("export")
+    cache: dict[str, tuple] = {}
+    tokens: list = []
+
+    def get(family: str):
+        if family not in cache:
+            qdir = quantized(family, num_layers=NUM_LAYERS, tokenizer=True)
+            if not tokens:  # one tokenizer for every tiny model: tokenize once
+                tokens.append(tokenize(qdir, root / "tokens"))
+            run = train_run(qdir, tokens[0], root / family)
+            cache[family] = (tiny_model(family, num_layers=NUM_LAYERS, tokenizer=True), qdir, run)
+        return cache[family]
+
+    return get
+
+
+def export(*args):
+    result = invoke("export", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def hf_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def hf_state(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def engine_logits(qdir, change, ids):
+    from usaf.stages.change import model_with_change
+
+    with torch.no_grad():
+        return model_with_change(qdir, change, device=torch.device("cpu"))(input_ids=ids).logits
+
+
+def raw_tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Every tensor of a checkpoint as (dtype, shape, raw bytes)."""
+    out = {}
+    for name, info in read_checkpoint(path).items():
+        with safe_open(str(path / info.file), framework="pt") as f:
+            t = f.get_tensor(name)
+        out[name] = (info.dtype, list(info.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def ids_for(qdir, n=3, t=20):
+    return torch.randint(0, 512, (n, t), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dequantized_export_reloads_with_the_engines_logits(family, trained, tmp_path):
+    source, qdir, run = trained(family)
+    out = tmp_path / "hf"
+    printed = export("--model", qdir, "--checkpoint", run, "--out", out)
+    manifest = load_verified(out, HfExportManifest)
+    assert printed["kind"] == "hf_export" and manifest.summary.base == "dequantized"
+    change = load_trained_change(run)
+    s = manifest.summary
+    assert s.expert_entries == change.expert_entries > 0 and s.router_tensors == len(change.routers) > 0
+    assert s.verify is not None and s.verify.max_abs_diff <= s.verify.tolerance
+    # the family's own on-disk names and shapes, as its save_pretrained wrote the tiny source
+    shapes = {n: i.shape for n, i in read_checkpoint(out).items()}
+    assert shapes == {n: i.shape for n, i in read_checkpoint(source).items()}
+    assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "config.json").read_bytes() == (source / "config.json").read_bytes()  # verbatim
+    # independently of the stage's own check: plain transformers == engine with the change applied
+    ids = ids_for(qdir)
+    exported = hf_logits(out, ids)
+    torch.testing.assert_close(exported, engine_logits(qdir, change, ids), rtol=0, atol=2e-5)
+    untrained = engine_logits(qdir, None, ids)
+    assert (exported - untrained).abs().max() > 1e-3  # negative control: the change is in the export
+
+
+def stored(param: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """An in-memory expert tensor in the stored (E, O, I) orientation the deltas index, flattened."""
+    return (param.transpose(1, 2) if transposed else param).contiguous().view(-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_onto_the_original_changes_exactly_the_trained_entries(family, trained, tmp_path):
+
+    source, qdir, run = trained(family)
+    out = tmp_path / "hf"
+    export("--model", qdir, "--checkpoint", run, "--out", out, "--base", source)
+    summary = load_verified(out, HfExportManifest).summary
+    assert summary.base == "original" and summary.verify.reference == "original+change"
+    assert summary.verify.max_abs_diff <= summary.verify.tolerance
+    change = load_trained_change(run)
+    spec = resolve_family(json.loads((source / "config.json").read_text()))
+
+    # on disk: every tensor outside the trained layer's experts and router is the original's bytes
+    original, written = raw_tensors(source), raw_tensors(out)
+    assert {n: v[:2] for n, v in written.items()} == {n: v[:2] for n, v in original.items()}
+    trained_prefixes = tuple(f"{spec.experts_prefix(layer)}." for layer in change.trainable_layers)
+    routers = {spec.disk.to_disk(n) for n in change.routers}
+    touched = [n for n in original if original[n][2] != written[n][2]]
+    assert touched and all(n in routers or spec.disk.to_memory(n).startswith(trained_prefixes) for n in touched)
+
+    # in memory (transformers' own loading): original + delta at the delta's positions, nothing else moved
+    before, after = hf_state(source), hf_state(out)
+    for name, (indices, values) in change.deltas.items():
+        old, new = stored(before[name], spec.layout.transposed), stored(after[name], spec.layout.transposed)
+        assert torch.equal(new[indices], old[indices] + values)  # fp32 source: one exact fp32 sum
+        outside = torch.ones_like(old, dtype=torch.bool)
+        outside[indices] = False
+        assert torch.equal(new[outside], old[outside])
+    for name, weight in change.routers.items():
+        assert torch.equal(after[name], weight)
+    others = [n for n in before if n not in change.deltas and n not in change.routers]
+    assert others and all(torch.equal(before[n], after[n]) for n in others)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_delta_applied_later_writes_the_same_directory(family, trained, tmp_path):
+    _, qdir, run = trained(family)
+    direct, delta, later = tmp_path / "direct", tmp_path / "delta", tmp_path / "later"
+    export("--model", qdir, "--checkpoint", run, "--out", direct, "--no-verify")
+    printed = export("--model", qdir, "--checkpoint", run, "--out", delta, "--format", "delta")
+    assert printed["kind"] == "delta"
+    summary = load_verified(delta, DeltaManifest).summary
+    change = load_trained_change(run)
+    assert summary.expert_entries == change.expert_entries and summary.router_tensors == len(change.routers)
+    assert summary.model_fingerprint == load_verified(qdir, QuantizedModelManifest).fingerprint
+    assert sum(f.stat().st_size for f in delta.iterdir()) < sum(f.stat().st_size for f in direct.iterdir()) / 5
+    # the delta read back is the run's change, bit for bit
+    back = load_trained_change(delta)
+    assert back.fingerprint == change.fingerprint and back.trainable_layers == change.trainable_layers
+    for name, (indices, values) in change.deltas.items():
+        assert torch.equal(back.deltas[name][0], indices) and torch.equal(back.deltas[name][1], values)
+    export("--model", qdir, "--checkpoint", delta, "--out", later, "--no-verify")
+    files = sorted(p.name for p in direct.iterdir() if p.name != "manifest.json")
+    assert files == sorted(p.name for p in later.iterdir() if p.name != "manifest.json")
+    for name in files:
+        assert (direct / name).read_bytes() == (later / name).read_bytes(), name
+    # a delta edited after export is refused (its manifest hashes every file)
+    data = bytearray((delta / "deltas.safetensors").read_bytes())
+    data[-1] ^= 1
+    (delta / "deltas.safetensors").write_bytes(bytes(data))
+    result = invoke("export", "--model", qdir, "--checkpoint", delta, "--out", tmp_path / "again")
+    assert result.exit_code == 2 and "--checkpoint" in result.output and "damaged" in result.output
+
+
+def test_dtype_override_and_small_shards(trained, tmp_path):
+    source, qdir, run = trained("qwen3_moe")
+    out = tmp_path / "bf16"
+    export("--model", qdir, "--checkpoint", run, "--out", out, "--dtype", "bfloat16", "--max-shard-gib", 0.00005)
+    summary = load_verified(out, HfExportManifest).summary
+    assert len(summary.shards) > 2  # ~50 KiB shards of a ~600 KiB model
+    assert {info.dtype for info in read_checkpoint(out).values()} == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in summary.shards}
+    assert summary.verify.tolerance > 1e-3  # bf16 rounding of every weight, checked at bf16's tolerance
+    # onto the original, the reference rounds as the writer does: the same weights, the same logits
+    onto = tmp_path / "bf16-base"
+    export("--model", qdir, "--checkpoint", run, "--out", onto, "--dtype", "bfloat16", "--base", source)
+    verified = load_verified(onto, HfExportManifest).summary.verify
+    assert verified.max_abs_diff == 0.0 and verified.change_max_abs_effect > 1e-2
+
+
+def mxfp4_gpt_oss(source, out):
+    """``source`` (a tiny gpt-oss) with its gate_up experts re-encoded as MXFP4 blocks/scales, as hub releases ship."""
+    from safetensors.torch import load_file, save_file
+
+    spec = resolve_family(json.loads((source / "config.json").read_text()))
+    e, h, i2 = spec.gate_up_shape  # [E, H, 2I]; H = 32 = one MXFP4 block (down_proj's I = 24 stays plain)
+    gen = torch.Generator().manual_seed(3)
+    tensors = load_file(source / "model.safetensors")
+    for layer in spec.moe_layers:
+        codes = torch.randint(0, 16, (e, i2, h), generator=gen)  # FP4 codes of [E, 2I, H]
+        exps = torch.randint(-8, -4, (e, i2, h // 32), generator=gen)  # weights of a few 1e-2, like the rest
+        name = spec.gate_up_name(layer)
+        del tensors[name]
+        tensors[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).reshape(e, i2, 1, 16)
+        tensors[name + "_scales"] = (exps + 127).to(torch.uint8)  # E8M0: biased exponent
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def test_mxfp4_original_is_written_decoded(tiny_model, tmp_path):
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+
+    source = mxfp4_gpt_oss(tiny_model("gpt_oss", num_layers=NUM_LAYERS, tokenizer=True), tmp_path / "mxfp4")
+    _, qdir = quantize(QuantizeConfig(model=str(source), out=tmp_path / "q", method="rtn", group_size=8))
+    run = train_run(qdir, tokenize(qdir, tmp_path / "tokens"), tmp_path)
+    out = tmp_path / "hf"
+    export("--model", qdir, "--checkpoint", run, "--out", out, "--base", source)
+    summary = load_verified(out, HfExportManifest).summary
+    assert summary.verify.max_abs_diff == 0.0  # vs transformers' own MXFP4 decoding + the change
+    assert any("MXFP4" in n for n in summary.notes) and any("quantization_config" in n for n in summary.notes)
+    written = read_checkpoint(out)
+    assert not [n for n in written if n.endswith(("_blocks", "_scales"))]
+    name = "model.layers.0.mlp.experts.gate_up_proj"  # an untrained layer: decoded, exactly
+    assert written[name].dtype == "BF16"
+    assert torch.equal(hf_state(out)[name], hf_state(source)[name])  # == transformers' own MXFP4 decoding
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_shards_are_written_one_at_a_time(trained, tmp_path, monkeypatch):
+    """Streaming: a shard is saved before the next shard's first unit is produced."""
+    import safetensors.torch
+
+    from usaf.stages import export_sources
+
+    _, qdir, run = trained("mixtral")
+    events: list[str] = []
+    produce = export_sources.QuantizedSource.produce
+    save = safetensors.torch.save_file
+    monkeypatch.setattr(
+        export_sources.QuantizedSource, "produce", lambda self, u: events.append("p") or produce(self, u)
+    )
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda t, p, **kw: events.append("s") or save(t, p, **kw))
+    export("--model", qdir, "--checkpoint", run, "--out", tmp_path / "hf", "--max-shard-gib", 0.0001, "--no-verify")
+    trace = "".join(events)
+    shards = trace.count("s")
+    assert shards > 2 and trace.endswith("s") and "ss" not in trace  # produce* save, produce* save, ...
+
+
+def test_verification_failure_leaves_nothing(trained, tmp_path, monkeypatch):
+    from usaf.stages import export_sources
+
+    _, qdir, run = trained("qwen3_moe")
+    # a writer bug: the deltas never reach the tensors (the counts still add up)
+    monkeypatch.setattr(export_sources, "merge_delta", lambda memory, *a, **k: memory.float())
+    out = tmp_path / "hf"
+    result = invoke("export", "--model", qdir, "--checkpoint", run, "--out", out)
+    assert result.exit_code == 2 and "verification failed" in result.output and "logits differ" in result.output
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
+    source, qdir, run = trained("qwen3_moe")
+    other_source, other_q, other_run = trained("mixtral")
+    out = tmp_path / "out"
+
+    def refused(*args, expect: tuple[str, ...]):
+        result = invoke("export", *args)
+        assert result.exit_code == 2, result.output
+        for fragment in expect:
+            assert fragment in result.output, (fragment, result.output)
+        assert not out.exists() and not leftovers(tmp_path)
+
+    plan = run.parent / "plan"  # an artifact of another kind
+    refused("--model", qdir, "--checkpoint", plan, "--out", out, expect=("--checkpoint", "'plan' artifact"))
+    (tmp_path / "empty").mkdir()
+    refused(
+        "--model", qdir, "--checkpoint", tmp_path / "empty", "--out", out, expect=("--checkpoint", "not a usaf run")
+    )
+    q_fp = load_verified(qdir, QuantizedModelManifest).fingerprint
+    other_fp = load_trained_change(other_run).model_fingerprint
+    refused("--model", qdir, "--checkpoint", other_run, "--out", out, expect=("--checkpoint", q_fp[:16], other_fp[:16]))
+    other_source_fp = load_verified(other_q, QuantizedModelManifest).summary.source.fingerprint
+    source_fp = load_verified(qdir, QuantizedModelManifest).summary.source.fingerprint
+    refused(
+        "--model", qdir, "--checkpoint", run, "--out", out, "--base", other_source,
+        expect=("--base", other_source_fp[:16], source_fp[:16]),
+    )  # fmt: skip
+    # same architecture, other weights: the fingerprint matches, the tensors do not
+    lookalike = tiny_model("qwen3_moe", num_layers=NUM_LAYERS, tokenizer=True, seed=1)
+    refused("--model", qdir, "--checkpoint", run, "--out", out, "--base", lookalike, expect=("--base", "differs"))
+    refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "onnx", expect=("--format",))
+    refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--base", source,
+            expect=("--base", "--format hf"))  # fmt: skip
+    # an existing --out is refused (and left as it was) unless --overwrite
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = invoke("export", "--model", qdir, "--checkpoint", run, "--out", out, "--no-verify")
+    assert result.exit_code == 2 and "--out" in result.output and "--overwrite" in result.output
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    export("--model", qdir, "--checkpoint", run, "--out", out, "--no-verify", "--overwrite")
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+
+
+def test_workspace_defaults_pick_the_model_of_the_change(trained, tmp_path):
+    _, qdir, run = trained("olmoe")
+    workspace = tmp_path / "ws"
+    shutil.copytree(qdir, workspace / "quantized_model" / "q")
+    printed = export("--checkpoint", run, "--workspace", workspace, "--format", "delta")
+    assert printed["path"].startswith(str(workspace / "delta"))
+    assert printed["inputs"][0]["path"] == str(workspace / "quantized_model" / "q")

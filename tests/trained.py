@@ -1,0 +1,32 @@
+"""A finished tiny training run made through the real CLI (tokenize → score → train), for export and generate tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import invoke
+from usaf.testing import stdlib_dir
+
+
+def tokenize(qdir: Path, out: Path) -> Path:
+    """Tokens of two small stdlib modules with the tiny tokenizer (the same for every family's tiny model)."""
+    result = invoke(
+        "tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 32,
+        "--source-depth", 0, "--held-out", "shlex.py", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def train_run(qdir: Path, tokens: Path, root: Path, *, steps: int = 6, train_from: int = 2) -> Path:
+    """score + train on ``qdir`` (layers from ``train_from``, routers too, one RigL reselection); returns the run."""
+    plan, run = root / "plan", root / "run"
+    for args in (
+        ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
+         "--train-from", train_from, "--no-stability", "--out", plan),
+        ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
+         "--router-lr", 0.01, "--steps", steps, "--reselect-every", steps // 2, "--save-every", steps),
+    ):  # fmt: skip
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    return run
