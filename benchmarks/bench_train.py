@@ -1,0 +1,804 @@
+"""Benchmark: `usaf train` on CPU: tokens/s against full fine-tuning and LoRA, peak RSS, reselection cost.
+
+Workload: ``bench_engine.py``'s CPU-sized MoE (a random-init Qwen3-MoE: 8 layers, hidden 512, 32 experts,
+top-4, expert width 256), built with its tiny tokenizer (vocab 512) and quantized by
+``usaf.stages.quantize.run(method="rtn")`` (4-bit, group 128). Data: real text, the sources of a few
+Python standard-library packages, tokenized by ``usaf.stages.tokenize.run`` at seq_len 256. The plan is
+``usaf.stages.score.run`` at frac 0.005 on the top 2 layers (routers on) with ``cache=True``, so it holds
+every training sequence's frozen-prefix state, as ``usaf score --cache`` writes it. Microbatch 2 x 256.
+Every figure is measured side by side in this one run.
+
+1. **throughput**: one optimizer step on the same batch in every arm, arms interleaved, medians:
+   ``Trainer.step()`` built by the train stage itself (``usaf.stages.train.run`` up to its loop), with the
+   prefix cache served by the plan's store (every lookup a hit), with a fresh, empty cache (every sample
+   a miss: its prefix computed first), and without the cache (all 8 layers); full fine-tuning
+   (transformers ``from_pretrained`` of the unquantized source, fp32, ``AdamW(fused=True)`` over every
+   parameter); LoRA (peft) on the same transformers model: attention projections (``target_modules``)
+   and the fused experts (``target_parameters``), on the top 2 layers at the ranks whose trainable count
+   is closest to usaf's (expert entries + router weights), and on all 8 layers at the same ranks.
+   Gradient clipping at 1.0 everywhere. Trainable + optimizer-state bytes are read from the live objects.
+2. **rss**: peak RSS of the real CLI, ``python -m usaf train ... --steps N --reselect-every K``, in a fresh
+   child started by a small wrapper process (see ``bench_engine.py`` for why), versus (a) the memory plan
+   the stage prints before its first step plus the RSS of a fresh process after the CLI's imports, and
+   (b) the engine's accounting after the same run (activations measured), read in a replica: the stage
+   function ``usaf.stages.train.run`` in another fresh child, instrumented.
+3. **reselection**: at frac 0.005 on the top 2 layers, with the prefix cache: plain steps against steps
+   with the score sinks installed (the ``SCORE_BATCHES`` steps before a reselection), interleaved pairs on
+   the same batch, and one ``reselect(...)`` after those steps, each as a ratio to a plain step.
+
+    python benchmarks/bench_train.py [--repeats 9] [--threads 1] [--profile] [--quick]
+                                     [--out benchmarks/results/train.json]
+
+Needs peft (``pip install 'usaf[bench]'``) for the LoRA arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import (  # noqa: E402
+    FRAC,
+    MODEL,
+    MODEL_QUICK,
+    RESULTS,
+    TOP,
+    adamw_state_bytes,
+    current_rss,
+    load_reference,
+    machine,
+    malloc_trim,
+    profile_step,
+    tensor_bytes,
+    token_loss,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SEQ, SEQ_QUICK = 256, 64
+MICROBATCH = 2
+PACKAGES = ("json", "tomllib")  # real text: 72 kB of stdlib sources (about 140 sequences of 256 tokens)
+PACKAGES_QUICK = ("tomllib",)
+CALIB, CALIB_QUICK = 64, 16
+STEPS_PLANNED = 1000  # the captured trainers' schedule length (warmup only; it does not change the arithmetic)
+WARMUP = 2  # untimed steps per arm
+RSS_STEPS, RSS_RESELECT = 30, 10  # the CLI run: reselections at steps 10 and 20, 4 scoring steps before each
+RSS_STEPS_QUICK, RSS_RESELECT_QUICK = 12, 6
+RESELECT_AT, RESELECT_OF = 50, 1000  # figure 3's fraction: update_fraction(50, 1000, 0.2), the default cycle
+LORA_ALPHA = 16  # does not change timing or bytes
+# The CLI's imports in a fresh process: the RSS baseline of the accounting.
+BASELINE_CHILD = (
+    "import usaf.cli.app, usaf.cli.train, usaf.stages.train, usaf.stages.trainer, usaf.stages.score\n"
+    "import usaf.engine.engine, usaf.engine.loading, usaf.engine.reselect, usaf.engine.prefix\n"
+    "import usaf.data.tokenizer, usaf.data.dataset, usaf.backends, safetensors.torch\n"
+    "import transformers.models.qwen3_moe.modeling_qwen3_moe\n"
+    "import psutil\n"
+    "print(psutil.Process().memory_info().rss / 2**20)\n"
+)
+# Runs argv with its output captured, then reports the child's ru_maxrss: a small process, so the
+# child's figure does not inherit a large parent's high-water mark (see bench_engine.py).
+WRAPPER = (
+    "import json, resource, subprocess, sys\n"
+    "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "print(json.dumps({'rc': p.returncode, 'stdout': p.stdout[-20000:], 'stderr': p.stderr[-20000:],\n"
+    "                  'maxrss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n"
+)
+
+
+def require_peft():
+    try:
+        import peft
+    except ImportError:
+        sys.exit(
+            "bench_train.py needs peft for its LoRA arms, and it is not installed.\n"
+            "Install it with: pip install 'usaf[bench]'   (or: pip install 'peft>=0.17')"
+        )
+    return peft
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
+    env["COLUMNS"] = "2000"  # rich wraps notes at the terminal width; the plan line is parsed whole
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # children compute with the parent's thread count
+    return env
+
+
+def git_commit() -> str | None:
+    p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return p.stdout.strip() or None
+
+
+# -- setup ---------------------------------------------------------------------------------------------------
+
+
+def build(
+    work: Path, widths: dict, seq: int, calib: int, packages: tuple[str, ...]
+) -> tuple[Path, Path, Path, Path, dict]:
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+    from usaf.stages.score import ScoreConfig
+    from usaf.stages.score import run as score
+    from usaf.stages.tokenize import TokenizeConfig
+    from usaf.stages.tokenize import run as tokenize
+    from usaf.testing import build_tiny_model
+
+    t0 = time.perf_counter()
+    kwargs = {k: v for k, v in widths.items() if k != "num_layers"}
+    src = build_tiny_model("qwen3_moe", work / "src", num_layers=widths["num_layers"], tokenizer=True, **kwargs)
+    qmanifest, qdir = quantize(QuantizeConfig(model=str(src), out=work / "q4", method="rtn"))
+    t1 = time.perf_counter()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    inputs = [stdlib / p for p in packages]
+    tmanifest, tdir = tokenize(TokenizeConfig(inputs=inputs, model=str(qdir), seq_len=seq, out=work / "tokens"))
+    t2 = time.perf_counter()
+    settings = ScoreConfig(
+        model=qdir,
+        data=tdir,
+        out=work / "plan",
+        frac=FRAC,
+        calib_samples=calib,
+        microbatch=MICROBATCH,
+        train_from=widths["num_layers"] - TOP,  # the top 2 layers (the stage's default is the top quarter)
+        stability=False,
+        cache=True,
+        device="cpu",
+    )
+    pmanifest, plan = score(settings)
+    t3 = time.perf_counter()
+    summary = tmanifest.summary.model_dump(mode="json")
+    info = {
+        "build_and_quantize_seconds": t1 - t0,
+        "tokenize_seconds": t2 - t1,
+        "score_with_cache_seconds": t3 - t2,
+        "quantize_mean_rel_error": qmanifest.summary.mean_rel_error,
+        "inputs": [str(p) for p in inputs],
+        "tokens_summary": {k: v for k, v in summary.items() if k not in ("sources", "tokenizer")},
+        "plan": {
+            "trainable_layers": pmanifest.summary.trainable_layers,
+            "expert_entries": pmanifest.summary.expert_entries,
+            "router_params": pmanifest.summary.router_params,
+            "calib_samples": pmanifest.summary.calib_samples,
+            "prefix_store_bytes": sum(f.stat().st_size for f in plan.glob("prefix_states*")),
+        },
+    }
+    print(f"[setup] model {t1 - t0:.1f}s, tokens {t2 - t1:.1f}s, score --cache {t3 - t2:.1f}s", flush=True)
+    return src, qdir, tdir, plan, info
+
+
+class _Captured(Exception):
+    pass
+
+
+def stage_trainer(qdir: Path, tdir: Path, plan: Path, run_dir: Path):
+    """The Trainer exactly as ``usaf.stages.train.run`` builds it (the stage is stopped at its loop)."""
+    from usaf.stages import train as train_stage
+    from usaf.stages.progress import NullProgress
+
+    progress = NullProgress()
+    holder = {}
+
+    def capture(trainer, steps, progress):
+        holder["trainer"] = trainer
+        raise _Captured
+
+    config = train_stage.TrainConfig(
+        model=qdir,
+        data=tdir,
+        plan=plan,
+        out=run_dir,
+        steps=STEPS_PLANNED,
+        reselect_every=0,  # figure 3 drives the reselection itself
+        microbatch=MICROBATCH,
+        save_every=0,
+        device="cpu",
+        dtype="float32",
+    )
+    with mock.patch.object(train_stage, "_loop", capture), contextlib.suppress(_Captured):
+        train_stage.run(config, progress=progress)
+    return holder["trainer"], progress.notes
+
+
+# -- 1. throughput ------------------------------------------------------------------------------------------------
+
+
+def lora_ranks(target: int, expert_per_rank: int, attention_per_rank: int) -> tuple[int, int]:
+    """(expert rank, attention rank) whose trainable count is closest to ``target`` (ties: equal ranks)."""
+    best = None
+    for re_ in range(1, 17):
+        for ra in range(1, 129):
+            count = re_ * expert_per_rank + ra * attention_per_rank
+            key = (abs(count - target), abs(re_ - ra))
+            if best is None or key < best[0]:
+                best = (key, (re_, ra))
+    return best[1]
+
+
+def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: int):
+    from peft import LoraConfig, get_peft_model
+
+    model = load_reference(src)
+    experts = [f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("gate_up_proj", "down_proj")]
+    attention = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    config = LoraConfig(
+        r=expert_rank,
+        lora_alpha=LORA_ALPHA,
+        target_modules=attention,
+        target_parameters=experts,
+        rank_pattern={p: attention_rank for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    )
+    peft_model = get_peft_model(model, config)
+    peft_model.train()
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    expert_params = sum(p.numel() for n, p in peft_model.named_parameters() if p.requires_grad and ".experts." in n)
+    info = {
+        "layers": layers,
+        "expert_rank": expert_rank,
+        "attention_rank": attention_rank,
+        "target_modules": attention,
+        "target_parameters": experts,
+        "trainable_params": sum(p.numel() for p in params),
+        "trainable_expert_params": expert_params,
+        "trainable_attention_params": sum(p.numel() for p in params) - expert_params,
+    }
+    return peft_model, params, info
+
+
+def lora_counts_per_rank(src: Path, layers: list[int]) -> tuple[int, int]:
+    """Trainable LoRA parameters per unit of rank, for the experts and for attention, from the model's shapes."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(src)
+    h, i, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    experts = e * (h + 2 * i) + e * (i + h)  # lora_A (r E, in) + lora_B (out, r E), gate_up then down
+    attention = (h + q) + 2 * (h + kv) + (q + h)  # q, k, v, o
+    return experts * len(layers), attention * len(layers)
+
+
+def dense_step(model, params, optimizer, batch) -> float:
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    token_loss(logits, batch.labels).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)  # as SparseAdamW(max_grad_norm=1.0)
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def trainer_step(trainer, step: int) -> float:
+    """One ``Trainer.step()`` on the batch of global step ``step`` (the same batch every arm uses)."""
+    trainer.state.step = step
+    start = time.perf_counter()
+    record = trainer.step()
+    trainer.log(record)
+    seconds = time.perf_counter() - start
+    if record["skipped"]:
+        raise RuntimeError(f"Trainer skipped step {step}")
+    return seconds
+
+
+def interleave(arms: dict, steps: list[int], label: str) -> dict[str, list[float]]:
+    """``WARMUP`` untimed steps per arm (steps[:WARMUP]), then rounds over the rest, arms in turn."""
+    for fn in arms.values():
+        for s in steps[:WARMUP]:
+            fn(s)
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for i, s in enumerate(steps[WARMUP:]):
+        order = list(arms) if i % 2 == 0 else list(reversed(arms))  # A B C, then C B A
+        for key in order:
+            times[key].append(arms[key](s))
+        print(f"[{label}] round {i}: " + "  ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
+    return times
+
+
+def throughput(src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeats: int) -> tuple[dict, dict]:
+    from usaf.engine.prefix import PrefixCache
+
+    hit, plan_notes = stage_trainer(qdir, tdir, plan, work / "run-hit")
+    miss, _ = stage_trainer(qdir, tdir, plan, work / "run-miss")
+    plain, _ = stage_trainer(qdir, tdir, plan, work / "run-plain")
+    plain.prefix = None  # all 8 layers every step (what training from layer 0 does)
+    fingerprint = miss.prefix[1]
+    miss_caches = []
+
+    def miss_step(step: int) -> float:
+        # A fresh cache without the plan's store: both samples are first visits, computed one at a time.
+        miss.prefix = (PrefixCache(2**31, None), fingerprint)
+        miss_caches.append(miss.prefix[0])
+        return trainer_step(miss, step)
+
+    layers = list(hit.engine.trainable_layers)
+    counts = hit.engine.trainable_count()
+    usaf_trainable = counts["delta_entries"] + counts["router_params"]
+    per_rank = lora_counts_per_rank(src, layers)
+    expert_rank, attention_rank = lora_ranks(usaf_trainable, *per_rank)
+    lora_top, lora_top_params, lora_top_info = lora_model(src, layers, expert_rank, attention_rank)
+    all_layers = list(hit.engine.spec.moe_layers)
+    lora_all, lora_all_params, lora_all_info = lora_model(src, all_layers, expert_rank, attention_rank)
+    if lora_top_info["trainable_params"] != per_rank[0] * expert_rank + per_rank[1] * attention_rank:
+        raise RuntimeError(f"LoRA count {lora_top_info['trainable_params']} differs from the shape arithmetic")
+    full = load_reference(src)
+    full.train()
+    full_params = list(full.parameters())
+    # fused=True is torch's fastest CPU AdamW (bench_engine.py: 1.65 times faster here): the stronger baseline.
+    full_opt = torch.optim.AdamW(full_params, lr=1e-4, fused=True)
+    lora_top_opt = torch.optim.AdamW(lora_top_params, lr=1e-4, fused=True)
+    lora_all_opt = torch.optim.AdamW(lora_all_params, lr=1e-4, fused=True)
+    batches = {}
+
+    def batch(step: int):
+        if step not in batches:
+            (batches[step],) = hit._microbatches(step)  # grad_accum 1: one microbatch per step
+        return batches[step]
+
+    steps = list(range(WARMUP + repeats))
+    arms = {
+        "usaf_prefix_hit": lambda s: trainer_step(hit, s),
+        "usaf_prefix_miss": miss_step,
+        "usaf_no_prefix": lambda s: trainer_step(plain, s),
+        "full_finetune": lambda s: dense_step(full, full_params, full_opt, batch(s)),
+        "lora_top": lambda s: dense_step(lora_top, lora_top_params, lora_top_opt, batch(s)),
+        "lora_all_layers": lambda s: dense_step(lora_all, lora_all_params, lora_all_opt, batch(s)),
+    }
+    times = interleave(arms, steps, "step")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = [batch(s).tokens for s in steps[WARMUP:]]
+    tokens_med = statistics.median(tokens)
+    # tokens/s per arm: each round's tokens over its seconds, median over rounds (every arm saw the same batches).
+    tps = {k: statistics.median(n / t for n, t in zip(tokens, v)) for k, v in times.items()}
+    per_round = {
+        f"{a}_over_{b}": [x / y for x, y in zip(times[b], times[a])]
+        for a in ("usaf_prefix_hit", "usaf_no_prefix", "usaf_prefix_miss")
+        for b in ("full_finetune", "lora_top", "lora_all_layers")
+    }
+    hits = {"hits": hit.prefix[0].hits, "misses": hit.prefix[0].misses}
+    if hits["misses"]:
+        raise RuntimeError(f"the plan's prefix store missed {hits['misses']} lookups")
+    result = {
+        "repeats": repeats,
+        "warmup_steps_per_arm": WARMUP,
+        "batch_steps": steps,
+        "tokens_per_step": tokens,
+        "median_tokens_per_step": tokens_med,
+        "seconds": times,
+        "median_seconds": med,
+        "tokens_per_s": tps,
+        # speed ratios (>1: usaf faster) = time ratios inverted, from the medians and per round
+        "speed_ratio": {k: statistics.median(v) for k, v in per_round.items()},
+        "speed_ratio_per_round": per_round,
+        "prefix_store_lookups": hits,
+        "prefix_miss_lookups": {"hits": sum(c.hits for c in miss_caches), "misses": sum(c.misses for c in miss_caches)},
+        "full_finetune": {
+            "optimizer": "torch.optim.AdamW(fused=True), clip_grad_norm_ 1.0",
+            "experts_implementation": full.config._experts_implementation,
+        },
+        "lora_top": lora_top_info,
+        "lora_all_layers": lora_all_info,
+        "usaf": {
+            "trainable_layers": layers,
+            **counts,
+            "trainable_total": usaf_trainable,
+            "plan_note": next((n for n in plan_notes if n.startswith("training ")), None),
+            "prefix_store_note": next((n for n in plan_notes if n.startswith("prefix states")), None),
+        },
+        "lora_top_over_usaf_trainable": lora_top_info["trainable_params"] / usaf_trainable,
+    }
+    result["bytes"] = state_bytes(
+        hit, full_params, full_opt, lora_top_params, lora_top_opt, lora_all_params, lora_all_opt
+    )
+    return result, {"trainer": hit}
+
+
+def state_bytes(trainer, full_params, full_opt, top_params, top_opt, all_params, all_opt) -> dict:
+    """Trainable + optimizer-state bytes per arm, read from the live objects after the timed steps."""
+    engine, optimizer = trainer.engine, trainer.optimizer
+    deltas = engine.deltas().values()
+    usaf = {
+        "delta_values_fp32": tensor_bytes(d.values for d in deltas),
+        "delta_indices_int64": tensor_bytes(d.indices for d in deltas),
+        "routers_fp32": tensor_bytes(engine.routers.values()),
+        "sparse_adamw_state": optimizer.state_bytes(),
+    }
+    usaf["total"] = sum(usaf.values())
+    usaf["not_in_total"] = {
+        "derived_index_buffers": tensor_bytes(t for d in deltas for t in (d.experts, d.rows, d.cols, d.offsets)),
+        "grads": tensor_bytes(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None),
+        "router_anchors": optimizer.state_bytes(include_anchors=True) - optimizer.state_bytes(),
+    }
+
+    def dense(params, opt) -> dict:
+        out = {"params_fp32": tensor_bytes(params), "adamw_state": adamw_state_bytes(opt)}
+        out["total"] = out["params_fp32"] + out["adamw_state"]
+        out["param_count"] = sum(p.numel() for p in params)
+        out["not_in_total"] = {"grads": tensor_bytes(p.grad for p in params if p.grad is not None)}
+        return out
+
+    arms = {
+        "usaf": usaf,
+        "full_finetune": dense(full_params, full_opt),
+        "lora_top": dense(top_params, top_opt),
+        "lora_all_layers": dense(all_params, all_opt),
+    }
+    for key in ("full_finetune", "lora_top", "lora_all_layers"):
+        arms[f"usaf_over_{key}"] = usaf["total"] / arms[key]["total"]
+    return arms
+
+
+# -- 3. reselection cost --------------------------------------------------------------------------------------------
+
+
+def reselection(trainer, repeats: int, first_step: int, profile: bool = False) -> dict:
+    from usaf.engine.reselect import collect_scores, reselect, update_fraction
+    from usaf.stages.trainer import SCORE_BATCHES
+
+    engine = trainer.engine
+    fraction = update_fraction(RESELECT_AT, RESELECT_OF, trainer.s.reselect_fraction)
+    times: dict[str, list[float]] = {"plain_step": [], "collecting_step": [], "reselect": [], "collect_setup": []}
+    reports = []
+    step = first_step
+    for r in range(repeats + 1):  # round 0 is a warm-up
+        start = time.perf_counter()
+        scores = collect_scores(engine)  # as _loop does at the first step of the scoring window
+        setup = time.perf_counter() - start
+        sinks = {name: engine.weights[name].score_sink for name in scores}
+        plain, collecting = [], []
+        for j in range(SCORE_BATCHES):
+            order = ("plain", "collect") if (r + j) % 2 == 0 else ("collect", "plain")
+            for kind in order:  # the same batch (global step) for both kinds of step
+                if kind == "plain":
+                    for name in sinks:
+                        engine.weights[name].score_sink = None
+                    trainer.collector = None
+                    plain.append(trainer_step(trainer, step))
+                else:
+                    for name, sink in sinks.items():
+                        engine.weights[name].score_sink = sink
+                    trainer.collector = scores
+                    collecting.append(trainer_step(trainer, step))
+            step += 1
+        trainer.collector = None
+        start = time.perf_counter()
+        scores.close()  # as _loop does: sinks off, accumulators readable
+        report = reselect(engine, trainer.optimizer, scores, fraction)
+        trainer.record_reselection(step, report)
+        seconds = time.perf_counter() - start
+        if r == 0:
+            continue
+        times["plain_step"] += plain
+        times["collecting_step"] += collecting
+        times["reselect"].append(seconds)
+        times["collect_setup"].append(setup)
+        reports.append(report.to_dict()["total"])
+        print(
+            f"[reselect] round {r}: plain {statistics.median(plain):.3f}s  collecting "
+            f"{statistics.median(collecting):.3f}s  reselect {seconds:.3f}s",
+            flush=True,
+        )
+    med = {k: statistics.median(v) for k, v in times.items()}
+    pairs = [c / p for p, c in zip(times["plain_step"], times["collecting_step"])]
+    every = 50  # the default --reselect-every
+    extra = SCORE_BATCHES * (med["collecting_step"] - med["plain_step"]) + med["reselect"] + med["collect_setup"]
+    result = {
+        "repeats": repeats,
+        "score_batches": SCORE_BATCHES,
+        "fraction": fraction,
+        "prefix_cache": "plan store (hits)",
+        "seconds": times,
+        "median_seconds": med,
+        "ratio_collecting_over_plain_step": statistics.median(pairs),
+        "ratio_collecting_over_plain_step_per_pair": pairs,
+        "ratio_reselect_over_plain_step": med["reselect"] / med["plain_step"],
+        "reselect_counts": reports,
+        "accumulator_bytes": sum(a.nbytes for a in scores.values()),
+        "cycle_overhead_at_reselect_every_50": extra / (every * med["plain_step"]),
+    }
+    if profile:  # where a collecting step's extra time goes: one plain and one collecting step, profiled
+        result["profile"] = {"plain_step": profile_step(lambda: trainer_step(trainer, step))}
+        with collect_scores(engine) as scores:
+            trainer.collector = scores
+            result["profile"]["collecting_step"] = profile_step(lambda: trainer_step(trainer, step))
+            trainer.collector = None
+    return result
+
+
+# -- 2. peak RSS of `usaf train` versus its plan and the engine's accounting -----------------------------------------
+
+_HUMAN = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_plan_memory(line: str) -> dict[str, int]:
+    """The ``memory:`` part of the stage's plan line, back to bytes (to the printed precision)."""
+    part = line.split("memory:", 1)[1]
+    out = {}
+    for item in part.split(","):
+        m = re.fullmatch(r"\s*(.+?) ([\d.]+) (B|KiB|MiB|GiB|TiB)\s*", item)
+        if m:
+            out[m.group(1).replace(" ", "_")] = int(float(m.group(2)) * _HUMAN[m.group(3)])
+    return out
+
+
+def wrapped(cmd: list[str]) -> dict:
+    start = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", WRAPPER, *cmd], capture_output=True, text=True, env=child_env())
+    if p.returncode != 0:
+        raise RuntimeError(f"wrapper failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out["wall_seconds"] = time.perf_counter() - start
+    if out["rc"] != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({out['rc']}):\n{out['stderr'][-4000:]}")
+    return out
+
+
+def cli_command(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, every: int) -> list[str]:
+    cmd = [sys.executable, "-m", "usaf", "train", "--model", str(qdir), "--data", str(tdir), "--plan", str(plan)]
+    cmd += ["--out", str(out), "--steps", str(steps), "--reselect-every", str(every)]
+    cmd += ["--microbatch", str(MICROBATCH), "--save-every", "0", "--device", "cpu", "--dtype", "float32"]
+    return cmd
+
+
+def replica_child(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, every: int) -> dict:
+    """Runs in a fresh child: the stage function as the CLI calls it, instrumented for the accounting."""
+    import usaf.engine.reselect as reselect_module
+    from usaf.engine.prefix import PrefixStore
+    from usaf.stages import train as train_stage
+    from usaf.stages.progress import NullProgress
+
+    baseline = current_rss()
+    seen: dict[str, int] = {}
+    accumulators: list[int] = []
+    after: dict = {}
+    original_get, original_reselect, original_loop = PrefixStore.get, reselect_module.reselect, train_stage._loop
+
+    def get(self, key):
+        state = original_get(self, key)
+        if state is not None:
+            seen[key] = state.numel() * state.element_size()
+        return state
+
+    def reselect(engine, optimizer, scores, fraction):
+        accumulators.append(sum(a.nbytes for a in scores.values()))
+        return original_reselect(engine, optimizer, scores, fraction)
+
+    def loop(trainer, steps, progress):
+        original_loop(trainer, steps, progress)
+        cache = trainer.prefix[0] if trainer.prefix else None
+        after["memory"] = trainer.engine.memory(optimizer=trainer.optimizer, cache=cache)
+        after["hits"] = None if cache is None else [cache.hits, cache.misses]
+
+    config = train_stage.TrainConfig(
+        model=qdir,
+        data=tdir,
+        plan=plan,
+        out=out,
+        steps=steps,
+        reselect_every=every,
+        microbatch=MICROBATCH,
+        save_every=0,
+        device="cpu",
+        dtype="float32",
+    )
+    progress = NullProgress()
+    with (
+        mock.patch.object(PrefixStore, "get", get),
+        mock.patch.object(reselect_module, "reselect", reselect),
+        mock.patch.object(train_stage, "_loop", loop),
+    ):
+        manifest, _ = train_stage.run(config, progress=progress)
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    end = current_rss()
+    malloc_trim()
+    return {
+        "import_baseline_rss_mib": baseline,
+        "peak_rss_mib": peak,
+        "rss_at_end_mib": end,
+        "rss_after_malloc_trim_mib": current_rss(),
+        "memory_after_run": after["memory"],
+        "prefix_cache_hits_misses": after["hits"],
+        "prefix_store_bytes_read": sum(seen.values()),
+        "score_accumulator_bytes": max(accumulators, default=0),
+        "reselections": len(manifest.summary.reselections),
+        "plan_note": next((n for n in progress.notes if n.startswith("training ")), None),
+    }
+
+
+def rss(qdir: Path, tdir: Path, plan: Path, work: Path, steps: int, every: int, runs: int) -> dict:
+    baselines, cli_runs = [], []
+    for i in range(runs):  # interleaved: import baseline, CLI run
+        base = subprocess.run(
+            [sys.executable, "-c", BASELINE_CHILD], capture_output=True, text=True, check=True, env=child_env()
+        )
+        baselines.append(float(base.stdout.strip().splitlines()[-1]))
+        out = work / f"rss-run-{i}"
+        r = wrapped(cli_command(qdir, tdir, plan, out, steps, every))
+        lines = [line.strip() for line in r["stderr"].splitlines()]
+        plan_line = next((line for line in lines if "expert weights" in line and "memory:" in line), None)
+        manifest = json.loads((out / "manifest.json").read_text())["summary"]
+        cli_runs.append(
+            {
+                "peak_rss_mib": r["maxrss_kib"] / 1024,
+                "wall_seconds": r["wall_seconds"],
+                "plan_line": plan_line,
+                "reselections": len(manifest["reselections"]),
+                "prefix_cache_hits": manifest.get("prefix_cache_hits"),
+                "prefix_cache_misses": manifest.get("prefix_cache_misses"),
+                "seconds": manifest["seconds"],
+                "tokens": manifest["tokens"],
+            }
+        )
+        peak_i = cli_runs[-1]["peak_rss_mib"]
+        print(f"[rss] CLI run {i}: peak {peak_i:.0f} MiB, import baseline {baselines[-1]:.0f} MiB", flush=True)
+    if any(c["plan_line"] is None for c in cli_runs):
+        raise RuntimeError("could not find the plan line in the CLI's output:\n" + r["stderr"][-3000:])
+    replica_out = work / "rss-replica"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--replica-child", str(qdir), str(tdir), str(plan)]
+    cmd += [str(replica_out), str(steps), str(every)]
+    rep = wrapped(cmd)
+    replica = json.loads(rep["stdout"].strip().splitlines()[-1])
+    replica["wrapper_rusage_children_maxrss_mib"] = rep["maxrss_kib"] / 1024
+    print(f"[rss] replica: peak {replica['peak_rss_mib']:.0f} MiB", flush=True)
+
+    peak = statistics.median(c["peak_rss_mib"] for c in cli_runs)
+    baseline = statistics.median(baselines)
+    plan_memory = parse_plan_memory(cli_runs[0]["plan_line"])
+    plan_accounted = {"import_baseline": int(baseline * 2**20), **plan_memory}
+    after_accounted = {"import_baseline": int(baseline * 2**20), **replica["memory_after_run"]}
+    extras = {
+        "score_accumulators": replica["score_accumulator_bytes"],
+        "prefix_store_pages_read": replica["prefix_store_bytes_read"],
+    }
+    with_extras = {**after_accounted, **extras}
+    mib = 2**20
+
+    def total(d):
+        return sum(d.values()) / mib
+
+    return {
+        "command": " ".join(["python", "-m", "usaf", *cli_command(qdir, tdir, plan, Path("RUN"), steps, every)[3:]]),
+        "steps": steps,
+        "reselect_every": every,
+        "runs": runs,
+        "cli_runs": cli_runs,
+        "import_baselines_mib": baselines,
+        "import_baseline_mib": baseline,
+        "peak_rss_mib": peak,
+        "plan_accounted_bytes": plan_accounted,
+        "plan_accounted_mib": total(plan_accounted),
+        "after_run_accounted_bytes": after_accounted,
+        "after_run_accounted_mib": total(after_accounted),
+        "extras_bytes": extras,
+        "after_run_with_extras_mib": total(with_extras),
+        "ratio_measured_over_plan": peak / total(plan_accounted),
+        "ratio_measured_over_after_run": peak / total(after_accounted),
+        "ratio_measured_over_after_run_with_extras": peak / total(with_extras),
+        "replica": replica,
+        "target_agreement": 0.2,
+    }
+
+
+# -- main -------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per figure [9; 3 with --quick]")
+    parser.add_argument("--rss-runs", type=int, default=None, help="CLI runs for the peak RSS [3; 1 with --quick]")
+    parser.add_argument("--quick", action="store_true", help="a 4-layer, hidden-256 model at seq 64: a smoke run")
+    parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/train.json]")
+    parser.add_argument("--profile", action="store_true", help="also profile a plain and a collecting step")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads here and in the children [torch's default]; 1 on a shared machine, where 2-thread "
+        "torch loses tens of ms per small parallel op to other processes holding the cores",
+    )
+    parser.add_argument("--replica-child", nargs=6, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.replica_child is not None:
+        q, t, p, o, n, k = args.replica_child
+        print(json.dumps(replica_child(Path(q), Path(t), Path(p), Path(o), int(n), int(k))))
+        return
+    peft = require_peft()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (3 if args.quick else 9)
+    runs = args.rss_runs or (1 if args.quick else 3)
+    widths = MODEL_QUICK if args.quick else MODEL
+    seq = SEQ_QUICK if args.quick else SEQ
+    calib = CALIB_QUICK if args.quick else CALIB
+    rss_steps, rss_every = (RSS_STEPS_QUICK, RSS_RESELECT_QUICK) if args.quick else (RSS_STEPS, RSS_RESELECT)
+    out = args.out or RESULTS / ("train-quick.json" if args.quick else "train.json")
+    torch.manual_seed(0)
+    result: dict = {
+        "machine": {**machine(), "peft": peft.__version__},
+        "usaf_commit": git_commit(),
+        "quick": args.quick,
+        "command": " ".join(["python", *sys.argv]),
+        "model": {"family": "qwen3_moe", "dtype": "float32", "vocab": 512, "quantization": "rtn 4-bit g128", **widths},
+        "batch": {"microbatch": MICROBATCH, "seq": seq},
+        "frac": FRAC,
+        "top_layers": TOP,
+    }
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="usaf-bench-train-") as tmp:
+        work = Path(tmp)
+        packages = PACKAGES_QUICK if args.quick else PACKAGES
+        src, qdir, tdir, plan, result["setup"] = build(work, widths, seq, calib, packages)
+        result["throughput"], live = throughput(src, qdir, tdir, plan, work, repeats)
+        out.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive an interrupted run
+        first = WARMUP + repeats
+        result["reselection"] = reselection(live["trainer"], repeats, first, args.profile)
+        result["reselection"]["no_prefix_step_median_seconds"] = result["throughput"]["median_seconds"][
+            "usaf_no_prefix"
+        ]
+        del live
+        gc.collect()
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        result["rss"] = rss(qdir, tdir, plan, work, rss_steps, rss_every, runs)
+    result["total_seconds"] = time.perf_counter() - started
+    result["load_average_1min"] = {"start": load_start, "end": os.getloadavg()[0]}  # other sessions share the CPUs
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_summary(result)
+    print(f"wrote {out}")
+
+
+def print_summary(r: dict) -> None:
+    mib = 2**20
+    print(f"\nmachine: {r['machine']['summary']}, peft {r['machine']['peft']}")
+    t = r["throughput"]
+    print(f"1. one optimizer step (2 x {r['batch']['seq']}), median of {t['repeats']} interleaved rounds:")
+    for k, v in t["median_seconds"].items():
+        print(f"  {k:18s} {v:7.3f} s  {t['tokens_per_s'][k]:7.0f} tokens/s")
+    for k, v in t["speed_ratio"].items():
+        print(f"  speed {k:40s} {v:6.2f}")
+    lt = t["lora_top"]
+    print(
+        f"  trainable: usaf {t['usaf']['trainable_total']:,}; LoRA top (experts r={lt['expert_rank']}, attention "
+        f"r={lt['attention_rank']}) {lt['trainable_params']:,}; "
+        f"LoRA all layers {t['lora_all_layers']['trainable_params']:,}"
+    )
+    b = t["bytes"]
+    for k in ("usaf", "full_finetune", "lora_top", "lora_all_layers"):
+        print(f"  trainable + optimizer state, {k:16s} {b[k]['total'] / mib:9.2f} MiB")
+    s = r["reselection"]
+    med = s["median_seconds"]
+    print(
+        f"3. plain step {med['plain_step']:.3f} s, collecting step {med['collecting_step']:.3f} s "
+        f"(x{s['ratio_collecting_over_plain_step']:.2f}), reselect {med['reselect']:.3f} s "
+        f"(x{s['ratio_reselect_over_plain_step']:.2f} of a plain step); overhead per 50-step cycle "
+        f"{s['cycle_overhead_at_reselect_every_50']:.1%}"
+    )
+    m = r["rss"]
+    print(
+        f"2. peak RSS of `usaf train` {m['peak_rss_mib']:.0f} MiB; plan {m['plan_accounted_mib']:.0f} MiB "
+        f"(x{m['ratio_measured_over_plan']:.3f}); after-run accounting {m['after_run_accounted_mib']:.0f} MiB "
+        f"(x{m['ratio_measured_over_after_run']:.3f}); with accumulators + store pages "
+        f"{m['after_run_with_extras_mib']:.0f} MiB (x{m['ratio_measured_over_after_run_with_extras']:.3f})"
+    )
+    load = r["load_average_1min"]
+    print(
+        f"total {r['total_seconds']:.0f} s; 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end"
+    )
+
+
+if __name__ == "__main__":
+    main()
