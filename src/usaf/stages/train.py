@@ -307,15 +307,19 @@ def _check_seq_len(seq_len: int | None, model: str, tokenizer) -> None:
 
 
 def _plan_line(engine, trainer, steps: int, per_step: int) -> str:
-    from usaf.units import human_bytes
-
     counts = engine.trainable_count()
     memory = engine.memory(optimizer=trainer.optimizer)
-    parts = ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in memory.items() if v)
     return (
         f"training {counts['delta_entries']:,} expert weights + {counts['router_params']:,} router weights "
-        f"in layers {list(engine.trainable_layers)} for {steps} steps of {per_step} sequences; memory: {parts}"
+        f"in layers {list(engine.trainable_layers)} for {steps} steps of {per_step} sequences; "
+        f"memory: {_memory_parts(memory)}"
     )
+
+
+def _memory_parts(memory: dict[str, int]) -> str:
+    from usaf.units import human_bytes
+
+    return ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in memory.items() if v)
 
 
 def _loop(trainer, steps: int, progress: Progress) -> None:
@@ -324,6 +328,7 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
     s = trainer.s
     progress.start("training", steps, "steps")
     progress.advance(trainer.state.step)
+    first = trainer.state.step
     try:
         while trainer.state.step < steps:
             step = trainer.state.step
@@ -332,6 +337,10 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
                 trainer.collector = collect_scores(trainer.engine)
             record = trainer.step()
             trainer.log(record)
+            if step == first:  # activations are measured by the first training forward: the full account
+                cache = trainer.prefix[0] if trainer.prefix else None
+                memory = trainer.engine.memory(optimizer=trainer.optimizer, cache=cache)
+                progress.note(f"memory after the first step: {_memory_parts(memory)}")
             for note in record.get("notes", []):
                 progress.note(note)
             for warning in record.get("routing_warnings", []):
