@@ -289,6 +289,9 @@ def test_short_runs_default_to_a_static_mask_and_seq_len_cuts_sequences(prepared
     assert "too short for a reselection every 50: static mask" in result.output
     s = load_verified(run, RunManifest).summary
     assert s.reselections == [] and s.tokens == 3 * 2 * 8  # 3 steps × microbatch 2 × 8 tokens (sequences are 32)
+    record = metrics(run)[0]
+    assert record["memory"]["rss"] > 0 and set(record["routing"]) == {"2"}  # the trainable layer
+    assert 0 < record["routing"]["2"]["max_share"] <= 1 and record["routing"]["2"]["entropy"] >= 0
     result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", tmp_path / "long",
                     "--steps", 2, "--seq-len", 10**6)  # fmt: skip
     assert result.exit_code == 2 and "--seq-len 1000000 exceeds the model's context" in result.stderr

@@ -137,6 +137,8 @@ class Trainer:
         start = time.perf_counter()
         step = self.state.step
         notes = []
+        loads_before = {layer: self.engine.loaded.experts[layer].tokens_per_expert.clone()
+                        for layer in self.engine.trainable_layers}  # fmt: skip
         while True:
             scores = self._collector_state()
             try:
@@ -174,7 +176,25 @@ class Trainer:
             "tokens": self.state.tokens,
             "tokens_per_s": sum(b.tokens for b in batches) / max(seconds, 1e-9),
             "seconds": seconds,
+            "routing": self._step_routing(loads_before),
+            "memory": _memory_now(),
         }
+
+    def _step_routing(self, before: dict[int, torch.Tensor]) -> dict[str, dict[str, float]]:
+        """This step's expert load per trainable layer: entropy (nats) and the largest expert's share."""
+        out = {}
+        for layer, counts in before.items():
+            step_counts = (self.engine.loaded.experts[layer].tokens_per_expert - counts).double()
+            total = float(step_counts.sum())
+            if total <= 0:
+                continue
+            shares = step_counts / total
+            nonzero = shares[shares > 0]
+            out[str(layer)] = {
+                "entropy": round(float(-(nonzero * nonzero.log()).sum()), 4),
+                "max_share": round(float(shares.max()), 4),
+            }
+        return out
 
     def _forward_backward(self, step: int) -> tuple[float, list]:
         """Gradients of the step's token-weighted loss (times the loss scale, under fp16)."""
@@ -391,6 +411,16 @@ class Trainer:
         ).model_dump()
         self.state.reselections.append(record)
         return record
+
+
+def _memory_now() -> dict[str, int]:
+    """Process RSS, and the accelerator's peak allocation when there is one (bytes)."""
+    import psutil
+
+    memory = {"rss": psutil.Process().memory_info().rss}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        memory["device_peak"] = torch.cuda.max_memory_allocated()
+    return memory
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -1,0 +1,73 @@
+"""``usaf demo``: tokenize → quantize → score → train → eval (→ export) on the built-in default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt
+
+Opt = typer.Option
+
+
+def command(
+    workspace: Annotated[Path | None, Opt(help="Where the demo's artifacts go [default: ./usaf-demo].")] = None,
+    steps: Annotated[int | None, Opt(help="Training steps [default: 150].")] = None,
+    frac: Annotated[float | None, Opt(help="Fraction of the trainable layers' expert weights [default: 0.01].")] = None,
+    eval_sequences: Annotated[int | None, Opt(help="Sequences per evaluated set [default: 64].")] = None,
+    export: Annotated[bool | None, Opt("--export/--no-export", help="Also export a HF model [default: off].")] = None,
+    seed: Annotated[int | None, Opt(help="Seed of the calibration sample and data order [default: 0].")] = None,
+    overwrite: Annotated[bool | None, Opt("--overwrite", help="Start over instead of reusing finished stages.")] = None,
+    device: DeviceOpt = None,
+    config: ConfigOpt = None,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Fine-tune the built-in pretrained MoE on stdlib sources it never saw, end to end, with no download.
+
+    Shows every stage, the before/after table, and the shell commands that do the same step by step.
+    Rerunning reuses finished stages and resumes training where Ctrl-C stopped it.
+    """
+    from usaf.cli.console import handle_errors
+
+    with handle_errors(verbose):
+        from usaf.cli.console import out, print_json
+        from usaf.cli.eval_ import _print_summary as print_eval
+        from usaf.cli.progress import RichProgress
+        from usaf.config import resolve_config
+        from usaf.stages import demo
+
+        settings = resolve_config(
+            demo.DemoConfig,
+            section="demo",
+            cli={
+                "workspace": workspace,
+                "steps": steps,
+                "frac": frac,
+                "eval_sequences": eval_sequences,
+                "export": export,
+                "seed": seed,
+                "overwrite": overwrite,
+                "device": device,
+            },
+            config_file=config,
+        )
+        done: list = []
+
+        def show(step) -> None:
+            done.append(step)
+            if not json_output:
+                state = "reused" if step.reused else "done"
+                out.print(f"[bold green]✓[/] {step.name:9s} {state:6s} → {step.path}")
+
+        manifest, path = demo.run(settings, progress=RichProgress(), on_step=show)
+        if json_output:
+            print_json({"path": str(path), "stages": {s.name: str(s.path) for s in done},
+                        **manifest.model_dump(mode="json")})  # fmt: skip
+            return
+        print_eval(out, manifest, path)
+        out.print("\nThe same, step by step:")
+        for step in done:
+            out.print(demo.shell_line(step.command), markup=False, highlight=False, soft_wrap=True)
