@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from usaf._version import __version__
-from usaf.cli import doctor, inspect, quantize, score, tiny_model, tokenize, train
+from usaf.cli import doctor, eval_, inspect, quantize, score, tiny_model, tokenize, train
 
 app = typer.Typer(
     name="usaf",
@@ -46,6 +46,7 @@ app.command("tokenize", no_args_is_help=False)(tokenize.command)
 app.command("quantize")(quantize.command)
 app.command("score")(score.command)
 app.command("train")(train.command)
+app.command("eval")(eval_.command)
 app.command("inspect")(inspect.command)
 app.command("doctor")(doctor.command)
 app.command("tiny-model")(tiny_model.command)

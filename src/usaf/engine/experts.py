@@ -162,10 +162,15 @@ class LayerExperts(nn.Module):
         self.down = down
         self.num_experts = gate_up.shape[0]
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # since last reset
+        # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
+        # ``sink(layer, top_k_index (T, k))``. None costs nothing.
+        self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
 
     def record_load(self, top_k_index: torch.Tensor) -> torch.Tensor:
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]
         self.tokens_per_expert += counts.cpu()
+        if self.routing_sink is not None:
+            self.routing_sink(self.layer, top_k_index)
         return counts
 
 
