@@ -46,7 +46,8 @@ def report(trained):
 
 
 def rows_by(report_json: dict) -> dict[tuple[str, str], dict]:
-    return {(r["set"], r["source"]): r for r in report_json["rows"]}
+    """Rows by (set, source); a set's overall row is (set, "all")."""
+    return {(r["set"], "all" if r["overall"] else r["source"]): r for r in report_json["rows"]}
 
 
 def test_training_lowers_the_loss_on_its_data_with_an_interval_that_excludes_zero(trained, report):
@@ -124,10 +125,12 @@ def test_the_base_pass_is_cached_and_equals_a_fresh_one(trained, report):
     assert "reused from the cache" in result.stderr
     assert cached["checkpoint"] == str(step8)
     fresh_out = trained["workspace"] / "report-fresh"
-    result = invoke("eval", *common, "--checkpoint", step8, "--out", fresh_out, "--no-base-cache")
+    # a fresh base pass, and with experts dequantized per forward instead of once: the same numbers, bit for bit
+    result = invoke("eval", *common, "--checkpoint", step8, "--out", fresh_out, "--no-base-cache", "--streaming")
     assert result.exit_code == 0, result.output
     fresh = json.loads((fresh_out / "report.json").read_text())
     assert not fresh["base_cached"] and fresh["base_cache"] is None
+    assert cached["experts_resident"] and not fresh["experts_resident"]
     for key in ("rows", "routing"):
         assert fresh[key] == cached[key]  # base numbers identical; tuned ones are the same checkpoint's
     assert [r["base"] for r in cached["rows"]] == [r["base"] for r in first["rows"]]
@@ -182,8 +185,8 @@ def test_a_change_that_never_reaches_the_forward_is_caught(trained, tmp_path, mo
 def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     texts = tmp_path / "texts.jsonl"
     shlex_src = (stdlib_dir() / "shlex.py").read_text()
-    lines = [{"text": shlex_src[:3000], "repo": "alpha"}, {"text": shlex_src[3000:6000], "repo": "beta"},
-             {"text": shlex_src[6000:9000], "repo": "alpha"}]  # fmt: skip
+    cuts = [(0, 3000, "alpha"), (3000, 6000, "beta"), (6000, 9000, "alpha"), (9000, 10000, "all")]
+    lines = [{"text": shlex_src[a:b], "repo": repo} for a, b, repo in cuts]
     texts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "report"
     result = invoke("eval", "--model", trained["q"], "--held-out", texts, "--held-out", stdlib_dir() / "textwrap.py",
@@ -191,8 +194,14 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads((out / "report.json").read_text())
     assert data["checkpoint"] is None and data["tuned_pass"] is None and "base model only" in result.stdout
+    assert [(r["source"], r["overall"]) for r in data["rows"]] == [
+        ("all", False),
+        ("alpha", False),
+        ("beta", False),
+        ("textwrap.py", False),
+        ("all", True),
+    ]  # a source named "all" stays a source
     rows = rows_by(data)
-    assert set(rows) == {("held-out", s) for s in ("alpha", "beta", "textwrap.py", "all")}
     assert all(r["tuned"] is None and r["delta"] is None for r in data["rows"])
     assert rows[("held-out", "alpha")]["sequences"] > rows[("held-out", "beta")]["sequences"]
     assert {i["kind"] for i in data["inputs"]} == {"text"}
@@ -259,3 +268,15 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
         message = " ".join(result.stderr.split())  # rich wraps long lines
         assert all(e in message for e in expected), (expected, result.stderr)
         assert not out.exists() and not leftovers(tmp_path), args
+
+
+def test_checkpoint_alone_finds_the_model_it_was_trained_on(trained, tmp_path):
+    workspace = tmp_path / "ws"
+    shutil.copytree(trained["q"], workspace / "quantized_model" / "q")
+    out = tmp_path / "report"
+    result = invoke("eval", "--checkpoint", trained["run"], "--held-out", trained["tokens"], "--max-sequences", 8,
+                    "--workspace", workspace, "--out", out, "--no-plots")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "the one --checkpoint was trained on" in result.stderr
+    data = json.loads((out / "report.json").read_text())
+    assert data["inputs"][0]["sequences"] == 8 and data["rows"][-1]["sequences"] == 8

@@ -32,7 +32,8 @@ class Difference(Record):
 
 class ResultRow(Record):
     set: str = Field(description="'data' (in-domain, --data) or 'held-out' (--held-out)")
-    source: str = Field(description="a source (repository, file group) or 'all' for the set's overall row")
+    source: str = Field(description="a source (repository, file group), or 'all' on the set's overall row")
+    overall: bool = Field(description="the set's overall row (every source)")
     sequences: int = Field(description="sequences with at least one scored token")
     tokens: int = Field(description="scored tokens (labels not -100, after the shift)")
     base: Estimate
@@ -82,6 +83,7 @@ class EvalSummary(Record):
     base_cache: str | None = Field(description="the cache entry used or written; None with --no-base-cache")
     base_cached: bool = Field(description="the base pass was reused from the cache")
     max_logit_change: float | None = Field(description="max |tuned - base| logit on the first batch (> 0: applied)")
+    experts_resident: bool = Field(description="experts dequantized once (else per forward, or no pass ran)")
     inputs: list[InputSummary]
     rows: list[ResultRow]
     routing: list[LayerDrift]

@@ -14,7 +14,7 @@ Opt = typer.Option
 
 def command(
     model: Annotated[
-        Path | None, Opt(help="Quantized model directory [default: the one --checkpoint was trained on, else newest].")
+        Path | None, Opt(help="Quantized model directory (default: the one --checkpoint was trained on, else newest).")
     ] = None,
     checkpoint: Annotated[
         Path | None,
@@ -35,29 +35,37 @@ def command(
             "files/directories tokenized with the model's tokenizer (repeatable).",
         ),
     ] = None,
-    out: Annotated[Path | None, Opt(help="Report directory [default: WORKSPACE/eval/<time>-<name>].")] = None,
-    microbatch: Annotated[int | None, Opt(help="Sequences per forward [default: 8].")] = None,
+    out: Annotated[Path | None, Opt(help="Report directory (default: WORKSPACE/eval_report/<time>-<name>).")] = None,
+    microbatch: Annotated[int | None, Opt(help="Sequences per forward (default: 8).")] = None,
     max_sequences: Annotated[
-        int | None, Opt(help="Evaluate a seeded random sample of this many sequences per input [default: all].")
+        int | None, Opt(help="Evaluate a seeded random sample of this many sequences per input (default: all).")
     ] = None,
     seq_len: Annotated[
-        int | None, Opt(help="Raw text: tokens per packed sequence [default: 512, capped by the model's context].")
+        int | None, Opt(help="Raw text: tokens per packed sequence (default: 512, capped by the model's context).")
     ] = None,
     source_depth: Annotated[
-        int | None, Opt(help="Raw text directories: path components that name a source [default: 1].")
+        int | None, Opt(help="Raw text directories: path components that name a source (default: 1).")
     ] = None,
-    text_field: Annotated[str | None, Opt(help="JSONL of text: the text field [default: text].")] = None,
+    text_field: Annotated[str | None, Opt(help="JSONL of text: the text field (default: text).")] = None,
     source_field: Annotated[
-        str | None, Opt(help="JSONL of text: the field naming the source (then 'repo') [default: source].")
+        str | None, Opt(help="JSONL of text: the field naming the source, else repo (default: source).")
     ] = None,
-    bootstrap: Annotated[int | None, Opt(help="Bootstrap resamples per interval [default: 1000].")] = None,
-    seed: Annotated[int | None, Opt(help="Seed of the bootstrap and of --max-sequences [default: 0].")] = None,
+    bootstrap: Annotated[int | None, Opt(help="Bootstrap resamples per interval (default: 1000).")] = None,
+    seed: Annotated[int | None, Opt(help="Seed of the bootstrap and of --max-sequences (default: 0).")] = None,
     base_cache: Annotated[
         bool | None,
-        Opt("--base-cache/--no-base-cache", help="Reuse/store the base pass in WORKSPACE/cache [default: on]."),
+        Opt("--base-cache/--no-base-cache", help="Reuse/store the base pass in WORKSPACE/cache (default: on)."),
     ] = None,
     plots: Annotated[
-        bool | None, Opt("--plots/--no-plots", help="PNG plots (needs matplotlib) [default: when installed].")
+        bool | None, Opt("--plots/--no-plots", help="PNG plots, needs matplotlib (default: when it is installed).")
+    ] = None,
+    resident: Annotated[
+        bool | None,
+        Opt(
+            "--resident/--streaming",
+            help="Dequantize all experts once (fast; full-size memory) or the routed ones per forward (4-bit "
+            "memory) (default: once when they fit in half the free memory).",
+        ),
     ] = None,
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = None,
@@ -89,6 +97,7 @@ def command(
             "seed": seed,
             "base_cache": base_cache,
             "plots": plots,
+            "resident": resident,
             "device": device,
             "overwrite": overwrite or None,
         },
@@ -122,7 +131,7 @@ def _print_summary(console, manifest, path: Path) -> None:
             cells += [f"{r.tuned.ppl:.2f}", f"[{style}]{delta}[/{style}]" if style else delta]
         else:
             cells.append(f"[{r.base.ppl_ci[0]:.3f}, {r.base.ppl_ci[1]:.3f}]" if r.base.ppl_ci else "(n < 2)")
-        table.add_row(*cells, end_section=r.source == "all")
+        table.add_row(*cells, end_section=r.overall)
     console.print(table)
 
     drift = Table(title="routing drift per MoE layer", title_justify="left")

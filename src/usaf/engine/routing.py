@@ -14,7 +14,6 @@ Drift definitions (documented in docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ class RoutingCapture:
 
         with RoutingCapture(loaded.experts) as capture:
             model(input_ids, attention_mask=mask)
-            sets = capture.take(mask)  # {layer: (n_real, k) int16}
+            sets = capture.take(mask)  # {layer: (n_real, k) uint8/int16}
     """
 
     def __init__(self, experts: Mapping[int, LayerExperts]) -> None:
@@ -48,12 +47,13 @@ class RoutingCapture:
         self._pending.clear()
 
     def _sink(self, layer: int, top_k_index: torch.Tensor) -> None:
-        # Sorted, so a set compares equal whatever order the router listed it in; int16 holds any expert
-        # count a real model has (<= 32767) at a quarter of int64's bytes (the base cache stores these).
-        self._pending.setdefault(layer, []).append(top_k_index.detach().sort(dim=-1).values.to("cpu", torch.int16))
+        # Sorted, so a set compares equal whatever order the router listed it in. Stored small (uint8 up to 256
+        # experts, else int16): a pass keeps k of them per token and layer, and the base cache stores them.
+        dtype = torch.uint8 if self.experts[layer].num_experts <= 256 else torch.int16
+        self._pending.setdefault(layer, []).append(top_k_index.detach().sort(dim=-1).values.to("cpu", dtype))
 
     def take(self, attention_mask: torch.Tensor) -> dict[int, torch.Tensor]:
-        """The sets recorded since the last call, ``{layer: (n_real, k) int16}``, padding dropped.
+        """The sets recorded since the last call, ``{layer: (n_real, k)}`` uint8/int16, padding dropped.
 
         Args:
             attention_mask: ``(B, S)`` of the forward(s) since the last call, 1 on real tokens.
@@ -101,7 +101,3 @@ def changed_tokens(base: torch.Tensor, tuned: torch.Tensor) -> int:
     if base.shape != tuned.shape:
         raise ValueError(f"routing of different tokens: {tuple(base.shape)} vs {tuple(tuned.shape)}")
     return int((base != tuned).any(dim=-1).sum())
-
-
-def max_entropy(num_experts: int) -> float:
-    return math.log(num_experts) if num_experts > 0 else 0.0

@@ -54,6 +54,9 @@ class EvalConfig(StageConfig):
     seed: int = 0
     base_cache: bool = Field(True, description="Reuse/store the base pass under WORKSPACE/cache/eval-base.")
     plots: bool | None = Field(None, description="PNG plots [default: when matplotlib is installed].")
+    resident: bool | None = Field(
+        None, description="Dequantize all experts once (True) or per forward (False) [default: once if they fit]."
+    )
     device: str = "auto"
     overwrite: bool = False
 
@@ -74,6 +77,7 @@ class _Outcome:
     tuned: Any  # PassResult or None
     logit_change: float | None
     num_experts: dict[int, int]
+    resident: bool
 
 
 def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
@@ -107,7 +111,8 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     from usaf.engine.loading import load_quantized_model
     from usaf.stages.eval import cache
     from usaf.stages.eval.inputs import sequences_fingerprint
-    from usaf.stages.eval.passes import batches_of, run_pass
+    from usaf.stages.eval.passes import batches_of, make_resident, run_pass
+    from usaf.units import human_bytes
 
     sequences = [s for item in inputs for s in item.sequences]
     batches = batches_of(sequences, config.microbatch, pad)
@@ -121,6 +126,13 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         _refuse_empty_change(change, loaded.model)  # before a base pass that would be wasted
     input_tokens = sum(b.tokens for b in batches)
     base = cache.load(entry, key, sequences=len(sequences), input_tokens=input_tokens) if entry else None
+    resident = False
+    if base is None or change is not None:  # a pass will run
+        resident, nbytes = make_resident(loaded, backend, config.resident)
+        size = human_bytes(nbytes)
+        progress.note(
+            f"experts dequantized once ({size})" if resident else f"experts dequantized per forward (all: {size})"
+        )
     if base is not None:
         progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
     else:
@@ -136,7 +148,7 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         progress.note("no checkpoint: evaluating the base model only")
     return _Outcome(
         model_dir, model_fp, change, inputs, sequences, data_fp, key, entry, base, tuned, logit_change,
-        {layer: state.num_experts for layer, state in loaded.experts.items()},
+        {layer: state.num_experts for layer, state in loaded.experts.items()}, resident,
     )  # fmt: skip
 
 
@@ -238,6 +250,7 @@ def _write(config: EvalConfig, out: Path, backend, o: _Outcome, start: float, pr
             base_cache=str(o.cache_entry) if o.cache_entry is not None else None,
             base_cached=o.base.cached,
             max_logit_change=o.logit_change,
+            experts_resident=o.resident,
             inputs=[_input_summary(item) for item in o.inputs],
             rows=rows,
             routing=drift,
@@ -293,7 +306,6 @@ def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progre
         plot_curves,
         plot_load,
     )
-    from usaf.stages.eval.report import ALL
 
     if config.plots is False:
         return [], None
@@ -302,7 +314,7 @@ def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progre
         progress.note(note)
         return [], note
     (work / PLOTS_DIR).mkdir()
-    held = [r for r in rows if r.set == HELD_OUT and r.source == ALL]
+    held = [r for r in rows if r.set == HELD_OUT and r.overall]
     base_heldout = held[0].base.nll if held else None
     made = []
     if change is not None:

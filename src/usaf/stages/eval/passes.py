@@ -27,10 +27,37 @@ from usaf.stages.progress import Progress
 class PassResult:
     nll: torch.Tensor  # (N,) float64: summed NLL of each sequence's scored tokens
     tokens: torch.Tensor  # (N,) int64: scored tokens per sequence
-    routing: dict[int, torch.Tensor]  # MoE layer -> (n_real, k) int16 sorted top-k sets, sequences in order
+    routing: dict[int, torch.Tensor]  # MoE layer -> (n_real, k) uint8/int16 sorted top-k sets, sequences in order
     input_tokens: int  # real (unpadded) tokens run through the model
     seconds: float
     cached: bool = False
+
+
+RESIDENT_SHARE = 0.5  # of free memory the dequantized experts may take; the rest is for activations and logits
+
+
+def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
+    """Dequantize every layer's experts once (``True``) or keep dequantizing the routed ones per forward.
+
+    ``wanted``: ``True``/``False`` forces the choice; ``None`` dequantizes once when the full-size experts fit
+    in ``RESIDENT_SHARE`` of the device's free memory (host RAM on CPU). Inference needs no memory for
+    gradients or optimizer state, so a model that trains streamed often evaluates resident, several times
+    faster (docs/BENCHMARKS.md). Both give the same numbers: the same dequantization, done once or often.
+
+    Returns:
+        ``(resident, bytes)``: the choice and the bytes the dequantized experts take (or would take).
+    """
+    weights = [w for state in loaded.experts.values() for w in (state.gate_up, state.down)]
+    size = torch.empty(0, dtype=weights[0].compute_dtype).element_size() if weights else 0
+    needed = sum(w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights)
+    if wanted is None:
+        memory = backend.memory()
+        free = memory.host_available if backend.device.type == "cpu" else memory.device_free
+        wanted = free is not None and needed <= RESIDENT_SHARE * free
+    if wanted:
+        for weight in weights:
+            weight.make_resident(backend.device)
+    return wanted, needed
 
 
 def batches_of(sequences: Sequence[EvalSequence], microbatch: int, pad_id: int) -> list[Batch]:

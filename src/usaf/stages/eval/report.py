@@ -10,7 +10,7 @@ from usaf.artifacts.eval_report import Difference, Estimate, EvalSummary, LayerD
 from usaf.engine.routing import changed_tokens, expert_counts, load_summary
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalSequence
 from usaf.stages.eval.passes import PassResult
-from usaf.stages.eval.stats import CONFIDENCE, bootstrap_row, ppl, row_seed
+from usaf.stages.eval.stats import bootstrap_row, ppl, row_seed
 
 ALL = "all"
 
@@ -24,15 +24,15 @@ def result_rows(
     seed: int,
 ) -> list[ResultRow]:
     """One row per (set, source), then each set's overall row; sequences without scored tokens left out."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, bool, str], list[int]] = {}  # (set, overall, source) -> sequence indices
     for i, s in enumerate(sequences):
         if int(base.tokens[i]) > 0:
-            groups.setdefault((s.set, s.source), []).append(i)
-            groups.setdefault((s.set, ALL), []).append(i)
+            groups.setdefault((s.set, False, s.source), []).append(i)
+            groups.setdefault((s.set, True, ALL), []).append(i)  # a source may be called "all" too
     order = {DATA: 0, HELD_OUT: 1}
     rows = []
-    for set_name, source in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1] == ALL, k[1])):
-        idx = torch.tensor(groups[(set_name, source)])
+    for set_name, overall, source in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2])):
+        idx = torch.tensor(groups[(set_name, overall, source)])
         stats = bootstrap_row(
             base.nll[idx],
             tuned.nll[idx] if tuned is not None else None,
@@ -44,6 +44,7 @@ def result_rows(
             ResultRow(
                 set=set_name,
                 source=source,
+                overall=overall,
                 sequences=stats.sequences,
                 tokens=stats.tokens,
                 base=_estimate(stats.base_nll, stats.base_ci),
@@ -120,6 +121,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines.append(f"- checkpoint applied: max |Δ logit| on the first batch = {s.max_logit_change:.3g}")
     how = "reused from the cache" if s.base_cached else "computed"
     lines.append(f"- base pass: {how}" + (f" (`{s.base_cache}`)" if s.base_cache else " (cache off)"))
+    lines.append("- experts: " + ("dequantized once (resident)" if s.experts_resident else "dequantized per forward"))
     for item in s.inputs:
         lines.append(
             f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences, {item.tokens:,} scored tokens"
@@ -133,7 +135,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines += ["| set | source | sequences | tokens | base PPL | 95 % CI |", "|---|---|---:|---:|---:|---|"]
         for r in s.rows:
             lines.append(
-                f"| {r.set} | {_md(r.source)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
+                f"| {r.set} | {_source(r)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
                 f"{_plain_ci(r.base.ppl_ci)} |"
             )
     else:
@@ -144,7 +146,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         for r in s.rows:
             d = r.delta
             lines.append(
-                f"| {r.set} | {_md(r.source)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
+                f"| {r.set} | {_source(r)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
                 f"{r.tuned.ppl:.3f} | {d.ppl:+.3f} {fmt_ci(d.ppl_ci, 3)} | {d.nll:+.4f} {fmt_ci(d.nll_ci, 4)} |"
             )
     lines += ["", "## Routing drift", ""]
@@ -175,8 +177,6 @@ def _plain_ci(ci: list[float] | None) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "(n < 2)"
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-__all__ = ["ALL", "CONFIDENCE", "fmt_ci", "markdown", "result_rows", "routing_drift"]
+def _source(row) -> str:
+    """A source's name, escaped for a table cell; the overall row in bold."""
+    return "**all**" if row.overall else row.source.replace("|", "\\|")
