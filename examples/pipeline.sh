@@ -13,5 +13,6 @@ usaf tokenize "$stdlib/json" "$stdlib/textwrap.py" "$stdlib/shlex.py" --model "$
 usaf quantize "$USAF_WORKSPACE/tiny-moe" --method rtn
 usaf score --frac 0.05 --calib-samples 16
 usaf train --steps 20 --reselect-every 10 --lr 0.05
+usaf eval --max-sequences 64
 usaf export --base "$USAF_WORKSPACE/tiny-moe"
 usaf generate "def wrap(text):" --max-new-tokens 32

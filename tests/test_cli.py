@@ -8,8 +8,8 @@ import sys
 from helpers import invoke
 from usaf import __version__
 
-BUILT = {"tokenize", "quantize", "score", "train", "export", "generate", "inspect", "doctor", "tiny-model"}
-NOT_YET = {"eval", "demo", "plan"}
+BUILT = {"tokenize", "quantize", "score", "train", "eval", "export", "generate", "inspect", "doctor", "tiny-model"}
+NOT_YET = {"demo", "plan"}
 
 
 def test_help_lists_only_working_commands():
@@ -87,7 +87,7 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
 
 
 def test_the_example_pipeline_chains_every_stage_through_the_workspace(tmp_path):
-    """examples/pipeline.sh: tiny-model → tokenize → quantize → score → train → export → generate, no paths between."""
+    """examples/pipeline.sh: tiny-model → tokenize → quantize → score → train → eval → export → generate, no paths."""
     import json
     import os
     from pathlib import Path
@@ -97,7 +97,7 @@ def test_the_example_pipeline_chains_every_stage_through_the_workspace(tmp_path)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     proc = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for kind in ("tokens", "quantized_model", "plan", "run", "hf_export"):
+    for kind in ("tokens", "quantized_model", "plan", "run", "eval_report", "hf_export"):
         (artifact,) = (tmp_path / kind).iterdir()
         assert json.loads((artifact / "manifest.json").read_text())["kind"] == kind
     assert "newest made for this model" in proc.stderr

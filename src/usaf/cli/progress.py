@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -48,7 +49,7 @@ class RichProgress:
         self._progress.update(self._task, advance=amount, rate=rate)
 
     def note(self, message: str) -> None:
-        err.print(f"[dim]{message}[/dim]")
+        err.print(f"[dim]{escape(message)}[/dim]")  # messages hold paths and hints like usaf[plot]: not markup
 
     def finish(self) -> None:
         if self._progress is not None:

@@ -162,10 +162,15 @@ class LayerExperts(nn.Module):
         self.down = down
         self.num_experts = gate_up.shape[0]
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # since last reset
+        # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
+        # ``sink(layer, top_k_index (T, k))``. None costs nothing.
+        self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
 
     def record_load(self, top_k_index: torch.Tensor) -> torch.Tensor:
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]
         self.tokens_per_expert += counts.cpu()
+        if self.routing_sink is not None:
+            self.routing_sink(self.layer, top_k_index)
         return counts
 
 
@@ -190,7 +195,9 @@ def usaf_experts_forward(
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         y = y * top_k_weights[token_idx, k_pos, None]
-        out = out.index_add(0, token_idx, y.float())
+        # In place: the out-of-place index_add copies (T, H) per expert and measured 100x slower on CPU
+        # (torch 2.13); autograd is unaffected (index_add's backward saves only the index).
+        out.index_add_(0, token_idx, y.float())
     return out.to(hidden_states.dtype)
 
 

@@ -287,6 +287,16 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     return manifest, art.target
 
 
+def pack_corpus(corpus: Corpus, config: TokenizeConfig, tokenizer: Any, progress: Progress) -> list[Sequence]:
+    """Tokenize and pack ``corpus`` exactly as :func:`run` does, returning the sequences (no split, no files).
+
+    ``usaf eval`` uses it for raw-text inputs, so text it evaluates is packed like text it trained on.
+    """
+    sequences: list[Sequence] = []
+    _tokenize_corpus(corpus, config, tokenizer, set(), _Totals(), sequences.append, progress)
+    return sequences
+
+
 def _tokenize_corpus(
     corpus: Corpus,
     config: TokenizeConfig,

@@ -1,0 +1,349 @@
+"""``usaf eval``: the base and the fine-tuned model on the same sequences, with intervals and routing drift.
+
+1. Resolve the quantized model and the checkpoint (a run, an unfinished run or one checkpoint) and check
+   that the checkpoint was trained on this model; read the sequences (``resolve``, ``inputs``).
+2. Base pass on the quantized model as loaded (``passes``), unless the workspace's cache has it
+   (``cache``: keyed by model, sequences and how they are run, never by the checkpoint).
+3. Apply the change in a ``SparseEngine`` and check that the logits of the first batch moved (the
+   original tool's eval never applied its checkpoint and nobody noticed); fine-tuned pass.
+4. Per-source and per-set rows with bootstrap intervals (``stats``), routing drift, ``report.json``,
+   ``report.md`` and plots (``plots``), written atomically as an ``eval_report`` artifact.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from usaf.artifacts import (
+    ArtifactWriter,
+    EvalReportManifest,
+    InputRecord,
+    current_environment,
+    default_output,
+    workspace_dir,
+)
+from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
+from usaf.config import StageConfig
+from usaf.errors import UsafError
+from usaf.stages.eval.stats import CONFIDENCE
+from usaf.stages.progress import NullProgress, Progress
+
+
+class EvalConfig(StageConfig):
+    """Settings of ``usaf eval`` (each also ``USAF_<NAME>`` and an ``[eval]`` TOML key)."""
+
+    model: Path | None = Field(None, description="Quantized model directory.")
+    checkpoint: Path | None = Field(None, description="Run directory, unfinished run or checkpoints/step-N.")
+    data: list[Path] = Field(default_factory=list, description="In-domain sequences (a tokens dir: train.jsonl).")
+    held_out: list[Path] = Field(default_factory=list, description="Held-out sequences (a tokens dir: heldout.jsonl).")
+    out: Path | None = None
+    workspace: Path | None = None
+    microbatch: int = Field(8, ge=1, description="Sequences per forward.")
+    max_sequences: int | None = Field(None, ge=1, description="A seeded sample of this many sequences per input.")
+    # Raw-text inputs only (None = not given; refused when every input is already tokenized):
+    seq_len: int | None = Field(None, ge=2, description="Tokens per packed sequence [default: 512, or less].")
+    source_depth: int | None = Field(None, ge=0, description="Path components naming a source [default: 1].")
+    text_field: str | None = Field(None, min_length=1, description="JSONL text field [default: text].")
+    source_field: str | None = Field(None, min_length=1, description="JSONL source field [default: source].")
+    bootstrap: int = Field(1000, ge=100, description="Bootstrap resamples per interval.")
+    seed: int = 0
+    base_cache: bool = Field(True, description="Reuse/store the base pass under WORKSPACE/cache/eval-base.")
+    plots: bool | None = Field(None, description="PNG plots [default: when matplotlib is installed].")
+    resident: bool | None = Field(
+        None, description="Dequantize all experts once (True) or per forward (False) [default: once if they fit]."
+    )
+    device: str = "auto"
+    overwrite: bool = False
+
+
+@dataclass
+class _Outcome:
+    """What the passes produced, for the report."""
+
+    model_dir: Path
+    model_fingerprint: str
+    change: Any  # usaf.artifacts.run.TrainedChange, or None (base only)
+    inputs: list  # [EvalInput]
+    sequences: list  # [EvalSequence], inputs in order
+    data_fingerprint: str
+    cache_key: str
+    cache_entry: Path | None
+    base: Any  # PassResult
+    tuned: Any  # PassResult or None
+    logit_change: float | None
+    num_experts: dict[int, int]
+    resident: bool
+
+
+def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
+    """Evaluate and write the report; returns its manifest and directory."""
+    from usaf.backends import resolve_backend
+    from usaf.data.tokenizer import load_tokenizer, max_sequence_length
+    from usaf.stages.eval.plots import INSTALL_HINT, matplotlib_available
+    from usaf.stages.eval.resolve import model_and_change, read_inputs
+
+    progress = progress or NullProgress()
+    start = time.perf_counter()
+    workspace = workspace_dir(config.workspace)
+    if config.plots and not matplotlib_available():
+        raise UsafError("--plots: matplotlib is not installed", f"{INSTALL_HINT}, or pass --no-plots")
+    model_dir, model_manifest, change = model_and_change(config, workspace, progress)
+    tokenizer = load_tokenizer(str(model_dir), flag="--model")
+    out = config.out or default_output(workspace, EvalReportManifest.KIND, _label(model_dir, change))
+    ArtifactWriter(out, overwrite=config.overwrite).check_target()
+    context = max_sequence_length(str(model_dir), tokenizer)
+    inputs = read_inputs(config, workspace, model_dir, change, tokenizer, context, progress)
+    backend = resolve_backend(None if config.device == "auto" else config.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    outcome = _evaluate(
+        config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress
+    )
+    return _write(config, out, backend, outcome, start, progress)
+
+
+def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress) -> _Outcome:
+    """The base pass (or its cached result) and the fine-tuned pass over the same batches."""
+    from usaf.engine.loading import load_quantized_model
+    from usaf.stages.eval import cache
+    from usaf.stages.eval.inputs import sequences_fingerprint
+    from usaf.stages.eval.passes import batches_of, make_resident, run_pass
+    from usaf.units import human_bytes
+
+    sequences = [s for item in inputs for s in item.sequences]
+    batches = batches_of(sequences, config.microbatch, pad)
+    data_fp = sequences_fingerprint(sequences)
+    key_parts = _cache_key_parts(model_fp, data_fp, config.microbatch, backend)
+    key = cache.cache_key(key_parts)
+    entry = cache.entry_dir(workspace, key) if config.base_cache else None
+
+    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
+    if change is not None:
+        _refuse_empty_change(change, loaded.model)  # before a base pass that would be wasted
+    input_tokens = sum(b.tokens for b in batches)
+    base = cache.load(entry, key, sequences=len(sequences), input_tokens=input_tokens) if entry else None
+    resident = False
+    if base is None or change is not None:  # a pass will run
+        resident, nbytes = make_resident(loaded, backend, config.resident)
+        size = human_bytes(nbytes)
+        progress.note(
+            f"experts dequantized once ({size})" if resident else f"experts dequantized per forward (all: {size})"
+        )
+    if base is not None:
+        progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
+    else:
+        base = run_pass(loaded.model, loaded.experts, batches, device=backend.device, progress=progress,
+                        description="base model")  # fmt: skip
+        if entry is not None:
+            cache.save(entry, key, key_parts, base)
+            progress.note(f"base pass: computed and cached in {entry}")
+    tuned, logit_change = None, None
+    if change is not None:
+        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress)
+    else:
+        progress.note("no checkpoint: evaluating the base model only")
+    return _Outcome(
+        model_dir, model_fp, change, inputs, sequences, data_fp, key, entry, base, tuned, logit_change,
+        {layer: state.num_experts for layer, state in loaded.experts.items()}, resident,
+    )  # fmt: skip
+
+
+def _label(model_dir: Path, change) -> str:
+    return change.source.name if change is not None else f"{model_dir.name}-base"
+
+
+def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend) -> dict:
+    import torch
+    import transformers
+
+    from usaf._version import __version__
+
+    return {
+        "model": model_fp,
+        "sequences": data_fp,
+        "microbatch": microbatch,
+        "device": backend.device.type,
+        "dtype": str(backend.policy.compute).removeprefix("torch."),
+        "usaf": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+# -- the fine-tuned pass ----------------------------------------------------------------------------------
+
+
+def _refuse_empty_change(change, model) -> None:
+    """A checkpoint whose deltas are all zero and whose routers equal the model's changes nothing: say so."""
+    import torch
+
+    if any(bool(values.ne(0).any()) for _, values in change.deltas.values()):
+        return
+    for name, weight in change.routers.items():
+        try:
+            base = model.get_parameter(name)
+        except AttributeError:
+            return  # not this model's router: apply_change will name it
+        if not torch.equal(weight.float(), base.detach().float().cpu()):
+            return
+    raise UsafError(
+        f"--checkpoint {change.source}: changes nothing (its {change.expert_entries:,} delta values are all zero "
+        "and its routers equal the base model's): the fine-tuned model would be the base model",
+        "pass a checkpoint of a run that trained (check its loss in metrics.jsonl)",
+    )
+
+
+def _tuned_pass(loaded, change, batches, backend, progress: Progress):
+    """Apply the change in an engine, prove it moved the logits, and run the same batches through it."""
+    import torch
+
+    from usaf.engine.engine import SparseEngine
+    from usaf.stages.eval.passes import batch_logits, run_pass
+
+    try:
+        engine = SparseEngine(loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers))
+        before = batch_logits(engine.model, batches[0], backend.device)  # (B, S, V) of the engine without change
+        engine.apply_change(change)
+    except (ValueError, KeyError) as e:
+        raise UsafError(
+            f"--checkpoint {change.source}: does not fit this model ({e})", "pass a matching --model"
+        ) from None
+    after = batch_logits(engine.model, batches[0], backend.device)
+    mask = batches[0].attention_mask.to(backend.device).bool()  # compare real positions only
+    moved = float((after.float() - before.float()).abs()[mask].max())
+    if moved == 0.0:
+        raise UsafError(
+            f"--checkpoint {change.source}: applying it leaves the logits unchanged although its deltas or "
+            "routers differ from the base model: the change is not reaching the forward (a bug in usaf)",
+            "report this with the checkpoint; its evaluation would be the base model's",
+        )
+    del before, after
+    with torch.no_grad():
+        tuned = run_pass(engine.model, loaded.experts, batches, device=backend.device, progress=progress,
+                         description="fine-tuned model")  # fmt: skip
+    return tuned, moved
+
+
+# -- the report -------------------------------------------------------------------------------------------
+
+
+def _write(config: EvalConfig, out: Path, backend, o: _Outcome, start: float, progress: Progress):
+    """Rows, drift, plots, ``report.json``/``report.md`` and the manifest, committed atomically."""
+    from usaf.stages.eval.report import markdown, result_rows, routing_drift
+
+    rows = result_rows(o.sequences, o.base, o.tuned, samples=config.bootstrap, seed=config.seed)
+    drift = routing_drift(o.base, o.tuned, o.num_experts)
+    with ArtifactWriter(out, overwrite=config.overwrite) as art:
+        plots, plots_note = _plots(config, art.dir, o.change, drift, rows, progress)
+        change = o.change
+        summary = EvalSummary(
+            model_fingerprint=o.model_fingerprint,
+            checkpoint=str(change.source) if change is not None else None,
+            checkpoint_fingerprint=change.fingerprint if change is not None else None,
+            trainable_layers=list(change.trainable_layers) if change is not None else [],
+            data_fingerprint=o.data_fingerprint,
+            base_cache_key=o.cache_key,
+            base_cache=str(o.cache_entry) if o.cache_entry is not None else None,
+            base_cached=o.base.cached,
+            max_logit_change=o.logit_change,
+            experts_resident=o.resident,
+            inputs=[_input_summary(item) for item in o.inputs],
+            rows=rows,
+            routing=drift,
+            bootstrap_samples=config.bootstrap,
+            confidence=CONFIDENCE,
+            seed=config.seed,
+            base_pass=_pass_summary(o.base, len(o.sequences)),
+            tuned_pass=_pass_summary(o.tuned, len(o.sequences)) if o.tuned is not None else None,
+            plots=plots,
+            plots_note=plots_note,
+            seconds=time.perf_counter() - start,
+        )
+        (art.dir / REPORT_JSON).write_text(summary.model_dump_json(indent=1) + "\n", encoding="utf-8")
+        (art.dir / REPORT_MD).write_text(markdown(summary, model=str(o.model_dir)), encoding="utf-8")
+        manifest = art.commit(
+            EvalReportManifest,
+            inputs=_input_records(o),
+            config=config.model_dump(mode="json"),
+            environment=current_environment(
+                backend=backend.name,
+                device=str(backend.device),
+                dtype=str(backend.policy.compute).removeprefix("torch."),
+                seed=config.seed,
+            ),
+            summary=summary,
+        )
+    return manifest, art.target
+
+
+def _input_records(o: _Outcome) -> list[InputRecord]:
+    records = [
+        InputRecord(role="model", kind="quantized_model", path=str(o.model_dir), fingerprint=o.model_fingerprint)
+    ]
+    if o.change is not None:
+        records.append(
+            InputRecord(role="checkpoint", kind="run", path=str(o.change.source), fingerprint=o.change.fingerprint)
+        )
+    records += [
+        InputRecord(role=item.set, kind=item.kind, path=str(item.path), fingerprint=item.fingerprint)
+        for item in o.inputs
+    ]
+    return records
+
+
+def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progress) -> tuple[list[str], str | None]:
+    from usaf.artifacts.run import METRICS_FILE
+    from usaf.stages.eval.inputs import HELD_OUT
+    from usaf.stages.eval.plots import (
+        CURVES_FILE,
+        INSTALL_HINT,
+        LOAD_FILE,
+        matplotlib_available,
+        plot_curves,
+        plot_load,
+    )
+
+    if config.plots is False:
+        return [], None
+    if not matplotlib_available():
+        note = f"plots skipped: matplotlib is not installed ({INSTALL_HINT})"
+        progress.note(note)
+        return [], note
+    (work / PLOTS_DIR).mkdir()
+    held = [r for r in rows if r.set == HELD_OUT and r.overall]
+    base_heldout = held[0].base.nll if held else None
+    made = []
+    if change is not None:
+        run_dir = change.source if (change.source / METRICS_FILE).is_file() else change.source.parent.parent
+        metrics = run_dir / METRICS_FILE
+        if metrics.is_file() and plot_curves(metrics, work / PLOTS_DIR / CURVES_FILE, base_heldout=base_heldout):
+            made.append(f"{PLOTS_DIR}/{CURVES_FILE}")
+    plot_load(drift, work / PLOTS_DIR / LOAD_FILE)
+    made.append(f"{PLOTS_DIR}/{LOAD_FILE}")
+    return made, None
+
+
+def _input_summary(item) -> InputSummary:
+    return InputSummary(
+        set=item.set,
+        flag=item.flag,
+        path=str(item.path),
+        kind=item.kind,
+        fingerprint=item.fingerprint,
+        sequences=len(item.sequences),
+        tokens=sum(s.scored for s in item.sequences),
+    )
+
+
+def _pass_summary(result, sequences: int) -> PassSummary:
+    return PassSummary(
+        sequences=sequences,
+        input_tokens=result.input_tokens,
+        seconds=result.seconds,
+        tokens_per_s=result.input_tokens / max(result.seconds, 1e-9),
+        cached=result.cached,
+    )

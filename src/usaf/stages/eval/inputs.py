@@ -1,0 +1,176 @@
+"""What ``usaf eval`` evaluates: sequences from tokens artifacts, tokens JSONL, or raw text tokenized on the fly.
+
+Each ``--data`` / ``--held-out`` path becomes a list of :class:`EvalSequence` tagged with its set and
+source. A tokens directory gives its ``train.jsonl`` for ``--data`` and its ``heldout.jsonl`` for
+``--held-out``; a JSONL file whose first line has ``input_ids`` is read as tokens; anything else (text
+files, directories, JSONL of text or chat) goes through ``usaf tokenize``'s own discovery, sources and
+packing (``usaf.stages.tokenize.pack_corpus``), so held-out text is cut the way training text was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from usaf.artifacts import TokensManifest, load_verified
+from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE
+from usaf.data.jsonl import iter_jsonl_objects
+from usaf.data.packing import IGNORE_INDEX
+from usaf.data.tokens import iter_token_file
+from usaf.errors import UsafError
+from usaf.stages.progress import Progress
+
+DATA, HELD_OUT = "data", "held-out"  # the two sets, named after their flags
+FLAGS = {DATA: "--data", HELD_OUT: "--held-out"}
+
+
+@dataclass(frozen=True)
+class EvalSequence:
+    set: str
+    source: str
+    input_ids: list[int]
+    labels: list[int]  # unshifted (Hugging Face convention); -100 = not scored
+
+    @property
+    def scored(self) -> int:
+        """Tokens with a loss: label positions 1.. (position 0 predicts nothing) not -100."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class EvalInput:
+    set: str
+    path: Path
+    kind: str  # "tokens" (artifact), "tokens-jsonl", "text"
+    fingerprint: str
+    sequences: list[EvalSequence]
+
+    @property
+    def flag(self) -> str:
+        return FLAGS[self.set]
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """How raw text is packed: ``usaf tokenize``'s settings of the same names."""
+
+    model: str
+    seq_len: int
+    source_depth: int
+    text_field: str
+    source_field: str
+
+
+def read_input(
+    path: Path,
+    set_name: str,
+    *,
+    tokenizer: Any,
+    tokenizer_fingerprint: str,
+    context: int | None,
+    text: TextSettings,
+    max_sequences: int | None,
+    seed: int,
+    progress: Progress,
+) -> EvalInput:
+    """One ``--data``/``--held-out`` path as sequences, validated (vocabulary, length, non-empty)."""
+    flag = FLAGS[set_name]
+    if not path.exists():
+        raise UsafError(f"{flag} {path}: no such file or directory", "pass a tokens directory, JSONL or text files")
+    vocab = len(tokenizer)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        manifest = load_verified(path, TokensManifest, flag=flag)
+        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
+            raise UsafError(
+                f"{flag} {path}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path})",
+                "re-run usaf tokenize with --model pointing at this model",
+            )
+        file = path / (TRAIN_FILE if set_name == DATA else HELDOUT_FILE)
+        lines = _token_lines(file, set_name, vocab, context)
+        kind, fingerprint = "tokens", manifest.fingerprint
+    elif path.is_file() and _is_tokens_jsonl(path):
+        lines = _token_lines(path, set_name, vocab, context)
+        kind, fingerprint = "tokens-jsonl", sha256_file(path)
+    else:
+        lines = iter(_pack_text(path, set_name, tokenizer, text, progress))
+        kind, fingerprint = "text", ""
+    sequences = _sample(lines, max_sequences, seed) if max_sequences else list(lines)
+    if not sequences:
+        where = file if kind == "tokens" else path
+        raise UsafError(
+            f"{flag} {where}: holds no sequences",
+            "tokenize with --held-out SOURCE for a held-out split" if kind == "tokens" else "pass a non-empty input",
+        )
+    if kind == "text":  # what was evaluated is the packed text: fingerprint that
+        fingerprint = sequences_fingerprint(sequences)
+    return EvalInput(set_name, path, kind, fingerprint, sequences)
+
+
+def _is_tokens_jsonl(path: Path) -> bool:
+    """A ``.jsonl`` file whose first object holds ``input_ids`` (an empty one counts: it is reported empty)."""
+    if not path.name.endswith(".jsonl"):
+        return False
+    for _, obj, _ in iter_jsonl_objects(path):
+        return "input_ids" in obj
+    return True
+
+
+def _token_lines(file: Path, set_name: str, vocab: int, context: int | None) -> Iterator[EvalSequence]:
+    for line in iter_token_file(file, vocab_size=vocab):
+        if context is not None and len(line.input_ids) > context:
+            raise UsafError(
+                f"{file}:{line.line}: {len(line.input_ids)} tokens, longer than the model's context of {context} "
+                "(max_position_embeddings)",
+                f"re-tokenize with --seq-len {context} or less",
+            )
+        yield EvalSequence(set_name, line.source, line.input_ids, line.labels)
+
+
+def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, progress: Progress) -> list[EvalSequence]:
+    from usaf.data.corpus import discover
+    from usaf.stages.tokenize import TokenizeConfig, pack_corpus
+
+    flag = FLAGS[set_name]
+    corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth)
+    if not corpus.files:
+        raise UsafError(f"{flag} {path}: no text or JSONL files (binary files are skipped)", "check the path")
+    config = TokenizeConfig(
+        inputs=[path],
+        model=text.model,
+        seq_len=text.seq_len,
+        source_depth=text.source_depth,
+        text_field=text.text_field,
+        source_field=text.source_field,
+        decode_errors="replace",  # eval reports on what it can read; one odd byte should not stop it
+    )
+    return [
+        EvalSequence(set_name, s.source, s.input_ids, s.labels)
+        for s in pack_corpus(corpus, config, tokenizer, progress)
+    ]
+
+
+def _sample(items: Iterable[EvalSequence], count: int, seed: int) -> list[EvalSequence]:
+    """``count`` items uniformly at random in one pass (reservoir), kept in input order."""
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, EvalSequence]] = []
+    for seen, item in enumerate(items):
+        if len(reservoir) < count:
+            reservoir.append((seen, item))
+        elif (j := rng.randrange(seen + 1)) < count:
+            reservoir[j] = (seen, item)
+    return [item for _, item in sorted(reservoir, key=lambda pair: pair[0])]
+
+
+def sequences_fingerprint(sequences: Iterable[EvalSequence]) -> str:
+    """sha256 over what is evaluated: each sequence's set, source, ids and labels, in order."""
+    digest = hashlib.sha256()
+    for s in sequences:
+        digest.update(json.dumps([s.set, s.source, s.input_ids, s.labels], separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()

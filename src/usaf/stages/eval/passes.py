@@ -1,0 +1,124 @@
+"""One evaluation pass: every sequence through the model, per-sequence summed NLL and per-token routing.
+
+Base and fine-tuned passes run the same code over the same sequences in the same microbatches, so their
+per-sequence results pair up (for the paired bootstrap) and their routing lines up token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from usaf.data.batches import Batch, collate
+from usaf.data.packing import IGNORE_INDEX
+from usaf.data.tokens import TokenLine
+from usaf.engine.experts import LayerExperts
+from usaf.engine.routing import RoutingCapture
+from usaf.stages.eval.inputs import EvalSequence
+from usaf.stages.progress import Progress
+
+
+@dataclass
+class PassResult:
+    nll: torch.Tensor  # (N,) float64: summed NLL of each sequence's scored tokens
+    tokens: torch.Tensor  # (N,) int64: scored tokens per sequence
+    routing: dict[int, torch.Tensor]  # MoE layer -> (n_real, k) uint8/int16 sorted top-k sets, sequences in order
+    input_tokens: int  # real (unpadded) tokens run through the model
+    seconds: float
+    cached: bool = False
+
+
+RESIDENT_SHARE = 0.5  # of free memory the dequantized experts may take; the rest is for activations and logits
+
+
+def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
+    """Dequantize every layer's experts once (``True``) or keep dequantizing the routed ones per forward.
+
+    ``wanted``: ``True``/``False`` forces the choice; ``None`` dequantizes once when the full-size experts fit
+    in ``RESIDENT_SHARE`` of the device's free memory (host RAM on CPU). Inference needs no memory for
+    gradients or optimizer state, so a model that trains streamed often evaluates resident, several times
+    faster (docs/BENCHMARKS.md). Both give the same numbers: the same dequantization, done once or often.
+
+    Returns:
+        ``(resident, bytes)``: the choice and the bytes the dequantized experts take (or would take).
+    """
+    weights = [w for state in loaded.experts.values() for w in (state.gate_up, state.down)]
+    size = torch.empty(0, dtype=weights[0].compute_dtype).element_size() if weights else 0
+    needed = sum(w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights)
+    if wanted is None:
+        memory = backend.memory()
+        free = memory.host_available if backend.device.type == "cpu" else memory.device_free
+        wanted = free is not None and needed <= RESIDENT_SHARE * free
+    if wanted:
+        for weight in weights:
+            weight.make_resident(backend.device)
+    return wanted, needed
+
+
+def batches_of(sequences: Sequence[EvalSequence], microbatch: int, pad_id: int) -> list[Batch]:
+    """Right-padded microbatches in input order (the pairing of the two passes depends on it)."""
+    lines = [TokenLine(i, s.input_ids, s.labels, s.source) for i, s in enumerate(sequences)]
+    return [collate(lines[i : i + microbatch], pad_id) for i in range(0, len(lines), microbatch)]
+
+
+@torch.no_grad()
+def batch_logits(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """``(B, S, V)`` logits of one batch."""
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False)
+    return out.logits
+
+
+@torch.no_grad()
+def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL and scored-token count per sequence: ``(B,)`` float64 and ``(B,)`` int64.
+
+    The same arithmetic as ``SparseEngine.loss`` (position t predicts label t+1, -100 ignored, fp32
+    cross-entropy), kept per sequence instead of averaged over the batch.
+    """
+    targets = labels[:, 1:].to(logits.device)  # (B, S-1)
+    nll = torch.empty(logits.shape[0], dtype=torch.float64)
+    for i in range(logits.shape[0]):  # one row at a time: an (S-1, V) fp32 temporary, not (B, S-1, V)
+        nll[i] = float(F.cross_entropy(logits[i, :-1].float(), targets[i], ignore_index=IGNORE_INDEX, reduction="sum"))
+    return nll, (targets != IGNORE_INDEX).sum(dim=1).cpu()
+
+
+def run_pass(
+    model: nn.Module,
+    experts: Mapping[int, LayerExperts],
+    batches: Sequence[Batch],
+    *,
+    device: torch.device,
+    progress: Progress,
+    description: str,
+) -> PassResult:
+    """Evaluate every batch; progress counts sequences (and tokens per second)."""
+    nll, tokens, routing = [], [], {layer: [] for layer in experts}
+    seen = 0
+    progress.start(description, sum(len(b.input_ids) for b in batches), "sequences")
+    start = time.perf_counter()
+    try:
+        with RoutingCapture(experts) as capture:
+            for batch in batches:
+                logits = batch_logits(model, batch, device)
+                sums, counts = sequence_nll(logits, batch.labels)
+                nll.append(sums)
+                tokens.append(counts)
+                for layer, sets in capture.take(batch.attention_mask).items():
+                    routing[layer].append(sets)
+                seen += batch.tokens
+                progress.advance(len(batch.input_ids), tokens=seen)
+    finally:
+        progress.finish()
+    seconds = time.perf_counter() - start
+    return PassResult(
+        torch.cat(nll),
+        torch.cat(tokens),
+        {layer: torch.cat(parts) for layer, parts in routing.items()},
+        seen,
+        seconds,
+    )

@@ -1,0 +1,115 @@
+"""PNG plots of a report (the ``plot`` extra: matplotlib): training curves and expert load before/after.
+
+matplotlib is imported only here, only when plots are made, with the non-interactive Agg backend (no
+display needed, nothing opens a window).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from usaf.artifacts.eval_report import LayerDrift
+
+CURVES_FILE = "training_curves.png"
+LOAD_FILE = "expert_load.png"
+INSTALL_HINT = "pip install 'usaf[plot]' (matplotlib)"
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """``(step, loss)`` of training steps and ``(step, eval_loss)`` from a run's ``metrics.jsonl``.
+
+    Lines that are not step or eval records (reselections) or not JSON (a line cut by a crash) are skipped:
+    the plot shows what the run logged.
+    """
+    train, held = [], []
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or "step" not in record:
+            continue
+        if "eval_loss" in record and record["eval_loss"] is not None:
+            held.append((int(record["step"]), float(record["eval_loss"])))
+        elif "loss" in record and not record.get("skipped", False):
+            train.append((int(record["step"]), float(record["loss"])))
+    return train, held
+
+
+def plot_curves(metrics: Path, out: Path, *, base_heldout: float | None = None) -> bool:
+    """Training loss per step and held-out loss; ``False`` when the run logged no step.
+
+    ``base_heldout``: the base model's held-out NLL from this eval, drawn as the line to beat (it is on the
+    same scale as the run's held-out loss only when the held-out sets are the same, as the label says).
+    """
+    train, held = read_metrics(metrics)
+    if not train and not held:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="training loss (per step)", linewidth=1)
+    if held:
+        ax.plot(*zip(*held), "o-", label="held-out loss", linewidth=1.5)
+    if base_heldout is not None:
+        ax.axhline(base_heldout, color="gray", linestyle="--", linewidth=1, label="base model, this eval's held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(f"training curves: {metrics.parent.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_load(routing: list[LayerDrift], out: Path) -> None:
+    """Expert-load shares per layer (rows) and expert (columns): base, fine-tuned, and their difference."""
+    import torch
+
+    plt = _pyplot()
+    experts = max(d.experts for d in routing)
+
+    def shares(counts: list[list[int]]):
+        grid = torch.zeros(len(counts), experts, dtype=torch.float64)  # (layers, E)
+        for i, row in enumerate(counts):
+            c = torch.tensor(row, dtype=torch.float64)
+            grid[i, : c.numel()] = c / max(float(c.sum()), 1.0)
+        return grid.numpy()
+
+    panels = [("base", shares([d.base_tokens_per_expert for d in routing]))]
+    if routing[0].tuned_tokens_per_expert is not None:
+        tuned = shares([d.tuned_tokens_per_expert for d in routing])
+        panels += [("fine-tuned", tuned), ("fine-tuned − base", tuned - panels[0][1])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 1.2 + 0.35 * len(routing)), squeeze=False)
+    top = max(float(p.max()) for _, p in panels[:2])
+    for ax, (title, grid) in zip(axes[0], panels):
+        if title.endswith("base") and "−" in title:
+            bound = max(float(abs(grid).max()), 1e-9)
+            image = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=-bound, vmax=bound, interpolation="nearest")
+        else:
+            image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
+        ax.set_title(f"expert load share: {title}", fontsize=9)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+        ax.set_yticks(range(len(routing)), [str(d.layer) for d in routing])
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

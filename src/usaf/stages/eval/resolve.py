@@ -1,0 +1,129 @@
+"""Which model, checkpoint and sequences ``usaf eval`` evaluates: flags first, then the workspace's newest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from usaf.artifacts import (
+    QuantizedModelManifest,
+    RunManifest,
+    TokensManifest,
+    find_artifacts,
+    load_verified,
+    pick_latest,
+)
+from usaf.errors import UsafError
+from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
+from usaf.stages.progress import Progress
+
+DEFAULT_SEQ_LEN = 512  # raw text packing: usaf tokenize's default (capped by the model's context)
+TEXT_FLAGS = ("seq_len", "source_depth", "text_field", "source_field")  # settings of raw-text inputs only
+
+
+def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[Path, Any, Any]:
+    """The quantized model and the change to evaluate (``None``: base only); refuses a foreign checkpoint.
+
+    No ``--model`` and no ``--checkpoint``: the workspace's newest model and the newest finished run made
+    for it (base only when there is none). ``--checkpoint`` alone: the newest model it was trained on.
+    ``--model`` alone: base only.
+    """
+    from usaf.artifacts.run import load_trained_change
+    from usaf.stages.score import resolve_model
+
+    change = load_trained_change(config.checkpoint, flag="--checkpoint") if config.checkpoint is not None else None
+    if config.model is not None or change is None:
+        model_dir, manifest = resolve_model(config, progress)
+    else:
+        found = pick_latest(
+            workspace,
+            QuantizedModelManifest,
+            flag="--model",
+            accept=lambda m: m.fingerprint == change.model_fingerprint,
+            wanted=" that --checkpoint was trained on",
+        )
+        model_dir, manifest = found.path, found.manifest
+        progress.note(f"using the quantized model {model_dir} (the one --checkpoint was trained on)")
+    if config.model is None and config.checkpoint is None:
+        runs = [
+            f
+            for f in find_artifacts(workspace, RunManifest)
+            if f.manifest.summary.model_fingerprint == manifest.fingerprint
+        ]
+        if runs:
+            change = load_trained_change(runs[0].path, flag="--checkpoint")
+            progress.note(f"using the run {runs[0].path} (newest finished run for this model)")
+    if change is not None and change.model_fingerprint != manifest.fingerprint:
+        raise UsafError(
+            f"--checkpoint {config.checkpoint or change.source}: trained on the quantized model with fingerprint "
+            f"{change.model_fingerprint[:16]}, but --model {model_dir} has fingerprint {manifest.fingerprint[:16]}",
+            "pass the --model the run was trained on, or a checkpoint trained on this model",
+        )
+    return model_dir, manifest, change
+
+
+def read_inputs(
+    config: Any, workspace: Path, model_dir: Path, change: Any, tokenizer: Any, context: int | None, progress: Progress
+) -> list[EvalInput]:
+    """Every ``--data``/``--held-out`` path read into sequences (the workspace's tokens when neither is given).
+
+    Raw-text settings (``--seq-len`` ...) given without a raw-text input are refused, not ignored.
+    """
+    from usaf.data.tokenizer import tokenizer_fingerprint
+
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    data, held_out = list(config.data), list(config.held_out)
+    if not data and not held_out:
+        data, held_out = default_tokens(workspace, change, tok_fp, progress)
+    if context is not None and config.seq_len is not None and config.seq_len > context:
+        raise UsafError(
+            f"--seq-len {config.seq_len} exceeds the model's context of {context} tokens (max_position_embeddings)",
+            f"pass --seq-len {context} or less",
+        )
+    text = TextSettings(
+        model=str(model_dir),
+        seq_len=config.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN),
+        source_depth=1 if config.source_depth is None else config.source_depth,
+        text_field=config.text_field or "text",
+        source_field=config.source_field or "source",
+    )
+    inputs = []
+    for set_name, paths in ((DATA, data), (HELD_OUT, held_out)):
+        for path in paths:
+            inputs.append(
+                read_input(
+                    path,
+                    set_name,
+                    tokenizer=tokenizer,
+                    tokenizer_fingerprint=tok_fp,
+                    context=context,
+                    text=text,
+                    max_sequences=config.max_sequences,
+                    seed=config.seed,
+                    progress=progress,
+                )
+            )
+    given = [name for name in TEXT_FLAGS if getattr(config, name) is not None]
+    if given and not any(item.kind == "text" for item in inputs):
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsafError(
+            f"{flags}: settings of raw-text inputs, but every input is already tokenized",
+            "drop them, or pass text files/directories or JSONL of text",
+        )
+    return inputs
+
+
+def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> tuple[list[Path], list[Path]]:
+    """No --data/--held-out: the run's tokens if it is a finished run, else the newest for this tokenizer."""
+    run_data = None
+    if change is not None and (change.source / "manifest.json").is_file():
+        run_data = load_verified(change.source, RunManifest, flag="--checkpoint", hashes=False).summary.data_fingerprint
+    found = pick_latest(
+        workspace,
+        TokensManifest,
+        flag="--data",
+        accept=lambda m: m.summary.tokenizer.fingerprint == tok_fp and run_data in (None, m.fingerprint),
+        wanted=" the run trained on" if run_data else " made with this model's tokenizer",
+    )
+    progress.note(f"using the tokens {found.path} (train.jsonl as --data, heldout.jsonl as --held-out)")
+    return [found.path], [found.path] if found.manifest.summary.heldout_sequences else []

@@ -1,0 +1,282 @@
+"""``usaf eval``: base vs fine-tuned perplexity with bootstrap intervals, the base cache, routing drift,
+the checkpoint-applied check and bad inputs — on one tiny run trained through the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import invoke, leftovers
+from usaf.testing import stdlib_dir
+
+
+@pytest.fixture(scope="module")
+def trained(quantized, tmp_path_factory):
+    """A qwen3_moe run (layers 1-2 train, routers too) memorising textwrap.py; shlex.py held out."""
+    root = tmp_path_factory.mktemp("eval")
+    qdir = quantized("qwen3_moe", num_layers=3, tokenizer=True)
+    tokens, plan, run = root / "tokens", root / "plan", root / "run"
+    steps = [
+        ("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 32,
+         "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens),
+        ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8, "--train-from", 1,
+         "--no-stability", "--out", plan),
+        ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05, "--router-lr", 0.01,
+         "--steps", 16, "--reselect-every", 8, "--save-every", 8, "--eval-data", tokens),
+    ]  # fmt: skip
+    for args in steps:
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    return {"q": qdir, "tokens": tokens, "run": run, "workspace": root / "ws"}
+
+
+@pytest.fixture(scope="module")
+def report(trained):
+    """The first eval of the finished run (it computes and caches the base pass)."""
+    out = trained["workspace"] / "report"
+    result = invoke(
+        "eval", "--model", trained["q"], "--checkpoint", trained["run"], "--data", trained["tokens"],
+        "--held-out", trained["tokens"], "--workspace", trained["workspace"], "--out", out, "--no-plots",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return out, result, json.loads((out / "report.json").read_text())
+
+
+def rows_by(report_json: dict) -> dict[tuple[str, str], dict]:
+    """Rows by (set, source); a set's overall row is (set, "all")."""
+    return {(r["set"], "all" if r["overall"] else r["source"]): r for r in report_json["rows"]}
+
+
+def test_training_lowers_the_loss_on_its_data_with_an_interval_that_excludes_zero(trained, report):
+    out, result, data = report
+    rows = rows_by(data)
+    assert set(rows) == {("data", "textwrap.py"), ("data", "all"), ("held-out", "shlex.py"), ("held-out", "all")}
+    train = rows[("data", "all")]
+    assert train["tuned"]["nll"] < train["base"]["nll"]
+    assert train["delta"]["excludes_zero"] and train["delta"]["nll_ci"][1] < 0 and train["delta"]["ppl_ci"][1] < 0
+    low, high = train["tuned"]["ppl_ci"]
+    assert low <= train["tuned"]["ppl"] <= high
+    # one source = its set: the same sequences, so the same resamples and the same interval
+    assert rows[("data", "textwrap.py")]["delta"] == train["delta"]
+    assert data["inputs"][0]["tokens"] == train["tokens"] and data["max_logit_change"] > 0
+    assert "Δ PPL" in result.stdout and "routing drift" in result.stdout and "textwrap.py" in result.stdout
+    md = (out / "report.md").read_text()
+    assert "| data | textwrap.py |" in md and "## Routing drift" in md
+    inspected = invoke("inspect", out, "--json")
+    assert inspected.exit_code == 0, inspected.output
+    manifest = json.loads(inspected.stdout)
+    assert manifest["verified"] and manifest["manifest"]["kind"] == "eval_report"
+    roles = {i["role"]: i for i in manifest["manifest"]["inputs"]}
+    assert set(roles) == {"model", "checkpoint", "data", "held-out"}
+    assert roles["data"]["fingerprint"] == json.loads((trained["tokens"] / "manifest.json").read_text())["fingerprint"]
+
+
+def test_fine_tuned_heldout_nll_equals_the_runs_own_heldout_loss(trained, report):
+    from usaf.artifacts import RunManifest, load_verified
+
+    reported = load_verified(trained["run"], RunManifest).summary.eval_losses[-1][1]
+    held = rows_by(report[2])[("held-out", "all")]
+    assert held["tuned"]["nll"] == pytest.approx(reported, abs=1e-5)
+    assert abs(held["base"]["nll"] - reported) > 1e-3  # negative control: the base model does not match
+
+
+def test_routing_drift_only_above_the_frozen_layers(report):
+    drift = {d["layer"]: d for d in report[2]["routing"]}
+    assert set(drift) == {0, 1, 2}
+    # layer 0 is below every trained weight: its inputs, hence its routing, cannot change
+    assert drift[0]["changed_fraction"] == 0.0
+    assert drift[0]["base_tokens_per_expert"] == drift[0]["tuned_tokens_per_expert"]
+    assert drift[1]["changed_fraction"] > 0 and drift[2]["changed_fraction"] > 0
+    tokens = report[2]["base_pass"]["input_tokens"]
+    assert sum(drift[2]["base_tokens_per_expert"]) == 2 * tokens  # top-2 of every real token, no padding
+
+
+def test_routing_capture_of_the_same_model_twice_does_not_drift(trained):
+    from usaf.engine.loading import load_quantized_model
+    from usaf.stages.eval.inputs import EvalSequence
+    from usaf.stages.eval.passes import batches_of, run_pass
+    from usaf.stages.eval.report import routing_drift
+    from usaf.stages.progress import NullProgress
+
+    loaded = load_quantized_model(trained["q"])
+    lines = (trained["tokens"] / "heldout.jsonl").read_text().splitlines()[:12]
+    seqs = [EvalSequence("held-out", "x", (o := json.loads(line))["input_ids"], o["labels"]) for line in lines]
+    batches = batches_of(seqs, 5, 0)  # uneven batches: padding must not count
+    first, second = (run_pass(loaded.model, loaded.experts, batches, device=torch.device("cpu"),
+                              progress=NullProgress(), description="base") for _ in range(2))  # fmt: skip
+    assert torch.equal(first.nll, second.nll)
+    assert first.input_tokens == sum(len(s.input_ids) for s in seqs) == first.routing[0].shape[0]
+    assert all(d.changed_fraction == 0.0 for d in routing_drift(first, second, {i: 4 for i in first.routing}))
+
+
+def test_the_base_pass_is_cached_and_equals_a_fresh_one(trained, report):
+    first = report[2]
+    step8 = trained["run"] / "checkpoints" / "step-0000008"
+    common = ("--model", trained["q"], "--data", trained["tokens"], "--held-out", trained["tokens"],
+              "--workspace", trained["workspace"], "--no-plots")  # fmt: skip
+    out = trained["workspace"] / "report-step8"
+    result = invoke("eval", *common, "--checkpoint", step8, "--out", out)
+    assert result.exit_code == 0, result.output
+    cached = json.loads((out / "report.json").read_text())
+    assert cached["base_cached"] and cached["base_cache"] == first["base_cache"] and not first["base_cached"]
+    assert "reused from the cache" in result.stderr
+    assert cached["checkpoint"] == str(step8)
+    fresh_out = trained["workspace"] / "report-fresh"
+    # a fresh base pass, and with experts dequantized per forward instead of once: the same numbers, bit for bit
+    result = invoke("eval", *common, "--checkpoint", step8, "--out", fresh_out, "--no-base-cache", "--streaming")
+    assert result.exit_code == 0, result.output
+    fresh = json.loads((fresh_out / "report.json").read_text())
+    assert not fresh["base_cached"] and fresh["base_cache"] is None
+    assert cached["experts_resident"] and not fresh["experts_resident"]
+    for key in ("rows", "routing"):
+        assert fresh[key] == cached[key]  # base numbers identical; tuned ones are the same checkpoint's
+    assert [r["base"] for r in cached["rows"]] == [r["base"] for r in first["rows"]]
+    assert [r["tuned"] for r in cached["rows"]] != [r["tuned"] for r in first["rows"]]  # another checkpoint
+
+
+def _zeroed_change(run, tmp_path, qdir):
+    """An unfinished copy of the run whose newest checkpoint changes nothing: zero deltas, base routers."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "zero-run"
+    shutil.copytree(run, copy)
+    (copy / "manifest.json").unlink()
+    newest = sorted((copy / "checkpoints").iterdir())[-1]
+    deltas = load_file(str(newest / "deltas.safetensors"))
+    save_file({k: torch.zeros_like(v) if "values" in k else v for k, v in deltas.items()},
+              str(newest / "deltas.safetensors"))  # fmt: skip
+    routers = load_file(str(newest / "routers.safetensors"))
+    for shard in qdir.glob("base-*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for name in routers:
+                if name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    routers[name] = f.get_tensor(name).float()
+    save_file(routers, str(newest / "routers.safetensors"))
+    return copy
+
+
+def test_a_checkpoint_that_changes_nothing_is_refused(trained, tmp_path):
+    zero = _zeroed_change(trained["run"], tmp_path, trained["q"])
+    out = tmp_path / "report"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", zero, "--held-out", trained["tokens"],
+                    "--workspace", trained["workspace"], "--out", out)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "changes nothing" in result.stderr and str(zero) in result.stderr
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_a_change_that_never_reaches_the_forward_is_caught(trained, tmp_path, monkeypatch):
+    """The original tool's defect: the checkpoint was loaded but never applied; eval reported the base model."""
+    from usaf.engine.engine import SparseEngine
+
+    monkeypatch.setattr(SparseEngine, "apply_change", lambda self, change: None)
+    out = tmp_path / "report"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--held-out", trained["tokens"],
+                    "--workspace", trained["workspace"], "--out", out)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "leaves the logits unchanged" in result.stderr and str(trained["run"]) in result.stderr
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
+    texts = tmp_path / "texts.jsonl"
+    shlex_src = (stdlib_dir() / "shlex.py").read_text()
+    cuts = [(0, 3000, "alpha"), (3000, 6000, "beta"), (6000, 9000, "alpha"), (9000, 10000, "all")]
+    lines = [{"text": shlex_src[a:b], "repo": repo} for a, b, repo in cuts]
+    texts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "report"
+    result = invoke("eval", "--model", trained["q"], "--held-out", texts, "--held-out", stdlib_dir() / "textwrap.py",
+                    "--seq-len", 64, "--workspace", tmp_path / "ws", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "report.json").read_text())
+    assert data["checkpoint"] is None and data["tuned_pass"] is None and "base model only" in result.stdout
+    assert [(r["source"], r["overall"]) for r in data["rows"]] == [
+        ("all", False),
+        ("alpha", False),
+        ("beta", False),
+        ("textwrap.py", False),
+        ("all", True),
+    ]  # a source named "all" stays a source
+    rows = rows_by(data)
+    assert all(r["tuned"] is None and r["delta"] is None for r in data["rows"])
+    assert rows[("held-out", "alpha")]["sequences"] > rows[("held-out", "beta")]["sequences"]
+    assert {i["kind"] for i in data["inputs"]} == {"text"}
+    assert all(d["changed_fraction"] is None for d in data["routing"])
+    assert "**base model only**" in (out / "report.md").read_text()
+
+
+def test_plots_need_matplotlib(trained, report, tmp_path, monkeypatch):
+    from usaf.stages.eval import plots
+
+    monkeypatch.setattr(plots, "matplotlib_available", lambda: False)
+    out = tmp_path / "report"
+    args = ("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--held-out", trained["tokens"],
+            "--workspace", trained["workspace"], "--out", out)  # fmt: skip
+    result = invoke(*args, "--plots")
+    assert result.exit_code == 2 and "--plots: matplotlib is not installed" in result.stderr and not out.exists()
+    result = invoke(*args)  # default: plots when possible, and a plain note when not
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "report.json").read_text())
+    assert data["plots"] == [] and "matplotlib is not installed" in data["plots_note"]
+    assert "pip install 'usaf[plot]'" in result.stderr
+
+
+def test_plots_with_matplotlib(trained, report, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "report"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--held-out", trained["tokens"],
+                    "--workspace", trained["workspace"], "--out", out, "--plots")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "report.json").read_text())
+    assert data["plots"] == ["plots/training_curves.png", "plots/expert_load.png"]
+    for plot in data["plots"]:
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert invoke("inspect", out).exit_code == 0
+
+
+def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
+    q, tokens = trained["q"], trained["tokens"]
+    foreign = tmp_path / "foreign-run"
+    shutil.copytree(trained["run"], foreign)
+    (foreign / "manifest.json").unlink()
+    settings = json.loads((foreign / "run-settings.json").read_text())
+    (foreign / "run-settings.json").write_text(json.dumps({**settings, "model_fingerprint": "f" * 64}))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    long_line = tmp_path / "long.jsonl"
+    long_line.write_text(json.dumps({"input_ids": [5] * 600, "labels": [5] * 600}) + "\n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"text": "fine", "source": "a"}) + "\n{not json\n")
+    model_fp = json.loads((q / "manifest.json").read_text())["fingerprint"]
+    cases = [
+        (("--checkpoint", foreign, "--held-out", tokens), [f"--checkpoint {foreign}", "f" * 16, model_fp[:16]]),
+        (("--held-out", empty), [f"--held-out {empty}", "holds no sequences"]),
+        (("--held-out", long_line), [f"{long_line}:1", "600 tokens", "context of 512"]),
+        (("--held-out", broken), [f"{broken}:2", "not valid JSON"]),
+        (("--data", stdlib_dir() / "shlex.py", "--seq-len", 1000), ["--seq-len 1000", "context of 512"]),
+        (("--held-out", tmp_path / "missing"), [f"--held-out {tmp_path / 'missing'}", "no such file"]),
+        (("--held-out", tokens, "--seq-len", 64, "--text-field", "body"), ["--seq-len, --text-field", "raw-text"]),
+    ]
+    for args, expected in cases:
+        out = tmp_path / "out"
+        result = invoke("eval", "--model", q, *args, "--workspace", tmp_path / "ws", "--out", out)
+        assert result.exit_code == 2, (args, result.output)
+        message = " ".join(result.stderr.split())  # rich wraps long lines
+        assert all(e in message for e in expected), (expected, result.stderr)
+        assert not out.exists() and not leftovers(tmp_path), args
+
+
+def test_checkpoint_alone_finds_the_model_it_was_trained_on(trained, tmp_path):
+    workspace = tmp_path / "ws"
+    shutil.copytree(trained["q"], workspace / "quantized_model" / "q")
+    out = tmp_path / "report"
+    result = invoke("eval", "--checkpoint", trained["run"], "--held-out", trained["tokens"], "--max-sequences", 8,
+                    "--workspace", workspace, "--out", out, "--no-plots")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "the one --checkpoint was trained on" in result.stderr
+    data = json.loads((out / "report.json").read_text())
+    assert data["inputs"][0]["sequences"] == 8 and data["rows"][-1]["sequences"] == 8
