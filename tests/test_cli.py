@@ -8,8 +8,20 @@ import sys
 from helpers import invoke
 from usaf import __version__
 
-BUILT = {"tokenize", "quantize", "score", "train", "eval", "export", "generate", "inspect", "doctor", "tiny-model"}
-NOT_YET = {"demo", "plan"}
+BUILT = {
+    "demo",
+    "tokenize",
+    "quantize",
+    "score",
+    "train",
+    "eval",
+    "export",
+    "generate",
+    "inspect",
+    "doctor",
+    "tiny-model",
+}
+NOT_YET = {"plan"}
 
 
 def test_help_lists_only_working_commands():

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from usaf._version import __version__
-from usaf.cli import doctor, eval_, export, generate, inspect, quantize, score, tiny_model, tokenize, train
+from usaf.cli import demo, doctor, eval_, export, generate, inspect, quantize, score, tiny_model, tokenize, train
 
 app = typer.Typer(
     name="usaf",
@@ -43,6 +43,7 @@ def _root(
     """usaf command line."""
 
 
+app.command("demo")(demo.command)
 app.command("tokenize", no_args_is_help=False)(tokenize.command)
 app.command("quantize")(quantize.command)
 app.command("score")(score.command)

@@ -19,6 +19,7 @@ def command(
     eval_sequences: Annotated[int | None, Opt(help="Sequences per evaluated set [default: 64].")] = None,
     export: Annotated[bool | None, Opt("--export/--no-export", help="Also export a HF model [default: off].")] = None,
     seed: Annotated[int | None, Opt(help="Seed of the calibration sample and data order [default: 0].")] = None,
+    quick: Annotated[bool | None, Opt("--quick", help="A one-minute smoke run on three sources.")] = None,
     overwrite: Annotated[bool | None, Opt("--overwrite", help="Start over instead of reusing finished stages.")] = None,
     device: DeviceOpt = None,
     config: ConfigOpt = None,
@@ -30,6 +31,8 @@ def command(
     Shows every stage, the before/after table, and the shell commands that do the same step by step.
     Rerunning reuses finished stages and resumes training where Ctrl-C stopped it.
     """
+    import json
+
     from usaf.cli.console import handle_errors
 
     with handle_errors(verbose):
@@ -49,6 +52,7 @@ def command(
                 "eval_sequences": eval_sequences,
                 "export": export,
                 "seed": seed,
+                "quick": quick,
                 "overwrite": overwrite,
                 "device": device,
             },
@@ -64,10 +68,25 @@ def command(
 
         manifest, path = demo.run(settings, progress=RichProgress(), on_step=show)
         if json_output:
+            groups = demo.outcomes(settings, json.loads((path / "report.json").read_text()))
             print_json({"path": str(path), "stages": {s.name: str(s.path) for s in done},
-                        **manifest.model_dump(mode="json")})  # fmt: skip
+                        "outcomes": [vars(g) for g in groups], **manifest.model_dump(mode="json")})  # fmt: skip
             return
         print_eval(out, manifest, path)
+        _print_outcomes(out, demo.outcomes(settings, json.loads((path / "report.json").read_text())))
         out.print("\nThe same, step by step:")
         for step in done:
             out.print(demo.shell_line(step.command), markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_outcomes(console, groups) -> None:
+    from rich.table import Table
+
+    table = Table(title="before → after (perplexity, lower is better)", title_justify="left")
+    for column in ("evaluated on", "sources", "tokens", "base", "fine-tuned", "change"):
+        table.add_column(column, justify="left" if column == "evaluated on" else "right")
+    for g in groups:
+        tuned = "-" if g.tuned_ppl is None else f"{g.tuned_ppl:.2f}"
+        change = "-" if g.tuned_ppl is None else f"{100 * (g.tuned_ppl / g.base_ppl - 1):+.1f} %"
+        table.add_row(g.group, str(g.sources), f"{g.tokens:,}", f"{g.base_ppl:.2f}", tuned, change)
+    console.print(table)

@@ -33,6 +33,7 @@ class DemoConfig(StageConfig):
     lr: float = Field(1e-2, gt=0)
     eval_sequences: int = Field(64, ge=1, description="Sequences per evaluated set (a seeded sample).")
     export: bool = Field(False, description="Also export the fine-tuned model as a Hugging Face directory.")
+    quick: bool = Field(False, description="A smoke run: three of the domain's sources, 20 steps, 16 eval sequences.")
     device: str = "auto"
     seed: int = 0
     overwrite: bool = Field(False, description="Start over: replace the demo's artifacts.")
@@ -60,17 +61,42 @@ def paths(workspace: Path) -> dict[str, Path]:
     }
 
 
+QUICK_SOURCES = ("email", "http", "smtplib.py")  # --quick: two packages to train on, one module held out
+
+
+def domain(config: DemoConfig):
+    """The fine-tuning domain: ``usaf.demo.DEMO_DOMAIN``, or three of its sources with ``--quick``."""
+    from dataclasses import replace
+
+    from usaf.demo import DEMO_DOMAIN
+
+    if not config.quick:
+        return DEMO_DOMAIN
+    return replace(DEMO_DOMAIN, paths=QUICK_SOURCES, held_out=QUICK_SOURCES[-1:])
+
+
+def effective(config: DemoConfig) -> DemoConfig:
+    """``--quick`` shortens the run (explicit values of other settings are overridden only by it)."""
+    if not config.quick:
+        return config
+    return config.model_copy(update={"steps": min(config.steps, 20), "eval_sequences": min(config.eval_sequences, 16)})
+
+
 def commands(config: DemoConfig) -> list[tuple[str, list[str]]]:
     """The shell commands that do what the demo does, stage by stage."""
-    from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
+    from usaf.demo import PRETRAIN_DOMAIN, demo_model_dir
 
+    config = effective(config)
     p = paths(config.workspace)
     model = str(demo_model_dir())
-    domain = DEMO_DOMAIN.tokenize_options()
-    tokenize = ["usaf", "tokenize", *map(str, domain["inputs"]), "--model", model, "--seq-len", str(config.seq_len)]
-    tokenize += [a for g in domain["exclude"] for a in ("--exclude", g)]
-    tokenize += [a for s in domain["held_out"] for a in ("--held-out", s)]
-    tokenize += ["--source-depth", str(domain["source_depth"]), "--decode-errors", "replace", "--out", str(p["tokens"])]
+    domain_options = domain(config).tokenize_options()
+    tokenize = ["usaf", "tokenize", *map(str, domain_options["inputs"]), "--model", model]
+    tokenize += ["--seq-len", str(config.seq_len)]
+    tokenize += [a for g in domain_options.get("include", []) for a in ("--include", g)]
+    tokenize += [a for g in domain_options["exclude"] for a in ("--exclude", g)]
+    tokenize += [a for s in domain_options["held_out"] for a in ("--held-out", s)]
+    tokenize += ["--source-depth", str(domain_options["source_depth"]), "--decode-errors", "replace"]
+    tokenize += ["--out", str(p["tokens"])]
     forgetting = [str(x) for x in PRETRAIN_DOMAIN.inputs() if x.name in set(PRETRAIN_DOMAIN.held_out)]
     out = [
         ("tokenize", tokenize),
@@ -106,6 +132,7 @@ def run(
     from usaf.artifacts import load_manifest
 
     progress = progress or NullProgress()
+    config = effective(config)
     p = paths(config.workspace)
     if config.overwrite:
         for path in p.values():
@@ -123,16 +150,59 @@ def run(
     return load_manifest(p["eval"]), p["eval"]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """Base and fine-tuned perplexity of one group of evaluated sources (token-weighted)."""
+
+    group: str
+    sources: int
+    tokens: int
+    base_ppl: float
+    tuned_ppl: float | None
+
+
+def outcomes(config: DemoConfig, report: dict) -> list[Outcome]:
+    """The eval report's per-source rows in the demo's three groups: the sequences trained on, the same
+    domain's held-out sources, and the pretraining domain's held-out sources (forgetting)."""
+    import math
+
+    held_out = set(domain(effective(config)).held_out)
+    groups: dict[str, list[dict]] = {"trained-on sources": [], "held-out sources, same domain": [],
+                                     "pretraining domain (forgetting)": []}  # fmt: skip
+    for row in report["rows"]:
+        if row["overall"]:
+            continue
+        if row["set"] == "data":
+            groups["trained-on sources"].append(row)
+        elif row["source"] in held_out:
+            groups["held-out sources, same domain"].append(row)
+        else:
+            groups["pretraining domain (forgetting)"].append(row)
+    out = []
+    for name, rows in groups.items():
+        tokens = sum(r["tokens"] for r in rows)
+        if not tokens:
+            continue
+
+        def ppl(side: str, rows=rows, tokens=tokens) -> float | None:
+            if any(r.get(side) is None for r in rows):
+                return None
+            return math.exp(sum(r[side]["nll"] * r["tokens"] for r in rows) / tokens)
+
+        out.append(Outcome(name, len(rows), tokens, ppl("base"), ppl("tuned")))
+    return out
+
+
 _ARTIFACT = {"tokenize": "tokens", "quantize": "quantized", "score": "plan", "train": "run", "eval": "eval",
              "export": "export"}  # fmt: skip
 
 
 def _tokenize(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.demo import DEMO_DOMAIN, demo_model_dir
+    from usaf.demo import demo_model_dir
     from usaf.stages import tokenize
 
     settings = tokenize.TokenizeConfig(
-        **DEMO_DOMAIN.tokenize_options(), model=str(demo_model_dir()), seq_len=config.seq_len, out=p["tokens"]
+        **domain(config).tokenize_options(), model=str(demo_model_dir()), seq_len=config.seq_len, out=p["tokens"]
     )
     return tokenize.run(settings, progress=progress)
 
@@ -175,6 +245,7 @@ def _eval(config: DemoConfig, p: dict[str, Path], progress: Progress):
     settings = eval_stage.EvalConfig(
         model=p["quantized"], checkpoint=p["run"], data=[p["tokens"]], held_out=[p["tokens"], *forgetting],
         max_sequences=config.eval_sequences, out=p["eval"], device=config.device, seed=config.seed,
+        workspace=config.workspace,  # the base-pass cache stays inside the demo's workspace
     )  # fmt: skip
     return eval_stage.run(settings, progress=progress)
 

@@ -1,0 +1,29 @@
+"""`usaf demo`: the whole pipeline on the built-in model, through the CLI; a rerun reuses every stage."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import invoke
+
+
+def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
+    workspace = tmp_path / "demo"
+    result = invoke("demo", "--quick", "--workspace", workspace)
+    assert result.exit_code == 0, result.output
+    for stage in ("tokenize", "quantize", "score", "train", "eval"):
+        assert f"✓ {stage}" in result.stdout
+    assert "before → after" in result.stdout and "The same, step by step:" in result.stdout
+    assert "usaf train --model" in result.stdout and "--steps 20" in result.stdout
+    assert (workspace / "eval_report" / "demo" / "report.json").is_file()
+    assert (workspace / "cache").is_dir()  # the base-pass cache stays inside the demo's workspace
+
+    again = invoke("demo", "--quick", "--workspace", workspace, "--json")
+    assert again.exit_code == 0, again.output
+    assert again.stderr.count("reusing") == 5
+    report = json.loads(again.stdout)
+    groups = {g["group"]: g for g in report["outcomes"]}
+    trained = groups["trained-on sources"]
+    assert trained["tuned_ppl"] < trained["base_ppl"]  # the fine-tuning took on the data it saw
+    assert set(groups) == {"trained-on sources", "held-out sources, same domain", "pretraining domain (forgetting)"}
+    assert all(g["tokens"] > 0 for g in groups.values())
