@@ -102,7 +102,7 @@ def commands(config: DemoConfig) -> list[tuple[str, list[str]]]:
         ("tokenize", tokenize),
         ("quantize", ["usaf", "quantize", model, "--out", str(p["quantized"])]),
         ("score", ["usaf", "score", "--model", str(p["quantized"]), "--data", str(p["tokens"]), "--frac",
-                   str(config.frac), "--seed", str(config.seed), "--cache", "--out", str(p["plan"])]),
+                   str(config.frac), "--seed", str(config.seed), "--no-stability", "--cache", "--out", str(p["plan"])]),
         ("train", ["usaf", "train", "--model", str(p["quantized"]), "--data", str(p["tokens"]), "--plan",
                    str(p["plan"]), "--eval-data", str(p["tokens"]), "--steps", str(config.steps), "--lr",
                    str(config.lr), "--seed", str(config.seed), "--out", str(p["run"])]),
@@ -222,7 +222,7 @@ def _score(config: DemoConfig, p: dict[str, Path], progress: Progress):
 
     settings = score.ScoreConfig(
         model=p["quantized"], data=p["tokens"], frac=config.frac, seed=config.seed, cache=True, out=p["plan"],
-        device=config.device,
+        device=config.device, stability=False,  # not shown by the demo: two more scoring passes saved
     )  # fmt: skip
     return score.run(settings, progress=progress)
 
