@@ -280,3 +280,22 @@ def test_checkpoint_alone_finds_the_model_it_was_trained_on(trained, tmp_path):
     assert "the one --checkpoint was trained on" in result.stderr
     data = json.loads((out / "report.json").read_text())
     assert data["inputs"][0]["sequences"] == 8 and data["rows"][-1]["sequences"] == 8
+
+
+def test_bootstrap_is_seeded_ratio_of_sums_and_paired():
+    from usaf.stages.eval.stats import bootstrap_row
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(50, 200, (200,), generator=g)
+    difficulty = 2 + 4 * torch.rand(200, generator=g)  # nats/token, varying a lot between sequences
+    base = difficulty * tokens
+    tuned = (difficulty - 0.05 + 0.01 * torch.randn(200, generator=g)) * tokens  # a small, consistent gain
+    a = bootstrap_row(base, tuned, tokens, samples=1000, seed=3)
+    assert a == bootstrap_row(base, tuned, tokens, samples=1000, seed=3)
+    assert a != bootstrap_row(base, tuned, tokens, samples=1000, seed=4)
+    assert a.base_nll == pytest.approx(float(base.sum() / tokens.sum())) and a.tokens == int(tokens.sum())
+    assert a.base_ci[0] < a.base_nll < a.base_ci[1] and a.delta_ci[1] < 0
+    # pairing cancels the shared difficulty: the difference is known far better than either model's NLL
+    assert a.delta_ci[1] - a.delta_ci[0] < 0.1 * (a.base_ci[1] - a.base_ci[0])
+    single = bootstrap_row(base[:1], tuned[:1], tokens[:1], samples=1000, seed=3)
+    assert single.base_ci is None and single.delta_ci is None and single.delta_nll < 0

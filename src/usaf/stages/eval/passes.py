@@ -41,8 +41,9 @@ def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
 
     ``wanted``: ``True``/``False`` forces the choice; ``None`` dequantizes once when the full-size experts fit
     in ``RESIDENT_SHARE`` of the device's free memory (host RAM on CPU). Inference needs no memory for
-    gradients or optimizer state, so a model that trains streamed often evaluates resident, several times
-    faster (docs/BENCHMARKS.md). Both give the same numbers: the same dequantization, done once or often.
+    gradients or optimizer state, so a model that trains streamed may well evaluate resident (1.4x faster on
+    the CPU benchmark model, docs/BENCHMARKS.md). Both give the same numbers: the same dequantization, once
+    or in every forward.
 
     Returns:
         ``(resident, bytes)``: the choice and the bytes the dequantized experts take (or would take).
