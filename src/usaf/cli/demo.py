@@ -16,7 +16,7 @@ def command(
     workspace: Annotated[Path | None, Opt(help="Where the demo's artifacts go [default: ./usaf-demo].")] = None,
     steps: Annotated[int | None, Opt(help="Training steps [default: 150].")] = None,
     frac: Annotated[float | None, Opt(help="Fraction of the trainable layers' expert weights [default: 0.01].")] = None,
-    eval_sequences: Annotated[int | None, Opt(help="Sequences per evaluated set [default: 64].")] = None,
+    eval_sequences: Annotated[int | None, Opt(help="Sequences per evaluated input [default: 32].")] = None,
     export: Annotated[bool | None, Opt("--export/--no-export", help="Also export a HF model [default: off].")] = None,
     seed: Annotated[int | None, Opt(help="Seed of the calibration sample and data order [default: 0].")] = None,
     quick: Annotated[bool | None, Opt("--quick", help="A one-minute smoke run on three sources.")] = None,
