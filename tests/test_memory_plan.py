@@ -120,8 +120,13 @@ def test_qwen3_30b_a3b_plan_fits_12gib_vram_and_32gib_ram():
     facts = model_facts(config)
     s = facts.spec
     assert (s.num_layers, s.hidden_size, s.num_experts, s.top_k, s.expert_width, facts.vocab) == (
-        48, 2048, 128, 8, 768, 151936,
-    )  # fmt: skip
+        48,
+        2048,
+        128,
+        8,
+        768,
+        151936,
+    )
     assert facts.global_numel == 2 * 151936 * 2048 + 2048  # untied embeddings and head + final norm
     attention = 2048 * 4096 * 2 + 2048 * 512 * 2 + 2 * 128  # q, o, k, v projections, q/k norms
     assert set(facts.layer_numel.values()) == {attention + 2 * 2048}  # + the two RMSNorms
@@ -207,8 +212,10 @@ def test_sizes_parse_with_their_units(text, expected):
     assert parse_size(text, flag="--vram") == expected
 
 
-@pytest.mark.parametrize(("text", "problem"), [("12", "no unit"), ("12XB", "unknown unit"), ("-1GiB", "not a size"),
-                                               ("0GiB", "more than 0"), ("", "not a size")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("12", "no unit"), ("12XB", "unknown unit"), ("-1GiB", "not a size"), ("0GiB", "more than 0"), ("", "not a size")],
+)
 def test_bad_sizes_are_one_clear_error(text, problem):
     with pytest.raises(UsafError, match=problem) as info:
         parse_size(text, flag="--ram")

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from usaf.cli.options import ConfigOpt, FracOpt, JsonOpt, TrainFromOpt, VerboseOpt
+from usaf.cli.options import ConfigOpt, FracOpt, JsonOpt, VerboseOpt
 
 
 def command(
@@ -27,7 +27,10 @@ def command(
         int | None, typer.Option(help="Sequences per forward [default: the largest of 2, 1 that fits].")
     ] = None,
     frac: FracOpt = None,
-    train_from: TrainFromOpt = None,
+    train_from: Annotated[
+        int | None,
+        typer.Option(help="First trainable layer [default: the most layers that fit, up to the top quarter]."),
+    ] = None,
     samples: Annotated[int | None, typer.Option(help="Training sequences, to size the prefix cache.")] = None,
     nbits: Annotated[
         int | None, typer.Option(help="Bits per expert weight [default: 4, or the quantized model's].")

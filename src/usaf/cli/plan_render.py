@@ -33,17 +33,27 @@ def setting_rows(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[tup
     s, t = plan.settings, plan.target
     moe = facts.spec.moe_layers
     rows = [
-        ("model", f"{source.label} ({facts.spec.model_type}: {facts.spec.num_layers} layers, {len(moe)} MoE, "
-                  f"{facts.spec.num_experts} experts, top-{facts.spec.top_k})"),
-        ("target", f"{t.kind}, {t.dtype}" + (f", {gib(t.device_budget)} GiB device" if t.separate_device else "")
-         + f", {gib(t.host_budget)} GiB host; {RESERVE:.0%} of each kept free"),
+        (
+            "model",
+            f"{source.label} ({facts.spec.model_type}: {facts.spec.num_layers} layers, {len(moe)} MoE, "
+            f"{facts.spec.num_experts} experts, top-{facts.spec.top_k})",
+        ),
+        (
+            "target",
+            f"{t.kind}, {t.dtype}"
+            + (f", {gib(t.device_budget)} GiB device" if t.separate_device else "")
+            + f", {gib(t.host_budget)} GiB host; {RESERVE:.0%} of each kept free",
+        ),
         ("quantization", f"{source.quant.nbits}-bit, group {source.quant.group_size} ({source.quant.source})"),
-        ("trainable layers", f"--train-from {s.train_from}: {len(s.layers)} of {len(moe)} MoE layers "
-                             f"({s.layers[0]}-{s.layers[-1]}), frac {s.frac:g}"),
+        (
+            "trainable layers",
+            f"--train-from {s.train_from}: {len(s.layers)} of {len(moe)} MoE layers "
+            f"({s.layers[0]}-{s.layers[-1]}), frac {s.frac:g}",
+        ),
         ("batch", f"--microbatch {s.microbatch} x --grad-accum {s.grad_accum}, --seq-len {s.seq_len}"),
         ("placement", f"{s.placement}: {PLACEMENTS[s.placement]}"),
         ("resident bases", "on the device" if t.separate_device else "in RAM"),
-    ]  # fmt: skip
+    ]
     if s.train_from > 0:
         cache = f"{gib(s.prefix_ram)} GiB in RAM (--prefix-cache-gib)"
         if plan.prefix_total is not None:
@@ -92,8 +102,9 @@ def _side_table(plan: Plan, side: str, usable: int, title: str):
 def _render_settings(console: Any, plan: Plan, facts: ModelFacts, source: ModelSource) -> None:
     from rich.table import Table
 
-    settings = Table(title="chosen settings" if plan.fits else "smallest settings tried", title_justify="left",
-                     show_header=False)  # fmt: skip
+    settings = Table(
+        title="chosen settings" if plan.fits else "smallest settings tried", title_justify="left", show_header=False
+    )
     settings.add_column("", style="bold")
     settings.add_column("")
     for key, value in setting_rows(plan, facts, source):
@@ -125,7 +136,7 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
             "nbits": source.quant.nbits,
             "group_size": source.quant.group_size,
             "source": source.quant.source,
-        },  # fmt: skip
+        },
         "settings": {
             "train_from": s.train_from,
             "trainable_layers": list(s.layers),

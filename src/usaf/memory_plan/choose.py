@@ -122,6 +122,11 @@ def _shortfalls(t: Target, stages: tuple[st.StagePlan, ...]) -> list[str]:
 
 def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.Settings, *, fits: bool) -> list[str]:
     notes = []
+    if t.kind == "directml":
+        notes.append(
+            "usaf does not train on DirectML yet (torch-directml pins torch 2.4.1, which transformers 5 refuses; "
+            "see README): this plan sizes a DirectML card, its context cost is the CUDA one, assumed"
+        )
     default = w.default_layer_count(m)
     if fits and request.train_from is None and len(s.layers) < default:
         notes.append(

@@ -25,8 +25,9 @@ class PlanConfig(StageConfig):
         None, ge=1, description="Sequences per forward [default: largest of 2, 1 that fits]."
     )
     frac: float = Field(0.005, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.")
-    train_from: int | None = Field(None, ge=0, description="First trainable layer [default: most that fit, up to "
-                                   "the top quarter].")  # fmt: skip
+    train_from: int | None = Field(
+        None, ge=0, description="First trainable layer [default: most that fit, up to the top quarter]."
+    )
     samples: int | None = Field(None, ge=1, description="Training sequences (sizes the prefix cache).")
     nbits: Literal[2, 3, 4, 8] | None = Field(None, description="Bits per expert weight [default: 4].")
     group_size: int | None = Field(None, ge=8, le=4096, description="Weights per scale/zero [default: 128].")

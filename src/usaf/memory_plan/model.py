@@ -135,8 +135,9 @@ def _attention(model: Any, spec: FamilySpec) -> AttentionShape:
     attn = getattr(layer, "self_attn", None)
     hidden = spec.hidden_size
     if attn is None:  # an unfamiliar token mixer: count it like multi-head attention of width H
-        return AttentionShape(heads, heads, hidden, hidden, hidden, hidden // heads, hidden // heads, None, (), "fused",
-                              False)  # fmt: skip
+        return AttentionShape(
+            heads, heads, hidden, hidden, hidden, hidden // heads, hidden // heads, None, (), "fused", False
+        )
     latent: tuple[int, ...] = ()
     if hasattr(attn, "kv_b_proj"):  # MLA (DeepSeek): K and V come out of a normalised low-rank latent
         qk_head = int(config.qk_nope_head_dim + config.qk_rope_head_dim)

@@ -49,8 +49,10 @@ def read_model(model: str, *, nbits: int | None, group_size: int | None) -> Mode
         recorded = _quantized_settings(local)
         if recorded is None:
             return ModelSource(model, config, _requested(nbits, group_size), None)
-        for flag, given, used in (("--nbits", nbits, recorded.nbits), ("--group-size", group_size,
-                                                                       recorded.group_size)):  # fmt: skip
+        for flag, given, used in (
+            ("--nbits", nbits, recorded.nbits),
+            ("--group-size", group_size, recorded.group_size),
+        ):
             if given is not None and given != used:
                 raise UsafError(
                     f"{flag} {given}: {model} was quantized with {flag} {used}",

@@ -88,9 +88,13 @@ def _place(target: Target, name: str, nbytes: int, basis: str, *, on_device: boo
 
 
 def _framework(target: Target) -> list[Component]:
-    out = [Component("framework (Python, torch)", host=target.host_baseline,
-                     basis="CLI fixed cost, measured" + ("; + CUDA runtime, assumed" if target.separate_device
-                                                     else ""))]  # fmt: skip
+    out = [
+        Component(
+            "framework (Python, torch)",
+            host=target.host_baseline,
+            basis="CLI fixed cost, measured" + ("; + CUDA runtime, assumed" if target.separate_device else ""),
+        )
+    ]
     if target.separate_device:
         out.append(Component("device context", device=target.context, basis="CUDA context, assumed 500 MiB"))
     return out
@@ -107,7 +111,7 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
             "non-expert weights",
             w.other_weight_bytes(m, s.layers, t.c),
             f"attention, embeddings, norms, frozen routers in {t.dtype}",
-        ),  # fmt: skip
+        ),
     ]
     if s.placement == "stream":
         buffer = STREAM_BUFFER_LAYERS * w.layer_quantized_bytes(m, m.spec.moe_layers[-1], q)
@@ -116,9 +120,7 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
     else:
         out.append(_place(t, "4-bit experts, all layers", experts, f"{group}, codes + fp16 scale/zero"))
     out.append(
-        _place(
-            t, "resident bases", w.resident_bytes(m, layers, t.c), f"{layers} layers dequantized to {t.dtype}"
-        )  # fmt: skip
+        _place(t, "resident bases", w.resident_bytes(m, layers, t.c), f"{layers} layers dequantized to {t.dtype}")
     )
     if s.train_from > 0:  # frozen layers run (prefix capture, score and eval forwards): one slice at a time
         _, o, i = m.gate_up_shape
@@ -131,16 +133,14 @@ def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
     batch = act.Batch(s.microbatch, s.seq_len)
     saved = act.saved_activations(m, s.train_from, batch, t.c)
     return [
-        _place(
-            t, "activations (saved)", sum(saved.values()), f"formula, microbatch {s.microbatch} x {s.seq_len}"
-        ),  # fmt: skip
+        _place(t, "activations (saved)", sum(saved.values()), f"formula, microbatch {s.microbatch} x {s.seq_len}"),
         _place(t, "loss working memory", act.loss_workspace(m, batch), "fp32 logits and their gradient"),
         _place(
             t,
             "backward working memory",
             act.backward_workspace(m, s.train_from, batch, t.c),
             "one layer's activation gradients",
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -154,7 +154,7 @@ def quantize_stage(m: ModelFacts, q: QuantSettings, t: Target) -> StagePlan:
             "source experts, one layer",
             host=QUANTIZE_LAYER_COPIES * source,
             basis=f"{QUANTIZE_LAYER_COPIES} copies of {m.source_dtype} (measured 3.6-3.9)",
-        ),  # fmt: skip
+        ),
         Component(
             "quantized experts, one layer", host=w.layer_quantized_bytes(m, layer, q), basis="codes + scale/zero"
         ),
@@ -176,7 +176,7 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
             "score pools",
             3 * w.pool_bytes(m, layers, s.frac),
             f"sample + two halves, {w.POOL_FACTOR} x budget candidates of 12 bytes",
-        ),  # fmt: skip
+        ),
         _place(t, "dense expert-slice gradient", 3 * act.FP32 * o * i, "gradient, statistic, top-k; assumed"),
         *_forward(m, t, s),
     ]
@@ -188,6 +188,7 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
     entries = layers * w.layer_delta_entries(m, s.frac)
     routers = w.router_params(m, s.layers)
     batch = act.Batch(s.microbatch, s.seq_len)
+    _, o, i = m.gate_up_shape
     kernel = act.sparse_kernel_workspace(m, batch, s.frac, t.c, cpu=not t.separate_device)
     parts = [
         *_framework(t),
@@ -197,6 +198,7 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(t, "routers (fp32)", 3 * act.FP32 * routers, f"{routers:,} weights: masters, anchors, gradients"),
         _place(t, "optimizer state", w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers), "2 fp32 moments + int32 step"),
         _place(t, "grow-score pools (RigL)", w.pool_bytes(m, layers, s.frac), "RigL's last 4 steps"),
+        _place(t, "dense expert-slice gradient", 3 * act.FP32 * o * i, "RigL's scoring steps; assumed"),
         *_forward(m, t, s),
         _place(t, "sparse-kernel workspace", kernel, "one expert's gathered entries"),
     ]

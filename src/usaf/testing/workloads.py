@@ -1,13 +1,15 @@
 """A ready-to-train workload: a random MoE, quantized, random token sequences, and a usaf score plan.
 
-Used to run the real ``usaf train`` in a fresh process and compare its peak memory with ``usaf plan``'s
-prediction (``tests/test_memory_plan.py``, ``benchmarks/bench_plan.py``). Nothing is downloaded.
+Used to run the real ``usaf quantize``/``score``/``train`` in fresh processes and compare their peak
+memory with ``usaf plan``'s prediction (``tests/test_memory_plan.py``, ``benchmarks/bench_plan.py``).
+Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,18 @@ class Workload:
     frac: float
 
 
+def write_tokens(path: Path, *, samples: int, seq_len: int, seed: int = 0) -> Path:
+    """``samples`` random sequences of ``seq_len`` ids of the tiny tokenizer's vocabulary, labels = ids."""
+    from usaf.testing.models import TINY_VOCAB
+
+    rng = random.Random(seed)
+    with Path(path).open("w", encoding="utf-8") as f:
+        for _ in range(samples):
+            ids = [rng.randrange(1, TINY_VOCAB) for _ in range(seq_len)]
+            f.write(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
+    return Path(path)
+
+
 def build_workload(
     root: Path,
     *,
@@ -36,21 +50,16 @@ def build_workload(
     family: str = "qwen3_moe",
     seed: int = 0,
 ) -> Workload:
-    """Build, quantize (RTN 4-bit, group 128), write ``samples`` random sequences and score a plan."""
+    """In-process: build, quantize (RTN 4-bit, group 128), write ``samples`` sequences, score a plan."""
     from usaf.stages import score
     from usaf.stages.quantize import QuantizeConfig
     from usaf.stages.quantize import run as quantize
-    from usaf.testing.models import TINY_VOCAB, build_tiny_model
+    from usaf.testing.models import build_tiny_model
 
     root = Path(root)
     source = build_tiny_model(family, root / "source", num_layers=num_layers, seed=seed, **widths)
     _, model = quantize(QuantizeConfig(model=str(source), out=root / "quantized", method="rtn"))
-    rng = random.Random(seed)
-    data = root / "train.jsonl"
-    with data.open("w", encoding="utf-8") as f:
-        for _ in range(samples):
-            ids = [rng.randrange(1, TINY_VOCAB) for _ in range(seq_len)]
-            f.write(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
+    data = write_tokens(root / "train.jsonl", samples=samples, seq_len=seq_len, seed=seed)
     settings = score.ScoreConfig(
         model=model,
         data=data,
@@ -66,13 +75,73 @@ def build_workload(
     return Workload(model, data, plan, samples, seq_len, train_from, frac)
 
 
+def quantize_command(source: Path, out: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "usaf",
+        "quantize",
+        str(source),
+        "--out",
+        str(out),
+        "--method",
+        "rtn",
+        "--device",
+        "cpu",
+    ]
+
+
+def score_command(model: Path, data: Path, out: Path, *, train_from: int, samples: int, microbatch: int) -> list[str]:
+    """``usaf score`` with its defaults (stability on, candidates factor 4), on CPU."""
+    return [
+        sys.executable,
+        "-m",
+        "usaf",
+        "score",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--train-from",
+        str(train_from),
+        "--calib-samples",
+        str(samples),
+        "--microbatch",
+        str(microbatch),
+        "--device",
+        "cpu",
+    ]
+
+
 def train_command(work: Workload, out: Path, *, microbatch: int, steps: int, reselect_every: int) -> list[str]:
     """The ``usaf train`` command line of ``work`` (CPU, fp32, no intermediate checkpoints)."""
-    import sys
-
     return [
-        sys.executable, "-m", "usaf", "train", "--model", str(work.model), "--plan", str(work.plan),
-        "--data", str(work.data), "--out", str(out), "--steps", str(steps), "--microbatch", str(microbatch),
-        "--seq-len", str(work.seq_len), "--device", "cpu", "--dtype", "float32",
-        "--reselect-every", str(reselect_every), "--save-every", "0",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "usaf",
+        "train",
+        "--model",
+        str(work.model),
+        "--plan",
+        str(work.plan),
+        "--data",
+        str(work.data),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--microbatch",
+        str(microbatch),
+        "--seq-len",
+        str(work.seq_len),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--reselect-every",
+        str(reselect_every),
+        "--save-every",
+        "0",
+    ]
