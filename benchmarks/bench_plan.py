@@ -101,7 +101,9 @@ def predict(spec: dict) -> dict:
     from usaf.memory_plan.source import QuantSettings
     from usaf.testing.models import tiny_config_kwargs
 
-    config = {"model_type": "qwen3_moe", **tiny_config_kwargs("qwen3_moe", spec["layers"], **spec["widths"])}
+    # build_tiny_model saves fp32 weights, and its config.json says so (what usaf quantize reads)
+    widths = tiny_config_kwargs("qwen3_moe", spec["layers"], **spec["widths"])
+    config = {"model_type": "qwen3_moe", "dtype": "float32", **widths}
     facts = model_facts(config)
     request = Request(
         seq_len=spec["seq_len"], frac=FRAC, microbatch=MICROBATCH, train_from=spec["train_from"], samples=SAMPLES

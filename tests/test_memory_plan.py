@@ -230,7 +230,7 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert not data["settings"]["placement_executed_by_engine"]
     train = data["stages"]["train"]
     assert train["device_peak_bytes"] == sum(c["device_bytes"] for c in train["components"])
-    assert any(c.startswith("usaf train --microbatch") for c in data["commands"])
+    assert any(c.startswith("usaf train --microbatch 2") for c in data["commands"])
 
 
 def test_cli_table_names_components_and_settings():
@@ -268,5 +268,24 @@ def test_cli_reads_a_quantized_models_own_settings(quantized):
     data = json.loads(result.stdout)
     assert data["quantization"]["group_size"] == 8 and "manifest" in data["quantization"]["source"]
     assert not any(c.startswith("usaf quantize") for c in data["commands"])  # already quantized
+    assert any(c.startswith(f"usaf score --model {qdir}") for c in data["commands"])
     contradicted = invoke("plan", qdir, "--ram", "8GiB", "--group-size", "64")
     assert contradicted.exit_code == 2 and "quantized with --group-size 8" in contradicted.stderr
+
+
+def test_a_hub_id_reads_only_config_json_from_the_cache(tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "models--Qwen--Qwen3-30B-A3B"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    shutil.copy(QWEN3_30B / "config.json", repo / "snapshots" / "abc123" / "config.json")  # no weights at all
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    source = read_model("Qwen/Qwen3-30B-A3B", nbits=None, group_size=None)
+    assert source.config["num_experts"] == 128 and source.quantized_dir is None
+    with pytest.raises(UsafError, match="not in the local Hugging Face cache"):
+        read_model("Qwen/Not-Cached", nbits=None, group_size=None)

@@ -18,9 +18,10 @@ def commands(plan: Plan, source: ModelSource) -> list[str]:
     if source.quantized_dir is None:
         quant = source.quant
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
-    out.append(f"usaf score --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}")
+    model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
+    out.append(f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}")
     train = (
-        f"usaf train --microbatch {s.microbatch} --grad-accum {s.grad_accum} --seq-len {s.seq_len} "
+        f"usaf train{model} --microbatch {s.microbatch} --grad-accum {s.grad_accum} --seq-len {s.seq_len} "
         f"--dtype {t.dtype}{device}"
     )
     if s.train_from > 0:

@@ -32,10 +32,11 @@ PLACEMENTS = {
     "host": "everything in RAM (CPU)",
 }
 STREAM_BUFFER_LAYERS = 2
-# usaf quantize holds one MoE layer's source experts about four times over at its peak (the per-expert
-# tensors, their fused copy, fp32 slices): measured 3.6-3.9 layers above the CLI's fixed cost
-# (docs/BENCHMARKS.md, "Peak RSS versus layer count").
-QUANTIZE_LAYER_COPIES = 4
+# usaf quantize holds one MoE layer's source experts several times over at its peak: the per-expert tensors
+# read from disk, the stacked gate and up halves and the fused gate_up (about 2.3 copies by construction,
+# families/convert.py), plus slices and allocator slack. Measured above the command's fixed cost: 3.6-3.9 layers
+# of a bf16 source (docs/BENCHMARKS.md, "Peak RSS versus layer count"), 2.8 of an fp32 one (bench_plan.py).
+QUANTIZE_LAYER_COPIES = {2: 4, 4: 3}  # bytes per source weight -> copies of the layer
 # hqq's solver on one fp32 expert slice keeps a handful of slice-sized temporaries (assumed, not measured).
 QUANTIZE_SLICE_COPIES = 8
 
@@ -147,13 +148,14 @@ def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
 def quantize_stage(m: ModelFacts, q: QuantSettings, t: Target) -> StagePlan:
     layer = m.spec.moe_layers[-1]
     source = m.expert_params_per_layer * m.source_bytes_per_param
+    copies = QUANTIZE_LAYER_COPIES.get(m.source_bytes_per_param, 4)
     _, o, i = m.gate_up_shape
     parts = [
         *_framework(t),
         Component(
             "source experts, one layer",
-            host=QUANTIZE_LAYER_COPIES * source,
-            basis=f"{QUANTIZE_LAYER_COPIES} copies of {m.source_dtype} (measured 3.6-3.9)",
+            host=copies * source,
+            basis=f"{copies} copies of the layer in {m.source_dtype} (measured)",
         ),
         Component(
             "quantized experts, one layer", host=w.layer_quantized_bytes(m, layer, q), basis="codes + scale/zero"
