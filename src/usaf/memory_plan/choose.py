@@ -141,7 +141,7 @@ def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.S
     if s.placement == "device" and fits and request.train_from is None:
         more = _stream_alternative(m, q, t, request, len(s.layers))
         if more:
-            notes.append(f"with streaming (not executed by the engine yet) {more} layers would fit")
+            notes.append(f"with streaming (not executed by the engine yet) {more} layers would fit at microbatch 1")
     if s.train_from > 0 and request.samples is None:
         notes.append(
             f"prefix cache: {s.seq_len * m.spec.hidden_size * t.c / 2**10:.0f} KiB per training sequence; pass "
