@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from usaf._version import __version__
-from usaf.cli import demo, doctor, eval_, export, generate, inspect, quantize, score, tiny_model, tokenize, train
+from usaf.cli import demo, doctor, eval_, export, generate, inspect, plan, quantize, score, tiny_model, tokenize, train
 
 app = typer.Typer(
     name="usaf",
@@ -49,6 +49,7 @@ app.command("quantize")(quantize.command)
 app.command("score")(score.command)
 app.command("train")(train.command)
 app.command("eval")(eval_.command)
+app.command("plan")(plan.command)
 app.command("export")(export.command)
 app.command("generate")(generate.command)
 app.command("inspect")(inspect.command)

@@ -1,0 +1,143 @@
+"""``usaf plan MODEL``: predicted peak memory of every stage, and the settings that fit a machine."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from usaf.cli.options import ConfigOpt, FracOpt, JsonOpt, VerboseOpt
+
+
+def command(
+    model: Annotated[str, typer.Argument(help="Model directory, usaf quantize output, or hub id (config.json only).")],
+    vram: Annotated[
+        str | None, typer.Option(help="Device memory: 12GiB, 16GB, ... [default: this machine's GPU].")
+    ] = None,
+    ram: Annotated[str | None, typer.Option(help="Host memory: 32GiB, ... [default: this machine's RAM].")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cpu|cuda|directml: the kind of device to plan for [default: cuda with --vram].")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="auto|float32|bfloat16|float16 [default: bf16 on cuda, fp16 on directml, fp32 cpu]."),
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence [default: 512].")] = None,
+    microbatch: Annotated[
+        int | None, typer.Option(help="Sequences per forward [default: the largest of 2, 1 that fits].")
+    ] = None,
+    frac: FracOpt = None,
+    train_from: Annotated[
+        int | None,
+        typer.Option(help="First trainable layer [default: the most layers that fit, up to the top quarter]."),
+    ] = None,
+    samples: Annotated[int | None, typer.Option(help="Training sequences, to size the prefix cache.")] = None,
+    nbits: Annotated[
+        int | None, typer.Option(help="Bits per expert weight [default: 4, or the quantized model's].")
+    ] = None,
+    group_size: Annotated[
+        int | None, typer.Option(help="Weights per scale/zero [default: 128, or the quantized model's].")
+    ] = None,
+    config: ConfigOpt = None,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Predict the peak device and host memory of quantize, score, train and eval, and pick settings that fit.
+
+    Reads config.json only (no weights). Not the same as the plan usaf score writes (masks of the weights to
+    train): this predicts memory and chooses --train-from, --microbatch, where the 4-bit experts live and
+    how much of the prefix cache stays in RAM. Exit 2 when nothing fits, saying what is short by how much.
+    """
+    from usaf.cli.console import handle_errors
+
+    with handle_errors(verbose):
+        from usaf.config import resolve_config
+        from usaf.memory_plan.config import LEGACY_ENV, PlanConfig
+
+        settings = resolve_config(
+            PlanConfig,
+            section="plan",
+            cli={
+                "model": model,
+                "vram": vram,
+                "ram": ram,
+                "device": device,
+                "dtype": dtype,
+                "seq_len": seq_len,
+                "microbatch": microbatch,
+                "frac": frac,
+                "train_from": train_from,
+                "samples": samples,
+                "nbits": nbits,
+                "group_size": group_size,
+            },
+            config_file=config,
+            legacy_env=LEGACY_ENV,
+        )
+        _run(settings, json_output)
+
+
+def _run(settings: Any, json_output: bool) -> None:
+    from usaf.cli.console import note, out, print_json
+    from usaf.cli.plan_render import plan_json, render
+    from usaf.errors import UsafError
+    from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
+
+    kind = _device_kind(settings.device, settings.vram)
+    source = read_model(settings.model, nbits=settings.nbits, group_size=settings.group_size)
+    vram = parse_size(settings.vram, flag="--vram") if settings.vram is not None else _local_vram(kind, note)
+    ram = parse_size(settings.ram, flag="--ram") if settings.ram is not None else _local_ram(note)
+    target = make_target(kind, settings.dtype, vram, ram)
+    facts = model_facts(source.config)
+    request = Request(
+        seq_len=settings.seq_len,
+        frac=settings.frac,
+        microbatch=settings.microbatch,
+        train_from=settings.train_from,
+        samples=settings.samples,
+    )
+    plan = plan_memory(facts, source.quant, target, request)
+    if json_output:
+        print_json(plan_json(plan, facts, source))
+    else:
+        render(out, plan, facts, source)
+    if not plan.fits:
+        raise UsafError(
+            "nothing fits: " + "; ".join(plan.shortfalls) + " (at the smallest settings shown above)",
+            "more --vram/--ram, a shorter --seq-len, or a smaller --frac",
+        )
+
+
+def _device_kind(device: str | None, vram: str | None) -> str:
+    from usaf.backends.spec import parse_device_spec
+    from usaf.errors import UsafError
+
+    if device is None:
+        return "cuda" if vram is not None else "cpu"
+    spec = parse_device_spec(device)
+    if spec.kind == "auto":
+        return "cuda" if vram is not None else "cpu"
+    if spec.kind not in ("cpu", "cuda", "directml"):
+        raise UsafError(f"--device {device}: the planner models cpu, cuda and directml", "pass one of those")
+    return spec.kind
+
+
+def _local_vram(kind: str, note) -> int | None:
+    """This machine's GPU memory when planning for its own kind of device; else --vram is required."""
+    if kind != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    note(f"--vram not given: planning for this machine's GPU ({total / 2**30:.1f} GiB)")
+    return total
+
+
+def _local_ram(note) -> int:
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    note(f"--ram not given: planning for this machine's RAM ({total / 2**30:.1f} GiB)")
+    return total

@@ -1,0 +1,162 @@
+"""Picking settings that fit: the first candidate, in order of preference, whose every stage fits.
+
+Preference: a placement the engine executes today before one it does not (streaming); within a
+placement, more trainable layers (up to ``usaf score``'s default, the top quarter) before a larger
+microbatch, because gradient accumulation recovers the batch (same sequences per step, slower) while
+nothing recovers a layer. Settings the user gave (``--train-from``, ``--microbatch``) are kept as given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from usaf.errors import UsafError
+from usaf.memory_plan import stages as st
+from usaf.memory_plan import weights as w
+from usaf.memory_plan.model import ModelFacts
+from usaf.memory_plan.sizes import gib
+from usaf.memory_plan.source import QuantSettings
+from usaf.memory_plan.target import GIB, RESERVE, Target
+
+DEFAULT_MICROBATCH = 2  # usaf train's default
+DEFAULT_PREFIX_CACHE = 2 * GIB  # usaf train's --prefix-cache-gib default, used when the data size is unknown
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user fixed; ``None`` = the planner chooses."""
+
+    seq_len: int = 512
+    frac: float = 0.005
+    microbatch: int | None = None
+    train_from: int | None = None
+    samples: int | None = None  # training sequences, to size the prefix cache
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: Target
+    settings: st.Settings
+    stages: tuple[st.StagePlan, ...]
+    fits: bool
+    shortfalls: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    prefix_total: int | None = None  # bytes of every training sequence's prefix state, when --samples is known
+
+
+def plan_memory(m: ModelFacts, quant: QuantSettings, target: Target, request: Request) -> Plan:
+    """The preferred settings that fit every stage, or (``fits=False``) the smallest settings and what is short."""
+    candidates = list(_candidates(m, target, request))
+    plans = []
+    for settings in candidates:
+        settings = _with_prefix(m, quant, target, request, settings)
+        stages = tuple(st.all_stages(m, quant, target, settings))
+        short = _shortfalls(target, stages)
+        plans.append((settings, stages, short))
+        if not short:
+            break
+    settings, stages, short = plans[-1]
+    notes = _notes(m, quant, target, request, settings, fits=not short)
+    return Plan(target, settings, stages, not short, tuple(short), tuple(notes), _prefix_total(m, target, request))
+
+
+def _layer_options(m: ModelFacts, request: Request) -> list[tuple[int, ...]]:
+    moe = m.spec.moe_layers
+    if request.train_from is not None:
+        chosen = tuple(layer for layer in moe if layer >= request.train_from)
+        if not chosen:
+            raise UsafError(
+                f"--train-from {request.train_from}: no MoE layer at or above it", f"MoE layers: {list(moe)}"
+            )
+        return [chosen]
+    return [tuple(moe[-n:]) for n in range(w.default_layer_count(m), 0, -1)]
+
+
+def _candidates(m: ModelFacts, target: Target, request: Request):
+    placements = ("device", "stream") if target.separate_device else ("host",)
+    fixed = request.microbatch is not None
+    first = request.microbatch if fixed else DEFAULT_MICROBATCH
+    microbatches = [first] if fixed else list(range(first, 0, -1))
+    for placement in placements:
+        for layers in _layer_options(m, request):
+            for mb in microbatches:
+                accum = 1 if fixed else math.ceil(DEFAULT_MICROBATCH / mb)
+                yield st.Settings(layers, mb, accum, request.seq_len, request.frac, placement)
+
+
+def _prefix_total(m: ModelFacts, target: Target, request: Request) -> int | None:
+    if request.samples is None:
+        return None
+    return request.samples * request.seq_len * m.spec.hidden_size * target.c
+
+
+def _with_prefix(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.Settings) -> st.Settings:
+    """Prefix cache: as much as the host has room for after everything else train holds, the rest on disk."""
+    if s.train_from == 0:
+        return s
+    total = _prefix_total(m, t, request)
+    room = t.usable(t.host_budget) - st.train_stage(m, q, t, s).host_peak
+    ram = max(0, min(DEFAULT_PREFIX_CACHE if total is None else total, room))
+    # Whole MiB: the value becomes train's --prefix-cache-gib.
+    ram -= ram % 2**20
+    disk = 0 if total is None else total - ram
+    return replace(s, prefix_ram=ram, prefix_disk=disk)
+
+
+def _shortfalls(t: Target, stages: tuple[st.StagePlan, ...]) -> list[str]:
+    out = []
+    for plan in stages:
+        checks = [("host memory", plan.host_peak, t.host_budget, "--ram")]
+        if t.separate_device:
+            checks.insert(0, ("device memory", plan.device_peak, t.device_budget, "--vram"))
+        for what, need, budget, flag in checks:
+            usable = t.usable(budget)
+            if need > usable:
+                out.append(
+                    f"{plan.stage} needs {gib(need)} GiB of {what}; {flag} {gib(budget)} GiB leaves {gib(usable)} "
+                    f"after the {RESERVE:.0%} reserve: {gib(need - usable)} GiB short"
+                )
+    return out
+
+
+def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.Settings, *, fits: bool) -> list[str]:
+    notes = []
+    if t.kind == "directml":
+        notes.append(
+            "usaf does not train on DirectML yet (torch-directml pins torch 2.4.1, which transformers 5 refuses; "
+            "see README): this plan sizes a DirectML card, its context cost is the CUDA one, assumed"
+        )
+    default = w.default_layer_count(m)
+    if fits and request.train_from is None and len(s.layers) < default:
+        notes.append(
+            f"{len(s.layers)} trainable layers instead of usaf score's default {default} (the top quarter): "
+            "more do not fit"
+        )
+    if s.placement == "stream":
+        notes.append(
+            "this plan streams the frozen 4-bit experts from host memory, which the engine does not do yet: today "
+            "usaf train and usaf score put every expert on the device and would run out of memory"
+        )
+    if s.placement == "device" and fits and request.train_from is None:
+        more = _stream_alternative(m, q, t, request, len(s.layers))
+        if more:
+            notes.append(f"with streaming (not executed by the engine yet) {more} layers would fit at microbatch 1")
+    if s.train_from > 0 and request.samples is None:
+        notes.append(
+            f"prefix cache: {s.seq_len * m.spec.hidden_size * t.c / 2**10:.0f} KiB per training sequence; pass "
+            "--samples N to size it"
+        )
+    return notes
+
+
+def _stream_alternative(m: ModelFacts, q: QuantSettings, t: Target, request: Request, have: int) -> int | None:
+    """The most trainable layers the streaming placement fits, if more than ``have``."""
+    for layers in _layer_options(m, request):
+        if len(layers) <= have:
+            return None
+        settings = st.Settings(layers, 1, DEFAULT_MICROBATCH, request.seq_len, request.frac, "stream")
+        settings = _with_prefix(m, q, t, request, settings)
+        if not _shortfalls(t, tuple(st.all_stages(m, q, t, settings))):
+            return len(layers)
+    return None

@@ -1,0 +1,173 @@
+"""The facts about a model the memory formulas need, from ``config.json`` alone.
+
+The family layer (:func:`usaf.families.resolve_family`) gives the MoE layout; transformers, building the
+model on the meta device (no memory, no weights), gives every other tensor's exact size and the shape
+of each layer's attention — so the planner counts what the engine will hold instead of approximating
+parameter counts from widths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from usaf.families import FamilySpec
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one decoder layer's attention saves for backward depends on these (see ``activations.py``).
+
+    Dims are per token: ``q_dim = heads * qk_head_dim``; ``k_dim``/``v_dim`` before any repetition for
+    grouped-query attention. ``core`` is ``"fused"`` when torch's fused attention can run (it saves the
+    output and a log-sum-exp, linear in T); ``"math"`` when SDPA falls back to its math kernel because
+    the value head dim differs from the query's (MLA, DeepSeek), ``"eager"`` when the model runs its own
+    attention (gpt-oss, for its sinks): both save the (T, T) probabilities.
+    """
+
+    heads: int
+    kv_heads: int
+    q_dim: int
+    k_dim: int
+    v_dim: int
+    qk_head_dim: int
+    v_head_dim: int
+    qk_norm: str | None  # "head": RMSNorm per head (Qwen3), "full": over the whole projection (OLMoE)
+    latent_dims: tuple[int, ...]  # MLA: widths of the low-rank projections that are normalised (DeepSeek)
+    core: str  # "fused" | "math" | "eager"
+    sinks: bool  # gpt-oss: one extra logit column per head
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Sizes of one model, by what the engine does with them.
+
+    Expert shapes are in the quantized tensors' stored orientation ``(E, O, I)`` (out-major, grouped
+    along I): ``gate_up (E, 2I, H)``, ``down (E, H, I)`` for every family.
+    """
+
+    spec: FamilySpec
+    vocab: int
+    source_dtype: str  # the checkpoint's dtype (what quantize reads)
+    global_numel: int  # embeddings, head, final norm: non-layer tensors (tied ones once)
+    layer_numel: Mapping[int, int]  # per decoder layer: attention, norms, shared experts, dense MLP, biases
+    router_numel: Mapping[int, int]  # per MoE layer: router parameters (trainable ones become fp32 masters)
+    attention: AttentionShape
+    dense_width: int | None  # dense layers' MLP width
+    shared_width: int | None  # shared expert MLP width per MoE layer
+    shared_gated: bool  # qwen2_moe: the shared expert's output is scaled by sigmoid(gate(x))
+
+    @property
+    def gate_up_shape(self) -> tuple[int, int, int]:
+        s = self.spec
+        return (s.num_experts, 2 * s.expert_width, s.hidden_size)
+
+    @property
+    def down_shape(self) -> tuple[int, int, int]:
+        s = self.spec
+        return (s.num_experts, s.hidden_size, s.expert_width)
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        return sum(e * o * i for e, o, i in (self.gate_up_shape, self.down_shape))
+
+    @property
+    def source_bytes_per_param(self) -> int:
+        return _DTYPE_BYTES.get(self.source_dtype, 2)
+
+    @property
+    def clamped_gate(self) -> bool:
+        """gpt-oss's clamped SwiGLU keeps five (t, I) tensors for backward, plain SwiGLU two."""
+        return self.spec.activation.startswith("gpt_oss")
+
+
+def model_facts(config: Mapping[str, Any]) -> ModelFacts:
+    """Facts of the model ``config`` describes (builds it on the meta device: ~1 s, no memory)."""
+    from usaf.families import resolve_family
+    from usaf.families.fields import text_config
+    from usaf.families.meta import meta_model
+
+    spec = resolve_family(config)
+    text, _ = text_config(config)
+    model = meta_model(config)
+    params = dict(model.named_parameters())  # tied parameters once (named_parameters deduplicates)
+    state = model.state_dict()
+    tensors = {**{n: b for n, b in model.named_buffers() if n in state}, **params}
+    quantized = {name for layer in spec.moe_layers for name in (spec.gate_up_name(layer), spec.down_name(layer))}
+    routers = {name: layer for layer in spec.moe_layers for name in spec.router_names(layer)}
+    prefix = spec.layers_prefix + "."
+    global_numel = 0
+    layer_numel = dict.fromkeys(range(spec.num_layers), 0)
+    router_numel = dict.fromkeys(spec.moe_layers, 0)
+    for name, tensor in tensors.items():
+        if name in quantized:
+            continue
+        if name in routers and name in params:
+            router_numel[routers[name]] += tensor.numel()
+        elif name.startswith(prefix):
+            layer_numel[int(name[len(prefix) :].split(".", 1)[0])] += tensor.numel()
+        else:
+            global_numel += tensor.numel()
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    return ModelFacts(
+        spec=spec,
+        vocab=int(model.get_output_embeddings().weight.shape[0]),
+        source_dtype=dtype.removeprefix("torch."),
+        global_numel=global_numel,
+        layer_numel=layer_numel,
+        router_numel=router_numel,
+        attention=_attention(model, spec),
+        dense_width=spec.dense_width,
+        shared_width=spec.shared.width if spec.shared is not None else None,
+        shared_gated=bool(spec.shared is not None and spec.shared.gate),
+    )
+
+
+def _attention(model: Any, spec: FamilySpec) -> AttentionShape:
+    """The top MoE layer's attention shape, read off the meta model's modules."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    layer = model.get_submodule(spec.layer_prefix(spec.moe_layers[-1]))
+    attn = getattr(layer, "self_attn", None)
+    hidden = spec.hidden_size
+    if attn is None:  # an unfamiliar token mixer: count it like multi-head attention of width H
+        return AttentionShape(
+            heads, heads, hidden, hidden, hidden, hidden // heads, hidden // heads, None, (), "fused", False
+        )
+    latent: tuple[int, ...] = ()
+    if hasattr(attn, "kv_b_proj"):  # MLA (DeepSeek): K and V come out of a normalised low-rank latent
+        qk_head = int(config.qk_nope_head_dim + config.qk_rope_head_dim)
+        v_head = int(config.v_head_dim)
+        q_dim, k_dim, v_dim = heads * qk_head, heads * qk_head, heads * v_head
+        kv_heads = heads
+        latent = (int(attn.kv_a_proj_with_mqa.out_features),)
+        if hasattr(attn, "q_a_layernorm"):
+            latent = (int(attn.q_a_layernorm.weight.numel()), *latent)
+    else:
+        q_dim = int(attn.q_proj.out_features)
+        k_dim, v_dim = int(attn.k_proj.out_features), int(attn.v_proj.out_features)
+        qk_head, v_head = q_dim // heads, v_dim // kv_heads
+    qk_norm = None
+    if hasattr(attn, "q_norm"):
+        qk_norm = "head" if attn.q_norm.weight.numel() == qk_head else "full"
+    # Eager when the model does not use SDPA (gpt-oss, for its sinks); torch's fused SDPA kernels need equal
+    # query and value head dims, else SDPA runs its math kernel (MLA).
+    implementation = getattr(model.config, "_attn_implementation", "sdpa")
+    core = "eager" if implementation != "sdpa" else "fused" if qk_head == v_head else "math"
+    return AttentionShape(
+        heads=heads,
+        kv_heads=kv_heads,
+        q_dim=q_dim,
+        k_dim=k_dim,
+        v_dim=v_dim,
+        qk_head_dim=qk_head,
+        v_head_dim=v_head,
+        qk_norm=qk_norm,
+        latent_dims=latent,
+        core=core,
+        sinks=hasattr(attn, "sinks"),
+    )

@@ -1,0 +1,234 @@
+"""Peak memory of each stage, component by component, for one choice of settings.
+
+A stage's peak is the sum of its components: what it holds for the whole run (weights, deltas,
+optimizer state) plus what exists at its busiest moment (one microbatch's saved activations and the
+loss's working memory, near the end of a training forward). Each component says where it lives: on the
+device, or in host memory; on a CPU target everything is host memory.
+
+Placements (where the 4-bit experts of every layer live; everything else is the same):
+
+* ``device``: all on the device. This is what ``usaf train`` / ``usaf score`` do today.
+* ``stream``: all in pinned host memory; a layer's experts are copied to a two-layer device buffer when a
+  forward reaches it (one in use, one in flight). Training steps that read their prefix from the cache
+  never run the frozen layers, so only prefix capture and score/eval forwards stream. **The engine does
+  not execute this placement yet** (issue 10, part 2); a plan that needs it says so.
+* ``host``: a CPU target, where device and host memory are one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from usaf.memory_plan import activations as act
+from usaf.memory_plan import weights as w
+from usaf.memory_plan.model import ModelFacts
+from usaf.memory_plan.source import QuantSettings
+from usaf.memory_plan.target import Target
+
+PLACEMENTS = {
+    "device": "every 4-bit expert on the device (what usaf train does today)",
+    "stream": "4-bit experts in pinned host memory, streamed per layer into a 2-layer device buffer (not executed "
+    "by the engine yet)",
+    "host": "everything in RAM (CPU)",
+}
+STREAM_BUFFER_LAYERS = 2
+# usaf quantize holds one MoE layer's source experts several times over at its peak: the per-expert tensors
+# read from disk, the stacked gate and up halves and the fused gate_up (about 2.3 copies by construction,
+# families/convert.py), plus slices and allocator slack. Measured above the command's fixed cost: 3.6-3.9 layers
+# of a bf16 source (docs/BENCHMARKS.md, "Peak RSS versus layer count"), 2.8 of an fp32 one (bench_plan.py).
+QUANTIZE_LAYER_COPIES = {2: 4, 4: 3}  # bytes per source weight -> copies of the layer
+# hqq's solver on one fp32 expert slice keeps a handful of slice-sized temporaries (assumed, not measured).
+QUANTIZE_SLICE_COPIES = 8
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One candidate: which layers train, how big a microbatch, where the experts live, the prefix cache."""
+
+    layers: tuple[int, ...]  # trainable MoE layers (a top block: every MoE layer from the first up)
+    microbatch: int
+    grad_accum: int
+    seq_len: int
+    frac: float
+    placement: str
+    prefix_ram: int = 0  # bytes of cached prefix states kept in RAM (train's --prefix-cache-gib)
+    prefix_disk: int = 0  # bytes spilled to the run's memory-mapped file
+
+    @property
+    def train_from(self) -> int:
+        return self.layers[0]
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    device: int = 0
+    host: int = 0
+    basis: str = ""  # the formula or measurement it comes from, in words
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    components: tuple[Component, ...]
+    disk: int = 0  # bytes written to disk beyond the artifact (prefix spill)
+
+    @property
+    def device_peak(self) -> int:
+        return sum(c.device for c in self.components)
+
+    @property
+    def host_peak(self) -> int:
+        return sum(c.host for c in self.components)
+
+
+def _place(target: Target, name: str, nbytes: int, basis: str, *, on_device: bool = True) -> Component:
+    if on_device and target.separate_device:
+        return Component(name, device=nbytes, basis=basis)
+    return Component(name, host=nbytes, basis=basis)
+
+
+def _framework(target: Target) -> list[Component]:
+    out = [
+        Component(
+            "framework (Python, torch)",
+            host=target.host_baseline,
+            basis="CLI fixed cost, measured" + ("; + CUDA runtime, assumed" if target.separate_device else ""),
+        )
+    ]
+    if target.separate_device:
+        out.append(Component("device context", device=target.context, basis="CUDA context, assumed 500 MiB"))
+    return out
+
+
+def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> list[Component]:
+    """What score, train and eval all hold: non-expert weights, 4-bit experts, resident bases."""
+    layers = len(s.layers)
+    experts = sum(w.layer_quantized_bytes(m, layer, q) for layer in m.spec.moe_layers)
+    group = f"{q.nbits}-bit, group {q.group_size}"
+    out = [
+        _place(
+            t,
+            "non-expert weights",
+            w.other_weight_bytes(m, s.layers, t.c),
+            f"attention, embeddings, norms, frozen routers in {t.dtype}",
+        ),
+    ]
+    if s.placement == "stream":
+        buffer = STREAM_BUFFER_LAYERS * w.layer_quantized_bytes(m, m.spec.moe_layers[-1], q)
+        out.append(Component("4-bit experts, all layers", host=experts, basis=f"{group}, pinned host memory"))
+        out.append(Component("4-bit streaming buffer", device=buffer, basis="2 layers"))
+    else:
+        out.append(_place(t, "4-bit experts, all layers", experts, f"{group}, codes + fp16 scale/zero"))
+    out.append(
+        _place(t, "resident bases", w.resident_bytes(m, layers, t.c), f"{layers} layers dequantized to {t.dtype}")
+    )
+    if s.train_from > 0:  # frozen layers run (prefix capture, score and eval forwards): one slice at a time
+        _, o, i = m.gate_up_shape
+        out.append(_place(t, "frozen-layer dequantization", (2 * act.FP32 + t.c) * o * i, "one expert slice"))
+    return out
+
+
+def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
+    """One training forward's saved activations and the loss's working memory."""
+    batch = act.Batch(s.microbatch, s.seq_len)
+    saved = act.saved_activations(m, s.train_from, batch, t.c)
+    return [
+        _place(t, "activations (saved)", sum(saved.values()), f"formula, microbatch {s.microbatch} x {s.seq_len}"),
+        _place(t, "loss working memory", act.loss_workspace(m, batch), "fp32 logits and their gradient"),
+        _place(
+            t,
+            "backward working memory",
+            act.backward_workspace(m, s.train_from, batch, t.c),
+            "one layer's activation gradients",
+        ),
+    ]
+
+
+def quantize_stage(m: ModelFacts, q: QuantSettings, t: Target) -> StagePlan:
+    layer = m.spec.moe_layers[-1]
+    source = m.expert_params_per_layer * m.source_bytes_per_param
+    copies = QUANTIZE_LAYER_COPIES.get(m.source_bytes_per_param, 4)
+    _, o, i = m.gate_up_shape
+    parts = [
+        *_framework(t),
+        Component(
+            "source experts, one layer",
+            host=copies * source,
+            basis=f"{copies} copies of the layer in {m.source_dtype} (measured)",
+        ),
+        Component(
+            "quantized experts, one layer", host=w.layer_quantized_bytes(m, layer, q), basis="codes + scale/zero"
+        ),
+        _place(t, "solver workspace", QUANTIZE_SLICE_COPIES * act.FP32 * o * i, "fp32 expert slices, assumed"),
+    ]
+    return StagePlan("quantize", tuple(parts))
+
+
+def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
+    layers = len(s.layers)
+    routers = w.router_params(m, s.layers)
+    _, o, i = m.gate_up_shape
+    parts = [
+        *_framework(t),
+        *_model_weights(m, q, t, s),
+        _place(t, "routers (fp32)", 3 * act.FP32 * routers, "masters, anchors, gradients"),
+        _place(
+            t,
+            "score pools",
+            3 * w.pool_bytes(m, layers, s.frac),
+            f"sample + two halves, {w.POOL_FACTOR} x budget candidates of 12 bytes",
+        ),
+        _place(t, "dense expert-slice gradient", 3 * act.FP32 * o * i, "gradient, statistic, top-k; assumed"),
+        *_forward(m, t, s),
+    ]
+    return StagePlan("score", tuple(parts))
+
+
+def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
+    layers = len(s.layers)
+    entries = layers * w.layer_delta_entries(m, s.frac)
+    routers = w.router_params(m, s.layers)
+    batch = act.Batch(s.microbatch, s.seq_len)
+    _, o, i = m.gate_up_shape
+    kernel = act.sparse_kernel_workspace(m, batch, s.frac, t.c, cpu=not t.separate_device)
+    parts = [
+        *_framework(t),
+        *_model_weights(m, q, t, s),
+        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac), f"{entries:,} entries"),
+        _place(t, "delta gradients", act.FP32 * entries, "fp32"),
+        _place(t, "routers (fp32)", 3 * act.FP32 * routers, f"{routers:,} weights: masters, anchors, gradients"),
+        _place(t, "optimizer state", w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers), "2 fp32 moments + int32 step"),
+        _place(t, "grow-score pools (RigL)", w.pool_bytes(m, layers, s.frac), "RigL's last 4 steps"),
+        _place(t, "dense expert-slice gradient", 3 * act.FP32 * o * i, "RigL's scoring steps; assumed"),
+        *_forward(m, t, s),
+        _place(t, "sparse-kernel workspace", kernel, "one expert's gathered entries"),
+    ]
+    if s.train_from > 0:
+        states = batch.tokens * m.spec.hidden_size * t.c
+        parts.append(_place(t, "prefix states, one batch", states, "(B, T, H)"))
+        parts.append(Component("prefix cache in RAM", host=s.prefix_ram, basis="--prefix-cache-gib"))
+    staged = entries * (act.FP32 + act.INT64 + 12) + routers * act.FP32
+    if t.separate_device:  # a checkpoint copies deltas, the cumulative delta and optimizer state to the host
+        staged += w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers)
+    parts.append(Component("checkpoint staging", host=staged, basis="deltas and state copied to save"))
+    return StagePlan("train", tuple(parts), disk=s.prefix_disk)
+
+
+def eval_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
+    """The held-out forward of a trained change (``SparseEngine.apply_change``; no gradients)."""
+    layers = len(s.layers)
+    routers = w.router_params(m, s.layers)
+    batch = act.Batch(s.microbatch, s.seq_len)
+    parts = [
+        *_framework(t),
+        *_model_weights(m, q, t, s),
+        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac), "applied change"),
+        _place(t, "routers (fp32)", 2 * act.FP32 * routers, "masters, anchors"),
+        _place(t, "forward working memory", act.forward_workspace(m, batch, t.c), "logits, fp32 copy, log-softmax"),
+    ]
+    return StagePlan("eval", tuple(parts))
+
+
+def all_stages(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> list[StagePlan]:
+    return [quantize_stage(m, q, t), score_stage(m, q, t, s), train_stage(m, q, t, s), eval_stage(m, q, t, s)]

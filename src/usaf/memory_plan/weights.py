@@ -1,0 +1,99 @@
+"""Bytes of what the engine holds between steps: weights, deltas, routers, optimizer state.
+
+Each function mirrors one structure of the engine, so ``SparseEngine.memory()`` can check it exactly
+(``tests/test_memory_plan.py``): 4-bit codes + fp16 scale and zero per group (``QuantizedTensor``), the
+resident dequantized base (``ExpertWeight.make_resident``), a sparse delta's fp32 values and its four
+int64 index buffers + offsets (``SparseDelta``), ``SparseAdamW``'s state, the score pools of ``usaf
+score`` and of RigL's grow step (``ScoreAccumulator``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from usaf.memory_plan.model import ModelFacts
+from usaf.memory_plan.source import QuantSettings
+
+FP16 = 2
+FP32 = 4
+INT64 = 8
+# SparseDelta: fp32 value + int64 flat index, expert, row and column per entry (offsets counted apart).
+DELTA_BYTES_PER_ENTRY = FP32 + 4 * INT64
+# SparseAdamW: fp32 exp_avg + fp32 exp_avg_sq + int32 per-element step count (its state_bytes()).
+OPTIMIZER_BYTES_PER_PARAM = 12
+# ScoreAccumulator: a pool of pool_factor x candidates (int64 index + fp32 score), plus per expert an
+# int64 count and two fp32 halves of the error bound.
+POOL_BYTES_PER_CANDIDATE = INT64 + FP32
+POOL_BYTES_PER_EXPERT = INT64 + 2 * FP32
+POOL_FACTOR = 4  # usaf score's --candidates-factor default and collect_scores' pool_factor
+DEFAULT_TOP_FRACTION = 0.25  # usaf score's default trainable block (stages.score.DEFAULT_TOP_FRACTION)
+
+
+def quantized_bytes(shape: tuple[int, int, int], nbits: int, group_size: int) -> int:
+    """codes ``(E, O, packed I)`` uint8 + scale and zero ``(E, O, I / group)`` fp16."""
+    from usaf.quant import effective_group_size, packed_width
+
+    e, o, i = shape
+    group = effective_group_size(i, group_size)
+    return e * o * packed_width(i, nbits) + 2 * FP16 * e * o * (i // group)
+
+
+def layer_quantized_bytes(m: ModelFacts, layer: int, quant: QuantSettings) -> int:
+    """One MoE layer's two expert tensors, at the group sizes the quantized model records (if known)."""
+    s = m.spec
+    total = 0
+    for name, shape in ((s.gate_up_name(layer), m.gate_up_shape), (s.down_name(layer), m.down_shape)):
+        total += quantized_bytes(shape, quant.nbits, quant.effective.get(name, quant.group_size))
+    return total
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def delta_entries(shape: tuple[int, int, int], frac: float) -> int:
+    """Entries a per-tensor budget gives one tensor (``usaf.engine.engine.budget``)."""
+    return max(1, math.floor(frac * numel(shape)))
+
+
+def layer_delta_entries(m: ModelFacts, frac: float) -> int:
+    return delta_entries(m.gate_up_shape, frac) + delta_entries(m.down_shape, frac)
+
+
+def delta_bytes(m: ModelFacts, layers: int, frac: float) -> int:
+    """Values, index buffers and the ``(E + 1)`` int64 offsets of every trainable tensor."""
+    offsets = 2 * layers * (m.spec.num_experts + 1) * INT64
+    return layers * layer_delta_entries(m, frac) * DELTA_BYTES_PER_ENTRY + offsets
+
+
+def pool_bytes(m: ModelFacts, layers: int, frac: float) -> int:
+    """Score pools of every trainable tensor: ``POOL_FACTOR`` x its budget candidates each."""
+    candidates = layers * layer_delta_entries(m, frac) * POOL_FACTOR
+    return candidates * POOL_BYTES_PER_CANDIDATE + 2 * layers * m.spec.num_experts * POOL_BYTES_PER_EXPERT
+
+
+def router_params(m: ModelFacts, layers: Iterable[int]) -> int:
+    return sum(m.router_numel[layer] for layer in layers)
+
+
+def other_weight_bytes(m: ModelFacts, trainable: Iterable[int], c: int) -> int:
+    """Every non-expert tensor in the compute dtype, except the trainable routers (fp32 masters, apart).
+
+    Routers a family keeps in fp32 (DeepSeek-V3) stay fp32 when frozen.
+    """
+    trainable = set(trainable)
+    frozen_routers = sum(n for layer, n in m.router_numel.items() if layer not in trainable)
+    router_bytes = FP32 if m.spec.router.fp32 else c
+    rest = m.global_numel + sum(m.layer_numel.values())
+    return rest * c + frozen_routers * router_bytes
+
+
+def resident_bytes(m: ModelFacts, layers: int, c: int) -> int:
+    """Dequantized bases of the trainable layers, ``(E, O, I)`` in the compute dtype."""
+    return layers * m.expert_params_per_layer * c
+
+
+def default_layer_count(m: ModelFacts) -> int:
+    """``usaf score``'s default: the top quarter of the MoE layers (at least one)."""
+    return max(1, math.ceil(DEFAULT_TOP_FRACTION * len(m.spec.moe_layers)))
