@@ -335,7 +335,15 @@ def test_missing_model_and_bad_model(tmp_path):
     assert_clean_failure(
         tokenize(STDLIB / "json", "--model", tmp_path / "emptymodel", "--out", out),
         out,
-        "no usable tokenizer",
+        "no tokenizer files",
+    )
+    # a config.json alone: transformers would make a one-token tokenizer of it
+    (tmp_path / "configonly").mkdir()
+    (tmp_path / "configonly" / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert_clean_failure(
+        tokenize(STDLIB / "json", "--model", tmp_path / "configonly", "--out", out),
+        out,
+        "no tokenizer files",
     )
 
 

@@ -24,6 +24,13 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     local = Path(model)
     if (model.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
         raise UsafError(f"{flag} {model}: no such directory", "pass a model directory or a hub id")
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if local.is_dir() and not any((local / name).is_file() for name in vocab_files):
+        # transformers would build an empty one-token tokenizer from config.json alone
+        raise UsafError(
+            f"{flag} {model}: no tokenizer files (tokenizer.json or tokenizer_config.json) in the directory",
+            "copy the model's tokenizer files next to its config.json",
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -37,6 +44,8 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
             f"{flag} {model}: the tokenizer has no fast (tokenizer.json) version",
             "convert it once with transformers (AutoTokenizer.from_pretrained(..., use_fast=True).save_pretrained)",
         )
+    if len(tokenizer) < 2:
+        raise UsafError(f"{flag} {model}: the tokenizer has an empty vocabulary", "check the tokenizer files")
     if tokenizer.eos_token_id is None:
         raise UsafError(f"{flag} {model}: the tokenizer has no EOS token", "packing needs one as a separator")
     return tokenizer
