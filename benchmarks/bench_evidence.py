@@ -15,7 +15,7 @@ warmup, floor 0.1 x peak), gradient clipping at 1.0, no weight decay, and seeds 
   at ``usaf train``'s defaults (top quarter of the layers = layer 3, per-tensor budget, router lr 1e-4), except
   ``--save-every 0`` (no checkpoint I/O inside the timed loop). Arms: default (frac 0.005, RigL every
   ``RESELECT_EVERY`` steps, routers on), static mask (``--reselect-every 0``), routers frozen (``--no-router``),
-  and a larger budget (frac ``FRAC_LARGE``).
+  a larger budget (frac ``FRAC_LARGE``) and two trainable layers (``--train-from TRAIN_FROM_HALF``).
 - **router only**: the same train stage and Trainer (data, prefix cache, schedule, SparseAdamW, clipping), with
   the plan's deltas removed just before the loop (``usaf train`` has no flag for "no deltas"), so only the
   layer-3 router trains; its learning rate is ``--router-lr``.
@@ -35,8 +35,12 @@ Learning rates: a sweep on seed 0 over ``GRIDS`` (one more value beyond the grid
 edge, at most ``MAX_EXTEND`` times), picked by the lowest PPL on an in-domain *validation* sample of held-out
 sequences disjoint from the reported *test* sample; seeds 1 and 2 run at the chosen lr.
 
-    python benchmarks/bench_evidence.py [--quick] [--threads 1] [--steps 300] [--seeds 0 1 2] [--no-sweep]
-                                        [--out benchmarks/results/evidence.json]
+Every run is deterministic at a fixed thread count, so ``--resume`` continues an interrupted benchmark from the
+runs already in ``--out`` (the same settings are checked) with the same results.
+
+    python benchmarks/bench_evidence.py [--quick] [--threads 1] [--steps 250] [--seeds 0 1 2] [--no-sweep]
+                                        [--resume] [--out benchmarks/results/evidence.json]
+    python benchmarks/bench_evidence.py --reaggregate benchmarks/results/evidence.json   # tables only
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arm.
 """
@@ -393,7 +397,7 @@ def plan_key(arm: str, seed: int) -> tuple:
     return seed, ARMS[arm]["frac"], ARMS[arm].get("train_from")
 
 
-def run_arm(env: dict, arm: str, lr: float, seed: int, plans: dict, work: Path, cfg: dict) -> dict:
+def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: dict) -> dict:
     a = ARMS[arm]
     spec = {
         "kind": a["kind"],
@@ -407,7 +411,7 @@ def run_arm(env: dict, arm: str, lr: float, seed: int, plans: dict, work: Path, 
         "eval": {k: str(v) for k, v in env["eval"].items() if cfg["validation"] or k != "indomain_validation"},
     }
     if a["kind"] in ("usaf", "router_only"):
-        spec["plan"] = str(plans[plan_key(arm, seed)])
+        spec["plan"] = str(plan(plan_key(arm, seed)))
         spec["run_dir"] = str(work / "runs" / f"{arm}-lr{lr:g}-seed{seed}")
         spec["reselect_every"] = cfg["reselect_every"] if a["reselect"] else 0
         spec["router"] = a["router"]
@@ -444,16 +448,14 @@ def run_arm(env: dict, arm: str, lr: float, seed: int, plans: dict, work: Path, 
 # -- the run ------------------------------------------------------------------------------------------------------
 
 
-def sweep(env, plans, work, cfg, runs: list, save) -> dict:
-    """Seed 0 over each arm's grid (extended past an edge that wins); returns the chosen lr per arm."""
+def sweep(run) -> dict:
+    """Seed 0 over each arm's grid (extended past an edge that wins); returns the chosen lr per arm.
+
+    ``run(arm, lr, seed)`` returns one run's result.
+    """
     chosen = {}
     for arm in ARMS:
-        grid = sorted(GRIDS[arm])
-        tried: dict[float, dict] = {}
-        for lr in grid:
-            tried[lr] = run_arm(env, arm, lr, 0, plans, work, cfg)
-            runs.append(tried[lr])
-            save()
+        tried = {lr: run(arm, lr, 0) for lr in sorted(GRIDS[arm])}
         for _ in range(MAX_EXTEND):
             best = min(tried, key=lambda x: tried[x]["eval"]["indomain_validation"]["ppl"])
             ordered = sorted(tried)
@@ -464,9 +466,7 @@ def sweep(env, plans, work, cfg, runs: list, save) -> dict:
             else:
                 break
             lr = float(f"{lr:.3g}")
-            tried[lr] = run_arm(env, arm, lr, 0, plans, work, cfg)
-            runs.append(tried[lr])
-            save()
+            tried[lr] = run(arm, lr, 0)
         chosen[arm] = min(tried, key=lambda x: tried[x]["eval"]["indomain_validation"]["ppl"])
         print(f"[sweep] {arm}: lr {chosen[arm]:g}", flush=True)
     return chosen
@@ -543,6 +543,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="each arm at its grid's middle lr, no sweep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads here and in the children [1]")
     parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/evidence.json]")
+    parser.add_argument("--resume", action="store_true", help="reuse the runs already in --out (same settings)")
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
     )
@@ -602,7 +603,26 @@ def main() -> None:
             "lora_alpha": LORA_ALPHA,
         },
     }
-    runs: list = []
+    # --resume: runs already in --out with the same settings are reused (every run is deterministic at a fixed
+    # thread count: the same seed gives the same numbers), the rest are run.
+    done: dict = {}
+    invocations = []
+    if args.resume and out.is_file():
+        previous = json.loads(out.read_text())
+        if previous.get("settings") != json.loads(json.dumps(result["settings"])):
+            sys.exit(f"--resume: {out} was made with other settings; pass another --out or drop --resume")
+        done = {(r["arm"], r["lr"], r["seed"]): r for r in previous["runs"]}
+        invocations = previous.get("invocations") or [
+            {"command": previous["command"], "date": previous["machine"]["date"], "load_average_1min": None}
+        ]
+        for r in previous["runs"]:
+            r.setdefault("invocation", 0)
+        print(f"[resume] {len(done)} runs reused from {out}", flush=True)
+    invocations.append(
+        {"command": result["command"], "date": result["machine"]["date"], "load_average_1min": load_start}
+    )
+    result["invocations"] = invocations
+    runs: list = list(done.values())
     result["runs"] = runs
 
     def save():
@@ -616,26 +636,43 @@ def main() -> None:
         result["bases"] = evaluate_bases(env)
         print("[bases] " + json.dumps({k: {s: round(v["ppl"], 2) for s, v in b.items()}
                                        for k, b in result["bases"].items()}), flush=True)  # fmt: skip
-        plans, plan_info = {}, {}
-        for seed in seeds:
-            for key in sorted({plan_key(arm, seed) for arm, a in ARMS.items() if "frac" in a}, key=str):
-                _, frac, train_from = key
-                plans[key], plan_info[f"seed{seed}-frac{frac}-from{train_from}"] = make_plan(
+        plans: dict = {}
+        result["plans"] = previous["plans"] if done else {}
+
+        def plan(key: tuple) -> Path:  # scored when first needed
+            if key not in plans:
+                seed, frac, train_from = key
+                plans[key], result["plans"][f"seed{seed}-frac{frac}-from{train_from}"] = make_plan(
                     env, work, seed, frac, train_from, cache=not quick, calib=8 if quick else 64
                 )
-        result["plans"] = plan_info
-        save()
+            return plans[key]
+
+        def run(arm: str, lr: float, seed: int) -> dict:
+            if (arm, lr, seed) in done:
+                return done[(arm, lr, seed)]
+            r = run_arm(env, arm, lr, seed, plan, work, cfg)
+            r["invocation"] = len(invocations) - 1
+            runs.append(r)
+            save()
+            return r
+
         # LoRA's ranks: the pair whose trainable count is closest to the default usaf arm's (expert entries +
         # router weights), on the same layers.
-        first = plan_info[f"seed{seeds[0]}-frac{FRAC}-fromNone"]
-        cfg["layers"] = first["trainable_layers"]
-        target = first["expert_entries"] + first["router_params"]
-        per_rank = lora_counts_per_rank(env["src"], cfg["layers"])
-        cfg["lora_ranks"] = list(lora_ranks(target, *per_rank))
-        result["lora"] = {"layers": cfg["layers"], "ranks_experts_attention": cfg["lora_ranks"], "usaf_target": target,
-                          "per_rank_experts_attention": list(per_rank)}  # fmt: skip
+        if done:
+            cfg["layers"], cfg["lora_ranks"] = previous["lora"]["layers"], previous["lora"]["ranks_experts_attention"]
+            result["lora"] = previous["lora"]
+        else:
+            plan(plan_key("usaf", seeds[0]))
+            first = result["plans"][f"seed{seeds[0]}-frac{FRAC}-fromNone"]
+            cfg["layers"] = first["trainable_layers"]
+            target = first["expert_entries"] + first["router_params"]
+            per_rank = lora_counts_per_rank(env["src"], cfg["layers"])
+            cfg["lora_ranks"] = list(lora_ranks(target, *per_rank))
+            result["lora"] = {"layers": cfg["layers"], "ranks_experts_attention": cfg["lora_ranks"],
+                              "usaf_target": target, "per_rank_experts_attention": list(per_rank)}  # fmt: skip
+        save()
         if do_sweep:
-            chosen = sweep(env, plans, work, cfg, runs, save)
+            chosen = sweep(run)
             cfg["validation"] = False  # the validation sample is only for choosing the lr
         else:
             chosen = {arm: sorted(GRIDS[arm])[1] for arm in ARMS}
@@ -645,8 +682,7 @@ def main() -> None:
                 continue  # seed 0 ran in the sweep
             order = list(ARMS) if i % 2 == 0 else list(reversed(ARMS))  # interleave arm order across seeds
             for arm in order:
-                runs.append(run_arm(env, arm, chosen[arm], seed, plans, work, cfg))
-                save()
+                run(arm, chosen[arm], seed)
     result["table"] = aggregate(runs, chosen, seeds)
     result["sweep"] = sweep_table(runs) if do_sweep else None
     result["total_seconds"] = time.perf_counter() - started
