@@ -15,7 +15,7 @@ Opt = typer.Option
 def command(
     workspace: Annotated[Path | None, Opt(help="Where the demo's artifacts go [default: ./usaf-demo].")] = None,
     steps: Annotated[int | None, Opt(help="Training steps [default: 150].")] = None,
-    frac: Annotated[float | None, Opt(help="Fraction of the trainable layers' expert weights [default: 0.01].")] = None,
+    frac: Annotated[float | None, Opt(help="Fraction of the trainable layers' expert weights [default: 0.02].")] = None,
     eval_sequences: Annotated[int | None, Opt(help="Sequences per evaluated input [default: 32].")] = None,
     export: Annotated[bool | None, Opt("--export/--no-export", help="Also export a HF model [default: off].")] = None,
     seed: Annotated[int | None, Opt(help="Seed of the calibration sample and data order [default: 0].")] = None,

@@ -43,7 +43,7 @@ def command(
     seq_len: Annotated[int | None, Opt(help="Cut longer sequences to N tokens [default: as tokenized].")] = None,
     microbatch: Annotated[int | None, Opt(help="Sequences per forward [default: 2].")] = None,
     grad_accum: Annotated[int | None, Opt(help="Microbatches per optimizer step [default: 1].")] = None,
-    lr: Annotated[float | None, Opt(help="Peak learning rate of the deltas [default: 1e-2].")] = None,
+    lr: Annotated[float | None, Opt(help="Peak learning rate of the deltas [default: 3e-3].")] = None,
     router_lr: Annotated[float | None, Opt(help="Peak learning rate of the routers [default: 1e-4].")] = None,
     weight_decay: Annotated[float | None, Opt(help="Decoupled, toward the pretrained weights [default: 0].")] = None,
     clip: Annotated[float | None, Opt(help="Gradient-norm clip over all trainables [default: 1.0].")] = None,
