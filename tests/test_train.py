@@ -267,8 +267,10 @@ def test_routing_collapse_is_warned_once_per_layer():
         def load_stats(self, reset=True):
             return {1: LayerLoad([0] * 4, 0.0, 0.0, 4), 2: next(loads)}  # layer 1: frozen, skipped by the cache
 
+    from usaf.distributed import World
+
     trainer = Trainer.__new__(Trainer)
-    trainer.engine, trainer.state = Engine(), TrainState()
+    trainer.engine, trainer.state, trainer.world = Engine(), TrainState(), World()
     assert trainer._check_routing() == [] and trainer._check_routing() == []
     warned = trainer._check_routing()
     assert len(warned) == 1 and warned[0].startswith("layer 2: routing collapsing, one expert takes 85%")

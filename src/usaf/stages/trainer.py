@@ -41,7 +41,7 @@ from usaf.artifacts.run import (
 )
 from usaf.data.batches import Batch, collate
 from usaf.data.dataset import TokenDataset
-from usaf.distributed import World, merge_scores, sum_expert_loads
+from usaf.distributed import World, sum_expert_loads
 from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
@@ -451,10 +451,6 @@ class Trainer:
 
     def checkpoint_dir(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step:07d}"
-
-    def merged_scores(self) -> dict:
-        """The grow scores collected for the next reselection, merged over ranks."""
-        return merge_scores(self.collector.accumulators, self.world)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.world.is_main:
