@@ -142,7 +142,7 @@ def test_qwen3_30b_a3b_plan_fits_12gib_vram_and_32gib_ram():
     assert plan.settings.placement == "stream" and plan.settings.layers[-1] == 47 and len(plan.settings.layers) >= 2
     for stage in plan.stages:
         assert stage.device_peak <= 0.95 * 12 * GIB and stage.host_peak <= 0.95 * 32 * GIB, stage.stage
-    assert any("does not do yet" in note for note in plan.notes)
+    assert any("--stream-experts" in note for note in plan.notes)
     # Negative controls: a 6 GiB card cannot hold even one trainable layer; a fixed --train-from 36
     # (12 layers, usaf score's default) does not fit 12 GiB either.
     small = plan_memory(facts, QuantSettings(), make_target("cuda", None, 6 * GIB, 32 * GIB), Request())
@@ -227,7 +227,7 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["fits"] and data["settings"]["placement"] == "stream"
-    assert not data["settings"]["placement_executed_by_engine"]
+    assert data["settings"]["stream_experts"]
     train = data["stages"]["train"]
     assert train["device_peak_bytes"] == sum(c["device_bytes"] for c in train["components"])
     assert any(c.startswith("usaf train --microbatch 2") for c in data["commands"])

@@ -17,6 +17,7 @@ from usaf.cli.options import (
     JsonOpt,
     LayersOpt,
     StatisticOpt,
+    StreamExpertsOpt,
     TrainFromOpt,
     VerboseOpt,
     WorkspaceOpt,
@@ -71,6 +72,7 @@ def command(
     ] = None,
     device: DeviceOpt = None,
     dist_backend: DistBackendOpt = None,
+    stream_experts: StreamExpertsOpt = None,
     nproc: Annotated[
         int | None,
         Opt(
@@ -132,6 +134,7 @@ def command(
             "overwrite": overwrite,
             "device": device,
             "dist_backend": dist_backend,
+            "stream_experts": stream_experts,
             "dtype": dtype,
         },
         config_file=config,

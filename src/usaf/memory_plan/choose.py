@@ -1,9 +1,10 @@
 """Picking settings that fit: the first candidate, in order of preference, whose every stage fits.
 
-Preference: a placement the engine executes today before one it does not (streaming); within a
-placement, more trainable layers (up to ``usaf score``'s default, the top quarter) before a larger
-microbatch, because gradient accumulation recovers the batch (same sequences per step, slower) while
-nothing recovers a layer. Settings the user gave (``--train-from``, ``--microbatch``) are kept as given.
+Preference: every expert on the device before streaming them from host memory (streaming adds transfers to
+every forward through the frozen layers: prefix capture, score, eval); within a placement, more trainable
+layers (up to ``usaf score``'s default, the top quarter) before a larger microbatch, because gradient
+accumulation recovers the batch (same sequences per step, slower) while nothing recovers a layer. Settings
+the user gave (``--train-from``, ``--microbatch``) are kept as given.
 """
 
 from __future__ import annotations
@@ -135,13 +136,14 @@ def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.S
         )
     if s.placement == "stream":
         notes.append(
-            "this plan streams the frozen 4-bit experts from host memory, which the engine does not do yet: today "
-            "usaf train and usaf score put every expert on the device and would run out of memory"
+            "this plan keeps the 4-bit experts in host memory and streams the frozen layers' to the device one "
+            "layer ahead (usaf score/train --stream-experts; chosen by default when they would take over half "
+            "the device's free memory)"
         )
     if s.placement == "device" and fits and request.train_from is None:
         more = _stream_alternative(m, q, t, request, len(s.layers))
         if more:
-            notes.append(f"with streaming (not executed by the engine yet) {more} layers would fit at microbatch 1")
+            notes.append(f"with --stream-experts {more} trainable layers would fit at microbatch 1")
     if s.train_from > 0 and request.samples is None:
         notes.append(
             f"prefix cache: {s.seq_len * m.spec.hidden_size * t.c / 2**10:.0f} KiB per training sequence; pass "

@@ -92,6 +92,9 @@ class TrainConfig(StageConfig):
     )
     calib_samples: int = Field(64, ge=1)
     prefix_cache_gib: float = Field(2.0, ge=0, description="RAM for cached prefix states before spilling to disk.")
+    stream_experts: bool | None = Field(
+        None, description="Frozen layers' 4-bit experts in host memory, streamed per layer [default: by size]."
+    )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend under torchrun [default: nccl on CUDA, else gloo]."
     )
@@ -117,7 +120,7 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
     (microbatch × grad-accum × processes) decides which sequences a step trains on, so a run may resume
     with another world size or microbatch as long as that product is the same.
     """
-    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "microbatch", "grad_accum"}
+    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "stream_experts", "microbatch", "grad_accum"}
     keep = config.model_dump(mode="json", exclude=skip)
     global_batch = config.microbatch * config.grad_accum * world.size
     return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,
@@ -163,7 +166,8 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
     world().barrier("run directory check")  # every rank has looked before rank 0 creates it
     if world().is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    options = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "router", "device", "seed")
+    options = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "router", "device", "seed",
+               "stream_experts")
     settings = score.ScoreConfig(
         model=model_dir,
         data=data,
@@ -186,9 +190,9 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     from usaf.data.dataset import TokenDataset
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
     from usaf.engine.engine import SparseEngine
-    from usaf.engine.loading import load_quantized_model
     from usaf.engine.loss_scale import DynamicLossScaler
     from usaf.engine.prefix import PrefixCache
+    from usaf.stages.engine_setup import load_for_engine
     from usaf.stages.prefix_cache import open_store
     from usaf.stages.trainer import LoopSettings, Trainer, latest_checkpoint
 
@@ -240,13 +244,14 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     _check_seq_len(config.seq_len, str(model_dir), tokenizer)
 
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
-    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=compute)
+    loaded, placement = load_for_engine(model_dir, backend, compute, config.stream_experts, progress)
     engine = SparseEngine(
         loaded,
         trainable_layers=plan.summary.trainable_layers,
         train_router=config.router,
         aux_loss_coef=config.aux_loss_coef,
         z_loss_coef=config.z_loss_coef,
+        **placement,
     )
     masks = load_file(str(plan_dir / MASKS_FILE))
     unknown = set(masks) - set(engine.weights)
