@@ -289,3 +289,23 @@ def test_a_hub_id_reads_only_config_json_from_the_cache(tmp_path, monkeypatch):
     assert source.config["num_experts"] == 128 and source.quantized_dir is None
     with pytest.raises(UsafError, match="not in the local Hugging Face cache"):
         read_model("Qwen/Not-Cached", nbits=None, group_size=None)
+
+
+def test_usaf_train_with_a_memory_budget_takes_the_planners_settings(prepared, tmp_path):
+    from helpers import invoke
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--out", run, "--steps", 2, "--ram", "8GiB",
+                    "--microbatch", 1, "--save-every", 0, "--workspace", tmp_path)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    # The planner kept the given microbatch, picked the rest, and (no plan anywhere) the trainable layers it scored.
+    note = next(line for line in result.stderr.splitlines() if line.startswith("--vram/--ram: usaf plan's choice"))
+    assert "--microbatch" not in note and "--prefix-cache-gib" in note and "--train-from 2" in note
+    assert (run / "plan" / "manifest.json").is_file()
+    settings = json.loads((run / "run-settings.json").read_text())
+    assert settings["train_from"] == 2 and "ram" not in settings
+    small = invoke("train", "--model", qdir, "--data", tokens, "--out", tmp_path / "small", "--steps", 2,
+                   "--ram", "300MiB", "--workspace", tmp_path)  # fmt: skip
+    assert small.exit_code == 2 and "--vram/--ram: nothing fits" in small.stderr
+    assert not (tmp_path / "small").exists()

@@ -99,9 +99,11 @@ def _with_prefix(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s
     total = _prefix_total(m, t, request)
     room = t.usable(t.host_budget) - st.train_stage(m, q, t, s).host_peak
     ram = max(0, min(DEFAULT_PREFIX_CACHE if total is None else total, room))
-    # Whole MiB: the value becomes train's --prefix-cache-gib.
-    ram -= ram % 2**20
-    disk = 0 if total is None else total - ram
+    # Whole MiB (the value becomes train's --prefix-cache-gib), rounded up when that still fits: a small
+    # cache rounded down to 0 would send every state to disk.
+    whole = ram - ram % 2**20
+    ram = whole + 2**20 if ram % 2**20 and whole + 2**20 <= room else whole
+    disk = 0 if total is None else max(0, total - ram)
     return replace(s, prefix_ram=ram, prefix_disk=disk)
 
 
