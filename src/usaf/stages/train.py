@@ -400,13 +400,14 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
 
 
 class _StopRequest:
-    """Ctrl-C (or torchrun's SIGTERM) under data parallelism: every rank stops at the same step boundary.
+    """Ctrl-C (or torchrun's SIGTERM) stops the run at the next step boundary, never inside a step.
 
-    A signal only sets a flag; the ranks agree on it after each step and all raise KeyboardInterrupt
-    there, so the checkpoint (a collective) is written by all of them. Repeated signals change nothing:
-    a terminal's Ctrl-C reaches every rank and torchrun forwards it again. (A rank stuck in a step is
-    torchrun's to kill; the last checkpoint stays intact.) One process keeps Python's own Ctrl-C (a
-    KeyboardInterrupt wherever it lands).
+    A signal only sets a flag; the loop checks it before each step (data parallel: the ranks agree on it
+    with one all-reduce, so all of them reach the collective checkpoint together) and raises
+    KeyboardInterrupt there, so the checkpoint holds whole steps only. In one process a second Ctrl-C
+    leaves at once without writing (the last checkpoint stays intact); under torchrun repeated signals
+    change nothing (a terminal's Ctrl-C reaches every rank and torchrun forwards it again; a rank stuck in
+    a step is torchrun's to kill). Installed only in the main thread (Python's rule for signal handlers).
     """
 
     def __init__(self, world: World) -> None:
@@ -415,8 +416,11 @@ class _StopRequest:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _StopRequest:
-        if self.world.active:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            signals = (signal.SIGINT, signal.SIGTERM) if self.world.active else (signal.SIGINT,)
+            for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -425,10 +429,12 @@ class _StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        if self.requested and not self.world.active:
+            raise SystemExit(130)  # the second Ctrl-C: leave now, no checkpoint
         self.requested = True
 
     def check(self) -> None:
-        if self.world.active and self.world.any(self.requested):
+        if self.world.any(self.requested):
             raise KeyboardInterrupt
 
 
