@@ -1,7 +1,8 @@
 """Building a transformers model from a usaf quantized-model directory.
 
 The model is built on the meta device from the directory's own ``config.json`` with
-``experts_implementation="usaf"``; non-expert tensors are read from the ``base-*.safetensors`` shards
+``experts_implementation="usaf"`` (on transformers 4.x, each MoE block is adapted instead:
+:mod:`usaf.engine.legacy`); non-expert tensors are read from the ``base-*.safetensors`` shards
 (already under their in-memory names) straight into place; each MoE layer's fused expert parameters
 are removed and replaced by usaf's :class:`~usaf.engine.experts.LayerExperts` (4-bit codes, memory-mapped
 from ``experts_q4.pt``). Nothing is allocated at the full size of the experts.
@@ -19,8 +20,10 @@ from torch import nn
 from usaf.artifacts import QuantizedModelManifest, load_verified
 from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
 from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
+from usaf.engine.legacy import adapt_block
 from usaf.errors import UsafError
 from usaf.families import FamilySpec, load_model_config, resolve_family
+from usaf.families.modules import ModuleLayout, module_layout
 from usaf.quant import QuantizedTensor
 
 
@@ -76,10 +79,17 @@ def load_quantized_model(
     device = torch.device(device)
     manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
     spec = resolve_family(load_model_config(path))
-    register()
     config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=compute_dtype)
+    layout = module_layout(spec)
+    if layout is ModuleLayout.FUSED:  # transformers >= 5: usaf's experts through the registry
+        register()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=compute_dtype)
+    else:  # transformers 4.x: usaf's experts module replaces each block's experts (usaf.engine.legacy)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        for layer in spec.moe_layers:
+            adapt_block(model, spec, layer)
 
     from safetensors import safe_open
 
@@ -101,7 +111,9 @@ def load_quantized_model(
                 raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
             q = QuantizedTensor.from_dict(raw[name], name=name)
             weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=device))
-            delattr(module, name.rsplit(".", 1)[1])  # the meta fused parameter; usaf computes instead
+            attr = name.rsplit(".", 1)[1]
+            if hasattr(module, attr):  # the meta fused parameter (v5, gpt-oss 4.x); usaf computes instead
+                delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)
         experts[layer] = module.usaf_experts
 
