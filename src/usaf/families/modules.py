@@ -196,3 +196,14 @@ class FusedView:
     def _copy(self, name: str, value: torch.Tensor) -> None:
         param = self._param(name)
         param.copy_(value.to(param.device, param.dtype))
+
+
+def usaf_state_dict(model: torch.nn.Module, spec: FamilySpec, major: int | None = None) -> dict[str, torch.Tensor]:
+    """A transformers model's ``state_dict`` under usaf's names (on 4.x: fused copies of per-expert weights)."""
+    state = model.state_dict()
+    layout = module_layout(spec, major)
+    if layout is ModuleLayout.FUSED:
+        return state
+    view = FusedView(model, spec, major)
+    names = usaf_view(spec, {n: tuple(t.shape) for n, t in state.items()}, major)
+    return {name: view.get(name) if name in view._experts else state[spec.disk.to_disk(name)] for name in names}
