@@ -23,6 +23,7 @@ from usaf.engine.experts import ExpertWeight
 from usaf.engine.loading import LoadedModel
 from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
+from usaf.families.modules import decoder_returns_tuple
 
 IGNORE_INDEX = -100
 
@@ -105,7 +106,8 @@ class SparseEngine:
                     self.router_anchors[name] = master.detach().clone()
         first = self.trainable_layers[0]
         self.activations = SavedTensorMeter(self._weight_storages)
-        self.prefix = PrefixRunner(self.model.model.layers, first) if first > 0 else None
+        returns_tuple = decoder_returns_tuple(spec)
+        self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
 
     # -- deltas ----------------------------------------------------------------------------------
 

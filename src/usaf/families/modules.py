@@ -84,6 +84,12 @@ def module_layout(spec: FamilySpec, major: int | None = None) -> ModuleLayout:
     return ModuleLayout.FUSED_NO_REGISTRY if spec.legacy.experts == "fused" else ModuleLayout.PER_EXPERT_MODULES
 
 
+def decoder_returns_tuple(spec: FamilySpec, major: int | None = None) -> bool:
+    """Whether the installed transformers' decoder layers return a tuple whose ``[0]`` is the hidden state."""
+    legacy = module_layout(spec, major) is not ModuleLayout.FUSED
+    return legacy and bool(spec.legacy and spec.legacy.layer_returns_tuple)
+
+
 def per_expert_module_names(spec: FamilySpec, layer: int) -> dict[str, list[str]]:
     """transformers 4.x names of one MoE layer's per-expert weights: role -> [name of expert 0, 1, ...].
 

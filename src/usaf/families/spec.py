@@ -140,11 +140,14 @@ class LegacyModules:
         returns_router_logits: the block's forward returns ``(hidden, router_logits)``, else ``hidden``.
         router_routes: the router module returns the routing itself (DeepSeek-V3: ``(indices, weights)``;
             gpt-oss: ``(scores [T, E], indices)``), else it is an ``nn.Linear`` giving logits.
+        layer_returns_tuple: the decoder layer returns ``(hidden, [attentions], [router_logits])`` and the
+            model reads ``[0]`` (OLMoE, Qwen2-MoE in 4.57), else the hidden state alone.
     """
 
     experts: str = "per_expert"
     returns_router_logits: bool = True
     router_routes: bool = False
+    layer_returns_tuple: bool = False
 
 
 @dataclass(frozen=True)
