@@ -164,7 +164,10 @@ class FusedView:
                 self._experts[spec.down_name(layer)] = (layer, "down")
 
     def _param(self, name: str) -> torch.Tensor:
-        return self.model.get_parameter(name)
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:  # a persistent buffer (DeepSeek's e_score_correction_bias)
+            return self.model.get_buffer(name)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` (usaf's name): the parameter itself, or a fused copy of per-expert weights."""
