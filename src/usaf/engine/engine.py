@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
+from usaf.backends.transfer import move
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
@@ -146,7 +147,7 @@ class SparseEngine:
             delta.values.requires_grad_(False)
         for name, master in self.routers.items():
             if name in change.routers:
-                master.copy_(change.routers[name].to(master.device, master.dtype))
+                master.copy_(move(change.routers[name], master.device, master.dtype))
 
     def deltas(self) -> dict[str, SparseDelta]:
         return {name: w.delta for name, w in self.weights.items() if w.delta is not None}
@@ -390,17 +391,22 @@ class _CastTo(nn.Module):
         return master.to(self.dtype)
 
 
-def resident_placement(backend: object, nbytes: int, *, headroom: float = 0.8) -> tuple[torch.device, bool]:
+def resident_placement(
+    backend: object, nbytes: int, *, headroom: float = 0.8, largest: int | None = None
+) -> tuple[torch.device, bool]:
     """Where trainable layers' resident bases go: ``(device, pin)``.
 
-    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory; otherwise in host memory,
-    pinned where the backend supports it (then each expert slice is copied to the device when used).
+    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory and the largest single
+    base (``largest``; default ``nbytes``) fits the backend's per-allocation limit; otherwise in host
+    memory, pinned where the backend supports it (then each expert slice is copied to the device when used).
     """
     device = backend.device
     if device.type == "cpu":
         return device, False
+    limit = backend.capabilities.max_allocation_bytes
+    one_fits = limit is None or (nbytes if largest is None else largest) <= limit
     free = backend.memory().device_free
-    if free is not None and nbytes <= headroom * free:
+    if one_fits and free is not None and nbytes <= headroom * free:
         return device, False
     return torch.device("cpu"), bool(backend.capabilities.pinned_memory)
 

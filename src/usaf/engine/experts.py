@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from usaf.backends.transfer import move
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.sparse_linear import sparse_delta_linear
 from usaf.quant import QuantizedTensor, dequantize
@@ -76,7 +77,7 @@ class ExpertWeight(nn.Module):
             raise ValueError("fold needs a resident base (make_resident first)")
         device = self.resident.device
         indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).to(device)
-        values = torch.as_tensor(values).reshape(-1).to(device, torch.float32)
+        values = move(torch.as_tensor(values).reshape(-1), device, torch.float32)
         if indices.shape != values.shape:
             raise ValueError(f"indices {tuple(indices.shape)} do not match values {tuple(values.shape)}")
         numel = self.shape[0] * self.shape[1] * self.shape[2]
@@ -162,6 +163,9 @@ class LayerExperts(nn.Module):
         self.down = down
         self.num_experts = gate_up.shape[0]
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # since last reset
+        # False where the device lacks nonzero/index_add_/scatter (Capabilities.index_ops, DirectML):
+        # the forward then routes on the host and combines by permutation gathers (:func:`_index_free_forward`).
+        self.index_ops = True
         # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
         # ``sink(layer, top_k_index (T, k))``. None costs nothing.
         self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
@@ -181,6 +185,8 @@ def usaf_experts_forward(
     state: LayerExperts | None = getattr(self, "usaf_experts", None)
     if state is None:
         raise RuntimeError("experts_implementation='usaf' on a module usaf did not prepare; build it with usaf.engine")
+    if not state.index_ops:
+        return _index_free_forward(self, state, hidden_states, top_k_index, top_k_weights)
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
     counts = state.record_load(top_k_index)
     has_bias = getattr(self, "has_bias", False)
@@ -198,6 +204,72 @@ def usaf_experts_forward(
         # In place: the out-of-place index_add copies (T, H) per expert and measured 100x slower on CPU
         # (torch 2.13); autograd is unaffected (index_add's backward saves only the index).
         out.index_add_(0, token_idx, y.float())
+    return out.to(hidden_states.dtype)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` of the rows; the backward is the gather by its inverse.
+
+    Autograd's own backward of ``index_select`` is an ``index_add_`` (a scatter), which DirectML rejects;
+    for a permutation the transpose is the inverse permutation, so a second gather is exact.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)  # (N, H)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _index_free_forward(
+    self: nn.Module,
+    state: LayerExperts,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts forward without ``nonzero``/``index_add_``/``one_hot``/scatter on the device.
+
+    The routing (``T * k`` small integers) is sorted on the host with numpy; the ``(T * k, H)`` token
+    copies are permuted on the device into expert order by a gather, each expert computes on its
+    contiguous slice, and the outputs are gathered back to ``(T, k, H)`` and summed over ``k``.
+    """
+    import numpy as np
+
+    t, k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    host_index = top_k_index.detach().cpu()  # (T, k)
+    state.record_load(host_index)
+    flat = host_index.reshape(-1).numpy()  # (T*k,)
+    order = np.argsort(flat, kind="stable")  # positions grouped by expert
+    inverse = np.argsort(order, kind="stable")
+    counts = np.bincount(flat, minlength=state.num_experts)  # (E,)
+    device = hidden_states.device
+    perm = torch.from_numpy(order).to(device)
+    inv = torch.from_numpy(inverse).to(device)
+    copies = hidden_states.unsqueeze(1).expand(t, k, hidden).reshape(t * k, hidden)  # (T*k, H), token-major
+    rows = _PermuteRows.apply(copies, perm, inv)  # (T*k, H), expert-major
+    has_bias = getattr(self, "has_bias", False)
+    outputs, start = [], 0
+    for expert in range(state.num_experts):
+        n = int(counts[expert])
+        if n == 0:
+            continue
+        x = rows[start : start + n]  # (n, H)
+        start += n
+        h = state.gate_up.linear(x, expert, self.gate_up_proj_bias[expert] if has_bias else None)  # (n, 2I)
+        h = self._apply_gate(h)  # (n, I)
+        y = state.down.linear(h, expert, self.down_proj_bias[expert] if has_bias else None)  # (n, H)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        outputs.append(y.float())
+    expert_major = torch.cat(outputs)  # (T*k, H)
+    token_major = _PermuteRows.apply(expert_major, inv, perm).view(t, k, hidden)  # (T, k, H)
+    out = (token_major * top_k_weights.float().unsqueeze(-1)).sum(dim=1)  # (T, H)
     return out.to(hidden_states.dtype)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, load_verified
 from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
+from usaf.backends.transfer import check_allocation, device_capabilities, move
 from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
 from usaf.engine.legacy import adapt_block
 from usaf.errors import UsafError
@@ -93,13 +94,17 @@ def load_quantized_model(
 
     from safetensors import safe_open
 
+    caps = device_capabilities(device)
+    read_on = device if caps.direct_load else torch.device("cpu")  # DirectML: read on the host, then move
     weight_map = json.loads((path / BASE_INDEX_FILE).read_text())["weight_map"]
     for file in sorted(set(weight_map.values())):
-        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+        with safe_open(str(path / file), framework="pt", device=str(read_on)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
                 target_dtype = current.dtype if current.is_floating_point() else None
-                _set_tensor(model, name, f.get_tensor(name).to(dtype=target_dtype))
+                tensor = f.get_tensor(name)
+                check_allocation(tensor.numel() * current.element_size(), device, f"{path / file}: {name}")
+                _set_tensor(model, name, move(tensor, device, target_dtype))
 
     raw = torch.load(path / EXPERTS_FILE, weights_only=True, mmap=True)
     experts: dict[int, LayerExperts] = {}
@@ -110,11 +115,13 @@ def load_quantized_model(
             if name not in raw:
                 raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
             q = QuantizedTensor.from_dict(raw[name], name=name)
+            check_allocation(q.nbytes, device, f"{path / EXPERTS_FILE}: {name}")
             weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=device))
             attr = name.rsplit(".", 1)[1]
             if hasattr(module, attr):  # the meta fused parameter (v5, gpt-oss 4.x); usaf computes instead
                 delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)
+        module.usaf_experts.index_ops = caps.index_ops  # False: no nonzero/index_add_/scatter on the device
         experts[layer] = module.usaf_experts
 
     _rebuild_meta_buffers(model, device)

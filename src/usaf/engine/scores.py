@@ -73,6 +73,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from usaf.backends.transfer import move
+
 __all__ = ["STATISTICS", "ScoreAccumulator", "merge", "slice_statistic"]
 
 STATISTICS = ("grad", "grad2", "grad_x_weight")  # |g|, g², |w·g|
@@ -99,7 +101,7 @@ def slice_statistic(statistic: str, grad: Tensor, weight: Tensor | None = None) 
             raise ValueError("statistic 'grad_x_weight' needs the slice's base weight")
         if weight.shape != grad.shape:
             raise ValueError(f"weight {tuple(weight.shape)} does not match grad {tuple(grad.shape)}")
-        return (weight.detach().to(device=g.device, dtype=torch.float32) * g).abs()
+        return (move(weight.detach(), g.device, torch.float32) * g).abs()
     raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
 
 
