@@ -403,7 +403,7 @@ def resident_placement(
     device = backend.device
     if device.type == "cpu":
         return device, False
-    limit = backend.capabilities.max_allocation_bytes
+    limit = getattr(backend.capabilities, "max_allocation_bytes", None)
     one_fits = limit is None or (nbytes if largest is None else largest) <= limit
     free = backend.memory().device_free
     if one_fits and free is not None and nbytes <= headroom * free:

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.utils import get_total_norm
+
+try:
+    from torch.nn.utils import get_total_norm  # torch >= 2.6
+except ImportError:  # torch 2.4 (the DirectML configuration): clip_grad_norm_'s own reduction, restated
+
+    def get_total_norm(tensors, norm_type: float = 2.0):
+        norms = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 _FORMAT = "usaf.sparse_adamw/1"
 

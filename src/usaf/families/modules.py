@@ -169,19 +169,39 @@ class FusedView:
         except AttributeError:  # a persistent buffer (DeepSeek's e_score_correction_bias)
             return self.model.get_buffer(name)
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` (usaf's name): the parameter itself, or a fused copy of per-expert weights."""
+    def get(self, name: str, *, grad: bool = False) -> torch.Tensor:
+        """The tensor ``name`` (usaf's name): the parameter itself, or a fused copy of per-expert weights.
+
+        ``grad``: the parameter's ``.grad`` instead (fused the same way).
+        """
         import torch
 
+        def part(n: str) -> torch.Tensor:
+            p = self._param(n)
+            return p.grad if grad else p.detach()
+
         if name not in self._experts:
-            return self._param(name if self.layout is ModuleLayout.FUSED else self.spec.disk.to_disk(name))
+            param = self._param(name if self.layout is ModuleLayout.FUSED else self.spec.disk.to_disk(name))
+            return param.grad if grad else param
         layer, role = self._experts[name]
         names = per_expert_module_names(self.spec, layer)
         if role == "down":
-            return torch.stack([self._param(n).detach() for n in names["down"]])  # (E, H, I)
-        gate = torch.stack([self._param(n).detach() for n in names["gate"]])  # (E, I, H)
-        up = torch.stack([self._param(n).detach() for n in names["up"]])  # (E, I, H)
+            return torch.stack([part(n) for n in names["down"]])  # (E, H, I)
+        gate = torch.stack([part(n) for n in names["gate"]])  # (E, I, H)
+        up = torch.stack([part(n) for n in names["up"]])  # (E, I, H)
         return torch.cat([gate, up], dim=1)  # (E, 2I, H): gate rows first, as v5's concatenated layout
+
+    def requires_grad_(self, name: str) -> None:
+        """Make the parameter(s) behind ``name`` require gradients."""
+        if name not in self._experts:
+            self.get(name).requires_grad_(True)
+            return
+        layer, _ = self._experts[name]
+        names = per_expert_module_names(self.spec, layer)
+        roles = ("down",) if name == self.spec.down_name(layer) else ("gate", "up")
+        for role in roles:
+            for n in names[role]:
+                self._param(n).requires_grad_(True)
 
     def set(self, name: str, value: torch.Tensor) -> None:
         """Copy ``value`` (usaf's layout for ``name``) into the model, casting to the model's dtype."""
