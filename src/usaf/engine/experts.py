@@ -46,6 +46,7 @@ class ExpertWeight(nn.Module):
         self.resident: torch.Tensor | None = None
         self.delta: SparseDelta | None = None
         self.score_sink: ScoreSinkFactory | None = None  # dense-score mode: expert -> sink
+        self.index_ops = True  # Capabilities.index_ops of the device (LayerExperts.set_index_ops)
         # The frozen record (usaf.engine.reselect): trained values of entries dropped at reselections,
         # sorted unique flat indices into (E, O, I) + fp32 cumulative values. They are also written
         # into ``resident``, so the forward pays nothing; the record lets checkpoints and export
@@ -127,7 +128,7 @@ class ExpertWeight(nn.Module):
         else:  # score mode without a delta: an empty trainable set still routes the backward here
             rows = cols = torch.zeros(0, dtype=torch.int64, device=x.device)
             values = _EMPTY_VALUES.get(x.device)
-        return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink)
+        return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink, index_ops=self.index_ops)
 
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.numel() * self.resident.element_size() if self.resident is not None else 0
@@ -169,6 +170,11 @@ class LayerExperts(nn.Module):
         # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
         # ``sink(layer, top_k_index (T, k))``. None costs nothing.
         self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
+
+    def set_index_ops(self, available: bool) -> None:
+        """Whether the device runs nonzero/index_add_/scatter (``Capabilities.index_ops``); False: avoid them."""
+        self.index_ops = available
+        self.gate_up.index_ops = self.down.index_ops = available
 
     def record_load(self, top_k_index: torch.Tensor) -> torch.Tensor:
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]

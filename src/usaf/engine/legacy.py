@@ -124,7 +124,12 @@ def _route(block: nn.Module, spec: FamilySpec, x: torch.Tensor):
         raise ValueError(f"{spec.model_type}: no 4.x routing for router kind {spec.router.kind.value}")
     logits = router(x)  # (T, E)
     probs = torch.softmax(logits, dim=1, dtype=torch.float)  # (T, E)
-    weights, index = torch.topk(probs, spec.top_k, dim=-1)  # (T, k)
+    if block.experts.usaf_experts.index_ops:
+        weights, index = torch.topk(probs, spec.top_k, dim=-1)  # (T, k)
+    else:  # topk's backward is a scatter: select by comparison instead (the same values, exactly)
+        index = torch.topk(probs.detach(), spec.top_k, dim=-1).indices  # (T, k)
+        chosen = index.unsqueeze(-1) == torch.arange(probs.shape[-1], device=probs.device)  # (T, k, E)
+        weights = (probs.unsqueeze(1) * chosen).sum(dim=-1)  # (T, k)
     if spec.router.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(x.dtype), index

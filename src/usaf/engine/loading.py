@@ -121,7 +121,7 @@ def load_quantized_model(
             if hasattr(module, attr):  # the meta fused parameter (v5, gpt-oss 4.x); usaf computes instead
                 delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)
-        module.usaf_experts.index_ops = caps.index_ops  # False: no nonzero/index_add_/scatter on the device
+        module.usaf_experts.set_index_ops(caps.index_ops)  # False: no nonzero/index_add_/scatter on the device
         experts[layer] = module.usaf_experts
 
     _rebuild_meta_buffers(model, device)
