@@ -255,12 +255,14 @@ def configuration_report(caps: Any) -> dict[str, Any]:
             cannot.append(f"transformers {version} is older than {MIN_LEGACY} (Qwen3-MoE and the tested layout)")
     module, why = directml.load() if _directml_installed() else (None, "torch-directml is not installed")
     if not caps.index_ops:  # the backend a run would use rejects scatter-family ops (DirectML)
-        can.append("the experts forward without nonzero/index_add_/scatter (host routing, gather combine)")
-        cannot.append(
-            "training and scoring: the sparse-delta kernel (usaf.engine.sparse_linear) uses index_add_, "
-            "which DirectML rejects; untested on a DirectML device"
+        can.append(
+            "forward, backward and optimizer steps without nonzero/index_add_/scatter (host routing, gather "
+            "combine, a padded-gather sparse-delta kernel) for qwen3_moe, qwen2_moe, mixtral and olmoe on "
+            "transformers 4.x; checked on CPU with those ops made to raise, never on a DirectML GPU"
         )
-        cannot.append("gpt-oss: transformers 4.x's gpt-oss router uses scatter_")
+        cannot.append("deepseek_v3 and gpt_oss: their transformers 4.x routers use scatter_, which DirectML rejects")
+        if major >= 5:
+            cannot.append("router training: transformers 5's router code backpropagates topk through a scatter")
     if caps.max_allocation_bytes is not None:
         limit = caps.max_allocation_bytes / 2**20
         can.append(f"resident bases above the {limit:.0f} MiB per-allocation limit stay in host memory")
