@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TRANSFORMERS_V5
+from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON, TRANSFORMERS_V5
 from usaf.backends import directml, resolve_backend
 from usaf.backends.testing import hide_accelerators, simulate_directml
 from usaf.backends.transfer import clear_cache, device_capabilities, move
@@ -141,6 +141,14 @@ def forbid_rejected_ops():
     return _RejectedOps()
 
 
+def _skip_v5_router_scatter(family: str) -> None:
+    if family == "deepseek_v3" and TRANSFORMERS_V5:
+        pytest.skip(
+            "transformers >= 5 routes DeepSeek-V3 with its own code (group mask by scatter_); the DirectML "
+            "configuration runs transformers 4.x, where usaf's block forward routes without scatter"
+        )
+
+
 def test_the_op_guard_catches_what_it_should():
     with pytest.raises(_Forbidden), forbid_rejected_ops():
         torch.zeros(3).index_add_(0, torch.tensor([0]), torch.ones(1))
@@ -155,10 +163,9 @@ def test_the_op_guard_catches_what_it_should():
         torch.ones(4).index_select(0, torch.tensor([2, 0])).sum()  # gathers are allowed
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_index_free_forward_equals_the_default_and_avoids_rejected_ops(family, quantized):
-    if family == "gpt_oss" and not TRANSFORMERS_V5:
-        pytest.skip("transformers 4.x's gpt-oss router itself uses scatter_: gpt-oss is not supported on DirectML")
+    _skip_v5_router_scatter(family)
     from usaf.engine.loading import load_quantized_model
 
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -225,10 +232,13 @@ def test_index_free_sparse_delta_kernel_equals_the_default(dtype):
         assert torch.autograd.gradcheck(fn, (x, v))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     """Forward, backward (deltas and, on transformers 4.x, routers) and an optimizer step with index_ops=False,
     with every op DirectML rejects made to raise at the aten level."""
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
+    _skip_v5_router_scatter(family)
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.optim import SparseAdamW
@@ -306,7 +316,7 @@ def test_doctor_reports_the_configuration_and_the_directml_limits(dml):
     conf = configuration_report(resolve_backend("directml").capabilities)
     assert conf["transformers_major"] == transformers_major()
     assert ("per-expert" in conf["layout"]) == (transformers_major() < 5)
-    assert any("scatter_" in line for line in conf["cannot"]) and any("index_add_" in line for line in conf["can"])
+    assert any("vmap" in line for line in conf["cannot"]) and any("index_add_" in line for line in conf["can"])
     assert any("single tensor above 800 MiB" in line for line in conf["cannot"])
     cpu = configuration_report(resolve_backend("cpu").capabilities)  # negative control: no DirectML limits
-    assert not any("scatter" in line or "single tensor" in line for line in cpu["cannot"] + cpu["can"])
+    assert not any(w in line for w in ("scatter", "vmap", "single tensor") for line in cpu["cannot"] + cpu["can"])

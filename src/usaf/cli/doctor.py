@@ -257,12 +257,16 @@ def configuration_report(caps: Any) -> dict[str, Any]:
     if not caps.index_ops:  # the backend a run would use rejects scatter-family ops (DirectML)
         can.append(
             "forward, backward and optimizer steps without nonzero/index_add_/scatter (host routing, gather "
-            "combine, a padded-gather sparse-delta kernel) for qwen3_moe, qwen2_moe, mixtral and olmoe on "
-            "transformers 4.x; checked on CPU with those ops made to raise, never on a DirectML GPU"
+            "combine, a padded-gather sparse-delta kernel, routers restated without scatter) for every family "
+            "on transformers 4.x; checked on CPU with those ops made to raise, never on a DirectML GPU"
         )
-        cannot.append("deepseek_v3 and gpt_oss: their transformers 4.x routers use scatter_, which DirectML rejects")
+        cannot.append(
+            "gpt-oss training on torch < 2.6: transformers 4.x builds its mask with torch.func.vmap, which "
+            "refuses usaf's saved-tensor hooks (its forward works)"
+        )
+        cannot.append("reselection, dense scoring and the trainer around the step: not audited for those ops")
         if major >= 5:
-            cannot.append("router training: transformers 5's router code backpropagates topk through a scatter")
+            cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
     if caps.max_allocation_bytes is not None:
         limit = caps.max_allocation_bytes / 2**20
         can.append(f"resident bases above the {limit:.0f} MiB per-allocation limit stay in host memory")

@@ -111,9 +111,48 @@ def adapt_block(model: nn.Module, spec: FamilySpec, layer: int) -> LegacyExperts
     return experts
 
 
+def _select(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values.gather(1, index)`` for ``values (T, E)``, ``index (T, k)``, without a scatter in the backward.
+
+    Each output is a sum with one non-zero term, so the values are exact.
+    """
+    chosen = index.unsqueeze(-1) == torch.arange(values.shape[-1], device=values.device)  # (T, k, E)
+    return (values.unsqueeze(1) * chosen).sum(dim=-1)  # (T, k)
+
+
+def _route_without_scatter(router: nn.Module, spec: FamilySpec, x: torch.Tensor):
+    """transformers 4.57's DeepSeek-V3 and gpt-oss routing, restated without scatter/gather (DirectML)."""
+    r = spec.router
+    if r.kind is RouterKind.SIGMOID_GROUP_TOPK:  # DeepseekV3TopkRouter.forward
+        scores = torch.nn.functional.linear(x.float(), router.weight.float()).sigmoid()  # (T, E)
+        t, e = scores.shape
+        groups, keep = r.n_group or 1, r.topk_group or 1
+        choice = scores.detach() + router.e_score_correction_bias  # (T, E), for the choice only
+        group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)  # (T, groups)
+        group_idx = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]  # (T, keep)
+        group_mask = (group_idx.unsqueeze(-1) == torch.arange(groups, device=x.device)).any(dim=1)  # (T, groups)
+        score_mask = group_mask.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)
+        index = torch.topk(choice.masked_fill(~score_mask, 0.0), k=spec.top_k, dim=-1, sorted=False)[1]
+        weights = _select(scores, index)  # (T, k)
+        if r.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return None, weights * r.scaling_factor, index
+    if r.kind is RouterKind.TOPK_SOFTMAX:  # GptOssTopKRouter.forward; its dense scores built by comparison
+        logits = torch.nn.functional.linear(x, router.weight, router.bias)  # (T, E)
+        index = torch.topk(logits.detach(), spec.top_k, dim=-1)[1]  # (T, k)
+        weights = torch.softmax(_select(logits, index), dim=1)  # (T, k)
+        chosen = index.unsqueeze(-1) == torch.arange(logits.shape[-1], device=x.device)  # (T, k, E)
+        scores = (weights.unsqueeze(-1) * chosen).sum(dim=1)  # (T, E), zero off the top-k
+        return scores, weights, index
+    raise ValueError(f"{spec.model_type}: no 4.x routing for router kind {r.kind.value}")
+
+
 def _route(block: nn.Module, spec: FamilySpec, x: torch.Tensor):
     """Router output for tokens ``x (T, H)``: ``(router_logits or None, weights (T, k), index (T, k))``."""
     router = getattr(block, spec.router.module)
+    index_ops = block.experts.usaf_experts.index_ops
+    if spec.legacy is not None and spec.legacy.router_routes and not index_ops:
+        return _route_without_scatter(router, spec, x)
     if spec.legacy is not None and spec.legacy.router_routes:
         if spec.router.kind is RouterKind.SIGMOID_GROUP_TOPK:  # DeepSeek-V3: (indices, fp32 weights)
             index, weights = router(x)
@@ -124,12 +163,11 @@ def _route(block: nn.Module, spec: FamilySpec, x: torch.Tensor):
         raise ValueError(f"{spec.model_type}: no 4.x routing for router kind {spec.router.kind.value}")
     logits = router(x)  # (T, E)
     probs = torch.softmax(logits, dim=1, dtype=torch.float)  # (T, E)
-    if block.experts.usaf_experts.index_ops:
+    if index_ops:
         weights, index = torch.topk(probs, spec.top_k, dim=-1)  # (T, k)
     else:  # topk's backward is a scatter: select by comparison instead (the same values, exactly)
         index = torch.topk(probs.detach(), spec.top_k, dim=-1).indices  # (T, k)
-        chosen = index.unsqueeze(-1) == torch.arange(probs.shape[-1], device=probs.device)  # (T, k, E)
-        weights = (probs.unsqueeze(1) * chosen).sum(dim=-1)  # (T, k)
+        weights = _select(probs, index)  # (T, k)
     if spec.router.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(x.dtype), index
