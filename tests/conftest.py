@@ -111,3 +111,56 @@ def quantized(tiny_model, tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def prepared(quantized, tmp_path_factory):
+    """``prepared(family) -> (qdir, tokens, plan)``: a 3-layer model, tokens and a plan (frac 0.3: a random
+    model needs many trainable weights to show learning within a few steps)."""
+    cache = {}
+    root = tmp_path_factory.mktemp("train")
+
+    def get(family: str):
+        if family not in cache:
+            qdir = quantized(family, num_layers=3, tokenizer=True)
+            tokens, plan = root / f"{family}-tokens", root / f"{family}-plan"
+            from helpers import invoke
+            from usaf.testing import stdlib_dir
+
+            result = invoke(
+                "tokenize",
+                stdlib_dir() / "textwrap.py",
+                stdlib_dir() / "shlex.py",
+                "--model",
+                qdir,
+                "--seq-len",
+                32,
+                "--source-depth",
+                0,
+                "--held-out",
+                "shlex.py",
+                "--out",
+                tokens,
+            )
+            assert result.exit_code == 0, result.output
+            result = invoke(
+                "score",
+                "--model",
+                qdir,
+                "--data",
+                tokens,
+                "--frac",
+                0.05,
+                "--calib-samples",
+                8,
+                "--train-from",
+                2,
+                "--no-stability",
+                "--out",
+                plan,
+            )
+            assert result.exit_code == 0, result.output
+            cache[family] = (qdir, tokens, plan)
+        return cache[family]
+
+    return get

@@ -59,6 +59,7 @@ class RunSummary(Record):
     routing_warnings: list[str] = Field(default_factory=list, description="trainable layers whose routing collapsed")
     prefix_cache_hits: int | None = Field(None, description="sequences whose frozen-prefix state was cached")
     prefix_cache_misses: int | None = Field(None, description="sequences whose prefix state had to be computed")
+    world_size: int = Field(1, ge=1, description="data-parallel processes (torchrun) of the run's last start")
     seconds: float
 
 

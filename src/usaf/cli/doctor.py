@@ -47,6 +47,13 @@ def command(
 
     with handle_errors(verbose):
         report = collect(device=device, config=config, env=os.environ)
+        from usaf.distributed import shutdown, world
+
+        shutdown_needed, is_main = world().active, world().is_main
+        if shutdown_needed:
+            shutdown()
+        if not is_main:  # under torchrun, rank 0 prints every rank's part
+            return
         if json_output:
             from usaf.cli.console import print_json
 
@@ -112,11 +119,12 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
     """
     import torch
 
+    from usaf import distributed
     from usaf.backends import explain_env, probe_backends, resolve_backend
     from usaf.config import resolve_config
 
     settings = resolve_config(_config_class(), section="doctor", cli={"device": device}, config_file=config, env=env)
-    backend = resolve_backend(settings.device, env=env)
+    backend = resolve_backend(distributed.device_for_rank(settings.device, env), env=env)
     build = (
         f"ROCm {torch.version.hip}"
         if torch.version.hip
@@ -139,6 +147,7 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
             "memory": backend.memory().as_dict(),
             "notes": [{"level": n.level, "message": n.message} for n in backend.notes],
         },
+        "distributed": distributed.describe(env, backend.device, env.get("USAF_DIST_BACKEND")),
     }
 
 
@@ -220,6 +229,7 @@ def render(report: dict[str, Any], *, verbose: bool = False) -> None:
     out.print(table)
 
     render_configuration(out, report["configuration"])
+    _render_distributed(report["distributed"])
 
     if verbose:
         flags = Table(title="capabilities", title_justify="left", show_header=False)
@@ -312,4 +322,30 @@ def render_configuration(out: Any, conf: dict[str, Any]) -> None:
         table.add_row("[green]can[/green]", line)
     for line in conf["cannot"]:
         table.add_row("[yellow]cannot[/yellow]", line)
+
+
+def _render_distributed(info: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from usaf.cli.console import out
+
+    table = Table(title="data parallel (torchrun)", title_justify="left", show_header=False)
+    if not info["available"]:
+        table.add_row("torch.distributed", "[red]not in this torch build[/red]")
+        out.print(table)
+        return
+    table.add_row("backends", ", ".join(b for b in ("gloo", "nccl") if info[b]) or "none")
+    table.add_row("would use", info["backend"])
+    if not info["launched"]:
+        table.add_row("launched", "no (single process; run under torchrun, or usaf train --nproc N)")
+        out.print(table)
+        return
+    for name, value in info["environment"].items():
+        table.add_row(name, str(value))
+    check = info["check"]
+    verdict = "ok" if check["ok"] else "[red]wrong sum[/red]"
+    table.add_row("all-reduce check", f"{verdict}: sum {check['all_reduce_sum']:g} of {check['expected']} "
+                                      f"ranks in {check['seconds'] * 1000:.1f} ms")  # fmt: skip
+    for rank in info["ranks"]:
+        table.add_row(f"rank {rank['rank']}", f"{rank['host']} {rank['device']}")
     out.print(table)

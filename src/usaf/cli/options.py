@@ -37,6 +37,15 @@ DeviceOpt = Annotated[
     ),
 ]
 
+DistBackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dist-backend",
+        help="Under torchrun: gloo | nccl [default: nccl on CUDA, else gloo].",
+        show_default=False,
+    ),
+]
+
 
 # Selection options shared by `usaf score` and `usaf train` (which scores on the fly without a plan).
 FracOpt = Annotated[

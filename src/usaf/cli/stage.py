@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def run_stage(
     """
     from usaf.cli.console import handle_errors
 
-    with handle_errors(verbose):
+    with handle_errors(verbose), _process_group():
         from usaf.cli.console import out, print_json
         from usaf.cli.progress import RichProgress
         from usaf.config import resolve_config
@@ -47,7 +48,61 @@ def run_stage(
             legacy_env=getattr(stage, "LEGACY_ENV", None),
         )
         manifest, path = stage.run(settings, progress=RichProgress())
+        from usaf.distributed import world
+
+        if not world().is_main:  # under torchrun, rank 0 alone reports
+            return
         if json_output:
             print_json({"path": str(path), **manifest.model_dump(mode="json")})
         else:
             summary(out, manifest, path)
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """Leave torch.distributed's process group when the command ends (a no-op in one process)."""
+    try:
+        yield
+    finally:
+        from usaf.distributed import shutdown
+
+        shutdown()
+
+
+def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
+    """``usaf train --nproc N ...``: run the same command line under torchrun with N local processes.
+
+    Exits with torchrun's status. Refused when already launched by torchrun.
+    """
+    import os
+    import subprocess
+    import sys
+
+    import typer
+
+    from usaf.cli.console import handle_errors
+    from usaf.distributed import launched
+    from usaf.errors import UsafError
+
+    with handle_errors(verbose):
+        if launched():
+            raise UsafError("--nproc: this process was already launched by torchrun", "drop --nproc under torchrun")
+    args = _without_option(sys.argv[1:], "--nproc")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "usaf", *args]  # fmt: skip
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # cores shared by ranks
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    raise typer.Exit(subprocess.call(command, env=env))
+
+
+def _without_option(args: list[str], name: str) -> list[str]:
+    """``args`` without ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out

@@ -12,6 +12,7 @@ from usaf.cli.options import (
     CalibSamplesOpt,
     ConfigOpt,
     DeviceOpt,
+    DistBackendOpt,
     FracOpt,
     JsonOpt,
     LayersOpt,
@@ -69,6 +70,16 @@ def command(
         str | None, Opt(help="auto | float32 | bfloat16 | float16 (with dynamic loss scaling) [default: auto].")
     ] = None,
     device: DeviceOpt = None,
+    dist_backend: DistBackendOpt = None,
+    nproc: Annotated[
+        int | None,
+        Opt(
+            "--nproc",
+            min=1,
+            help="Launch N data-parallel processes on this machine through torchrun (same as "
+            "`torchrun --standalone --nproc-per-node N -m usaf train ...`).",
+        ),
+    ] = None,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     json_output: JsonOpt = False,
@@ -76,9 +87,13 @@ def command(
 ) -> None:
     """Train sparse deltas of the planned expert weights (+ routers) over the 4-bit base.
 
-    Ctrl-C saves a checkpoint; the same command resumes from it exactly.
+    Ctrl-C saves a checkpoint; the same command resumes from it exactly. Data parallel: run it under
+    torchrun (or pass --nproc N).
     """
-    from usaf.cli.stage import run_stage
+    from usaf.cli.stage import relaunch_under_torchrun, run_stage
+
+    if nproc is not None and nproc > 1:
+        relaunch_under_torchrun(nproc, verbose=verbose)
 
     run_stage(
         "train",
@@ -116,6 +131,7 @@ def command(
             "resume": resume,
             "overwrite": overwrite,
             "device": device,
+            "dist_backend": dist_backend,
             "dtype": dtype,
         },
         config_file=config,

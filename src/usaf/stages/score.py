@@ -73,6 +73,9 @@ class ScoreConfig(StageConfig):
     full_maps: bool = Field(False, description="Keep full-size importance maps (exact; O(weights) memory).")
     stability: bool = Field(True, description="Score two disjoint halves of the data and report their overlap.")
     cache: bool = Field(False, description="Also store every training sequence's frozen-prefix state for train.")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend under torchrun [default: nccl on CUDA, else gloo]."
+    )
     overwrite: bool = False
 
     @model_validator(mode="after")
@@ -153,15 +156,23 @@ def _counted(items: list[Batch], progress: Progress, description: str) -> Iterat
 
 
 def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanManifest, Path]:
-    """Score, select and write the plan; returns its manifest and path."""
+    """Score, select and write the plan; returns its manifest and path.
+
+    Under torchrun every rank scores its share of the calibration microbatches (rank r: microbatches
+    r, r + N, ...) and the accumulators are merged, so the plan equals one process's with the same
+    microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the others wait.
+    """
+    from usaf import distributed
     from usaf.backends import resolve_backend
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.selection import SelectionError, jaccard, pool_size, select
 
-    progress = progress or NullProgress()
     start = time.perf_counter()
+    backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
+    world = distributed.init(config.dist_backend, backend.device)
+    progress = (progress or NullProgress()) if world.is_main else NullProgress()
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
@@ -174,7 +185,6 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     if len(lines) < config.calib_samples:
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
 
-    backend = resolve_backend(None if config.device == "auto" else config.device)
     loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
     layers = trainable_layers(config, loaded.spec.moe_layers)
     engine = SparseEngine(loaded, trainable_layers=layers, train_router=config.router)
@@ -189,17 +199,19 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def score(subset: list, description: str) -> dict:
-        items = list(batches(subset, config.microbatch, pad))
-        return engine.dense_scores(
+        items = distributed.shard(list(batches(subset, config.microbatch, pad)), world)
+        mine = engine.dense_scores(
             _counted(items, progress, description),
             candidates=pools,
             statistic=config.statistic,
             exact=config.full_maps,
             pool_factor=config.candidates_factor,
         )
+        return distributed.merge_scores(mine, world)
 
     engine.load_stats(reset=True)
     accumulators = score(lines, "scoring")
+    distributed.sum_expert_loads(engine, world)
     routing = engine.load_stats(reset=True)
     try:
         masks = select(accumulators, frac=config.frac, mode=config.budget, layer_of=layer_of)
@@ -232,6 +244,9 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         data_fingerprint,
         time.perf_counter() - start,
     )
+    if not world.is_main:
+        world.barrier("plan written")  # by rank 0
+        return load_verified(out, PlanManifest, flag="--out"), out
     with ArtifactWriter(out, overwrite=config.overwrite) as art:
         _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
         if config.cache:
@@ -254,6 +269,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
             ),
             summary=summary,
         )
+    world.barrier("plan written")
     return manifest, art.target
 
 

@@ -3,6 +3,9 @@
 The run directory holds ``run-settings.json``, ``metrics.jsonl``, atomic ``checkpoints/step-N/`` and, when
 the run completes, ``final/`` and ``manifest.json``. Ctrl-C writes a checkpoint of the last finished
 step; running the same command again (or ``--resume``) continues from the newest checkpoint exactly.
+
+Under ``torchrun`` every rank runs this same function (see :mod:`usaf.distributed`): checks and reads on
+every rank, writes on rank 0 between barriers, collectives in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Literal
@@ -29,6 +33,7 @@ from usaf.artifacts import (
 from usaf.artifacts.plan import MASKS_FILE
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary
 from usaf.config import StageConfig
+from usaf.distributed import PeerLost, World
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.score import resolve_data, resolve_model
@@ -65,7 +70,7 @@ class TrainConfig(StageConfig):
     epochs: float | None = Field(None, gt=0)
     microbatch: int = Field(2, ge=1)
     grad_accum: int = Field(1, ge=1)
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas (docs/BENCHMARKS.md, the evidence benchmark).")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas (docs/ARCHITECTURE.md: the evidence).")
     router_lr: float = Field(1e-4, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     clip: float | None = Field(1.0, gt=0)
@@ -87,6 +92,9 @@ class TrainConfig(StageConfig):
     )
     calib_samples: int = Field(64, ge=1)
     prefix_cache_gib: float = Field(2.0, ge=0, description="RAM for cached prefix states before spilling to disk.")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend under torchrun [default: nccl on CUDA, else gloo]."
+    )
     resume: bool = False
     overwrite: bool = False
 
@@ -102,9 +110,18 @@ class TrainConfig(StageConfig):
         return self
 
 
-def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data_fp: str) -> dict:
-    keep = config.model_dump(mode="json", exclude={"resume", "overwrite", "out", "workspace"})
-    return {**keep, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp, "data_fingerprint": data_fp}
+def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data_fp: str, world: World) -> dict:
+    """What a resumed run must share with the interrupted one.
+
+    The split of a step's sequences into processes and microbatches is left out: only the global batch
+    (microbatch × grad-accum × processes) decides which sequences a step trains on, so a run may resume
+    with another world size or microbatch as long as that product is the same.
+    """
+    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "microbatch", "grad_accum"}
+    keep = config.model_dump(mode="json", exclude=skip)
+    global_batch = config.microbatch * config.grad_accum * world.size
+    return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,
+            "data_fingerprint": data_fp}  # fmt: skip
 
 
 PLAN_DIR = "plan"  # inside the run directory: the plan scored on the fly when none was given or found
@@ -134,6 +151,7 @@ def _resolve_plan(
 
 
 def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir: Path, progress: Progress):
+    from usaf.distributed import world
     from usaf.stages import score
 
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -142,7 +160,9 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
             "pass another --out, or --overwrite to replace it",
         )
     progress.note(f"no --plan and none in the workspace for this model: scoring now into {run_dir / PLAN_DIR}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    world().barrier("run directory check")  # every rank has looked before rank 0 creates it
+    if world().is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     options = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "router", "device", "seed")
     settings = score.ScoreConfig(
         model=model_dir,
@@ -161,6 +181,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     import torch
     from safetensors.torch import load_file
 
+    from usaf import distributed
     from usaf.backends import resolve_backend
     from usaf.data.dataset import TokenDataset
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -171,21 +192,24 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     from usaf.stages.prefix_cache import open_store
     from usaf.stages.trainer import LoopSettings, Trainer, latest_checkpoint
 
-    progress = progress or NullProgress()
     start = time.perf_counter()
+    backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
+    world = distributed.init(config.dist_backend, backend.device)
+    progress = (progress or NullProgress()) if world.is_main else NullProgress()
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fp = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
     run_dir = Path(config.out or default_output(workspace_dir(config.workspace), "run", model_dir.name))
-    if run_dir.exists() and config.overwrite:
+    if run_dir.exists() and config.overwrite and world.is_main:
         shutil.rmtree(run_dir)
+    world.barrier("overwrite")
     if (run_dir / "manifest.json").is_file():
         raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
     if config.resume and not run_dir.exists():
         raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
     data_source = config.data if config.data is not None else data_file.parent
     plan_dir, plan = _resolve_plan(config, model_manifest.fingerprint, model_dir, data_source, run_dir, progress)
-    settings_record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp)
+    settings_record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp, world)
 
     resume_from = None
     if run_dir.exists():
@@ -198,7 +222,6 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
                 "pass another --out, or --overwrite to replace it",
             )
 
-    backend = resolve_backend(None if config.device == "auto" else config.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = TokenDataset(data_file, vocab_size=len(tokenizer))
     if len(data) == 0:
@@ -211,7 +234,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         if eval_file.name == "train.jsonl":
             eval_file = eval_file.with_name("heldout.jsonl")
         eval_data = TokenDataset(eval_file, vocab_size=len(tokenizer))
-    per_step = config.microbatch * config.grad_accum
+    per_step = config.microbatch * config.grad_accum * world.size  # the global batch, in sequences
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * len(data) / per_step))
     reselect_every = _reselect_every(config.reselect_every, steps, progress)
     _check_seq_len(config.seq_len, str(model_dir), tokenizer)
@@ -234,12 +257,16 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         )
     engine.set_deltas(masks)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / SETTINGS_FILE).write_text(json.dumps(settings_record, indent=1))
+    world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / SETTINGS_FILE).write_text(json.dumps(settings_record, indent=1))
+    world.barrier("run directory")
     prefix = None
     if engine.prefix is not None:
         store = open_store(plan_dir)  # written by usaf score --cache
-        cache = PrefixCache(int(config.prefix_cache_gib * 2**30), run_dir / "prefix-cache.bin", store=store)
+        spill = run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
+        cache = PrefixCache(int(config.prefix_cache_gib * 2**30), spill, store=store)
         prefix = (cache, model_manifest.fingerprint)
         if store is not None:
             progress.note(f"prefix states of {len(store):,} sequences read from the plan (usaf score --cache)")
@@ -260,10 +287,15 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         seq_len=config.seq_len,
     )
     scaler = DynamicLossScaler() if compute == torch.float16 else None  # fp16 gradients underflow without it
-    trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix, loss_scaler=scaler)
+    trainer = Trainer(
+        engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix, loss_scaler=scaler, world=world
+    )
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
         progress.note(f"resuming from {resume_from} (step {trainer.state.step} of {steps})")
+    if world.active:
+        progress.note(f"data parallel: {world.size} processes ({world.backend}), {per_step} sequences per step "
+                      f"({per_step // world.size} per process)")  # fmt: skip
     progress.note(_plan_line(engine, trainer, steps, per_step))
     _loop(trainer, steps, progress)
     return _finish(
@@ -323,52 +355,100 @@ def _memory_parts(memory: dict[str, int]) -> str:
 
 
 def _loop(trainer, steps: int, progress: Progress) -> None:
-    from usaf.engine.reselect import collect_scores, reselect, update_fraction
-
-    s = trainer.s
     progress.start("training", steps, "steps")
     progress.advance(trainer.state.step)
-    first = trainer.state.step
+    stop = _StopRequest(trainer.world)
     try:
-        while trainer.state.step < steps:
-            step = trainer.state.step
-            # Grow candidates are ranked by the gradients of the last SCORE_BATCHES steps before a reselection.
-            if s.reselect_every and trainer.collector is None and _collecting(step, s.reselect_every, steps):
-                trainer.collector = collect_scores(trainer.engine)
-            record = trainer.step()
-            trainer.log(record)
-            if step == first:  # activations are measured by the first training forward: the full account
-                cache = trainer.prefix[0] if trainer.prefix else None
-                memory = trainer.engine.memory(optimizer=trainer.optimizer, cache=cache)
-                progress.note(f"memory after the first step: {_memory_parts(memory)}")
-            for note in record.get("notes", []):
-                progress.note(note)
-            for warning in record.get("routing_warnings", []):
-                progress.note(f"warning: {warning}")
-            if s.reselect_every and trainer.state.step % s.reselect_every == 0 and trainer.state.step < steps:
-                fraction = update_fraction(trainer.state.step, steps, s.reselect_fraction)
-                scores, trainer.collector = trainer.collector, None
-                if scores is not None:
-                    scores.close()  # sinks off: the accumulators stay readable
-                    if fraction > 0:
-                        report = reselect(trainer.engine, trainer.optimizer, scores, fraction)
-                        trainer.log({"reselection": trainer.record_reselection(trainer.state.step, report)})
-            if s.eval_every and trainer.state.step % s.eval_every == 0:
-                loss = trainer.evaluate()
-                if loss is not None:
-                    trainer.state.eval_losses.append([trainer.state.step, loss])
-                    trainer.log({"step": trainer.state.step, "eval_loss": loss})
-            if s.save_every and trainer.state.step % s.save_every == 0:
-                trainer.save_checkpoint(trainer.checkpoint_dir())
-            progress.advance(1, tokens=trainer.state.tokens, loss=record["loss"])
+        with stop:
+            _steps(trainer, steps, progress, stop)
     except KeyboardInterrupt:
         saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
         if trainer.collector is not None:
             trainer.collector.close()
         progress.note(f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume")
         raise
+    except PeerLost as e:
+        from usaf.stages.trainer import latest_checkpoint
+
+        last = latest_checkpoint(trainer.run_dir)
+        where = f"the newest complete checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise UsafError(f"{e.message}; {where}", e.hint) from None
     finally:
         progress.finish()
+
+
+class _StopRequest:
+    """Ctrl-C (or torchrun's SIGTERM) under data parallelism: every rank stops at the same step boundary.
+
+    A signal only sets a flag; the ranks agree on it after each step and all raise KeyboardInterrupt
+    there, so the checkpoint (a collective) is written by all of them. Repeated signals change nothing:
+    a terminal's Ctrl-C reaches every rank and torchrun forwards it again. (A rank stuck in a step is
+    torchrun's to kill; the last checkpoint stays intact.) One process keeps Python's own Ctrl-C (a
+    KeyboardInterrupt wherever it lands).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopRequest:
+        if self.world.active:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def check(self) -> None:
+        if self.world.active and self.world.any(self.requested):
+            raise KeyboardInterrupt
+
+
+def _steps(trainer, steps: int, progress: Progress, stop: _StopRequest) -> None:
+    from usaf.distributed import merge_scores
+    from usaf.engine.reselect import collect_scores, reselect, update_fraction
+
+    s = trainer.s
+    first = trainer.state.step
+    while trainer.state.step < steps:
+        stop.check()
+        step = trainer.state.step
+        # Grow candidates are ranked by the gradients of the last SCORE_BATCHES steps before a reselection.
+        if s.reselect_every and trainer.collector is None and _collecting(step, s.reselect_every, steps):
+            trainer.collector = collect_scores(trainer.engine)
+        record = trainer.step()
+        trainer.log(record)
+        if step == first:  # activations are measured by the first training forward: the full account
+            cache = trainer.prefix[0] if trainer.prefix else None
+            memory = trainer.engine.memory(optimizer=trainer.optimizer, cache=cache)
+            progress.note(f"memory after the first step: {_memory_parts(memory)}")
+        for note in record.get("notes", []):
+            progress.note(note)
+        for warning in record.get("routing_warnings", []):
+            progress.note(f"warning: {warning}")
+        if s.reselect_every and trainer.state.step % s.reselect_every == 0 and trainer.state.step < steps:
+            fraction = update_fraction(trainer.state.step, steps, s.reselect_fraction)
+            scores, trainer.collector = trainer.collector, None
+            if scores is not None:
+                scores.close()  # sinks off: the accumulators stay readable
+                if fraction > 0:
+                    merged = merge_scores(scores.accumulators, trainer.world)  # every rank the same
+                    report = reselect(trainer.engine, trainer.optimizer, merged, fraction)
+                    trainer.log({"reselection": trainer.record_reselection(trainer.state.step, report)})
+        if s.eval_every and trainer.state.step % s.eval_every == 0:
+            loss = trainer.evaluate()
+            if loss is not None:
+                trainer.state.eval_losses.append([trainer.state.step, loss])
+                trainer.log({"step": trainer.state.step, "eval_loss": loss})
+        if s.save_every and trainer.state.step % s.save_every == 0:
+            trainer.save_checkpoint(trainer.checkpoint_dir())
+        progress.advance(1, tokens=trainer.state.tokens, loss=record["loss"])
 
 
 def _collecting(step: int, every: int, steps: int) -> bool:
@@ -391,6 +471,12 @@ def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan,
     final = trainer.save_checkpoint(run_dir / FINAL_DIR)
     if state.first_loss is None:
         raise UsafError("every step was skipped (non-finite loss or gradient)", "lower --lr or check the data")
+    hits, misses = trainer.world.sum_floats(
+        [trainer.prefix[0].hits, trainer.prefix[0].misses] if trainer.prefix else [0, 0], "prefix-cache counts"
+    )
+    if not trainer.world.is_main:
+        trainer.world.barrier("manifest")  # rank 0 writes it
+        return load_verified(run_dir, RunManifest, flag="--out"), run_dir
     counts = trainer.engine.trainable_count()
     summary = RunSummary(
         model_fingerprint=model_manifest.fingerprint,
@@ -408,8 +494,9 @@ def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan,
         frozen_entries=sum(int(w.frozen_indices.numel()) for w in trainer.engine.weights.values()),
         reselections=[ReselectionRecord(**r) for r in state.reselections],
         routing_warnings=state.routing_warnings,
-        prefix_cache_hits=trainer.prefix[0].hits if trainer.prefix else None,
-        prefix_cache_misses=trainer.prefix[0].misses if trainer.prefix else None,
+        prefix_cache_hits=int(hits) if trainer.prefix else None,
+        prefix_cache_misses=int(misses) if trainer.prefix else None,
+        world_size=trainer.world.size,
         seconds=seconds,
     )
     manifest = write_manifest(
@@ -432,4 +519,5 @@ def _finish(config, trainer, run_dir, model_dir, model_manifest, plan_dir, plan,
         ),
         summary=summary,
     )
+    trainer.world.barrier("manifest")
     return manifest, run_dir

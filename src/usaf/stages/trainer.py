@@ -9,6 +9,13 @@ A checkpoint holds everything a resumed run needs to continue *exactly*: the act
 frozen cumulative record, router masters, the optimizer state (moments and per-entry step counts),
 the step, counters, reselection history and torch's RNG state. The data order is a pure function of
 (seed, step), so it needs no saving. Checkpoints are written to a temporary directory and renamed.
+
+Data parallel (torchrun, :mod:`usaf.distributed`): a step's global batch is ``microbatch × grad_accum ×
+world size`` sequences in the same order one process would draw them, rank ``r`` taking the ``r``-th
+contiguous share; the loss of each microbatch is weighted by its share of the *global* scored tokens and
+the gradients are summed over ranks (one flat buffer), so the update equals one process's. Grow scores
+stay per rank until a reselection merges them. Rank 0 writes metrics and checkpoints; a checkpoint holds
+every rank's partial grow scores.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from usaf.artifacts.run import (
 )
 from usaf.data.batches import Batch, collate
 from usaf.data.dataset import TokenDataset
+from usaf.distributed import World, sum_expert_loads
 from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
@@ -56,6 +64,7 @@ class TrainState:
     routing_warnings: list[str] = field(default_factory=list)
     microbatch: int | None = None  # set when an out-of-memory retry changed it (kept on resume)
     grad_accum: int | None = None
+    world_size: int = 1  # processes of the run that wrote this state (data parallel)
 
 
 @dataclass
@@ -88,6 +97,7 @@ class Trainer:
         pad_id: int,
         prefix: tuple[Any, str] | None = None,
         loss_scaler: Any = None,
+        world: World | None = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -104,11 +114,16 @@ class Trainer:
         self.state = TrainState()
         self.collector: Any = None  # grow scores being collected for the next reselection (checkpointed)
         self.scaler = loss_scaler  # DynamicLossScaler under fp16 compute, else None
+        self.world = world or World()
+        self.state.world_size = self.world.size
 
     # -- one step -------------------------------------------------------------------------------------
 
     def _microbatches(self, step: int) -> list:
-        lines = self._cut(self.data.samples_for_step(step, self.s.microbatch * self.s.grad_accum, self.s.seed))
+        """This rank's microbatches of the step: its contiguous share of the step's global sequences."""
+        share = self.s.microbatch * self.s.grad_accum
+        lines = self.data.samples_for_step(step, share * self.world.size, self.s.seed)
+        lines = self._cut(lines[self.world.rank * share : (self.world.rank + 1) * share])
         return [collate(lines[i : i + self.s.microbatch], self.pad_id) for i in range(0, len(lines), self.s.microbatch)]
 
     def _cut(self, lines: list) -> list:
@@ -139,15 +154,20 @@ class Trainer:
         notes = []
         loads_before = {layer: self.engine.loaded.experts[layer].tokens_per_expert.clone()
                         for layer in self.engine.trainable_layers}  # fmt: skip
+        scored = self._scored_tokens(step)  # over every rank: each microbatch's loss weight is its share
         while True:
             scores = self._collector_state()
             try:
-                loss_sum, batches = self._forward_backward(step)
+                loss_sum, batches = self._forward_backward(step, scored)
                 break
             except torch.OutOfMemoryError:
                 self._zero_grad()
                 self._restore_collector(scores)  # the failed attempt's partial grow scores are discarded
                 notes.append(self._shrink_microbatch())
+        sent = self.world.sum_gradients(self._trainables())
+        tokens = sum(b.tokens for b in batches)
+        loss_sum, tokens = self.world.sum_floats([loss_sum, tokens], "loss all-reduce")
+        tokens = int(tokens)
         if self.scaler is not None:
             self.scaler.unscale_(self._trainables())
         lr_factor = self.schedule.apply(self.optimizer, step)
@@ -156,13 +176,14 @@ class Trainer:
             self.scaler.update(not report.skipped_nonfinite)
         finite = report.applied and torch.isfinite(torch.tensor(loss_sum))
         self.state.step += 1
-        self.state.tokens += sum(b.tokens for b in batches)
+        self.state.tokens += tokens
         if not finite:
             self.state.skipped += 1
         else:
             self.state.first_loss = loss_sum if self.state.first_loss is None else self.state.first_loss
             self.state.last_loss = loss_sum
         seconds = time.perf_counter() - start
+        routing = self._step_routing(loads_before)  # before the window check resets the counters
         warnings = self._check_routing() if self.state.step % ROUTING_WINDOW == 0 else []
         return {
             **({"routing_warnings": warnings} if warnings else {}),
@@ -174,9 +195,10 @@ class Trainer:
             "grad_norm": report.grad_norm,
             "skipped": not finite,
             "tokens": self.state.tokens,
-            "tokens_per_s": sum(b.tokens for b in batches) / max(seconds, 1e-9),
+            "tokens_per_s": tokens / max(seconds, 1e-9),
             "seconds": seconds,
-            "routing": self._step_routing(loads_before),
+            **({"world": {"size": self.world.size, "allreduce_bytes": sent}} if self.world.active else {}),
+            "routing": routing,
             "memory": _memory_now(),
         }
 
@@ -185,6 +207,7 @@ class Trainer:
         out = {}
         for layer, counts in before.items():
             step_counts = (self.engine.loaded.experts[layer].tokens_per_expert - counts).double()
+            step_counts = self.world.sum_(step_counts.to(self.world.wire), "expert-load all-reduce")
             total = float(step_counts.sum())
             if total <= 0:
                 continue
@@ -196,10 +219,14 @@ class Trainer:
             }
         return out
 
-    def _forward_backward(self, step: int) -> tuple[float, list]:
-        """Gradients of the step's token-weighted loss (times the loss scale, under fp16)."""
+    def _scored_tokens(self, step: int) -> int:
+        """Tokens with a label in the step's global batch (every rank's share)."""
+        mine = sum(int((b.labels[:, 1:] != -100).sum()) for b in self._microbatches(step))
+        return int(self.world.sum_floats([mine], "token-count all-reduce")[0])
+
+    def _forward_backward(self, step: int, scored: int) -> tuple[float, list]:
+        """This rank's gradients of the step's token-weighted loss (times the loss scale, under fp16)."""
         batches = self._microbatches(step)
-        scored = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
         self._zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum = 0.0
@@ -258,6 +285,7 @@ class Trainer:
         Collapse: one expert taking over half the tokens (and twice its initial share), or a quarter of
         the experts (at least one) newly receiving none. Each layer warns once.
         """
+        sum_expert_loads(self.engine, self.world)
         stats = self.engine.load_stats(reset=True)
         new = []
         for layer in self.engine.trainable_layers:
@@ -298,19 +326,32 @@ class Trainer:
 
     def _evaluate(self) -> float:
         total = tokens = 0.0
-        for start in range(0, len(self.eval_data), self.s.microbatch):
+        starts = range(0, len(self.eval_data), self.s.microbatch)
+        for start in starts[self.world.rank :: self.world.size]:  # every rank its share of the microbatches
             lines = self._cut(
                 [self.eval_data[i] for i in range(start, min(start + self.s.microbatch, len(self.eval_data)))]
             )
             parts = self._loss(collate(lines, self.pad_id))
             total += float(parts.ce) * parts.tokens
             tokens += parts.tokens
+        total, tokens = self.world.sum_floats([total, tokens], "held-out loss all-reduce")
         return total / max(tokens, 1)
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: Path) -> Path:
-        """Write a complete checkpoint atomically (temp dir + rename) and return its path."""
+        """Write a complete checkpoint atomically (temp dir + rename) and return its path.
+
+        Under data parallelism every rank calls it (the ranks' grow scores are gathered); rank 0 writes,
+        and the others return once it has.
+        """
+        scores_by_rank = self.world.gather_objects(self._collector_state(), "grow-score gather")
+        if self.world.is_main:
+            self._write_checkpoint(directory, scores_by_rank)
+        self.world.barrier("checkpoint barrier")
+        return directory
+
+    def _write_checkpoint(self, directory: Path, scores_by_rank: list[dict | None]) -> None:
         from safetensors.torch import save_file
 
         from usaf.engine.reselect import cumulative_delta
@@ -338,8 +379,10 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "rng": torch.get_rng_state(),
         }
-        if self.collector is not None:  # inside a scoring window: the grow scores collected so far
-            extra["scores"] = self._collector_state()
+        if self.collector is not None:  # inside a scoring window: the grow scores collected so far, per rank
+            extra["scores"] = scores_by_rank[0]
+            if self.world.active:
+                extra["scores_by_rank"] = scores_by_rank
         if self.scaler is not None:
             extra["loss_scale"] = self.scaler.state_dict()
         torch.save(extra, tmp / OPTIMIZER_FILE)
@@ -347,7 +390,6 @@ class Trainer:
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
-        return directory
 
     def load_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import load_file
@@ -381,21 +423,38 @@ class Trainer:
         self.schedule.load_state_dict(extra["schedule"])
         torch.set_rng_state(extra["rng"])
         self.state = TrainState(**state)
-        if self.state.microbatch is not None:  # an out-of-memory retry before the checkpoint
+        same_world = self.state.world_size == self.world.size
+        if self.state.microbatch is not None and same_world:  # an out-of-memory retry before the checkpoint
             self.s.microbatch, self.s.grad_accum = self.state.microbatch, self.state.grad_accum
+        self.state.world_size = self.world.size
         if self.scaler is not None and "loss_scale" in extra:
             self.scaler.load_state_dict(extra["loss_scale"])
         if "scores" in extra:
-            from usaf.engine.reselect import collect_scores
+            self._restore_scores(extra.get("scores_by_rank") or [extra["scores"]])
 
-            self.collector = collect_scores(self.engine)
-            for name, acc in self.collector.accumulators.items():
-                acc.load_state_dict(extra["scores"][name])
+    def _restore_scores(self, by_rank: list[dict]) -> None:
+        """Grow scores saved inside a scoring window: each rank its own when the world size is the same;
+        otherwise rank 0 takes all of them merged (the same sums) and the others start empty."""
+        from usaf.engine.reselect import collect_scores
+        from usaf.engine.scores import ScoreAccumulator, merge
+
+        self.collector = collect_scores(self.engine)
+        if len(by_rank) == self.world.size:
+            mine = by_rank[self.world.rank]
+        elif self.world.is_main:
+            mine = {name: merge([ScoreAccumulator.from_state_dict(s[name]) for s in by_rank]).state_dict()
+                    for name in by_rank[0]}  # fmt: skip
+        else:
+            return
+        for name, acc in self.collector.accumulators.items():
+            acc.load_state_dict(mine[name])
 
     def checkpoint_dir(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step:07d}"
 
     def log(self, record: dict[str, Any]) -> None:
+        if not self.world.is_main:
+            return
         with (self.run_dir / METRICS_FILE).open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -1,0 +1,270 @@
+"""Data-parallel `usaf train` and `usaf score` under torchrun: 2 CPU processes on gloo.
+
+The reference for a 2-rank run with microbatch 1 is one process with microbatch 1 × grad-accum 2: the same
+global batch split the same way (grow scores are a per-microbatch statistic, |g1| + |g2|), so everything —
+losses, gradients, the RigL reselection, the final deltas — must match bit for bit. The plans here train
+frac 0.3 of a tiny model's expert weights, where the grow-score pools hold every candidate, so merging the
+ranks' pools is exact (with overflowing pools both sides are lower-bound approximations; see
+docs/ARCHITECTURE.md). One process with microbatch 2 matches a static-mask run to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import invoke
+from usaf.artifacts import PlanManifest, RunManifest, load_verified
+
+STEPS = 10
+RIGL = ("--steps", STEPS, "--reselect-every", 5, "--lr", 0.05, "--seed", 3)
+
+
+def torchrun(*args, nproc: int = 2, **popen) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "usaf", *map(str, args)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return proc.returncode, stdout, stderr
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def deltas(run: Path, name: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(str(run / name / "deltas.safetensors"))
+
+
+def assert_same_deltas(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].dtype == torch.int64:
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
+
+
+def files(run: Path) -> list[str]:
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def setup(prepared, tmp_path_factory):
+    """(qdir, tokens, plan at frac 0.3, root)."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    root = tmp_path_factory.mktemp("dp")
+    plan = root / "plan"
+    args = ("--model", qdir, "--data", tokens, "--frac", 0.3, "--calib-samples", 8, "--train-from", 2, "--no-stability")
+    result = invoke("score", *args, "--out", plan)
+    assert result.exit_code == 0, result.output
+    return qdir, tokens, plan, root
+
+
+def train_args(setup, out: Path, *extra) -> list:
+    qdir, tokens, plan, _ = setup
+    return ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(setup):
+    """A 2-rank RigL run (microbatch 1, checkpoints every 4 steps) and the matching one-process run."""
+    root = setup[3]
+    dp, single = root / "dp", root / "single"
+    proc = torchrun(*train_args(setup, dp, *RIGL, "--microbatch", 1, "--save-every", 4))
+    result = invoke(*train_args(setup, single, *RIGL, "--microbatch", 1, "--grad-accum", 2, "--save-every", 4))
+    assert result.exit_code == 0, result.output
+    code, _, stderr = finished(proc)
+    assert code == 0, stderr
+    assert "data parallel: 2 processes (gloo)" in stderr
+    return dp, single
+
+
+def test_two_ranks_equal_one_process_with_the_same_global_batch(two_rank_run, setup, tmp_path):
+    dp, single = two_rank_run
+    assert len(losses(dp)) == STEPS and losses(dp) == losses(single)
+    assert_same_deltas(deltas(dp), deltas(single))
+    summary = load_verified(dp, RunManifest).summary
+    assert summary.world_size == 2 and len(summary.reselections) == 1 and summary.reselections[0].grown > 0
+    assert summary.tokens == load_verified(single, RunManifest).summary.tokens
+    # One flat buffer per step: the sparse values + routers (+ one presence flag per tensor), in fp32.
+    counts = summary.expert_entries + summary.router_params
+    records = [json.loads(line) for line in (dp / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    sent = {r["world"]["allreduce_bytes"] for r in records}
+    tensors = len(deltas(dp)) // 6 + 1  # 6 entries per expert tensor in deltas.safetensors; 1 router
+    assert sent == {4 * (counts + tensors)}, sent
+    # Negative control: half the global batch (one process, microbatch 1) is a different run.
+    half = tmp_path / "half"
+    assert invoke(*train_args(setup, half, *RIGL, "--microbatch", 1, "--save-every", 0)).exit_code == 0
+    assert losses(half)[0] != losses(dp)[0]
+
+
+def test_only_rank_0_writes(two_rank_run):
+    dp, single = two_rank_run
+    assert files(dp) == files(single)
+    lines = (dp / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len((single / "metrics.jsonl").read_text().splitlines())
+
+
+def test_static_mask_two_ranks_equal_one_process_with_microbatch_2(setup, tmp_path):
+    """Through ``usaf train --nproc 2`` (which launches torchrun itself)."""
+    static = ("--steps", 6, "--reselect-every", 0, "--lr", 0.05, "--save-every", 0)
+    dp, single = tmp_path / "dp", tmp_path / "single"
+    command = [sys.executable, "-m", "usaf", *map(str, train_args(setup, dp, *static, "--microbatch", 1))]
+    command += ["--nproc", "2"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert invoke(*train_args(setup, single, *static, "--microbatch", 2)).exit_code == 0
+    code, _, stderr = finished(proc)
+    assert code == 0, stderr
+    assert load_verified(dp, RunManifest).summary.world_size == 2
+    assert losses(dp) == pytest.approx(losses(single), abs=1e-5)
+    assert_same_deltas(deltas(dp), deltas(single), atol=1e-5)
+
+
+def _cut_back_to(run: Path, copy: Path, step: int) -> Path:
+    """``run`` as it was when the checkpoint of ``step`` had just been written (as if killed there)."""
+    shutil.copytree(run, copy)
+    for later in (copy / "final", copy / "manifest.json"):
+        shutil.rmtree(later) if later.is_dir() else later.unlink()
+    for checkpoint in (copy / "checkpoints").iterdir():
+        if int(checkpoint.name.split("-")[1]) > step:
+            shutil.rmtree(checkpoint)
+    kept = [line for line in (copy / "metrics.jsonl").read_text().splitlines() if _record_step(line) <= step]
+    (copy / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    return copy
+
+
+def _record_step(line: str) -> int:
+    record = json.loads(line)
+    return record["step"] if "step" in record else record["reselection"]["step"]
+
+
+def test_resume_inside_a_scoring_window_is_exact_with_2_ranks_and_with_1(two_rank_run, setup, tmp_path):
+    """Step 4 lies in the window (steps 2-5) whose grow scores pick the reselection at step 5: the
+    checkpoint holds each rank's partial scores. Resumed by 2 ranks each takes its own; resumed by one
+    process (microbatch 1 × grad-accum 2: the same global batch) rank 0 takes them merged."""
+    dp, _ = two_rank_run
+    state = torch.load(dp / "checkpoints" / "step-0000004" / "optimizer.pt", weights_only=True)
+    assert len(state["scores_by_rank"]) == 2  # negative control: the window really is open at step 4
+    again = _cut_back_to(dp, tmp_path / "again", 4)
+    code, _, stderr = finished(torchrun(*train_args(setup, again, *RIGL, "--microbatch", 1, "--save-every", 4)))
+    assert code == 0 and "resuming from" in stderr, stderr
+    assert losses(again) == losses(dp)
+    assert_same_deltas(deltas(again), deltas(dp))
+
+    alone = _cut_back_to(dp, tmp_path / "alone", 4)
+    result = invoke(*train_args(setup, alone, *RIGL, "--microbatch", 1, "--grad-accum", 2, "--save-every", 4))
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    assert losses(alone) == pytest.approx(losses(dp), abs=1e-6)
+    assert_same_deltas(deltas(alone), deltas(dp), atol=1e-6)
+    assert load_verified(alone, RunManifest).summary.world_size == 1
+
+    other = _cut_back_to(dp, tmp_path / "other-batch", 4)
+    result = invoke(*train_args(setup, other, *RIGL, "--microbatch", 1, "--save-every", 4))  # global batch 1, not 2
+    assert result.exit_code == 2 and "holds another run" in result.stderr
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _logged_steps(run: Path) -> int:
+    log = run / "metrics.jsonl"
+    return len([line for line in log.read_text().splitlines() if '"loss"' in line]) if log.is_file() else 0
+
+
+def test_ctrl_c_stops_every_rank_at_one_step_and_the_rerun_resumes(setup, tmp_path):
+    run = tmp_path / "run"
+    args = train_args(setup, run, "--steps", 300, "--microbatch", 1, "--save-every", 0)
+    proc = torchrun(*args, start_new_session=True)  # its own process group: a terminal's Ctrl-C reaches all
+    _wait_for(lambda: _logged_steps(run) >= 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, _, stderr = finished(proc)
+    assert code != 0 and "interrupted: saved" in stderr, stderr
+    (checkpoint,) = list((run / "checkpoints").iterdir())
+    step = int(checkpoint.name.split("-")[1])
+    assert step == _logged_steps(run) and 0 < step < 300
+    code, _, stderr = finished(torchrun(*args))
+    assert code == 0 and f"(step {step} of 300)" in stderr, stderr
+    assert load_verified(run, RunManifest).summary.steps == 300 and _logged_steps(run) == 300
+
+
+def test_a_dying_rank_ends_the_run_with_a_message_and_keeps_the_last_checkpoint(setup, tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun(*train_args(setup, run, "--steps", 400, "--microbatch", 1, "--save-every", 5))
+    _wait_for(lambda: (run / "checkpoints" / "step-0000005").is_dir(), proc)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    assert len(ranks) == 1
+    ranks[0].kill()
+    code, _, stderr = finished(proc)
+    assert code != 0
+    assert "another process of the run stopped" in stderr and "newest complete checkpoint is" in stderr, stderr
+    assert not (run / "manifest.json").exists()
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert checkpoints and not [c for c in checkpoints if c.name.endswith(".tmp")]
+    last = int(checkpoints[-1].name.split("-")[1])
+    # The checkpoint is intact: one process with the same global batch (microbatch 2) resumes from it.
+    result = invoke(*train_args(setup, run, "--steps", 400, "--microbatch", 2, "--save-every", 5))
+    assert result.exit_code == 0 and f"(step {last} of 400)" in result.stderr, result.output
+
+
+def test_score_with_two_ranks_equals_one_process(prepared, tmp_path):
+    """Pools as large as the tensors (a candidates factor of 64 at frac 0.05): merging is exact."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    args = ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8, "--microbatch", 2,
+            "--train-from", 2, "--candidates-factor", 64, "--cache")  # fmt: skip
+    proc = torchrun(*args, "--out", tmp_path / "dp")
+    assert invoke(*args, "--out", tmp_path / "single").exit_code == 0
+    code, stdout, stderr = finished(proc)
+    assert code == 0, stderr
+    assert stdout.count("plan →") <= 1  # rank 0 alone reports
+    dp, single = (load_verified(tmp_path / name, PlanManifest) for name in ("dp", "single"))
+    a, b = (load_file(str(tmp_path / name / "masks.safetensors")) for name in ("dp", "single"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert dp.summary.stability_mean == pytest.approx(single.summary.stability_mean)
+    assert [r.tokens_per_expert for r in dp.summary.routing] == [r.tokens_per_expert for r in single.summary.routing]
+    assert dp.summary.prefix_cache.samples == single.summary.prefix_cache.samples > 0
+
+
+def test_doctor_under_torchrun_checks_the_group(tmp_path):
+    code, stdout, stderr = finished(torchrun("doctor", "--json"))
+    assert code == 0, stderr
+    info = json.loads(stdout)["distributed"]  # one report: rank 0's
+    assert info["launched"] and info["backend"] == "gloo" and info["check"]["ok"]
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+
+
+def test_world_helpers_in_one_process():
+    from usaf.cli.stage import _without_option
+    from usaf.distributed import World, choose_backend, device_for_rank, launched, shard
+
+    assert choose_backend(None, "cuda") == "nccl" and choose_backend("auto", "cpu") == "gloo"
+    assert choose_backend("gloo", "cuda") == "gloo"
+    assert not launched({}) and launched({"WORLD_SIZE": "2"})
+    assert device_for_rank("cpu", {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == "cpu"
+    assert shard(list(range(7)), World(rank=1, size=3)) == [1, 4]
+    w = World()
+    t = torch.ones(3, requires_grad=True)
+    t.grad = torch.full((3,), 2.0)
+    assert w.sum_gradients([t]) == 0 and torch.equal(t.grad, torch.full((3,), 2.0))  # no-op in one process
+    assert _without_option(["train", "--nproc", "2", "--steps", "3", "--nproc=4"], "--nproc") == [
+        "train", "--steps", "3"]  # fmt: skip
