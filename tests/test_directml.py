@@ -320,3 +320,21 @@ def test_doctor_reports_the_configuration_and_the_directml_limits(dml):
     assert any("single tensor above 800 MiB" in line for line in conf["cannot"])
     cpu = configuration_report(resolve_backend("cpu").capabilities)  # negative control: no DirectML limits
     assert not any(w in line for w in ("scatter", "vmap", "single tensor") for line in cpu["cannot"] + cpu["can"])
+
+
+def test_a_resident_base_above_the_allocation_limit_is_refused_by_name(quantized, monkeypatch):
+    from usaf.backends import transfer
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.errors import UsafError
+
+    loaded = load_quantized_model(quantized("qwen3_moe"))
+    top = loaded.spec.moe_layers[-1]
+    e, o, i = loaded.experts[top].gate_up.shape
+    limited = dataclass_replace(device_capabilities("cpu"), max_allocation_bytes=e * o * i * 4 - 1)  # fp32 base
+    monkeypatch.setattr(transfer, "device_capabilities", lambda device: limited)
+    with pytest.raises(UsafError, match=rf"resident base of {loaded.spec.gate_up_name(top)}.*per-allocation"):
+        SparseEngine(loaded, trainable_layers=[top])
+    roomy = dataclass_replace(limited, max_allocation_bytes=e * o * i * 4)  # negative control: exactly fits
+    monkeypatch.setattr(transfer, "device_capabilities", lambda device: roomy)
+    SparseEngine(loaded, trainable_layers=[top])

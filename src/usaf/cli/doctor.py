@@ -279,8 +279,10 @@ def configuration_report(caps: Any) -> dict[str, Any]:
             cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
     if caps.max_allocation_bytes is not None:
         limit = caps.max_allocation_bytes / 2**20
-        can.append(f"resident bases above the {limit:.0f} MiB per-allocation limit stay in host memory")
-        cannot.append(f"any single tensor above {limit:.0f} MiB on the device (e.g. a large vocabulary's embeddings)")
+        cannot.append(
+            f"any single tensor above {limit:.0f} MiB on the device (refused by name): e.g. a large "
+            "vocabulary's embeddings, or a resident expert base of a large model (Qwen3-30B-A3B's is 805 MiB)"
+        )
     return {
         "transformers": version,
         "transformers_major": major,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
-from usaf.backends.transfer import move
+from usaf.backends.transfer import check_allocation, move
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
@@ -86,6 +86,10 @@ class SparseEngine:
         for layer in self.trainable_layers:
             state = loaded.experts[layer]
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
+                e, o, i = weight.shape
+                size = e * o * i * torch.empty(0, dtype=weight.compute_dtype).element_size()
+                where = resident_device or weight.q.codes.device
+                check_allocation(size, where, f"the resident base of {name}")  # DirectML: ~800 MB per tensor
                 weight.make_resident(resident_device, pin=pin_resident)
                 self.weights[name] = weight
         self.routers: dict[str, nn.Parameter] = {}
