@@ -338,3 +338,68 @@ def test_a_resident_base_above_the_allocation_limit_is_refused_by_name(quantized
     roomy = dataclass_replace(limited, max_allocation_bytes=e * o * i * 4)  # negative control: exactly fits
     monkeypatch.setattr(transfer, "device_capabilities", lambda device: roomy)
     SparseEngine(loaded, trainable_layers=[top])
+
+
+def _assert_resident_holds_the_record(weight) -> None:
+    from usaf.quant import dequantize
+
+    base = dequantize(weight.q, dtype=torch.float32, memory_layout=False).view(-1)  # (E*O*I,)
+    idx = weight.frozen_indices
+    assert idx.numel() > 0
+    expected = (base[idx] + weight.frozen_values).to(weight.resident.dtype)
+    assert torch.equal(weight.resident.view(-1)[idx], expected)
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[idx] = False
+    assert torch.equal(weight.resident.view(-1)[untouched], base[untouched].to(weight.resident.dtype))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_reselection_without_index_ops_equals_the_default(quantized, monkeypatch, exact):
+    """Score accumulation, reselection (fold, reindex, Adam state surgery) on host copies give the same run."""
+    from test_engine import batch, make_engine, random_selection
+    from test_reselect import train_step
+    from usaf.engine import optim, scores
+    from usaf.engine.optim import SparseAdamW
+    from usaf.engine.reselect import collect_scores, cumulative_delta, reselect
+
+    runs = []
+    for index_ops in (True, False):
+        with monkeypatch.context() as m:
+            if not index_ops:  # the device lacks index ops: what optimizer and accumulators look up
+                caps = dataclass_replace(device_capabilities("cpu"), index_ops=False)
+                m.setattr(optim, "device_capabilities", lambda device, caps=caps: caps)
+                m.setattr(scores, "device_capabilities", lambda device, caps=caps: caps)
+            engine = make_engine(quantized, "qwen3_moe")
+            for state in engine.loaded.experts.values():
+                state.set_index_ops(index_ops)
+            engine.set_deltas(random_selection(engine, frac=0.05))
+            optimizer = SparseAdamW(engine.parameter_groups(lr=0.05, router_lr=1e-2, weight_decay=0.0))
+            ids, labels = batch(4)
+            with collect_scores(engine, exact=exact) as collected:
+                for _ in range(3):
+                    train_step(engine, optimizer, ids, labels)
+                    collected.end_batch()
+            report = reselect(engine, optimizer, collected, 0.3)
+            for weight in engine.weights.values():  # the frozen record is written into the resident base
+                _assert_resident_holds_the_record(weight)
+            after = train_step(engine, optimizer, ids, labels)
+            state = {
+                name: (
+                    *cumulative_delta(weight),
+                    weight.delta.indices.clone(),
+                    weight.resident.clone(),
+                    *optimizer.state_for(weight.delta.values).values(),
+                )
+                for name, weight in engine.weights.items()
+            }
+            runs.append((report, after, state))
+    (report_a, after_a, state_a), (report_b, after_b, state_b) = runs
+    assert report_a == report_b and report_a.tensors and sum(r.grown for r in report_a.tensors.values()) > 0
+    assert after_b == pytest.approx(after_a, rel=1e-5)
+    for name in state_a:
+        for a, b in zip(state_a[name], state_b[name]):
+            assert a.device == b.device == torch.device("cpu")
+            if a.dtype.is_floating_point:
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+            else:
+                assert torch.equal(a, b), name

@@ -76,7 +76,8 @@ class ExpertWeight(nn.Module):
         """
         if self.resident is None:
             raise ValueError("fold needs a resident base (make_resident first)")
-        device = self.resident.device
+        # the record's arithmetic (unique, index_add_) runs on the host where the device lacks index ops
+        device = self.resident.device if self.index_ops else torch.device("cpu")
         indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).to(device)
         values = move(torch.as_tensor(values).reshape(-1), device, torch.float32)
         if indices.shape != values.shape:
@@ -96,7 +97,9 @@ class ExpertWeight(nn.Module):
         """``resident[i] = round(dequantize(q)[i] + frozen[i])`` for the given (unique) flat indices."""
         if self.resident is None or not indices.numel():
             return
-        device = self.resident.device
+        # Without index ops on the device, each touched expert's (O, I) slice is edited on the host and
+        # copied back whole (a contiguous copy, no index_put_ on the device).
+        device = self.resident.device if self.index_ops else torch.device("cpu")
         indices = indices.to(device)
         at = torch.searchsorted(self.frozen_indices.to(device), indices)  # positions in the record
         frozen = self.frozen_values.to(device)[at]  # (k,)
@@ -109,7 +112,12 @@ class ExpertWeight(nn.Module):
             local = indices[mine] - expert * per_expert
             base = dequantize(self.q, experts=[expert], dtype=torch.float32, device=device, memory_layout=False)
             total = base.view(-1)[local] + frozen[mine]  # fp32, one rounding to the compute dtype below
-            flat[indices[mine]] = total.to(flat.dtype)
+            if self.index_ops:
+                flat[indices[mine]] = total.to(flat.dtype)
+            else:
+                block = self.resident[expert].to(device, copy=True)  # (O, I) host copy, never a view
+                block.view(-1)[local] = total.to(block.dtype)
+                self.resident[expert].copy_(block)
 
     def base(self, expert: int, device: torch.device) -> torch.Tensor:
         """The frozen base of one expert, ``(O, I)``, in the compute dtype on ``device``."""
