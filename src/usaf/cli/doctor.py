@@ -274,7 +274,8 @@ def configuration_report(caps: Any) -> dict[str, Any]:
             "gpt-oss training on torch < 2.6: transformers 4.x builds its mask with torch.func.vmap, which "
             "refuses usaf's saved-tensor hooks (its forward works)"
         )
-        cannot.append("reselection, dense scoring and the trainer around the step: not audited for those ops")
+        can.append("score accumulation and reselection with their index arithmetic in host memory")
+        cannot.append("the stage code around the engine (usaf.stages): not audited for those ops")
         if major >= 5:
             cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
     if caps.max_allocation_bytes is not None:
