@@ -31,6 +31,7 @@ import gc
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,8 +87,9 @@ def random_quantized(shape: tuple[int, int, int], device: torch.device):
     )
 
 
-def build_loaded(config: dict, device: torch.device, dtype: torch.dtype):
-    """What ``usaf.engine.loading.load_quantized_model`` returns, with random weights instead of files."""
+def build_loaded(config: dict, device: torch.device, dtype: torch.dtype, experts_device: torch.device | None = None):
+    """What ``usaf.engine.loading.load_quantized_model`` returns, with random weights instead of files
+    (the 4-bit experts on ``experts_device``, default ``device``: ``"cpu"`` for streaming)."""
     from transformers import AutoModelForCausalLM
 
     from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
@@ -109,7 +111,8 @@ def build_loaded(config: dict, device: torch.device, dtype: torch.dtype):
         module = model.get_submodule(spec.experts_prefix(layer))
         weights = []
         for attr in ("gate_up_proj", "down_proj"):
-            weights.append(ExpertWeight(random_quantized(shapes[attr], device), compute_dtype=dtype, device=device))
+            q = random_quantized(shapes[attr], experts_device or device)
+            weights.append(ExpertWeight(q, compute_dtype=dtype, device=experts_device or device))
             delattr(module, attr)  # the meta fused parameter: usaf computes instead
         module.usaf_experts = LayerExperts(layer, *weights)
         experts[layer] = module.usaf_experts
@@ -139,7 +142,8 @@ def random_positions(numel: int, k: int, g: torch.Generator) -> torch.Tensor:
     return chosen[torch.randperm(chosen.numel(), generator=g)[:k]].sort().values
 
 
-def predicted(config: dict, layers: tuple[int, ...], microbatch: int, seq_len: int, kind: str) -> dict:
+def predicted(config: dict, layers: tuple[int, ...], microbatch: int, seq_len: int, kind: str,
+              placement: str = "device") -> dict:  # fmt: skip
     from usaf.memory_plan import model_facts
     from usaf.memory_plan.activations import Batch, saved_activations
     from usaf.memory_plan.source import QuantSettings
@@ -150,7 +154,7 @@ def predicted(config: dict, layers: tuple[int, ...], microbatch: int, seq_len: i
     target = Target(
         kind=kind, dtype="bfloat16", device_budget=1024 * GIB if kind != "cpu" else None, host_budget=1024 * GIB
     )
-    settings = Settings(layers, microbatch, 1, seq_len, FRAC, "device" if kind != "cpu" else "host")
+    settings = Settings(layers, microbatch, 1, seq_len, FRAC, placement if kind != "cpu" else "host")
     stage = train_stage(facts, QuantSettings(), target, settings)
     side = "device" if kind != "cpu" else "host"
     components = {c.name: getattr(c, side) for c in stage.components if getattr(c, side)}
@@ -221,6 +225,97 @@ def run(config: dict, device: torch.device, trainable: int, microbatch: int, seq
     return result
 
 
+def streaming(config: dict, device: torch.device, trainable: int, microbatch: int, seq_len: int, repeats: int,
+              stream: bool) -> dict:  # fmt: skip
+    """Step times with the frozen layers' 4-bit experts on the device or streamed from pinned host memory.
+
+    Two steps, each timed ``repeats`` times after one warm-up: *uncached* (the prefix computed through the
+    frozen layers, then loss + backward: what a prefix-cache miss, score or eval pays) and *cached* (the
+    prefix states given: the usual training step, which never runs the frozen layers). Plus the allocator's
+    peak and the planner's prediction for the same placement.
+    """
+    from usaf.engine.engine import SparseEngine, budget
+    from usaf.engine.optim import SparseAdamW
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start_allocated = torch.cuda.memory_allocated()
+    loaded = build_loaded(config, device, torch.bfloat16, experts_device=torch.device("cpu") if stream else None)
+    layers = tuple(loaded.spec.moe_layers[-trainable:])
+    engine = SparseEngine(loaded, trainable_layers=list(layers), stream_experts=stream, pin_experts=stream and cuda)
+    g = torch.Generator().manual_seed(0)
+    engine.set_deltas(
+        {n: random_positions(math.prod(w.shape), budget(w.shape, FRAC), g) for n, w in engine.weights.items()}
+    )
+    optimizer = SparseAdamW(engine.parameter_groups(lr=1e-2, router_lr=1e-4, weight_decay=0.0), max_grad_norm=1.0)
+    ids = torch.randint(1, config["vocab_size"], (microbatch, seq_len), generator=g).to(device)
+    labels = ids.clone()
+
+    def step(cached_states):
+        optimizer.zero_grad()
+        states = cached_states if cached_states is not None else engine.prefix_states(ids)
+        engine.loss(ids, labels, prefix_states=states).loss.backward()
+        optimizer.step()
+
+    def timed(cached_states) -> list[float]:
+        step(cached_states)  # warm-up
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(cached_states)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    uncached = timed(None)
+    cached = timed(engine.prefix_states(ids))
+    result = {
+        "stream": stream,
+        "microbatch": microbatch,
+        "seq_len": seq_len,
+        "trainable_layers": list(layers),
+        "uncached_step_seconds": uncached,
+        "cached_step_seconds": cached,
+        "uncached_tokens_per_s": microbatch * seq_len / statistics.median(uncached),
+        "cached_tokens_per_s": microbatch * seq_len / statistics.median(cached),
+    }
+    if engine.streamer is not None:
+        result["streamer"] = engine.streamer.stats.as_dict()
+    if cuda:
+        torch.cuda.synchronize()
+        result["max_memory_allocated"] = torch.cuda.max_memory_allocated() - start_allocated
+        pred = predicted(config, layers, microbatch, seq_len, "cuda", "stream" if stream else "device")
+        result["predicted_allocated_peak"] = pred["allocated_peak"]
+        result["allocated_predicted_over_measured"] = pred["allocated_peak"] / result["max_memory_allocated"]
+    if engine.streamer is not None:
+        engine.streamer.close()
+    return result  # the caller collects the engine's memory
+
+
+def quantize_speed(config: dict, device: torch.device, repeats: int) -> dict:
+    """``usaf quantize``'s HQQ on one layer's fused gate_up tensor of this width, on ``device``: MB/s of bf16 source."""
+    from usaf.quant import quantize_experts
+
+    experts, width, hidden = config["num_experts"], config["moe_intermediate_size"], config["hidden_size"]
+    weight = torch.randn(experts, 2 * width, hidden, dtype=torch.bfloat16) * 0.02
+    quantize_experts(weight[:2], method="hqq", device=device)  # warm-up (kernels, solver)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        quantize_experts(weight, method="hqq", device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    source_mb = weight.numel() * 2 / 1e6
+    return {"shape": list(weight.shape), "source_mb": source_mb, "seconds": seconds,
+            "mb_per_s": source_mb / statistics.median(seconds)}  # fmt: skip
+
+
 def cuda_fixed_costs(device: torch.device) -> dict:
     """Device memory the context takes and host RSS once CUDA (and cuBLAS) are initialised."""
     rss_before = psutil.Process().memory_info().rss
@@ -247,6 +342,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small widths (a smoke test, e.g. on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/plan-gpu.json]")
+    parser.add_argument("--streaming", action="store_true",
+                        help="also time steps with the experts streamed from host memory vs on the device, and "
+                        "HQQ quantization speed")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per streaming arm")
     args = parser.parse_args()
     device = torch.device(args.device)
     out = args.out or RESULTS / ("plan-gpu-quick.json" if args.quick else "plan-gpu.json")
@@ -277,6 +376,22 @@ def main() -> None:
                 f"{r['predicted']['allocated_peak'] / MIB:.0f} MiB ({r['allocated_predicted_over_measured']:.3f})"
             )
         print(line, flush=True)
+    if args.streaming:
+        microbatch, seq_len = RUNS[0]
+        seq = seq_len // 8 if args.quick else seq_len
+        results["streaming"] = []
+        for stream in (False, True, False, True):  # interleaved: the machine's state drifts
+            r = streaming(config, device, args.trainable, microbatch, seq, args.repeats, stream)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            results["streaming"].append(r)
+            print(f"streaming {'on ' if stream else 'off'}: uncached {r['uncached_tokens_per_s']:.0f} tok/s, "
+                  f"cached {r['cached_tokens_per_s']:.0f} tok/s"
+                  + (f", peak {r['max_memory_allocated'] / MIB:.0f} MiB" if "max_memory_allocated" in r else ""),
+                  flush=True)  # fmt: skip
+        results["quantize"] = quantize_speed(config, device, args.repeats)
+        print(f"HQQ quantize on {device}: {results['quantize']['mb_per_s']:.1f} MB/s of bf16 source", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"wrote {out}")

@@ -4,7 +4,9 @@
 #   1. install usaf (editable) without touching torch;
 #   2. the CUDA-marked tests (pytest -m cuda);
 #   3. the planner's GPU benchmark: predicted device peak vs torch.cuda.max_memory_allocated on a stack of
-#      random layers with Qwen3-30B-A3B's real dimensions -> benchmarks/results/plan-gpu.json;
+#      random layers with Qwen3-30B-A3B's real dimensions, step times with the frozen experts streamed from
+#      pinned host memory vs on the device (and their peaks vs the planner), HQQ quantization MB/s on the GPU
+#      -> benchmarks/results/plan-gpu.json;
 #   4. usaf plan for Qwen3-30B-A3B on this machine's GPU (its --vram read from the device).
 # Results are also copied to $OUT when that is set.
 set -euo pipefail
@@ -16,10 +18,10 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pri
 timeout 120 python -m pip install -q -e ".[dev]" || timeout 60 python -m pip install -q --no-deps --no-build-isolation -e .
 python -c "import usaf, transformers, pytest; print('usaf', usaf.__version__, 'transformers', transformers.__version__)"
 
-timeout 150 python -m pytest -q -m cuda -p no:cacheprovider
+timeout 120 python -m pytest -q -m cuda -p no:cacheprovider
 
 mkdir -p benchmarks/results
-timeout 210 python benchmarks/bench_plan_gpu.py --out benchmarks/results/plan-gpu.json
+timeout 270 python benchmarks/bench_plan_gpu.py --streaming --out benchmarks/results/plan-gpu.json
 
 timeout 60 python -m usaf plan tests/data/qwen3-30b-a3b --device cuda --ram 32GiB --json > benchmarks/results/plan-gpu-usaf-plan.json
 

@@ -142,7 +142,7 @@ def test_qwen3_30b_a3b_plan_fits_12gib_vram_and_32gib_ram():
     assert plan.settings.placement == "stream" and plan.settings.layers[-1] == 47 and len(plan.settings.layers) >= 2
     for stage in plan.stages:
         assert stage.device_peak <= 0.95 * 12 * GIB and stage.host_peak <= 0.95 * 32 * GIB, stage.stage
-    assert any("does not do yet" in note for note in plan.notes)
+    assert any("--stream-experts" in note for note in plan.notes)
     # Negative controls: a 6 GiB card cannot hold even one trainable layer; a fixed --train-from 36
     # (12 layers, usaf score's default) does not fit 12 GiB either.
     small = plan_memory(facts, QuantSettings(), make_target("cuda", None, 6 * GIB, 32 * GIB), Request())
@@ -227,7 +227,7 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["fits"] and data["settings"]["placement"] == "stream"
-    assert not data["settings"]["placement_executed_by_engine"]
+    assert data["settings"]["stream_experts"]
     train = data["stages"]["train"]
     assert train["device_peak_bytes"] == sum(c["device_bytes"] for c in train["components"])
     assert any(c.startswith("usaf train --microbatch 2") for c in data["commands"])
@@ -289,3 +289,23 @@ def test_a_hub_id_reads_only_config_json_from_the_cache(tmp_path, monkeypatch):
     assert source.config["num_experts"] == 128 and source.quantized_dir is None
     with pytest.raises(UsafError, match="not in the local Hugging Face cache"):
         read_model("Qwen/Not-Cached", nbits=None, group_size=None)
+
+
+def test_usaf_train_with_a_memory_budget_takes_the_planners_settings(prepared, tmp_path):
+    from helpers import invoke
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--out", run, "--steps", 2, "--ram", "8GiB",
+                    "--microbatch", 1, "--save-every", 0, "--workspace", tmp_path)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    # The planner kept the given microbatch, picked the rest, and (no plan anywhere) the trainable layers it scored.
+    note = next(line for line in result.stderr.splitlines() if line.startswith("--vram/--ram: usaf plan's choice"))
+    assert "--microbatch" not in note and "--prefix-cache-gib" in note and "--train-from 2" in note
+    assert (run / "plan" / "manifest.json").is_file()
+    settings = json.loads((run / "run-settings.json").read_text())
+    assert settings["train_from"] == 2 and "ram" not in settings
+    small = invoke("train", "--model", qdir, "--data", tokens, "--out", tmp_path / "small", "--steps", 2,
+                   "--ram", "300MiB", "--workspace", tmp_path)  # fmt: skip
+    assert small.exit_code == 2 and "--vram/--ram: nothing fits" in small.stderr
+    assert not (tmp_path / "small").exists()

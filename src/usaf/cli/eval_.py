@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, OverwriteOpt, VerboseOpt, WorkspaceOpt
+from usaf.cli.options import (
+    ConfigOpt,
+    DeviceOpt,
+    JsonOpt,
+    OverwriteOpt,
+    StreamExpertsOpt,
+    VerboseOpt,
+    WorkspaceOpt,
+)
 
 Opt = typer.Option
 
@@ -67,6 +75,7 @@ def command(
             "memory) (default: once when they fit in half the free memory).",
         ),
     ] = None,
+    stream_experts: StreamExpertsOpt = None,
     overwrite: OverwriteOpt = False,
     device: DeviceOpt = None,
     workspace: WorkspaceOpt = None,
@@ -98,6 +107,7 @@ def command(
             "base_cache": base_cache,
             "plots": plots,
             "resident": resident,
+            "stream_experts": stream_experts,
             "device": device,
             "overwrite": overwrite or None,
         },

@@ -46,6 +46,16 @@ DistBackendOpt = Annotated[
     ),
 ]
 
+StreamExpertsOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--stream-experts/--no-stream-experts",
+        help="Keep the 4-bit experts in host memory and stream the frozen layers' to the device one layer "
+        "ahead [default: when they would take over half the free device memory].",
+        show_default=False,
+    ),
+]
+
 
 # Selection options shared by `usaf score` and `usaf train` (which scores on the fly without a plan).
 FracOpt = Annotated[

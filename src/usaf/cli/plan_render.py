@@ -14,15 +14,20 @@ def commands(plan: Plan, source: ModelSource) -> list[str]:
     """The usaf commands that run with the chosen settings."""
     s, t = plan.settings, plan.target
     device = "" if t.kind == "cpu" else f" --device {t.kind}"
+    placement = ""  # explicit: the default decides from the free device memory at run time
+    if t.separate_device:
+        placement = " --stream-experts" if s.placement == "stream" else " --no-stream-experts"
     out = []
     if source.quantized_dir is None:
         quant = source.quant
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
     model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
-    out.append(f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}")
+    score = f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}"
+    score += placement
+    out.append(score)
     train = (
         f"usaf train{model} --microbatch {s.microbatch} --grad-accum {s.grad_accum} --seq-len {s.seq_len} "
-        f"--dtype {t.dtype}{device}"
+        f"--dtype {t.dtype}{device}{placement}"
     )
     if s.train_from > 0:
         train += f" --prefix-cache-gib {s.prefix_ram / 2**30:.2f}"
@@ -146,7 +151,7 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
             "seq_len": s.seq_len,
             "frac": s.frac,
             "placement": s.placement,
-            "placement_executed_by_engine": s.placement != "stream",
+            "stream_experts": s.placement == "stream",
             "prefix_cache_ram_bytes": s.prefix_ram,
             "prefix_cache_disk_bytes": s.prefix_disk if plan.prefix_total is not None else None,
             "prefix_cache_total_bytes": plan.prefix_total,

@@ -17,6 +17,7 @@ from usaf.cli.options import (
     JsonOpt,
     LayersOpt,
     StatisticOpt,
+    StreamExpertsOpt,
     TrainFromOpt,
     VerboseOpt,
     WorkspaceOpt,
@@ -71,6 +72,19 @@ def command(
     ] = None,
     device: DeviceOpt = None,
     dist_backend: DistBackendOpt = None,
+    stream_experts: StreamExpertsOpt = None,
+    prefix_cache_gib: Annotated[
+        float | None,
+        Opt(help="RAM for cached frozen-prefix states before they spill to the run's disk file [default: 2]."),
+    ] = None,
+    vram: Annotated[
+        str | None,
+        Opt(help="Device memory budget (12GiB, ...): usaf plan picks --microbatch, --grad-accum, --stream-experts, "
+            "--prefix-cache-gib and (without a plan) --train-from where not given [default: this device's]."),
+    ] = None,
+    ram: Annotated[
+        str | None, Opt(help="Host memory budget (32GiB, ...) for the same choice [default: this machine's].")
+    ] = None,
     nproc: Annotated[
         int | None,
         Opt(
@@ -132,6 +146,10 @@ def command(
             "overwrite": overwrite,
             "device": device,
             "dist_backend": dist_backend,
+            "stream_experts": stream_experts,
+            "prefix_cache_gib": prefix_cache_gib,
+            "vram": vram,
+            "ram": ram,
             "dtype": dtype,
         },
         config_file=config,

@@ -57,6 +57,10 @@ class SparseEngine:
         z_loss_coef: weight of the router z-loss (mean squared logsumexp of router logits).
         resident_device: where trainable layers' dequantized bases live (default: the model's device).
         pin_resident: keep them in pinned host memory instead (streamed to the device per expert).
+        stream_experts: keep every layer's 4-bit experts in host memory and stream the frozen layers' to
+            the device one layer ahead of the forward (:mod:`usaf.engine.streaming`); ``"copy"`` also
+            copies when the device is host memory (tests).
+        pin_experts: page-locked host memory for the streamed experts (backends that support it).
     """
 
     def __init__(
@@ -69,6 +73,8 @@ class SparseEngine:
         z_loss_coef: float = 0.0,
         resident_device: torch.device | None = None,
         pin_resident: bool = False,
+        stream_experts: bool | str = False,
+        pin_experts: bool = False,
     ) -> None:
         spec = loaded.spec
         bad = sorted(set(trainable_layers) - set(spec.moe_layers))
@@ -83,6 +89,9 @@ class SparseEngine:
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.weights: dict[str, ExpertWeight] = {}  # in-memory name -> trainable expert tensor
+        device = self.device
+        if resident_device is None and not pin_resident:
+            resident_device = device  # the 4-bit codes may be in host memory (streaming); the bases are not
         for layer in self.trainable_layers:
             state = loaded.experts[layer]
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
@@ -109,10 +118,27 @@ class SparseEngine:
                         assert module.parametrizations[attr].original is master
                     self.routers[name] = master
                     self.router_anchors[name] = master.detach().clone()
+        self.streamer = None
+        if stream_experts:
+            from usaf.engine.streaming import ExpertStreamer
+
+            frozen = [layer for layer in spec.moe_layers if layer not in self.trainable_layers]
+            for layer in self.trainable_layers:  # their codes are read only by folds: host memory is enough
+                for weight in (loaded.experts[layer].gate_up, loaded.experts[layer].down):
+                    weight.q = weight.q.to("cpu")
+            self.streamer = ExpertStreamer(
+                self.model.model.layers, loaded.experts, frozen, device, pin=pin_experts,
+                copy=stream_experts == "copy",
+            )  # fmt: skip
         first = self.trainable_layers[0]
         self.activations = SavedTensorMeter(self._weight_storages)
         returns_tuple = decoder_returns_tuple(spec)
         self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: the device of its non-expert weights."""
+        return self.model.get_input_embeddings().weight.device
 
     # -- deltas ----------------------------------------------------------------------------------
 

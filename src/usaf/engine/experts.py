@@ -56,7 +56,8 @@ class ExpertWeight(nn.Module):
 
     def make_resident(self, device: torch.device | None = None, *, pin: bool = False) -> None:
         """Dequantize every expert once; kept on ``device`` (or pinned host memory) for the run."""
-        base = dequantize(self.q, dtype=self.compute_dtype, memory_layout=False)  # (E, O, I)
+        where = None if pin else device  # dequantize where the base will live (the codes may be in host memory)
+        base = dequantize(self.q, dtype=self.compute_dtype, device=where, memory_layout=False)  # (E, O, I)
         if pin:
             base = base.pin_memory()
         self.resident = base.to(device) if device is not None else base

@@ -64,13 +64,19 @@ def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def load_quantized_model(
-    path: Path, *, device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32, flag: str = "--model"
+    path: Path,
+    *,
+    device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+    flag: str = "--model",
+    experts_device: torch.device | str | None = None,
 ) -> LoadedModel:
     """Build the model of a ``usaf quantize`` output directory on ``device``.
 
     Args:
         path: the quantized-model directory.
         device: where non-expert weights and expert codes live.
+        experts_device: where the 4-bit expert codes live instead (``"cpu"`` for streaming them).
         compute_dtype: dtype of non-expert weights and of dequantized expert bases.
         flag: the flag ``path`` came from, for messages.
     """
@@ -115,8 +121,9 @@ def load_quantized_model(
             if name not in raw:
                 raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
             q = QuantizedTensor.from_dict(raw[name], name=name)
-            check_allocation(q.nbytes, device, f"{path / EXPERTS_FILE}: {name}")
-            weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=device))
+            where = experts_device or device
+            check_allocation(q.nbytes, where, f"{path / EXPERTS_FILE}: {name}")
+            weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=where))
             attr = name.rsplit(".", 1)[1]
             if hasattr(module, attr):  # the meta fused parameter (v5, gpt-oss 4.x); usaf computes instead
                 delattr(module, attr)

@@ -1,9 +1,10 @@
 """Picking settings that fit: the first candidate, in order of preference, whose every stage fits.
 
-Preference: a placement the engine executes today before one it does not (streaming); within a
-placement, more trainable layers (up to ``usaf score``'s default, the top quarter) before a larger
-microbatch, because gradient accumulation recovers the batch (same sequences per step, slower) while
-nothing recovers a layer. Settings the user gave (``--train-from``, ``--microbatch``) are kept as given.
+Preference: every expert on the device before streaming them from host memory (streaming adds transfers to
+every forward through the frozen layers: prefix capture, score, eval); within a placement, more trainable
+layers (up to ``usaf score``'s default, the top quarter) before a larger microbatch, because gradient
+accumulation recovers the batch (same sequences per step, slower) while nothing recovers a layer. Settings
+the user gave (``--train-from``, ``--microbatch``) are kept as given.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def _with_prefix(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s
     total = _prefix_total(m, t, request)
     room = t.usable(t.host_budget) - st.train_stage(m, q, t, s).host_peak
     ram = max(0, min(DEFAULT_PREFIX_CACHE if total is None else total, room))
-    # Whole MiB: the value becomes train's --prefix-cache-gib.
-    ram -= ram % 2**20
-    disk = 0 if total is None else total - ram
+    # Whole MiB (the value becomes train's --prefix-cache-gib), rounded up when that still fits: a small
+    # cache rounded down to 0 would send every state to disk.
+    whole = ram - ram % 2**20
+    ram = whole + 2**20 if ram % 2**20 and whole + 2**20 <= room else whole
+    disk = 0 if total is None else max(0, total - ram)
     return replace(s, prefix_ram=ram, prefix_disk=disk)
 
 
@@ -135,13 +138,14 @@ def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.S
         )
     if s.placement == "stream":
         notes.append(
-            "this plan streams the frozen 4-bit experts from host memory, which the engine does not do yet: today "
-            "usaf train and usaf score put every expert on the device and would run out of memory"
+            "this plan keeps the 4-bit experts in host memory and streams the frozen layers' to the device one "
+            "layer ahead (usaf score/train --stream-experts; chosen by default when they would take over half "
+            "the device's free memory)"
         )
     if s.placement == "device" and fits and request.train_from is None:
         more = _stream_alternative(m, q, t, request, len(s.layers))
         if more:
-            notes.append(f"with streaming (not executed by the engine yet) {more} layers would fit at microbatch 1")
+            notes.append(f"with --stream-experts {more} trainable layers would fit at microbatch 1")
     if s.train_from > 0 and request.samples is None:
         notes.append(
             f"prefix cache: {s.seq_len * m.spec.hidden_size * t.c / 2**10:.0f} KiB per training sequence; pass "

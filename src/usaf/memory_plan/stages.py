@@ -7,11 +7,11 @@ device, or in host memory; on a CPU target everything is host memory.
 
 Placements (where the 4-bit experts of every layer live; everything else is the same):
 
-* ``device``: all on the device. This is what ``usaf train`` / ``usaf score`` do today.
+* ``device``: all on the device (``--no-stream-experts``).
 * ``stream``: all in pinned host memory; a layer's experts are copied to a two-layer device buffer when a
   forward reaches it (one in use, one in flight). Training steps that read their prefix from the cache
-  never run the frozen layers, so only prefix capture and score/eval forwards stream. **The engine does
-  not execute this placement yet** (issue 10, part 2); a plan that needs it says so.
+  never run the frozen layers, so only prefix capture and score/eval forwards stream
+  (``usaf.engine.streaming``, ``--stream-experts``).
 * ``host``: a CPU target, where device and host memory are one.
 """
 
@@ -26,9 +26,9 @@ from usaf.memory_plan.source import QuantSettings
 from usaf.memory_plan.target import Target
 
 PLACEMENTS = {
-    "device": "every 4-bit expert on the device (what usaf train does today)",
-    "stream": "4-bit experts in pinned host memory, streamed per layer into a 2-layer device buffer (not executed "
-    "by the engine yet)",
+    "device": "every 4-bit expert on the device",
+    "stream": "4-bit experts in pinned host memory, frozen layers' streamed per layer into a 2-layer device buffer "
+    "(--stream-experts)",
     "host": "everything in RAM (CPU)",
 }
 STREAM_BUFFER_LAYERS = 2

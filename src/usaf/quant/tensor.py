@@ -59,10 +59,21 @@ class QuantizedTensor:
         e, o, i = self.shape
         return (e, i, o) if self.transposed else (e, o, i)
 
-    def to(self, device: str | torch.device) -> QuantizedTensor:
-        """The same tensor with codes, scale and zero on ``device`` (e.g. resident on the GPU)."""
-        moved = {k: getattr(self, k).to(device) for k in _TENSOR_FIELDS}
+    def to(self, device: str | torch.device, *, non_blocking: bool = False, copy: bool = False) -> QuantizedTensor:
+        """The same tensor with codes, scale and zero on ``device`` (e.g. resident on the GPU).
+
+        ``non_blocking`` from pinned memory overlaps the copy with compute; ``copy`` forces new storage
+        even on the same device."""
+        moved = {k: getattr(self, k).to(device, non_blocking=non_blocking, copy=copy) for k in _TENSOR_FIELDS}
         return QuantizedTensor(**{**self._fields(), **moved})
+
+    def pin_memory(self) -> QuantizedTensor:
+        """A copy in page-locked host memory (so host-to-device copies can run asynchronously)."""
+        pinned = {k: getattr(self, k).pin_memory() for k in _TENSOR_FIELDS}
+        return QuantizedTensor(**{**self._fields(), **pinned})
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.zero
 
     def to_dict(self) -> dict:
         """Plain dict (tensors, ints, strs, bools, a list): ``torch.save``-able, ``weights_only``-loadable."""

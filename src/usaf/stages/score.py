@@ -73,6 +73,9 @@ class ScoreConfig(StageConfig):
     full_maps: bool = Field(False, description="Keep full-size importance maps (exact; O(weights) memory).")
     stability: bool = Field(True, description="Score two disjoint halves of the data and report their overlap.")
     cache: bool = Field(False, description="Also store every training sequence's frozen-prefix state for train.")
+    stream_experts: bool | None = Field(
+        None, description="Frozen layers' 4-bit experts in host memory, streamed per layer [default: by size]."
+    )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend under torchrun [default: nccl on CUDA, else gloo]."
     )
@@ -166,8 +169,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     from usaf.backends import resolve_backend
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
     from usaf.engine.engine import SparseEngine
-    from usaf.engine.loading import load_quantized_model
     from usaf.engine.selection import SelectionError, jaccard, pool_size, select
+    from usaf.stages.engine_setup import load_for_engine
 
     start = time.perf_counter()
     backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
@@ -185,9 +188,9 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     if len(lines) < config.calib_samples:
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
 
-    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
+    loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, config.stream_experts, progress)
     layers = trainable_layers(config, loaded.spec.moe_layers)
-    engine = SparseEngine(loaded, trainable_layers=layers, train_router=config.router)
+    engine = SparseEngine(loaded, trainable_layers=layers, train_router=config.router, **placement)
     if config.cache and engine.prefix is None:
         raise UsafError(
             f"--cache: no frozen prefix to cache (the first trainable layer is {layers[0]})",

@@ -92,6 +92,11 @@ class TrainConfig(StageConfig):
     )
     calib_samples: int = Field(64, ge=1)
     prefix_cache_gib: float = Field(2.0, ge=0, description="RAM for cached prefix states before spilling to disk.")
+    stream_experts: bool | None = Field(
+        None, description="Frozen layers' 4-bit experts in host memory, streamed per layer [default: by size]."
+    )
+    vram: str | None = Field(None, description="Device memory budget: usaf plan picks the settings not given.")
+    ram: str | None = Field(None, description="Host memory budget: usaf plan picks the settings not given.")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend under torchrun [default: nccl on CUDA, else gloo]."
     )
@@ -117,7 +122,8 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
     (microbatch × grad-accum × processes) decides which sequences a step trains on, so a run may resume
     with another world size or microbatch as long as that product is the same.
     """
-    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "microbatch", "grad_accum"}
+    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "stream_experts", "microbatch", "grad_accum",
+            "vram", "ram", "prefix_cache_gib"}  # where things live and how a batch is split: not the result
     keep = config.model_dump(mode="json", exclude=skip)
     global_batch = config.microbatch * config.grad_accum * world.size
     return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,
@@ -163,7 +169,8 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
     world().barrier("run directory check")  # every rank has looked before rank 0 creates it
     if world().is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    options = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "router", "device", "seed")
+    options = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "router", "device", "seed",
+               "stream_experts")
     settings = score.ScoreConfig(
         model=model_dir,
         data=data,
@@ -186,10 +193,11 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     from usaf.data.dataset import TokenDataset
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
     from usaf.engine.engine import SparseEngine
-    from usaf.engine.loading import load_quantized_model
     from usaf.engine.loss_scale import DynamicLossScaler
     from usaf.engine.prefix import PrefixCache
+    from usaf.stages.engine_setup import load_for_engine
     from usaf.stages.prefix_cache import open_store
+    from usaf.stages.train_budget import apply_budget
     from usaf.stages.trainer import LoopSettings, Trainer, latest_checkpoint
 
     start = time.perf_counter()
@@ -207,8 +215,17 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
     if config.resume and not run_dir.exists():
         raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
+    data = TokenDataset(data_file, vocab_size=len(tokenizer))
+    if len(data) == 0:
+        raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
+    given_plan = _given_plan_layer(config)
+    budgeted = apply_budget(config, model_dir, backend, data, given_plan, progress)
     data_source = config.data if config.data is not None else data_file.parent
-    plan_dir, plan = _resolve_plan(config, model_manifest.fingerprint, model_dir, data_source, run_dir, progress)
+    plan_dir, plan = _resolve_plan(budgeted, model_manifest.fingerprint, model_dir, data_source, run_dir, progress)
+    first = plan.summary.trainable_layers[0]
+    if given_plan is None and budgeted is not config and budgeted.train_from not in (None, first):
+        budgeted = apply_budget(config, model_dir, backend, data, first, progress)  # a plan from the workspace
+    config = budgeted
     settings_record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp, world)
 
     resume_from = None
@@ -223,9 +240,6 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
             )
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    data = TokenDataset(data_file, vocab_size=len(tokenizer))
-    if len(data) == 0:
-        raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     eval_data = None
     if config.eval_data is not None:
         eval_file, _ = resolve_data(
@@ -240,13 +254,14 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     _check_seq_len(config.seq_len, str(model_dir), tokenizer)
 
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
-    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=compute)
+    loaded, placement = load_for_engine(model_dir, backend, compute, config.stream_experts, progress)
     engine = SparseEngine(
         loaded,
         trainable_layers=plan.summary.trainable_layers,
         train_router=config.router,
         aux_loss_coef=config.aux_loss_coef,
         z_loss_coef=config.z_loss_coef,
+        **placement,
     )
     masks = load_file(str(plan_dir / MASKS_FILE))
     unknown = set(masks) - set(engine.weights)
@@ -311,6 +326,13 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         backend,
         time.perf_counter() - start,
     )
+
+
+def _given_plan_layer(config: TrainConfig) -> int | None:
+    """The first trainable layer of ``--plan`` (None without one)."""
+    if config.plan is None:
+        return None
+    return load_verified(config.plan, PlanManifest, flag="--plan").summary.trainable_layers[0]
 
 
 DEFAULT_RESELECT_EVERY = 50

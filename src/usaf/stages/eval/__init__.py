@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from usaf.artifacts import (
     ArtifactWriter,
@@ -57,7 +57,17 @@ class EvalConfig(StageConfig):
     resident: bool | None = Field(
         None, description="Dequantize all experts once (True) or per forward (False) [default: once if they fit]."
     )
+    stream_experts: bool | None = Field(
+        None, description="4-bit experts in host memory, streamed per layer (per-forward dequantization only)."
+    )
     device: str = "auto"
+
+    @model_validator(mode="after")
+    def _placement(self) -> EvalConfig:
+        if self.resident and self.stream_experts:
+            raise ValueError("--resident dequantizes every expert onto the device; --stream-experts keeps them in "
+                             "host memory: pass one")  # fmt: skip
+        return self
     overwrite: bool = False
 
 
@@ -108,7 +118,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
 
 def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress) -> _Outcome:
     """The base pass (or its cached result) and the fine-tuned pass over the same batches."""
-    from usaf.engine.loading import load_quantized_model
+    from usaf.stages.engine_setup import load_for_engine
     from usaf.stages.eval import cache
     from usaf.stages.eval.inputs import sequences_fingerprint
     from usaf.stages.eval.passes import batches_of, make_resident, run_pass
@@ -121,14 +131,15 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     key = cache.cache_key(key_parts)
     entry = cache.entry_dir(workspace, key) if config.base_cache else None
 
-    loaded = load_quantized_model(model_dir, device=backend.device, compute_dtype=backend.policy.compute)
+    stream = False if config.resident else config.stream_experts
+    loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, stream, progress)
     if change is not None:
         _refuse_empty_change(change, loaded.model)  # before a base pass that would be wasted
     input_tokens = sum(b.tokens for b in batches)
     base = cache.load(entry, key, sequences=len(sequences), input_tokens=input_tokens) if entry else None
     resident = False
     if base is None or change is not None:  # a pass will run
-        resident, nbytes = make_resident(loaded, backend, config.resident)
+        resident, nbytes = make_resident(loaded, backend, False if placement["stream_experts"] else config.resident)
         size = human_bytes(nbytes)
         progress.note(
             f"experts dequantized once ({size})" if resident else f"experts dequantized per forward (all: {size})"
@@ -136,14 +147,17 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     if base is not None:
         progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
     else:
+        streamer = _stream_every_layer(loaded, backend, placement)
         base = run_pass(loaded.model, loaded.experts, batches, device=backend.device, progress=progress,
                         description="base model")  # fmt: skip
+        if streamer is not None:
+            streamer.close()  # the fine-tuned pass's engine streams its own frozen layers
         if entry is not None:
             cache.save(entry, key, key_parts, base)
             progress.note(f"base pass: computed and cached in {entry}")
     tuned, logit_change = None, None
     if change is not None:
-        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress)
+        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement)
     else:
         progress.note("no checkpoint: evaluating the base model only")
     return _Outcome(
@@ -197,7 +211,18 @@ def _refuse_empty_change(change, model) -> None:
     )
 
 
-def _tuned_pass(loaded, change, batches, backend, progress: Progress):
+def _stream_every_layer(loaded, backend, placement: dict):
+    """The base pass streams every MoE layer (none trains); None when the experts are not streamed."""
+    if not placement["stream_experts"]:
+        return None
+    from usaf.engine.streaming import ExpertStreamer
+
+    return ExpertStreamer(
+        loaded.model.model.layers, loaded.experts, list(loaded.experts), backend.device, pin=placement["pin_experts"]
+    )
+
+
+def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement: dict):
     """Apply the change in an engine, prove it moved the logits, and run the same batches through it."""
     import torch
 
@@ -205,7 +230,9 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress):
     from usaf.stages.eval.passes import batch_logits, run_pass
 
     try:
-        engine = SparseEngine(loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers))
+        engine = SparseEngine(
+            loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers), **placement
+        )
         before = batch_logits(engine.model, batches[0], backend.device)  # (B, S, V) of the engine without change
         engine.apply_change(change)
     except (ValueError, KeyError) as e:

@@ -1,0 +1,219 @@
+"""Frozen layers' 4-bit experts streamed from host memory to the device, one layer ahead of the forward.
+
+This is ``usaf plan``'s ``stream`` placement. Every MoE layer's 4-bit experts stay in host memory (pinned
+where the backend allows); when a forward reaches a *frozen* MoE layer, that layer's codes must be on the
+device. The streamer keeps at most two layers' copies there — the one in use and the next one, whose copy
+started (on a side CUDA stream) when the previous layer began, so the transfer overlaps that layer's compute
+— and drops a layer's copy when its forward ends (autograd never keeps the codes: a frozen expert's backward
+needs only the dequantized slice it saved).
+
+Trainable layers are not streamed: they compute from their resident dequantized base, which lives on the
+device, and read their codes only when a reselection folds dropped deltas, one expert at a time (which
+``dequantize`` moves itself).
+
+A training step whose prefix comes from the cache never runs the frozen layers, so streaming costs nothing
+there; it serves prefix capture, ``usaf score`` and ``usaf eval``'s forwards.
+
+Without a separate device (CPU) there is nothing to stream and the stages do not install it; ``copy=True``
+with a CPU device runs the same mechanism with copies in host memory — how the tests check it without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from usaf.engine.experts import LayerExperts
+from usaf.quant import QuantizedTensor
+
+BUFFER_LAYERS = 2  # one layer in use, one in flight (the planner's "4-bit streaming buffer")
+
+
+@dataclass
+class StreamStats:
+    """What the streamer did: layer copies started, how many were ready (prefetched) when needed."""
+
+    copies: int = 0
+    prefetched: int = 0  # forwards that found their layer already copied (or in flight)
+    waited: int = 0  # forwards that had to start their own copy first
+    bytes: int = 0  # host -> device bytes moved
+    max_alive: int = 0  # most layer copies on the device at once (at most BUFFER_LAYERS)
+    order: list[int] = field(default_factory=list)  # layers in the order their forwards began
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "order"}
+
+
+@dataclass
+class _Copy:
+    gate_up: QuantizedTensor
+    down: QuantizedTensor
+    ready: torch.cuda.Event | None  # recorded on the copy stream; None for synchronous copies
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.gate_up.tensors(), *self.down.tensors()]
+
+
+class ExpertStreamer:
+    """Streams the 4-bit experts of ``layers`` (frozen MoE layers) through forward hooks on their decoder layers.
+
+    Args:
+        decoder_layers: the model's decoder layers (``model.model.layers``), hooked by index.
+        experts: usaf's per-layer expert state (``LoadedModel.experts``).
+        layers: the frozen MoE layers to stream.
+        device: where forwards compute.
+        pin: keep the host copies in page-locked memory (needed for asynchronous copies).
+        overlap: copy on a side CUDA stream (default: on CUDA devices).
+        copy: force real copies even when ``device`` is host memory (tests).
+    """
+
+    def __init__(
+        self,
+        decoder_layers: nn.ModuleList,
+        experts: Mapping[int, LayerExperts],
+        layers: Sequence[int],
+        device: torch.device,
+        *,
+        pin: bool = False,
+        overlap: bool | None = None,
+        copy: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        self.layers = tuple(sorted(layers))
+        self._states = {layer: experts[layer] for layer in self.layers}
+        self._copy_always = copy
+        self._host: dict[int, tuple[QuantizedTensor, QuantizedTensor]] = {}
+        for layer, state in self._states.items():
+            host = tuple(_to_host(w.q, pin) for w in (state.gate_up, state.down))
+            state.gate_up.q, state.down.q = host
+            self._host[layer] = host
+        self._overlap = (self.device.type == "cuda") if overlap is None else overlap
+        self._stream = torch.cuda.Stream(self.device) if self._overlap else None
+        self._copies: dict[int, _Copy] = {}  # started, not yet in use
+        self._in_use: int | None = None
+        self.stats = StreamStats()
+        self._handles = []
+        for layer in self.layers:
+            module = decoder_layers[layer]
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(layer)))
+            self._handles.append(module.register_forward_hook(self._post_hook(layer)))
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(q.nbytes for pair in self._host.values() for q in pair)
+
+    @property
+    def alive(self) -> int:
+        """Layer copies on the device now (in flight or in use)."""
+        return len(self._copies) + (self._in_use is not None)
+
+    def close(self) -> None:
+        """Remove the hooks and drop the device copies; the experts stay in host memory."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._copies.clear()
+        for layer, state in self._states.items():
+            state.gate_up.q, state.down.q = self._host[layer]
+
+    # -- hooks ----------------------------------------------------------------------------------------
+
+    def _pre_hook(self, layer: int):
+        def hook(module, args):
+            self._enter(layer)
+
+        return hook
+
+    def _post_hook(self, layer: int):
+        def hook(module, args, output):
+            self._leave(layer)
+
+        return hook
+
+    def _enter(self, layer: int) -> None:
+        copy = self._copies.pop(layer, None)
+        if copy is None:
+            copy = self._start(layer)
+            self.stats.waited += 1
+        else:
+            self.stats.prefetched += 1
+        if copy.ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(copy.ready)
+            for t in copy.tensors():  # allocated on the copy stream, used on this one: free after its work
+                t.record_stream(current)
+        state = self._states[layer]
+        state.gate_up.q, state.down.q = copy.gate_up, copy.down
+        self._in_use = layer
+        self.stats.order.append(layer)
+        following = self._following(layer)
+        if following is not None and following not in self._copies:
+            self._copies[following] = self._start(following)
+        self.stats.max_alive = max(self.stats.max_alive, self.alive)
+
+    def _leave(self, layer: int) -> None:
+        state = self._states[layer]
+        state.gate_up.q, state.down.q = self._host[layer]  # the device copy is freed with its last reference
+        self._in_use = None
+
+    def _following(self, layer: int) -> int | None:
+        """The next streamed layer a forward will reach (the first again after the last: the next forward)."""
+        if len(self.layers) < 2:
+            return None
+        position = self.layers.index(layer)
+        return self.layers[(position + 1) % len(self.layers)]
+
+    def _start(self, layer: int) -> _Copy:
+        gate_up, down = self._host[layer]
+        self.stats.copies += 1
+        self.stats.bytes += gate_up.nbytes + down.nbytes
+        if self._stream is None:
+            return _Copy(*(q.to(self.device, copy=self._copy_always) for q in (gate_up, down)), None)
+        with torch.cuda.stream(self._stream):
+            moved = [q.to(self.device, non_blocking=True) for q in (gate_up, down)]
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return _Copy(*moved, ready)
+
+
+def _to_host(q: QuantizedTensor, pin: bool) -> QuantizedTensor:
+    host = q.to("cpu")
+    return host.pin_memory() if pin else host
+
+
+STREAM_SHARE = 0.5  # by default, stream when the 4-bit experts would take more than this share of free device memory
+
+
+def choose_streaming(requested: bool | None, backend, experts_bytes: int) -> tuple[bool, str | None]:
+    """Whether to stream (``--stream-experts`` as given, else by size), and a note for the user.
+
+    By default: on when every layer's 4-bit experts would take more than half the device's free memory, on
+    a backend with a separate device that reports its memory; off otherwise. Where host and device memory
+    are one (CPU, Apple silicon) streaming moves nothing: asked for, it runs (the hooks swap references) and
+    says so.
+    """
+    from usaf.units import human_bytes
+
+    unified = backend.capabilities.unified_memory
+    if requested is not None:
+        note = "host and device memory are one here: streaming moves nothing" if requested and unified else None
+        return requested, note
+    free = None if unified else backend.memory().device_free
+    if free is None or experts_bytes <= STREAM_SHARE * free:
+        return False, None
+    return True, (
+        f"streaming the frozen layers' 4-bit experts from host memory ({human_bytes(experts_bytes)} would take over "
+        f"half of the device's {human_bytes(free)} free); --no-stream-experts keeps them on the device"
+    )
+
+
+def quantized_bytes(manifest_dir) -> int:
+    """Bytes of every layer's 4-bit experts, from the size of the quantized model's ``experts_q4.pt``."""
+    from pathlib import Path
+
+    from usaf.artifacts.quantized import EXPERTS_FILE
+
+    return (Path(manifest_dir) / EXPERTS_FILE).stat().st_size

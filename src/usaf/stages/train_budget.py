@@ -1,0 +1,89 @@
+"""``usaf train --vram/--ram``: the memory planner's choice for the settings a user left unset.
+
+The same planner as ``usaf plan`` (:mod:`usaf.memory_plan`), on the quantized model's own ``config.json``
+and quantization settings, for this run's device kind and dtype, its data (sequence length, number of
+training sequences) and its plan's trainable layers. It fills in what was not given — microbatch and
+accumulation, where the 4-bit experts live (``--stream-experts``), the prefix cache's RAM and, when no plan
+exists yet, the first trainable layer — and refuses, naming what is short, when nothing fits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from usaf.errors import UsafError
+from usaf.stages.progress import Progress
+
+_KINDS = {"cpu": "cpu", "cuda": "cuda", "privateuseone": "directml"}  # torch device type -> planner kind
+SEQ_LEN_SAMPLE = 256  # lines read to find the data's sequence length when --seq-len is not given
+
+
+def apply_budget(
+    config: Any, model_dir: Path, backend: Any, data: Any, first_layer: int | None, progress: Progress
+) -> Any:
+    """``config`` with the planner's settings where the user gave none; unchanged without --vram/--ram.
+
+    Args:
+        config: the run's :class:`~usaf.stages.train.TrainConfig`.
+        model_dir: the quantized model.
+        backend: the resolved backend (its device kind; its memory when a budget is not given).
+        data: the training :class:`~usaf.data.dataset.TokenDataset`.
+        first_layer: the plan's first trainable layer when a plan is known, else None (the planner picks).
+    """
+    if config.vram is None and config.ram is None:
+        return config
+    from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
+
+    kind = _KINDS.get(backend.device.type)
+    if kind is None:
+        raise UsafError(
+            f"--vram/--ram: the memory planner models cpu, cuda and directml, not {backend.device.type}",
+            "drop --vram/--ram and set --microbatch and --stream-experts yourself",
+        )
+    memory = backend.memory()
+    vram = parse_size(config.vram, flag="--vram") if config.vram else memory.device_total
+    ram = parse_size(config.ram, flag="--ram") if config.ram else memory.host_total
+    target = make_target(kind, None if config.dtype == "auto" else config.dtype, vram if kind != "cpu" else None, ram)
+    source = read_model(str(model_dir), nbits=None, group_size=None)
+    given = config.model_fields_set
+    train_from = first_layer
+    if train_from is None:
+        train_from = min(config.layers) if config.layers else config.train_from
+    request = Request(
+        seq_len=config.seq_len or max(len(data[i].input_ids) for i in range(min(len(data), SEQ_LEN_SAMPLE))),
+        frac=config.frac,
+        microbatch=config.microbatch if "microbatch" in given else None,
+        train_from=train_from,
+        samples=len(data),
+    )
+    plan = plan_memory(model_facts(source.config), source.quant, target, request)
+    if not plan.fits:
+        raise UsafError(
+            "--vram/--ram: nothing fits: " + "; ".join(plan.shortfalls),
+            "more memory, a shorter --seq-len, a smaller --frac or fewer trainable layers; usaf plan shows the table",
+        )
+    s = plan.settings
+    updates: dict[str, Any] = {}
+    if "microbatch" not in given:
+        updates["microbatch"] = s.microbatch
+        if "grad_accum" not in given:
+            updates["grad_accum"] = s.grad_accum
+    if config.stream_experts is None and target.separate_device:
+        updates["stream_experts"] = s.placement == "stream"
+    if "prefix_cache_gib" not in given and s.train_from > 0:
+        updates["prefix_cache_gib"] = s.prefix_ram / 2**30
+    if first_layer is None and config.train_from is None and not config.layers:
+        updates["train_from"] = s.train_from
+    chosen = ", ".join(f"--{k.replace('_', '-')} {v:.4g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                       for k, v in updates.items()) or "the settings as given"  # fmt: skip
+    progress.note(f"--vram/--ram: usaf plan's choice: {chosen} (train's predicted peak: {_peaks(plan)})")
+    return config.model_copy(update=updates)
+
+
+def _peaks(plan: Any) -> str:
+    from usaf.memory_plan.sizes import gib
+
+    train = next(stage for stage in plan.stages if stage.stage == "train")
+    device = f"{gib(train.device_peak)} GiB device, " if plan.target.separate_device else ""
+    return f"{device}{gib(train.host_peak)} GiB host"
