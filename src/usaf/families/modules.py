@@ -178,7 +178,10 @@ class FusedView:
 
         def part(n: str) -> torch.Tensor:
             p = self._param(n)
-            return p.grad if grad else p.detach()
+            if not grad:
+                return p.detach()
+            # an expert no token reached has no .grad in 4.x; in the fused tensor its rows are zeros
+            return p.grad if p.grad is not None else torch.zeros_like(p)
 
         if name not in self._experts:
             param = self._param(name if self.layout is ModuleLayout.FUSED else self.spec.disk.to_disk(name))
