@@ -57,3 +57,26 @@ def test_a_missing_or_misshaped_expert_is_an_error_not_a_silent_gap(tiny_model):
     bent = {**on_disk, "model.layers.0.mlp.experts.0.down_proj.weight": (spec.expert_width, spec.hidden_size)}
     with pytest.raises(UsafError, match="layer 0.*down"):
         usaf_view(spec, bent, major=4)
+
+
+def test_config_fields_transformers_5_renamed_are_given_their_4x_names(tiny_model):
+    from usaf.families.modules import legacy_config_fields
+
+    spec = resolve_family(load_model_config(tiny_model("qwen3_moe")))
+    v5_style = {"model_type": "qwen3_moe", "num_local_experts": 4}
+    assert legacy_config_fields(spec, v5_style, major=4) == {"num_experts": 4}
+    assert legacy_config_fields(spec, {**v5_style, "num_experts": 4}, major=4) == {}  # 4.x name present: kept
+    assert legacy_config_fields(spec, v5_style, major=5) == {}
+
+
+def test_a_transformers_5_config_builds_the_same_model(tiny_model):
+    """A config.json written by transformers 5 (Qwen3-MoE: num_local_experts) gives E experts on either version."""
+    from usaf.families.meta import expected_tensors
+
+    config = load_model_config(tiny_model("qwen3_moe"))
+    count = config.pop("num_experts", None) or config.pop("num_local_experts")
+    v5_style = {**config, "num_local_experts": count}
+    spec = resolve_family(v5_style)
+    assert spec.num_experts == count
+    shapes = expected_tensors(v5_style, spec)
+    assert shapes[spec.gate_up_name(0)][0] == count and shapes[spec.router_weight_name(0)][0] == count

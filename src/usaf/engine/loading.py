@@ -24,7 +24,7 @@ from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, regi
 from usaf.engine.legacy import adapt_block
 from usaf.errors import UsafError
 from usaf.families import FamilySpec, load_model_config, resolve_family
-from usaf.families.modules import ModuleLayout, module_layout
+from usaf.families.modules import ModuleLayout, module_layout, transformers_config
 from usaf.quant import QuantizedTensor
 
 
@@ -80,13 +80,13 @@ def load_quantized_model(
         compute_dtype: dtype of non-expert weights and of dequantized expert bases.
         flag: the flag ``path`` came from, for messages.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     device = torch.device(device)
     manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
     spec = resolve_family(load_model_config(path))
-    config = AutoConfig.from_pretrained(path)
+    config = transformers_config(path, spec)  # 4.x: fields transformers 5 renamed, under their old names
     layout = module_layout(spec)
     if layout is ModuleLayout.FUSED:  # transformers >= 5: usaf's experts through the registry
         register()

@@ -28,9 +28,20 @@ def build_config(config: Mapping[str, Any]):
             "upgrade transformers, or use a model whose code ships with transformers (no trust_remote_code)",
         )
     cfg = dict(config)
+    cfg.update(_legacy_fields(config))
     cfg.pop("model_type", None)
     cfg.pop("quantization_config", None)  # only from_pretrained applies it; the meta model is unquantized
     return AutoConfig.for_model(model_type, **cfg)
+
+
+def _legacy_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 4.x: config fields renamed since (usaf.families.modules.legacy_config_fields)."""
+    from usaf.families.modules import legacy_config_fields, transformers_major
+    from usaf.families.registry import registered_families, resolve_family
+
+    if transformers_major() >= 5 or config.get("model_type") not in registered_families():
+        return {}  # (a structural spec would build the meta model, i.e. come back here)
+    return legacy_config_fields(resolve_family(config), config)
 
 
 def _tf_version() -> str:

@@ -84,6 +84,31 @@ def module_layout(spec: FamilySpec, major: int | None = None) -> ModuleLayout:
     return ModuleLayout.FUSED_NO_REGISTRY if spec.legacy.experts == "fused" else ModuleLayout.PER_EXPERT_MODULES
 
 
+def legacy_config_fields(spec: FamilySpec, config: Mapping[str, Any], major: int | None = None) -> dict[str, Any]:
+    """Config fields to set under their transformers 4.x names: ``{4.x name: value}`` (empty on v5).
+
+    Only fields the ``config.json`` holds under the transformers-5 name and not under the 4.x one.
+    """
+    if module_layout(spec, major) is ModuleLayout.FUSED or spec.legacy is None:
+        return {}
+    text = config.get(spec.nested_in, config) if spec.nested_in else config
+    return {old: text[new] for new, old in spec.legacy.config_renames if new in text and old not in text}
+
+
+def transformers_config(path: Any, spec: FamilySpec) -> Any:
+    """``AutoConfig.from_pretrained(path)`` with :func:`legacy_config_fields` applied (transformers 4.x)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    for name, value in legacy_config_fields(spec, raw).items():
+        setattr(config.get_text_config() if spec.nested_in else config, name, value)
+    return config
+
+
 def decoder_returns_tuple(spec: FamilySpec, major: int | None = None) -> bool:
     """Whether the installed transformers' decoder layers return a tuple whose ``[0]`` is the hidden state."""
     legacy = module_layout(spec, major) is not ModuleLayout.FUSED

@@ -53,6 +53,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         activation=str(text.get("hidden_act", DEFAULTS["hidden_act"])),
         layers_prefix=layers_prefix(nested),
         nested_in=nested,
-        legacy=LegacyModules(),
+        legacy=LegacyModules(config_renames=(("num_local_experts", "num_experts"),)),
         config=root,
     )

@@ -142,12 +142,16 @@ class LegacyModules:
             gpt-oss: ``(scores [T, E], indices)``), else it is an ``nn.Linear`` giving logits.
         layer_returns_tuple: the decoder layer returns ``(hidden, [attentions], [router_logits])`` and the
             model reads ``[0]`` (OLMoE, Qwen2-MoE in 4.57), else the hidden state alone.
+        config_renames: ``(name transformers 5 writes, name 4.x reads)`` for config fields whose name
+            changed: a ``config.json`` saved by transformers 5 would otherwise get 4.x's default there
+            (Qwen3-MoE: ``num_local_experts`` vs ``num_experts``, default 128).
     """
 
     experts: str = "per_expert"
     returns_router_logits: bool = True
     router_routes: bool = False
     layer_returns_tuple: bool = False
+    config_renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,12 @@ def _load_hf(path: Path, device: torch.device, what: str) -> torch.nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-tensor loading bar would bury the export's own progress
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.modules import transformers_config
+
+    config = transformers_config(path, resolve_family(load_model_config(path)))  # 4.x: renamed fields
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
+        path, config=config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
     )
     problems = {k: sorted(v)[:4] for k, v in info.items() if k != "error_msgs" and v} | (
         {"errors": info["error_msgs"][:2]} if info.get("error_msgs") else {}
