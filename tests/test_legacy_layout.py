@@ -80,3 +80,18 @@ def test_a_transformers_5_config_builds_the_same_model(tiny_model):
     assert spec.num_experts == count
     shapes = expected_tensors(v5_style, spec)
     assert shapes[spec.gate_up_name(0)][0] == count and shapes[spec.router_weight_name(0)][0] == count
+
+
+def test_a_tokenizer_saved_by_transformers_5_loads():
+    """The packaged demo tokenizer names transformers 5's TokenizersBackend class, which 4.x lacks."""
+    import json
+    from pathlib import Path
+
+    import usaf.demo
+    from usaf.data.tokenizer import load_tokenizer
+
+    model = Path(usaf.demo.__file__).parent / "model"
+    assert json.loads((model / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    tokenizer = load_tokenizer(str(model))
+    assert len(tokenizer) == 4096 and tokenizer.eos_token == "<|endoftext|>" and tokenizer.chat_template
+    assert tokenizer("def f(x):\n    return x")["input_ids"]
