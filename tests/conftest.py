@@ -12,6 +12,33 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_os
 FALLBACK_TYPES = ("glm4_moe", "phimoe")
 
 
+def _transformers_major() -> int:
+    from usaf.families.modules import transformers_major
+
+    return transformers_major()
+
+
+# The second CI environment runs a subset with transformers 4.57 (the DirectML configuration).
+TRANSFORMERS_V5 = _transformers_major() >= 5
+needs_v5 = pytest.mark.skipif(
+    not TRANSFORMERS_V5, reason="checks transformers >= 5's fused experts modules; 4.x holds per-expert MLPs"
+)
+V5_ONLY_TYPES = FALLBACK_TYPES  # the structural fallback reads v5's fused experts
+
+
+def _torch_below(version: str) -> bool:
+    import torch
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) < version
+
+
+# transformers 4.x builds gpt-oss's sliding-window mask with torch.func.vmap on torch < 2.6, and vmap
+# refuses the saved-tensor hooks usaf's activation meter installs during training forwards.
+GPT_OSS_TRAINING_BROKEN = (not TRANSFORMERS_V5) and _torch_below("2.6")
+GPT_OSS_TRAINING_REASON = "gpt-oss training on transformers 4.x + torch < 2.6: its mask code uses vmap (not supported)"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """``tiny_model(family, **build_kwargs) -> Path``: built on first request, then cached."""
@@ -21,6 +48,8 @@ def tiny_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-models")
 
     def get(family: str, **kwargs) -> Path:
+        if not TRANSFORMERS_V5 and (family in V5_ONLY_TYPES or kwargs.get("layout") == "fused"):
+            pytest.skip(f"{family} {kwargs}: needs transformers >= 5 (structural fallback / fused save)")
         kwargs.setdefault("tokenizer", False)
         key = (family, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
         if key not in cache:
@@ -43,6 +72,22 @@ def loaded_model(tiny_model):
         if path not in cache:
             cache[path] = AutoModelForCausalLM.from_pretrained(path).eval()
         return cache[path]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def model_state(tiny_model, loaded_model):
+    """``model_state(family, **build_kwargs)``: the loaded model's state_dict in usaf's names.
+
+    On transformers >= 5 that is ``state_dict()``; on 4.x per-expert weights appear as the fused tensors.
+    """
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.modules import usaf_state_dict
+
+    def get(family: str, **kwargs):
+        spec = resolve_family(load_model_config(tiny_model(family, **kwargs)))
+        return usaf_state_dict(loaded_model(family, **kwargs), spec)
 
     return get
 

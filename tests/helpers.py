@@ -31,12 +31,16 @@ def reference_model(source, loaded):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from usaf.families.modules import FusedView, transformers_major
     from usaf.quant import dequantize
 
-    model = AutoModelForCausalLM.from_pretrained(source, experts_implementation="eager").eval()
+    # transformers 4.x has no experts registry: its own per-expert forward is the reference there
+    kwargs = {"experts_implementation": "eager"} if transformers_major() >= 5 else {}
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
     spec = loaded.spec
+    view = FusedView(model, spec)
     with torch.no_grad():
         for layer, state in loaded.experts.items():
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
-                model.get_parameter(name).copy_(dequantize(weight.q))
+                view.set(name, dequantize(weight.q))
     return model

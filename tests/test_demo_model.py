@@ -25,16 +25,22 @@ WINDOWS = 8
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
+    # usaf's loader: on transformers 4.x it reads this transformers-5 tokenizer as a plain fast tokenizer
+    from usaf.data.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return load_tokenizer(str(MODEL))
 
 
 @pytest.fixture(scope="module")
 def model():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.modules import transformers_config
+
+    # transformers 4.x: the config's num_local_experts (a transformers 5 name) under its 4.x name
+    config = transformers_config(MODEL, resolve_family(load_model_config(MODEL)))
+    return AutoModelForCausalLM.from_pretrained(MODEL, config=config, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILIES
+from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON
 from helpers import reference_model
 from usaf.engine.engine import IGNORE_INDEX, SparseEngine
 from usaf.engine.loading import load_quantized_model
+from usaf.families.modules import FusedView
 
 FAMILY_LAYERS = 3  # a frozen prefix below the trainable top layer for every family (deepseek: layer 0 dense)
 
@@ -43,9 +44,14 @@ def random_selection(engine: SparseEngine, frac: float = 0.1, seed: int = 0) -> 
     return selection
 
 
-def stored_grad(reference, name: str, transposed: bool) -> torch.Tensor:
+def view_of(reference, engine: SparseEngine) -> FusedView:
+    """usaf's names on the reference model (transformers 4.x: per-expert weights seen fused)."""
+    return FusedView(reference, engine.spec)
+
+
+def stored_grad(view: FusedView, name: str, transposed: bool) -> torch.Tensor:
     """The dense gradient of a fused expert parameter in usaf's stored (E, O, I) orientation, flattened."""
-    grad = reference.get_parameter(name).grad
+    grad = view.get(name, grad=True)
     return (grad.transpose(1, 2) if transposed else grad).reshape(-1)
 
 
@@ -57,6 +63,8 @@ def make_engine(quantized, family, **kwargs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sparse_and_router_gradients_equal_dense_autograd(family, tiny_model, quantized):
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
     engine = make_engine(quantized, family)
     selection = random_selection(engine)
     engine.set_deltas(selection)
@@ -64,12 +72,13 @@ def test_sparse_and_router_gradients_equal_dense_autograd(family, tiny_model, qu
     engine.loss(ids, labels).loss.backward()
 
     reference = reference_model(tiny_model(family, num_layers=FAMILY_LAYERS), engine.loaded)
+    view = view_of(reference, engine)
     for name in engine.weights:
-        reference.get_parameter(name).requires_grad_(True)
+        view.requires_grad_(name)
     reference_loss(reference, ids, labels).backward()
 
     for name, weight in engine.weights.items():
-        dense = stored_grad(reference, name, weight.q.transposed)
+        dense = stored_grad(view, name, weight.q.transposed)
         got = weight.delta.values.grad
         torch.testing.assert_close(got, dense[selection[name]], rtol=1e-4, atol=1e-6)
         # Negative control: the same gradient gathered one column over must not match.
@@ -77,11 +86,13 @@ def test_sparse_and_router_gradients_equal_dense_autograd(family, tiny_model, qu
         assert not torch.allclose(got, dense[shifted], rtol=1e-3, atol=1e-6), name
     assert engine.routers, "routers must be trainable"
     for name, master in engine.routers.items():
-        torch.testing.assert_close(master.grad, reference.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(master.grad, view.get(name, grad=True), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_from_the_prefix_cache_equals_the_full_forward(family, quantized):
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
     engine = make_engine(quantized, family)
     engine.set_deltas(random_selection(engine))
     ids, labels = batch(1)
@@ -101,11 +112,12 @@ def test_dense_scores_equal_the_naive_top_k(tiny_model, quantized):
     scores = engine.dense_scores([(ids, labels, None)], candidates=k, statistic="grad")
 
     reference = reference_model(tiny_model("qwen3_moe", num_layers=FAMILY_LAYERS), engine.loaded)
+    view = view_of(reference, engine)
     for name in engine.weights:
-        reference.get_parameter(name).requires_grad_(True)
+        view.requires_grad_(name)
     reference_loss(reference, ids, labels).backward()
     for name, weight in engine.weights.items():
-        naive = stored_grad(reference, name, weight.q.transposed).abs()
+        naive = stored_grad(view, name, weight.q.transposed).abs()
         expected = torch.topk(naive, k).indices.sort().values
         got, _ = scores[name].top(k)
         assert torch.equal(got, expected), name

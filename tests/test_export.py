@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import FAMILIES
+from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON, TRANSFORMERS_V5
 from helpers import invoke, leftovers
 from trained import tokenize, train_run
 from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
@@ -59,9 +59,14 @@ def hf_logits(path, ids):
 
 
 def hf_state(path):
+    """transformers' own loading of ``path``, as a state dict in usaf's names (4.x: experts seen fused)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.modules import usaf_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return usaf_state_dict(model, resolve_family(load_model_config(path)))
 
 
 def engine_logits(qdir, change, ids):
@@ -87,6 +92,8 @@ def ids_for(qdir, n=3, t=20):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dequantized_export_reloads_with_the_engines_logits(family, trained, tmp_path):
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
     source, qdir, run = trained(family)
     out = tmp_path / "hf"
     printed = export("--model", qdir, "--checkpoint", run, "--out", out)
@@ -116,6 +123,8 @@ def stored(param: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_onto_the_original_changes_exactly_the_trained_entries(family, trained, tmp_path):
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
 
     source, qdir, run = trained(family)
     out = tmp_path / "hf"
@@ -150,6 +159,8 @@ def test_export_onto_the_original_changes_exactly_the_trained_entries(family, tr
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_delta_applied_later_writes_the_same_directory(family, trained, tmp_path):
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
     _, qdir, run = trained(family)
     direct, delta, later = tmp_path / "direct", tmp_path / "delta", tmp_path / "later"
     export("--model", qdir, "--checkpoint", run, "--out", direct, "--no-verify")
@@ -222,6 +233,11 @@ def mxfp4_gpt_oss(source, out):
     return out
 
 
+@pytest.mark.skipif(
+    not TRANSFORMERS_V5,
+    reason="transformers 4.57 cannot load this hand-made, partly MXFP4 checkpoint (the tiny down_proj width 24 "
+    "is no multiple of 32, so only gate_up is MXFP4); real gpt-oss checkpoints are MXFP4 throughout",
+)
 def test_mxfp4_original_is_written_decoded(tiny_model, tmp_path):
     from usaf.stages.quantize import QuantizeConfig
     from usaf.stages.quantize import run as quantize

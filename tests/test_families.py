@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import FALLBACK_TYPES, FAMILIES
+from conftest import FALLBACK_TYPES, FAMILIES, TRANSFORMERS_V5, needs_v5
 from usaf.errors import UsafError
 from usaf.families import (
     SUPPORTED_FAMILIES,
@@ -49,14 +49,14 @@ def test_supported_families_constant():
 
 
 @pytest.mark.parametrize("family", ALL_TYPES)
-def test_mapping_covers_every_disk_and_memory_tensor(family, tiny_model, loaded_model):
+def test_mapping_covers_every_disk_and_memory_tensor(family, tiny_model, model_state):
     path = tiny_model(family)
     plan = map_checkpoint(path)
     on_disk = set(read_checkpoint(path))
     assert plan.unmapped == () and not plan.ignored
     assert set(plan.disk_names) == on_disk
     assert len(plan.disk_names) == len(on_disk)  # no tensor read twice
-    state = loaded_model(family).state_dict()
+    state = model_state(family)
     assert set(plan.memory_names) == set(state)
     # and with the loaded model's own state_dict as the expected side
     explicit = build_mapping(plan.spec, read_checkpoint(path), expected=state)
@@ -73,10 +73,10 @@ def test_canonical_names_are_what_save_pretrained_writes(family, tiny_model):
 
 
 @pytest.mark.parametrize("family", ALL_TYPES)
-def test_fuse_equals_loaded_parameters(family, tiny_model, loaded_model):
+def test_fuse_equals_loaded_parameters(family, tiny_model, model_state):
     path = tiny_model(family)
     plan = map_checkpoint(path)
-    state = loaded_model(family).state_dict()
+    state = model_state(family)
     for layer_plan in plan.experts:
         fused = load_expert_layer(path, layer_plan)
         assert set(fused) == set(layer_plan.targets)
@@ -88,10 +88,10 @@ def test_fuse_equals_loaded_parameters(family, tiny_model, loaded_model):
 
 
 @pytest.mark.parametrize("family", ALL_TYPES)
-def test_split_inverts_fuse(family, tiny_model, loaded_model):
+def test_split_inverts_fuse(family, tiny_model, model_state):
     path = tiny_model(family)
     plan = map_checkpoint(path)
-    state = loaded_model(family).state_dict()
+    state = model_state(family)
     for layer_plan in plan.experts:
         disk = load_tensors(path, layer_plan.source_names)
         back = layer_plan.split(layer_plan.fuse(disk))
@@ -107,6 +107,7 @@ def test_split_inverts_fuse(family, tiny_model, loaded_model):
 # -- (4) spec facts == the model object ------------------------------------------------------------------
 
 
+@needs_v5
 @pytest.mark.parametrize("family", ALL_TYPES)
 def test_spec_facts_match_model(family, tiny_model, loaded_model):
     spec = spec_of(tiny_model(family))
@@ -140,6 +141,7 @@ def test_spec_facts_match_model(family, tiny_model, loaded_model):
                 assert getattr(block, spec.shared.gate).weight.shape == (1, spec.hidden_size)
 
 
+@needs_v5
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_router_matches_model_router(family, tiny_model, loaded_model):
     spec = spec_of(tiny_model(family))
@@ -168,6 +170,7 @@ def test_reference_router_matches_model_router(family, tiny_model, loaded_model)
     assert spec.router.kind is expected_kind
 
 
+@needs_v5
 def test_router_kind_is_not_interchangeable(tiny_model, loaded_model):
     """Negative control: a wrong renormalisation flag gives different weights than the model's router."""
     spec = spec_of(tiny_model("qwen3_moe"))
@@ -201,6 +204,7 @@ def _second_difference(experts, x, e, half, layout):
     return (outs[2] - 2 * outs[1] + outs[0]).abs().max() / outs[1].abs().max()
 
 
+@needs_v5
 @pytest.mark.parametrize("family", ALL_TYPES)
 def test_up_half_is_the_linear_one(family, tiny_model, loaded_model):
     spec = spec_of(tiny_model(family))
@@ -257,7 +261,7 @@ def test_expert_index_past_num_experts_is_refused(tiny_model):
 
 
 @pytest.mark.parametrize("family", [f for f in ALL_TYPES if f != "gpt_oss"])
-def test_swapped_gate_up_sources_fail_the_fuse_comparison(family, tiny_model, loaded_model):
+def test_swapped_gate_up_sources_fail_the_fuse_comparison(family, tiny_model, model_state):
     path = tiny_model(family)
     plan = map_checkpoint(path)
     layer = plan.experts[-1]
@@ -266,7 +270,7 @@ def test_swapped_gate_up_sources_fail_the_fuse_comparison(family, tiny_model, lo
     swapped = dataclasses.replace(gate_up, sources=(gate_up.sources[1], gate_up.sources[0]))
     bad = dataclasses.replace(layer, tensors=(swapped, *layer.tensors[1:]))
     fused = load_expert_layer(path, bad)
-    assert not torch.equal(fused[gate_up.target], loaded_model(family).state_dict()[gate_up.target])
+    assert not torch.equal(fused[gate_up.target], model_state(family)[gate_up.target])
 
 
 def test_mtp_layers_are_ignored_explicitly(tiny_model):
@@ -334,7 +338,7 @@ def test_mxfp4_checkpoint_is_decoded_and_described(tiny_model, tmp_path):
         ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [0, 2]}, (1,)),
         ("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}, (1, 3)),
         ("deepseek_v3", {"num_hidden_layers": 4, "first_k_dense_replace": 2}, (2, 3)),
-        ("glm4_moe", {"num_hidden_layers": 3, "first_k_dense_replace": 2}, (2,)),
+        pytest.param("glm4_moe", {"num_hidden_layers": 3, "first_k_dense_replace": 2}, (2,), marks=needs_v5),
     ],
 )
 def test_dense_layer_rules_match_the_model(family, overrides, moe):
@@ -350,6 +354,7 @@ def test_dense_layer_rules_match_the_model(family, overrides, moe):
     assert tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")) == moe
 
 
+@needs_v5
 def test_olmoe_width_is_intermediate_size_even_with_a_moe_field():
     """OLMoE's experts use intermediate_size; a stray moe_intermediate_size must not be read."""
     from transformers import AutoConfig
@@ -363,12 +368,12 @@ def test_olmoe_width_is_intermediate_size_even_with_a_moe_field():
     assert spec.expert_width == 24 and tuple(experts.gate_up_proj.shape) == spec.gate_up_shape
 
 
-def test_dense_layers_in_a_saved_model_map_and_fuse(tiny_model, loaded_model):
+def test_dense_layers_in_a_saved_model_map_and_fuse(tiny_model, model_state):
     kwargs = {"num_layers": 3, "mlp_only_layers": [1]}
     path = tiny_model("qwen3_moe", **kwargs)
     plan = map_checkpoint(path)
     assert [p.layer for p in plan.experts] == [0, 2]
-    state = loaded_model("qwen3_moe", **kwargs).state_dict()
+    state = model_state("qwen3_moe", **kwargs)
     assert set(plan.memory_names) == set(state)
     assert "model.layers.1.mlp.gate_proj.weight" in plan.renamed
     for name, tensor in load_expert_layer(path, plan.expert_layer(2)).items():
@@ -376,22 +381,22 @@ def test_dense_layers_in_a_saved_model_map_and_fuse(tiny_model, loaded_model):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_fused_layout_checkpoint(family, tiny_model, loaded_model):
+def test_fused_layout_checkpoint(family, tiny_model, model_state):
     path = tiny_model(family, layout="fused")
     assert any(n.endswith("experts.gate_up_proj") for n in read_checkpoint(path))
     plan = map_checkpoint(path)
     assert plan.disk_layout is DiskLayout.FUSED
-    state = loaded_model(family, layout="fused").state_dict()
+    state = model_state(family, layout="fused")
     assert set(plan.memory_names) == set(state)
     for layer_plan in plan.experts:
         for name, tensor in load_expert_layer(path, layer_plan).items():
             assert torch.equal(tensor, state[name])
     # same seed: the fused checkpoint holds the same values as the per-expert one
-    reference = loaded_model(family).state_dict()
+    reference = model_state(family)
     assert all(torch.equal(state[n], reference[n]) for n in state)
 
 
-def test_sharded_checkpoint_with_index(tiny_model, loaded_model):
+def test_sharded_checkpoint_with_index(tiny_model, model_state):
     path = tiny_model("mixtral", max_shard_size="40KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
@@ -399,7 +404,7 @@ def test_sharded_checkpoint_with_index(tiny_model, loaded_model):
     infos = read_checkpoint(path)
     assert {i.file for i in infos.values()} == files
     plan = map_checkpoint(path)
-    state = loaded_model("mixtral", max_shard_size="40KB").state_dict()
+    state = model_state("mixtral", max_shard_size="40KB")
     assert set(plan.memory_names) == set(state)
     for layer_plan in plan.experts:
         sources = {infos[n].file for n in layer_plan.source_names}
@@ -482,6 +487,8 @@ def test_family_defaults_match_transformers(family):
     module = importlib.import_module(f"usaf.families.{family}")
     reference = AutoConfig.for_model(family)
     for key, value in getattr(module, "DEFAULTS", {}).items():
+        if not TRANSFORMERS_V5 and not hasattr(reference, key):
+            continue  # 4.x lacks some fields (gpt-oss hard-codes its SwiGLU constants; no DeepSeek MTP field)
         assert getattr(reference, key) == value, key
 
 
@@ -502,15 +509,15 @@ def test_load_model_config_errors(tmp_path):
 
 
 @pytest.mark.parametrize("family", ALL_TYPES)
-def test_describe_counts_sum_to_model_numel(family, tiny_model, loaded_model):
+def test_describe_counts_sum_to_model_numel(family, tiny_model, model_state):
     path = tiny_model(family)
     desc = describe_model(path)
-    model = loaded_model(family)
-    total = sum(t.numel() for t in model.state_dict().values())  # parameters and persistent buffers
+    state = model_state(family)
+    total = sum(t.numel() for t in state.values())  # parameters and persistent buffers
     assert desc.total_params == total
     assert desc.total_bytes == 4 * total  # float32
     assert desc.count("experts").params == sum(
-        model.state_dict()[n].numel() for i in desc.spec.moe_layers for n in desc.spec.expert_names(i).values()
+        state[n].numel() for i in desc.spec.moe_layers for n in desc.spec.expert_names(i).values()
     )
     assert desc.count("routers").params > 0 and desc.count("other").params == 0
     assert desc.disk_layout == ("fused" if family == "gpt_oss" else "per_expert")

@@ -56,16 +56,20 @@ def base_tensors(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_matches_transformers_fused_tensors(family, tiny_model, loaded_model, tmp_path):
+def test_every_family_matches_transformers_fused_tensors(family, tiny_model, loaded_model, model_state, tmp_path):
+    from usaf.families.modules import usaf_view
+
     source = tiny_model(family, tokenizer=True)
     out = tmp_path / "q"
     result = quantize(source, "--out", out, "--method", "rtn", "--group-size", "8")
     assert result.exit_code == 0, result.output
     manifest = load_verified(out, QuantizedModelManifest)
-    model = loaded_model(family, tokenizer=True)
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
     spec = resolve_family(load_model_config(source))
+    # usaf's names (transformers 4.x: the per-expert weights as the fused tensors)
+    state = model_state(family, tokenizer=True)
+    param_shapes = {n: tuple(p.shape) for n, p in loaded_model(family, tokenizer=True).named_parameters()}
+    params = {n: state[n] for n in usaf_view(spec, param_shapes)}
+    buffers = {n: t for n, t in state.items() if n not in params}
     experts = load_experts(out)
     assert set(experts) == {n for i in spec.moe_layers for n in (spec.gate_up_name(i), spec.down_name(i))}
     for name, q in experts.items():

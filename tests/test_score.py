@@ -107,13 +107,15 @@ def test_selection_is_the_true_top_k_of_the_naive_statistic(setup, tmp_path):
     from usaf.data.batches import batches, sample_lines
     from usaf.engine.engine import IGNORE_INDEX
     from usaf.engine.loading import load_quantized_model
+    from usaf.families.modules import FusedView
 
     loaded = load_quantized_model(qdir)
     reference = reference_model(source, loaded)
     names = [loaded.spec.gate_up_name(3), loaded.spec.down_name(3)]
+    view = FusedView(reference, loaded.spec)  # transformers 4.x: per-expert weights seen fused
     for name in names:
-        reference.get_parameter(name).requires_grad_(True)
-    totals = {name: torch.zeros_like(reference.get_parameter(name)) for name in names}
+        view.requires_grad_(name)
+    totals = {name: torch.zeros_like(view.get(name)) for name in names}
     lines = sample_lines(tokens / "train.jsonl", 6, seed=0, vocab_size=512)
     for batch in batches(lines, 2, pad_id=0):
         reference.zero_grad()
@@ -128,7 +130,7 @@ def test_selection_is_the_true_top_k_of_the_naive_statistic(setup, tmp_path):
         )
         loss.backward()
         for name in names:
-            totals[name] += reference.get_parameter(name).grad.abs()
+            totals[name] += view.get(name, grad=True).abs()
     masks = masks_of(plan)
     full = load_file(str(plan / "importance_full.safetensors"))
     for name in names:

@@ -33,7 +33,16 @@ class Capabilities:
         torch_compile: ``torch.compile`` (inductor) is expected to work: Triton on CUDA >= 7.0 / ROCm,
             a C++ compiler on CPU.
         grouped_mm: torch's grouped matmul kernel runs here (transformers' ``grouped_mm`` experts
-            path): CPU with torch >= 2.9, CUDA >= 8.0 with torch >= 2.9 (Hopper only before).
+            path): CPU with torch >= 2.9, CUDA >= 8.0 with torch >= 2.9 (Hopper only before). usaf's own
+            experts forward never calls it (a per-expert loop), so torch 2.4 needs no fallback there.
+        index_ops: ``one_hot``, ``index_add_``, ``nonzero`` and scatter run on the device. DirectML
+            rejects them ("partially modified dimensions"); without them the experts forward does its
+            routing bookkeeping on the host and combines expert outputs by a gather (no scatter).
+        max_allocation_bytes: the largest single tensor the device allocates (DirectML: about 800 MB),
+            or None for no limit below the device's memory. Larger tensors stay in host memory.
+        to_device_and_dtype: ``tensor.to(device, dtype)`` honours both in one call. torch-directml
+            ignores the dtype then, so :func:`usaf.backends.move` makes two calls.
+        direct_load: safetensors can read a file straight onto this device; else read on the host, then move.
     """
 
     bf16: bool
@@ -46,8 +55,12 @@ class Capabilities:
     float64: bool
     torch_compile: bool
     grouped_mm: bool
+    index_ops: bool = True
+    max_allocation_bytes: int | None = None
+    to_device_and_dtype: bool = True
+    direct_load: bool = True
 
-    def as_dict(self) -> dict[str, bool]:
+    def as_dict(self) -> dict[str, bool | int | None]:
         return asdict(self)
 
 

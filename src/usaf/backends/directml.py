@@ -65,7 +65,18 @@ def probe() -> Probe:
     return Probe(name=DIRECTML, label=LABEL, available=True, devices=devices)
 
 
+#: torch-directml fails allocations above roughly this size (the original tool's measurement on RX 6000/7000).
+MAX_ALLOCATION_BYTES = 800 * 2**20
+
+
 def capabilities(module: ModuleType, index: int) -> Capabilities:
+    """What a DirectML device can do; each known torch-directml limit is one flag here.
+
+    No bf16 and no autocast, so the dtype policy is fp16 compute with explicit casts, fp32 masters and
+    dynamic loss scaling; ``one_hot``/``index_add_``/``nonzero``/scatter fail; single allocations fail
+    above ~800 MB; ``.to(device, dtype)`` ignores the dtype; safetensors cannot load onto the device.
+    (fp16 Adam falls back to the CPU with NaN there: usaf's optimizer takes fp32 masters only.)
+    """
     return Capabilities(
         bf16=False,
         fp16=True,
@@ -77,6 +88,10 @@ def capabilities(module: ModuleType, index: int) -> Capabilities:
         float64=_has_float64(module, index),
         torch_compile=False,
         grouped_mm=False,
+        index_ops=False,
+        max_allocation_bytes=MAX_ALLOCATION_BYTES,
+        to_device_and_dtype=False,
+        direct_load=False,
     )
 
 

@@ -64,7 +64,8 @@ def simulate_mps(mp: Any, *, bf16: bool = True, recommended_max: int = 16 * GIB)
     """Pretend this is an Apple-silicon Mac (macOS 14+ when ``bf16``)."""
     mp.setattr(torch.backends.mps, "is_available", lambda: True)
     mp.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: bf16 or (major, minor) < (14, 0))
-    mp.setattr(torch.mps, "recommended_max_memory", lambda: recommended_max)
+    # raising=False: torch 2.4 (the DirectML configuration) has no recommended_max_memory
+    mp.setattr(torch.mps, "recommended_max_memory", lambda: recommended_max, raising=False)
     mp.setattr(torch.mps, "current_allocated_memory", lambda: 1 * GIB)
     mp.setattr(torch.mps, "driver_allocated_memory", lambda: 2 * GIB)
 

@@ -141,6 +141,7 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
         "devices": [p.as_dict() for p in probe_backends(env)],
         "environment": [{"name": n, "value": v, "meaning": m} for n, v, m in environment],
         "settings": {"device": settings.device},
+        "configuration": configuration_report(backend.capabilities),
         "run": {
             **backend.describe(),
             "memory": backend.memory().as_dict(),
@@ -227,6 +228,7 @@ def render(report: dict[str, Any], *, verbose: bool = False) -> None:
         table.add_row(f"[{color}]{note['level']}[/{color}]", note["message"])
     out.print(table)
 
+    render_configuration(out, report["configuration"])
     _render_distributed(report["distributed"])
 
     if verbose:
@@ -234,6 +236,95 @@ def render(report: dict[str, Any], *, verbose: bool = False) -> None:
         for name, value in caps.items():
             flags.add_row(name, "yes" if value else "no")
         out.print(flags)
+
+
+# -- the library configuration (transformers major version, module layout, DirectML) -------------------------
+
+
+def configuration_report(caps: Any) -> dict[str, Any]:
+    """Which transformers layout and DirectML setup this install is, and what usaf can and cannot do in it.
+
+    ``caps``: the capabilities of the backend a run would use.
+    """
+    from usaf.backends import directml
+    from usaf.families import SUPPORTED_FAMILIES
+    from usaf.families.modules import MIN_LEGACY, installed_transformers, transformers_major
+
+    major = transformers_major()
+    version = installed_transformers()
+    can: list[str] = []
+    cannot: list[str] = []
+    if major >= 5:
+        layout = "fused experts (transformers >= 5, usaf's experts through the experts-implementation registry)"
+        can.append(f"families {', '.join(SUPPORTED_FAMILIES)} and the structural fallback for other fused-expert types")
+    else:
+        layout = "per-expert modules (transformers 4.x: usaf's experts module replaces each block's ModuleList)"
+        can.append(f"families {', '.join(SUPPORTED_FAMILIES)} (same quantized directories, checkpoints and exports)")
+        cannot.append("the structural fallback (model types without a family file need transformers >= 5)")
+        if version and tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < (4, 51):
+            cannot.append(f"transformers {version} is older than {MIN_LEGACY} (Qwen3-MoE and the tested layout)")
+    module, why = directml.load() if _directml_installed() else (None, "torch-directml is not installed")
+    if not caps.index_ops:  # the backend a run would use rejects scatter-family ops (DirectML)
+        can.append(
+            "forward, backward and optimizer steps without nonzero/index_add_/scatter (host routing, gather "
+            "combine, a padded-gather sparse-delta kernel, routers restated without scatter) for every family "
+            "on transformers 4.x; checked on CPU with those ops made to raise, never on a DirectML GPU"
+        )
+        cannot.append(
+            "gpt-oss training on torch < 2.6: transformers 4.x builds its mask with torch.func.vmap, which "
+            "refuses usaf's saved-tensor hooks (its forward works)"
+        )
+        can.append("score accumulation and reselection with their index arithmetic in host memory")
+        cannot.append("the stage code around the engine (usaf.stages): not audited for those ops")
+        if major >= 5:
+            cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
+    if caps.max_allocation_bytes is not None:
+        limit = caps.max_allocation_bytes / 2**20
+        cannot.append(
+            f"any single tensor above {limit:.0f} MiB on the device (refused by name): e.g. a large "
+            "vocabulary's embeddings, or a resident expert base of a large model (Qwen3-30B-A3B's is 805 MiB)"
+        )
+    return {
+        "transformers": version,
+        "transformers_major": major,
+        "layout": layout,
+        "directml": {
+            "installed": _directml_installed(),
+            "version": _dist_version("torch-directml"),
+            "importable": module is not None,
+            "problem": why,
+        },
+        "can": can,
+        "cannot": cannot,
+    }
+
+
+def _directml_installed() -> bool:
+    return _dist_version("torch-directml") is not None
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def render_configuration(out: Any, conf: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="configuration", title_justify="left", show_header=False)
+    table.add_row("transformers", f"{conf['transformers'] or 'not installed'} (major {conf['transformers_major']})")
+    table.add_row("expert layout", conf["layout"])
+    dml = conf["directml"]
+    if dml["importable"]:
+        table.add_row("torch-directml", f"{dml['version']} (imports)")
+    else:
+        table.add_row("torch-directml", dml["problem"] or "not importable")
+    for line in conf["can"]:
+        table.add_row("[green]can[/green]", line)
+    for line in conf["cannot"]:
+        table.add_row("[yellow]cannot[/yellow]", line)
 
 
 def _render_distributed(info: dict[str, Any]) -> None:

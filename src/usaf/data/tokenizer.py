@@ -34,11 +34,13 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsafError(
-            f"{flag} {model}: no usable tokenizer ({first})",
-            "pass a model directory holding tokenizer.json, or a hub id available offline in HF_HOME",
-        ) from None
+        tokenizer = _saved_by_transformers_5(model, e)
+        if tokenizer is None:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsafError(
+                f"{flag} {model}: no usable tokenizer ({first})",
+                "pass a model directory holding tokenizer.json, or a hub id available offline in HF_HOME",
+            ) from None
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise UsafError(
             f"{flag} {model}: the tokenizer has no fast (tokenizer.json) version",
@@ -49,6 +51,29 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     if tokenizer.eos_token_id is None:
         raise UsafError(f"{flag} {model}: the tokenizer has no EOS token", "packing needs one as a separator")
     return tokenizer
+
+
+def _saved_by_transformers_5(model: str, error: Exception) -> Any | None:
+    """transformers 4.x (the DirectML configuration) on a tokenizer saved by transformers 5.
+
+    Its ``tokenizer_config.json`` names the class ``TokenizersBackend``, which 4.x lacks; the files are a
+    plain ``tokenizer.json``, so the generic fast tokenizer reads them (special tokens and chat template
+    included). Returns None when that is not the situation.
+    """
+    from usaf.families.modules import transformers_major
+
+    local = Path(model)
+    if transformers_major() >= 5 or "TokenizersBackend" not in str(error) or not (local / "tokenizer.json").is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "class differs from TokenizersBackend" warning is this very case
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(model)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -17,12 +17,14 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
+from usaf.backends.transfer import check_allocation, move
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
 from usaf.engine.loading import LoadedModel
 from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
+from usaf.families.modules import decoder_returns_tuple
 
 IGNORE_INDEX = -100
 
@@ -93,6 +95,10 @@ class SparseEngine:
         for layer in self.trainable_layers:
             state = loaded.experts[layer]
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
+                e, o, i = weight.shape
+                size = e * o * i * torch.empty(0, dtype=weight.compute_dtype).element_size()
+                where = resident_device or weight.q.codes.device
+                check_allocation(size, where, f"the resident base of {name}")  # DirectML: ~800 MB per tensor
                 weight.make_resident(resident_device, pin=pin_resident)
                 self.weights[name] = weight
         self.routers: dict[str, nn.Parameter] = {}
@@ -126,7 +132,8 @@ class SparseEngine:
             )  # fmt: skip
         first = self.trainable_layers[0]
         self.activations = SavedTensorMeter(self._weight_storages)
-        self.prefix = PrefixRunner(self.model.model.layers, first) if first > 0 else None
+        returns_tuple = decoder_returns_tuple(spec)
+        self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
 
     @property
     def device(self) -> torch.device:
@@ -170,7 +177,7 @@ class SparseEngine:
             delta.values.requires_grad_(False)
         for name, master in self.routers.items():
             if name in change.routers:
-                master.copy_(change.routers[name].to(master.device, master.dtype))
+                master.copy_(move(change.routers[name], master.device, master.dtype))
 
     def deltas(self) -> dict[str, SparseDelta]:
         return {name: w.delta for name, w in self.weights.items() if w.delta is not None}
@@ -414,17 +421,22 @@ class _CastTo(nn.Module):
         return master.to(self.dtype)
 
 
-def resident_placement(backend: object, nbytes: int, *, headroom: float = 0.8) -> tuple[torch.device, bool]:
+def resident_placement(
+    backend: object, nbytes: int, *, headroom: float = 0.8, largest: int | None = None
+) -> tuple[torch.device, bool]:
     """Where trainable layers' resident bases go: ``(device, pin)``.
 
-    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory; otherwise in host memory,
-    pinned where the backend supports it (then each expert slice is copied to the device when used).
+    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory and the largest single
+    base (``largest``; default ``nbytes``) fits the backend's per-allocation limit; otherwise in host
+    memory, pinned where the backend supports it (then each expert slice is copied to the device when used).
     """
     device = backend.device
     if device.type == "cpu":
         return device, False
+    limit = getattr(backend.capabilities, "max_allocation_bytes", None)
+    one_fits = limit is None or (nbytes if largest is None else largest) <= limit
     free = backend.memory().device_free
-    if free is not None and nbytes <= headroom * free:
+    if one_fits and free is not None and nbytes <= headroom * free:
         return device, False
     return torch.device("cpu"), bool(backend.capabilities.pinned_memory)
 

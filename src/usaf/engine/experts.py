@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from usaf.backends.transfer import move
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.sparse_linear import sparse_delta_linear
 from usaf.quant import QuantizedTensor, dequantize
@@ -45,6 +46,7 @@ class ExpertWeight(nn.Module):
         self.resident: torch.Tensor | None = None
         self.delta: SparseDelta | None = None
         self.score_sink: ScoreSinkFactory | None = None  # dense-score mode: expert -> sink
+        self.index_ops = True  # Capabilities.index_ops of the device (LayerExperts.set_index_ops)
         # The frozen record (usaf.engine.reselect): trained values of entries dropped at reselections,
         # sorted unique flat indices into (E, O, I) + fp32 cumulative values. They are also written
         # into ``resident``, so the forward pays nothing; the record lets checkpoints and export
@@ -75,9 +77,10 @@ class ExpertWeight(nn.Module):
         """
         if self.resident is None:
             raise ValueError("fold needs a resident base (make_resident first)")
-        device = self.resident.device
+        # the record's arithmetic (unique, index_add_) runs on the host where the device lacks index ops
+        device = self.resident.device if self.index_ops else torch.device("cpu")
         indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).to(device)
-        values = torch.as_tensor(values).reshape(-1).to(device, torch.float32)
+        values = move(torch.as_tensor(values).reshape(-1), device, torch.float32)
         if indices.shape != values.shape:
             raise ValueError(f"indices {tuple(indices.shape)} do not match values {tuple(values.shape)}")
         numel = self.shape[0] * self.shape[1] * self.shape[2]
@@ -95,7 +98,9 @@ class ExpertWeight(nn.Module):
         """``resident[i] = round(dequantize(q)[i] + frozen[i])`` for the given (unique) flat indices."""
         if self.resident is None or not indices.numel():
             return
-        device = self.resident.device
+        # Without index ops on the device, each touched expert's (O, I) slice is edited on the host and
+        # copied back whole (a contiguous copy, no index_put_ on the device).
+        device = self.resident.device if self.index_ops else torch.device("cpu")
         indices = indices.to(device)
         at = torch.searchsorted(self.frozen_indices.to(device), indices)  # positions in the record
         frozen = self.frozen_values.to(device)[at]  # (k,)
@@ -108,7 +113,12 @@ class ExpertWeight(nn.Module):
             local = indices[mine] - expert * per_expert
             base = dequantize(self.q, experts=[expert], dtype=torch.float32, device=device, memory_layout=False)
             total = base.view(-1)[local] + frozen[mine]  # fp32, one rounding to the compute dtype below
-            flat[indices[mine]] = total.to(flat.dtype)
+            if self.index_ops:
+                flat[indices[mine]] = total.to(flat.dtype)
+            else:
+                block = self.resident[expert].to(device, copy=True)  # (O, I) host copy, never a view
+                block.view(-1)[local] = total.to(block.dtype)
+                self.resident[expert].copy_(block)
 
     def base(self, expert: int, device: torch.device) -> torch.Tensor:
         """The frozen base of one expert, ``(O, I)``, in the compute dtype on ``device``."""
@@ -127,7 +137,7 @@ class ExpertWeight(nn.Module):
         else:  # score mode without a delta: an empty trainable set still routes the backward here
             rows = cols = torch.zeros(0, dtype=torch.int64, device=x.device)
             values = _EMPTY_VALUES.get(x.device)
-        return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink)
+        return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink, index_ops=self.index_ops)
 
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.numel() * self.resident.element_size() if self.resident is not None else 0
@@ -163,9 +173,17 @@ class LayerExperts(nn.Module):
         self.down = down
         self.num_experts = gate_up.shape[0]
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # since last reset
+        # False where the device lacks nonzero/index_add_/scatter (Capabilities.index_ops, DirectML):
+        # the forward then routes on the host and combines by permutation gathers (:func:`_index_free_forward`).
+        self.index_ops = True
         # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
         # ``sink(layer, top_k_index (T, k))``. None costs nothing.
         self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
+
+    def set_index_ops(self, available: bool) -> None:
+        """Whether the device runs nonzero/index_add_/scatter (``Capabilities.index_ops``); False: avoid them."""
+        self.index_ops = available
+        self.gate_up.index_ops = self.down.index_ops = available
 
     def record_load(self, top_k_index: torch.Tensor) -> torch.Tensor:
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]
@@ -182,6 +200,8 @@ def usaf_experts_forward(
     state: LayerExperts | None = getattr(self, "usaf_experts", None)
     if state is None:
         raise RuntimeError("experts_implementation='usaf' on a module usaf did not prepare; build it with usaf.engine")
+    if not state.index_ops:
+        return _index_free_forward(self, state, hidden_states, top_k_index, top_k_weights)
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
     counts = state.record_load(top_k_index)
     has_bias = getattr(self, "has_bias", False)
@@ -199,6 +219,72 @@ def usaf_experts_forward(
         # In place: the out-of-place index_add copies (T, H) per expert and measured 100x slower on CPU
         # (torch 2.13); autograd is unaffected (index_add's backward saves only the index).
         out.index_add_(0, token_idx, y.float())
+    return out.to(hidden_states.dtype)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` of the rows; the backward is the gather by its inverse.
+
+    Autograd's own backward of ``index_select`` is an ``index_add_`` (a scatter), which DirectML rejects;
+    for a permutation the transpose is the inverse permutation, so a second gather is exact.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)  # (N, H)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _index_free_forward(
+    self: nn.Module,
+    state: LayerExperts,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts forward without ``nonzero``/``index_add_``/``one_hot``/scatter on the device.
+
+    The routing (``T * k`` small integers) is sorted on the host with numpy; the ``(T * k, H)`` token
+    copies are permuted on the device into expert order by a gather, each expert computes on its
+    contiguous slice, and the outputs are gathered back to ``(T, k, H)`` and summed over ``k``.
+    """
+    import numpy as np
+
+    t, k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    host_index = top_k_index.detach().cpu()  # (T, k)
+    state.record_load(host_index)
+    flat = host_index.reshape(-1).numpy()  # (T*k,)
+    order = np.argsort(flat, kind="stable")  # positions grouped by expert
+    inverse = np.argsort(order, kind="stable")
+    counts = np.bincount(flat, minlength=state.num_experts)  # (E,)
+    device = hidden_states.device
+    perm = torch.from_numpy(order).to(device)
+    inv = torch.from_numpy(inverse).to(device)
+    copies = hidden_states.unsqueeze(1).expand(t, k, hidden).reshape(t * k, hidden)  # (T*k, H), token-major
+    rows = _PermuteRows.apply(copies, perm, inv)  # (T*k, H), expert-major
+    has_bias = getattr(self, "has_bias", False)
+    outputs, start = [], 0
+    for expert in range(state.num_experts):
+        n = int(counts[expert])
+        if n == 0:
+            continue
+        x = rows[start : start + n]  # (n, H)
+        start += n
+        h = state.gate_up.linear(x, expert, self.gate_up_proj_bias[expert] if has_bias else None)  # (n, 2I)
+        h = self._apply_gate(h)  # (n, I)
+        y = state.down.linear(h, expert, self.down_proj_bias[expert] if has_bias else None)  # (n, H)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        outputs.append(y.float())
+    expert_major = torch.cat(outputs)  # (T*k, H)
+    token_major = _PermuteRows.apply(expert_major, inv, perm).view(t, k, hidden)  # (T, k, H)
+    out = (token_major * top_k_weights.float().unsqueeze(-1)).sum(dim=1)  # (T, H)
     return out.to(hidden_states.dtype)
 
 

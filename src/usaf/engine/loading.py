@@ -1,7 +1,8 @@
 """Building a transformers model from a usaf quantized-model directory.
 
 The model is built on the meta device from the directory's own ``config.json`` with
-``experts_implementation="usaf"``; non-expert tensors are read from the ``base-*.safetensors`` shards
+``experts_implementation="usaf"`` (on transformers 4.x, each MoE block is adapted instead:
+:mod:`usaf.engine.legacy`); non-expert tensors are read from the ``base-*.safetensors`` shards
 (already under their in-memory names) straight into place; each MoE layer's fused expert parameters
 are removed and replaced by usaf's :class:`~usaf.engine.experts.LayerExperts` (4-bit codes, memory-mapped
 from ``experts_q4.pt``). Nothing is allocated at the full size of the experts.
@@ -18,9 +19,12 @@ from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, load_verified
 from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
+from usaf.backends.transfer import check_allocation, device_capabilities, move
 from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
+from usaf.engine.legacy import adapt_block
 from usaf.errors import UsafError
 from usaf.families import FamilySpec, load_model_config, resolve_family
+from usaf.families.modules import ModuleLayout, module_layout, transformers_config
 from usaf.quant import QuantizedTensor
 
 
@@ -76,26 +80,37 @@ def load_quantized_model(
         compute_dtype: dtype of non-expert weights and of dequantized expert bases.
         flag: the flag ``path`` came from, for messages.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     device = torch.device(device)
     manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
     spec = resolve_family(load_model_config(path))
-    register()
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=compute_dtype)
+    config = transformers_config(path, spec)  # 4.x: fields transformers 5 renamed, under their old names
+    layout = module_layout(spec)
+    if layout is ModuleLayout.FUSED:  # transformers >= 5: usaf's experts through the registry
+        register()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=compute_dtype)
+    else:  # transformers 4.x: usaf's experts module replaces each block's experts (usaf.engine.legacy)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        for layer in spec.moe_layers:
+            adapt_block(model, spec, layer)
 
     from safetensors import safe_open
 
+    caps = device_capabilities(device)
+    read_on = device if caps.direct_load else torch.device("cpu")  # DirectML: read on the host, then move
     weight_map = json.loads((path / BASE_INDEX_FILE).read_text())["weight_map"]
     for file in sorted(set(weight_map.values())):
-        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+        with safe_open(str(path / file), framework="pt", device=str(read_on)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
                 target_dtype = current.dtype if current.is_floating_point() else None
-                _set_tensor(model, name, f.get_tensor(name).to(dtype=target_dtype))
+                tensor = f.get_tensor(name)
+                check_allocation(tensor.numel() * current.element_size(), device, f"{path / file}: {name}")
+                _set_tensor(model, name, move(tensor, device, target_dtype))
 
     raw = torch.load(path / EXPERTS_FILE, weights_only=True, mmap=True)
     experts: dict[int, LayerExperts] = {}
@@ -106,9 +121,14 @@ def load_quantized_model(
             if name not in raw:
                 raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
             q = QuantizedTensor.from_dict(raw[name], name=name)
-            weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=experts_device or device))
-            delattr(module, name.rsplit(".", 1)[1])  # the meta fused parameter; usaf computes instead
+            where = experts_device or device
+            check_allocation(q.nbytes, where, f"{path / EXPERTS_FILE}: {name}")
+            weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=where))
+            attr = name.rsplit(".", 1)[1]
+            if hasattr(module, attr):  # the meta fused parameter (v5, gpt-oss 4.x); usaf computes instead
+                delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)
+        module.usaf_experts.set_index_ops(caps.index_ops)  # False: no nonzero/index_add_/scatter on the device
         experts[layer] = module.usaf_experts
 
     _rebuild_meta_buffers(model, device)

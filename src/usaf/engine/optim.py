@@ -31,7 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.utils import get_total_norm
+
+from usaf.backends.transfer import device_capabilities
+
+try:
+    from torch.nn.utils import get_total_norm  # torch >= 2.6
+except ImportError:  # torch 2.4 (the DirectML configuration): clip_grad_norm_'s own reduction, restated
+
+    def get_total_norm(tensors, norm_type: float = 2.0):
+        norms = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 _FORMAT = "usaf.sparse_adamw/1"
 
@@ -319,10 +328,14 @@ class SparseAdamW:
             if keep_dst.unique().numel() != keep_dst.numel():
                 raise ValueError("keep_dst has repeated positions")
         shape = param.shape if param.numel() == new_numel else (new_numel,)
-        new = _ParamState.fresh((new_numel,), old.step.device)
+        device = old.step.device
+        # Without index ops on the device (DirectML) the new state is assembled on the host, then moved.
+        where = device if device_capabilities(device).index_ops else torch.device("cpu")
+        keep_src, keep_dst = keep_src.to(where), keep_dst.to(where)
+        new = _ParamState.fresh((new_numel,), where)
         for src, dst in zip(old.tensors().values(), new.tensors().values()):
-            dst[keep_dst] = src.reshape(-1)[keep_src]
-        self._state[i][j] = _ParamState(*(t.reshape(shape) for t in new.tensors().values()))
+            dst[keep_dst] = src.reshape(-1).to(where)[keep_src]
+        self._state[i][j] = _ParamState(*(t.reshape(shape).to(device) for t in new.tensors().values()))
 
     def replace_param(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Manage ``new`` in ``old``'s place (same group, position, anchor and state).

@@ -36,7 +36,9 @@ class _StopForward(Exception):
 class PrefixRunner:
     """Skip layers ``[0, start)`` of ``layers`` by injecting the hidden state that enters ``layers[start]``."""
 
-    def __init__(self, layers: nn.ModuleList, start: int) -> None:
+    def __init__(self, layers: nn.ModuleList, start: int, *, returns_tuple: bool = False) -> None:
+        """``returns_tuple``: the layers return ``(hidden, ...)`` (some transformers 4.x families), so a
+        skipped layer returns ``(hidden, None)``: ``[0]`` is the state, attentions/router logits are None."""
         if not 0 < start < len(layers):
             raise ValueError(f"prefix start {start} must be inside 1..{len(layers) - 1}")
         self.start = start
@@ -47,8 +49,8 @@ class PrefixRunner:
             original = layer.forward
 
             def forward(hidden_states: torch.Tensor, *args: Any, _original=original, **kwargs: Any) -> torch.Tensor:
-                if self._inject is not None:
-                    return hidden_states  # skipped: its output is replaced at layer `start` anyway
+                if self._inject is not None:  # skipped: its output is replaced at layer `start` anyway
+                    return (hidden_states, None) if returns_tuple else hidden_states
                 return _original(hidden_states, *args, **kwargs)
 
             layer.forward = forward  # this instance only; the class is untouched

@@ -287,7 +287,10 @@ def _reselect_tensor(
     delta = weight.delta
     if tuple(scores.shape) != tuple(weight.shape):
         raise ValueError(f"scores of shape {tuple(scores.shape)} for a tensor of shape {tuple(weight.shape)}")
-    old = delta.indices  # (n,) sorted
+    # Without index ops on the device (Capabilities.index_ops, DirectML) the index arithmetic runs on
+    # host copies; only the results go back (reindex, fold and remap_state do their own device writes).
+    where = delta.indices.device if weight.index_ops else torch.device("cpu")
+    old = delta.indices.to(where)  # (n,) sorted
     n = old.numel()
     ranked, _ = scores.ranked()  # (c,) by score descending, positive scores only
     ranked = ranked.to(old.device)
@@ -296,7 +299,7 @@ def _reselect_tensor(
     k = min(target, outside.numel())
     if k == 0:
         return ReselectCounts(n, target, n, 0, 0, outside.numel())
-    values = delta.values.detach()  # (n,) fp32
+    values = delta.values.detach().to(where)  # (n,) fp32
     # Smallest |delta| first; a stable sort breaks ties by position, so the result is deterministic.
     by_size = torch.sort(values.abs(), stable=True).indices
     drop_pos = by_size[:k]

@@ -73,6 +73,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from usaf.backends.transfer import device_capabilities, move
+
 __all__ = ["STATISTICS", "ScoreAccumulator", "merge", "slice_statistic"]
 
 STATISTICS = ("grad", "grad2", "grad_x_weight")  # |g|, g², |w·g|
@@ -99,7 +101,7 @@ def slice_statistic(statistic: str, grad: Tensor, weight: Tensor | None = None) 
             raise ValueError("statistic 'grad_x_weight' needs the slice's base weight")
         if weight.shape != grad.shape:
             raise ValueError(f"weight {tuple(weight.shape)} does not match grad {tuple(grad.shape)}")
-        return (weight.detach().to(device=g.device, dtype=torch.float32) * g).abs()
+        return (move(weight.detach(), g.device, torch.float32) * g).abs()
     raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
 
 
@@ -208,7 +210,10 @@ class ScoreAccumulator:
     def _adopt(self, device: torch.device) -> None:
         # The first slice decides where the state lives, so a GPU engine keeps its pool on the GPU.
         if self.device is None:
-            self.device = torch.device(device)
+            # The pool's bookkeeping (nonzero, index_add_, scatter_reduce_) needs index ops: on a device
+            # without them (Capabilities.index_ops, DirectML) the state lives in host memory.
+            device = torch.device(device)
+            self.device = device if device_capabilities(device).index_ops else torch.device("cpu")
             self._to(self.device)
         if self.exact and self._dense is None:
             self._dense = torch.zeros(self.shape, dtype=torch.float32, device=self.device)

@@ -86,6 +86,62 @@ def _add_gathered_product(
             out[start:end] = block.to(out.dtype)
 
 
+# Elements of the (chunk, width, L) temporary of the scatter-free sum (64 MiB in fp32).
+_SEGMENT_BUDGET = 2**24
+
+
+def _segment_table(scatter: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """For each output column, the entries that land in it, padded: ``(width * L,)`` indices and ``L``.
+
+    Built on the host (numpy): row ``c`` of the ``(width, L)`` table lists the entries ``j`` with
+    ``scatter[j] == c``, padded with ``n`` (which points at an all-zero column appended to the
+    contributions). ``L`` is the most entries any column receives.
+    """
+    import numpy as np
+
+    s = scatter.detach().cpu().numpy()
+    n = s.size
+    counts = np.bincount(s, minlength=width)  # (width,)
+    longest = int(counts.max()) if n else 0
+    order = np.argsort(s, kind="stable")  # entries grouped by column
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])  # (width,)
+    slot = np.arange(n) - starts[s[order]]  # each entry's place within its column's group
+    table = np.full((width, longest), n, dtype=np.int64)
+    table[s[order], slot] = order
+    return torch.from_numpy(table.reshape(-1)), longest
+
+
+def _add_gathered_product_index_free(
+    out: torch.Tensor,
+    src: torch.Tensor,
+    gather: torch.Tensor,
+    scatter: torch.Tensor,
+    values: torch.Tensor,
+    chunk_tokens: int,
+) -> None:
+    """:func:`_add_gathered_product` without ``index_add_`` (for devices that reject scatter: DirectML).
+
+    The entries of each output column are summed through a padded gather table (:func:`_segment_table`),
+    so the device sees only ``index_select``, a reshape, a sum and a dense add. Temporaries are
+    ``(chunk, A, L)`` with ``L`` the most entries one column receives; chunks shrink to keep them
+    within ``_SEGMENT_BUDGET`` elements.
+    """
+    acc_dtype = _accumulate_dtype(out.dtype)
+    width = out.shape[1]
+    table, longest = _segment_table(scatter, width)
+    if longest == 0:
+        return
+    table = table.to(out.device)  # (A * L,)
+    vals = values.to(acc_dtype)  # (n,)
+    step = max(1, min(chunk_tokens, _SEGMENT_BUDGET // (width * longest)))
+    for start in range(0, src.shape[0], step):
+        end = min(start + step, src.shape[0])
+        contrib = src[start:end].index_select(1, gather).to(acc_dtype) * vals  # (t, n)
+        padded = torch.cat([contrib, contrib.new_zeros(end - start, 1)], dim=1)  # (t, n + 1)
+        summed = padded.index_select(1, table).view(end - start, width, longest).sum(-1)  # (t, A)
+        out[start:end] = (out[start:end].to(acc_dtype) + summed).to(out.dtype)
+
+
 def _sampled_product(
     dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
@@ -170,15 +226,17 @@ class _SparseDeltaLinear(torch.autograd.Function):
     """Autograd function behind :func:`sparse_delta_linear`; gradients for ``x`` and ``values`` only."""
 
     @staticmethod
-    def forward(ctx, x, weight, rows, cols, values, bias, score_sink, chunk_tokens, strategy):
+    def forward(ctx, x, weight, rows, cols, values, bias, score_sink, chunk_tokens, strategy, index_ops):
         active = bool(rows.numel() and x.shape[0])  # False: the delta contributes nothing
-        merge = active and _use_merge(strategy, x, weight, rows.numel())
+        # merging writes W + D with index_put_ (a scatter): only where the device has index ops
+        merge = active and index_ops and _use_merge(strategy, x, weight, rows.numel())
+        add = _add_gathered_product if index_ops else _add_gathered_product_index_free
         with _no_autocast(x.device):
             w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
             y = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))  # (T, O)
             del w
             if active and not merge:
-                _add_gathered_product(y, x, cols, rows, values, chunk_tokens)
+                add(y, x, cols, rows, values, chunk_tokens)
         # The original weight, not its cast: saving a cast copy would hold an extra (O, I) per expert
         # until backward, defeating "one dense expert slice at a time".
         ctx.save_for_backward(x, weight, rows, cols, values)
@@ -186,6 +244,7 @@ class _SparseDeltaLinear(torch.autograd.Function):
         ctx.chunk_tokens = chunk_tokens
         ctx.merge = merge
         ctx.strategy = strategy
+        ctx.index_ops = index_ops
         return y
 
     @staticmethod
@@ -205,11 +264,12 @@ class _SparseDeltaLinear(torch.autograd.Function):
                 dx = dy @ w  # (T, I)
                 del w
                 if active and not merge:
-                    _add_gathered_product(dx, dy, rows, cols, values, chunk_tokens)
+                    add = _add_gathered_product if ctx.index_ops else _add_gathered_product_index_free
+                    add(dx, dy, rows, cols, values, chunk_tokens)
             if need_dvalues:
                 if not active:
                     dvalues = torch.zeros_like(values)
-                elif ctx.strategy != "gather" and _sampled_addmm_supported(x):
+                elif ctx.strategy != "gather" and ctx.index_ops and _sampled_addmm_supported(x):
                     dvalues = _sampled_product_csr(dy, x, rows, cols).to(values.dtype)  # (n,)
                 else:
                     dvalues = _sampled_product(dy, x, rows, cols, chunk_tokens).to(values.dtype)  # (n,)
@@ -219,7 +279,7 @@ class _SparseDeltaLinear(torch.autograd.Function):
                 grad_w = dy.to(torch.float32).t() @ x.to(torch.float32)  # (O, I)
                 ctx.score_sink(grad_w, weight)
                 del grad_w
-        return dx, None, None, None, dvalues, None, None, None, None
+        return dx, None, None, None, dvalues, None, None, None, None, None
 
 
 def sparse_delta_linear(
@@ -233,6 +293,7 @@ def sparse_delta_linear(
     score_sink: ScoreSink | None = None,
     chunk_tokens: int = 1024,
     strategy: str = "auto",
+    index_ops: bool = True,
 ) -> torch.Tensor:
     """``y = x @ (weight + D)^T + bias`` with ``D[rows, cols] = values``, without forming ``D``.
 
@@ -263,6 +324,9 @@ def sparse_delta_linear(
             rounds ``W + D`` to that precision. Except with ``"gather"``, ``dvalues`` comes from
             ``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (gathered in chunks elsewhere).
             See the module docstring.
+        index_ops: the device runs ``index_add_``/``index_put_`` (``Capabilities.index_ops``). False
+            (DirectML): the sparse terms are summed through a padded gather table instead, and
+            ``"merge"`` is not used.
 
     Returns:
         ``(T, O)`` tensor in ``x.dtype``.
@@ -293,4 +357,5 @@ def sparse_delta_linear(
         score_sink,
         int(chunk_tokens),
         strategy,
+        bool(index_ops),
     )

@@ -27,6 +27,7 @@ from usaf.families.spec import (
     DiskSpec,
     ExpertsLayout,
     FamilySpec,
+    LegacyModules,
     RouterKind,
     RouterSpec,
     SharedExpertSpec,
@@ -91,5 +92,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         layers_prefix=layers_prefix(nested),
         mtp_layers=int(mtp or 0),
         nested_in=nested,
+        legacy=LegacyModules(returns_router_logits=False, router_routes=True),
         config=root,
     )

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from usaf.families.registry import common_facts, layers_prefix, register
-from usaf.families.spec import DiskLayout, DiskSpec, ExpertsLayout, FamilySpec, RouterKind, RouterSpec
+from usaf.families.spec import DiskLayout, DiskSpec, ExpertsLayout, FamilySpec, LegacyModules, RouterKind, RouterSpec
 
 DEFAULTS = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
@@ -49,5 +49,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         activation=f"gpt_oss_swiglu(alpha={alpha}, limit={limit})",
         layers_prefix=layers_prefix(nested),
         nested_in=nested,
+        legacy=LegacyModules(experts="fused", router_routes=True),
         config=root,
     )

@@ -116,7 +116,7 @@ def _expected(spec: FamilySpec, expected: Mapping[str, Any] | Iterable[str] | No
             raise ValueError("build_mapping needs `expected` for a spec without its config")
         from usaf.families.meta import expected_tensors
 
-        return dict(expected_tensors(spec.config))
+        return dict(expected_tensors(spec.config, spec))
     if isinstance(expected, Mapping):
         return {
             k: (tuple(v.shape) if hasattr(v, "shape") else (tuple(v) if v is not None else None))

@@ -28,9 +28,20 @@ def build_config(config: Mapping[str, Any]):
             "upgrade transformers, or use a model whose code ships with transformers (no trust_remote_code)",
         )
     cfg = dict(config)
+    cfg.update(_legacy_fields(config))
     cfg.pop("model_type", None)
     cfg.pop("quantization_config", None)  # only from_pretrained applies it; the meta model is unquantized
     return AutoConfig.for_model(model_type, **cfg)
+
+
+def _legacy_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 4.x: config fields renamed since (usaf.families.modules.legacy_config_fields)."""
+    from usaf.families.modules import legacy_config_fields, transformers_major
+    from usaf.families.registry import registered_families, resolve_family
+
+    if transformers_major() >= 5 or config.get("model_type") not in registered_families():
+        return {}  # (a structural spec would build the meta model, i.e. come back here)
+    return legacy_config_fields(resolve_family(config), config)
 
 
 def _tf_version() -> str:
@@ -62,13 +73,30 @@ def meta_model(config: Mapping[str, Any]):
     return _meta_model_cached(json.dumps(config, sort_keys=True, default=str))
 
 
-def expected_tensors(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+def in_usaf_names(config: Mapping[str, Any], shapes: dict[str, tuple[int, ...]], spec=None) -> dict[str, Any]:
+    """``name -> shape`` of the installed transformers' model in usaf's names (identity on transformers >= 5).
+
+    On transformers 4.x the per-expert weights become the fused tensors (:func:`usaf.families.modules.usaf_view`).
+    """
+    from usaf.families.modules import transformers_major, usaf_view
+
+    if transformers_major() >= 5:
+        return shapes
+    if spec is None:
+        from usaf.families.registry import resolve_family
+
+        spec = resolve_family(config)
+    return usaf_view(spec, shapes)
+
+
+def expected_tensors(config: Mapping[str, Any], spec=None) -> dict[str, tuple[int, ...]]:
     """In-memory ``state_dict`` name -> shape of the model of ``config`` (parameters and persistent buffers).
 
+    Names are usaf's (transformers >= 5's in-memory names, whichever transformers is installed).
     Tied parameters appear under every name that shares them, as in ``model.state_dict()``.
     """
     model = meta_model(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return in_usaf_names(config, {name: tuple(t.shape) for name, t in model.state_dict().items()}, spec)
 
 
 def tied_names(config: Mapping[str, Any]) -> dict[str, str]:
@@ -85,10 +113,12 @@ def tied_names(config: Mapping[str, Any]) -> dict[str, str]:
 
 def unique_numels(config: Mapping[str, Any]) -> dict[str, int]:
     """In-memory name -> numel, counting tied parameters once (parameters and persistent buffers)."""
+    import math
+
     model = meta_model(config)
-    out = {name: p.numel() for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     state = model.state_dict()
     for name, buf in model.named_buffers():
-        if name in state and name not in out:
-            out[name] = buf.numel()
-    return out
+        if name in state and name not in shapes:
+            shapes[name] = tuple(buf.shape)
+    return {name: math.prod(shape) for name, shape in in_usaf_names(config, shapes).items()}

@@ -19,6 +19,7 @@ from usaf.families.spec import (
     DiskSpec,
     ExpertsLayout,
     FamilySpec,
+    LegacyModules,
     PerExpertNaming,
     RouterKind,
     RouterSpec,
@@ -47,5 +48,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         activation=str(text.get("hidden_act", "silu")),
         layers_prefix=layers_prefix(nested),
         nested_in=nested,
+        legacy=LegacyModules(),
         config=root,
     )

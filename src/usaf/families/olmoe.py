@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from usaf.families.registry import common_facts, layers_prefix, register
-from usaf.families.spec import DiskLayout, DiskSpec, ExpertsLayout, FamilySpec, RouterKind, RouterSpec
+from usaf.families.spec import DiskLayout, DiskSpec, ExpertsLayout, FamilySpec, LegacyModules, RouterKind, RouterSpec
 
 DEFAULTS = {"norm_topk_prob": False, "hidden_act": "silu"}
 
@@ -40,5 +40,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         activation=str(text.get("hidden_act", DEFAULTS["hidden_act"])),
         layers_prefix=layers_prefix(nested),
         nested_in=nested,
+        legacy=LegacyModules(layer_returns_tuple=True),
         config=root,
     )

@@ -19,6 +19,7 @@ from usaf.families.spec import (
     DiskSpec,
     ExpertsLayout,
     FamilySpec,
+    LegacyModules,
     RouterKind,
     RouterSpec,
     SharedExpertSpec,
@@ -51,5 +52,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         activation=str(text.get("hidden_act", DEFAULTS["hidden_act"])),
         layers_prefix=layers_prefix(nested),
         nested_in=nested,
+        legacy=LegacyModules(layer_returns_tuple=True),
         config=root,
     )

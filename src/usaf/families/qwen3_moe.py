@@ -15,7 +15,7 @@ from typing import Any
 
 from usaf.families import fields
 from usaf.families.registry import common_facts, layers_prefix, register, split_layers
-from usaf.families.spec import DiskLayout, DiskSpec, ExpertsLayout, FamilySpec, RouterKind, RouterSpec
+from usaf.families.spec import DiskLayout, DiskSpec, ExpertsLayout, FamilySpec, LegacyModules, RouterKind, RouterSpec
 
 # transformers' Qwen3MoeConfig defaults for the fields a hand-written config may omit
 DEFAULTS = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False, "hidden_act": "silu"}
@@ -53,5 +53,6 @@ def build(text: Mapping[str, Any], root: Mapping[str, Any], nested: str | None) 
         activation=str(text.get("hidden_act", DEFAULTS["hidden_act"])),
         layers_prefix=layers_prefix(nested),
         nested_in=nested,
+        legacy=LegacyModules(config_renames=(("num_local_experts", "num_experts"),)),
         config=root,
     )

@@ -77,8 +77,14 @@ def resolve_family(config: Mapping[str, Any]) -> FamilySpec:
         return builder(text, config, nested)
 
     from usaf.families.fallback import StructureRefused, structural_spec
+    from usaf.families.modules import installed_transformers, transformers_major
 
     reason = "model_type is empty" if not model_type else None
+    if reason is None and transformers_major() < 5:
+        reason = (
+            f"it has no family file, and the structural fallback needs transformers >= 5's fused experts "
+            f"(installed: transformers {installed_transformers() or 'none'})"
+        )
     if reason is None:
         try:
             spec = structural_spec(config)

@@ -127,6 +127,34 @@ class DiskSpec:
 
 
 @dataclass(frozen=True)
+class LegacyModules:
+    """How transformers 4.x (4.51-4.57, the DirectML configuration) holds this family's MoE block in memory.
+
+    transformers 4.x has no experts-implementation registry. Its tensor names in memory are the
+    on-disk names (the family's renames are applied by v5's loader only), and most families keep their
+    experts as an ``nn.ModuleList`` of per-expert MLPs named like :class:`PerExpertNaming`.
+
+    Attributes:
+        experts: ``"per_expert"`` (a ModuleList of gated MLPs, ``nn.Linear`` gate/up/down) or ``"fused"``
+            (the same 3-D tensors as v5, under the same names: gpt-oss).
+        returns_router_logits: the block's forward returns ``(hidden, router_logits)``, else ``hidden``.
+        router_routes: the router module returns the routing itself (DeepSeek-V3: ``(indices, weights)``;
+            gpt-oss: ``(scores [T, E], indices)``), else it is an ``nn.Linear`` giving logits.
+        layer_returns_tuple: the decoder layer returns ``(hidden, [attentions], [router_logits])`` and the
+            model reads ``[0]`` (OLMoE, Qwen2-MoE in 4.57), else the hidden state alone.
+        config_renames: ``(name transformers 5 writes, name 4.x reads)`` for config fields whose name
+            changed: a ``config.json`` saved by transformers 5 would otherwise get 4.x's default there
+            (Qwen3-MoE: ``num_local_experts`` vs ``num_experts``, default 128).
+    """
+
+    experts: str = "per_expert"
+    returns_router_logits: bool = True
+    router_routes: bool = False
+    layer_returns_tuple: bool = False
+    config_renames: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """Everything usaf needs to know about one MoE model, resolved from its ``config.json``."""
 
@@ -151,6 +179,8 @@ class FamilySpec:
     mtp_layers: int = 0  # on-disk layers num_layers .. num_layers+mtp_layers-1 that transformers ignores
     tie_word_embeddings: bool = False
     nested_in: str | None = None  # "text_config" when the text model's fields are nested
+    # the transformers 4.x module layout; None: usaf supports the family on transformers >= 5 only
+    legacy: LegacyModules | None = None
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json dict
 
     @property

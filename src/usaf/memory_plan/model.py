@@ -8,6 +8,7 @@ parameter counts from widths.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +89,7 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
     """Facts of the model ``config`` describes (builds it on the meta device: ~1 s, no memory)."""
     from usaf.families import resolve_family
     from usaf.families.fields import text_config
-    from usaf.families.meta import meta_model
+    from usaf.families.meta import in_usaf_names, meta_model
 
     spec = resolve_family(config)
     text, _ = text_config(config)
@@ -96,21 +97,25 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
     params = dict(model.named_parameters())  # tied parameters once (named_parameters deduplicates)
     state = model.state_dict()
     tensors = {**{n: b for n, b in model.named_buffers() if n in state}, **params}
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    shapes = in_usaf_names(config, shapes, spec)  # transformers 4.x: per-expert weights as the fused tensors
+    params = {spec.disk.to_memory(n) for n in params}  # 4.x names are the on-disk ones
     quantized = {name for layer in spec.moe_layers for name in (spec.gate_up_name(layer), spec.down_name(layer))}
     routers = {name: layer for layer in spec.moe_layers for name in spec.router_names(layer)}
     prefix = spec.layers_prefix + "."
     global_numel = 0
     layer_numel = dict.fromkeys(range(spec.num_layers), 0)
     router_numel = dict.fromkeys(spec.moe_layers, 0)
-    for name, tensor in tensors.items():
+    for name, shape in shapes.items():
         if name in quantized:
             continue
+        numel = math.prod(shape)
         if name in routers and name in params:
-            router_numel[routers[name]] += tensor.numel()
+            router_numel[routers[name]] += numel
         elif name.startswith(prefix):
-            layer_numel[int(name[len(prefix) :].split(".", 1)[0])] += tensor.numel()
+            layer_numel[int(name[len(prefix) :].split(".", 1)[0])] += numel
         else:
-            global_numel += tensor.numel()
+            global_numel += numel
     dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
     return ModelFacts(
         spec=spec,

@@ -39,7 +39,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, get_crc32_options
+from torch.serialization import DEFAULT_PROTOCOL
+
+try:  # torch >= 2.5
+    from torch.serialization import _get_storage_alignment, get_crc32_options
+except ImportError:  # torch 2.4 (the DirectML configuration): crc32 always on, records aligned to 64 bytes
+    _get_storage_alignment = get_crc32_options = None
+
+
+def _storage_alignment() -> int:
+    return 64 if _get_storage_alignment is None else _get_storage_alignment()
+
+
+def _file_writer(file: Any) -> Any:
+    if get_crc32_options is None:
+        return torch._C.PyTorchFileWriter(file)
+    return torch._C.PyTorchFileWriter(file, get_crc32_options(), _get_storage_alignment())
 
 _TMP_TAG = ".usaf-tmp-"  # same tag as usaf.artifacts.writer, so stray temporaries are recognisable
 
@@ -96,7 +111,7 @@ class StreamingTorchSave:
         self._entries: dict[str, Any] = {}
         self._next_key = 0
         self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in close()/abort())
-        self._writer = torch._C.PyTorchFileWriter(self._file, get_crc32_options(), _get_storage_alignment())
+        self._writer = _file_writer(self._file)
 
     def __enter__(self) -> StreamingTorchSave:
         return self
@@ -132,9 +147,10 @@ class StreamingTorchSave:
             buf = _pickle(self._entries)
             w = self._writer
             w.write_record("data.pkl", buf, len(buf))
-            w.write_record(".format_version", "1", 1)  # 1: storages numbered, not sorted by name
-            alignment = str(_get_storage_alignment())
-            w.write_record(".storage_alignment", alignment, len(alignment))
+            if _get_storage_alignment is not None:  # torch 2.4's torch.save writes neither record
+                w.write_record(".format_version", "1", 1)  # 1: storages numbered, not sorted by name
+                alignment = str(_storage_alignment())
+                w.write_record(".storage_alignment", alignment, len(alignment))
             w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
             w.write_end_of_file()
             self._writer = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from usaf.backends.transfer import move
 from usaf.quant.packing import pack_codes, packed_width
 from usaf.quant.tensor import QUANT_METHODS, SUPPORTED_NBITS, QuantizedTensor
 
@@ -86,7 +87,7 @@ def quantize_experts(
     with torch.no_grad():
         for x in range(e):
             w = weight[x].T if transposed else weight[x]  # (O, I)
-            w = w.to(device=device, dtype=torch.float32).contiguous()
+            w = move(w, device, torch.float32).contiguous()
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"expert {x} has non-finite weights")
             s, z = solve(w, nbits, g)  # (O, I/g) each, fp32

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from usaf.backends.transfer import move
 from usaf.quant.packing import PACKING, packed_width, unpack_codes
 
 QUANT_METHODS = ("hqq", "rtn")
@@ -179,7 +180,7 @@ def dequantize(
     g = q.group_size
     w = unpack_codes(codes.to(device), q.nbits, i).to(compute)  # (E', O, I)
     w = w.view(e, o, i // g, g)
-    w = (w - zero.to(device, compute).unsqueeze(-1)) * scale.to(device, compute).unsqueeze(-1)
+    w = (w - move(zero, device, compute).unsqueeze(-1)) * move(scale, device, compute).unsqueeze(-1)
     w = w.view(e, o, i)
     if q.transposed and memory_layout:
         w = w.transpose(1, 2)  # (E', I, O)

@@ -26,6 +26,7 @@ from usaf.artifacts.hf_export import VerifyRecord
 from usaf.artifacts.run import TrainedChange
 from usaf.errors import UsafError
 from usaf.families import FamilySpec
+from usaf.families.modules import FusedView, usaf_state_dict
 from usaf.stages.change import model_with_change
 from usaf.stages.progress import Progress
 
@@ -56,8 +57,12 @@ def _load_hf(path: Path, device: torch.device, what: str) -> torch.nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-tensor loading bar would bury the export's own progress
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.modules import transformers_config
+
+    config = transformers_config(path, resolve_family(load_model_config(path)))  # 4.x: renamed fields
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
+        path, config=config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
     )
     problems = {k: sorted(v)[:4] for k, v in info.items() if k != "error_msgs" and v} | (
         {"errors": info["error_msgs"][:2]} if info.get("error_msgs") else {}
@@ -89,16 +94,16 @@ def _original_logits(
     """Logits of the original model as transformers loads it, without and with the change (rounded as written)."""
     original = _load_hf(base_dir, device, "--base")
     before = logits_of(original, ids)
+    view = FusedView(original, spec)  # usaf's names on either transformers layout
     with torch.no_grad():
         if override is not None:  # --dtype cast every other floating tensor of the checkpoint
-            for name, tensor in original.state_dict().items():
+            for name, tensor in usaf_state_dict(original, spec).items():
                 if tensor.is_floating_point() and name not in written:
-                    tensor.copy_(tensor.to(override))
+                    view.set(name, tensor.to(override))
     add_change_in_memory(original, spec, change)
     with torch.no_grad():
         for name, dtype in written.items():  # merged in fp32, then rounded once to the written dtype
-            param = original.get_parameter(name)
-            param.copy_(param.to(dtype))
+            view.set(name, view.get(name).to(dtype))
     after = logits_of(original, ids)
     del original
     gc.collect()
@@ -112,17 +117,19 @@ def add_change_in_memory(model: torch.nn.Module, spec: FamilySpec, change: Train
     Indices are unravelled into ``(e, o, i)`` of the stored orientation and written at ``[e, o, i]``,
     or at ``[e, i, o]`` for a transposed (gpt-oss) layout: no fusing or splitting code involved.
     """
+    view = FusedView(model, spec)  # transformers 4.x: a fused copy of the per-expert weights, written back
     for name, (indices, values) in change.deltas.items():
-        param = model.get_parameter(name)
+        param = view.get(name)
         e, a, b = param.shape
         o, i = (b, a) if spec.layout.transposed else (a, b)  # stored (E, O, I)
         idx = indices.to(param.device)
         expert, rest = idx // (o * i), idx % (o * i)
         row, col = rest // i, rest % i
         at = (expert, col, row) if spec.layout.transposed else (expert, row, col)
-        param[at] += values.to(param.device, param.dtype)
+        param[at] += values.to(param.device).to(param.dtype)
+        view.set(name, param)
     for name, weight in change.routers.items():
-        model.get_parameter(name).copy_(weight)
+        view.set(name, weight)
 
 
 def verify(

@@ -1,0 +1,405 @@
+"""The DirectML backend's capability logic, with a stand-in torch_directml (no DirectML device exists here).
+
+What is checked: the flags and dtype policy a DirectML device gets, that code paths follow the flags
+(index-free experts forward, host-side resident bases over the allocation limit, two-call ``.to``), and
+that the index-free forward really avoids the ops DirectML rejects (they are made to raise) while
+computing the same thing as the default forward. Running on a DirectML GPU is not tested anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON, TRANSFORMERS_V5
+from usaf.backends import directml, resolve_backend
+from usaf.backends.testing import hide_accelerators, simulate_directml
+from usaf.backends.transfer import clear_cache, device_capabilities, move
+
+
+@pytest.fixture
+def dml(monkeypatch):
+    hide_accelerators(monkeypatch)
+    simulate_directml(monkeypatch)
+    clear_cache()
+    yield
+    clear_cache()
+
+
+def test_directml_flags_and_dtype_policy(dml):
+    backend = resolve_backend("directml")
+    caps, policy = backend.capabilities, backend.policy
+    assert not caps.bf16 and caps.fp16 and not caps.autocast
+    assert (policy.compute, policy.master, policy.autocast, policy.loss_scaling) == (
+        torch.float16,
+        torch.float32,
+        None,
+        True,
+    )
+    assert not caps.index_ops and not caps.to_device_and_dtype and not caps.direct_load
+    assert caps.max_allocation_bytes == directml.MAX_ALLOCATION_BYTES
+    assert not caps.grouped_mm and not caps.torch_compile
+    # amp off: fp32 everywhere, no loss scaling
+    off = resolve_backend("directml", amp=False).policy
+    assert (off.compute, off.loss_scaling) == (torch.float32, False)
+
+
+def test_device_capabilities_follow_the_device(dml):
+    assert device_capabilities(torch.device("privateuseone", 0)) == directml.capabilities(
+        sys.modules["torch_directml"], 0
+    )
+    cpu = device_capabilities("cpu")
+    assert cpu.index_ops and cpu.to_device_and_dtype and cpu.max_allocation_bytes is None
+
+
+def test_move_splits_device_and_dtype_where_the_flag_says(monkeypatch):
+    calls = []
+
+    class Spy(torch.Tensor):
+        pass
+
+    def spy_to(self, *args, **kwargs):
+        calls.append((args, kwargs))
+        return torch.Tensor.to(self.as_subclass(torch.Tensor), *args, **kwargs).as_subclass(Spy)
+
+    monkeypatch.setattr(Spy, "to", spy_to)
+    x = torch.ones(3).as_subclass(Spy)
+    out = move(x, "cpu", torch.float16)
+    assert out.dtype == torch.float16 and len(calls) == 1  # CPU: one joint call
+    clear_cache()
+    from usaf.backends import transfer
+
+    split = dataclass_replace(device_capabilities("cpu"), to_device_and_dtype=False)
+    monkeypatch.setattr(transfer, "device_capabilities", lambda device: split)
+    calls.clear()
+    out = move(x, "cpu", torch.float16)
+    assert out.dtype == torch.float16 and len(calls) == 2  # cast, then transfer
+    assert calls[0] == ((), {"dtype": torch.float16})
+    clear_cache()
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def test_resident_bases_over_the_allocation_limit_stay_on_the_host():
+    from usaf.engine.engine import resident_placement
+
+    caps = dataclass_replace(device_capabilities("cpu"), max_allocation_bytes=800 * 2**20, pinned_memory=False)
+    memory = types.SimpleNamespace(device_free=64 * 2**30)
+    backend = types.SimpleNamespace(device=torch.device("cuda"), capabilities=caps, memory=lambda: memory)
+    assert resident_placement(backend, 700 * 2**20) == (torch.device("cuda"), False)
+    assert resident_placement(backend, 900 * 2**20) == (torch.device("cpu"), False)  # one base > limit
+    assert resident_placement(backend, 900 * 2**20, largest=400 * 2**20) == (torch.device("cuda"), False)
+    no_limit = dataclass_replace(caps, max_allocation_bytes=None)
+    unlimited = types.SimpleNamespace(device=backend.device, capabilities=no_limit, memory=backend.memory)
+    assert resident_placement(unlimited, 900 * 2**20) == (torch.device("cuda"), False)
+
+
+def test_check_allocation_names_the_tensor(monkeypatch):
+    from usaf.backends import transfer
+    from usaf.errors import UsafError
+
+    limited = dataclass_replace(device_capabilities("cpu"), max_allocation_bytes=1000)
+    monkeypatch.setattr(transfer, "device_capabilities", lambda device: limited)
+    transfer.check_allocation(1000, "cpu", "x")
+    with pytest.raises(UsafError, match="embed_tokens.*per-allocation limit"):
+        transfer.check_allocation(1001, "cpu", "model.embed_tokens.weight")
+
+
+# -- the index-free experts forward ------------------------------------------------------------------------
+
+
+class _Forbidden(RuntimeError):
+    pass
+
+
+# aten ops torch-directml rejects ("partially modified dimensions"), by their overload packet name
+_REJECTED = ("nonzero", "index_add", "scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put")
+_REJECTED += ("one_hot", "masked_scatter", "index_copy")
+
+
+class _RejectedOps(TorchDispatchMode):
+    """Raise on every rejected aten op, whoever calls it (Python, C++, autograd's backward)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1].rstrip("_")
+        if name in _REJECTED or name.lstrip("_") in _REJECTED:
+            raise _Forbidden(f"{func} (DirectML rejects it)")
+        return func(*args, **(kwargs or {}))
+
+
+def forbid_rejected_ops():
+    return _RejectedOps()
+
+
+def _skip_v5_router_scatter(family: str) -> None:
+    if family == "deepseek_v3" and TRANSFORMERS_V5:
+        pytest.skip(
+            "transformers >= 5 routes DeepSeek-V3 with its own code (group mask by scatter_); the DirectML "
+            "configuration runs transformers 4.x, where usaf's block forward routes without scatter"
+        )
+
+
+def test_the_op_guard_catches_what_it_should():
+    with pytest.raises(_Forbidden), forbid_rejected_ops():
+        torch.zeros(3).index_add_(0, torch.tensor([0]), torch.ones(1))
+    with pytest.raises(_Forbidden), forbid_rejected_ops():
+        torch.nn.functional.one_hot(torch.tensor([1]), 3)
+    with pytest.raises(_Forbidden), forbid_rejected_ops():
+        torch.tensor([0, 1]).nonzero()
+    x = torch.zeros(4)
+    with pytest.raises(_Forbidden), forbid_rejected_ops():
+        x[torch.tensor([1])] = 1.0  # index_put through __setitem__
+    with forbid_rejected_ops():
+        torch.ones(4).index_select(0, torch.tensor([2, 0])).sum()  # gathers are allowed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_index_free_forward_equals_the_default_and_avoids_rejected_ops(family, quantized):
+    _skip_v5_router_scatter(family)
+    from usaf.engine.loading import load_quantized_model
+
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+    loaded = load_quantized_model(quantized(family))
+    with torch.no_grad():
+        reference = loaded.model(input_ids=ids).logits
+    for state in loaded.experts.values():
+        state.set_index_ops(False)
+    # negative control: with the flag on, the default forward hits a forbidden op
+    loaded.experts[loaded.spec.moe_layers[0]].set_index_ops(True)
+    with pytest.raises(_Forbidden), torch.no_grad(), forbid_rejected_ops():
+        loaded.model(input_ids=ids)
+    loaded.experts[loaded.spec.moe_layers[0]].set_index_ops(False)
+    with torch.no_grad(), forbid_rejected_ops():
+        ours = loaded.model(input_ids=ids).logits
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_index_free_forward_gradients_equal_the_default(quantized):
+    """Training through the index-free path: the router and hidden-state gradients match the default path."""
+    from usaf.engine.loading import load_quantized_model
+
+    loaded = load_quantized_model(quantized("mixtral"))
+    layer = loaded.spec.moe_layers[-1]
+    router = loaded.model.get_submodule(loaded.spec.router_prefix(layer))
+    router.weight.requires_grad_(True)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for index_ops in (True, False):
+        for state in loaded.experts.values():
+            state.set_index_ops(index_ops)
+        router.weight.grad = None
+        loaded.model(input_ids=ids).logits.square().mean().backward()
+        grads.append(router.weight.grad.clone())
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_index_free_sparse_delta_kernel_equals_the_default(dtype):
+    from usaf.engine.sparse_linear import sparse_delta_linear
+
+    g = torch.Generator().manual_seed(0)
+    t, o, i, n = 37, 24, 32, 90
+    weight = torch.randn(o, i, generator=g).to(dtype)
+    flat = torch.randperm(o * i, generator=g)[:n].sort().values
+    rows, cols = flat // i, flat % i  # several entries per row and per column
+    x0 = torch.randn(t, i, generator=g).to(dtype)
+    v0 = torch.randn(n, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    dy = torch.randn(t, o, generator=g).to(dtype)
+    results = []
+    for index_ops in (True, False):
+        x, v = x0.clone().requires_grad_(), v0.clone().requires_grad_()
+        with forbid_rejected_ops() if not index_ops else contextlib.nullcontext():
+            y = sparse_delta_linear(x, weight, rows, cols, v, chunk_tokens=5, strategy="gather", index_ops=index_ops)
+            y.backward(dy)
+        results.append((y.detach(), x.grad, v.grad))
+    tol = {"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {"rtol": 1e-5, "atol": 1e-6}
+    for ours, default in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, default, **tol)
+    if dtype == torch.float64:  # and exact in the gradcheck sense
+        x, v = x0.clone().requires_grad_(), v0.clone().requires_grad_()
+        fn = lambda x_, v_: sparse_delta_linear(x_, weight, rows, cols, v_, chunk_tokens=4, index_ops=False)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (x, v))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
+    """Forward, backward (deltas and, on transformers 4.x, routers) and an optimizer step with index_ops=False,
+    with every op DirectML rejects made to raise at the aten level."""
+    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
+        pytest.skip(GPT_OSS_TRAINING_REASON)
+    _skip_v5_router_scatter(family)
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.engine.optim import SparseAdamW
+
+    loaded = load_quantized_model(quantized(family))
+    for state in loaded.experts.values():
+        state.set_index_ops(False)
+    # On transformers >= 5 the router is transformers' own code, and topk's backward is a scatter; the
+    # DirectML configuration runs transformers 4.x, where usaf's block forward selects without one.
+    engine = SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]], train_router=not TRANSFORMERS_V5)
+    g = torch.Generator().manual_seed(0)
+    engine.set_deltas(
+        {
+            name: torch.randperm(w.shape[0] * w.shape[1] * w.shape[2], generator=g)[:200].sort().values
+            for name, w in engine.weights.items()
+        }
+    )
+    optimizer = SparseAdamW(engine.parameter_groups(lr=0.05, router_lr=1e-2, weight_decay=0.0), max_grad_norm=1.0)
+    ids = torch.randint(1, 512, (2, 16), generator=g)
+    losses = []
+    with forbid_rejected_ops():
+        for _ in range(4):
+            parts = engine.loss(ids, ids.clone())
+            losses.append(parts.loss.item())
+            engine.model.zero_grad(set_to_none=True)
+            for d in engine.deltas().values():
+                d.values.grad = None
+            parts.loss.backward()
+            assert optimizer.step().applied
+    assert losses[-1] < losses[0], losses
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.routers.values())
+    # negative control: the same step with the device's index ops on hits a rejected op
+    for state in loaded.experts.values():
+        state.set_index_ops(True)
+    with pytest.raises(_Forbidden), forbid_rejected_ops():
+        engine.loss(ids, ids.clone()).loss.backward()
+
+
+# -- imports ----------------------------------------------------------------------------------------------
+
+
+def test_importing_usaf_never_imports_torch_directml():
+    code = (
+        "import sys, usaf, usaf.cli.app, usaf.engine.engine, usaf.engine.loading, usaf.backends; "
+        "usaf.backends.probe('cpu'); print('torch_directml' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_broken_torch_directml_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_directml", None)  # import fails: "not installed"
+    assert directml.load() == (None, "torch-directml is not installed")
+    monkeypatch.delitem(sys.modules, "torch_directml")
+    import builtins
+
+    real_import = builtins.__import__
+
+    def importer(name, *args, **kwargs):
+        if name == "torch_directml":
+            raise OSError("DLL load failed while importing torch_directml_native")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", importer)
+    module, why = directml.load()
+    assert module is None and "failed to import" in why and "DLL load failed" in why
+    probe = directml.probe()
+    assert not probe.available and "DLL load failed" in probe.reason
+
+
+def test_doctor_reports_the_configuration_and_the_directml_limits(dml):
+    from usaf.cli.doctor import configuration_report
+    from usaf.families.modules import transformers_major
+
+    conf = configuration_report(resolve_backend("directml").capabilities)
+    assert conf["transformers_major"] == transformers_major()
+    assert ("per-expert" in conf["layout"]) == (transformers_major() < 5)
+    assert any("vmap" in line for line in conf["cannot"]) and any("index_add_" in line for line in conf["can"])
+    assert any("single tensor above 800 MiB" in line for line in conf["cannot"])
+    cpu = configuration_report(resolve_backend("cpu").capabilities)  # negative control: no DirectML limits
+    assert not any(w in line for w in ("scatter", "vmap", "single tensor") for line in cpu["cannot"] + cpu["can"])
+
+
+def test_a_resident_base_above_the_allocation_limit_is_refused_by_name(quantized, monkeypatch):
+    from usaf.backends import transfer
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.errors import UsafError
+
+    loaded = load_quantized_model(quantized("qwen3_moe"))
+    top = loaded.spec.moe_layers[-1]
+    e, o, i = loaded.experts[top].gate_up.shape
+    limited = dataclass_replace(device_capabilities("cpu"), max_allocation_bytes=e * o * i * 4 - 1)  # fp32 base
+    monkeypatch.setattr(transfer, "device_capabilities", lambda device: limited)
+    with pytest.raises(UsafError, match=rf"resident base of {loaded.spec.gate_up_name(top)}.*per-allocation"):
+        SparseEngine(loaded, trainable_layers=[top])
+    roomy = dataclass_replace(limited, max_allocation_bytes=e * o * i * 4)  # negative control: exactly fits
+    monkeypatch.setattr(transfer, "device_capabilities", lambda device: roomy)
+    SparseEngine(loaded, trainable_layers=[top])
+
+
+def _assert_resident_holds_the_record(weight) -> None:
+    from usaf.quant import dequantize
+
+    base = dequantize(weight.q, dtype=torch.float32, memory_layout=False).view(-1)  # (E*O*I,)
+    idx = weight.frozen_indices
+    assert idx.numel() > 0
+    expected = (base[idx] + weight.frozen_values).to(weight.resident.dtype)
+    assert torch.equal(weight.resident.view(-1)[idx], expected)
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[idx] = False
+    assert torch.equal(weight.resident.view(-1)[untouched], base[untouched].to(weight.resident.dtype))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_reselection_without_index_ops_equals_the_default(quantized, monkeypatch, exact):
+    """Score accumulation, reselection (fold, reindex, Adam state surgery) on host copies give the same run."""
+    from test_engine import batch, make_engine, random_selection
+    from test_reselect import train_step
+    from usaf.engine import optim, scores
+    from usaf.engine.optim import SparseAdamW
+    from usaf.engine.reselect import collect_scores, cumulative_delta, reselect
+
+    runs = []
+    for index_ops in (True, False):
+        with monkeypatch.context() as m:
+            if not index_ops:  # the device lacks index ops: what optimizer and accumulators look up
+                caps = dataclass_replace(device_capabilities("cpu"), index_ops=False)
+                m.setattr(optim, "device_capabilities", lambda device, caps=caps: caps)
+                m.setattr(scores, "device_capabilities", lambda device, caps=caps: caps)
+            engine = make_engine(quantized, "qwen3_moe")
+            for state in engine.loaded.experts.values():
+                state.set_index_ops(index_ops)
+            engine.set_deltas(random_selection(engine, frac=0.05))
+            optimizer = SparseAdamW(engine.parameter_groups(lr=0.05, router_lr=1e-2, weight_decay=0.0))
+            ids, labels = batch(4)
+            with collect_scores(engine, exact=exact) as collected:
+                for _ in range(3):
+                    train_step(engine, optimizer, ids, labels)
+                    collected.end_batch()
+            report = reselect(engine, optimizer, collected, 0.3)
+            for weight in engine.weights.values():  # the frozen record is written into the resident base
+                _assert_resident_holds_the_record(weight)
+            after = train_step(engine, optimizer, ids, labels)
+            state = {
+                name: (
+                    *cumulative_delta(weight),
+                    weight.delta.indices.clone(),
+                    weight.resident.clone(),
+                    *optimizer.state_for(weight.delta.values).values(),
+                )
+                for name, weight in engine.weights.items()
+            }
+            runs.append((report, after, state))
+    (report_a, after_a, state_a), (report_b, after_b, state_b) = runs
+    assert report_a == report_b and report_a.tensors and sum(r.grown for r in report_a.tensors.values()) > 0
+    assert after_b == pytest.approx(after_a, rel=1e-5)
+    for name in state_a:
+        for a, b in zip(state_a[name], state_b[name]):
+            assert a.device == b.device == torch.device("cpu")
+            if a.dtype.is_floating_point:
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+            else:
+                assert torch.equal(a, b), name
