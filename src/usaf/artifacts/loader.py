@@ -88,9 +88,11 @@ class FileCheck:
 
 def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list[FileCheck]:
     """Check every file the manifest lists: present, same size, and (``hashes``) same sha256."""
+    from usaf.artifacts.safety import contained
+
     checks = []
     for record in manifest.files:
-        file = Path(path) / record.path
+        file = contained(Path(path), record.path, where=f"{Path(path) / MANIFEST_NAME}")
         if not file.is_file():
             checks.append(FileCheck(record.path, False, "missing"))
         elif (size := file.stat().st_size) != record.bytes:
@@ -100,6 +102,14 @@ def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list
         else:
             checks.append(FileCheck(record.path, True))
     return checks
+
+
+def unlisted_files(path: Path, manifest: Manifest) -> list[str]:
+    """Files in the artifact directory that its manifest does not list (added after it was made)."""
+    listed = {record.path for record in manifest.files} | {MANIFEST_NAME}
+    root = Path(path)
+    present = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(rel for rel in present if rel not in listed)
 
 
 def load_verified(path: Path, expect: type[M], *, flag: str = "path", hashes: bool = True) -> M:
