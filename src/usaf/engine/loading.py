@@ -9,7 +9,6 @@ from ``experts_q4.pt``). Nothing is allocated at the full size of the experts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import torch
 from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, load_verified
-from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
+from usaf.artifacts.quantized import EXPERTS_FILE, read_base_index
+from usaf.artifacts.safety import load_torch, open_safetensors
 from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
 from usaf.errors import UsafError
 from usaf.families import FamilySpec, load_model_config, resolve_family
@@ -81,17 +81,19 @@ def load_quantized_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=compute_dtype)
 
-    from safetensors import safe_open
-
-    weight_map = json.loads((path / BASE_INDEX_FILE).read_text())["weight_map"]
+    weight_map = read_base_index(path, flag=flag)  # every shard path checked to stay inside ``path``
     for file in sorted(set(weight_map.values())):
-        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+        with open_safetensors(path / file, device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
                 target_dtype = current.dtype if current.is_floating_point() else None
                 _set_tensor(model, name, f.get_tensor(name).to(dtype=target_dtype))
 
-    raw = torch.load(path / EXPERTS_FILE, weights_only=True, mmap=True)
+    raw = load_torch(path / EXPERTS_FILE, mmap=True, what="experts file")  # weights_only: no code runs
+    if not isinstance(raw, dict):
+        raise UsafError(
+            f"{path / EXPERTS_FILE}: holds a {type(raw).__name__}, not a dict of layers", "re-run usaf quantize"
+        )
     experts: dict[int, LayerExperts] = {}
     for layer in spec.moe_layers:
         module = model.get_submodule(spec.experts_prefix(layer))
@@ -99,7 +101,17 @@ def load_quantized_model(
         for name in (spec.gate_up_name(layer), spec.down_name(layer)):
             if name not in raw:
                 raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
-            q = QuantizedTensor.from_dict(raw[name], name=name)
+            try:
+                q = QuantizedTensor.from_dict(raw[name], name=name)
+            except ValueError as e:  # wrong keys, dtypes, shapes or non-finite scales: a damaged or foreign file
+                raise UsafError(f"{path / EXPERTS_FILE}: {e}", "re-run usaf quantize") from None
+            expected = tuple(getattr(module, name.rsplit(".", 1)[1]).shape)  # the meta parameter it replaces
+            if tuple(q.memory_shape) != expected:
+                raise UsafError(
+                    f"{path / EXPERTS_FILE}: {name} has shape {list(q.memory_shape)}, the model's config says "
+                    f"{list(expected)}",
+                    "re-run usaf quantize",
+                )
             weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=device))
             delattr(module, name.rsplit(".", 1)[1])  # the meta fused parameter; usaf computes instead
         module.usaf_experts = LayerExperts(layer, *weights)
