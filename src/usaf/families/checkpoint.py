@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from usaf.artifacts.safety import contained
 from usaf.errors import UsafError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,12 +55,23 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise UsafError(f"{path}: not a readable safetensors file ({e})", "re-download or re-save the model") from None
     out = {}
     data_end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        data_end = max(data_end, end)
-        out[name] = TensorInfo(name, path.name, entry["dtype"], tuple(entry["shape"]), end - begin)
+    try:  # a header that is JSON but not a safetensors header (a crafted or damaged file)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if not all(type(v) is int and v >= 0 for v in (begin, end, *shape)) or end < begin:
+                raise ValueError(f"tensor {name}: offsets {entry['data_offsets']} or shape {entry['shape']} invalid")
+            if not isinstance(entry["dtype"], str):
+                raise ValueError(f"tensor {name}: dtype {entry['dtype']!r} is not a string")
+            data_end = max(data_end, end)
+            out[name] = TensorInfo(name, path.name, entry["dtype"], shape, end - begin)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        detail = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise UsafError(
+            f"{path}: malformed safetensors header ({detail})", "re-download or re-save the model"
+        ) from None
     expected_size = 8 + length + data_end
     if (size := path.stat().st_size) < expected_size:
         raise UsafError(
@@ -78,7 +90,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise UsafError(f"{index}: unreadable index ({e})", "re-download the model") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UsafError(f"{index}: 'weight_map' must map tensor names to file names", "re-download the model")
         files = sorted(set(weight_map.values()))
+        for f in files:  # an index naming ../../x would make usaf read files outside the model
+            contained(model_dir, f, where=str(index))
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise UsafError(
