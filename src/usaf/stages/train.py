@@ -28,6 +28,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.plan import MASKS_FILE
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary
+from usaf.artifacts.writer import write_text_atomic
 from usaf.config import StageConfig
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress
@@ -190,7 +191,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     resume_from = None
     if run_dir.exists():
         previous = run_dir / SETTINGS_FILE
-        if previous.is_file() and json.loads(previous.read_text()) == settings_record:
+        if previous.is_file() and _read_settings(previous) == settings_record:
             resume_from = latest_checkpoint(run_dir)
         elif any(p.name != PLAN_DIR for p in run_dir.iterdir()):
             raise UsafError(
@@ -235,7 +236,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     engine.set_deltas(masks)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / SETTINGS_FILE).write_text(json.dumps(settings_record, indent=1))
+    write_text_atomic(run_dir / SETTINGS_FILE, json.dumps(settings_record, indent=1))  # a kill leaves all or nothing
     prefix = None
     if engine.prefix is not None:
         store = open_store(plan_dir)  # written by usaf score --cache
@@ -279,6 +280,13 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         backend,
         time.perf_counter() - start,
     )
+
+
+def _read_settings(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # unreadable: treated as another run's, never a traceback
+        return None
 
 
 DEFAULT_RESELECT_EVERY = 50
