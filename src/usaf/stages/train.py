@@ -66,7 +66,9 @@ class TrainConfig(StageConfig):
     epochs: float | None = Field(None, gt=0)
     microbatch: int = Field(2, ge=1)
     grad_accum: int = Field(1, ge=1)
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas (docs/BENCHMARKS.md, the evidence benchmark).")
+    lr: float = Field(
+        3e-3, gt=0, description="Peak learning rate of the deltas (docs/BENCHMARKS.md, the evidence benchmark)."
+    )
     router_lr: float = Field(1e-4, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     clip: float | None = Field(1.0, gt=0)
