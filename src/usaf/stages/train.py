@@ -27,7 +27,7 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.plan import MASKS_FILE
-from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary
+from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary, trim_metrics
 from usaf.artifacts.writer import write_text_atomic
 from usaf.config import StageConfig
 from usaf.errors import UsafError
@@ -263,9 +263,11 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         seq_len=config.seq_len,
     )
     scaler = DynamicLossScaler() if compute == torch.float16 else None  # fp16 gradients underflow without it
+    torch.manual_seed(config.seed)  # checkpoints store torch's RNG state: unseeded, two equal runs differ in bytes
     trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix, loss_scaler=scaler)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
+        trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint are logged again below
         progress.note(f"resuming from {resume_from} (step {trainer.state.step} of {steps})")
     progress.note(_plan_line(engine, trainer, steps, per_step))
     _loop(trainer, steps, progress)
