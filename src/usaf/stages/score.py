@@ -132,8 +132,9 @@ def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Progress) ->
         manifest = load_verified(data, TokensManifest, flag="--data")
         if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
             raise UsafError(
-                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}) "
-                "than the model's",
+                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
+                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
+                f"{tokenizer_fingerprint[:16]})",
                 "re-run usaf tokenize with --model pointing at this model",
             )
         return data / TRAIN_FILE, manifest.fingerprint

@@ -132,7 +132,11 @@ def _resolve_plan(
         else:
             path, plan = _score_on_the_fly(config, model_dir, data, run_dir, progress)
     if plan.summary.model_fingerprint != model_fp:
-        raise UsafError(f"--plan {path}: made for another quantized model", f"re-run usaf score --model {model_dir}")
+        raise UsafError(
+            f"--plan {path}: made for another quantized model (fingerprint {plan.summary.model_fingerprint[:16]}), "
+            f"not --model {model_dir} (fingerprint {model_fp[:16]})",
+            f"re-run usaf score --model {model_dir}",
+        )
     return path, plan
 
 
