@@ -61,11 +61,13 @@ CASES = {
         ("summary:plan_b", "fp:a"),
     ),
     "eval --data from another tokenizer": (
-        "eval --model {a} --checkpoint {run_a} --data {tokens_other} --no-plots --out {out}",
+        "eval --model {a} --checkpoint {run_a} --data {tokens_other} --no-plots --no-base-cache "
+        "--workspace {out}-ws --out {out}",
         ("tok:tokens_other", "tok:tokens_a"),
     ),
     "eval --checkpoint of another model (layer set)": (
-        "eval --model {b} --checkpoint {run_a} --data {jsonl} --no-plots --out {out}",
+        "eval --model {b} --checkpoint {run_a} --data {jsonl} --no-plots --no-base-cache "
+        "--workspace {out}-ws --out {out}",
         ("run:run_a", "fp:b"),
     ),
     "export --checkpoint of another model (layer set)": (
@@ -111,7 +113,8 @@ def test_a_mismatched_artifact_is_refused_naming_both_fingerprints(world, name, 
 
 def test_negative_control_matching_lineage_is_accepted(world, tmp_path):
     result = invoke("eval", "--model", world["a"], "--checkpoint", world["run_a"], "--data", world["tokens_a"],
-                    "--no-plots", "--out", tmp_path / "eval")  # fmt: skip
+                    "--no-plots", "--no-base-cache", "--workspace", tmp_path / "ws",
+                    "--out", tmp_path / "eval")  # fmt: skip
     assert result.exit_code == 0, result.output
     result = invoke("export", "--model", world["a"], "--checkpoint", world["run_a"], "--format", "delta",
                     "--out", tmp_path / "delta")  # fmt: skip
