@@ -121,3 +121,14 @@ def test_train_rerun_after_a_torn_run_settings_file_is_one_clear_line(tmp_path):
     result = invoke("train", "--model", setup.quantized, "--data", setup.tokens, "--plan", setup.plan, "--steps", 1,
                     "--out", run)  # fmt: skip
     assert result.exit_code == 2 and "holds another run" in result.stderr, result.output
+
+
+def test_quantize_killed_while_writing_its_settings_starts_over_without_force(tiny_model, tmp_path):
+    """Found by scripts/crash_harness.py: a kill before the settings' rename left a partial the rerun refused."""
+    source = tiny_model("qwen3_moe")
+    partial = tmp_path / ".q.usaf-partial"
+    partial.mkdir()
+    (partial / ".partial-settings.json.usaf-tmp-999999999-0badf00d").write_text('{"source": "abc", "met')
+    result = invoke("quantize", source, "--out", tmp_path / "q", "--method", "rtn")
+    assert result.exit_code == 0, result.output
+    assert not partial.exists() and (tmp_path / "q" / "manifest.json").is_file()

@@ -179,7 +179,9 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
     partial = ArtifactWriter.partial_dir(out)
     if partial.is_dir():
-        same = _partial_settings(partial) == settings
+        recorded = _partial_settings(partial)
+        # The settings are the first thing a run writes: without them (killed while writing them) it did no work.
+        same = recorded == settings or recorded is None
         if config.force or not same:
             if not same and not config.force:
                 raise UsafError(
