@@ -310,3 +310,16 @@ def test_hub_downloads_are_limited_to_weights_config_and_tokenizer():
     assert len(_calls(r"snapshot_download\(")) == len(_calls(r"snapshot_download\([^)]*allow_patterns="))
     single = _calls(r"hf_hub_download\(")
     assert single and all('"config.json"' in call for _, _, call in single), single  # only ever config.json
+
+
+def test_a_code_running_pickle_is_named_as_such_and_garbage_is_not(tmp_path):
+    marker = hostile.marker_of(tmp_path)
+    evil, garbage = tmp_path / "evil.pt", tmp_path / "garbage.pt"
+    torch.save({"x": hostile._RunsCode(marker)}, evil)
+    garbage.write_bytes(bytes(range(256)) * 4)
+    for mmap in (False, True):
+        with pytest.raises(UsafError, match=r"evil\.pt: refused to load .*pickled objects other than tensors"):
+            load_torch(evil, mmap=mmap)
+        with pytest.raises(UsafError, match=r"garbage\.pt: unreadable"):
+            load_torch(garbage, mmap=mmap)
+    assert not marker.exists()

@@ -83,10 +83,21 @@ def load_torch(path: Path, *, mmap: bool = False, what: str = "file") -> Any:
 
     path = Path(path)
     try:
-        return torch.load(path, weights_only=True, mmap=mmap)
+        try:
+            return torch.load(path, weights_only=True, mmap=mmap)
+        except RuntimeError as e:
+            if not (mmap and "mmap can only be used" in str(e)):
+                raise
+            # a legacy (non-zip) pickle: read it once more without mmap, so that what it holds is named
+            return torch.load(path, weights_only=True, mmap=False)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()
-        detail = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), "")
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        if not any("global" in line.lower() for line in lines):  # no object refused: bytes that are no pickle
+            message = next((line for line in lines if line.startswith("Unsupported")), lines[0] if lines else "")
+            raise UsafError(
+                f"{path}: unreadable {what} (not a torch file: {message})", "re-run the stage that made it"
+            ) from None
+        detail = next((line for line in lines if "global" in line.lower() and "Unsupported" in line), "")
         raise UsafError(
             f"{path}: refused to load this {what}: it holds pickled objects other than tensors "
             f"(code could run){': ' + detail if detail else ''}",

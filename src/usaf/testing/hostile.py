@@ -356,8 +356,8 @@ def experts_cases() -> list[Case]:
     def truncate(fraction: float) -> Callable[[Path, Path], None]:
         return lambda path, _: path.write_bytes(path.read_bytes()[: int(path.stat().st_size * fraction)])
 
-    def raw_pickle(path: Path, case_dir: Path) -> None:  # a plain pickle, the pre-zip torch format
-        path.write_bytes(pickle.dumps({"x": _RunsCode(marker_of(case_dir))}))
+    def raw_pickle(protocol: int) -> Callable[[Path, Path], None]:  # a plain pickle, as the pre-zip torch format
+        return lambda path, case_dir: path.write_bytes(pickle.dumps({"x": _RunsCode(marker_of(case_dir))}, protocol))
 
     def zip_pickle(path: Path, case_dir: Path) -> None:  # torch.save's zip format with a code-running object
         torch.save({"x": _RunsCode(marker_of(case_dir))}, path)
@@ -396,7 +396,8 @@ def experts_cases() -> list[Case]:
         _experts_case("empty", truncate(0.0)),
         _experts_case("random bytes", lambda p, _: p.write_bytes(random.Random(1).randbytes(4096))),
         _experts_case("a zip without torch records", lambda p, _: zipfile.ZipFile(p, "w").close()),
-        _experts_case("a plain pickle that runs code", raw_pickle, unsafe=True),
+        _experts_case("a plain pickle (protocol 5) that runs code", raw_pickle(5), unsafe=True),
+        _experts_case("a plain pickle (protocol 2) that runs code", raw_pickle(2), unsafe=True),
         _experts_case("torch.save of an object that runs code", zip_pickle, unsafe=True),
         _experts_case("the real archive with a code-running data.pkl", pickle_in_place, unsafe=True),
         _experts_case("a tensor instead of a dict", lambda p, _: torch.save(torch.zeros(3), p)),
