@@ -132,3 +132,32 @@ def test_quantize_killed_while_writing_its_settings_starts_over_without_force(ti
     result = invoke("quantize", source, "--out", tmp_path / "q", "--method", "rtn")
     assert result.exit_code == 0, result.output
     assert not partial.exists() and (tmp_path / "q" / "manifest.json").is_file()
+
+
+def test_train_killed_while_writing_its_settings_or_first_checkpoint_restarts_cleanly(tmp_path):
+    """Found by scripts/crash_harness.py: a start killed before run-settings.json's rename was 'another run';
+    one killed before its first checkpoint left metrics of steps the rerun logged again."""
+    from usaf.testing import crash
+
+    setup = crash.build_setup(tmp_path / "setup", num_layers=2)
+    args = ["train", "--model", setup.quantized, "--data", setup.tokens, "--plan", setup.plan, "--steps", 2]
+    straight = tmp_path / "straight"
+    assert invoke(*args, "--out", straight).exit_code == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".run-settings.json.usaf-tmp-999999999-0badf00d").write_text('{"mod')
+    result = invoke(*args, "--out", run)
+    assert result.exit_code == 0, result.output
+    assert not [p for p in run.iterdir() if ".usaf-tmp-" in p.name]
+    # killed before its first checkpoint: settings and the metrics of steps no checkpoint holds
+    again = Path(shutil.copytree(straight, tmp_path / "again"))
+    for name in ("checkpoints", "final"):
+        shutil.rmtree(again / name, ignore_errors=True)
+    (again / "manifest.json").unlink()
+    with (again / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lo')  # a line cut by the kill
+    result = invoke(*args, "--out", again)
+    assert result.exit_code == 0, result.output
+    assert "resuming" not in result.stderr  # no checkpoint: started over
+    steps = lambda r: [json.loads(line)["step"] for line in (r / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps(again) == steps(straight) == [1, 2]

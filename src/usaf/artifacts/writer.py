@@ -42,7 +42,7 @@ def _remove_stale_temporaries(target: Path) -> None:
             shutil.rmtree(candidate, ignore_errors=True)
 
 
-def _remove_stale_temporaries_inside(directory: Path) -> None:
+def remove_stale_temporaries_inside(directory: Path) -> None:
     """Inside a resumed partial directory: temporaries (``*.usaf-tmp-PID-*``) of processes that no longer run."""
     for candidate in directory.rglob(f"*{_TMP_TAG}*"):
         pid_text = candidate.name.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
@@ -123,7 +123,7 @@ class ArtifactWriter:
             self.resumed = self.resumable and self.dir.is_dir()
             self.dir.mkdir(exist_ok=self.resumable)
             if self.resumed:  # files a killed run was still writing: never part of the artifact
-                _remove_stale_temporaries_inside(self.dir)
+                remove_stale_temporaries_inside(self.dir)
         except OSError as e:
             raise UsafError(
                 f"{self.flag} {self.target}: cannot create it: {e.strerror}", "pick a writable path"

@@ -28,7 +28,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.plan import MASKS_FILE
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary, trim_metrics
-from usaf.artifacts.writer import write_text_atomic
+from usaf.artifacts.writer import remove_stale_temporaries_inside, write_text_atomic
 from usaf.config import StageConfig
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress
@@ -196,6 +196,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
 
     resume_from = None
     if run_dir.exists():
+        remove_stale_temporaries_inside(run_dir)  # e.g. run-settings.json of a start killed while writing it
         previous = run_dir / SETTINGS_FILE
         if previous.is_file() and _read_settings(previous) == settings_record:
             resume_from = latest_checkpoint(run_dir)
@@ -271,8 +272,8 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     trainer = Trainer(engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix, loss_scaler=scaler)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
-        trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint are logged again below
         progress.note(f"resuming from {resume_from} (step {trainer.state.step} of {steps})")
+    trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint (or all, from 0) are logged again
     progress.note(_plan_line(engine, trainer, steps, per_step))
     _loop(trainer, steps, progress)
     return _finish(
