@@ -36,6 +36,7 @@ def bench(tmp_path_factory):
 # -- the catalogue through the CLI ---------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 5")  # torch's note on the hostile pickle itself
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.reader}: {c.name}" for c in CASES])
 def test_each_hostile_input_is_answered_cleanly(bench, case, tmp_path):
     outcome = hostile.run_case(bench, case, tmp_path / "case")
