@@ -120,8 +120,9 @@ def crash_section(data: dict) -> list[str]:
         "then killed runs (SIGKILL) of the same command into fresh outputs, each rerun with the same command to "
         "completion. *event* kills land on a random numbered write of the process (`usaf.testing.crash_child`: "
         "the file being written is cut at a random fraction, a rename is not done, a tree is half removed; "
-        "checkpoint writes included); *time* kills land after a random delay between the first write and the "
-        "reference's end. A kill is survived when, after it, no corrupted artifact is visible (an output "
+        "checkpoint writes included); *time* kills land after a random delay counted from the process's first "
+        "write, up to the time the reference took from its first write to its last. A kill is survived when, "
+        "after it, no corrupted artifact is visible (an output "
         "directory with a manifest verifies, every visible checkpoint loads), the rerun succeeds, its result is "
         "byte-identical to the reference (every listed file, the fingerprint, the summary, the metrics), a "
         "`train` rerun resumes from the newest checkpoint complete on disk (nothing before it lost), and a "
@@ -150,7 +151,8 @@ def crash_section(data: dict) -> list[str]:
         visible = ", ".join(f"{k} {v}" for k, v in seen.items())
         lines += [
             "",
-            f"`{record['stage']}` (reference: {reference['events']} write events, {reference['seconds']} s): "
+            f"`{record['stage']}` (reference: {reference['events']} write events, {reference['seconds']} s, "
+            f"{reference.get('writing_seconds', '?')} s from the first write to the last): "
             f"kills by what they interrupted: {interrupted}; visible right after the kill: {visible}.",
         ]
         if record["stage"] == "train":

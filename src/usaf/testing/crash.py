@@ -7,7 +7,7 @@ Then each *trial* runs the same command into a fresh output and kills it:
 - ``event``: at a random write event ``1..N`` (a random fraction of a file written, a rename not
   done, a tree half removed; checkpoint writes included), the child sends itself SIGKILL;
 - ``time``: the harness sends SIGKILL after a random delay counted from the process's first write, up to
-  the reference's time from its first write to its end.
+  the reference's time from its first write to its last.
 
 After the kill it checks that no corrupted artifact is visible (the output is absent or verifies;
 every visible train checkpoint loads), reruns the *same command* to completion, and checks that the
@@ -254,23 +254,26 @@ class Reference:
     first_event_s: float
     seconds: float
     log: list = field(default_factory=list)  # (number, kind, path) of every write event
+    last_event_s: float = 0.0  # when the last write event was logged (the process then only exits)
 
 
 def run_reference(stage: Stage, root: Path, *, timeout: float = 600) -> Reference:
     out, events = root / f"{stage.name}-reference", root / f"{stage.name}-reference.events"
     start = time.perf_counter()
     proc = subprocess.Popen(_child(events, 0, 0.0, stage.args(out)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    first = None
+    first, last, size = None, 0.0, 0
     while proc.poll() is None:
-        if first is None and events.is_file() and events.stat().st_size:
-            first = time.perf_counter() - start
-        time.sleep(0.01)
+        now = events.stat().st_size if events.is_file() else 0
+        if now != size:
+            size, last = now, time.perf_counter() - start
+            first = last if first is None else first
+        time.sleep(0.005)
     seconds = time.perf_counter() - start
     stdout, stderr = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"the reference {stage.name} run failed: {stderr.decode()[-2000:]}")
     log = _events(events)
-    return Reference(out, len(log), first or 0.0, seconds, log)
+    return Reference(out, len(log), first or 0.0, seconds, log, last or seconds)
 
 
 def run_trial(
@@ -297,8 +300,8 @@ def run_trial(
         returncode = proc.returncode
     else:
         # the delay runs from the process's own first write (imports and model loading take a varying time
-        # on a shared machine), up to the reference's time from its first write to its end
-        trial.delay_s = round(rng.uniform(0, max(reference.seconds - reference.first_event_s, 0.01)), 3)
+        # on a shared machine), up to the reference's time from its first write to its last
+        trial.delay_s = round(rng.uniform(0, max(reference.last_event_s - reference.first_event_s, 0.01)), 3)
         child = subprocess.Popen(
             _child(events, 0, 0.0, stage.args(out)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -375,7 +378,11 @@ def run_stage(stage: Stage, root: Path, *, kills: int, seed: int, time_share: fl
     return {
         "stage": stage.name,
         "seed": seed,
-        "reference": {"events": reference.events, "seconds": round(reference.seconds, 2)},
+        "reference": {
+            "events": reference.events,
+            "seconds": round(reference.seconds, 2),
+            "writing_seconds": round(reference.last_event_s - reference.first_event_s, 2),
+        },
         "trials": [{**asdict(t), "survived": t.survived} for t in trials],
     }
 
