@@ -621,11 +621,19 @@ def model_cases() -> list[Case]:
 
     return [
         _model_case(
-            "a tokenizer that needs its own Python code", remote_code_tokenizer, tokenize_args, "model", unsafe=True
+            "a tokenizer that needs its own Python code", remote_code_tokenizer, tokenize_args, "auto_map", unsafe=True
         ),  # fmt: skip
-        _model_case("weights only as a pickle (pytorch_model.bin)", only_bin, quantize_args, "model", unsafe=True),
         _model_case(
-            "config.json with code of its own (auto_map)", config_remote_code, quantize_args, "model", unsafe=True
+            "weights only as a pickle (pytorch_model.bin)", only_bin, quantize_args, "pytorch_model.bin", unsafe=True
+        ),
+        _model_case(
+            # refused as a model type transformers does not know: its code is never imported (the message names
+            # the type, not the file)
+            "config.json with code of its own (auto_map)",
+            config_remote_code,
+            quantize_args,
+            "model_type=evil_moe",
+            unsafe=True,
         ),  # fmt: skip
         _model_case("config.json not JSON", config_not_json, quantize_args, "config.json"),
     ]
