@@ -1,6 +1,7 @@
 """Crash safety: SIGKILL at random moments (and mid-checkpoint-write), rerun, compare with an uninterrupted run.
 
-The long version (30 kills per stage) is ``scripts/crash_harness.py``; its output is in docs/RELIABILITY.md.
+Three kills per stage here (two random, one placed); the long version (30 per stage) is
+``scripts/crash_harness.py``, whose output is in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -38,29 +39,26 @@ def _trials(stage, reference, root, modes, seed):
 
 
 def test_quantize_survives_random_kills(quantize_ref, tmp_path):
+    """Two random kills, and one right after the second layer file: the rerun must not quantize those again."""
     stage, reference = quantize_ref
-    trials = _trials(stage, reference, tmp_path, ["event", "event", "time"], seed=11)
+    trials = _trials(stage, reference, tmp_path, ["event", "time"], seed=11)
     assert all(not t.problems for t in trials), [(t.event, t.problems) for t in trials]
-    assert sum(t.killed for t in trials) >= 2  # the kills landed (a time kill may come after the end)
-
-
-def test_quantize_killed_between_layers_keeps_the_finished_ones(quantize_ref, tmp_path):
-    stage, reference = quantize_ref
+    assert trials[0].killed  # an event kill always lands (a time kill may come after the last write)
     layer_two = next(n for n, kind, path in reference.log if kind == "replace" and path.endswith("layer-00001.pt"))
-    trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), "event", kill_at=layer_two + 1)
+    trial = crash.run_trial(stage, reference, tmp_path, 9, random.Random(0), "event", kill_at=layer_two + 1)
     assert trial.killed and not trial.problems, trial.problems
     assert trial.complete_layers == ["layer-00000", "layer-00001"] and trial.redone == []
 
 
 def test_train_survives_random_kills(train_ref, tmp_path):
     stage, reference = train_ref
-    trials = _trials(stage, reference, tmp_path, ["event", "event", "time"], seed=5)
+    trials = _trials(stage, reference, tmp_path, ["event", "time"], seed=5)
     assert all(not t.problems for t in trials), [(t.event, t.problems) for t in trials]
-    assert sum(t.killed for t in trials) >= 2
+    assert trials[0].killed
 
 
 def test_a_kill_mid_checkpoint_write_loses_nothing_before_the_last_checkpoint(train_ref, tmp_path):
-    """Negative control that the kill lands *inside* a checkpoint write: the file on disk is cut short."""
+    """The third train kill, inside a checkpoint write; negative control that it lands there: the file is cut."""
     stage, reference = train_ref
     target = next(n for n, kind, path in reference.log if kind == "save_file" and "step-0000004.tmp/deltas" in path)
     trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), "event", kill_at=target, fraction=0.5)
