@@ -63,6 +63,10 @@ def load_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise UsafError(f"--config {path}: not valid TOML: {e}", "fix the file's syntax") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself: a binary or Latin-1 file
+        raise UsafError(f"--config {path}: not UTF-8 text (byte {e.start})", "TOML files must be UTF-8") from None
+    except OSError as e:
+        raise UsafError(f"--config {path}: cannot read it: {e.strerror}", "check its permissions") from None
 
 
 def _is_list_field(annotation: Any) -> bool:

@@ -28,7 +28,7 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
         )
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise UsafError(f"{flag} {manifest_path}: unreadable manifest ({e})", "re-run the stage that made it") from None
     if not isinstance(data, dict) or "kind" not in data or "schema_version" not in data:
         raise UsafError(f"{flag} {manifest_path}: not a usaf manifest (no kind/schema_version)", "re-run the stage")
@@ -51,21 +51,27 @@ def load_manifest(path: Path, expect: type[M] | None = None, *, flag: str = "pat
     """
     data = read_manifest_json(path, flag=flag)
     kind, version = data["kind"], data["schema_version"]
+    where = Path(path) / MANIFEST_NAME
+    if not isinstance(kind, str) or type(version) is not int:
+        raise UsafError(
+            f"{flag} {where}: 'kind' must be a string and 'schema_version' an integer, got {kind!r} and {version!r}",
+            "the file was edited; re-run the stage that made it",
+        )
     if expect is not None and kind != expect.KIND:
         raise UsafError(
-            f"{flag} {path}: is a '{kind}' artifact, expected '{expect.KIND}'",
+            f"{flag} {path}: is a '{kind}' artifact, expected '{expect.KIND}' (per its {MANIFEST_NAME})",
             f"pass a directory made by the stage that writes '{expect.KIND}'",
         )
     cls = expect or MANIFEST_KINDS.get(kind)
     if cls is None:
         raise UsafError(
-            f"{flag} {path}: unknown artifact kind '{kind}' (known: {', '.join(sorted(MANIFEST_KINDS))})",
+            f"{flag} {where}: unknown artifact kind '{kind}' (known: {', '.join(sorted(MANIFEST_KINDS))})",
             "it was made by a newer usaf; upgrade usaf",
         )
     if version != cls.SCHEMA_VERSION:
         newer = isinstance(version, int) and version > cls.SCHEMA_VERSION
         raise UsafError(
-            f"{flag} {path}: '{kind}' schema version {version}, this usaf reads version {cls.SCHEMA_VERSION}",
+            f"{flag} {where}: '{kind}' schema version {version}, this usaf reads version {cls.SCHEMA_VERSION}",
             "upgrade usaf" if newer else "re-run the stage that made it with this usaf",
         )
     try:
@@ -88,9 +94,11 @@ class FileCheck:
 
 def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list[FileCheck]:
     """Check every file the manifest lists: present, same size, and (``hashes``) same sha256."""
+    from usaf.artifacts.safety import contained
+
     checks = []
     for record in manifest.files:
-        file = Path(path) / record.path
+        file = contained(Path(path), record.path, where=f"{Path(path) / MANIFEST_NAME}")
         if not file.is_file():
             checks.append(FileCheck(record.path, False, "missing"))
         elif (size := file.stat().st_size) != record.bytes:
@@ -100,6 +108,14 @@ def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list
         else:
             checks.append(FileCheck(record.path, True))
     return checks
+
+
+def unlisted_files(path: Path, manifest: Manifest) -> list[str]:
+    """Files in the artifact directory that its manifest does not list (added after it was made)."""
+    listed = {record.path for record in manifest.files} | {MANIFEST_NAME}
+    root = Path(path)
+    present = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(rel for rel in present if rel not in listed)
 
 
 def load_verified(path: Path, expect: type[M], *, flag: str = "path", hashes: bool = True) -> M:

@@ -14,7 +14,7 @@ import sys
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from usaf._version import __version__
 
@@ -29,6 +29,17 @@ class FileRecord(Record):
     path: str = Field(description="path relative to the artifact directory, '/'-separated")
     bytes: int = Field(ge=0)
     sha256: str
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, value: str) -> str:
+        # A listed path is opened relative to the artifact: '../x' or '/x' would name a file outside it.
+        from usaf.artifacts.safety import unsafe_relative_path
+
+        problem = unsafe_relative_path(value)
+        if problem is not None:
+            raise ValueError(f"{value!r} escapes the artifact directory ({problem})")
+        return value
 
 
 class InputRecord(Record):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -73,3 +74,22 @@ class QuantizedModelManifest(Manifest):
     DESCRIPTION = "quantized experts (experts_q4.pt), non-expert weights, config and tokenizer"
 
     summary: QuantizedModelSummary
+
+
+def read_base_index(model_dir: Path, *, flag: str = "--model") -> dict[str, str]:
+    """``base.safetensors.index.json``'s weight map (tensor -> shard file), each file checked to stay inside."""
+    import json
+
+    from usaf.artifacts.safety import contained
+    from usaf.errors import UsafError
+
+    path = Path(model_dir) / BASE_INDEX_FILE
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise UsafError(f"{flag} {path}: unreadable index ({type(e).__name__}: {e})", "re-run usaf quantize") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UsafError(f"{flag} {path}: 'weight_map' must map tensor names to file names", "re-run usaf quantize")
+    for file in set(weight_map.values()):
+        contained(Path(model_dir), file, where=str(path))
+    return weight_map

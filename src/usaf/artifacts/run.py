@@ -179,3 +179,33 @@ def _read_checkpoint(
     if layers is None:
         layers = sorted({int(m.group(1)) for n in deltas if (m := re.search(r"layers\.(\d+)\.", n))})
     return TrainedChange(source, fingerprint, model_fingerprint, list(layers), deltas, dict(routers))
+
+
+def trim_metrics(run_dir: Path, step: int) -> int:
+    """Drop ``metrics.jsonl`` records of steps after ``step`` (a resumed run logs them again); returns how many.
+
+    A run killed after its last checkpoint logged steps the resumed run repeats from that checkpoint;
+    kept, they would appear twice in the loss curve of ``usaf eval``.
+    """
+    from usaf.artifacts.writer import write_text_atomic
+
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+        if not line.endswith("\n"):  # the last line, cut short by the kill
+            dropped += 1
+            continue
+        try:
+            record = json.loads(line)
+            at = record["step"] if "step" in record else record["reselection"]["step"]
+        except (ValueError, KeyError, TypeError):
+            at = None  # not a step record: kept
+        if at is not None and at > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        write_text_atomic(path, "".join(kept))
+    return dropped

@@ -42,6 +42,29 @@ def _remove_stale_temporaries(target: Path) -> None:
             shutil.rmtree(candidate, ignore_errors=True)
 
 
+def remove_stale_temporaries_inside(directory: Path) -> None:
+    """Inside a resumed partial directory: temporaries (``*.usaf-tmp-PID-*``) of processes that no longer run."""
+    for candidate in directory.rglob(f"*{_TMP_TAG}*"):
+        pid_text = candidate.name.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
+        if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)):
+            if candidate.is_dir():
+                shutil.rmtree(candidate, ignore_errors=True)
+            else:
+                candidate.unlink(missing_ok=True)
+    (directory / (MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)  # write_manifest's, cut short
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: a kill leaves the old content or the new, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class ArtifactWriter:
     """Context manager that builds an artifact in a temporary directory and commits it atomically.
 
@@ -99,6 +122,8 @@ class ArtifactWriter:
             _remove_stale_temporaries(self.target)
             self.resumed = self.resumable and self.dir.is_dir()
             self.dir.mkdir(exist_ok=self.resumable)
+            if self.resumed:  # files a killed run was still writing: never part of the artifact
+                remove_stale_temporaries_inside(self.dir)
         except OSError as e:
             raise UsafError(
                 f"{self.flag} {self.target}: cannot create it: {e.strerror}", "pick a writable path"
@@ -109,12 +134,18 @@ class ArtifactWriter:
         if not self.committed and not self.resumable:
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def file_records(self) -> list[FileRecord]:
-        return record_files(self.dir, (p for p in self.dir.rglob("*") if p.is_file()))
+    def file_records(self, exclude: tuple[str, ...] = ()) -> list[FileRecord]:
+        return record_files(self.dir, (p for p in self.dir.rglob("*") if p.is_file() and p.name not in exclude))
 
-    def commit(self, manifest_cls: type[M], **fields: Any) -> M:
-        """Hash the files, write the manifest last, and move the directory into place."""
-        manifest = write_manifest(self.dir, manifest_cls, self.file_records(), **fields)
+    def commit(self, manifest_cls: type[M], *, exclude: tuple[str, ...] = (), **fields: Any) -> M:
+        """Hash the files, write the manifest last, and move the directory into place.
+
+        ``exclude``: bookkeeping files of a resumable writer (top level), kept until the manifest is
+        written, so a kill while hashing still finds them, then deleted before the rename.
+        """
+        manifest = write_manifest(self.dir, manifest_cls, self.file_records(exclude), **fields)
+        for name in exclude:
+            (self.dir / name).unlink(missing_ok=True)
         self._move_into_place()
         self.committed = True
         return manifest

@@ -16,6 +16,14 @@ def command(
         bool,
         typer.Option("--no-hash", help="Check files' presence and sizes only, not their sha256 (faster)."),
     ] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Verify only: re-hash every listed file, print one verdict line, exit 2 if any file is "
+            "missing, truncated or modified (files the manifest does not list are named too).",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -28,7 +36,11 @@ def command(
 
         if not path.exists():
             raise UsafError(f"{path}: no such file or directory", "check the path")
-        if (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file():
+        if verify and no_hash:
+            raise UsafError("--verify and --no-hash contradict each other", "--verify always checks every sha256")
+        if verify:
+            _verify_artifact(path, as_json=json_output)
+        elif (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file():
             _inspect_artifact(path, hashes=not no_hash, as_json=json_output)
         else:
             _inspect_model(path, as_json=json_output)
@@ -91,6 +103,44 @@ def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
         raise UsafError(
             f"{path}: {len(bad)} of {len(checks)} files fail verification ({bad[0].path}: {bad[0].problem})",
             "re-run the stage that made this artifact",
+        )
+
+
+def _verify_artifact(path: Path, *, as_json: bool) -> None:
+    """``--verify``: every listed file re-hashed against the manifest; one verdict line."""
+    from usaf.artifacts import load_manifest, verify_files
+    from usaf.artifacts.loader import unlisted_files
+    from usaf.cli.console import note, out, print_json
+    from usaf.errors import UsafError
+
+    manifest = load_manifest(path)
+    checks = verify_files(path, manifest, hashes=True)
+    bad = [c for c in checks if not c.ok]
+    extra = unlisted_files(path, manifest)
+    if as_json:
+        print_json(
+            {
+                "path": str(path),
+                "kind": manifest.kind,
+                "fingerprint": manifest.fingerprint,
+                "verified": not bad,
+                "files": len(checks),
+                "problems": [{"path": c.path, "problem": c.problem} for c in bad],
+                "unlisted": extra,
+            }
+        )
+    if extra:  # a run directory also holds its metrics and checkpoints, which its manifest does not cover
+        note(f"{len(extra)} files are not listed in the manifest (not covered by it): {', '.join(extra[:5])}")
+    if bad:
+        listing = "; ".join(f"{c.path}: {c.problem}" for c in bad[:5])
+        raise UsafError(
+            f"{path}: {len(bad)} of {len(checks)} files fail verification: {listing}",
+            "re-run the stage that made this artifact",
+        )
+    if not as_json:
+        out.print(
+            f"{path}: {manifest.kind} artifact verified: {len(checks)} files match their sha256 "
+            f"(fingerprint {manifest.fingerprint[:16]})"
         )
 
 

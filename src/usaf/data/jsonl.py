@@ -36,6 +36,10 @@ def iter_jsonl_objects(path: Path, *, what: str = "JSONL") -> Iterator[tuple[int
                     f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})",
                     f"each line of a {what} file must be one JSON object",
                 ) from None
+            except RecursionError:  # '[[[[...' nested deeper than Python's parser recurses
+                raise UsafError(
+                    f"{path}:{number}: JSON nested too deeply to read", f"each line of a {what} file must be flat"
+                ) from None
             if not isinstance(obj, dict):
                 raise UsafError(
                     f"{path}:{number}: a JSON {type(obj).__name__}, not an object",

@@ -13,6 +13,14 @@ from usaf.errors import UsafError
 _UNBOUNDED = 10**8  # transformers' "no limit" model_max_length is ~1e30
 
 
+def _needs_remote_code(local: Path) -> bool:
+    try:
+        config = json.loads((local / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "AutoTokenizer" in (config.get("auto_map") or {})
+
+
 def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "--model") -> Any:
     """A fast (Rust-backed) tokenizer for ``model``, a local directory or a hub id.
 
@@ -37,6 +45,12 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
         tokenizer = _saved_by_transformers_5(model, e)
         if tokenizer is None:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if not trust_remote_code and _needs_remote_code(local):
+                raise UsafError(
+                    f"{flag} {model}: its tokenizer is defined by Python code in the model repository "
+                    f"(auto_map in tokenizer_config.json), which usaf does not run by default ({first})",
+                    "pass --trust-remote-code to usaf tokenize only if you trust that code",
+                ) from None
             raise UsafError(
                 f"{flag} {model}: no usable tokenizer ({first})",
                 "pass a model directory holding tokenizer.json, or a hub id available offline in HF_HOME",

@@ -10,7 +10,6 @@ from ``experts_q4.pt``). Nothing is allocated at the full size of the experts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,8 @@ import torch
 from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, load_verified
-from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
+from usaf.artifacts.quantized import EXPERTS_FILE, read_base_index
+from usaf.artifacts.safety import load_torch, open_safetensors
 from usaf.backends.transfer import check_allocation, device_capabilities, move
 from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
 from usaf.engine.legacy import adapt_block
@@ -98,13 +98,11 @@ def load_quantized_model(
         for layer in spec.moe_layers:
             adapt_block(model, spec, layer)
 
-    from safetensors import safe_open
-
     caps = device_capabilities(device)
     read_on = device if caps.direct_load else torch.device("cpu")  # DirectML: read on the host, then move
-    weight_map = json.loads((path / BASE_INDEX_FILE).read_text())["weight_map"]
+    weight_map = read_base_index(path, flag=flag)  # every shard path checked to stay inside ``path``
     for file in sorted(set(weight_map.values())):
-        with safe_open(str(path / file), framework="pt", device=str(read_on)) as f:
+        with open_safetensors(path / file, device=str(read_on)) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
                 target_dtype = current.dtype if current.is_floating_point() else None
@@ -112,7 +110,11 @@ def load_quantized_model(
                 check_allocation(tensor.numel() * current.element_size(), device, f"{path / file}: {name}")
                 _set_tensor(model, name, move(tensor, device, target_dtype))
 
-    raw = torch.load(path / EXPERTS_FILE, weights_only=True, mmap=True)
+    raw = load_torch(path / EXPERTS_FILE, mmap=True, what="experts file")  # weights_only: no code runs
+    if not isinstance(raw, dict):
+        raise UsafError(
+            f"{path / EXPERTS_FILE}: holds a {type(raw).__name__}, not a dict of layers", "re-run usaf quantize"
+        )
     experts: dict[int, LayerExperts] = {}
     for layer in spec.moe_layers:
         module = model.get_submodule(spec.experts_prefix(layer))
@@ -120,12 +122,22 @@ def load_quantized_model(
         for name in (spec.gate_up_name(layer), spec.down_name(layer)):
             if name not in raw:
                 raise UsafError(f"{path / EXPERTS_FILE}: no entry {name}", "re-run usaf quantize")
-            q = QuantizedTensor.from_dict(raw[name], name=name)
+            try:
+                q = QuantizedTensor.from_dict(raw[name], name=name)
+            except ValueError as e:  # wrong keys, dtypes, shapes or non-finite scales: a damaged or foreign file
+                raise UsafError(f"{path / EXPERTS_FILE}: {e}", "re-run usaf quantize") from None
+            attr = name.rsplit(".", 1)[1]
+            fused = getattr(module, attr, None)  # the meta parameter it replaces (v5, gpt-oss 4.x); absent in 4.x
+            if fused is not None and tuple(q.memory_shape) != tuple(fused.shape):
+                raise UsafError(
+                    f"{path / EXPERTS_FILE}: {name} has shape {list(q.memory_shape)}, the model's config says "
+                    f"{list(fused.shape)}",
+                    "re-run usaf quantize",
+                )
             where = experts_device or device
             check_allocation(q.nbytes, where, f"{path / EXPERTS_FILE}: {name}")
             weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=where))
-            attr = name.rsplit(".", 1)[1]
-            if hasattr(module, attr):  # the meta fused parameter (v5, gpt-oss 4.x); usaf computes instead
+            if fused is not None:  # usaf computes instead
                 delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)
         module.usaf_experts.set_index_ops(caps.index_ops)  # False: no nonzero/index_add_/scatter on the device

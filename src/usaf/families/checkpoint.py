@@ -9,11 +9,13 @@ describing a 60 GB model instant.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from usaf.artifacts.safety import contained, open_safetensors
 from usaf.errors import UsafError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,6 +40,14 @@ class TensorInfo:
         return n
 
 
+# safetensors' dtypes -> bytes per element (None: sub-byte, packed; not checked against the offsets)
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8, "I64": 8, "U64": 8,
+    "F4": None, "F6_E2M3": None, "F6_E3M2": None,
+}  # fmt: skip
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor name -> info for one ``.safetensors`` file, from its header only."""
     path = Path(path)
@@ -54,12 +64,26 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise UsafError(f"{path}: not a readable safetensors file ({e})", "re-download or re-save the model") from None
     out = {}
     data_end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        data_end = max(data_end, end)
-        out[name] = TensorInfo(name, path.name, entry["dtype"], tuple(entry["shape"]), end - begin)
+    try:  # a header that is JSON but not a safetensors header (a crafted or damaged file)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if not all(type(v) is int and v >= 0 for v in (begin, end, *shape)) or end < begin:
+                raise ValueError(f"tensor {name}: offsets {entry['data_offsets']} or shape {entry['shape']} invalid")
+            size = _DTYPE_BYTES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+            if entry["dtype"] not in _DTYPE_BYTES:
+                raise ValueError(f"tensor {name}: unknown dtype {entry['dtype']!r}")
+            if size is not None and math.prod(shape) * size != end - begin:
+                raise ValueError(f"tensor {name}: shape {list(shape)} of {entry['dtype']} disagrees with its offsets")
+            data_end = max(data_end, end)
+            out[name] = TensorInfo(name, path.name, entry["dtype"], shape, end - begin)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        detail = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise UsafError(
+            f"{path}: malformed safetensors header ({detail})", "re-download or re-save the model"
+        ) from None
     expected_size = 8 + length + data_end
     if (size := path.stat().st_size) < expected_size:
         raise UsafError(
@@ -78,7 +102,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise UsafError(f"{index}: unreadable index ({e})", "re-download the model") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UsafError(f"{index}: 'weight_map' must map tensor names to file names", "re-download the model")
         files = sorted(set(weight_map.values()))
+        for f in files:  # an index naming ../../x would make usaf read files outside the model
+            contained(model_dir, f, where=str(index))
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise UsafError(
@@ -129,8 +157,6 @@ def read_checkpoint(model_dir: Path, *, required: bool = True) -> dict[str, Tens
 
 def load_tensors(model_dir: Path, names: Iterable[str], infos: Mapping[str, TensorInfo] | None = None):
     """Load the named tensors (and only those) from a model directory; returns name -> torch.Tensor."""
-    from safetensors import safe_open
-
     infos = infos if infos is not None else read_checkpoint(model_dir)
     by_file: dict[str, list[str]] = {}
     for name in names:
@@ -139,7 +165,7 @@ def load_tensors(model_dir: Path, names: Iterable[str], infos: Mapping[str, Tens
         by_file.setdefault(infos[name].file, []).append(name)
     out = {}
     for file, file_names in by_file.items():
-        with safe_open(str(Path(model_dir) / file), framework="pt") as f:
+        with open_safetensors(Path(model_dir) / file) as f:  # a header safetensors rejects: one clear error
             for name in file_names:
                 out[name] = f.get_tensor(name)
     return out

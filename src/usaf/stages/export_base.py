@@ -9,12 +9,11 @@ router, every small tensor (norms, biases), and every non-expert tensor of the t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.artifacts import QuantizedModelManifest
-from usaf.artifacts.quantized import BASE_INDEX_FILE
+from usaf.artifacts.quantized import read_base_index
 from usaf.artifacts.run import TrainedChange
 from usaf.errors import UsafError
 from usaf.families import FamilySpec, MappingPlan, TensorInfo
@@ -69,7 +68,7 @@ def _compare_copies(
     from usaf.families import load_tensors
     from usaf.families.checkpoint import read_header
 
-    weight_map = json.loads((model_dir / BASE_INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+    weight_map = read_base_index(model_dir)
     stored: dict[str, TensorInfo] = {}
     for file in sorted(set(weight_map.values())):
         stored.update(read_header(model_dir / file))

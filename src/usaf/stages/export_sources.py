@@ -19,7 +19,6 @@ Either way the sum is formed in fp32 and rounded once to the output dtype. Nothi
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,9 @@ from typing import Literal
 
 import torch
 
-from usaf.artifacts.quantized import BASE_INDEX_FILE, EXPERTS_FILE
+from usaf.artifacts.quantized import EXPERTS_FILE, read_base_index
 from usaf.artifacts.run import TrainedChange
+from usaf.artifacts.safety import load_torch
 from usaf.families import ExpertLayerPlan, ExpertOp, FamilySpec, MappingPlan, TensorInfo, build_mapping, load_tensors
 from usaf.families.checkpoint import read_header
 from usaf.quant import QuantizedTensor, dequantize
@@ -245,11 +245,11 @@ class QuantizedSource(ExportSource):
         super().__init__(spec, change, dtype)
         self.dir = Path(model_dir)
         self.plan = build_mapping(spec, None)  # the family's canonical on-disk names (its save_pretrained's)
-        weight_map = json.loads((self.dir / BASE_INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+        weight_map = read_base_index(self.dir)
         self.base_infos: dict[str, TensorInfo] = {}
         for file in sorted(set(weight_map.values())):
             self.base_infos.update(read_header(self.dir / file))
-        self.experts = torch.load(self.dir / EXPERTS_FILE, weights_only=True, mmap=True)  # codes stay on disk
+        self.experts = load_torch(self.dir / EXPERTS_FILE, mmap=True, what="experts file")  # codes stay on disk
         in_layers = {t.target for layer in self.plan.experts for t in layer.tensors}
         for memory, info in self.base_infos.items():
             if memory in in_layers:

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.loader import load_verified
+from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.quantized import (
     EXPERTS_FILE,
     QuantizedModelManifest,
@@ -30,6 +31,8 @@ from usaf.artifacts.quantized import (
     QuantSettingsRecord,
     TensorQuantRecord,
 )
+from usaf.artifacts.safety import check_free_space
+from usaf.artifacts.writer import write_text_atomic
 from usaf.config import StageConfig
 from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
@@ -63,14 +66,46 @@ class QuantizeConfig(StageConfig):
     force: bool = Field(False, description="Replace an existing --out and discard a partial run.")
 
 
-def _check_disk_space(target: Path, needed: int) -> None:
-    probe = target.parent if target.parent.exists() else Path.cwd()
-    free = shutil.disk_usage(probe).free
-    if free < needed:
-        raise UsafError(
-            f"--out {target}: {free / 2**30:.1f} GiB free on that disk, about {needed / 2**30:.1f} GiB needed",
-            "free some space or pass --out on another disk",
-        )
+def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any]) -> bool:
+    s = manifest.summary
+    done = (s.source.fingerprint, s.quant.method, s.quant.nbits, s.quant.group_size_requested)
+    return done == tuple(settings.values())
+
+
+def _partial_settings(partial: Path) -> dict[str, Any] | None:
+    """The settings an interrupted run recorded in its partial directory (None: none readable)."""
+    try:
+        return json.loads((partial / PARTIAL_SETTINGS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    try:  # killed between writing the manifest and the rename: the manifest says what it was
+        manifest = load_verified(partial, QuantizedModelManifest, flag="--out", hashes=False)
+    except UsafError:
+        return None
+    s = manifest.summary
+    return {
+        "source": s.source.fingerprint,
+        "method": s.quant.method,
+        "nbits": s.quant.nbits,
+        "group_size": s.quant.group_size_requested,
+    }
+
+
+def _committed_partial(partial: Path, settings: dict[str, Any]) -> QuantizedModelManifest | None:
+    """The manifest of a partial directory that is complete and verified (every sha256), else None."""
+    if not (partial / MANIFEST_NAME).is_file():
+        return None
+    try:
+        manifest = load_verified(partial, QuantizedModelManifest, flag="--out")
+    except UsafError:
+        (partial / MANIFEST_NAME).unlink()  # a manifest that does not match its files: redo the commit
+        return None
+    return manifest if _made_with(manifest, settings) else None
+
+
+def _done_bytes(partial: Path) -> int:
+    """Bytes an interrupted run already wrote (not needed again)."""
+    return sum(p.stat().st_size for p in partial.rglob("*") if p.is_file())
 
 
 def _estimate_note(layer_tensor: torch.Tensor, config: QuantizeConfig, device: torch.device, slices: int) -> str:
@@ -128,9 +163,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     if out.exists():
         if config.resume and not config.force:
             manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
-            s = manifest.summary
-            done = (s.source.fingerprint, s.quant.method, s.quant.nbits, s.quant.group_size_requested)
-            if done != tuple(settings.values()):
+            if not _made_with(manifest, settings):
                 raise UsafError(
                     f"--out {out}: holds a quantization of another model or with other settings",
                     "pass --force to replace it, or another --out",
@@ -144,12 +177,11 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     shards = base_shard_plan(plan, infos)
     base_bytes = sum(infos[n].nbytes for shard in shards for n in shard.disk_names)
     # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
-    _check_disk_space(out, int(experts_source_bytes * (config.nbits / 16 + 0.1) * 2 + base_bytes))
-
     partial = ArtifactWriter.partial_dir(out)
     if partial.is_dir():
-        previous = partial / PARTIAL_SETTINGS
-        same = previous.is_file() and json.loads(previous.read_text()) == settings
+        recorded = _partial_settings(partial)
+        # The settings are the first thing a run writes: without them (killed while writing them) it did no work.
+        same = recorded == settings or recorded is None
         if config.force or not same:
             if not same and not config.force:
                 raise UsafError(
@@ -157,20 +189,27 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
                     "rerun with its settings to resume it, or pass --force to discard it",
                 )
             shutil.rmtree(partial)
+    done = _done_bytes(partial) if partial.is_dir() else 0
+    # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
+    needed = int(experts_source_bytes * (config.nbits / 16 + 0.1) * 2 + base_bytes)
+    check_free_space(out, max(needed - done, 0), what="the quantized model")
 
     try:
         with ArtifactWriter(out, overwrite=config.force, resumable=True) as art:
-            (art.dir / PARTIAL_SETTINGS).write_text(json.dumps(settings))
+            if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
+                art.commit_foreign()  # killed after its manifest was written: only the rename was missing
+                return complete, art.target
+            write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps(settings))
             if art.resumed:
                 progress.note(f"resuming the interrupted run in {art.dir}")
             records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
             write_base_shards(shards, model_dir, infos, art.dir, progress)
             _assemble_experts(plan, art.dir, progress)
             copy_model_files(model_dir, art.dir)
-            (art.dir / PARTIAL_SETTINGS).unlink()
             summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
             manifest = art.commit(
                 QuantizedModelManifest,
+                exclude=(PARTIAL_SETTINGS,),
                 inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
                 config=config.model_dump(mode="json"),
                 environment=current_environment(**_env(backend)),

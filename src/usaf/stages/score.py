@@ -138,8 +138,9 @@ def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Progress) ->
         manifest = load_verified(data, TokensManifest, flag="--data")
         if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
             raise UsafError(
-                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}) "
-                "than the model's",
+                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
+                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
+                f"{tokenizer_fingerprint[:16]})",
                 "re-run usaf tokenize with --model pointing at this model",
             )
         return data / TRAIN_FILE, manifest.fingerprint
@@ -182,7 +183,11 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     out = config.out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
     ArtifactWriter(out, overwrite=config.overwrite).check_target()
 
-    lines = sample_lines(data_file, config.calib_samples, seed=config.seed, vocab_size=len(tokenizer))
+    from usaf.data.tokenizer import max_sequence_length
+
+    # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
+    context = max_sequence_length(str(model_dir), tokenizer)
+    lines = sample_lines(data_file, config.calib_samples, seed=config.seed, vocab_size=len(tokenizer), max_len=context)
     if not lines:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     if len(lines) < config.calib_samples:

@@ -31,7 +31,8 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.plan import MASKS_FILE
-from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary
+from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, RunSummary, trim_metrics
+from usaf.artifacts.writer import remove_stale_temporaries_inside, write_text_atomic
 from usaf.config import StageConfig
 from usaf.distributed import PeerLost, World
 from usaf.errors import UsafError
@@ -152,7 +153,11 @@ def _resolve_plan(
         else:
             path, plan = _score_on_the_fly(config, model_dir, data, run_dir, progress)
     if plan.summary.model_fingerprint != model_fp:
-        raise UsafError(f"--plan {path}: made for another quantized model", f"re-run usaf score --model {model_dir}")
+        raise UsafError(
+            f"--plan {path}: made for another quantized model (fingerprint {plan.summary.model_fingerprint[:16]}), "
+            f"not --model {model_dir} (fingerprint {model_fp[:16]})",
+            f"re-run usaf score --model {model_dir}",
+        )
     return path, plan
 
 
@@ -229,9 +234,12 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     settings_record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp, world)
 
     resume_from = None
+    if run_dir.exists() and world.is_main:
+        remove_stale_temporaries_inside(run_dir)  # e.g. run-settings.json of a start killed while writing it
+    world.barrier("stale temporaries")
     if run_dir.exists():
         previous = run_dir / SETTINGS_FILE
-        if previous.is_file() and json.loads(previous.read_text()) == settings_record:
+        if previous.is_file() and _read_settings(previous) == settings_record:
             resume_from = latest_checkpoint(run_dir)
         elif any(p.name != PLAN_DIR for p in run_dir.iterdir()):
             raise UsafError(
@@ -275,7 +283,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / SETTINGS_FILE).write_text(json.dumps(settings_record, indent=1))
+        write_text_atomic(run_dir / SETTINGS_FILE, json.dumps(settings_record, indent=1))  # a kill: all or nothing
     world.barrier("run directory")
     prefix = None
     if engine.prefix is not None:
@@ -302,12 +310,15 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
         seq_len=config.seq_len,
     )
     scaler = DynamicLossScaler() if compute == torch.float16 else None  # fp16 gradients underflow without it
+    torch.manual_seed(config.seed)  # checkpoints store torch's RNG state: unseeded, two equal runs differ in bytes
     trainer = Trainer(
         engine, loop, data, eval_data, run_dir, pad_id=pad, prefix=prefix, loss_scaler=scaler, world=world
     )
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
         progress.note(f"resuming from {resume_from} (step {trainer.state.step} of {steps})")
+    if world.is_main:
+        trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint (or all, from 0) are logged again
     if world.active:
         progress.note(f"data parallel: {world.size} processes ({world.backend}), {per_step} sequences per step "
                       f"({per_step // world.size} per process)")  # fmt: skip
@@ -333,6 +344,13 @@ def _given_plan_layer(config: TrainConfig) -> int | None:
     if config.plan is None:
         return None
     return load_verified(config.plan, PlanManifest, flag="--plan").summary.trainable_layers[0]
+
+
+def _read_settings(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # unreadable: treated as another run's, never a traceback
+        return None
 
 
 DEFAULT_RESELECT_EVERY = 50

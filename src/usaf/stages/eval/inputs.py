@@ -88,7 +88,9 @@ def read_input(
         manifest = load_verified(path, TokensManifest, flag=flag)
         if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
             raise UsafError(
-                f"{flag} {path}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path})",
+                f"{flag} {path}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
+                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
+                f"{tokenizer_fingerprint[:16]})",
                 "re-run usaf tokenize with --model pointing at this model",
             )
         file = path / (TRAIN_FILE if set_name == DATA else HELDOUT_FILE)

@@ -1,0 +1,140 @@
+"""Run ``usaf`` with its file writes numbered, and SIGKILL itself at one of them: a crash at a chosen moment.
+
+    python -m usaf.testing.crash_child EVENTS KILL_AT FRACTION -- quantize MODEL --out OUT ...
+
+Every write-side operation usaf's stages use (``safetensors.torch.save_file``, ``torch.save``,
+``Path.write_text``, ``os.replace``, ``shutil.rmtree``, the streaming ``experts_q4.pt`` writer) is
+numbered and logged to ``EVENTS`` (one ``N<TAB>kind<TAB>path`` line, line-buffered, so the log
+survives the kill). At event number ``KILL_AT`` (0: never) the process leaves the disk as a kill at
+that moment would and sends itself SIGKILL:
+
+- a file write is done, then cut to ``FRACTION`` of its bytes (a writer killed mid-file leaves a prefix);
+- a rename or a tree removal is not done (``rmtree`` removes ``FRACTION`` of the files first);
+- the streaming writer's ``add`` is done (its temporary holds that many layers), ``close`` is not.
+
+Nothing here changes what usaf writes when no kill is due: the hooks call the real functions.
+Used by :mod:`usaf.testing.crash` (``scripts/crash_harness.py``, ``tests/test_crash_safety.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+
+def _truncate(path: object, fraction: float) -> None:
+    path = Path(str(path))
+    if path.is_file():
+        size = path.stat().st_size
+        os.truncate(path, int(size * fraction))
+
+
+def install(events_path: str, kill_at: int, fraction: float) -> None:
+    import safetensors.torch
+    import torch
+
+    from usaf.quant import ptfile
+
+    log = open(events_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open until the process ends)
+    count = 0
+
+    def event(kind: str, path: object, partial=None) -> bool:
+        """Log the event; at KILL_AT run ``partial`` (the torn state) and die. True: do the real thing."""
+        nonlocal count
+        count += 1
+        log.write(f"{count}\t{kind}\t{path}\n")
+        if count == kill_at:
+            if partial is not None:
+                partial()
+            log.write(f"{count}\tKILL\t{path}\n")
+            log.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return True
+
+    real_save_file = safetensors.torch.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        def torn():
+            real_save_file(tensors, filename, metadata=metadata)
+            _truncate(filename, fraction)
+
+        event("save_file", filename, torn)
+        return real_save_file(tensors, filename, metadata=metadata)
+
+    safetensors.torch.save_file = save_file
+
+    real_torch_save = torch.save
+
+    def torch_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+
+            def torn():
+                real_torch_save(obj, f, *args, **kwargs)
+                _truncate(f, fraction)
+
+            event("torch.save", f, torn)
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    torch.save = torch_save
+
+    real_write_text = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        def torn():
+            real_write_text(self, data[: int(len(data) * fraction)], *args, **kwargs)
+
+        event("write_text", self, torn)
+        return real_write_text(self, data, *args, **kwargs)
+
+    Path.write_text = write_text
+
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        event("replace", dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    os.replace = replace
+
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        def torn():
+            files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+            for p in files[: int(len(files) * fraction)]:
+                p.unlink()
+
+        event("rmtree", path, torn)
+        return real_rmtree(path, *args, **kwargs)
+
+    shutil.rmtree = rmtree
+
+    real_add, real_close = ptfile.StreamingTorchSave.add, ptfile.StreamingTorchSave.close
+
+    def add(self, name, entry):
+        result = real_add(self, name, entry)
+        event("ptfile.add", self.path)
+        return result
+
+    def close(self):
+        event("ptfile.close", self.path)
+        return real_close(self)
+
+    ptfile.StreamingTorchSave.add, ptfile.StreamingTorchSave.close = add, close
+
+
+def main() -> None:
+    events, kill_at, fraction, sep, *args = sys.argv[1:]
+    if sep != "--":
+        raise SystemExit("usage: python -m usaf.testing.crash_child EVENTS KILL_AT FRACTION -- USAF_ARGS...")
+    install(events, int(kill_at), float(fraction))
+    from usaf.cli.app import app
+
+    app(args=args, prog_name="usaf")
+
+
+if __name__ == "__main__":
+    main()
