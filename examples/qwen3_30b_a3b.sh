@@ -4,11 +4,12 @@
 # REQUIRES A DOWNLOAD: about 61 GB of bf16 weights from the Hugging Face hub (set HF_HOME to a disk with
 # room; the quantized model is ~16 GB of 4-bit experts + ~1.3 GB of other weights).
 #
-# Memory, today: the frozen 4-bit experts of all 48 layers (~15.4 GB) are held on the training device, so
-# this needs a GPU with >= 24 GB (or a CPU with >= 48 GB of RAM, slowly). Streaming the frozen experts
-# layer by layer from host memory, which is what fits a 12 GB card, is planned (issue 10) but not built;
-# the settings below are already the ones a 12 GB card will use: the top 4 of 48 layers trainable
-# (their dequantized bases: ~4.8 GB in bf16), microbatch 1 x 8 accumulation at 512 tokens.
+# Memory: the 4-bit experts of all 48 layers (~15.4 GB) stay in host memory and the frozen layers' are
+# streamed to the GPU one layer ahead (--stream-experts; chosen by default when they would take over half
+# the free device memory), so a 12 GB card with 32 GB of RAM is the target: `usaf plan Qwen/Qwen3-30B-A3B
+# --vram 12GiB --ram 32GiB` shows the predicted peaks. Streaming on a real GPU is not measured yet (no GPU
+# was available to the project; scripts/gpu_check.sh is ready). The settings below: the top 4 of 48 layers
+# trainable (their dequantized bases: ~4.8 GB in bf16), microbatch 1 x 8 accumulation at 512 tokens.
 set -euo pipefail
 
 CODE_DIR=${1:?usage: $0 PATH_TO_YOUR_CODE [HELD_OUT_SOURCE ...]}
