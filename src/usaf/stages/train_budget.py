@@ -58,9 +58,12 @@ def apply_budget(
         samples=len(data),
     )
     plan = plan_memory(model_facts(source.config), source.quant, target, request)
-    if not plan.fits:
+    # The model is already quantized and eval is another command: only train (and scoring on the fly) count.
+    relevant = ("train", "score") if first_layer is None else ("train",)
+    short = [line for line in plan.shortfalls if line.split(" ", 1)[0] in relevant]
+    if short:
         raise UsafError(
-            "--vram/--ram: nothing fits: " + "; ".join(plan.shortfalls),
+            "--vram/--ram: nothing fits: " + "; ".join(short),
             "more memory, a shorter --seq-len, a smaller --frac or fewer trainable layers; usaf plan shows the table",
         )
     s = plan.settings

@@ -154,16 +154,18 @@ class Trainer:
         notes = []
         loads_before = {layer: self.engine.loaded.experts[layer].tokens_per_expert.clone()
                         for layer in self.engine.trainable_layers}  # fmt: skip
-        scored = self._scored_tokens(step)  # over every rank: each microbatch's loss weight is its share
+        batches = self._microbatches(step)
+        scored = self._scored_tokens(batches)  # over every rank: each microbatch's loss weight is its share
         while True:
             scores = self._collector_state()
             try:
-                loss_sum, batches = self._forward_backward(step, scored)
+                loss_sum = self._forward_backward(batches, scored)
                 break
             except torch.OutOfMemoryError:
                 self._zero_grad()
                 self._restore_collector(scores)  # the failed attempt's partial grow scores are discarded
                 notes.append(self._shrink_microbatch())
+                batches = self._microbatches(step)  # the same sequences, in smaller microbatches
         sent = self.world.sum_gradients(self._trainables())
         tokens = sum(b.tokens for b in batches)
         loss_sum, tokens = self.world.sum_floats([loss_sum, tokens], "loss all-reduce")
@@ -219,14 +221,13 @@ class Trainer:
             }
         return out
 
-    def _scored_tokens(self, step: int) -> int:
-        """Tokens with a label in the step's global batch (every rank's share)."""
-        mine = sum(int((b.labels[:, 1:] != -100).sum()) for b in self._microbatches(step))
+    def _scored_tokens(self, batches: list) -> int:
+        """Tokens with a label in the step's global batch (this rank's ``batches`` and every other rank's)."""
+        mine = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
         return int(self.world.sum_floats([mine], "token-count all-reduce")[0])
 
-    def _forward_backward(self, step: int, scored: int) -> tuple[float, list]:
+    def _forward_backward(self, batches: list, scored: int) -> float:
         """This rank's gradients of the step's token-weighted loss (times the loss scale, under fp16)."""
-        batches = self._microbatches(step)
         self._zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum = 0.0
@@ -235,7 +236,7 @@ class Trainer:
             weight = parts.tokens / max(scored, 1)
             (parts.loss * (weight * scale)).backward()
             loss_sum += float(parts.loss.detach()) * weight
-        return loss_sum, batches
+        return loss_sum
 
     def _trainables(self) -> list[torch.Tensor]:
         return [d.values for d in self.engine.deltas().values()] + list(self.engine.routers.values())

@@ -19,6 +19,7 @@ quantize again a layer whose file was complete.
 
 from __future__ import annotations
 
+import abc
 import json
 import random
 import re
@@ -71,22 +72,22 @@ def _child(events: Path, kill_at: int, fraction: float, args: list[str]) -> list
     return [sys.executable, "-m", "usaf.testing.crash_child", str(events), str(kill_at), str(fraction), "--", *args]
 
 
-class Stage:
+class Stage(abc.ABC):
     """One command under test: how to run it into an output, check what is visible, compare results."""
 
     name = ""
 
-    def args(self, out: Path) -> list[str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def args(self, out: Path) -> list[str]: ...
 
     def output(self, out: Path) -> Path:
         return out
 
-    def check_visible(self, out: Path) -> tuple[str, list[str]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def check_visible(self, out: Path) -> tuple[str, list[str]]: ...
 
-    def compare(self, out: Path, reference: Path) -> list[str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def compare(self, out: Path, reference: Path) -> list[str]: ...
 
     def check_rerun(self, trial: Trial, out: Path, before: list, rerun_events: list, stderr: str) -> list[str]:
         return []
