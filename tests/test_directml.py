@@ -1,7 +1,7 @@
 """The DirectML backend's capability logic, with a stand-in torch_directml (no DirectML device exists here).
 
 What is checked: the flags and dtype policy a DirectML device gets, that code paths follow the flags
-(index-free experts forward, host-side resident bases over the allocation limit, two-call ``.to``), and
+(index-free experts forward, resident bases in expert chunks under the allocation limit, two-call ``.to``), and
 that the index-free forward really avoids the ops DirectML rejects (they are made to raise) while
 computing the same thing as the default forward. Running on a DirectML GPU is not tested anywhere.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -88,20 +87,6 @@ def dataclass_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
-
-
-def test_resident_bases_over_the_allocation_limit_stay_on_the_host():
-    from usaf.engine.engine import resident_placement
-
-    caps = dataclass_replace(device_capabilities("cpu"), max_allocation_bytes=800 * 2**20, pinned_memory=False)
-    memory = types.SimpleNamespace(device_free=64 * 2**30)
-    backend = types.SimpleNamespace(device=torch.device("cuda"), capabilities=caps, memory=lambda: memory)
-    assert resident_placement(backend, 700 * 2**20) == (torch.device("cuda"), False)
-    assert resident_placement(backend, 900 * 2**20) == (torch.device("cpu"), False)  # one base > limit
-    assert resident_placement(backend, 900 * 2**20, largest=400 * 2**20) == (torch.device("cuda"), False)
-    no_limit = dataclass_replace(caps, max_allocation_bytes=None)
-    unlimited = types.SimpleNamespace(device=backend.device, capabilities=no_limit, memory=backend.memory)
-    assert resident_placement(unlimited, 900 * 2**20) == (torch.device("cuda"), False)
 
 
 def test_check_allocation_names_the_tensor(monkeypatch):
@@ -318,26 +303,118 @@ def test_doctor_reports_the_configuration_and_the_directml_limits(dml):
     assert ("per-expert" in conf["layout"]) == (transformers_major() < 5)
     assert any("vmap" in line for line in conf["cannot"]) and any("index_add_" in line for line in conf["can"])
     assert any("single tensor above 800 MiB" in line for line in conf["cannot"])
+    assert any("stored in chunks of whole experts" in line for line in conf["can"])
     cpu = configuration_report(resolve_backend("cpu").capabilities)  # negative control: no DirectML limits
     assert not any(w in line for w in ("scatter", "vmap", "single tensor") for line in cpu["cannot"] + cpu["can"])
 
 
-def test_a_resident_base_above_the_allocation_limit_is_refused_by_name(quantized, monkeypatch):
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op returns (bytes): what a per-allocation limit would see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def _limit_allocations(monkeypatch, max_bytes: int | None) -> None:
+    """Every device (here: the CPU) declares ``max_allocation_bytes=max_bytes``."""
     from usaf.backends import transfer
+
+    caps = dataclass_replace(transfer.device_capabilities("cpu"), max_allocation_bytes=max_bytes)
+    monkeypatch.setattr(transfer, "_capabilities", lambda kind, index: caps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resident_base_chunks_equal_the_whole_base(quantized, dtype):
+    from usaf.engine.loading import load_quantized_model
+    from usaf.engine.resident import ResidentBase
+    from usaf.quant import dequantize
+
+    q = load_quantized_model(quantized("qwen3_moe")).experts[1].gate_up.q
+    e, o, i = q.shape
+    whole = dequantize(q, dtype=dtype, memory_layout=False)  # (E, O, I)
+    limit = o * i * 4 + 1  # one expert's fp32 transient; the stored chunks hold 1 (fp32) or 2 (fp16) experts
+    guard = _LargestTensor()
+    with guard:
+        chunked = ResidentBase.dequantized(q, dtype=dtype, device=torch.device("cpu"), max_bytes=limit)
+    per_chunk = 4 // whole.element_size()
+    assert chunked.per_chunk == per_chunk and len(chunked.chunks) == -(-e // per_chunk) > 1
+    assert all(c.numel() * c.element_size() <= limit for c in chunked.chunks)
+    assert guard.largest <= limit  # no transient above the limit either
+    assert torch.equal(chunked.dense(), whole) and chunked.nbytes == whole.numel() * whole.element_size()
+    assert all(torch.equal(chunked.expert(x), whole[x]) for x in range(e))
+    chunked.expert(e - 1).fill_(7)  # the expert view writes the stored base
+    assert (chunked.chunks[-1][-1] == 7).all()
+    with _LargestTensor() as unlimited:  # negative control: without a limit the base is one tensor
+        ResidentBase.dequantized(q, dtype=dtype, device=torch.device("cpu"))
+    assert unlimited.largest > limit
+
+
+def test_a_resident_base_above_the_allocation_limit_trains_in_chunks(quantized, monkeypatch):
+    """A limit below the whole base (Qwen3-30B-A3B's 805 MB gate_up on DirectML): the engine stores it in expert
+    chunks, allocates nothing above the limit while building it, and trains exactly as with one tensor."""
+    from test_engine import batch, random_selection
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+
+    ids, labels = batch()
+    runs = []
+    for limited in (False, True):
+        loaded = load_quantized_model(quantized("qwen3_moe"))
+        top = loaded.spec.moe_layers[-1]
+        e, o, i = loaded.experts[top].gate_up.shape
+        limit = 2 * o * i * 4  # two experts of gate_up (fp32 on CPU): the base is E/2 chunks
+        guard = _LargestTensor()
+        with monkeypatch.context() as m:
+            if limited:
+                _limit_allocations(m, limit)
+            with guard:
+                engine = SparseEngine(loaded, trainable_layers=[top])
+            engine.set_deltas(random_selection(engine, frac=0.05))
+            parts = engine.loss(ids, labels)
+            parts.loss.backward()
+            grads = {n: d.values.grad.clone() for n, d in engine.deltas().items()}
+            for weight in engine.weights.values():  # a reselection's fold: the record written into the base
+                delta = weight.delta
+                weight.fold(delta.indices[::3], delta.values.detach()[::3] + 0.25)
+            with torch.no_grad():
+                after = engine.loss(ids, labels).loss.item()
+        chunks = {n: len(w.resident.chunks) for n, w in engine.weights.items()}
+        bases = {n: w.resident.dense().clone() for n, w in engine.weights.items()}
+        runs.append((guard.largest, chunks, parts.loss.item(), grads, after, bases))
+        if limited:
+            assert chunks[loaded.spec.gate_up_name(top)] == e // 2
+            assert guard.largest <= limit
+        else:  # negative control: one tensor per base, larger than the limit
+            assert set(chunks.values()) == {1} and guard.largest > limit
+    (_, _, loss_a, grads_a, after_a, bases_a), (_, _, loss_b, grads_b, after_b, bases_b) = runs
+    assert loss_b == loss_a and after_b == after_a and after_a != loss_a
+    for name in grads_a:
+        assert torch.equal(grads_b[name], grads_a[name]), name
+        assert torch.equal(bases_b[name], bases_a[name]), name
+
+
+def test_one_expert_above_the_allocation_limit_is_refused_by_name(quantized, monkeypatch):
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.errors import UsafError
 
     loaded = load_quantized_model(quantized("qwen3_moe"))
     top = loaded.spec.moe_layers[-1]
-    e, o, i = loaded.experts[top].gate_up.shape
-    limited = dataclass_replace(device_capabilities("cpu"), max_allocation_bytes=e * o * i * 4 - 1)  # fp32 base
-    monkeypatch.setattr(transfer, "device_capabilities", lambda device: limited)
-    with pytest.raises(UsafError, match=rf"resident base of {loaded.spec.gate_up_name(top)}.*per-allocation"):
+    _, o, i = loaded.experts[top].gate_up.shape
+    _limit_allocations(monkeypatch, o * i * 4 - 1)  # one expert's fp32 slice does not fit
+    with pytest.raises(UsafError, match=rf"one expert of the resident base of {loaded.spec.gate_up_name(top)}"):
         SparseEngine(loaded, trainable_layers=[top])
-    roomy = dataclass_replace(limited, max_allocation_bytes=e * o * i * 4)  # negative control: exactly fits
-    monkeypatch.setattr(transfer, "device_capabilities", lambda device: roomy)
-    SparseEngine(loaded, trainable_layers=[top])
+    _limit_allocations(monkeypatch, o * i * 4)  # negative control: exactly one expert fits
+    engine = SparseEngine(loaded, trainable_layers=[top])
+    assert len(engine.weights[loaded.spec.gate_up_name(top)].resident.chunks) == loaded.experts[top].num_experts
 
 
 def _assert_resident_holds_the_record(weight) -> None:
@@ -347,10 +424,10 @@ def _assert_resident_holds_the_record(weight) -> None:
     idx = weight.frozen_indices
     assert idx.numel() > 0
     expected = (base[idx] + weight.frozen_values).to(weight.resident.dtype)
-    assert torch.equal(weight.resident.view(-1)[idx], expected)
+    assert torch.equal(weight.resident.dense().view(-1)[idx], expected)
     untouched = torch.ones_like(base, dtype=torch.bool)
     untouched[idx] = False
-    assert torch.equal(weight.resident.view(-1)[untouched], base[untouched].to(weight.resident.dtype))
+    assert torch.equal(weight.resident.dense().view(-1)[untouched], base[untouched].to(weight.resident.dtype))
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -387,7 +464,7 @@ def test_reselection_without_index_ops_equals_the_default(quantized, monkeypatch
                 name: (
                     *cumulative_delta(weight),
                     weight.delta.indices.clone(),
-                    weight.resident.clone(),
+                    weight.resident.dense().clone(),
                     *optimizer.state_for(weight.delta.values).values(),
                 )
                 for name, weight in engine.weights.items()

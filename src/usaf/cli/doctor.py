@@ -280,9 +280,13 @@ def configuration_report(caps: Any) -> dict[str, Any]:
             cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
     if caps.max_allocation_bytes is not None:
         limit = caps.max_allocation_bytes / 2**20
+        can.append(
+            f"resident expert bases above {limit:.0f} MiB, stored in chunks of whole experts under the limit "
+            "(Qwen3-30B-A3B's 805 MiB gate_up base: two chunks)"
+        )
         cannot.append(
-            f"any single tensor above {limit:.0f} MiB on the device (refused by name): e.g. a large "
-            "vocabulary's embeddings, or a resident expert base of a large model (Qwen3-30B-A3B's is 805 MiB)"
+            f"any other single tensor above {limit:.0f} MiB on the device (refused by name): e.g. a large "
+            "vocabulary's embeddings (gpt-oss-20b's are 1.1 GiB in fp16)"
         )
     return {
         "transformers": version,

@@ -95,10 +95,13 @@ class SparseEngine:
         for layer in self.trainable_layers:
             state = loaded.experts[layer]
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
-                e, o, i = weight.shape
-                size = e * o * i * torch.empty(0, dtype=weight.compute_dtype).element_size()
-                where = resident_device or weight.q.codes.device
-                check_allocation(size, where, f"the resident base of {name}")  # DirectML: ~800 MB per tensor
+                _, o, i = weight.shape
+                # The base is stored in chunks of whole experts under the device's per-allocation limit
+                # (DirectML: ~800 MB), dequantized in fp32 batches: one expert's fp32 slice must fit.
+                one_expert = o * i * max(4, torch.empty(0, dtype=weight.compute_dtype).element_size())
+                where = torch.device("cpu") if pin_resident else resident_device or weight.q.codes.device
+                what = f"one expert of the resident base of {name} (fp32 while dequantized)"
+                check_allocation(one_expert, where, what)
                 weight.make_resident(resident_device, pin=pin_resident)
                 self.weights[name] = weight
         self.routers: dict[str, nn.Parameter] = {}
@@ -400,7 +403,9 @@ class SparseEngine:
         for state in self.loaded.experts.values():
             for weight in (state.gate_up, state.down):
                 q = weight.q
-                tensors.extend(t for t in (weight.resident, q.codes, q.scale, q.zero) if t is not None)
+                tensors.extend((q.codes, q.scale, q.zero))
+                if weight.resident is not None:
+                    tensors.extend(weight.resident.chunks)
         return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
     def trainable_count(self) -> dict[str, int]:
@@ -421,22 +426,19 @@ class _CastTo(nn.Module):
         return master.to(self.dtype)
 
 
-def resident_placement(
-    backend: object, nbytes: int, *, headroom: float = 0.8, largest: int | None = None
-) -> tuple[torch.device, bool]:
+def resident_placement(backend: object, nbytes: int, *, headroom: float = 0.8) -> tuple[torch.device, bool]:
     """Where trainable layers' resident bases go: ``(device, pin)``.
 
-    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory and the largest single
-    base (``largest``; default ``nbytes``) fits the backend's per-allocation limit; otherwise in host
-    memory, pinned where the backend supports it (then each expert slice is copied to the device when used).
+    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory; otherwise in host memory,
+    pinned where the backend supports it (then each expert slice is copied to the device when used). A
+    per-allocation limit does not matter here: bases are stored in expert chunks under it
+    (:class:`usaf.engine.resident.ResidentBase`).
     """
     device = backend.device
     if device.type == "cpu":
         return device, False
-    limit = getattr(backend.capabilities, "max_allocation_bytes", None)
-    one_fits = limit is None or (nbytes if largest is None else largest) <= limit
     free = backend.memory().device_free
-    if one_fits and free is not None and nbytes <= headroom * free:
+    if free is not None and nbytes <= headroom * free:
         return device, False
     return torch.device("cpu"), bool(backend.capabilities.pinned_memory)
 

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from usaf.backends.transfer import move
 from usaf.engine.deltas import SparseDelta
+from usaf.engine.resident import ResidentBase
 from usaf.engine.sparse_linear import sparse_delta_linear
 from usaf.quant import QuantizedTensor, dequantize
 
@@ -34,8 +35,8 @@ class ExpertWeight(nn.Module):
     """One fused expert tensor of one layer: a 4-bit base, optionally resident, optionally a sparse delta.
 
     Frozen layers dequantize only the experts a batch routes to, on every forward. Trainable layers
-    keep a resident dequantized base ``(E, O, I)`` in the compute dtype (made once), and may carry a
-    :class:`SparseDelta` whose values train.
+    keep a resident dequantized base ``(E, O, I)`` in the compute dtype (made once, in expert chunks
+    under the device's per-allocation limit), and may carry a :class:`SparseDelta` whose values train.
     """
 
     def __init__(self, q: QuantizedTensor, *, compute_dtype: torch.dtype, device: torch.device) -> None:
@@ -43,7 +44,7 @@ class ExpertWeight(nn.Module):
         self.shape = q.shape  # (E, O, I)
         self.compute_dtype = compute_dtype
         self.q = q.to(device)
-        self.resident: torch.Tensor | None = None
+        self.resident: ResidentBase | None = None
         self.delta: SparseDelta | None = None
         self.score_sink: ScoreSinkFactory | None = None  # dense-score mode: expert -> sink
         self.index_ops = True  # Capabilities.index_ops of the device (LayerExperts.set_index_ops)
@@ -55,12 +56,11 @@ class ExpertWeight(nn.Module):
         self.frozen_values = torch.zeros(0, dtype=torch.float32)  # (m,)
 
     def make_resident(self, device: torch.device | None = None, *, pin: bool = False) -> None:
-        """Dequantize every expert once; kept on ``device`` (or pinned host memory) for the run."""
-        where = None if pin else device  # dequantize where the base will live (the codes may be in host memory)
-        base = dequantize(self.q, dtype=self.compute_dtype, device=where, memory_layout=False)  # (E, O, I)
-        if pin:
-            base = base.pin_memory()
-        self.resident = base.to(device) if device is not None else base
+        """Dequantize every expert once; kept on ``device`` (or pinned host memory) for the run.
+
+        Stored in expert chunks under the device's per-allocation limit (:class:`ResidentBase`).
+        """
+        self.resident = ResidentBase.dequantized(self.q, dtype=self.compute_dtype, device=device, pin=pin)
         self._write_frozen(self.frozen_indices)  # a record restored before the base became resident
 
     @torch.no_grad()
@@ -106,24 +106,24 @@ class ExpertWeight(nn.Module):
         frozen = self.frozen_values.to(device)[at]  # (k,)
         per_expert = self.shape[1] * self.shape[2]
         experts = indices // per_expert
-        flat = self.resident.view(-1)
         for expert in torch.unique(experts).tolist():
             # One expert at a time: a transient (O, I) fp32, never a second copy of the whole tensor.
             mine = experts == expert
             local = indices[mine] - expert * per_expert
             base = dequantize(self.q, experts=[expert], dtype=torch.float32, device=device, memory_layout=False)
             total = base.view(-1)[local] + frozen[mine]  # fp32, one rounding to the compute dtype below
+            block = self.resident.expert(expert)  # (O, I), a view of the stored base
             if self.index_ops:
-                flat[indices[mine]] = total.to(flat.dtype)
-            else:
-                block = self.resident[expert].to(device, copy=True)  # (O, I) host copy, never a view
                 block.view(-1)[local] = total.to(block.dtype)
-                self.resident[expert].copy_(block)
+            else:
+                edited = block.to(device, copy=True)  # (O, I) host copy, never a view
+                edited.view(-1)[local] = total.to(edited.dtype)
+                block.copy_(edited)
 
     def base(self, expert: int, device: torch.device) -> torch.Tensor:
         """The frozen base of one expert, ``(O, I)``, in the compute dtype on ``device``."""
         if self.resident is not None:
-            return self.resident[expert].to(device, non_blocking=True)
+            return self.resident.expert(expert).to(device, non_blocking=True)
         return dequantize(self.q, experts=[expert], dtype=self.compute_dtype, device=device, memory_layout=False)[0]
 
     def linear(self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,7 +140,7 @@ class ExpertWeight(nn.Module):
         return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink, index_ops=self.index_ops)
 
     def nbytes(self) -> dict[str, int]:
-        resident = self.resident.numel() * self.resident.element_size() if self.resident is not None else 0
+        resident = self.resident.nbytes if self.resident is not None else 0
         delta = 0
         if self.delta is not None:  # fp32 values + the int64 index buffers (flat, expert, row, col, offsets)
             delta = sum(t.numel() * t.element_size() for t in [*self.delta.parameters(), *self.delta.buffers()])
