@@ -26,19 +26,6 @@ needs_v5 = pytest.mark.skipif(
 V5_ONLY_TYPES = FALLBACK_TYPES  # the structural fallback reads v5's fused experts
 
 
-def _torch_below(version: str) -> bool:
-    import torch
-    from torch.torch_version import TorchVersion
-
-    return TorchVersion(torch.__version__) < version
-
-
-# transformers 4.x builds gpt-oss's sliding-window mask with torch.func.vmap on torch < 2.6, and vmap
-# refuses the saved-tensor hooks usaf's activation meter installs during training forwards.
-GPT_OSS_TRAINING_BROKEN = (not TRANSFORMERS_V5) and _torch_below("2.6")
-GPT_OSS_TRAINING_REASON = "gpt-oss training on transformers 4.x + torch < 2.6: its mask code uses vmap (not supported)"
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """``tiny_model(family, **build_kwargs) -> Path``: built on first request, then cached."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON, TRANSFORMERS_V5
+from conftest import FAMILIES, TRANSFORMERS_V5
 from usaf.backends import directml, resolve_backend
 from usaf.backends.testing import hide_accelerators, simulate_directml
 from usaf.backends.transfer import clear_cache, device_capabilities, move
@@ -221,8 +221,6 @@ def test_index_free_sparse_delta_kernel_equals_the_default(dtype):
 def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     """Forward, backward (deltas and, on transformers 4.x, routers) and an optimizer step with index_ops=False,
     with every op DirectML rejects made to raise at the aten level."""
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
     _skip_v5_router_scatter(family)
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model

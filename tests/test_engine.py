@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON
+from conftest import FAMILIES
 from helpers import reference_model
 from usaf.engine.engine import IGNORE_INDEX, SparseEngine
 from usaf.engine.loading import load_quantized_model
@@ -63,8 +63,6 @@ def make_engine(quantized, family, **kwargs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sparse_and_router_gradients_equal_dense_autograd(family, tiny_model, quantized):
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
     engine = make_engine(quantized, family)
     selection = random_selection(engine)
     engine.set_deltas(selection)
@@ -91,8 +89,6 @@ def test_sparse_and_router_gradients_equal_dense_autograd(family, tiny_model, qu
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_from_the_prefix_cache_equals_the_full_forward(family, quantized):
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
     engine = make_engine(quantized, family)
     engine.set_deltas(random_selection(engine))
     ids, labels = batch(1)
@@ -195,6 +191,31 @@ def test_activation_accounting_measures_what_a_training_forward_saves(quantized)
     states = engine.prefix_states(long_ids)
     engine.loss(long_ids, long_labels, prefix_states=states)
     assert engine.activations.last == long
+
+
+def test_the_activation_meter_counts_from_its_start_module_only():
+    """The engine's meter starts at the first decoder layer: what runs before it (mask building, which is
+    torch.func.vmap on transformers 4.x + torch < 2.6 and refuses saved-tensor hooks) runs without hooks."""
+    from usaf.engine.activations import SavedTensorMeter
+
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64, requires_grad=True)
+
+    def forward(start_at) -> torch.Tensor:
+        before = (x * x).sum(dim=0, keepdim=True)  # saves x (2 KiB): before the start module
+        if start_at is not None:  # transformers 4.x's mask building on torch < 2.6 (where it would raise under hooks)
+            torch.func.vmap(torch.sin)(torch.ones(2, 2))
+        return layer(before.expand(256, 64)).tanh().sum()  # saves the (256, 64) input and the tanh output
+
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    counts = {}
+    for start_at in (None, layer):
+        meter = SavedTensorMeter(lambda: weights, start_at=start_at)
+        with meter.measure():
+            forward(start_at)
+        counts[start_at is None] = meter.last
+    assert counts[True] - counts[False] == x.numel() * 4  # only x, saved before the layer, is not counted
+    assert counts[False] >= 256 * 64 * 4  # the tanh output (the linear saved the expand of a (1, 64) storage)
 
 
 def test_prefix_cache_spills_to_disk_and_serves_identical_states(quantized, tmp_path, monkeypatch):

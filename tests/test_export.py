@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON, TRANSFORMERS_V5
+from conftest import FAMILIES, TRANSFORMERS_V5
 from helpers import invoke, leftovers
 from trained import tokenize, train_run
 from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
@@ -92,8 +92,6 @@ def ids_for(qdir, n=3, t=20):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dequantized_export_reloads_with_the_engines_logits(family, trained, tmp_path):
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
     source, qdir, run = trained(family)
     out = tmp_path / "hf"
     printed = export("--model", qdir, "--checkpoint", run, "--out", out)
@@ -123,8 +121,6 @@ def stored(param: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_onto_the_original_changes_exactly_the_trained_entries(family, trained, tmp_path):
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
 
     source, qdir, run = trained(family)
     out = tmp_path / "hf"
@@ -159,8 +155,6 @@ def test_export_onto_the_original_changes_exactly_the_trained_entries(family, tr
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_delta_applied_later_writes_the_same_directory(family, trained, tmp_path):
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
     _, qdir, run = trained(family)
     direct, delta, later = tmp_path / "direct", tmp_path / "delta", tmp_path / "later"
     export("--model", qdir, "--checkpoint", run, "--out", direct, "--no-verify")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAMILIES, GPT_OSS_TRAINING_BROKEN, GPT_OSS_TRAINING_REASON
+from conftest import FAMILIES
 from helpers import invoke
 from usaf.artifacts import RunManifest, load_verified
 
@@ -49,8 +49,6 @@ def final_deltas(run: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     """A memorisation task: two sequences, seen again and again, must get likelier."""
-    if family == "gpt_oss" and GPT_OSS_TRAINING_BROKEN:
-        pytest.skip(GPT_OSS_TRAINING_REASON)
     qdir, tokens, plan = prepared(family)
     memory = tmp_path / "two.jsonl"
     memory.write_text("".join((tokens / "train.jsonl").read_text().splitlines(keepends=True)[:2]))

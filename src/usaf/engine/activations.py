@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 
 class SavedTensorMeter:
@@ -20,10 +21,16 @@ class SavedTensorMeter:
     Args:
         weight_storages: returns the data pointers of storages that are weights (parameters, buffers,
             resident bases), excluded because the accounting counts them as weights.
+        start_at: count only from this module's first call on (the first decoder layer). What a model
+            does before it — build attention masks, look up embeddings — saves nothing of note for
+            backward (the token ids), and transformers 4.x on torch < 2.6 builds sliding-window masks
+            (gpt-oss) with ``torch.func.vmap``, which refuses to run while saved-tensor hooks are set.
+            None: count from the start of :meth:`measure`.
     """
 
-    def __init__(self, weight_storages: Callable[[], set[int]]) -> None:
+    def __init__(self, weight_storages: Callable[[], set[int]], *, start_at: nn.Module | None = None) -> None:
         self._weight_storages = weight_storages
+        self._start_at = start_at
         self.last = 0  # bytes saved by the most recent measured forward
         self.peak = 0  # the largest of those since construction or reset()
 
@@ -48,7 +55,24 @@ class SavedTensorMeter:
                 seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        entered = False
+
+        def enter(*_: object) -> None:
+            nonlocal entered
+            if not entered:  # hooks stack: entered once, left below after everything the forward pushed
+                hooks.__enter__()
+                entered = True
+
+        handle = self._start_at.register_forward_pre_hook(enter) if self._start_at is not None else None
+        if handle is None:
+            enter()
+        try:
             yield
+        finally:
+            if handle is not None:
+                handle.remove()
+            if entered:
+                hooks.__exit__(None, None, None)
         self.last = sum(seen.values())
         self.peak = max(self.peak, self.last)

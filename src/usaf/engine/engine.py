@@ -134,7 +134,7 @@ class SparseEngine:
                 copy=stream_experts == "copy",
             )  # fmt: skip
         first = self.trainable_layers[0]
-        self.activations = SavedTensorMeter(self._weight_storages)
+        self.activations = SavedTensorMeter(self._weight_storages, start_at=self.model.model.layers[0])
         returns_tuple = decoder_returns_tuple(spec)
         self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
 
