@@ -275,7 +275,10 @@ def configuration_report(caps: Any) -> dict[str, Any]:
             "refuses usaf's saved-tensor hooks (its forward works)"
         )
         can.append("score accumulation and reselection with their index arithmetic in host memory")
-        cannot.append("the stage code around the engine (usaf.stages): not audited for those ops")
+        can.append(
+            "score, train (with reselection, checkpoints, resume) and eval stages: checked on CPU with those "
+            "ops made to raise outside a reviewed list of host-side functions; never on a DirectML GPU"
+        )
         if major >= 5:
             cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
     if caps.max_allocation_bytes is not None:

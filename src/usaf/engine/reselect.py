@@ -240,11 +240,13 @@ def cumulative_delta(weight: ExpertWeight) -> tuple[torch.Tensor, torch.Tensor]:
         ``(m,)`` fp32 values; ``dequantize(q) + dense(values at indices)`` is the trained weight.
     """
     device = weight.frozen_indices.device if weight.delta is None else weight.delta.indices.device
+    if not weight.index_ops:  # unique's inverse + index_add_ on host copies (Capabilities.index_ops, DirectML)
+        device = torch.device("cpu")
     indices = [weight.frozen_indices.to(device)]
     values = [weight.frozen_values.to(device)]
     if weight.delta is not None:
-        indices.append(weight.delta.indices)
-        values.append(weight.delta.values.detach().to(torch.float32))
+        indices.append(weight.delta.indices.to(device))
+        values.append(weight.delta.values.detach().to(torch.float32).to(device))
     unique, inverse = torch.unique(torch.cat(indices), return_inverse=True)
     summed = torch.zeros(unique.numel(), dtype=torch.float32, device=device)
     return unique, summed.index_add_(0, inverse, torch.cat(values))
