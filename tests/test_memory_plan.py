@@ -84,8 +84,8 @@ def test_activation_formula_matches_the_engines_measurement(family, quantized):
     """Saved-tensor bytes of a training forward: the formula against ``engine.memory()["activations"]``.
 
     Two trainable layers of four (so one full layer and one first layer), fp32 and bf16, a padded batch.
-    The layer part (total minus the loss's log-softmax, which is exact) is checked on its own: the tiny
-    vocabulary would otherwise hide errors in it.
+    The layer part (total minus the loss's saved gradient, which is exact) is checked on its own, and the
+    loss's part exactly.
     """
     qdir = quantized(family, num_layers=4)
     facts, _ = _facts(qdir)
@@ -101,7 +101,7 @@ def test_activation_formula_matches_the_engines_measurement(family, quantized):
         engine.loss(ids, labels, mask, prefix_states=states)
         measured = engine.memory()["activations"]
         parts = saved_activations(facts, engine.trainable_layers[0], Batch(2, 24, padded=True), c)
-        head = parts.pop("final norm and log-softmax")
+        head = parts.pop("final norm and loss gradient")
         layers = sum(parts.values())
         assert layers == pytest.approx(measured - head, rel=0.01 if exact else 0.05), (dtype, parts)
     if exact:  # the same batch without padding: no mask, no repeated K/V; measured and predicted both drop
@@ -230,7 +230,7 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert data["settings"]["stream_experts"]
     train = data["stages"]["train"]
     assert train["device_peak_bytes"] == sum(c["device_bytes"] for c in train["components"])
-    assert any(c.startswith("usaf train --microbatch 2") for c in data["commands"])
+    assert any(c.startswith(f"usaf train --microbatch {data['settings']['microbatch']} ") for c in data["commands"])
 
 
 def test_cli_table_names_components_and_settings():

@@ -8,25 +8,24 @@ accounting. It never prints and never touches files.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
 from usaf.backends.transfer import check_allocation, move
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
+from usaf.engine.head_loss import IGNORE_INDEX, HeadInput, next_token_loss  # noqa: F401 (IGNORE_INDEX: re-exported)
 from usaf.engine.loading import LoadedModel
 from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
 from usaf.families.modules import decoder_returns_tuple
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -133,6 +132,7 @@ class SparseEngine:
                 self.model.model.layers, loaded.experts, frozen, device, pin=pin_experts,
                 copy=stream_experts == "copy",
             )  # fmt: skip
+        self.head = HeadInput(self.model.get_output_embeddings())
         first = self.trainable_layers[0]
         self.activations = SavedTensorMeter(self._weight_storages, start_at=self.model.model.layers[0])
         returns_tuple = decoder_returns_tuple(spec)
@@ -232,18 +232,11 @@ class SparseEngine:
             kwargs["output_router_logits"] = True
         if prefix_states is not None and self.prefix is None:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
-        with self.activations.measure():
-            if prefix_states is not None:
-                with self.prefix.injecting(prefix_states):
-                    outputs = self.model(**kwargs)
-            else:
-                outputs = self.model(**kwargs)
-            logits = outputs.logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
-            targets = labels[:, 1:]
-            tokens = int((targets != IGNORE_INDEX).sum())
-            ce = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-            ) / max(tokens, 1)
+        injecting = self.prefix.injecting(prefix_states) if prefix_states is not None else contextlib.nullcontext()
+        with self.activations.measure(), injecting, self.head.capture() as head_input:
+            outputs = self.model(**kwargs)  # its logits are not computed: the loss is, a chunk at a time
+            summed, tokens = next_token_loss(head_input(), labels, self.head.head)  # position t predicts t+1
+            ce = summed / max(tokens, 1)
         loss, aux, z = ce, None, None
         if self.aux_loss_coef > 0:
             aux = getattr(outputs, "aux_loss", None)

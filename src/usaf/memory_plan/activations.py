@@ -25,7 +25,8 @@ Who saves what (N = B·T tokens, c = bytes of the compute dtype, k = experts per
 * Each routed (token, expert) pair: the gathered input (H), the gate-up output (2I), the SwiGLU's two
   (I) intermediates, the expert's output (H) in c; an fp32 (H) copy on the way to the fp32 sum; two int64
   indices and a routing weight. gpt-oss's clamped SwiGLU keeps five (I) intermediates.
-* The loss: the final norm, then cross-entropy on the fp32 logits saves its log-softmax, ``4·B·(T-1)·V``.
+* The loss: the final norm, then the chunked cross-entropy (``usaf.engine.head_loss``) saves only its
+  gradient with respect to the hidden states, ``c·B·(T-1)·H``; no logits are kept.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ from usaf.memory_plan.model import ModelFacts
 
 FP32 = 4
 INT64 = 8
-# The fp32 logits copy and the cross-entropy gradient exist while the saved log-softmax does: measured
-# 8.0 (fp32) and 8.3 (bf16) bytes per logit beyond the saved tensors, in a fresh process with glibc's mmap
-# threshold lowered so RSS follows allocations (vocabulary 32000, 512 tokens, on CPU).
-LOSS_WORKSPACE_PER_LOGIT = 8
+# The chunked loss holds one chunk's logits at a time (usaf.engine.head_loss: CHUNK_LOGIT_BYTES of fp32
+# logits per chunk) with their softmax, one-hot target and casts: measured 16.8 bytes per logit of a chunk
+# (peak RSS of the step above the RSS before it, glibc's mmap threshold lowered so RSS follows allocations;
+# Qwen3-30B-A3B's head, fp32, CPU: benchmarks/bench_head_loss.py).
+LOSS_WORKSPACE_PER_LOGIT = 17
+# usaf.engine.head_loss.CHUNK_LOGIT_BYTES (not imported: the planner does not import torch)
+CHUNK_LOGIT_BYTES = 64 * 2**20
 # Sparse-delta kernels gather (tokens × entries) fp32 temporaries, one expert at a time, in chunks of at
 # most this many tokens (usaf.engine.sparse_linear's default chunk_tokens).
 CHUNK_TOKENS = 1024
@@ -89,7 +93,7 @@ def saved_activations(m: ModelFacts, first_layer: int, batch: Batch, c: int) -> 
             once += batch.size * batch.seq_len**2 * c
     parts["rotary tables and mask (once)"] = once
     scored = batch.size * (batch.seq_len - 1)
-    parts["final norm and log-softmax"] = rms_norm(n, spec.hidden_size) + FP32 * scored * m.vocab + INT64 * scored
+    parts["final norm and loss gradient"] = rms_norm(n, spec.hidden_size) + c * scored * spec.hidden_size
     return parts
 
 
@@ -166,8 +170,13 @@ def dense_mlp(width: int, n: int, c: int) -> int:
 
 
 def loss_workspace(m: ModelFacts, batch: Batch) -> int:
-    """Transient bytes of the cross-entropy beyond its saved log-softmax (see LOSS_WORKSPACE_PER_LOGIT)."""
-    return LOSS_WORKSPACE_PER_LOGIT * batch.tokens * m.vocab
+    """Transient bytes of the chunked cross-entropy: one chunk's logits and what surrounds them."""
+    return LOSS_WORKSPACE_PER_LOGIT * loss_chunk_rows(m, batch) * m.vocab
+
+
+def loss_chunk_rows(m: ModelFacts, batch: Batch) -> int:
+    """Positions per chunk of the loss (``usaf.engine.head_loss.next_token_loss``), at most the batch's."""
+    return min(batch.size * (batch.seq_len - 1), max(1, CHUNK_LOGIT_BYTES // (FP32 * m.vocab)))
 
 
 def sparse_kernel_workspace(m: ModelFacts, batch: Batch, frac: float, c: int, *, cpu: bool) -> int:

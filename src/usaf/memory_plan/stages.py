@@ -135,7 +135,7 @@ def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
     saved = act.saved_activations(m, s.train_from, batch, t.c)
     return [
         _place(t, "activations (saved)", sum(saved.values()), f"formula, microbatch {s.microbatch} x {s.seq_len}"),
-        _place(t, "loss working memory", act.loss_workspace(m, batch), "fp32 logits and their gradient"),
+        _place(t, "loss working memory", act.loss_workspace(m, batch), "one chunk of logits, their softmax"),
         _place(
             t,
             "backward working memory",

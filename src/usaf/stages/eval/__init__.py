@@ -240,8 +240,9 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
             f"--checkpoint {change.source}: does not fit this model ({e})", "pass a matching --model"
         ) from None
     after = batch_logits(engine.model, batches[0], backend.device)
-    mask = batches[0].attention_mask.to(backend.device).bool()  # compare real positions only
-    moved = float((after.float() - before.float()).abs()[mask].max())
+    padding = batches[0].attention_mask.to(backend.device) == 0  # (B, S): compare real positions only
+    # masked_fill, not boolean indexing: indexing by a mask runs a nonzero, which DirectML rejects
+    moved = float((after.float() - before.float()).abs().masked_fill(padding[..., None], 0).max())
     if moved == 0.0:
         raise UsafError(
             f"--checkpoint {change.source}: applying it leaves the logits unchanged although its deltas or "
