@@ -48,7 +48,7 @@ from usaf.backends import resolve_backend  # noqa: E402
 from usaf.engine.engine import SparseEngine, budget  # noqa: E402
 from usaf.engine.loading import load_quantized_model  # noqa: E402
 from usaf.stages.eval.inputs import EvalSequence  # noqa: E402
-from usaf.stages.eval.passes import batch_logits, batches_of, make_resident, run_pass, sequence_nll  # noqa: E402
+from usaf.stages.eval.passes import batch_hidden, batches_of, make_resident, run_pass, sequence_nll  # noqa: E402
 from usaf.stages.progress import NullProgress  # noqa: E402
 
 SEQUENCES, SEQ, SEQ_QUICK = 32, 256, 64
@@ -117,7 +117,7 @@ def plain_pass(model, batches) -> torch.Tensor:
     out = []
     with torch.no_grad():
         for batch in batches:
-            out.append(sequence_nll(batch_logits(model, batch, torch.device("cpu")), batch.labels)[0])
+            out.append(sequence_nll(model, batch_hidden(model, batch, torch.device("cpu")), batch.labels)[0])
     return torch.cat(out)
 
 

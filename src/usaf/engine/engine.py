@@ -132,7 +132,7 @@ class SparseEngine:
                 self.model.model.layers, loaded.experts, frozen, device, pin=pin_experts,
                 copy=stream_experts == "copy",
             )  # fmt: skip
-        self.head = HeadInput(self.model.get_output_embeddings())
+        self.head = HeadInput.of(self.model.get_output_embeddings())
         first = self.trainable_layers[0]
         self.activations = SavedTensorMeter(self._weight_storages, start_at=self.model.model.layers[0])
         returns_tuple = decoder_returns_tuple(spec)

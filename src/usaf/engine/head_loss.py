@@ -31,7 +31,19 @@ CHUNK_LOGIT_BYTES = 64 * 2**20
 
 
 class HeadInput:
-    """Intercepts ``head`` (the model's output projection, ``nn.Linear(H, V)``) for :meth:`capture`."""
+    """Intercepts ``head`` (the model's output projection, ``nn.Linear(H, V)``) for :meth:`capture`.
+
+    Use :meth:`of`: one interceptor per head module, however many users (the engine, eval) ask for it.
+    """
+
+    @classmethod
+    def of(cls, head: nn.Linear) -> HeadInput:
+        """The interceptor of ``head``, made on first use."""
+        existing = getattr(head, "_usaf_head_input", None)
+        if existing is None:
+            existing = cls(head)
+            head._usaf_head_input = existing
+        return existing
 
     def __init__(self, head: nn.Linear) -> None:
         self.head = head
@@ -77,14 +89,14 @@ def next_token_loss(
         head: the frozen output projection ``(V, H)`` (+ bias).
         chunk_bytes: fp32 logits per chunk, in bytes (sets the positions per chunk).
     """
-    if head.weight.requires_grad:
-        raise ValueError("next_token_loss expects a frozen output projection")
     width = hidden.shape[-1]
     inputs = hidden[:, :-1].reshape(-1, width)  # (N, H), N = B * (T - 1)
     targets = labels[:, 1:].reshape(-1).to(hidden.device)  # (N,)
     rows = max(1, chunk_bytes // (4 * head.out_features))
     tokens = int((targets != IGNORE_INDEX).sum())
     if torch.is_grad_enabled() and inputs.requires_grad:
+        if head.weight.requires_grad:  # its gradient would be silently missing
+            raise ValueError("next_token_loss trains no output projection: freeze it (requires_grad_(False))")
         return _HeadCrossEntropy.apply(inputs, targets, head.weight, head.bias, rows), tokens
     total, _ = _chunked(inputs, targets, head.weight, head.bias, rows, want_grad=False)
     return total, tokens

@@ -194,11 +194,12 @@ def sparse_kernel_workspace(m: ModelFacts, batch: Batch, frac: float, c: int, *,
     return blocks * FP32 * tokens * entries + FP32 * tokens * o
 
 
-def forward_workspace(m: ModelFacts, batch: Batch, c: int) -> int:
-    """No-grad forward (eval): logits in c, their fp32 copy and the log-softmax, plus a layer's hidden states.
+def forward_workspace(m: ModelFacts, batch: Batch) -> int:
+    """No-grad forward (eval): the loss of one sequence at a time, a chunk of positions at a time (taken as
+    large as the training loss's working memory), plus a layer's hidden states.
 
     The layer term (eight (N, H) fp32 tensors: residual, norm, attention and MoE outputs) is an assumption,
-    not a measurement; at real vocabularies the logits dominate.
+    not a measurement.
     """
     n = batch.tokens
-    return (c + 2 * FP32) * n * m.vocab + 8 * FP32 * n * m.spec.hidden_size
+    return loss_workspace(m, Batch(1, batch.seq_len)) + 8 * FP32 * n * m.spec.hidden_size

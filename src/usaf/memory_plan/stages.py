@@ -225,7 +225,7 @@ def eval_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stage
         *_model_weights(m, q, t, s),
         _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac), "applied change"),
         _place(t, "routers (fp32)", 2 * act.FP32 * routers, "masters, anchors"),
-        _place(t, "forward working memory", act.forward_workspace(m, batch, t.c), "logits, fp32 copy, log-softmax"),
+        _place(t, "forward working memory", act.forward_workspace(m, batch), "loss chunk, hidden states"),
     ]
     return StagePlan("eval", tuple(parts))
 

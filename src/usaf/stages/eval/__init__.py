@@ -68,6 +68,7 @@ class EvalConfig(StageConfig):
             raise ValueError("--resident dequantizes every expert onto the device; --stream-experts keeps them in "
                              "host memory: pass one")  # fmt: skip
         return self
+
     overwrite: bool = False
 
 
@@ -227,22 +228,20 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
     import torch
 
     from usaf.engine.engine import SparseEngine
-    from usaf.stages.eval.passes import batch_logits, run_pass
+    from usaf.stages.eval.passes import batch_hidden, max_logit_change, run_pass
 
     try:
         engine = SparseEngine(
             loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers), **placement
         )
-        before = batch_logits(engine.model, batches[0], backend.device)  # (B, S, V) of the engine without change
+        before = batch_hidden(engine.model, batches[0], backend.device)  # (B, S, H) of the engine without change
         engine.apply_change(change)
     except (ValueError, KeyError) as e:
         raise UsafError(
             f"--checkpoint {change.source}: does not fit this model ({e})", "pass a matching --model"
         ) from None
-    after = batch_logits(engine.model, batches[0], backend.device)
-    padding = batches[0].attention_mask.to(backend.device) == 0  # (B, S): compare real positions only
-    # masked_fill, not boolean indexing: indexing by a mask runs a nonzero, which DirectML rejects
-    moved = float((after.float() - before.float()).abs().masked_fill(padding[..., None], 0).max())
+    after = batch_hidden(engine.model, batches[0], backend.device)
+    moved = max_logit_change(engine.model, before, after, batches[0].attention_mask)  # real positions only
     if moved == 0.0:
         raise UsafError(
             f"--checkpoint {change.source}: applying it leaves the logits unchanged although its deltas or "

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from usaf.data.batches import Batch, collate
-from usaf.data.packing import IGNORE_INDEX
 from usaf.data.tokens import TokenLine
 from usaf.engine.experts import LayerExperts
+from usaf.engine.head_loss import CHUNK_LOGIT_BYTES, HeadInput, next_token_loss
 from usaf.engine.routing import RoutingCapture
 from usaf.stages.eval.inputs import EvalSequence
 from usaf.stages.progress import Progress
@@ -33,7 +32,7 @@ class PassResult:
     cached: bool = False
 
 
-RESIDENT_SHARE = 0.5  # of free memory the dequantized experts may take; the rest is for activations and logits
+RESIDENT_SHARE = 0.5  # of free memory the dequantized experts may take; the rest is for activations and the loss
 
 
 def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
@@ -68,24 +67,49 @@ def batches_of(sequences: Sequence[EvalSequence], microbatch: int, pad_id: int) 
 
 
 @torch.no_grad()
-def batch_logits(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
-    """``(B, S, V)`` logits of one batch."""
-    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False)
-    return out.logits
+def batch_hidden(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """``(B, S, H)``: the final hidden states of one batch (the output projection's input; no logits computed)."""
+    with HeadInput.of(model.get_output_embeddings()).capture() as head_input:
+        model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False)
+        return head_input()
 
 
 @torch.no_grad()
-def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_nll(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token NLL and scored-token count per sequence: ``(B,)`` float64 and ``(B,)`` int64.
 
-    The same arithmetic as ``SparseEngine.loss`` (position t predicts label t+1, -100 ignored, fp32
-    cross-entropy), kept per sequence instead of averaged over the batch.
+    ``SparseEngine.loss``'s arithmetic (:func:`usaf.engine.head_loss.next_token_loss`: position t predicts
+    label t+1, -100 ignored, fp32 cross-entropy, a chunk of positions at a time), one sequence at a time and
+    kept per sequence instead of averaged over the batch.
     """
-    targets = labels[:, 1:].to(logits.device)  # (B, S-1)
-    nll = torch.empty(logits.shape[0], dtype=torch.float64)
-    for i in range(logits.shape[0]):  # one row at a time: an (S-1, V) fp32 temporary, not (B, S-1, V)
-        nll[i] = float(F.cross_entropy(logits[i, :-1].float(), targets[i], ignore_index=IGNORE_INDEX, reduction="sum"))
-    return nll, (targets != IGNORE_INDEX).sum(dim=1).cpu()
+    head = model.get_output_embeddings()
+    nll = torch.empty(hidden.shape[0], dtype=torch.float64)
+    counts = torch.empty(hidden.shape[0], dtype=torch.int64)
+    for i in range(hidden.shape[0]):
+        summed, counts[i] = next_token_loss(hidden[i : i + 1], labels[i : i + 1], head)
+        nll[i] = float(summed)
+    return nll, counts
+
+
+@torch.no_grad()
+def max_logit_change(model: nn.Module, before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) -> float:
+    """``max |logits(after) - logits(before)|`` over the real positions of ``mask (B, S)``.
+
+    ``before``/``after``: ``(B, S, H)`` final hidden states. The logits are made a chunk of positions at a
+    time (as the loss makes them), never for the whole batch at once.
+    """
+    head = model.get_output_embeddings()
+    width = before.shape[-1]
+    keep = mask.reshape(-1).to(before.device) != 0  # (B*S,)
+    before, after = before.reshape(-1, width), after.reshape(-1, width)  # (B*S, H)
+    rows = max(1, CHUNK_LOGIT_BYTES // (4 * head.out_features))
+    largest = 0.0
+    for start in range(0, before.shape[0], rows):
+        stop = start + rows
+        change = (head(after[start:stop]).float() - head(before[start:stop]).float()).abs()  # (n, V)
+        # masked_fill, not boolean indexing: indexing by a mask runs a nonzero, which DirectML rejects
+        largest = max(largest, float(change.masked_fill(~keep[start:stop, None], 0).max()))
+    return largest
 
 
 def run_pass(
@@ -105,8 +129,7 @@ def run_pass(
     try:
         with RoutingCapture(experts) as capture:
             for batch in batches:
-                logits = batch_logits(model, batch, device)
-                sums, counts = sequence_nll(logits, batch.labels)
+                sums, counts = sequence_nll(model, batch_hidden(model, batch, device), batch.labels)
                 nll.append(sums)
                 tokens.append(counts)
                 for layer, sets in capture.take(batch.attention_mask).items():
