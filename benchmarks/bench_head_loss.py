@@ -2,7 +2,7 @@
 
 Workload: Qwen3-30B-A3B's output projection (hidden 2048, vocabulary 151,936; random weights, frozen), a
 microbatch of ``B × T`` random hidden states and targets (the first 8 positions of each sequence unscored),
-fp32 on the CPU. Two arms, each the loss forward + backward to the hidden states (what a training step does
+fp32 and bf16 on the CPU. Two arms, each the loss forward + backward to the hidden states (what a training step does
 above the last layer):
 
 - **whole**: what the engine did before: ``head(hidden)[:, :-1].float()`` and ``F.cross_entropy(..., "sum")``
@@ -15,7 +15,7 @@ during the step above the RSS just before it (Linux's high-water mark reset thro
 ``/proc/self/clear_refs``), and the bytes autograd saved for backward (the engine's ``SavedTensorMeter``).
 Time: both arms interleaved in one process, medians of ``--repeats``.
 
-    python benchmarks/bench_head_loss.py [--tokens 512 1024] [--repeats 3] [--out benchmarks/results/head_loss.json]
+    python benchmarks/bench_head_loss.py [--tokens 512 1024] [--dtypes float32 bfloat16] [--repeats 3] [--out ...]
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ from usaf.engine.head_loss import CHUNK_LOGIT_BYTES, next_token_loss  # noqa: E4
 HIDDEN, VOCAB = 2048, 151_936  # Qwen3-30B-A3B
 
 
-def inputs(batch: int, seq: int, seed: int = 0):
+def inputs(batch: int, seq: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)
     with torch.no_grad():
         head.weight.normal_(0, 0.02, generator=g)
-    hidden = torch.randn(batch, seq, HIDDEN, generator=g).requires_grad_(True)
+    head = head.to(dtype)
+    hidden = torch.randn(batch, seq, HIDDEN, generator=g).to(dtype).requires_grad_(True)
     labels = torch.randint(0, VOCAB, (batch, seq), generator=g)
     labels[:, :8] = -100
     return head, hidden, labels
@@ -83,9 +84,9 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def child(arm: str, batch: int, seq: int) -> None:
+def child(arm: str, batch: int, seq: int, dtype: str) -> None:
     """In a fresh process: peak RSS during one step of ``arm`` above the RSS just before it."""
-    head, hidden, labels = inputs(batch, seq)
+    head, hidden, labels = inputs(batch, seq, getattr(torch, dtype))
     torch.zeros(1).sum()  # torch's lazy init before the baseline
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark (VmHWM) to the current RSS
     base = _status_bytes("VmRSS")
@@ -93,15 +94,15 @@ def child(arm: str, batch: int, seq: int) -> None:
     print(json.dumps({"extra": _status_bytes("VmHWM") - base, "saved": saved, "loss": loss}))
 
 
-def memory(arm: str, batch: int, seq: int) -> dict:
+def memory(arm: str, batch: int, seq: int, dtype: str) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    code = [sys.executable, __file__, "--child", arm, str(batch), str(seq)]
+    code = [sys.executable, __file__, "--child", arm, str(batch), str(seq), dtype]
     out = subprocess.run(code, capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def timing(batch: int, seq: int, repeats: int) -> dict:
-    head, hidden, labels = inputs(batch, seq)
+def timing(batch: int, seq: int, dtype: str, repeats: int) -> dict:
+    head, hidden, labels = inputs(batch, seq, getattr(torch, dtype))
     times = {arm: [] for arm in ARMS}
     losses = {}
     for arm in ARMS:  # warm-up
@@ -118,31 +119,33 @@ def timing(batch: int, seq: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024], help="tokens per microbatch (B=1)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "head_loss.json")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        child(args.child[0], int(args.child[1]), int(args.child[2]), args.child[3])
         return
     rows = []
-    for tokens in args.tokens:
-        row = {"batch": 1, "seq": tokens, "memory": {arm: memory(arm, 1, tokens) for arm in ARMS}}
-        row["timing"] = timing(1, tokens, args.repeats)
-        logits_fp32 = (tokens - 1) * VOCAB * 4
-        row["whole_logits_fp32_bytes"] = logits_fp32
-        rows.append(row)
-        m = row["memory"]
-        print(
-            f"T={tokens}: extra RSS whole {m['whole']['extra'] / 2**20:.0f} MiB, chunked "
-            f"{m['chunked']['extra'] / 2**20:.0f} MiB; saved whole {m['whole']['saved'] / 2**20:.0f} MiB, chunked "
-            f"{m['chunked']['saved'] / 2**20:.1f} MiB; time chunked/whole {row['timing']['chunked_over_whole']:.2f}; "
-            f"losses {row['timing']['losses']}",
-            flush=True,
-        )
+    for dtype in args.dtypes:
+        for tokens in args.tokens:
+            row = {"dtype": dtype, "batch": 1, "seq": tokens}
+            row["memory"] = {arm: memory(arm, 1, tokens, dtype) for arm in ARMS}
+            row["timing"] = timing(1, tokens, dtype, args.repeats)
+            row["whole_logits_fp32_bytes"] = (tokens - 1) * VOCAB * 4
+            rows.append(row)
+            m = row["memory"]
+            print(
+                f"{dtype} T={tokens}: extra RSS whole {m['whole']['extra'] / 2**20:.0f} MiB, chunked "
+                f"{m['chunked']['extra'] / 2**20:.0f} MiB; saved whole {m['whole']['saved'] / 2**20:.0f} MiB, "
+                f"chunked {m['chunked']['saved'] / 2**20:.1f} MiB; time chunked/whole "
+                f"{row['timing']['chunked_over_whole']:.2f}; losses {row['timing']['losses']}",
+                flush=True,
+            )
     result = {
         "machine": machine(),
-        "workload": {"hidden": HIDDEN, "vocab": VOCAB, "dtype": "float32", "chunk_logit_bytes": CHUNK_LOGIT_BYTES},
+        "workload": {"hidden": HIDDEN, "vocab": VOCAB, "chunk_logit_bytes": CHUNK_LOGIT_BYTES},
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

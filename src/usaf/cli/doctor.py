@@ -270,26 +270,26 @@ def configuration_report(caps: Any) -> dict[str, Any]:
             "combine, a padded-gather sparse-delta kernel, routers restated without scatter) for every family "
             "on transformers 4.x; checked on CPU with those ops made to raise, never on a DirectML GPU"
         )
-        cannot.append(
-            "gpt-oss training on torch < 2.6: transformers 4.x builds its mask with torch.func.vmap, which "
-            "refuses usaf's saved-tensor hooks (its forward works)"
-        )
         can.append("score accumulation and reselection with their index arithmetic in host memory")
         can.append(
             "score, train (with reselection, checkpoints, resume) and eval stages: checked on CPU with those "
             "ops made to raise outside a reviewed list of host-side functions; never on a DirectML GPU"
         )
         if major >= 5:
-            cannot.append("router training and DeepSeek-V3 routing: transformers 5's router code uses scatter")
+            cannot.append(
+                "router training, training any MoE layer below the last, and DeepSeek-V3 routing: transformers "
+                "5's router code and its top-k backward use scatter (the DirectML configuration runs 4.x)"
+            )
     if caps.max_allocation_bytes is not None:
         limit = caps.max_allocation_bytes / 2**20
         can.append(
             f"resident expert bases above {limit:.0f} MiB, stored in chunks of whole experts under the limit "
             "(Qwen3-30B-A3B's 805 MiB gate_up base: two chunks)"
         )
+        can.append("the loss and eval at any vocabulary: logits are made a chunk of positions at a time (64 MiB)")
         cannot.append(
             f"any other single tensor above {limit:.0f} MiB on the device (refused by name): e.g. a large "
-            "vocabulary's embeddings (gpt-oss-20b's are 1.1 GiB in fp16)"
+            "vocabulary's embeddings or output projection (gpt-oss-20b's are 1.1 GiB each in fp16)"
         )
     return {
         "transformers": version,

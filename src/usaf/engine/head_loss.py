@@ -25,8 +25,8 @@ from torch.nn import functional as F
 
 from usaf.data.packing import IGNORE_INDEX
 
-# Positions per chunk are sized so one chunk's fp32 logits take at most this many bytes. The step's working
-# memory for the loss is a small multiple of it (the compute-dtype logits, the softmax, the one-hot target).
+# Positions per chunk are sized so one chunk's fp32 logits take at most this many bytes. The loss's working
+# memory is about that (the softmax is made in place), plus the compute-dtype logits in half precision.
 CHUNK_LOGIT_BYTES = 64 * 2**20
 
 
@@ -129,25 +129,28 @@ def _chunked(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(summed loss, d loss / d hidden (N, H) or None)``, ``rows`` positions at a time.
 
-    The arithmetic is F.cross_entropy's on fp32 logits (log-sum-exp minus the target's logit) and its
-    gradient ``softmax - one_hot``, cast to the compute dtype before the projection's transpose, as autograd
-    would. No scatter, index_put or one_hot op is used (DirectML rejects them): the one-hot is a comparison.
+    Per position: ``log-sum-exp(logits) - logits[target]`` on fp32 logits (F.cross_entropy's value), and the
+    gradient ``softmax @ W - W[target]`` (``(softmax - one_hot) @ W`` with the one-hot term as a row gather:
+    no scatter, index_put or one_hot, which DirectML rejects). The fp32 logits are turned into the softmax in
+    place, so one chunk costs its fp32 logits and, in half precision, their compute-dtype copies.
     """
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad = torch.empty_like(hidden) if want_grad else None  # (N, H)
-    vocab_ids = torch.arange(weight.shape[0], device=hidden.device)  # (V,)
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
         target = targets[start:stop]  # (n,)
         scored = target != IGNORE_INDEX  # (n,)
         safe = torch.where(scored, target, torch.zeros_like(target))  # unscored rows pick id 0, weighted 0 below
         logits = F.linear(hidden[start:stop], weight, bias).float()  # (n, V)
-        lse = torch.logsumexp(logits, dim=-1)  # (n,)
         picked = logits.gather(1, safe[:, None]).squeeze(1)  # (n,)
+        top = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+        probs = logits.sub_(top).exp_()  # (n, V) unnormalised softmax, in place of the logits
+        norm = probs.sum(dim=-1, keepdim=True)  # (n, 1)
+        lse = (top + norm.log()).squeeze(1)  # (n,)
         total += ((lse - picked) * scored).sum()
         if grad is not None:
-            probs = logits.sub_(lse[:, None]).exp_()  # (n, V) softmax, in place of the logits
-            probs.sub_((vocab_ids[None, :] == safe[:, None]).to(probs.dtype))  # minus the one-hot target
-            probs.mul_(scored[:, None])  # unscored rows contribute nothing
-            grad[start:stop] = probs.to(weight.dtype) @ weight  # (n, V) @ (V, H) -> (n, H)
+            probs.div_(norm)  # (n, V) softmax
+            rows_grad = probs.to(weight.dtype) @ weight - weight.index_select(0, safe)  # (n, H)
+            grad[start:stop] = rows_grad * scored[:, None]  # unscored rows contribute nothing
+        del logits, probs  # before the next chunk's logits exist: one chunk alive at a time
     return total, grad

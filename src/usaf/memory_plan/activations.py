@@ -39,10 +39,11 @@ from usaf.memory_plan.model import ModelFacts
 FP32 = 4
 INT64 = 8
 # The chunked loss holds one chunk's logits at a time (usaf.engine.head_loss: CHUNK_LOGIT_BYTES of fp32
-# logits per chunk) with their softmax, one-hot target and casts: measured 16.8 bytes per logit of a chunk
-# (peak RSS of the step above the RSS before it, glibc's mmap threshold lowered so RSS follows allocations;
-# Qwen3-30B-A3B's head, fp32, CPU: benchmarks/bench_head_loss.py).
-LOSS_WORKSPACE_PER_LOGIT = 17
+# logits per chunk), turned into the softmax in place: measured 8.2 (fp32) and 6.6 (bf16) bytes per logit of a
+# chunk at the step's peak, most of it the CPU BLAS's temporary for the projection (peak RSS of the step above
+# the RSS before it, glibc's mmap threshold lowered so RSS follows allocations; Qwen3-30B-A3B's head on CPU:
+# benchmarks/bench_head_loss.py).
+LOSS_WORKSPACE_PER_LOGIT = 9
 # usaf.engine.head_loss.CHUNK_LOGIT_BYTES (not imported: the planner does not import torch)
 CHUNK_LOGIT_BYTES = 64 * 2**20
 # Sparse-delta kernels gather (tokens × entries) fp32 temporaries, one expert at a time, in chunks of at
