@@ -130,18 +130,22 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
 
 
 def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
-    """One training forward's saved activations and the loss's working memory."""
+    """One training forward's saved activations, and the working memory of the loss or of the backward.
+
+    The two working memories are never held together: the chunked loss frees its last chunk before the
+    forward returns, and the backward's gradients of intermediates come after. The larger one counts.
+    """
     batch = act.Batch(s.microbatch, s.seq_len)
     saved = act.saved_activations(m, s.train_from, batch, t.c)
+    loss = act.loss_workspace(m, batch)
+    backward = act.backward_workspace(m, s.train_from, batch, t.c)
+    if loss >= backward:
+        working = ("loss working memory", loss, "one chunk of logits and its softmax (the backward's is smaller)")
+    else:
+        working = ("backward working memory", backward, "one layer's activation gradients (the loss's is smaller)")
     return [
         _place(t, "activations (saved)", sum(saved.values()), f"formula, microbatch {s.microbatch} x {s.seq_len}"),
-        _place(t, "loss working memory", act.loss_workspace(m, batch), "one chunk of logits, their softmax"),
-        _place(
-            t,
-            "backward working memory",
-            act.backward_workspace(m, s.train_from, batch, t.c),
-            "one layer's activation gradients",
-        ),
+        _place(t, *working),
     ]
 
 
