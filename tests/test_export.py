@@ -317,6 +317,8 @@ def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "onnx", expect=("--format",))
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--base", source,
             expect=("--base", "--format hf"))  # fmt: skip
+    refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--device", "cpu",
+            expect=("--device", "--format hf"))  # fmt: skip
     # an existing --out is refused (and left as it was) unless --overwrite
     out.mkdir()
     (out / "keep.txt").write_text("mine")

@@ -55,6 +55,15 @@ def command(
     """
     from usaf.cli.stage import run_stage
 
+    if device is not None and format == "delta":  # refused here, not in the settings: USAF_DEVICE sets it everywhere
+        from usaf.cli.console import handle_errors
+        from usaf.errors import UsafError
+
+        with handle_errors(verbose):
+            raise UsafError(
+                "--device sets where --format hf verification runs; --format delta runs nothing on a device",
+                "drop --device, or pass --format hf",
+            )
     run_stage(
         "export",
         cli={
