@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from usaf.cli.app import app
@@ -44,3 +46,23 @@ def reference_model(source, loaded):
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
                 view.set(name, dequantize(weight.q))
     return model
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage any aten op newly allocates, in bytes: what a per-allocation limit sees.
+
+    Outputs sharing storage with an input (views) allocate nothing and are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [*args, *(kwargs or {}).values()]
+        given = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out

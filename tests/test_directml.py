@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FAMILIES, TRANSFORMERS_V5
+from helpers import LargestAllocation
 from usaf.backends import directml, resolve_backend
 from usaf.backends.testing import hide_accelerators, simulate_directml
 from usaf.backends.transfer import clear_cache, device_capabilities, move
@@ -307,21 +308,6 @@ def test_doctor_reports_the_configuration_and_the_directml_limits(dml):
     assert not any(w in line for w in ("scatter", "chunk", "single tensor") for line in cpu["cannot"] + cpu["can"])
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten op returns (bytes): what a per-allocation limit would see."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def _limit_allocations(monkeypatch, max_bytes: int | None) -> None:
     """Every device (here: the CPU) declares ``max_allocation_bytes=max_bytes``."""
     from usaf.backends import transfer
@@ -340,7 +326,7 @@ def test_resident_base_chunks_equal_the_whole_base(quantized, dtype):
     e, o, i = q.shape
     whole = dequantize(q, dtype=dtype, memory_layout=False)  # (E, O, I)
     limit = o * i * 4 + 1  # one expert's fp32 transient; the stored chunks hold 1 (fp32) or 2 (fp16) experts
-    guard = _LargestTensor()
+    guard = LargestAllocation()
     with guard:
         chunked = ResidentBase.dequantized(q, dtype=dtype, device=torch.device("cpu"), max_bytes=limit)
     per_chunk = 4 // whole.element_size()
@@ -351,7 +337,7 @@ def test_resident_base_chunks_equal_the_whole_base(quantized, dtype):
     assert all(torch.equal(chunked.expert(x), whole[x]) for x in range(e))
     chunked.expert(e - 1).fill_(7)  # the expert view writes the stored base
     assert (chunked.chunks[-1][-1] == 7).all()
-    with _LargestTensor() as unlimited:  # negative control: without a limit the base is one tensor
+    with LargestAllocation() as unlimited:  # negative control: without a limit the base is one tensor
         ResidentBase.dequantized(q, dtype=dtype, device=torch.device("cpu"))
     assert unlimited.largest > limit
 
@@ -370,7 +356,7 @@ def test_a_resident_base_above_the_allocation_limit_trains_in_chunks(quantized, 
         top = loaded.spec.moe_layers[-1]
         e, o, i = loaded.experts[top].gate_up.shape
         limit = 2 * o * i * 4  # two experts of gate_up (fp32 on CPU): the base is E/2 chunks
-        guard = _LargestTensor()
+        guard = LargestAllocation()
         with monkeypatch.context() as m:
             if limited:
                 _limit_allocations(m, limit)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import LargestAllocation
 from usaf.engine.head_loss import HeadInput, next_token_loss
 
 VOCAB, WIDTH = 300, 16
@@ -58,29 +58,14 @@ def test_without_gradients_the_loss_is_the_same_and_nothing_is_kept():
     assert torch.equal(without, with_grad.detach())
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = [*args, *(kwargs or {}).values()]
-        given = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:  # views allocate nothing
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
-
-
 def test_no_tensor_of_the_whole_logits_exists():
     head, hidden, labels = _case(torch.float32)
     rows = 4
-    with _LargestTensor() as chunked:
+    with LargestAllocation() as chunked:
         summed, _ = next_token_loss(hidden, labels, head, chunk_bytes=rows * 4 * VOCAB)
         summed.backward()
     assert chunked.largest <= rows * VOCAB * 4  # one chunk's fp32 logits
-    with _LargestTensor() as whole:  # negative control: the whole-logits loss makes (B, T, V) tensors
+    with LargestAllocation() as whole:  # negative control: the whole-logits loss makes (B, T, V) tensors
         _reference(head, hidden, labels).backward()
     assert whole.largest >= 3 * 10 * VOCAB * 4
 
