@@ -114,7 +114,7 @@ _GUARD_FRAMES = ("RejectedOpGuard.__torch_dispatch__", "_issuer")
 
 @pytest.fixture
 def no_index_ops(monkeypatch):
-    """The CPU backend declares index_ops=False, wherever capabilities are looked up.
+    """The CPU backend declares index_ops=False (and DirectML's transfer flags), wherever capabilities are looked up.
 
     Lookups: the backend's ``capabilities`` (resolve_backend -> cpu.create -> cpu.capabilities()) and
     ``usaf.backends.transfer.device_capabilities`` (imported by name into engine.loading, engine.optim,
@@ -125,7 +125,9 @@ def no_index_ops(monkeypatch):
     from usaf.engine.experts import LayerExperts
 
     real = cpu.capabilities
-    monkeypatch.setattr(cpu, "capabilities", lambda: dataclasses.replace(real(), index_ops=False))
+    # DirectML's other flags too: .to(device, dtype) in two calls, safetensors read on the host
+    directml_like = {"index_ops": False, "to_device_and_dtype": False, "direct_load": False}
+    monkeypatch.setattr(cpu, "capabilities", lambda: dataclasses.replace(real(), **directml_like))
     applied = []
     real_set = LayerExperts.set_index_ops
     monkeypatch.setattr(LayerExperts, "set_index_ops", lambda self, a: (applied.append(a), real_set(self, a))[1])

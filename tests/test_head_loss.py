@@ -98,3 +98,24 @@ def test_the_planner_sizes_the_same_chunks():
     from usaf.memory_plan import activations
 
     assert activations.CHUNK_LOGIT_BYTES == head_loss.CHUNK_LOGIT_BYTES
+
+
+def test_chunks_follow_the_devices_allocation_limit(monkeypatch):
+    """A device that fails single allocations above a limit (DirectML) gets chunks whose logits fit under it."""
+    import dataclasses
+
+    from usaf.backends import transfer
+
+    head, hidden, labels = _case(torch.float32)
+    limit = 5 * VOCAB * 4  # five positions' fp32 logits
+    caps = dataclasses.replace(transfer.device_capabilities("cpu"), max_allocation_bytes=limit)
+    monkeypatch.setattr(transfer, "_capabilities", lambda kind, index: caps)
+    with LargestAllocation() as limited:
+        summed, _ = next_token_loss(hidden, labels, head)
+        summed.backward()
+    assert limited.largest <= limit
+    torch.testing.assert_close(summed, _reference(head, hidden, labels), rtol=1e-6, atol=1e-4)
+    monkeypatch.undo()  # negative control: without the limit, one chunk holds all 30 positions' logits
+    with LargestAllocation() as unlimited:
+        next_token_loss(hidden, labels, head)[0].backward()
+    assert unlimited.largest >= 30 * VOCAB * 4

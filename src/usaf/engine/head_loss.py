@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from usaf.backends.transfer import device_capabilities
 from usaf.data.packing import IGNORE_INDEX
 
 # Positions per chunk are sized so one chunk's fp32 logits take at most this many bytes. The loss's working
@@ -79,7 +80,7 @@ class HeadInput:
 
 
 def next_token_loss(
-    hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, *, chunk_bytes: int = CHUNK_LOGIT_BYTES
+    hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, *, chunk_bytes: int | None = None
 ) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy (fp32 scalar) and the number of scored tokens.
 
@@ -87,8 +88,12 @@ def next_token_loss(
         hidden: ``(B, T, H)`` final hidden states (the output projection's input).
         labels: ``(B, T)`` unshifted labels; position t predicts label t+1; ``-100`` is not scored.
         head: the frozen output projection ``(V, H)`` (+ bias).
-        chunk_bytes: fp32 logits per chunk, in bytes (sets the positions per chunk).
+        chunk_bytes: fp32 logits per chunk, in bytes (sets the positions per chunk); default
+            ``CHUNK_LOGIT_BYTES``, or the device's per-allocation limit where that is smaller.
     """
+    if chunk_bytes is None:
+        limit = device_capabilities(hidden.device).max_allocation_bytes
+        chunk_bytes = CHUNK_LOGIT_BYTES if limit is None else min(CHUNK_LOGIT_BYTES, limit)
     width = hidden.shape[-1]
     inputs = hidden[:, :-1].reshape(-1, width)  # (N, H), N = B * (T - 1)
     targets = labels[:, 1:].reshape(-1).to(hidden.device)  # (N,)
