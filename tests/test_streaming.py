@@ -88,6 +88,24 @@ def test_prefix_capture_streams_and_matches(quantized):
     assert plain.streamer is None
 
 
+def test_a_step_from_cached_prefix_states_streams_nothing_below_the_prefix(quantized):
+    """The frozen layers a cached prefix skips are still called (their forward passes the state through), so their
+    hooks fire; they must not copy experts to the device. Streamed and plain engines give the same numbers."""
+    plain, streamed = engine(quantized), engine(quantized, stream_experts="copy")
+    ids, labels = batch(3)
+    states = plain.prefix_states(ids)
+    s = streamed.streamer.stats
+    copies, order = s.copies, len(s.order)
+    a = plain.loss(ids, labels, prefix_states=states)
+    b = streamed.loss(ids, labels, prefix_states=states)
+    assert s.copies == copies and len(s.order) == order  # layers 0-3 are below the prefix (layer 4): no copies
+    assert float(a.loss.detach()) == float(b.loss.detach())
+    assert all(streamed.loaded.experts[layer].gate_up.q.codes.data_ptr() == streamed.streamer._host[layer][0]
+               .codes.data_ptr() for layer in streamed.streamer.layers)  # fmt: skip
+    streamed.loss(ids, labels)  # control: a step without cached states streams all four again
+    assert s.copies > copies and s.order[-4:] == [0, 1, 2, 3]
+
+
 def test_trainable_layers_keep_their_base_on_the_device_and_codes_in_host_memory(quantized):
     e = engine(quantized, stream_experts="copy")
     for weight in e.weights.values():

@@ -232,7 +232,11 @@ class SparseEngine:
             kwargs["output_router_logits"] = True
         if prefix_states is not None and self.prefix is None:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
-        injecting = self.prefix.injecting(prefix_states) if prefix_states is not None else contextlib.nullcontext()
+        injecting = contextlib.ExitStack()
+        if prefix_states is not None:
+            injecting.enter_context(self.prefix.injecting(prefix_states))
+            if self.streamer is not None:  # the skipped frozen layers need no experts on the device
+                injecting.enter_context(self.streamer.skipping(below=self.prefix.start))
         with self.activations.measure(), injecting, self.head.capture() as head_input:
             outputs = self.model(**kwargs)  # its logits are not computed: the loss is, a chunk at a time
             summed, tokens = next_token_loss(head_input(), labels, self.head.head)  # position t predicts t+1

@@ -11,8 +11,11 @@ Trainable layers are not streamed: they compute from their resident dequantized 
 device, and read their codes only when a reselection folds dropped deltas, one expert at a time (which
 ``dequantize`` moves itself).
 
-A training step whose prefix comes from the cache never runs the frozen layers, so streaming costs nothing
-there; it serves prefix capture, ``usaf score`` and ``usaf eval``'s forwards.
+A training step whose prefix comes from the cache never runs the frozen layers below the first trainable
+one: :meth:`ExpertStreamer.skipping` (entered by ``SparseEngine.loss`` while it injects the cached state)
+makes their hooks copy nothing — the layer modules are still called, only their ``forward`` passes the
+state through — so streaming costs nothing there; it serves prefix capture, ``usaf score`` and
+``usaf eval``'s forwards.
 
 Without a separate device (CPU) there is nothing to stream and the stages do not install it; ``copy=True``
 with a CPU device runs the same mechanism with copies in host memory — how the tests check it without a GPU.
@@ -20,7 +23,8 @@ with a CPU device runs the same mechanism with copies in host memory — how the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +98,7 @@ class ExpertStreamer:
         self._stream = torch.cuda.Stream(self.device) if self._overlap else None
         self._copies: dict[int, _Copy] = {}  # started, not yet in use
         self._in_use: int | None = None
+        self._skip_below = 0  # layers below this one are skipped by the forward (a cached prefix): no copies
         self.stats = StreamStats()
         self._handles = []
         for layer in self.layers:
@@ -119,6 +124,16 @@ class ExpertStreamer:
         for layer, state in self._states.items():
             state.gate_up.q, state.down.q = self._host[layer]
 
+    @contextlib.contextmanager
+    def skipping(self, below: int) -> Iterator[None]:
+        """Within the block, forwards skip the decoder layers below ``below`` (a cached prefix state is injected
+        there): their hooks copy nothing, and prefetching looks only at the layers that run."""
+        self._skip_below = below
+        try:
+            yield
+        finally:
+            self._skip_below = 0
+
     # -- hooks ----------------------------------------------------------------------------------------
 
     def _pre_hook(self, layer: int):
@@ -134,6 +149,8 @@ class ExpertStreamer:
         return hook
 
     def _enter(self, layer: int) -> None:
+        if layer < self._skip_below:
+            return  # this layer's forward passes the injected state through: its experts are not needed
         copy = self._copies.pop(layer, None)
         if copy is None:
             copy = self._start(layer)
@@ -155,16 +172,19 @@ class ExpertStreamer:
         self.stats.max_alive = max(self.stats.max_alive, self.alive)
 
     def _leave(self, layer: int) -> None:
+        if layer < self._skip_below:
+            return
         state = self._states[layer]
         state.gate_up.q, state.down.q = self._host[layer]  # the device copy is freed with its last reference
         self._in_use = None
 
     def _following(self, layer: int) -> int | None:
         """The next streamed layer a forward will reach (the first again after the last: the next forward)."""
-        if len(self.layers) < 2:
+        running = [other for other in self.layers if other >= self._skip_below]
+        if len(running) < 2:
             return None
-        position = self.layers.index(layer)
-        return self.layers[(position + 1) % len(self.layers)]
+        position = running.index(layer)
+        return running[(position + 1) % len(running)]
 
     def _start(self, layer: int) -> _Copy:
         gate_up, down = self._host[layer]
