@@ -137,6 +137,26 @@ def test_the_base_pass_is_cached_and_equals_a_fresh_one(trained, report):
     assert [r["tuned"] for r in cached["rows"]] != [r["tuned"] for r in first["rows"]]  # another checkpoint
 
 
+def test_the_fine_tuned_pass_starts_from_the_base_passs_prefix_states(trained, report, tmp_path, monkeypatch):
+    """Layers below the first trained one are the base model's in both passes: the fine-tuned pass injects the
+    states the base pass computed there. The same report as running every layer (forced by a zero RAM share)."""
+    from usaf.stages.eval import passes
+
+    _, result, reused = report  # the module's first eval: a fresh base pass, so the states were kept
+    assert "fine-tuned pass: starts at layer 1 from the base pass's states" in result.stderr
+    monkeypatch.setattr(passes, "PREFIX_RAM_SHARE", 0.0)
+    out = tmp_path / "every-layer"
+    result = invoke(
+        "eval", "--model", trained["q"], "--checkpoint", trained["run"], "--data", trained["tokens"],
+        "--held-out", trained["tokens"], "--workspace", tmp_path / "ws", "--out", out, "--no-plots",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "fine-tuned pass: runs every layer" in result.stderr and "starts at layer" not in result.stderr
+    full = json.loads((out / "report.json").read_text())
+    for key in ("rows", "routing", "max_logit_change"):
+        assert full[key] == reused[key], key
+
+
 def _zeroed_change(run, tmp_path, qdir):
     """An unfinished copy of the run whose newest checkpoint changes nothing: zero deltas, base routers."""
     from safetensors import safe_open

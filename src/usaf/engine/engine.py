@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -232,11 +232,7 @@ class SparseEngine:
             kwargs["output_router_logits"] = True
         if prefix_states is not None and self.prefix is None:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
-        injecting = contextlib.ExitStack()
-        if prefix_states is not None:
-            injecting.enter_context(self.prefix.injecting(prefix_states))
-            if self.streamer is not None:  # the skipped frozen layers need no experts on the device
-                injecting.enter_context(self.streamer.skipping(below=self.prefix.start))
+        injecting = self.injected(prefix_states) if prefix_states is not None else contextlib.nullcontext()
         with self.activations.measure(), injecting, self.head.capture() as head_input:
             outputs = self.model(**kwargs)  # its logits are not computed: the loss is, a chunk at a time
             summed, tokens = next_token_loss(head_input(), labels, self.head.head)  # position t predicts t+1
@@ -257,6 +253,18 @@ class SparseEngine:
         per_layer = [logits for logits in router_logits if logits is not None]
         chosen = [per_layer[self.spec.moe_layers.index(layer)] for layer in self.trainable_layers]
         return torch.stack([torch.logsumexp(x.float(), dim=-1).pow(2).mean() for x in chosen]).mean()
+
+    @contextlib.contextmanager
+    def injected(self, prefix_states: torch.Tensor) -> Iterator[None]:
+        """Within the block, model forwards start at the first trainable layer from ``prefix_states (B, T, H)``
+        (on the model's device); the frozen layers below pass it through and stream no experts."""
+        if self.prefix is None:
+            raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.prefix.injecting(prefix_states))
+            if self.streamer is not None:  # the skipped frozen layers need no experts on the device
+                stack.enter_context(self.streamer.skipping(below=self.prefix.start))
+            yield
 
     @torch.no_grad()
     def prefix_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

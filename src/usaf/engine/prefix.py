@@ -95,6 +95,25 @@ class PrefixRunner:
         return captured
 
 
+class PrefixTap:
+    """Records the hidden state entering ``layer`` on every forward, without stopping it (host copies).
+
+    ``usaf eval``'s base pass runs every layer anyway; what enters the checkpoint's first trainable layer is
+    the same in the fine-tuned model, so the fine-tuned pass can start there (``SparseEngine.injected``).
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.states: list[torch.Tensor] = []  # one (B, T, H) per forward, in host memory
+        self._handle = layer.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self.states.append(hidden.detach().to("cpu", copy=True))
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
 def cache_key(tokens: torch.Tensor, *, model_fingerprint: str, start: int, dtype: torch.dtype) -> str:
     """Content hash of everything the cached state depends on."""
     import transformers

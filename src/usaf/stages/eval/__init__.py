@@ -145,12 +145,19 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         progress.note(
             f"experts dequantized once ({size})" if resident else f"experts dequantized per forward (all: {size})"
         )
+    prefix = None  # the states entering the checkpoint's first trained layer, per batch, kept from the base pass
     if base is not None:
         progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
     else:
         streamer = _stream_every_layer(loaded, backend, placement)
-        base = run_pass(loaded.model, loaded.experts, batches, device=backend.device, progress=progress,
-                        description="base model")  # fmt: skip
+        tap = _prefix_tap(loaded, change, batches, progress)
+        try:
+            base = run_pass(loaded.model, loaded.experts, batches, device=backend.device, progress=progress,
+                            description="base model")  # fmt: skip
+        finally:
+            if tap is not None:
+                tap.close()
+        prefix = tap.states if tap is not None else None
         if streamer is not None:
             streamer.close()  # the fine-tuned pass's engine streams its own frozen layers
         if entry is not None:
@@ -158,7 +165,7 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
             progress.note(f"base pass: computed and cached in {entry}")
     tuned, logit_change = None, None
     if change is not None:
-        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement)
+        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement, base, prefix)
     else:
         progress.note("no checkpoint: evaluating the base model only")
     return _Outcome(
@@ -223,8 +230,39 @@ def _stream_every_layer(loaded, backend, placement: dict):
     )
 
 
-def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement: dict):
-    """Apply the change in an engine, prove it moved the logits, and run the same batches through it."""
+def _prefix_tap(loaded, change, batches, progress: Progress):
+    """A tap on the checkpoint's first trained layer for the base pass, or None (no checkpoint, nothing frozen
+    below it, or the states would take over ``PREFIX_RAM_SHARE`` of the available RAM)."""
+    import psutil
+
+    from usaf.engine.prefix import PrefixTap
+    from usaf.stages.eval.passes import PREFIX_RAM_SHARE
+    from usaf.units import human_bytes
+
+    if change is None or min(change.trainable_layers) == 0:
+        return None
+    first = min(change.trainable_layers)
+    model = loaded.model
+    width = model.config.hidden_size
+    element = next(model.parameters()).element_size()
+    needed = sum(b.input_ids.numel() for b in batches) * width * element  # (B, S, H) per batch, padded
+    available = psutil.virtual_memory().available
+    if needed > PREFIX_RAM_SHARE * available:
+        progress.note(
+            f"fine-tuned pass: runs every layer (the base pass's states at layer {first} would take "
+            f"{human_bytes(needed)}, over {PREFIX_RAM_SHARE:.0%} of the available RAM)"
+        )
+        return None
+    return PrefixTap(model.model.layers[first])
+
+
+def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement: dict, base, prefix):
+    """Apply the change in an engine, prove it moved the logits, and run the same batches through it.
+
+    ``prefix``: per batch, the hidden states entering the change's first trained layer in the base pass (or
+    None). The layers below it are the base model's in both passes, so the fine-tuned pass starts there, and
+    their routing is the base pass's.
+    """
     import torch
 
     from usaf.engine.engine import SparseEngine
@@ -249,9 +287,19 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
             "report this with the checkpoint; its evaluation would be the base model's",
         )
     del before, after
+    if prefix is None:
+        with torch.no_grad():
+            tuned = run_pass(engine.model, loaded.experts, batches, device=backend.device, progress=progress,
+                             description="fine-tuned model")  # fmt: skip
+        return tuned, moved
+    first = engine.prefix.start
+    running = {layer: state for layer, state in loaded.experts.items() if layer >= first}
+    progress.note(f"fine-tuned pass: starts at layer {first} from the base pass's states (layers below are unchanged)")
     with torch.no_grad():
-        tuned = run_pass(engine.model, loaded.experts, batches, device=backend.device, progress=progress,
-                         description="fine-tuned model")  # fmt: skip
+        tuned = run_pass(engine.model, running, batches, device=backend.device, progress=progress,
+                         description="fine-tuned model",
+                         around=lambda i: engine.injected(prefix[i].to(backend.device)))  # fmt: skip
+    tuned.routing = {layer: base.routing[layer] if layer < first else tuned.routing[layer] for layer in loaded.experts}
     return tuned, moved
 
 

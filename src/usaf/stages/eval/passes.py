@@ -6,8 +6,9 @@ per-sequence results pair up (for the paired bootstrap) and their routing lines 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class PassResult:
 
 
 RESIDENT_SHARE = 0.5  # of free memory the dequantized experts may take; the rest is for activations and the loss
+PREFIX_RAM_SHARE = 0.25  # of available RAM the base pass's prefix states may take, to be reused by the tuned pass
 
 
 def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
@@ -120,16 +122,23 @@ def run_pass(
     device: torch.device,
     progress: Progress,
     description: str,
+    around: Callable[[int], contextlib.AbstractContextManager] | None = None,
 ) -> PassResult:
-    """Evaluate every batch; progress counts sequences (and tokens per second)."""
+    """Evaluate every batch; progress counts sequences (and tokens per second).
+
+    ``around(i)``: a context each batch's forward runs in (the fine-tuned pass injects the base pass's prefix
+    states); ``experts``: the MoE layers whose routing is captured (those the forward runs).
+    """
     nll, tokens, routing = [], [], {layer: [] for layer in experts}
     seen = 0
     progress.start(description, sum(len(b.input_ids) for b in batches), "sequences")
     start = time.perf_counter()
     try:
         with RoutingCapture(experts) as capture:
-            for batch in batches:
-                sums, counts = sequence_nll(model, batch_hidden(model, batch, device), batch.labels)
+            for i, batch in enumerate(batches):
+                with around(i) if around is not None else contextlib.nullcontext():
+                    hidden = batch_hidden(model, batch, device)
+                sums, counts = sequence_nll(model, hidden, batch.labels)
                 nll.append(sums)
                 tokens.append(counts)
                 for layer, sets in capture.take(batch.attention_mask).items():
