@@ -357,20 +357,20 @@ def test_a_resident_base_above_the_allocation_limit_trains_in_chunks(quantized, 
         e, o, i = loaded.experts[top].gate_up.shape
         limit = 2 * o * i * 4  # two experts of gate_up (fp32 on CPU): the base is E/2 chunks
         guard = LargestAllocation()
-        with monkeypatch.context() as m:
+        with monkeypatch.context() as m:  # the limit while the bases are built (the loss's chunks would follow it too)
             if limited:
                 _limit_allocations(m, limit)
             with guard:
                 engine = SparseEngine(loaded, trainable_layers=[top])
-            engine.set_deltas(random_selection(engine, frac=0.05))
-            parts = engine.loss(ids, labels)
-            parts.loss.backward()
-            grads = {n: d.values.grad.clone() for n, d in engine.deltas().items()}
-            for weight in engine.weights.values():  # a reselection's fold: the record written into the base
-                delta = weight.delta
-                weight.fold(delta.indices[::3], delta.values.detach()[::3] + 0.25)
-            with torch.no_grad():
-                after = engine.loss(ids, labels).loss.item()
+        engine.set_deltas(random_selection(engine, frac=0.05))
+        parts = engine.loss(ids, labels)
+        parts.loss.backward()
+        grads = {n: d.values.grad.clone() for n, d in engine.deltas().items()}
+        for weight in engine.weights.values():  # a reselection's fold: the record written into the base
+            delta = weight.delta
+            weight.fold(delta.indices[::3], delta.values.detach()[::3] + 0.25)
+        with torch.no_grad():
+            after = engine.loss(ids, labels).loss.item()
         chunks = {n: len(w.resident.chunks) for n, w in engine.weights.items()}
         bases = {n: w.resident.dense().clone() for n, w in engine.weights.items()}
         runs.append((guard.largest, chunks, parts.loss.item(), grads, after, bases))

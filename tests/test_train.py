@@ -377,3 +377,34 @@ def test_out_of_memory_retries_with_a_smaller_microbatch(prepared, tmp_path, mon
     monkeypatch.setattr(SparseEngine, "loss", always)
     result = train(qdir, tokens, plan, tmp_path / "hopeless", *args)
     assert result.exit_code == 2 and "out of device memory at microbatch 1" in result.stderr
+
+
+def test_a_signal_during_the_stop_checkpoint_does_not_cut_it_short():
+    """Under torchrun a Ctrl-C reaches every rank and torchrun forwards another: one arriving while the ranks write
+    their stop checkpoint (a collective) must only set the flag again, or that rank dies and the others' gather
+    fails. Simulated in one process with an active world: the save signals its own process midway."""
+    import types
+
+    from usaf.stages.progress import NullProgress
+    from usaf.stages.train import _loop
+
+    events = []
+
+    def save_checkpoint(where):
+        events.append("save started")
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's forwarded signal, in the middle of the save
+        time.sleep(0.05)  # Python runs the handler here
+        events.append("save finished")
+        return where
+
+    world = types.SimpleNamespace(active=True, any=lambda flag: True)  # every rank asked to stop
+    trainer = types.SimpleNamespace(
+        world=world, state=types.SimpleNamespace(step=5), s=None, collector=None,
+        checkpoint_dir=lambda: "checkpoints/step-0000005", save_checkpoint=save_checkpoint, run_dir=None,
+    )  # fmt: skip
+    progress = NullProgress()
+    with pytest.raises(KeyboardInterrupt):
+        _loop(trainer, 10, progress)
+    assert events == ["save started", "save finished"]
+    assert any(n.startswith("interrupted: saved checkpoints/step-0000005") for n in progress.notes)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored afterwards

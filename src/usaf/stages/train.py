@@ -399,14 +399,16 @@ def _loop(trainer, steps: int, progress: Progress) -> None:
     progress.advance(trainer.state.step)
     stop = _StopRequest(trainer.world)
     try:
-        with stop:
-            _steps(trainer, steps, progress, stop)
-    except KeyboardInterrupt:
-        saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
-        if trainer.collector is not None:
-            trainer.collector.close()
-        progress.note(f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume")
-        raise
+        with stop:  # also around the save below: a repeated signal (torchrun forwards one) must not cut it short
+            try:
+                _steps(trainer, steps, progress, stop)
+            except KeyboardInterrupt:
+                saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
+                if trainer.collector is not None:
+                    trainer.collector.close()
+                note = f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume"
+                progress.note(note)
+                raise
     except PeerLost as e:
         from usaf.stages.trainer import latest_checkpoint
 
