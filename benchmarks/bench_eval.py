@@ -199,13 +199,18 @@ def measure(src: Path, qdir: Path, seq: int, repeats: int) -> dict:
     }
 
 
-def stage_once(qdir: Path, seq: int, work: Path) -> dict:
-    """The whole ``usaf eval`` stage once, base + tuned, to show what surrounds the forward passes."""
+def stage_once(qdir: Path, seq: int, work: Path, *, reuse_prefix: bool = True) -> dict:
+    """The whole ``usaf eval`` stage once, base + tuned, to show what surrounds the forward passes.
+
+    ``reuse_prefix=False`` makes the fine-tuned pass run every layer (as before it started from the base pass's
+    states at the first trained layer), by giving those states no RAM.
+    """
     from safetensors.torch import save_file
 
     from usaf.artifacts.run import DELTAS_FILE, ROUTERS_FILE, SETTINGS_FILE
-    from usaf.stages.eval import EvalConfig, run
+    from usaf.stages.eval import EvalConfig, passes, run
 
+    work.mkdir(parents=True, exist_ok=True)
     data = work / "heldout.jsonl"
     data.write_text(
         "".join(json.dumps({"input_ids": s.input_ids, "source": s.source}) + "\n" for s in make_sequences(seq))
@@ -222,10 +227,15 @@ def stage_once(qdir: Path, seq: int, work: Path) -> dict:
     (ckpt / "state.json").write_text("{}")
     fingerprint = json.loads((qdir / "manifest.json").read_text())["fingerprint"]
     (work / "run" / SETTINGS_FILE).write_text(json.dumps({"model_fingerprint": fingerprint}))
+    share = passes.PREFIX_RAM_SHARE
+    passes.PREFIX_RAM_SHARE = share if reuse_prefix else 0.0
     start = time.perf_counter()
-    manifest, _ = run(
-        EvalConfig(model=qdir, checkpoint=ckpt, held_out=[data], workspace=work, out=work / "report", plots=False)
-    )
+    try:
+        manifest, _ = run(
+            EvalConfig(model=qdir, checkpoint=ckpt, held_out=[data], workspace=work, out=work / "report", plots=False)
+        )
+    finally:
+        passes.PREFIX_RAM_SHARE = share
     seconds = time.perf_counter() - start
     s = manifest.summary
     passes = s.base_pass.seconds + s.tuned_pass.seconds
@@ -270,7 +280,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="usaf-bench-eval-") as tmp:
         src, qdir, result["setup"] = build_and_quantize(Path(tmp), widths)
         result["passes"] = measure(src, qdir, seq, args.repeats)
-        result["stage"] = stage_once(qdir, seq, Path(tmp))
+        result["stage"] = stage_once(qdir, seq, Path(tmp) / "reuse")
+        result["stage_every_layer"] = stage_once(qdir, seq, Path(tmp) / "every-layer", reuse_prefix=False)
     result["total_seconds"] = time.perf_counter() - started
     result["load_average_1min"] = {"start": load_start, "end": os.getloadavg()[0]}  # other processes share the CPUs
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -292,11 +303,12 @@ def print_summary(r: dict) -> None:
     print(f"  usaf streaming / transformers:     {p['ratio_usaf_streaming_over_transformers']:.3f}")
     print(f"  usaf base / transformers eager:    {p['ratio_usaf_base_over_transformers_eager']:.3f}")
     print(f"  max |NLL diff| usaf base vs transformers: {p['max_abs_nll_diff_usaf_base_vs_transformers']:.2e}")
-    s = r["stage"]
-    print(
-        f"whole stage once: {s['seconds']:.1f} s (base pass {s['base_pass_seconds']:.1f} s, tuned pass "
-        f"{s['tuned_pass_seconds']:.1f} s, everything else {s['outside_passes_seconds']:.1f} s)"
-    )
+    for key, label in (("stage", "whole stage once"), ("stage_every_layer", "the same, tuned pass on every layer")):
+        s = r[key]
+        print(
+            f"{label}: {s['seconds']:.1f} s (base pass {s['base_pass_seconds']:.2f} s, tuned pass "
+            f"{s['tuned_pass_seconds']:.2f} s, everything else {s['outside_passes_seconds']:.1f} s)"
+        )
     load = r["load_average_1min"]
     print(
         f"total {r['total_seconds']:.0f} s; 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end"
