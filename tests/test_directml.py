@@ -223,6 +223,7 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     """Forward, backward (deltas and, on transformers 4.x, routers) and an optimizer step with index_ops=False,
     with every op DirectML rejects made to raise at the aten level."""
     _skip_v5_router_scatter(family)
+    from test_reselect import train_step
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.optim import SparseAdamW
@@ -242,16 +243,8 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     )
     optimizer = SparseAdamW(engine.parameter_groups(lr=0.05, router_lr=1e-2, weight_decay=0.0), max_grad_norm=1.0)
     ids = torch.randint(1, 512, (2, 16), generator=g)
-    losses = []
     with forbid_rejected_ops():
-        for _ in range(4):
-            parts = engine.loss(ids, ids.clone())
-            losses.append(parts.loss.item())
-            engine.model.zero_grad(set_to_none=True)
-            for d in engine.deltas().values():
-                d.values.grad = None
-            parts.loss.backward()
-            assert optimizer.step().applied
+        losses = [train_step(engine, optimizer, ids, ids.clone()) for _ in range(4)]
     assert losses[-1] < losses[0], losses
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.routers.values())
     # negative control: the same step with the device's index ops on hits a rejected op
