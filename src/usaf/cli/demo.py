@@ -3,34 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
-import typer
-
-from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt
-
-Opt = typer.Option
+from usaf.cli.flags import settings_command
+from usaf.settings.demo import DemoConfig
 
 
-def command(
-    workspace: Annotated[Path | None, Opt(help="Where the demo's artifacts go [default: ./usaf-demo].")] = None,
-    steps: Annotated[int | None, Opt(help="Training steps [default: 150].")] = None,
-    frac: Annotated[float | None, Opt(help="Fraction of the trainable layers' expert weights [default: 0.02].")] = None,
-    eval_sequences: Annotated[int | None, Opt(help="Sequences per evaluated input [default: 32].")] = None,
-    export: Annotated[bool | None, Opt("--export/--no-export", help="Also export a HF model [default: off].")] = None,
-    seed: Annotated[int | None, Opt(help="Seed of the calibration sample and data order [default: 0].")] = None,
-    quick: Annotated[bool | None, Opt("--quick", help="A one-minute smoke run on three sources.")] = None,
-    overwrite: Annotated[bool | None, Opt("--overwrite", help="Start over instead of reusing finished stages.")] = None,
-    device: DeviceOpt = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Fine-tune the built-in pretrained MoE on stdlib sources it never saw, end to end, with no download.
-
-    Shows every stage, the before/after table, and the shell commands that do the same step by step.
-    Rerunning reuses finished stages and resumes training where Ctrl-C stopped it.
-    """
+def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     import json
 
     from usaf.cli.console import handle_errors
@@ -42,22 +21,7 @@ def command(
         from usaf.config import resolve_config
         from usaf.stages import demo
 
-        settings = resolve_config(
-            demo.DemoConfig,
-            section="demo",
-            cli={
-                "workspace": workspace,
-                "steps": steps,
-                "frac": frac,
-                "eval_sequences": eval_sequences,
-                "export": export,
-                "seed": seed,
-                "quick": quick,
-                "overwrite": overwrite,
-                "device": device,
-            },
-            config_file=config,
-        )
+        settings = resolve_config(DemoConfig, section="demo", cli=cli, config_file=config)
         done: list = []
 
         def show(step) -> None:
@@ -77,6 +41,17 @@ def command(
         out.print("\nThe same, step by step:")
         for step in done:
             out.print(demo.shell_line(step.command), markup=False, highlight=False, soft_wrap=True)
+
+
+command = settings_command(
+    DemoConfig,
+    _run,
+    doc="""Fine-tune the built-in pretrained MoE on stdlib sources it never saw, end to end, with no download.
+
+    Shows every stage, the before/after table, and the shell commands that do the same step by step.
+    Rerunning reuses finished stages and resumes training where Ctrl-C stopped it.
+    """,
+)
 
 
 def _print_outcomes(console, groups) -> None:

@@ -7,7 +7,6 @@ environment variables that steer devices, and the backend and dtypes a stage wou
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import sys
@@ -16,7 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt
+from usaf.cli.flags import settings_command
+from usaf.settings.doctor import DoctorConfig
 
 # Distribution names whose versions matter when a run misbehaves (usaf's own dependencies).
 CORE_PACKAGES = (
@@ -36,17 +36,11 @@ EXTRAS = {"directml": ("torch-directml",), "dev": ("pytest", "ruff")}
 _ENV_PREFIX = "USAF_"
 
 
-def command(
-    device: DeviceOpt = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Check this machine: versions, devices, environment, and what a run here would use."""
+def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.console import handle_errors
 
     with handle_errors(verbose):
-        report = collect(device=device, config=config, env=os.environ)
+        report = collect(device=cli["device"], config=config, env=os.environ)
         from usaf.distributed import shutdown, world
 
         shutdown_needed, is_main = world().active, world().is_main
@@ -62,22 +56,9 @@ def command(
             render(report, verbose=verbose)
 
 
-@functools.cache
-def _config_class() -> type:
-    # Defined on first use: importing pydantic at module import would slow down `usaf --help`.
-    from pydantic import Field
-
-    from usaf.config import StageConfig
-
-    class DoctorConfig(StageConfig):
-        """Settings of ``usaf doctor`` (table ``[doctor]`` of ``--config``)."""
-
-        device: str | None = Field(
-            default=None,
-            description="auto|cpu|cuda|cuda:N|mps|directml[:N]; unset: legacy USE_CUDA, else auto.",
-        )
-
-    return DoctorConfig
+command = settings_command(
+    DoctorConfig, _run, doc="Check this machine: versions, devices, environment, and what a run here would use."
+)
 
 
 def _versions() -> dict[str, str | None]:
@@ -123,7 +104,7 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
     from usaf.backends import explain_env, probe_backends, resolve_backend
     from usaf.config import resolve_config
 
-    settings = resolve_config(_config_class(), section="doctor", cli={"device": device}, config_file=config, env=env)
+    settings = resolve_config(DoctorConfig, section="doctor", cli={"device": device}, config_file=config, env=env)
     backend = resolve_backend(distributed.device_for_rank(settings.device, env), env=env)
     build = (
         f"ROCm {torch.version.hip}"

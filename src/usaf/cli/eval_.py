@@ -3,119 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
-import typer
-
-from usaf.cli.options import (
-    ConfigOpt,
-    DeviceOpt,
-    JsonOpt,
-    OverwriteOpt,
-    StreamExpertsOpt,
-    VerboseOpt,
-    WorkspaceOpt,
-)
-
-Opt = typer.Option
+from usaf.cli.flags import settings_command
+from usaf.settings.eval import EvalConfig
 
 
-def command(
-    model: Annotated[
-        Path | None, Opt(help="Quantized model directory (default: the one --checkpoint was trained on, else newest).")
-    ] = None,
-    checkpoint: Annotated[
-        Path | None,
-        Opt(
-            help="Run directory, unfinished run or checkpoints/step-N to evaluate. Not given: the base model only; "
-            "with neither --model nor --checkpoint, the newest finished run for the workspace's newest model."
-        ),
-    ] = None,
-    data: Annotated[
-        list[Path] | None,
-        Opt("--data", help="In-domain sequences: a tokens dir (its train.jsonl), tokens JSONL or text (repeatable)."),
-    ] = None,
-    held_out: Annotated[
-        list[Path] | None,
-        Opt(
-            "--held-out",
-            help="Held-out sequences: a tokens dir (its heldout.jsonl), tokens JSONL, JSONL of text, or text "
-            "files/directories tokenized with the model's tokenizer (repeatable).",
-        ),
-    ] = None,
-    out: Annotated[Path | None, Opt(help="Report directory (default: WORKSPACE/eval_report/<time>-<name>).")] = None,
-    microbatch: Annotated[int | None, Opt(help="Sequences per forward (default: 8).")] = None,
-    max_sequences: Annotated[
-        int | None, Opt(help="Evaluate a seeded random sample of this many sequences per input (default: all).")
-    ] = None,
-    seq_len: Annotated[
-        int | None, Opt(help="Raw text: tokens per packed sequence (default: 512, capped by the model's context).")
-    ] = None,
-    source_depth: Annotated[
-        int | None, Opt(help="Raw text directories: path components that name a source (default: 1).")
-    ] = None,
-    text_field: Annotated[str | None, Opt(help="JSONL of text: the text field (default: text).")] = None,
-    source_field: Annotated[
-        str | None, Opt(help="JSONL of text: the field naming the source, else repo (default: source).")
-    ] = None,
-    bootstrap: Annotated[int | None, Opt(help="Bootstrap resamples per interval (default: 1000).")] = None,
-    seed: Annotated[int | None, Opt(help="Seed of the bootstrap and of --max-sequences (default: 0).")] = None,
-    base_cache: Annotated[
-        bool | None,
-        Opt("--base-cache/--no-base-cache", help="Reuse/store the base pass in WORKSPACE/cache (default: on)."),
-    ] = None,
-    plots: Annotated[
-        bool | None, Opt("--plots/--no-plots", help="PNG plots, needs matplotlib (default: when it is installed).")
-    ] = None,
-    resident: Annotated[
-        bool | None,
-        Opt(
-            "--resident/--streaming",
-            help="Dequantize all experts once (fast; full-size memory) or the routed ones per forward (4-bit "
-            "memory) (default: once when they fit in half the free memory).",
-        ),
-    ] = None,
-    stream_experts: StreamExpertsOpt = None,
-    overwrite: OverwriteOpt = False,
-    device: DeviceOpt = None,
-    workspace: WorkspaceOpt = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Compare the base and the fine-tuned model on the same sequences: perplexity per source with 95 %
-    bootstrap intervals, and routing drift per MoE layer (a report for people and for scripts)."""
+def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.stage import run_stage
 
-    run_stage(
-        "eval",
-        cli={
-            "model": model,
-            "checkpoint": checkpoint,
-            "data": data or None,
-            "held_out": held_out or None,
-            "out": out,
-            "workspace": workspace,
-            "microbatch": microbatch,
-            "max_sequences": max_sequences,
-            "seq_len": seq_len,
-            "source_depth": source_depth,
-            "text_field": text_field,
-            "source_field": source_field,
-            "bootstrap": bootstrap,
-            "seed": seed,
-            "base_cache": base_cache,
-            "plots": plots,
-            "resident": resident,
-            "stream_experts": stream_experts,
-            "device": device,
-            "overwrite": overwrite or None,
-        },
-        config_file=config,
-        json_output=json_output,
-        verbose=verbose,
-        summary=_print_summary,
-    )
+    run_stage("eval", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
+
+
+command = settings_command(
+    EvalConfig,
+    _run,
+    doc="""Compare the base and the fine-tuned model on the same sequences: perplexity per source with 95 %
+    bootstrap intervals, and routing drift per MoE layer (a report for people and for scripts).""",
+)
 
 
 def _print_summary(console, manifest, path: Path) -> None:

@@ -3,59 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
-import typer
-
-from usaf.cli.options import ConfigOpt, JsonOpt, OverwriteOpt, VerboseOpt, WorkspaceOpt
-
-Opt = typer.Option
+from usaf.cli.flags import settings_command
+from usaf.settings.export import ExportConfig
 
 
-def command(
-    model: Annotated[
-        Path | None, Opt(help="Quantized model directory [default: the one the change was trained on].")
-    ] = None,
-    checkpoint: Annotated[
-        Path | None, Opt(help="Run, checkpoints/step-N or delta directory [default: newest run for the model].")
-    ] = None,
-    out: Annotated[
-        Path | None, Opt(help="Output directory [default: WORKSPACE/hf_export|delta/<time>-<name>].")
-    ] = None,
-    base: Annotated[
-        str | None,
-        Opt(
-            help="Original model (directory or hub id, offline cache) to merge into [default: the "
-            "dequantized 4-bit experts]."
-        ),
-    ] = None,
-    format: Annotated[
-        str | None, Opt("--format", help="hf (merged model directory, default) | delta (change alone).")
-    ] = None,
-    dtype: Annotated[
-        str | None, Opt(help="float32 | bfloat16 | float16 for floating tensors [default: each keeps the original's].")
-    ] = None,
-    max_shard_gib: Annotated[float | None, Opt(help="Largest safetensors shard, in GiB [default: 2].")] = None,
-    verify: Annotated[
-        bool | None,
-        Opt(
-            "--verify/--no-verify", help="Reload with transformers and compare logits before committing [default: on]."
-        ),
-    ] = None,
-    device: Annotated[str | None, Opt(help="Where verification runs (--format hf), in fp32 [default: cpu].")] = None,
-    overwrite: OverwriteOpt = False,
-    workspace: WorkspaceOpt = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Write a trained change into a Hugging Face model directory (or the change alone), verified by a reload.
-
-    Never re-quantizes: trained weights are base + delta in the original's dtype.
-    """
+def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.stage import run_stage
 
-    if device is not None and format == "delta":  # refused here, not in the settings: USAF_DEVICE sets it everywhere
+    # Refused here, not in the settings: USAF_DEVICE and [defaults] set --device for every command.
+    if cli["device"] is not None and cli["format"] == "delta":
         from usaf.cli.console import handle_errors
         from usaf.errors import UsafError
 
@@ -64,26 +22,17 @@ def command(
                 "--device sets where --format hf verification runs; --format delta runs nothing on a device",
                 "drop --device, or pass --format hf",
             )
-    run_stage(
-        "export",
-        cli={
-            "model": model,
-            "checkpoint": checkpoint,
-            "out": out,
-            "workspace": workspace,
-            "base": base,
-            "format": format,
-            "dtype": dtype,
-            "max_shard_gib": max_shard_gib,
-            "verify": verify,
-            "device": device,
-            "overwrite": overwrite or None,
-        },
-        config_file=config,
-        json_output=json_output,
-        verbose=verbose,
-        summary=_print_summary,
-    )
+    run_stage("export", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
+
+
+command = settings_command(
+    ExportConfig,
+    _run,
+    doc="""Write a trained change into a Hugging Face model directory (or the change alone), verified by a reload.
+
+    Never re-quantizes: trained weights are base + delta in the original's dtype.
+    """,
+)
 
 
 def _print_summary(console, manifest, path: Path) -> None:

@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from usaf.cli.flags import settings_command
+from usaf.cli.options import COMMAND_EXTRAS
+from usaf.settings.inspect import InspectConfig
 
-from usaf.cli.options import JsonOpt, VerboseOpt
 
-
-def command(
-    path: Annotated[Path, typer.Argument(help="An artifact directory (has manifest.json) or a model directory.")],
-    no_hash: Annotated[
-        bool,
-        typer.Option("--no-hash", help="Check files' presence and sizes only, not their sha256 (faster)."),
-    ] = False,
-    verify: Annotated[
-        bool,
-        typer.Option(
-            "--verify",
-            help="Verify only: re-hash every listed file, print one verdict line, exit 2 if any file is "
-            "missing, truncated or modified (files the manifest does not list are named too).",
-        ),
-    ] = False,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
+def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
     """Print an artifact's manifest and verify its files, or describe a model directory."""
     from usaf.cli.console import handle_errors
 
@@ -34,6 +18,8 @@ def command(
         from usaf.artifacts import MANIFEST_NAME
         from usaf.errors import UsafError
 
+        settings = InspectConfig(**{name: value for name, value in cli.items() if value is not None})
+        path, verify, no_hash = settings.path, settings.verify, settings.no_hash
         if not path.exists():
             raise UsafError(f"{path}: no such file or directory", "check the path")
         if verify and no_hash:
@@ -44,6 +30,14 @@ def command(
             _inspect_artifact(path, hashes=not no_hash, as_json=json_output)
         else:
             _inspect_model(path, as_json=json_output)
+
+
+command = settings_command(
+    InspectConfig,
+    _run,
+    extras=COMMAND_EXTRAS,
+    doc="Print an artifact's manifest and verify its files, or describe a model directory.",
+)
 
 
 def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]], *, limit: int = 12) -> None:

@@ -1,11 +1,13 @@
-"""Option aliases shared by commands, so each flag is spelled and documented once.
+"""The options that are not settings: they steer the command line itself, not a stage.
 
-Every flag defaults to ``None`` (= not set) so :func:`usaf.config.resolve_config` can tell a flag
-the user gave from one that should fall through to ``USAF_*`` variables, ``--config`` or defaults.
+Every setting's flag is generated from its field in :mod:`usaf.settings` (:mod:`usaf.cli.flags`); these few
+are the same for every command that takes them, and ``tests/test_options.py`` lists them as the only
+parameters a command may have besides its settings model's fields.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Annotated
 
@@ -15,56 +17,29 @@ ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", help="TOML file of settings: the command's table over [defaults].", show_default=False),
 ]
-WorkspaceOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--workspace",
-        help="Where stages write by default and look for their inputs [env: USAF_WORKSPACE; default: current dir].",
-        show_default=False,
-    ),
-]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 VerboseOpt = Annotated[
     bool, typer.Option("--verbose", "-v", help="Show tracebacks and debug logging.", envvar="USAF_VERBOSE")
 ]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the output directory if it exists.")]
-DeviceOpt = Annotated[
-    str | None,
+NprocOpt = Annotated[
+    int | None,
     typer.Option(
-        "--device",
-        help="auto|cpu|cuda|cuda:N|mps|directml [env: USAF_DEVICE; legacy USE_CUDA=1 means cuda].",
-        show_default=False,
-    ),
-]
-
-DistBackendOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--dist-backend",
-        help="Under torchrun: gloo | nccl [default: nccl on CUDA, else gloo].",
-        show_default=False,
-    ),
-]
-
-StreamExpertsOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--stream-experts/--no-stream-experts",
-        help="Keep the 4-bit experts in host memory and stream the frozen layers' to the device one layer "
-        "ahead [default: when they would take over half the free device memory].",
-        show_default=False,
+        "--nproc",
+        min=1,
+        help="Launch N data-parallel processes on this machine through torchrun (same as "
+        "`torchrun --standalone --nproc-per-node N -m usaf train ...`).",
     ),
 ]
 
 
-# Selection options shared by `usaf score` and `usaf train` (which scores on the fly without a plan).
-FracOpt = Annotated[
-    float | None, typer.Option(help="Fraction of the trainable layers' expert weights [default: 0.005].")
-]
-TrainFromOpt = Annotated[int | None, typer.Option(help="First trainable layer (every MoE layer from it up).")]
-LayersOpt = Annotated[list[int] | None, typer.Option("--layers", help="A trainable MoE layer (repeatable).")]
-CalibSamplesOpt = Annotated[int | None, typer.Option(help="Calibration sequences [default: 64].")]
-StatisticOpt = Annotated[str | None, typer.Option(help="grad (|g|, default) | grad2 (g²) | grad_x_weight (|w·g|).")]
-BudgetOpt = Annotated[
-    str | None, typer.Option(help="per-tensor (default) | per-layer | global | per-expert: how --frac is spread.")
-]
+def _param(name: str, annotation: object, default: object) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+
+
+CONFIG = _param("config", ConfigOpt, None)
+JSON = _param("json_output", JsonOpt, False)
+VERBOSE = _param("verbose", VerboseOpt, False)
+NPROC = _param("nproc", NprocOpt, None)
+
+STAGE_EXTRAS = (CONFIG, JSON, VERBOSE)  # every command with a --config table
+COMMAND_EXTRAS = (JSON, VERBOSE)  # inspect, tiny-model: command-line settings only

@@ -2,79 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Any
 
-import typer
+from usaf.cli.flags import settings_command
+from usaf.settings.plan import PlanConfig
 
-from usaf.cli.options import ConfigOpt, FracOpt, JsonOpt, VerboseOpt
 
-
-def command(
-    model: Annotated[str, typer.Argument(help="Model directory, usaf quantize output, or hub id (config.json only).")],
-    vram: Annotated[
-        str | None, typer.Option(help="Device memory: 12GiB, 16GB, ... [default: this machine's GPU].")
-    ] = None,
-    ram: Annotated[str | None, typer.Option(help="Host memory: 32GiB, ... [default: this machine's RAM].")] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cpu|cuda|directml: the kind of device to plan for [default: cuda with --vram].")
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(help="auto|float32|bfloat16|float16 [default: bf16 on cuda, fp16 on directml, fp32 cpu]."),
-    ] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence [default: 512].")] = None,
-    microbatch: Annotated[
-        int | None, typer.Option(help="Sequences per forward [default: the largest of 2, 1 that fits].")
-    ] = None,
-    frac: FracOpt = None,
-    train_from: Annotated[
-        int | None,
-        typer.Option(help="First trainable layer [default: the most layers that fit, up to the top quarter]."),
-    ] = None,
-    samples: Annotated[int | None, typer.Option(help="Training sequences, to size the prefix cache.")] = None,
-    nbits: Annotated[
-        int | None, typer.Option(help="Bits per expert weight [default: 4, or the quantized model's].")
-    ] = None,
-    group_size: Annotated[
-        int | None, typer.Option(help="Weights per scale/zero [default: 128, or the quantized model's].")
-    ] = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Predict the peak device and host memory of quantize, score, train and eval, and pick settings that fit.
-
-    Reads config.json only (no weights). Not the same as the plan usaf score writes (masks of the weights to
-    train): this predicts memory and chooses --train-from, --microbatch, where the 4-bit experts live and
-    how much of the prefix cache stays in RAM. Exit 2 when nothing fits, saying what is short by how much.
-    """
+def _command(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.console import handle_errors
 
     with handle_errors(verbose):
         from usaf.config import resolve_config
-        from usaf.memory_plan.config import LEGACY_ENV, PlanConfig
+        from usaf.memory_plan.config import LEGACY_ENV
 
-        settings = resolve_config(
-            PlanConfig,
-            section="plan",
-            cli={
-                "model": model,
-                "vram": vram,
-                "ram": ram,
-                "device": device,
-                "dtype": dtype,
-                "seq_len": seq_len,
-                "microbatch": microbatch,
-                "frac": frac,
-                "train_from": train_from,
-                "samples": samples,
-                "nbits": nbits,
-                "group_size": group_size,
-            },
-            config_file=config,
-            legacy_env=LEGACY_ENV,
-        )
+        settings = resolve_config(PlanConfig, section="plan", cli=cli, config_file=config, legacy_env=LEGACY_ENV)
         _run(settings, json_output)
+
+
+command = settings_command(
+    PlanConfig,
+    _command,
+    doc="""Predict the peak device and host memory of quantize, score, train and eval, and pick settings that fit.
+
+    Reads config.json only (no weights). Not the same as the plan usaf score writes (masks of the weights to
+    train): this predicts memory and chooses --train-from, --microbatch, where the 4-bit experts live and
+    how much of the prefix cache stays in RAM. Exit 2 when nothing fits, saying what is short by how much.
+    """,
+)
 
 
 def _run(settings: Any, json_output: bool) -> None:

@@ -3,64 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
-import typer
+from usaf.cli.flags import settings_command
+from usaf.settings.quantize import QuantizeConfig
 
-from usaf.cli.options import ConfigOpt, DeviceOpt, JsonOpt, VerboseOpt, WorkspaceOpt
 
-
-def command(
-    model: Annotated[
-        str | None, typer.Argument(help="Hugging Face model directory or hub id (e.g. Qwen/Qwen3-30B-A3B).")
-    ] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="Output directory [default: WORKSPACE/quantized_model/<time>-<name>].")
-    ] = None,
-    method: Annotated[
-        str | None, typer.Option(help="hqq (half-quadratic, default) or rtn (min-max round-to-nearest, fast).")
-    ] = None,
-    nbits: Annotated[int | None, typer.Option(help="Bits per expert weight: 2, 3, 4 or 8 [default: 4].")] = None,
-    group_size: Annotated[
-        int | None,
-        typer.Option(help="Weights per scale/zero along the input axis [default: 128; the largest divisor if not]."),
-    ] = None,
-    resume: Annotated[
-        bool | None, typer.Option("--resume", help="Accept an existing complete --out made with these settings.")
-    ] = None,
-    force: Annotated[
-        bool | None, typer.Option("--force", help="Replace an existing --out; discard an interrupted run's work.")
-    ] = None,
-    device: DeviceOpt = None,
-    workspace: WorkspaceOpt = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Quantize a MoE model's expert weights (HQQ 4-bit by default) into a self-contained directory.
-
-    Reads one MoE layer's experts at a time; an interrupted run resumes when the same command is rerun.
-    """
+def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.stage import run_stage
 
-    run_stage(
-        "quantize",
-        cli={
-            "model": model,
-            "out": out,
-            "workspace": workspace,
-            "method": method,
-            "nbits": nbits,
-            "group_size": group_size,
-            "device": device,
-            "resume": resume,
-            "force": force,
-        },
-        config_file=config,
-        json_output=json_output,
-        verbose=verbose,
-        summary=_print_summary,
-    )
+    run_stage("quantize", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
+
+
+command = settings_command(
+    QuantizeConfig,
+    _run,
+    doc="""Quantize a MoE model's expert weights (HQQ 4-bit by default) into a self-contained directory.
+
+    Reads one MoE layer's experts at a time; an interrupted run resumes when the same command is rerun.
+    """,
+)
 
 
 def _print_summary(console, manifest, path: Path) -> None:

@@ -3,110 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
-import typer
-
-from usaf.cli.options import (
-    BudgetOpt,
-    CalibSamplesOpt,
-    ConfigOpt,
-    DeviceOpt,
-    DistBackendOpt,
-    FracOpt,
-    JsonOpt,
-    LayersOpt,
-    OverwriteOpt,
-    StatisticOpt,
-    StreamExpertsOpt,
-    TrainFromOpt,
-    VerboseOpt,
-    WorkspaceOpt,
-)
+from usaf.cli.flags import settings_command
+from usaf.settings.score import ScoreConfig
 
 
-def command(
-    model: Annotated[
-        Path | None, typer.Option(help="Quantized model directory [default: newest in the workspace].")
-    ] = None,
-    data: Annotated[
-        Path | None, typer.Option(help="Tokens directory (usaf tokenize) or tokens JSONL [default: newest matching].")
-    ] = None,
-    out: Annotated[Path | None, typer.Option(help="Output directory [default: WORKSPACE/plan/<time>-<name>].")] = None,
-    frac: FracOpt = None,
-    train_from: TrainFromOpt = None,
-    layers: LayersOpt = None,
-    calib_samples: CalibSamplesOpt = None,
-    statistic: StatisticOpt = None,
-    budget: BudgetOpt = None,
-    router: Annotated[
-        bool | None, typer.Option("--router/--no-router", help="Train the routers too [default: on].")
-    ] = None,
-    microbatch: Annotated[int | None, typer.Option(help="Sequences per backward [default: 4].")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of the calibration sample [default: 0].")] = None,
-    candidates_factor: Annotated[
-        int | None,
-        typer.Option(
-            help="Candidates kept per tensor as a multiple of its budget; larger is closer to exact [default: 4]."
-        ),
-    ] = None,
-    full_maps: Annotated[
-        bool | None, typer.Option("--full-maps", help="Exact, full-size importance maps (memory: 4 bytes per weight).")
-    ] = None,
-    stability: Annotated[
-        bool | None,
-        typer.Option("--stability/--no-stability", help="Measure mask overlap of two data halves [default: on]."),
-    ] = None,
-    cache: Annotated[
-        bool | None,
-        typer.Option(
-            "--cache/--no-cache",
-            help="Store every training sequence's frozen-prefix state in the plan, so train starts at once "
-            "[default: off].",
-        ),
-    ] = None,
-    overwrite: OverwriteOpt = False,
-    device: DeviceOpt = None,
-    dist_backend: DistBackendOpt = None,
-    stream_experts: StreamExpertsOpt = None,
-    workspace: WorkspaceOpt = None,
-    config: ConfigOpt = None,
-    json_output: JsonOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train)."""
+def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.stage import run_stage
 
-    run_stage(
-        "score",
-        cli={
-            "model": model,
-            "data": data,
-            "out": out,
-            "workspace": workspace,
-            "frac": frac,
-            "train_from": train_from,
-            "layers": layers or None,
-            "calib_samples": calib_samples,
-            "statistic": statistic,
-            "budget": budget,
-            "router": router,
-            "device": device,
-            "dist_backend": dist_backend,
-            "stream_experts": stream_experts,
-            "microbatch": microbatch,
-            "seed": seed,
-            "candidates_factor": candidates_factor,
-            "full_maps": full_maps,
-            "stability": stability,
-            "cache": cache,
-            "overwrite": overwrite or None,
-        },
-        config_file=config,
-        json_output=json_output,
-        verbose=verbose,
-        summary=_print_summary,
-    )
+    run_stage("score", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
+
+
+command = settings_command(
+    ScoreConfig,
+    _run,
+    doc="Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train).",
+)
 
 
 def _print_summary(console, manifest, path: Path) -> None:

@@ -15,28 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
-from usaf.config import StageConfig
+from usaf.settings.demo import DemoConfig
 from usaf.stages.progress import NullProgress, Progress
 
 NAME = "demo"  # every artifact of the demo is WORKSPACE/<kind>/demo
-
-
-class DemoConfig(StageConfig):
-    """Settings of ``usaf demo``."""
-
-    workspace: Path = Field(Path("usaf-demo"), description="Where the demo's artifacts go.")
-    steps: int = Field(150, ge=1, description="Training steps.")
-    frac: float = Field(0.02, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.")
-    seq_len: int = Field(256, ge=16, description="Tokens per sequence.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas.")
-    eval_sequences: int = Field(32, ge=1, description="Sequences per evaluated input (a seeded sample).")
-    export: bool = Field(False, description="Also export the fine-tuned model as a Hugging Face directory.")
-    quick: bool = Field(False, description="A smoke run: three of the domain's sources, 20 steps, 16 eval sequences.")
-    device: str = "auto"
-    seed: int = 0
-    overwrite: bool = Field(False, description="Start over: replace the demo's artifacts.")
 
 
 @dataclass

@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import Field, model_validator
+from typing import Any
 
 from usaf.artifacts import (
     ArtifactWriter,
@@ -33,42 +31,10 @@ from usaf.artifacts.hf_export import HfExportSummary
 from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.run import TrainedChange
 from usaf.artifacts.safety import check_free_space
-from usaf.config import StageConfig
 from usaf.errors import UsafError
+from usaf.settings.export import DEFAULT_SHARD_GIB, ExportConfig
 from usaf.stages.change import resolve_model_and_change
 from usaf.stages.progress import NullProgress, Progress
-
-DEFAULT_SHARD_GIB = 2.0
-
-
-class ExportConfig(StageConfig):
-    """Settings of ``usaf export``."""
-
-    model: Path | None = Field(None, description="Quantized model directory [default: newest in the workspace].")
-    checkpoint: Path | None = Field(
-        None, description="Run, checkpoint or delta to export [default: newest run trained on the model]."
-    )
-    out: Path | None = Field(None, description="Output directory [default: WORKSPACE/hf_export|delta/<time>-<name>].")
-    workspace: Path | None = None
-    base: str | None = Field(None, description="Original model (directory or hub id) to merge into.")
-    format: Literal["hf", "delta"] = Field("hf", description="hf: a merged model directory; delta: the change alone.")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Cast floating tensors to this dtype [default: each keeps the original's]."
-    )
-    max_shard_gib: float | None = Field(None, gt=0, description=f"Shard size limit [default: {DEFAULT_SHARD_GIB}].")
-    verify: bool = Field(True, description="Reload the export and compare logits before committing it.")
-    device: str | None = Field(None, description="Where --format hf verification runs, in fp32 [default: cpu].")
-    overwrite: bool = False
-
-    @model_validator(mode="after")
-    def _hf_only(self) -> ExportConfig:
-        if self.format == "delta":
-            # (--device is not among them: USAF_DEVICE and [defaults] set it for every command)
-            hf_only = {"--base": self.base, "--dtype": self.dtype, "--max-shard-gib": self.max_shard_gib}
-            given = [flag for flag, value in hf_only.items() if value is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} apply to --format hf only; drop them or pass --format hf")
-        return self
 
 
 def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any, Path]:

@@ -15,34 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
-
-from usaf.config import StageConfig
 from usaf.errors import UsafError
+from usaf.settings.generate import GenerateConfig
 from usaf.stages.change import model_with_change, resolve_model_and_change
 from usaf.stages.progress import NullProgress, Progress
-
-
-class GenerateConfig(StageConfig):
-    """Settings of ``usaf generate``."""
-
-    prompt: str = Field(description="The prompt (a user message when the chat template is applied).")
-    model: Path | None = Field(None, description="Quantized model directory [default: newest in the workspace].")
-    checkpoint: Path | None = Field(None, description="Run, checkpoint or delta [default: newest run for the model].")
-    no_checkpoint: bool = Field(False, description="Generate with the untrained quantized model.")
-    workspace: Path | None = None
-    temperature: float = Field(0.7, ge=0, description="Sampling temperature; 0 = greedy.")
-    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling: smallest set of tokens with this mass.")
-    max_new_tokens: int = Field(128, ge=1)
-    seed: int = 0
-    chat: bool = Field(True, description="Apply the tokenizer's chat template when it has one.")
-    device: str = "auto"
-
-    @model_validator(mode="after")
-    def _one_checkpoint_choice(self) -> GenerateConfig:
-        if self.no_checkpoint and self.checkpoint is not None:
-            raise ValueError("pass either --checkpoint or --no-checkpoint, not both")
-        return self
 
 
 @dataclass(frozen=True)

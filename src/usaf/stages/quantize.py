@@ -16,10 +16,9 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.loader import load_verified
@@ -33,13 +32,13 @@ from usaf.artifacts.quantized import (
 )
 from usaf.artifacts.safety import check_free_space
 from usaf.artifacts.writer import write_text_atomic
-from usaf.config import StageConfig
 from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
 from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
 from usaf.families.mapping import load_expert_layer
 from usaf.quant import QuantizedTensor, dequantize, quantize_experts
 from usaf.quant.ptfile import StreamingTorchSave
+from usaf.settings.quantize import QuantizeConfig
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.quantize_parts import (
     PARTIAL_SETTINGS,
@@ -50,20 +49,6 @@ from usaf.stages.quantize_parts import (
 )
 
 LAYERS_DIR = "layers"
-
-
-class QuantizeConfig(StageConfig):
-    """Settings of ``usaf quantize``."""
-
-    model: str | None = Field(None, description="Model directory or hub id.")
-    out: Path | None = Field(None, description="Output directory [default: WORKSPACE/quantized_model/<time>-<name>].")
-    workspace: Path | None = None
-    method: Literal["hqq", "rtn"] = Field("hqq", description="hqq (half-quadratic) or rtn (min-max round-to-nearest).")
-    nbits: Literal[2, 3, 4, 8] = Field(4, description="Bits per expert weight.")
-    group_size: int = Field(128, ge=8, le=4096, description="Weights per scale/zero along the input axis.")
-    device: str = Field("auto", description="Where to quantize: auto|cpu|cuda|cuda:N|mps|directml.")
-    resume: bool = Field(False, description="Accept an existing complete --out made with these settings.")
-    force: bool = Field(False, description="Replace an existing --out and discard a partial run.")
 
 
 def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any]) -> bool:

@@ -13,10 +13,9 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, model_validator
 
 from usaf.artifacts import (
     ArtifactWriter,
@@ -41,51 +40,13 @@ from usaf.artifacts.plan import (
     TensorSelection,
 )
 from usaf.artifacts.tokens import TRAIN_FILE
-from usaf.config import StageConfig
 from usaf.data.batches import Batch, batches, sample_lines
 from usaf.errors import UsafError
+from usaf.settings.score import ScoreConfig
 from usaf.stages.progress import NullProgress, Progress
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
 LEGACY_ENV = {"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"}  # the original tool's
-
-
-class ScoreConfig(StageConfig):
-    """Settings of ``usaf score``."""
-
-    model: Path | None = Field(None, description="Quantized model directory [default: newest in the workspace].")
-    data: Path | None = Field(None, description="Tokens directory or JSONL [default: newest matching tokens].")
-    out: Path | None = None
-    workspace: Path | None = None
-    frac: float = Field(0.005, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.")
-    train_from: int | None = Field(None, ge=0, description="First trainable layer: every MoE layer from it up.")
-    layers: list[int] | None = Field(None, description="Explicit trainable MoE layers.")
-    calib_samples: int = Field(64, ge=1, description="Calibration sequences.")
-    statistic: Literal["grad", "grad2", "grad_x_weight"] = "grad"
-    budget: Literal["per-tensor", "per-layer", "global", "per-expert"] = "per-tensor"
-    router: bool = Field(True, description="The trainable layers' routers train too (counted in the plan).")
-    device: str = "auto"
-    microbatch: int = Field(4, ge=1)
-    seed: int = 0
-    candidates_factor: int = Field(
-        4, ge=1, le=1024, description="Candidates kept per tensor, as a multiple of its budget (12 bytes each)."
-    )
-    full_maps: bool = Field(False, description="Keep full-size importance maps (exact; O(weights) memory).")
-    stability: bool = Field(True, description="Score two disjoint halves of the data and report their overlap.")
-    cache: bool = Field(False, description="Also store every training sequence's frozen-prefix state for train.")
-    stream_experts: bool | None = Field(
-        None, description="Frozen layers' 4-bit experts in host memory, streamed per layer [default: by size]."
-    )
-    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend under torchrun [default: nccl on CUDA, else gloo]."
-    )
-    overwrite: bool = False
-
-    @model_validator(mode="after")
-    def _one_layer_choice(self) -> ScoreConfig:
-        if self.train_from is not None and self.layers is not None:
-            raise ValueError("pass either --train-from or --layers, not both")
-        return self
 
 
 def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:

@@ -17,12 +17,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
-
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, SourceCount, TokensManifest, TokensSummary
-from usaf.config import StageConfig
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
@@ -30,47 +27,10 @@ from usaf.data.packing import Sequence, SourcePacker
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_record
 from usaf.data.tokens import labels_look_shifted, unshift_labels
 from usaf.errors import UsafError
+from usaf.settings.tokenize import TokenizeConfig
 from usaf.stages.progress import NullProgress, Progress
 
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep the Rust threads busy
-
-
-class TokenizeConfig(StageConfig):
-    """Settings of ``usaf tokenize``; each field's description is its flag's help."""
-
-    inputs: list[Path] = Field(default_factory=list, description="Text files, directories or JSONL files.")
-    model: str | None = Field(None, description="Model directory or hub id whose tokenizer to use.")
-    out: Path | None = Field(None, description="Output directory [default: WORKSPACE/tokens/<time>-<name>].")
-    workspace: Path | None = Field(None, description="Workspace for the default output.")
-    seq_len: int = Field(512, ge=2, description="Tokens per sequence.")
-    stride: int = Field(0, ge=0, description="Overlap between consecutive sequences of a source (tokens).")
-    text_field: str = Field("text", min_length=1, description="JSONL field holding the text.")
-    source_field: str = Field("source", min_length=1, description="JSONL field naming the source.")
-    source_depth: int = Field(1, ge=0, description="Path components under a directory input that name a source.")
-    include: list[str] = Field(default_factory=list, description="Only files matching these globs.")
-    exclude: list[str] = Field(default_factory=list, description="Skip files matching these globs.")
-    held_out: list[str] = Field(default_factory=list, description="Sources (globs) to hold out.")
-    held_out_frac: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of sources to hold out.")
-    seed: int = Field(0, description="Seed of the --held-out-frac choice.")
-    decode_errors: Literal["strict", "replace", "skip"] = Field("strict", description="Non-UTF-8 files.")
-    fix_shifted_labels: bool = Field(False, description="Unshift pre-shifted labels of pre-tokenized input.")
-    trust_remote_code: bool = Field(False, description="Allow the tokenizer's own Python code to run.")
-    overwrite: bool = Field(False, description="Replace --out if it exists.")
-
-    @model_validator(mode="after")
-    def _cross_field(self) -> TokenizeConfig:
-        problems = []
-        if not self.inputs:
-            problems.append("no INPUTS given: pass text files, directories or JSONL files")
-        if self.model is None:
-            problems.append("--model is required: the model (directory or hub id) whose tokenizer to use")
-        if self.stride >= self.seq_len:
-            problems.append(f"--stride {self.stride} must be smaller than --seq-len {self.seq_len}")
-        if self.held_out and self.held_out_frac:
-            problems.append("pass either --held-out or --held-out-frac, not both")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
 
 @dataclass

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
-
 from usaf.artifacts import (
     ArtifactWriter,
     EvalReportManifest,
@@ -28,48 +26,10 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
-from usaf.config import StageConfig
 from usaf.errors import UsafError
+from usaf.settings.eval import EvalConfig
 from usaf.stages.eval.stats import CONFIDENCE
 from usaf.stages.progress import NullProgress, Progress
-
-
-class EvalConfig(StageConfig):
-    """Settings of ``usaf eval`` (each also ``USAF_<NAME>`` and an ``[eval]`` TOML key)."""
-
-    model: Path | None = Field(None, description="Quantized model directory.")
-    checkpoint: Path | None = Field(None, description="Run directory, unfinished run or checkpoints/step-N.")
-    data: list[Path] = Field(default_factory=list, description="In-domain sequences (a tokens dir: train.jsonl).")
-    held_out: list[Path] = Field(default_factory=list, description="Held-out sequences (a tokens dir: heldout.jsonl).")
-    out: Path | None = None
-    workspace: Path | None = None
-    microbatch: int = Field(8, ge=1, description="Sequences per forward.")
-    max_sequences: int | None = Field(None, ge=1, description="A seeded sample of this many sequences per input.")
-    # Raw-text inputs only (None = not given; refused when every input is already tokenized):
-    seq_len: int | None = Field(None, ge=2, description="Tokens per packed sequence [default: 512, or less].")
-    source_depth: int | None = Field(None, ge=0, description="Path components naming a source [default: 1].")
-    text_field: str | None = Field(None, min_length=1, description="JSONL text field [default: text].")
-    source_field: str | None = Field(None, min_length=1, description="JSONL source field [default: source].")
-    bootstrap: int = Field(1000, ge=100, description="Bootstrap resamples per interval.")
-    seed: int = 0
-    base_cache: bool = Field(True, description="Reuse/store the base pass under WORKSPACE/cache/eval-base.")
-    plots: bool | None = Field(None, description="PNG plots [default: when matplotlib is installed].")
-    resident: bool | None = Field(
-        None, description="Dequantize all experts once (True) or per forward (False) [default: once if they fit]."
-    )
-    stream_experts: bool | None = Field(
-        None, description="4-bit experts in host memory, streamed per layer (per-forward dequantization only)."
-    )
-    device: str = "auto"
-
-    @model_validator(mode="after")
-    def _placement(self) -> EvalConfig:
-        if self.resident and self.stream_experts:
-            raise ValueError("--resident dequantizes every expert onto the device; --stream-experts keeps them in "
-                             "host memory: pass one")  # fmt: skip
-        return self
-
-    overwrite: bool = False
 
 
 @dataclass

@@ -1,0 +1,133 @@
+"""Fields that several commands share, and the metadata that turns a field into a flag.
+
+A field becomes ``--kebab-name``; its description is the flag's help, and ``[default: …]`` is written from
+its default (or from ``default_text`` where the default is computed at run time). Metadata keys, all
+optional, under ``json_schema_extra={"cli": {...}}``:
+
+- ``argument``: a positional argument instead of an option;
+- ``flag``: the declaration where the rule does not give it (``"--resident/--streaming"``); booleans are
+  otherwise a plain switch ``--x`` when they default to False, ``--x/--no-x`` when they default to True/None;
+- ``default_text``: what ``[default: …]`` says (``""``: nothing);
+- ``hidden``: not a flag (a ``--config``/``USAF_*`` setting only);
+- ``min``/``max``: checked by the command line itself (a usage error);
+- ``decided_by``: the field whose artifact decides this one (``"plan"``); a value given on the command line
+  or in the command's own TOML table while that field is set is refused, one from a shared source
+  ([defaults], ``USAF_*``, legacy variables) is dropped (:func:`usaf.config.resolve_config`);
+- ``remedy`` (on a deciding field): how to get another value of the fields it decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+FRAC = 0.005  # the default share of the trainable layers' expert weights (score, train, plan)
+
+# Which layers and weights train: chosen by usaf score, or by train when it scores on the fly.
+SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget")
+
+Statistic = Literal["grad", "grad2", "grad_x_weight"]
+Budget = Literal["per-tensor", "per-layer", "global", "per-expert"]
+DistBackend = Literal["auto", "gloo", "nccl"]
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def cli(**meta: Any) -> dict[str, Any]:
+    """``json_schema_extra`` of a field: how it appears on the command line (keys in the module docstring)."""
+    return {"cli": meta}
+
+
+def cli_meta(info: Any) -> dict[str, Any]:
+    """The ``cli`` metadata of a pydantic ``FieldInfo`` (empty when it has none)."""
+    extra = info.json_schema_extra
+    return dict(extra.get("cli", {})) if isinstance(extra, dict) else {}
+
+
+# -- paths and places ---------------------------------------------------------------------------------------
+
+
+def quantized_model(default_text: str = "newest in the workspace") -> Any:
+    return Field(None, description="Quantized model directory.", json_schema_extra=cli(default_text=default_text))
+
+
+def out_dir(kind: str, what: str = "Output directory.") -> Any:
+    return Field(None, description=what, json_schema_extra=cli(default_text=f"WORKSPACE/{kind}/<time>-<name>"))
+
+
+def workspace() -> Any:
+    return Field(
+        None,
+        description="Where stages write by default and look for their inputs (also USAF_WORKSPACE).",
+        json_schema_extra=cli(default_text="current dir"),
+    )
+
+
+def checkpoint(default_text: str = "newest run for the model") -> Any:
+    return Field(
+        None,
+        description="Run, checkpoints/step-N or delta directory.",
+        json_schema_extra=cli(default_text=default_text),
+    )
+
+
+def device(default: str | None = "auto", **meta: Any) -> Any:
+    return Field(
+        default,
+        description="auto|cpu|cuda|cuda:N|mps|directml (also USAF_DEVICE; legacy USE_CUDA=1 means cuda).",
+        json_schema_extra=cli(**meta),
+    )
+
+
+def overwrite(description: str = "Replace the output directory if it exists.") -> Any:
+    return Field(False, description=description)
+
+
+def stream_experts() -> Any:
+    return Field(
+        None,
+        description="Keep the 4-bit experts in host memory and stream the frozen layers' to the device one layer "
+        "ahead.",
+        json_schema_extra=cli(default_text="when they would take over half the free device memory"),
+    )
+
+
+def dist_backend() -> Any:
+    return Field("auto", description="Under torchrun: auto | gloo | nccl.",
+                 json_schema_extra=cli(default_text="nccl on CUDA, else gloo"))  # fmt: skip
+
+
+# -- the selection (score, train; plan's frac) ---------------------------------------------------------------
+
+_DECIDED = cli(decided_by="plan")  # ignored by a command without a plan field (score)
+
+
+def frac(default: float = FRAC, **meta: Any) -> Any:
+    return Field(default, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.",
+                 json_schema_extra=cli(**{**_DECIDED["cli"], **meta}))  # fmt: skip
+
+
+def train_from() -> Any:
+    return Field(None, ge=0, description="First trainable layer (every MoE layer from it up).",
+                 json_schema_extra=_DECIDED)  # fmt: skip
+
+
+def layers() -> Any:
+    return Field(None, description="A trainable MoE layer (repeatable).", json_schema_extra=_DECIDED)
+
+
+def calib_samples() -> Any:
+    return Field(64, ge=1, description="Calibration sequences.", json_schema_extra=_DECIDED)
+
+
+def statistic() -> Any:
+    return Field("grad", description="grad (|g|) | grad2 (g²) | grad_x_weight (|w·g|).", json_schema_extra=_DECIDED)
+
+
+def budget() -> Any:
+    return Field("per-tensor", description="per-tensor | per-layer | global | per-expert: how --frac is spread.",
+                 json_schema_extra=_DECIDED)  # fmt: skip
+
+
+def seq_len_field(default: int | None, description: str = "Tokens per sequence.", **meta: Any) -> Any:
+    return Field(default, ge=2, description=description, json_schema_extra=cli(**meta))

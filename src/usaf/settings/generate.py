@@ -1,0 +1,36 @@
+"""Settings of ``usaf generate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from usaf.config import StageConfig
+from usaf.settings import fields as f
+from usaf.settings.fields import cli
+
+
+class GenerateConfig(StageConfig):
+    """Settings of ``usaf generate``."""
+
+    prompt: str = Field(
+        description="The prompt (a user message when the chat template is applied).",
+        json_schema_extra=cli(argument=True),
+    )
+    model: Path | None = f.quantized_model()
+    checkpoint: Path | None = f.checkpoint()
+    no_checkpoint: bool = Field(False, description="Use the untrained quantized model (to compare).")
+    workspace: Path | None = f.workspace()
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(128, ge=1, description="Tokens to generate at most.")
+    seed: int = Field(0, description="Sampling seed: the same seed gives the same text.")
+    chat: bool = Field(True, description="Apply the tokenizer's chat template if it has one.")
+    device: str = f.device()
+
+    @model_validator(mode="after")
+    def _one_checkpoint_choice(self) -> GenerateConfig:
+        if self.no_checkpoint and self.checkpoint is not None:
+            raise ValueError("pass either --checkpoint or --no-checkpoint, not both")
+        return self

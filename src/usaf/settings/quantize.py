@@ -1,0 +1,35 @@
+"""Settings of ``usaf quantize``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from usaf.config import StageConfig
+from usaf.settings import fields as f
+from usaf.settings.fields import cli
+
+
+class QuantizeConfig(StageConfig):
+    """Settings of ``usaf quantize``."""
+
+    model: str | None = Field(
+        None,
+        description="Hugging Face model directory or hub id (e.g. Qwen/Qwen3-30B-A3B).",
+        json_schema_extra=cli(argument=True),
+    )
+    out: Path | None = f.out_dir("quantized_model")
+    workspace: Path | None = f.workspace()
+    method: Literal["hqq", "rtn"] = Field(
+        "hqq", description="hqq (half-quadratic) or rtn (min-max round-to-nearest, fast)."
+    )
+    nbits: Literal[2, 3, 4, 8] = Field(4, description="Bits per expert weight: 2, 3, 4 or 8.")
+    group_size: int = Field(
+        128, ge=8, le=4096, description="Weights per scale/zero along the input axis.",
+        json_schema_extra=cli(default_text="128; the largest divisor if not"),
+    )  # fmt: skip
+    device: str = f.device()
+    resume: bool = Field(False, description="Accept an existing complete --out made with these settings.")
+    force: bool = Field(False, description="Replace an existing --out; discard an interrupted run's work.")

@@ -1,0 +1,54 @@
+"""Settings of ``usaf score``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from usaf.config import StageConfig
+from usaf.settings import fields as f
+from usaf.settings.fields import Budget, DistBackend, Statistic, cli
+
+
+class ScoreConfig(StageConfig):
+    """Settings of ``usaf score``."""
+
+    model: Path | None = f.quantized_model()
+    data: Path | None = Field(
+        None, description="Tokens directory (usaf tokenize) or tokens JSONL.",
+        json_schema_extra=cli(default_text="newest matching"),
+    )  # fmt: skip
+    out: Path | None = f.out_dir("plan")
+    workspace: Path | None = f.workspace()
+    frac: float = f.frac()
+    train_from: int | None = f.train_from()
+    layers: list[int] | None = f.layers()
+    calib_samples: int = f.calib_samples()
+    statistic: Statistic = f.statistic()
+    budget: Budget = f.budget()
+    router: bool = Field(True, description="Train the routers too (counted in the plan).")
+    device: str = f.device()
+    microbatch: int = Field(4, ge=1, description="Sequences per backward.")
+    seed: int = Field(0, description="Seed of the calibration sample.")
+    candidates_factor: int = Field(
+        4, ge=1, le=1024,
+        description="Candidates kept per tensor as a multiple of its budget (12 bytes each); larger is closer "
+        "to exact.",
+    )  # fmt: skip
+    full_maps: bool = Field(False, description="Exact, full-size importance maps (memory: 4 bytes per weight).")
+    stability: bool = Field(True, description="Measure mask overlap of two data halves.")
+    cache: bool = Field(
+        False,
+        description="Store every training sequence's frozen-prefix state in the plan, so train starts at once.",
+        json_schema_extra=cli(flag="--cache/--no-cache"),
+    )
+    stream_experts: bool | None = f.stream_experts()
+    dist_backend: DistBackend = f.dist_backend()
+    overwrite: bool = f.overwrite()
+
+    @model_validator(mode="after")
+    def _one_layer_choice(self) -> ScoreConfig:
+        if self.train_from is not None and self.layers is not None:
+            raise ValueError("pass either --train-from or --layers, not both")
+        return self

@@ -1,0 +1,91 @@
+"""Settings of ``usaf train`` (each also ``USAF_<NAME>`` and a ``[train]`` TOML key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from usaf.config import StageConfig
+from usaf.settings import fields as f
+from usaf.settings.fields import Budget, ComputeDtype, DistBackend, Statistic, cli
+
+
+class TrainConfig(StageConfig):
+    """Settings of ``usaf train`` (each also ``USAF_<NAME>`` and a ``[train]`` TOML key)."""
+
+    model: Path | None = f.quantized_model()
+    data: Path | None = Field(
+        None, description="Tokens directory or JSONL.", json_schema_extra=cli(default_text="newest matching the model")
+    )
+    plan: Path | None = Field(
+        None,
+        description="Plan from usaf score; it decides the selection (--frac, --train-from, --layers, ...).",
+        json_schema_extra=cli(default_text="newest for the model, else scored now into RUN/plan",
+                              remedy="re-run usaf score with it"),
+    )  # fmt: skip
+    eval_data: Path | None = Field(None, description="Held-out tokens (a tokens dir uses its heldout.jsonl).")
+    out: Path | None = f.out_dir("run", "Run directory.")
+    workspace: Path | None = f.workspace()
+    frac: float = f.frac()
+    train_from: int | None = f.train_from()
+    layers: list[int] | None = f.layers()
+    statistic: Statistic = f.statistic()
+    budget: Budget = f.budget()
+    steps: int | None = Field(None, ge=1, description="Optimizer steps (or --epochs).")
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over the data.", json_schema_extra=cli(default_text="1")
+    )
+    microbatch: int = Field(2, ge=1, description="Sequences per forward.")
+    grad_accum: int = Field(1, ge=1, description="Microbatches per optimizer step.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas (docs/ARCHITECTURE.md: the evidence).")
+    router_lr: float = Field(1e-4, ge=0, description="Peak learning rate of the routers.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled, toward the pretrained weights.")
+    clip: float | None = Field(1.0, gt=0, description="Gradient-norm clip over all trainables.")
+    warmup: float = Field(0.05, ge=0, lt=1, description="Warmup as a fraction of the run.")
+    reselect_every: int | None = Field(
+        None, ge=0, description="Steps between RigL reselections; 0 = static mask.",
+        json_schema_extra=cli(default_text="50; static for runs of <= 50 steps"),
+    )  # fmt: skip
+    seq_len: int | None = f.seq_len_field(None, "Cut longer sequences to N tokens.", default_text="as tokenized")
+    reselect_fraction: float = Field(0.2, ge=0, le=1, description="Initial fraction replaced, cosine to 0 at 75%.")
+    aux_loss_coef: float = Field(0.0, ge=0, description="The model's load-balancing loss weight.")
+    z_loss_coef: float = Field(0.0, ge=0, description="Router z-loss weight.")
+    router: bool = Field(True, description="Train the routers.")
+    eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = only at the end.")
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps.")
+    seed: int = Field(0, description="Seed of the data order.")
+    device: str = f.device()
+    dtype: ComputeDtype = Field(
+        "auto", description="auto | float32 | bfloat16 | float16 (with dynamic loss scaling); auto: bf16 where "
+        "native, else fp16 + loss scaling; fp32 on CPU.",
+    )  # fmt: skip
+    calib_samples: int = f.calib_samples()
+    prefix_cache_gib: float = Field(
+        2.0, ge=0, description="RAM for cached frozen-prefix states before they spill to the run's disk file."
+    )
+    stream_experts: bool | None = f.stream_experts()
+    vram: str | None = Field(
+        None,
+        description="Device memory budget (12GiB, ...): usaf plan picks --microbatch, --grad-accum, --stream-experts, "
+        "--prefix-cache-gib and (without a plan) --train-from where not given.",
+        json_schema_extra=cli(default_text="this device's"),
+    )
+    ram: str | None = Field(
+        None, description="Host memory budget (32GiB, ...) for the same choice.",
+        json_schema_extra=cli(default_text="this machine's"),
+    )  # fmt: skip
+    dist_backend: DistBackend = f.dist_backend()
+    resume: bool = Field(False, description="Continue the interrupted run in --out.")
+    overwrite: bool = f.overwrite("Replace --out.")
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("pass either --steps or --epochs, not both")
+        if self.steps is not None and self.reselect_every is not None and self.reselect_every > self.steps:
+            raise ValueError(
+                f"--reselect-every {self.reselect_every} exceeds --steps {self.steps}; "
+                "lower it or pass 0 for a static mask"
+            )
+        return self
