@@ -10,6 +10,11 @@ documented default. The CLI passes flags that default to ``None`` (= not set), a
 4. a legacy environment variable of the original tool (``FRAC``, ``STEPS``, ...), where mapped,
 5. the field's default.
 
+A field whose metadata names a ``decided_by`` field (``frac`` is decided by train's ``plan``) is refused
+when set on the command line or in the command's own table while its decider is set: the artifact decides
+it. From a shared source (``USAF_*``, ``[defaults]``, legacy variables: every command reads those) it is
+dropped instead.
+
 Every problem, from every source, is collected and reported in one :class:`UsafError` that names
 where each bad value came from, so a user fixes them all in one go.
 """
@@ -44,6 +49,12 @@ class StageConfig(BaseModel):
     """Base of every stage's settings: frozen, and unknown keys are errors, not silently ignored."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def cli_meta(info: Any) -> dict[str, Any]:
+    """A field's command-line metadata: ``json_schema_extra={"cli": {...}}`` (keys: usaf.settings.fields)."""
+    extra = info.json_schema_extra
+    return dict(extra.get("cli", {})) if isinstance(extra, dict) else {}
 
 
 def flag_name(field: str) -> str:
@@ -158,6 +169,8 @@ def resolve_config(
         if raw is not None and raw != "" and field in fields:
             offer(field, _parse_env_value(raw, fields[field].annotation), f"legacy env {legacy}")
 
+    _apply_deciders(fields, values, origin, own_table=f"--config {config_file} [{section}] ")
+
     if not problems:
         try:
             return cls(**values)
@@ -174,3 +187,31 @@ def resolve_config(
         "invalid settings: " + "; ".join(problems),
         "fix the values above (flags win over USAF_* variables, which win over --config)",
     )
+
+
+def _apply_deciders(
+    fields: Mapping[str, Any], values: dict[str, Any], origin: dict[str, str], *, own_table: str
+) -> None:
+    """Refuse (or, from a shared source, drop) the values that an artifact given in another field decides.
+
+    ``own_table``: the origin prefix of the command's own TOML table; with the flag, the sources a user
+    writes for this command alone.
+    """
+    flag = flag_name
+    refused: list[tuple[str, str]] = []
+    for field, info in fields.items():
+        decider = cli_meta(info).get("decided_by")
+        if decider not in fields or values.get(decider) is None or field not in values:
+            continue
+        if origin[field] == flag(field) or origin[field].startswith(own_table):
+            refused.append((field, decider))
+        else:  # USAF_*, [defaults] or a legacy variable: meant for every command, not against this artifact
+            del values[field], origin[field]
+    if refused:
+        deciders = {decider for _, decider in refused}
+        remedies = [cli_meta(fields[d]).get("remedy") for d in sorted(deciders)]
+        given = ", ".join(flag(field) for field, _ in refused)
+        raise UsafError(
+            "; ".join(f"{origin[field]}: {flag(d)} {values[d]} decides it" for field, d in refused),
+            f"drop {given}" + "".join(f", or {r}" for r in remedies if r),
+        )

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from usaf.cli.options import STAGE_EXTRAS
-from usaf.settings.fields import cli_meta
+from usaf.config import cli_meta
 
 Body = Callable[..., None]
 

@@ -38,12 +38,6 @@ def cli(**meta: Any) -> dict[str, Any]:
     return {"cli": meta}
 
 
-def cli_meta(info: Any) -> dict[str, Any]:
-    """The ``cli`` metadata of a pydantic ``FieldInfo`` (empty when it has none)."""
-    extra = info.json_schema_extra
-    return dict(extra.get("cli", {})) if isinstance(extra, dict) else {}
-
-
 # -- paths and places ---------------------------------------------------------------------------------------
 
 
