@@ -10,10 +10,8 @@ Typer reads the generated ``__signature__``; the command body receives the flags
 from __future__ import annotations
 
 import inspect
-import types
-import typing
 from collections.abc import Callable, Iterator, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel
@@ -21,12 +19,9 @@ from pydantic_core import PydanticUndefined
 
 from usaf.cli.options import STAGE_EXTRAS
 from usaf.config import cli_meta
+from usaf.settings.argv import cli_type, declaration, is_plain_switch
 
 Body = Callable[..., None]
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def default_text(info: Any) -> str:
@@ -47,44 +42,9 @@ def help_text(info: Any) -> str:
     return (info.description or "") + (f" [default: {text}]" if text else "")
 
 
-def is_bool(info: Any) -> bool:
-    return _base_type(info.annotation) is bool
-
-
-def is_plain_switch(info: Any) -> bool:
-    """``--x`` alone (given = True, absent = not set), where a negative flag would say nothing."""
-    flag = cli_meta(info).get("flag")
-    if flag is not None:
-        return "/" not in flag
-    return is_bool(info) and info.default is False
-
-
-def declaration(name: str, info: Any) -> str:
-    """``--name``, ``--name/--no-name`` or the field's own declaration."""
-    meta = cli_meta(info)
-    if "flag" in meta:
-        return meta["flag"]
-    if is_bool(info) and not is_plain_switch(info):
-        return f"{flag_of(name)}/--no-{name.replace('_', '-')}"
-    return flag_of(name)
-
-
 def is_flag(info: Any) -> bool:
     """Whether a field appears on the command line (``hidden`` ones are ``--config``/``USAF_*`` only)."""
     return not cli_meta(info).get("hidden", False)
-
-
-def _base_type(annotation: Any) -> Any:
-    """The command-line type of a field's annotation: ``X | None`` → X, ``Literal["a", "b"]`` → str."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _base_type(args[0]) if len(args) == 1 else str
-    if origin is Literal:
-        return type(typing.get_args(annotation)[0])
-    if origin in (list, tuple):
-        return list[_base_type(typing.get_args(annotation)[0])]  # type: ignore[misc]
-    return annotation
 
 
 def parameters(model: type[BaseModel]) -> Iterator[inspect.Parameter]:
@@ -93,7 +53,7 @@ def parameters(model: type[BaseModel]) -> Iterator[inspect.Parameter]:
         if not is_flag(info):
             continue
         meta = cli_meta(info)
-        base = _base_type(info.annotation)
+        base = cli_type(info.annotation)
         help_ = help_text(info)
         if meta.get("argument"):
             spec: Any = typer.Argument(help=help_, show_default=False)

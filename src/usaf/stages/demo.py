@@ -74,38 +74,43 @@ def effective(config: DemoConfig) -> DemoConfig:
     return config.model_copy(update={"steps": min(config.steps, 20), "eval_sequences": min(config.eval_sequences, 16)})
 
 
-def commands(config: DemoConfig) -> list[tuple[str, list[str]]]:
-    """The shell commands that do what the demo does, stage by stage."""
+def stage_settings(config: DemoConfig) -> dict[str, Any]:
+    """Each stage's settings, stage by stage: what the demo runs, and what its shell lines say."""
     from usaf.demo import demo_model_dir
+    from usaf.settings.eval import EvalConfig
+    from usaf.settings.export import ExportConfig
+    from usaf.settings.quantize import QuantizeConfig
+    from usaf.settings.score import ScoreConfig
+    from usaf.settings.tokenize import TokenizeConfig
+    from usaf.settings.train import TrainConfig
 
-    config = effective(config)
     p = paths(config.workspace)
     model = str(demo_model_dir())
-    domain_options = domain(config).tokenize_options()
-    tokenize = ["usaf", "tokenize", *map(str, domain_options["inputs"]), "--model", model]
-    tokenize += ["--seq-len", str(config.seq_len)]
-    tokenize += [a for g in domain_options.get("include", []) for a in ("--include", g)]
-    tokenize += [a for g in domain_options["exclude"] for a in ("--exclude", g)]
-    tokenize += [a for s in domain_options["held_out"] for a in ("--held-out", s)]
-    tokenize += ["--source-depth", str(domain_options["source_depth"]), "--decode-errors", "replace"]
-    tokenize += ["--out", str(p["tokens"])]
-    forgetting = [str(x) for x in forgetting_inputs()]
-    out = [
-        ("tokenize", tokenize),
-        ("quantize", ["usaf", "quantize", model, "--out", str(p["quantized"])]),
-        ("score", ["usaf", "score", "--model", str(p["quantized"]), "--data", str(p["tokens"]), "--frac",
-                   str(config.frac), "--seed", str(config.seed), "--no-stability", "--cache", "--out", str(p["plan"])]),
-        ("train", ["usaf", "train", "--model", str(p["quantized"]), "--data", str(p["tokens"]), "--plan",
-                   str(p["plan"]), "--eval-data", str(p["tokens"]), "--steps", str(config.steps), "--lr",
-                   str(config.lr), "--seed", str(config.seed), "--out", str(p["run"])]),
-        ("eval", ["usaf", "eval", "--model", str(p["quantized"]), "--checkpoint", str(p["run"]), "--data",
-                  str(p["tokens"]), "--held-out", str(p["tokens"]), *[a for f in forgetting for a in ("--held-out", f)],
-                  "--max-sequences", str(config.eval_sequences), "--out", str(p["eval"])]),
-    ]  # fmt: skip
+    device = config.device
+    stages: dict[str, Any] = {
+        "tokenize": TokenizeConfig(**domain(config).tokenize_options(), model=model, seq_len=config.seq_len,
+                                   out=p["tokens"]),
+        "quantize": QuantizeConfig(model=model, out=p["quantized"], device=device),
+        "score": ScoreConfig(model=p["quantized"], data=p["tokens"], frac=config.frac, seed=config.seed, cache=True,
+                             out=p["plan"], device=device,
+                             stability=False),  # not shown by the demo: two more scoring passes saved
+        "train": TrainConfig(model=p["quantized"], data=p["tokens"], plan=p["plan"], eval_data=p["tokens"],
+                             steps=config.steps, lr=config.lr, seed=config.seed, out=p["run"], device=device),
+        "eval": EvalConfig(model=p["quantized"], checkpoint=p["run"], data=[p["tokens"]],
+                           held_out=[p["tokens"], *forgetting_inputs()], max_sequences=config.eval_sequences,
+                           out=p["eval"], device=device, seed=config.seed,
+                           workspace=config.workspace),  # the base-pass cache stays inside the demo's workspace
+    }  # fmt: skip
     if config.export:
-        out.append(("export", ["usaf", "export", "--model", str(p["quantized"]), "--checkpoint", str(p["run"]),
-                               "--base", model, "--out", str(p["export"])]))  # fmt: skip
-    return out
+        stages["export"] = ExportConfig(model=p["quantized"], checkpoint=p["run"], base=model, out=p["export"])
+    return stages
+
+
+def commands(config: DemoConfig) -> list[tuple[str, list[str]]]:
+    """The shell commands that do what the demo does, stage by stage (spelled from the same settings)."""
+    from usaf.settings.argv import command_line
+
+    return [(name, command_line(name, settings)) for name, settings in stage_settings(effective(config)).items()]
 
 
 def shell_line(command: list[str]) -> str:
@@ -119,9 +124,11 @@ def run(
     on_step: Callable[[DemoStep], None] | None = None,
 ) -> tuple[Any, Path]:
     """Run every stage; returns the eval report's manifest and directory (``on_step`` sees each stage)."""
+    import importlib
     import shutil
 
     from usaf.artifacts import load_manifest
+    from usaf.settings.argv import command_line
 
     progress = progress or NullProgress()
     config = effective(config)
@@ -129,14 +136,15 @@ def run(
     if config.overwrite:
         for path in p.values():
             shutil.rmtree(path, ignore_errors=True)
-    for name, command in commands(config):
+    for name, settings in stage_settings(config).items():
+        command = command_line(name, settings)
         step = DemoStep(name, command, p[_ARTIFACT[name]])
         if (step.path / "manifest.json").is_file():
             step.manifest, step.reused = load_manifest(step.path), True
             progress.note(f"{name}: reusing {step.path} (rerun with --overwrite to start over)")
         else:
             progress.note(f"{name}: {shell_line(command)}")
-            step.manifest, _ = _STAGES[name](config, p, progress)
+            step.manifest, _ = importlib.import_module(f"usaf.stages.{name}").run(settings, progress=progress)
         if on_step is not None:
             on_step(step)
     return load_manifest(p["eval"]), p["eval"]
@@ -187,74 +195,3 @@ def outcomes(config: DemoConfig, report: dict) -> list[Outcome]:
 
 _ARTIFACT = {"tokenize": "tokens", "quantize": "quantized", "score": "plan", "train": "run", "eval": "eval",
              "export": "export"}  # fmt: skip
-
-
-def _tokenize(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.demo import demo_model_dir
-    from usaf.stages import tokenize
-
-    settings = tokenize.TokenizeConfig(
-        **domain(config).tokenize_options(), model=str(demo_model_dir()), seq_len=config.seq_len, out=p["tokens"]
-    )
-    return tokenize.run(settings, progress=progress)
-
-
-def _quantize(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.demo import demo_model_dir
-    from usaf.stages import quantize
-
-    return quantize.run(
-        quantize.QuantizeConfig(model=str(demo_model_dir()), out=p["quantized"], device=config.device),
-        progress=progress,
-    )
-
-
-def _score(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.stages import score
-
-    settings = score.ScoreConfig(
-        model=p["quantized"], data=p["tokens"], frac=config.frac, seed=config.seed, cache=True, out=p["plan"],
-        device=config.device, stability=False,  # not shown by the demo: two more scoring passes saved
-    )  # fmt: skip
-    return score.run(settings, progress=progress)
-
-
-def _train(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.stages import train
-
-    settings = train.TrainConfig(
-        model=p["quantized"], data=p["tokens"], plan=p["plan"], eval_data=p["tokens"], steps=config.steps,
-        lr=config.lr, seed=config.seed, out=p["run"], device=config.device,
-    )  # fmt: skip
-    return train.run(settings, progress=progress)
-
-
-def _eval(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.stages import eval as eval_stage
-
-    forgetting = forgetting_inputs()
-    settings = eval_stage.EvalConfig(
-        model=p["quantized"], checkpoint=p["run"], data=[p["tokens"]], held_out=[p["tokens"], *forgetting],
-        max_sequences=config.eval_sequences, out=p["eval"], device=config.device, seed=config.seed,
-        workspace=config.workspace,  # the base-pass cache stays inside the demo's workspace
-    )  # fmt: skip
-    return eval_stage.run(settings, progress=progress)
-
-
-def _export(config: DemoConfig, p: dict[str, Path], progress: Progress):
-    from usaf.demo import demo_model_dir
-    from usaf.stages import export
-
-    settings = export.ExportConfig(model=p["quantized"], checkpoint=p["run"], base=str(demo_model_dir()),
-                                   out=p["export"])  # fmt: skip
-    return export.run(settings, progress=progress)
-
-
-_STAGES = {
-    "tokenize": _tokenize,
-    "quantize": _quantize,
-    "score": _score,
-    "train": _train,
-    "eval": _eval,
-    "export": _export,
-}
