@@ -33,6 +33,8 @@ command = settings_command(
 
 
 def _run(settings: Any, json_output: bool) -> None:
+    import dataclasses
+
     from usaf.cli.console import note, out, print_json
     from usaf.cli.plan_render import plan_json, render
     from usaf.errors import UsafError
@@ -44,13 +46,7 @@ def _run(settings: Any, json_output: bool) -> None:
     ram = parse_size(settings.ram, flag="--ram") if settings.ram is not None else _local_ram(note)
     target = make_target(kind, settings.dtype, vram, ram)
     facts = model_facts(source.config)
-    request = Request(
-        seq_len=settings.seq_len,
-        frac=settings.frac,
-        microbatch=settings.microbatch,
-        train_from=settings.train_from,
-        samples=settings.samples,
-    )
+    request = Request(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)})  # a subset of PlanConfig
     plan = plan_memory(facts, source.quant, target, request)
     if json_output:
         print_json(plan_json(plan, facts, source))
