@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.demo import DemoConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -19,6 +18,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
         from usaf.cli.eval_ import _print_summary as print_eval
         from usaf.cli.progress import RichProgress
         from usaf.config import resolve_config
+        from usaf.settings.demo import DemoConfig
         from usaf.stages import demo
 
         settings = resolve_config(DemoConfig, section="demo", cli=cli, config_file=config)
@@ -44,7 +44,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    DemoConfig,
+    "usaf.settings.demo:DemoConfig",
     _run,
     doc="""Fine-tune the built-in pretrained MoE on stdlib sources it never saw, end to end, with no download.
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.doctor import DoctorConfig
 
 # Distribution names whose versions matter when a run misbehaves (usaf's own dependencies).
 CORE_PACKAGES = (
@@ -57,7 +56,9 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    DoctorConfig, _run, doc="Check this machine: versions, devices, environment, and what a run here would use."
+    "usaf.settings.doctor:DoctorConfig",
+    _run,
+    doc="Check this machine: versions, devices, environment, and what a run here would use.",
 )
 
 
@@ -103,6 +104,7 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
     from usaf import distributed
     from usaf.backends import explain_env, probe_backends, resolve_backend
     from usaf.config import resolve_config
+    from usaf.settings.doctor import DoctorConfig
 
     settings = resolve_config(DoctorConfig, section="doctor", cli={"device": device}, config_file=config, env=env)
     backend = resolve_backend(distributed.device_for_rank(settings.device, env), env=env)

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.eval import EvalConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -16,7 +15,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    EvalConfig,
+    "usaf.settings.eval:EvalConfig",
     _run,
     doc="""Compare the base and the fine-tuned model on the same sequences: perplexity per source with 95 %
     bootstrap intervals, and routing drift per MoE layer (a report for people and for scripts).""",

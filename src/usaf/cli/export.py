@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.export import ExportConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -26,7 +25,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    ExportConfig,
+    "usaf.settings.export:ExportConfig",
     _run,
     doc="""Write a trained change into a Hugging Face model directory (or the change alone), verified by a reload.
 

@@ -8,7 +8,6 @@ from typing import Any
 import typer
 
 from usaf.cli.flags import settings_command
-from usaf.settings.generate import GenerateConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -18,6 +17,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
         from usaf.cli.console import note, print_json
         from usaf.cli.progress import RichProgress
         from usaf.config import resolve_config
+        from usaf.settings.generate import GenerateConfig
         from usaf.stages.generate import run
 
         settings = resolve_config(GenerateConfig, section="generate", cli=cli, config_file=config)
@@ -37,5 +37,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    GenerateConfig, _run, doc="Generate text with the trained change applied (streamed), to see what training changed."
+    "usaf.settings.generate:GenerateConfig",
+    _run,
+    doc="Generate text with the trained change applied (streamed), to see what training changed.",
 )

@@ -7,7 +7,6 @@ from typing import Any
 
 from usaf.cli.flags import settings_command
 from usaf.cli.options import COMMAND_EXTRAS
-from usaf.settings.inspect import InspectConfig
 
 
 def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
@@ -17,6 +16,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
     with handle_errors(verbose):
         from usaf.artifacts import MANIFEST_NAME
         from usaf.errors import UsafError
+        from usaf.settings.inspect import InspectConfig
 
         settings = InspectConfig(**{name: value for name, value in cli.items() if value is not None})
         path, verify, no_hash = settings.path, settings.verify, settings.no_hash
@@ -33,7 +33,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
 
 
 command = settings_command(
-    InspectConfig,
+    "usaf.settings.inspect:InspectConfig",
     _run,
     extras=COMMAND_EXTRAS,
     doc="Print an artifact's manifest and verify its files, or describe a model directory.",

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.plan import PlanConfig
 
 
 def _command(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -14,14 +13,14 @@ def _command(cli: dict[str, Any], *, config: Path | None, json_output: bool, ver
 
     with handle_errors(verbose):
         from usaf.config import resolve_config
-        from usaf.memory_plan.config import LEGACY_ENV
+        from usaf.memory_plan.config import LEGACY_ENV, PlanConfig
 
         settings = resolve_config(PlanConfig, section="plan", cli=cli, config_file=config, legacy_env=LEGACY_ENV)
         _run(settings, json_output)
 
 
 command = settings_command(
-    PlanConfig,
+    "usaf.settings.plan:PlanConfig",
     _command,
     doc="""Predict the peak device and host memory of quantize, score, train and eval, and pick settings that fit.
 
@@ -46,7 +45,9 @@ def _run(settings: Any, json_output: bool) -> None:
     ram = parse_size(settings.ram, flag="--ram") if settings.ram is not None else _local_ram(note)
     target = make_target(kind, settings.dtype, vram, ram)
     facts = model_facts(source.config)
-    request = Request(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)})  # a subset of PlanConfig
+    request = Request(
+        **{f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)}
+    )  # a subset of PlanConfig
     plan = plan_memory(facts, source.quant, target, request)
     if json_output:
         print_json(plan_json(plan, facts, source))

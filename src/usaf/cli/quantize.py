@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.quantize import QuantizeConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -16,7 +15,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    QuantizeConfig,
+    "usaf.settings.quantize:QuantizeConfig",
     _run,
     doc="""Quantize a MoE model's expert weights (HQQ 4-bit by default) into a self-contained directory.
 

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.score import ScoreConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -16,7 +15,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    ScoreConfig,
+    "usaf.settings.score:ScoreConfig",
     _run,
     doc="Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train).",
 )

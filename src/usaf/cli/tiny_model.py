@@ -6,7 +6,6 @@ from typing import Any
 
 from usaf.cli.flags import settings_command
 from usaf.cli.options import COMMAND_EXTRAS
-from usaf.settings.tiny_model import TinyModelConfig
 
 
 def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
@@ -18,6 +17,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
         from usaf.cli.console import print_json
         from usaf.errors import UsafError
         from usaf.families import SUPPORTED_FAMILIES, describe_model
+        from usaf.settings.tiny_model import TinyModelConfig
         from usaf.testing import build_tiny_model
 
         settings = TinyModelConfig(**{name: value for name, value in cli.items() if value is not None})
@@ -37,7 +37,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
 
 
 command = settings_command(
-    TinyModelConfig,
+    "usaf.settings.tiny_model:TinyModelConfig",
     _run,
     extras=COMMAND_EXTRAS,
     doc="""Write a tiny random MoE model (family's real on-disk layout) with a tokenizer trained on stdlib text.

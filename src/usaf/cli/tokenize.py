@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.settings.tokenize import TokenizeConfig
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -16,7 +15,9 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
 
 command = settings_command(
-    TokenizeConfig, _run, doc="Tokenize text into packed sequences (train.jsonl, heldout.jsonl), held out by source."
+    "usaf.settings.tokenize:TokenizeConfig",
+    _run,
+    doc="Tokenize text into packed sequences (train.jsonl, heldout.jsonl), held out by source.",
 )
 
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from usaf.cli.flags import settings_command
 from usaf.cli.options import NPROC, STAGE_EXTRAS
-from usaf.settings.train import TrainConfig
 
 
 def _run(cli: dict[str, Any], *, nproc: int | None, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -19,7 +18,7 @@ def _run(cli: dict[str, Any], *, nproc: int | None, config: Path | None, json_ou
 
 
 command = settings_command(
-    TrainConfig,
+    "usaf.settings.train:TrainConfig",
     _run,
     extras=(NPROC, *STAGE_EXTRAS),
     doc="""Train sparse deltas of the planned expert weights (+ routers) over the 4-bit base.
