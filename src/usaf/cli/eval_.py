@@ -3,23 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from usaf.cli.flags import settings_command
-
-
-def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
-    from usaf.cli.stage import run_stage
-
-    run_stage("eval", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
-
-
-command = settings_command(
-    "usaf.settings.eval:EvalConfig",
-    _run,
-    doc="""Compare the base and the fine-tuned model on the same sequences: perplexity per source with 95 %
-    bootstrap intervals, and routing drift per MoE layer (a report for people and for scripts).""",
-)
+from usaf.cli.stage import stage_command
 
 
 def _print_summary(console, manifest, path: Path) -> None:
@@ -74,3 +59,11 @@ def _print_summary(console, manifest, path: Path) -> None:
     elif s.plots_note:
         console.print(s.plots_note, markup=False)
     console.print(f"report: {path / 'report.md'}", markup=False)
+
+
+command = stage_command(
+    "eval",
+    summary=_print_summary,
+    doc="""Compare the base and the fine-tuned model on the same sequences: perplexity per source with 95 %
+    bootstrap intervals, and routing drift per MoE layer (a report for people and for scripts).""",
+)

@@ -3,25 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from usaf.cli.flags import settings_command
-
-
-def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
-    from usaf.cli.stage import run_stage
-
-    run_stage("quantize", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
-
-
-command = settings_command(
-    "usaf.settings.quantize:QuantizeConfig",
-    _run,
-    doc="""Quantize a MoE model's expert weights (HQQ 4-bit by default) into a self-contained directory.
-
-    Reads one MoE layer's experts at a time; an interrupted run resumes when the same command is rerun.
-    """,
-)
+from usaf.cli.stage import stage_command
 
 
 def _print_summary(console, manifest, path: Path) -> None:
@@ -57,3 +40,13 @@ def _print_summary(console, manifest, path: Path) -> None:
     )
     if s.group_sizes_adjusted:
         console.print(f"group size adjusted to divide the input width: {', '.join(s.group_sizes_adjusted[:4])}")
+
+
+command = stage_command(
+    "quantize",
+    summary=_print_summary,
+    doc="""Quantize a MoE model's expert weights (HQQ 4-bit by default) into a self-contained directory.
+
+    Reads one MoE layer's experts at a time; an interrupted run resumes when the same command is rerun.
+    """,
+)

@@ -3,22 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from usaf.cli.flags import settings_command
-
-
-def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
-    from usaf.cli.stage import run_stage
-
-    run_stage("score", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
-
-
-command = settings_command(
-    "usaf.settings.score:ScoreConfig",
-    _run,
-    doc="Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train).",
-)
+from usaf.cli.stage import stage_command
 
 
 def _print_summary(console, manifest, path: Path) -> None:
@@ -61,3 +47,10 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"prefix cache: {c.samples:,} sequences / {c.tokens:,} tokens entering layer {c.start} "
             f"({human_bytes(c.bytes)}, {c.dtype})"
         )
+
+
+command = stage_command(
+    "score",
+    summary=_print_summary,
+    doc="Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train).",
+)

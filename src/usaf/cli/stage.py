@@ -8,6 +8,17 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from usaf.cli.flags import settings_command
+
+
+def stage_command(name: str, *, summary: Callable[[Any, Any, Path], None], doc: str) -> Any:
+    """``usaf NAME``: its flags from ``usaf.settings.NAME``'s model, its body :func:`run_stage`."""
+
+    def body(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
+        run_stage(name, cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=summary)
+
+    return settings_command(f"usaf.settings.{name}:{name.capitalize()}Config", body, doc=doc)
+
 
 def run_stage(
     name: str,

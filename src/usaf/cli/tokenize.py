@@ -3,22 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from usaf.cli.flags import settings_command
-
-
-def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
-    from usaf.cli.stage import run_stage
-
-    run_stage("tokenize", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
-
-
-command = settings_command(
-    "usaf.settings.tokenize:TokenizeConfig",
-    _run,
-    doc="Tokenize text into packed sequences (train.jsonl, heldout.jsonl), held out by source.",
-)
+from usaf.cli.stage import stage_command
 
 
 def _print_summary(console, manifest, path: Path) -> None:
@@ -49,3 +35,10 @@ def _print_summary(console, manifest, path: Path) -> None:
     if s.heldout_sources:
         shown = ", ".join(s.heldout_sources[:8]) + (" ..." if len(s.heldout_sources) > 8 else "")
         console.print(f"held out: {shown}")
+
+
+command = stage_command(
+    "tokenize",
+    summary=_print_summary,
+    doc="Tokenize text into packed sequences (train.jsonl, heldout.jsonl), held out by source.",
+)
