@@ -424,8 +424,8 @@ def test_same_layer_packages_may_not_import_each_other():
 
 
 def test_the_test_import_checker_reports_test_modules_not_helpers():
-    source = "import helpers\nfrom helpers_engine import batch\nfrom test_engine import make_engine\nimport tests.x\n"
-    found = check_test_imports("tests/test_bad.py", source, {"test_engine", "tests"})
+    source = "import helpers\nfrom helpers_engine import batch\nfrom test_engine import make\nimport tests.test_cli\n"
+    found = check_test_imports("tests/test_bad.py", source, {"test_engine", "test_cli"})
     assert [v.line for v in found] == [3, 4], _report(found)
 
 
