@@ -25,6 +25,8 @@ from contextlib import nullcontext
 import torch
 from torch.autograd.function import once_differentiable
 
+from usaf.backends.transfer import sampled_addmm_supported
+
 ScoreSink = Callable[[torch.Tensor, torch.Tensor], None]
 """``sink(grad_w (O, I) fp32, weight (O, I)) -> None``; must reduce ``grad_w`` at once, not keep it."""
 
@@ -177,7 +179,7 @@ def _merged_weight(weight: torch.Tensor, rows, cols, values, dtype: torch.dtype)
 
 def _sampled_addmm_supported(x: torch.Tensor) -> bool:
     """CPU fp32/fp64 only: bf16/fp16 are refused by the kernel, and other backends are untested here."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+    return sampled_addmm_supported(x.device, x.dtype)
 
 
 def _sampled_product_csr(dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

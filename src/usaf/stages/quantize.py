@@ -33,6 +33,7 @@ from usaf.artifacts.quantized import (
 )
 from usaf.artifacts.safety import check_free_space
 from usaf.artifacts.writer import write_text_atomic
+from usaf.backends.transfer import is_host
 from usaf.config import StageConfig
 from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
@@ -248,7 +249,7 @@ def _quantize_layers(
     layers_dir = work / LAYERS_DIR
     layers_dir.mkdir(exist_ok=True)
     total_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
-    estimated = device.type != "cpu"  # the estimate is only printed for CPU runs
+    estimated = not is_host(device)  # the estimate is only printed for CPU runs
     records: list[TensorQuantRecord] = []
     packing = ""
     progress.start("quantizing experts", total_bytes, "bytes")
