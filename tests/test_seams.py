@@ -30,8 +30,10 @@ Rules:
   ``torch_directml``, or a branch on a device's type (``device.type == "cuda"``, ``x.type in ("cpu", ...)``).
   Code asks its ``Backend`` or ``usaf.backends.transfer`` instead.
 - **hf-names**: no Hugging Face module or class name outside ``usaf/families/`` (attribute access like
-  ``layer.self_attn``, strings like ``"mlp.experts"``, class names like ``Qwen3MoeForCausalLM``), docstrings
-  and comments aside: modules and tensors are reached through the families API (``FamilySpec``'s names).
+  ``layer.self_attn``, strings like ``"mlp.experts"`` or ``"model.layers.3..."`` parsed by hand, class names
+  like ``Qwen3MoeForCausalLM``); docstrings, comments and ``description=``/``help=`` texts aside. Modules and
+  tensors are reached through the families API (``FamilySpec``'s names, ``usaf.families.modules``).
+  Not covered: ``model.model.layers`` (the decoder stack's attribute is too common a word to tell apart).
 - **test-imports**: no test module imports another test module (``tests/*.py`` other than ``helpers*.py``
   and ``conftest.py``); shared code lives in ``tests/helpers*.py`` or conftest fixtures.
 - **lazy-import**: an import inside a function in ``src/usaf`` says why it is there, with a ``# lazy: reason``
@@ -180,8 +182,11 @@ def _function_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
+    """Constants that document rather than do: docstrings and ``description=``/``help=`` arguments."""
     ids = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg in ("description", "help"):
+            ids.update(id(n) for n in ast.walk(node.value) if isinstance(n, ast.Constant))
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):

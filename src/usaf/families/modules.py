@@ -35,6 +35,17 @@ if TYPE_CHECKING:
 #: The oldest transformers 4.x usaf supports (Qwen3-MoE appeared in 4.51).
 MIN_LEGACY = "4.51"
 
+#: The fused experts module's bias parameters (gpt-oss), in (gate_up, down) order.
+EXPERT_BIAS_PARAMS = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def expert_biases(experts: Any, expert: int) -> tuple[Any, Any]:
+    """``(gate_up_bias (2I,), down_bias (H,))`` of one expert of a fused experts module, or ``(None, None)``
+    when the module has no biases (its ``has_bias``; every family but gpt-oss)."""
+    if not getattr(experts, "has_bias", False):
+        return None, None
+    return tuple(getattr(experts, name)[expert] for name in EXPERT_BIAS_PARAMS)
+
 
 class ModuleLayout(str, Enum):
     """How the installed transformers holds one family's MoE experts in memory."""
