@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 
+from usaf.backends import cpu, cuda, directml, mps
 from usaf.backends.capabilities import Capabilities
 from usaf.errors import UsafError
 
@@ -23,8 +24,6 @@ PRIVATEUSE = "privateuseone"
 
 @lru_cache(maxsize=32)
 def _capabilities(kind: str, index: int) -> Capabilities:
-    from usaf.backends import cpu, cuda, directml, mps
-
     if kind == "cpu":
         return cpu.capabilities()
     if kind == "cuda":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -252,8 +253,6 @@ def _index_free_forward(
     copies are permuted on the device into expert order by a gather, each expert computes on its
     contiguous slice, and the outputs are gathered back to ``(T, k, H)`` and summed over ``k``.
     """
-    import numpy as np
-
     t, k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     host_index = top_k_index.detach().cpu()  # (T, k)
@@ -289,6 +288,7 @@ def _index_free_forward(
 
 def register() -> None:
     """Make ``experts_implementation="usaf"`` known to transformers (idempotent)."""
+    # lazy: transformers >= 5 only: 4.x has no experts registry (engine/legacy.py adapts it)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -99,8 +100,6 @@ def _segment_table(scatter: torch.Tensor, width: int) -> tuple[torch.Tensor, int
     ``scatter[j] == c``, padded with ``n`` (which points at an all-zero column appended to the
     contributions). ``L`` is the most entries any column receives.
     """
-    import numpy as np
-
     s = scatter.detach().cpu().numpy()
     n = s.size
     counts = np.bincount(s, minlength=width)  # (width,)

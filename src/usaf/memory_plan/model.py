@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from usaf.families import FamilySpec
+from usaf.families import FamilySpec, resolve_family
 from usaf.families.attention import AttentionShape, attention_shape
+from usaf.families.fields import text_config
+from usaf.families.meta import in_usaf_names, meta_model
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -64,10 +66,6 @@ class ModelFacts:
 
 def model_facts(config: Mapping[str, Any]) -> ModelFacts:
     """Facts of the model ``config`` describes (builds it on the meta device: ~1 s, no memory)."""
-    from usaf.families import resolve_family
-    from usaf.families.fields import text_config
-    from usaf.families.meta import in_usaf_names, meta_model
-
     spec = resolve_family(config)
     text, _ = text_config(config)
     model = meta_model(config)

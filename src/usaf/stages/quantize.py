@@ -33,6 +33,7 @@ from usaf.artifacts.quantized import (
 )
 from usaf.artifacts.safety import check_free_space
 from usaf.artifacts.writer import write_text_atomic
+from usaf.backends import resolve_backend
 from usaf.backends.transfer import is_host
 from usaf.config import StageConfig
 from usaf.data.hub import resolve_model_dir
@@ -142,8 +143,6 @@ def _load_layer(path: Path) -> dict[str, Any] | None:
 
 def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[QuantizedModelManifest, Path]:
     """Quantize ``config.model``'s experts; returns the manifest and the output directory."""
-    from usaf.backends import resolve_backend
-
     progress = progress or NullProgress()
     if config.model is None:
         raise UsafError("MODEL is required: a model directory or hub id", "e.g. usaf quantize Qwen/Qwen3-30B-A3B")
