@@ -23,9 +23,9 @@ Rules:
   torch is ``tests/test_cli.py``'s job, not this one's. ``distributed`` (the torchrun ``World``) is used by
   stages and by ``usaf doctor``, and merges the engine's grow scores. ``demo`` is packaged data (the demo
   model, the stdlib domains), built with the tokenizer of ``usaf.testing``. The builders of ``usaf.testing``
-  (tiny models, the stdlib tokenizer) depend on nothing of usaf's, so ``usaf tiny-model`` and the demo can
-  use them; its harnesses drive stages and the CLI in-process exactly as tests do, so they sit above the CLI
-  like ``tests/``. Nothing imports ``usaf.cli`` but ``usaf.__main__`` and those harnesses.
+  (tiny models, the stdlib tokenizer) depend on nothing of usaf's but ``errors``, so ``usaf tiny-model`` and
+  the demo can use them; its harnesses drive stages and the CLI in-process exactly as tests do, so they sit
+  above the CLI like ``tests/``. Nothing imports ``usaf.cli`` but ``usaf.__main__`` and those harnesses.
 - **device**: no device-specific call outside ``usaf/backends/``: ``torch.cuda.*``, ``torch.mps.*``,
   ``torch_directml``, or a branch on a device's type (``device.type == "cuda"``, ``x.type in ("cpu", ...)``).
   Code asks its ``Backend`` or ``usaf.backends.transfer`` instead.
@@ -90,8 +90,6 @@ SAME_LAYER: dict[tuple[str, str], str] = {
     # The tokenizer's chat-template handling differs between transformers 4 and 5; which transformers is
     # installed is the families' knowledge (usaf.families.modules.transformers_major).
     ("usaf.data", "usaf.families"): "transformers' major version",
-    # Harnesses share the crash-test setup.
-    ("usaf.testing.hostile", "usaf.testing.crash"): "the crash harness's setup",
 }
 
 # Known violations in files being rewritten in parallel (issue 18's other areas). (file, rule) -> why kept.
@@ -288,6 +286,8 @@ def check_device(path: str, source: str) -> list[Violation]:
             names = [a.name for a in node.names] + ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n.split(".")[0] == "torch_directml" for n in names):
                 found.append(Violation(path, node.lineno, "device", "torch_directml: only usaf.backends loads it"))
+            elif any(n.startswith(("torch.cuda", "torch.mps")) for n in names):
+                found.append(Violation(path, node.lineno, "device", f"{ast.unparse(node)}: ask the backend"))
         elif isinstance(node, ast.Constant) and node.value == "torch_directml":
             found.append(Violation(path, node.lineno, "device", "'torch_directml': only usaf.backends loads it"))
         elif isinstance(node, ast.Compare):
@@ -426,6 +426,7 @@ def test_every_allowlisted_file_exists():
 BAD_ENGINE = '''
 """A docstring may say self_attn and torch.cuda."""
 import torch
+from torch.cuda import Stream
 from usaf.stages.score import run  # engine -> stages: upward
 
 
@@ -446,10 +447,10 @@ def f(device, model, x):
 @pytest.mark.parametrize(
     ("checker", "expected"),
     [
-        (check_layers, {4, 8}),
-        (check_device, {10, 11, 13}),
-        (check_hf_names, {15, 16, 17}),
-        (check_lazy_imports, {8}),
+        (check_layers, {5, 9}),
+        (check_device, {4, 11, 12, 14}),
+        (check_hf_names, {16, 17, 18}),
+        (check_lazy_imports, {9}),
     ],
 )
 def test_each_checker_reports_a_synthetic_bad_file(checker, expected):
