@@ -7,20 +7,21 @@ Rules:
   functions). Same-layer packages may not import each other, except the pairs in ``SAME_LAYER``. Layers,
   top to bottom::
 
-      8  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, workloads)
-      7  usaf.cli
-      6  usaf.stages
-      5  usaf.settings, usaf.distributed
-      4  usaf.engine, usaf.memory_plan
-      3  usaf.data, usaf.families, usaf.quant, usaf.demo
-      2  usaf.artifacts, usaf.backends, usaf.testing (the model and tokenizer builders, rss)
+      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, workloads)
+      8  usaf.cli
+      7  usaf.stages
+      6  usaf.distributed
+      5  usaf.engine, usaf.memory_plan
+      4  usaf.data, usaf.families, usaf.quant, usaf.demo
+      3  usaf.artifacts, usaf.backends, usaf.testing (the model and tokenizer builders, rss)
+      2  usaf.settings
       1  usaf (the package), usaf.config
       0  usaf.errors, usaf.units, usaf._version
 
   Why there: ``errors``, ``units`` and ``_version`` import nothing of usaf's and everybody uses them; ``config``
-  (settings precedence) needs only ``errors``. ``settings`` (every command's light settings models) is imported
-  by ``cli`` and ``stages`` and may refer to the engine's and planner's vocabulary; that it stays free of
-  torch is ``tests/test_cli.py``'s job, not this one's. ``distributed`` (the torchrun ``World``) is used by
+  (settings precedence) needs only ``errors``. ``settings`` (every command's settings models) is imported by ``cli``
+  at ``usaf --help`` time, by the stages and by ``memory_plan.config``: it may build only on ``config``, which
+  keeps it free of torch (``tests/test_cli.py`` checks that too). ``distributed`` (the torchrun ``World``) is used by
   stages and by ``usaf doctor``, and merges the engine's grow scores. ``demo`` is packaged data (the demo
   model, the stdlib domains), built with the tokenizer of ``usaf.testing``. The builders of ``usaf.testing``
   (tiny models, the stdlib tokenizer) depend on nothing of usaf's but ``errors``, so ``usaf tiny-model`` and
@@ -60,24 +61,24 @@ TESTS = ROOT / "tests"
 
 # Longest dotted prefix wins. Imports within one unit (the same prefix) are always allowed.
 LAYERS: dict[str, int] = {
-    "usaf.__main__": 8,
-    "usaf.testing.crash": 8,
-    "usaf.testing.crash_child": 8,
-    "usaf.testing.hostile": 8,
-    "usaf.testing.workloads": 8,
-    "usaf.cli": 7,
-    "usaf.stages": 6,
-    "usaf.settings": 5,
-    "usaf.distributed": 5,
-    "usaf.engine": 4,
-    "usaf.memory_plan": 4,
-    "usaf.data": 3,
-    "usaf.families": 3,
-    "usaf.quant": 3,
-    "usaf.demo": 3,
-    "usaf.artifacts": 2,
-    "usaf.backends": 2,
-    "usaf.testing": 2,
+    "usaf.__main__": 9,
+    "usaf.testing.crash": 9,
+    "usaf.testing.crash_child": 9,
+    "usaf.testing.hostile": 9,
+    "usaf.testing.workloads": 9,
+    "usaf.cli": 8,
+    "usaf.stages": 7,
+    "usaf.distributed": 6,
+    "usaf.engine": 5,
+    "usaf.memory_plan": 5,
+    "usaf.data": 4,
+    "usaf.families": 4,
+    "usaf.quant": 4,
+    "usaf.demo": 4,
+    "usaf.artifacts": 3,
+    "usaf.backends": 3,
+    "usaf.testing": 3,
+    "usaf.settings": 2,
     "usaf": 1,
     "usaf.config": 1,
     "usaf.errors": 0,
@@ -464,6 +465,12 @@ def test_the_layer_checker_resolves_relative_imports_and_allows_its_own_package(
     found = check_layers("src/usaf/engine/bad.py", source)
     assert [(v.line, v.rule) for v in found] == [(2, "layers")], _report(found)
     assert check_layers("src/usaf/engine/__init__.py", "from .optim import x\n") == []
+
+
+def test_settings_stay_below_everything_that_uses_them():
+    assert check_layers("src/usaf/memory_plan/config.py", "from usaf.settings.plan import PlanConfig\n") == []
+    found = check_layers("src/usaf/settings/plan.py", "from usaf.config import StageConfig\nimport usaf.backends\n")
+    assert [v.line for v in found] == [2], _report(found)
 
 
 def test_same_layer_packages_may_not_import_each_other():
