@@ -15,7 +15,7 @@ from usaf.families.spec import FamilySpec
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What one decoder layer's attention saves for backward depends on these (see ``activations.py``).
+    """What one decoder layer's attention saves for backward depends on these (``usaf.memory_plan.activations``).
 
     Dims are per token: ``q_dim = heads * qk_head_dim``; ``k_dim``/``v_dim`` before any repetition for
     grouped-query attention. ``core`` is ``"fused"`` when torch's fused attention can run (it saves the
