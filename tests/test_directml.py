@@ -223,7 +223,7 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     """Forward, backward (deltas and, on transformers 4.x, routers) and an optimizer step with index_ops=False,
     with every op DirectML rejects made to raise at the aten level."""
     _skip_v5_router_scatter(family)
-    from test_reselect import train_step
+    from helpers_engine import train_step
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.optim import SparseAdamW
@@ -338,7 +338,7 @@ def test_resident_base_chunks_equal_the_whole_base(quantized, dtype):
 def test_a_resident_base_above_the_allocation_limit_trains_in_chunks(quantized, monkeypatch):
     """A limit below the whole base (Qwen3-30B-A3B's 805 MB gate_up on DirectML): the engine stores it in expert
     chunks, allocates nothing above the limit while building it, and trains exactly as with one tensor."""
-    from test_engine import batch, random_selection
+    from helpers_engine import batch, random_selection
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
 
@@ -411,8 +411,7 @@ def _assert_resident_holds_the_record(weight) -> None:
 @pytest.mark.parametrize("exact", [True, False])
 def test_reselection_without_index_ops_equals_the_default(quantized, monkeypatch, exact):
     """Score accumulation, reselection (fold, reindex, Adam state surgery) on host copies give the same run."""
-    from test_engine import batch, make_engine, random_selection
-    from test_reselect import train_step
+    from helpers_engine import batch, make_engine, random_selection, train_step
     from usaf.engine import optim, scores
     from usaf.engine.optim import SparseAdamW
     from usaf.engine.reselect import collect_scores, cumulative_delta, reselect

@@ -296,7 +296,7 @@ def test_host_side_entries_name_existing_functions():
 def test_cumulative_delta_without_index_ops_equals_the_default(quantized):
     """The fix found by this audit: checkpoints' cumulative delta is summed on the host without index ops,
     bit for bit what the default path sums (frozen record and active delta overlapping)."""
-    from test_engine import make_engine, random_selection
+    from helpers_engine import make_engine, random_selection
     from usaf.engine.reselect import cumulative_delta
 
     engine = make_engine(quantized, "qwen3_moe")

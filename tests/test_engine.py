@@ -8,19 +8,9 @@ import torch
 
 from conftest import FAMILIES
 from helpers import reference_model
+from helpers_engine import FAMILY_LAYERS, batch, make_engine, random_selection
 from usaf.engine.engine import IGNORE_INDEX, SparseEngine
-from usaf.engine.loading import load_quantized_model
 from usaf.families.modules import FusedView
-
-FAMILY_LAYERS = 3  # a frozen prefix below the trainable top layer for every family (deepseek: layer 0 dense)
-
-
-def batch(seed: int = 0, size: tuple[int, int] = (2, 20)):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 512, size, generator=g)
-    labels = ids.clone()
-    labels[0, :3] = IGNORE_INDEX  # some unscored positions
-    return ids, labels
 
 
 def reference_loss(model, ids, labels):
@@ -35,15 +25,6 @@ def reference_loss(model, ids, labels):
     )
 
 
-def random_selection(engine: SparseEngine, frac: float = 0.1, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    selection = {}
-    for name, weight in engine.weights.items():
-        numel = weight.shape[0] * weight.shape[1] * weight.shape[2]
-        selection[name] = torch.randperm(numel, generator=g)[: max(1, int(frac * numel))].sort().values
-    return selection
-
-
 def view_of(reference, engine: SparseEngine) -> FusedView:
     """usaf's names on the reference model (transformers 4.x: per-expert weights seen fused)."""
     return FusedView(reference, engine.spec)
@@ -53,12 +34,6 @@ def stored_grad(view: FusedView, name: str, transposed: bool) -> torch.Tensor:
     """The dense gradient of a fused expert parameter in usaf's stored (E, O, I) orientation, flattened."""
     grad = view.get(name, grad=True)
     return (grad.transpose(1, 2) if transposed else grad).reshape(-1)
-
-
-def make_engine(quantized, family, **kwargs):
-    loaded = load_quantized_model(quantized(family, num_layers=FAMILY_LAYERS))
-    top = loaded.spec.moe_layers[-1]
-    return SparseEngine(loaded, trainable_layers=[top], **kwargs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from conftest import FAMILIES, TRANSFORMERS_V5
 from helpers import invoke, leftovers
-from trained import tokenize, train_run
+from helpers_trained import tokenize, train_run
 from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
 from usaf.artifacts.run import load_trained_change
 from usaf.families import read_checkpoint, resolve_family

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import invoke
-from trained import tokenize, train_run
+from helpers_trained import tokenize, train_run
 from usaf.artifacts.run import load_trained_change
 
 PROMPT = "def wrap(text, width=70):"

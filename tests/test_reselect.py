@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from test_engine import batch, make_engine, random_selection
+from helpers_engine import batch, make_engine, random_selection, train_step
 from usaf.engine.experts import ExpertWeight
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.reselect import collect_scores, cumulative_delta, reselect, update_fraction
@@ -16,16 +16,6 @@ from usaf.engine.scores import ScoreAccumulator
 from usaf.quant import dequantize
 
 FRACTION = 0.3
-
-
-def train_step(engine, optimizer, ids, labels) -> float:
-    engine.model.zero_grad(set_to_none=True)
-    for delta in engine.deltas().values():
-        delta.values.grad = None
-    parts = engine.loss(ids, labels)
-    parts.loss.backward()
-    assert optimizer.step().applied
-    return parts.loss.item()
 
 
 def dense_cumulative(weight: ExpertWeight) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usaf.engine.scores import STATISTICS, ScoreAccumulator, merge, slice_statistic
+from usaf.engine.scores import ScoreAccumulator, merge
+from usaf.engine.statistics import STATISTICS, slice_statistic
 
 SHAPE = (6, 12, 20)  # (E, O, I): 1440 elements
 

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from usaf.backends.ranks import bind_device, rank_device
+from usaf.engine.scores import ScoreAccumulator, merge
 from usaf.errors import UsafError
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -146,9 +151,9 @@ def choose_backend(requested: str | None, device_type: str) -> str:
 def device_for_rank(spec: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Under torchrun, ``auto``/``cuda`` means this rank's own GPU (``cuda:LOCAL_RANK``)."""
     env = os.environ if env is None else env
-    if not launched(env) or spec not in (None, "", "auto", "cuda") or not torch.cuda.is_available():
+    if not launched(env) or spec not in (None, "", "auto", "cuda"):
         return spec
-    return f"cuda:{int(env.get('LOCAL_RANK', '0'))}"
+    return rank_device(int(env.get("LOCAL_RANK", "0"))) or spec
 
 
 def init(backend: str | None, device: torch.device, env: Mapping[str, str] | None = None) -> World:
@@ -164,15 +169,12 @@ def init(backend: str | None, device: torch.device, env: Mapping[str, str] | Non
         return _WORLD
     if _WORLD.active:
         return _WORLD
-    import torch.distributed as dist
-
     if not dist.is_available():
         raise UsafError("WORLD_SIZE > 1 but this torch build has no torch.distributed", "install a full torch build")
     name = choose_backend(backend, device.type)
     if name == "nccl" and not dist.is_nccl_available():
         raise UsafError("--dist-backend nccl: this torch build has no NCCL", "use --dist-backend gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    bind_device(device)
     minutes = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_MIN))
     try:
         dist.init_process_group(name, timeout=datetime.timedelta(minutes=minutes))
@@ -222,8 +224,6 @@ def merge_scores(accumulators: Mapping[str, Any], w: World) -> dict[str, Any]:
     not dense maps; exact (dense) accumulators send ``4·E·O·I`` bytes each, which is why exact mode is
     for tests and tiny models.
     """
-    from usaf.engine.scores import ScoreAccumulator, merge
-
     if not w.active:
         return dict(accumulators)
     states = w.gather_objects({name: acc.state_dict() for name, acc in accumulators.items()}, "grow-score gather")
@@ -238,11 +238,6 @@ def describe(env: Mapping[str, str], device: torch.device, backend: str | None =
     """``usaf doctor``'s distributed section: what torch.distributed offers here and, under torchrun,
     the launch environment plus a live check (join the group, all-reduce, gather every rank's host and
     device). Run by every rank; the caller prints rank 0's."""
-    import socket
-    import time
-
-    import torch.distributed as dist
-
     available = dist.is_available()
     info: dict[str, Any] = {
         "available": available,

@@ -136,6 +136,10 @@ class Backend:
         total, free, allocated = self.device_memory()
         return MemoryStats(host_total, host_available, total, free, allocated)
 
+    def free_memory(self) -> int | None:
+        """Free bytes where this backend's tensors live (the device's; ``None`` where it cannot say)."""
+        return self.memory().device_free
+
     def synchronize(self) -> None:
         """Wait until all queued work on the device is done (for timing and before reading memory)."""
 

@@ -60,6 +60,9 @@ def probe() -> Probe:
 class CpuBackend(Backend):
     """Host CPU: synchronize and empty_cache have nothing to do."""
 
+    def free_memory(self) -> int | None:
+        return host_memory()[1]  # tensors live in host RAM: what is available there
+
 
 def create(index: int | None, *, amp: bool | None, notes: tuple[Note, ...]) -> CpuBackend:
     del index  # the CPU has no index; parse_device_spec rejects "cpu:N"

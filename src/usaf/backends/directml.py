@@ -22,6 +22,7 @@ LABEL = "DirectML"
 def load() -> tuple[ModuleType | None, str | None]:
     """Import torch_directml: ``(module, None)``, or ``(None, why it could not be imported)``."""
     try:
+        # lazy: optional dependency, imported only when DirectML is asked for or probed
         import torch_directml
     except ImportError:
         return None, "torch-directml is not installed"

@@ -7,12 +7,16 @@ decided by a flag, and ``torch_directml`` is only consulted when a tensor alread
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 
 import torch
 
+from usaf.backends import cpu, cuda, directml, mps
 from usaf.backends.capabilities import Capabilities
+from usaf.errors import UsafError
 
 # torch names DirectML devices "privateuseone" (torch's slot for out-of-tree backends)
 PRIVATEUSE = "privateuseone"
@@ -20,8 +24,6 @@ PRIVATEUSE = "privateuseone"
 
 @lru_cache(maxsize=32)
 def _capabilities(kind: str, index: int) -> Capabilities:
-    from usaf.backends import cpu, cuda, directml, mps
-
     if kind == "cpu":
         return cpu.capabilities()
     if kind == "cuda":
@@ -61,10 +63,55 @@ def check_allocation(nbytes: int, device: torch.device | str, what: str) -> None
     """Raise when one tensor of ``nbytes`` exceeds the device's per-allocation limit."""
     limit = device_capabilities(device).max_allocation_bytes
     if limit is not None and nbytes > limit:
-        from usaf.errors import UsafError
-
         raise UsafError(
             f"{what}: one tensor of {nbytes / 2**20:.0f} MiB exceeds {device}'s per-allocation limit "
             f"({limit / 2**20:.0f} MiB)",
             "use a smaller model, or --device cpu",
         )
+
+
+def is_host(device: torch.device | str) -> bool:
+    """Whether ``device`` is the host CPU itself (no separate device memory, nothing to transfer)."""
+    return torch.device(device).type == "cpu"
+
+
+def sampled_addmm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.sparse.sampled_addmm`` runs here: CPU fp32/fp64 only (bf16/fp16 are refused by the
+    kernel, and other backends are untested)."""
+    return is_host(device) and dtype in (torch.float32, torch.float64)
+
+
+def has_copy_stream(device: torch.device | str) -> bool:
+    """Whether host -> device copies can run on a side stream while the device computes (CUDA and ROCm)."""
+    return torch.device(device).type == "cuda"
+
+
+class CopyStream:
+    """A side stream for host -> device copies that overlap compute (where :func:`has_copy_stream`).
+
+    Copies issued inside :meth:`copying` run on the side stream; :meth:`ready` records an event there, and
+    :meth:`wait` makes the compute stream wait for it before the copied tensors are used.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device)
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def ready(self) -> torch.cuda.Event:
+        """An event recorded on the side stream after the copies issued so far."""
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def wait(self, event: torch.cuda.Event, tensors: Iterable[torch.Tensor]) -> None:
+        """Make the compute stream wait for ``event``; ``tensors`` (allocated on the side stream, used on the
+        compute one) are freed only after the compute stream's work on them."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in tensors:
+            t.record_stream(current)

@@ -78,11 +78,12 @@ def _local_vram(kind: str, note) -> int | None:
     """This machine's GPU memory when planning for its own kind of device; else --vram is required."""
     if kind != "cuda":
         return None
-    import torch
+    from usaf.backends import probe  # lazy: torch, only when planning for this machine's GPU
 
-    if not torch.cuda.is_available():
+    gpu = probe("cuda")
+    if not gpu.available:
         return None
-    total = int(torch.cuda.get_device_properties(0).total_memory)
+    total = int(gpu.devices[0].total_memory)
     note(f"--vram not given: planning for this machine's GPU ({total / 2**30:.1f} GiB)")
     return total
 

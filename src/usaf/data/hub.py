@@ -39,6 +39,7 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL") -> Path:
         raise UsafError(
             f"{flag} {model}: no such directory", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
         )
+    # lazy: huggingface_hub only when a hub id must be resolved
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 

@@ -9,6 +9,7 @@ from typing import Any
 from usaf.artifacts.hashing import sha256_text
 from usaf.artifacts.tokens import TokenizerRecord
 from usaf.errors import UsafError
+from usaf.families.modules import transformers_major
 
 _UNBOUNDED = 10**8  # transformers' "no limit" model_max_length is ~1e30
 
@@ -27,6 +28,7 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     Hub ids are resolved by transformers through the Hugging Face cache (``HF_HOME``) and honour
     ``HF_HUB_OFFLINE``. ``trust_remote_code`` is only ever enabled by an explicit user flag.
     """
+    # lazy: transformers only when a tokenizer is loaded (usaf.data stays light)
     from transformers import AutoTokenizer
 
     local = Path(model)
@@ -74,11 +76,10 @@ def _saved_by_transformers_5(model: str, error: Exception) -> Any | None:
     plain ``tokenizer.json``, so the generic fast tokenizer reads them (special tokens and chat template
     included). Returns None when that is not the situation.
     """
-    from usaf.families.modules import transformers_major
-
     local = Path(model)
     if transformers_major() >= 5 or "TokenizersBackend" not in str(error) or not (local / "tokenizer.json").is_file():
         return None
+    # lazy: transformers only on this 4.x fallback path
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
@@ -105,6 +106,7 @@ def model_max_positions(model: str) -> int | None:
     path = Path(model) / "config.json"
     if not path.is_file():
         try:
+            # lazy: huggingface_hub only when the config is not local
             from huggingface_hub import hf_hub_download
 
             path = Path(hf_hub_download(model, "config.json"))

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from usaf.testing import stdlib_dir
+
 __all__ = ["DEMO_DOMAIN", "PRETRAIN_DOMAIN", "StdlibDomain", "demo_model_dir"]
 
 
@@ -55,8 +57,6 @@ class StdlibDomain:
 
     def inputs(self, root: Path | None = None) -> list[Path]:
         """The input paths under ``root`` (default: this Python's stdlib directory)."""
-        from usaf.testing import stdlib_dir
-
         base = Path(root) if root is not None else stdlib_dir()
         return [base / p for p in self.paths]
 

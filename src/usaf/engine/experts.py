@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -24,6 +25,7 @@ from usaf.backends.transfer import move
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.resident import ResidentBase
 from usaf.engine.sparse_linear import sparse_delta_linear
+from usaf.families.modules import expert_biases
 from usaf.quant import QuantizedTensor, dequantize
 
 IMPLEMENTATION = "usaf"
@@ -204,14 +206,12 @@ def usaf_experts_forward(
         return _index_free_forward(self, state, hidden_states, top_k_index, top_k_weights)
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
     counts = state.record_load(top_k_index)
-    has_bias = getattr(self, "has_bias", False)
     for expert in torch.nonzero(counts).flatten().tolist():
         token_idx, k_pos = torch.where(top_k_index == expert)
         x = hidden_states[token_idx]  # (t, H)
-        gate_up_bias = self.gate_up_proj_bias[expert] if has_bias else None
+        gate_up_bias, down_bias = expert_biases(self, expert)  # (2I,), (H,) or None
         h = state.gate_up.linear(x, expert, gate_up_bias)  # (t, 2I), the family's own column order
         h = self._apply_gate(h)  # (t, I)
-        down_bias = self.down_proj_bias[expert] if has_bias else None
         y = state.down.linear(h, expert, down_bias)  # (t, H)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
@@ -253,8 +253,6 @@ def _index_free_forward(
     copies are permuted on the device into expert order by a gather, each expert computes on its
     contiguous slice, and the outputs are gathered back to ``(T, k, H)`` and summed over ``k``.
     """
-    import numpy as np
-
     t, k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     host_index = top_k_index.detach().cpu()  # (T, k)
@@ -268,7 +266,6 @@ def _index_free_forward(
     inv = torch.from_numpy(inverse).to(device)
     copies = hidden_states.unsqueeze(1).expand(t, k, hidden).reshape(t * k, hidden)  # (T*k, H), token-major
     rows = _PermuteRows.apply(copies, perm, inv)  # (T*k, H), expert-major
-    has_bias = getattr(self, "has_bias", False)
     outputs, start = [], 0
     for expert in range(state.num_experts):
         n = int(counts[expert])
@@ -276,9 +273,10 @@ def _index_free_forward(
             continue
         x = rows[start : start + n]  # (n, H)
         start += n
-        h = state.gate_up.linear(x, expert, self.gate_up_proj_bias[expert] if has_bias else None)  # (n, 2I)
+        gate_up_bias, down_bias = expert_biases(self, expert)  # (2I,), (H,) or None
+        h = state.gate_up.linear(x, expert, gate_up_bias)  # (n, 2I)
         h = self._apply_gate(h)  # (n, I)
-        y = state.down.linear(h, expert, self.down_proj_bias[expert] if has_bias else None)  # (n, H)
+        y = state.down.linear(h, expert, down_bias)  # (n, H)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         outputs.append(y.float())
@@ -290,6 +288,7 @@ def _index_free_forward(
 
 def register() -> None:
     """Make ``experts_implementation="usaf"`` known to transformers (idempotent)."""
+    # lazy: transformers >= 5 only: 4.x has no experts registry (engine/legacy.py adapts it)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:

@@ -25,6 +25,7 @@ from torch import nn
 
 from usaf.engine.experts import usaf_experts_forward
 from usaf.families import FamilySpec, RouterKind
+from usaf.families.modules import EXPERT_BIAS_PARAMS
 
 
 class LegacyExperts(nn.Module):
@@ -89,7 +90,7 @@ def _replacement_experts(spec: FamilySpec, old: nn.Module) -> LegacyExperts:
             raise TypeError(f"{spec.model_type}: the per-expert MLP has no act_fn")
         return LegacyExperts(spec.num_experts, act_fn)
     # fused (gpt-oss 4.x): the 3-D weights are replaced by usaf's quantized ones; the biases stay
-    biases = {n: old._parameters[n] for n in ("gate_up_proj_bias", "down_proj_bias") if n in old._parameters}
+    biases = {n: old._parameters[n] for n in EXPERT_BIAS_PARAMS if n in old._parameters}
     swiglu = (float(old.alpha), float(old.limit)) if hasattr(old, "alpha") and hasattr(old, "limit") else None
     act_fn = getattr(old, "act_fn", None)
     return LegacyExperts(spec.num_experts, act_fn, interleaved=spec.layout.interleaved, swiglu=swiglu, biases=biases)

@@ -33,6 +33,13 @@ from typing import Any
 import torch
 
 from usaf.backends.transfer import device_capabilities
+from usaf.engine.optim_state import (
+    ParamState,
+    check_anchor,
+    check_state_dict,
+    optimizer_state_dict,
+    restore_state,
+)
 
 try:
     from torch.nn.utils import get_total_norm  # torch >= 2.6
@@ -41,8 +48,6 @@ except ImportError:  # torch 2.4 (the DirectML configuration): clip_grad_norm_'s
     def get_total_norm(tensors, norm_type: float = 2.0):
         norms = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-_FORMAT = "usaf.sparse_adamw/1"
 
 
 @dataclass(frozen=True)
@@ -60,24 +65,6 @@ class StepReport:
     grad_norm: float
     clipped: bool
     skipped_nonfinite: bool
-
-
-@dataclass
-class _ParamState:
-    exp_avg: torch.Tensor  # fp32, the parameter's shape
-    exp_avg_sq: torch.Tensor  # fp32, the parameter's shape
-    step: torch.Tensor  # int32, the parameter's shape: updates this element has received
-
-    @classmethod
-    def fresh(cls, shape: torch.Size | tuple[int, ...], device: torch.device) -> _ParamState:
-        return cls(
-            torch.zeros(shape, dtype=torch.float32, device=device),
-            torch.zeros(shape, dtype=torch.float32, device=device),
-            torch.zeros(shape, dtype=torch.int32, device=device),
-        )
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
 
 
 class SparseAdamW:
@@ -116,7 +103,7 @@ class SparseAdamW:
         self.applied_steps = 0
         self.skipped_steps = 0
         self.param_groups: list[dict[str, Any]] = []
-        self._state: list[list[_ParamState]] = []
+        self._state: list[list[ParamState]] = []
         # Upper bound on any element's step count: the length the bias-correction tables must cover.
         self._max_step = 0
         self._bc1 = torch.ones(1, dtype=torch.float64)  # 1 - beta1**s, float64, index s
@@ -124,7 +111,7 @@ class SparseAdamW:
         seen: set[int] = set()
         for i, group in enumerate(param_groups):
             self.param_groups.append(self._check_group(i, group, seen))
-            self._state.append([_ParamState.fresh(p.shape, p.device) for p in self.param_groups[-1]["params"]])
+            self._state.append([ParamState.fresh(p.shape, p.device) for p in self.param_groups[-1]["params"]])
 
     @staticmethod
     def _check_group(i: int, group: dict[str, Any], seen: set[int]) -> dict[str, Any]:
@@ -142,7 +129,7 @@ class SparseAdamW:
             if id(p) in seen:
                 raise ValueError(f"param group {i}: a parameter appears twice")
             seen.add(id(p))
-            _check_anchor(p, a)
+            check_anchor(p, a)
         lr = float(group["lr"])
         return {
             "params": params,
@@ -206,7 +193,7 @@ class SparseAdamW:
         anchor: torch.Tensor | None,
         lr: float,
         weight_decay: float,
-        state: _ParamState,
+        state: ParamState,
         tables: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         beta1, beta2 = self.betas
@@ -257,7 +244,7 @@ class SparseAdamW:
                     return i, j
         raise KeyError("parameter is not managed by this optimizer")
 
-    def _checked_state(self, i: int, j: int) -> _ParamState:
+    def _checked_state(self, i: int, j: int) -> ParamState:
         """The state of param ``(i, j)``, moved to its device; errors if its size no longer matches."""
         p, state = self.param_groups[i]["params"][j], self._state[i][j]
         if state.step.numel() != p.numel():
@@ -267,7 +254,7 @@ class SparseAdamW:
             )
         if state.step.shape != p.shape or state.step.device != p.device:
             # A model moved with .to() keeps its Parameter objects; follow them.
-            state = _ParamState(*(t.reshape(p.shape).to(p.device) for t in state.tensors().values()))
+            state = ParamState(*(t.reshape(p.shape).to(p.device) for t in state.tensors().values()))
             self._state[i][j] = state
         anchors = self.param_groups[i]["anchor"]
         if anchors[j] is not None and anchors[j].device != p.device:
@@ -332,10 +319,10 @@ class SparseAdamW:
         # Without index ops on the device (DirectML) the new state is assembled on the host, then moved.
         where = device if device_capabilities(device).index_ops else torch.device("cpu")
         keep_src, keep_dst = keep_src.to(where), keep_dst.to(where)
-        new = _ParamState.fresh((new_numel,), where)
+        new = ParamState.fresh((new_numel,), where)
         for src, dst in zip(old.tensors().values(), new.tensors().values()):
             dst[keep_dst] = src.reshape(-1).to(where)[keep_src]
-        self._state[i][j] = _ParamState(*(t.reshape(shape).to(device) for t in new.tensors().values()))
+        self._state[i][j] = ParamState(*(t.reshape(shape).to(device) for t in new.tensors().values()))
 
     def replace_param(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Manage ``new`` in ``old``'s place (same group, position, anchor and state).
@@ -353,7 +340,7 @@ class SparseAdamW:
                 f"state has {self._state[i][j].step.numel()} entries, the new parameter {new.numel()}; "
                 "call remap_state(old, keep_src, keep_dst, new.numel()) first"
             )
-        _check_anchor(new, self.param_groups[i]["anchor"][j])
+        check_anchor(new, self.param_groups[i]["anchor"][j])
         self.param_groups[i]["params"][j] = new
         self._checked_state(i, j)
 
@@ -372,24 +359,7 @@ class SparseAdamW:
         The tensors are the live state, not copies: save or clone before stepping again. Anchors are
         not included: they are the frozen pretrained weights, rebuilt from the model on resume.
         """
-        return {
-            "format": _FORMAT,
-            "betas": list(self.betas),
-            "eps": self.eps,
-            "max_grad_norm": self.max_grad_norm,
-            "applied_steps": self.applied_steps,
-            "skipped_steps": self.skipped_steps,
-            "groups": [
-                {
-                    "name": g["name"],
-                    "lr": g["lr"],
-                    "initial_lr": g["initial_lr"],
-                    "weight_decay": g["weight_decay"],
-                    "state": [s.tensors() for s in row],
-                }
-                for g, row in zip(self.param_groups, self._state)
-            ],
-        }
+        return optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output onto parameters of the same groups, order and sizes.
@@ -397,26 +367,7 @@ class SparseAdamW:
         Everything is checked before anything changes, so a rejected state dict leaves this optimizer
         as it was. Hyperparameters (betas, eps, clipping, lrs, decay) are restored too, as in torch.
         """
-        if state_dict.get("format") != _FORMAT:
-            raise ValueError(f"not a SparseAdamW state dict (format {state_dict.get('format')!r})")
-        groups = state_dict["groups"]
-        if [g["name"] for g in groups] != [g["name"] for g in self.param_groups]:
-            raise ValueError(
-                f"state dict groups {[g['name'] for g in groups]} do not match {[g['name'] for g in self.param_groups]}"
-            )
-        for saved, group in zip(groups, self.param_groups):
-            if len(saved["state"]) != len(group["params"]):
-                raise ValueError(
-                    f"group {group['name']!r}: {len(saved['state'])} saved params, {len(group['params'])} now"
-                )
-            for j, (s, p) in enumerate(zip(saved["state"], group["params"])):
-                if any(s[k].numel() != p.numel() for k in ("exp_avg", "exp_avg_sq", "step")):
-                    raise ValueError(
-                        f"group {group['name']!r} param {j}: saved state has {s['step'].numel()} entries, "
-                        f"the parameter {p.numel()}"
-                    )
-                if s["step"].numel() and int(s["step"].min()) < 0:
-                    raise ValueError(f"group {group['name']!r} param {j}: negative step counts")
+        check_state_dict(state_dict, self.param_groups)
         self.betas = tuple(float(b) for b in state_dict["betas"])
         self.eps = float(state_dict["eps"])
         self.max_grad_norm = state_dict["max_grad_norm"]
@@ -425,28 +376,6 @@ class SparseAdamW:
         # Tables are rebuilt lazily from betas; drop any built for other betas.
         self._bc1 = torch.ones(1, dtype=torch.float64)
         self._bc2_sqrt = torch.ones(1, dtype=torch.float64)
-        self._max_step = 0
-        for saved, group, row in zip(groups, self.param_groups, self._state):
-            for key in ("lr", "initial_lr", "weight_decay"):
-                group[key] = float(saved[key])
-            for j, (s, p) in enumerate(zip(saved["state"], group["params"])):
-                row[j] = _ParamState(
-                    s["exp_avg"].to(p.device, torch.float32).reshape(p.shape).clone(),
-                    s["exp_avg_sq"].to(p.device, torch.float32).reshape(p.shape).clone(),
-                    s["step"].to(p.device, torch.int32).reshape(p.shape).clone(),
-                )
-                if p.numel():
-                    self._max_step = max(self._max_step, int(row[j].step.max()))
+        self._max_step = restore_state(state_dict, self.param_groups, self._state)
         self._grow_tables(self._max_step)
 
-
-def _check_anchor(p: torch.Tensor, anchor: torch.Tensor | None) -> None:
-    if anchor is None:
-        return
-    if anchor.shape != p.shape or anchor.device != p.device:
-        raise ValueError(
-            f"anchor {tuple(anchor.shape)} on {anchor.device} must match its parameter {tuple(p.shape)} on {p.device}"
-        )
-    if anchor.data_ptr() == p.data_ptr():
-        # Decay toward itself would be a silent no-op; the anchor must be a frozen copy.
-        raise ValueError("an anchor must be a frozen copy, not the parameter itself")

@@ -1,18 +1,7 @@
 """Streaming importance scores over one fused expert tensor ``(E, O, I)`` (method §3 dense-score mode, §4).
 
-What is accumulated
--------------------
-The engine hands over one expert slice at a time: the dense weight gradient ``grad (O, I)`` of expert
-``e``, with that slice's base ``weight (O, I)``. Each :meth:`ScoreAccumulator.add` turns the slice into
-a non-negative statistic (``grad``: ``|g|``; ``grad2``: ``g²``; ``grad_x_weight``: ``|w·g|``) and adds
-it to the score of the flat indices ``e*O*I + r*I + c`` (as in :mod:`usaf.engine.deltas`). The score of
-an element is the sum of its statistic over **every slice added** — over K batches, and over the
-microbatches within a batch: two slices of one expert in one batch count as two samples
-(``|g1| + |g2|``, not ``|g1 + g2|``). Summing the microbatch gradients before taking the statistic
-would need a dense buffer for every expert a batch touches, i.e. O(E·O·I); a caller that wants the
-statistic of the whole-batch gradient must sum microbatches itself and add one slice per expert per
-batch. ``counts[e]`` records how many slices of expert ``e`` were added (routing frequency; experts
-that got no tokens produce no slice).
+What a slice contributes (one of :data:`~usaf.engine.statistics.STATISTICS`) is
+:mod:`usaf.engine.statistics`; this module keeps the best of their sums.
 
 Two modes
 ---------
@@ -73,37 +62,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from usaf.backends.transfer import device_capabilities, move
+from usaf.backends.transfer import device_capabilities
+from usaf.engine.score_state import accumulator_state, restore_accumulator
+from usaf.engine.statistics import STATISTICS, slice_statistic
 
-__all__ = ["STATISTICS", "ScoreAccumulator", "merge", "slice_statistic"]
-
-STATISTICS = ("grad", "grad2", "grad_x_weight")  # |g|, g², |w·g|
-
-
-def slice_statistic(statistic: str, grad: Tensor, weight: Tensor | None = None) -> Tensor:
-    """The non-negative per-element statistic of one slice, as a new fp32 tensor of ``grad``'s shape.
-
-    Args:
-        statistic: one of :data:`STATISTICS`.
-        grad: dense weight gradient of one expert slice, ``(O, I)``, any float dtype.
-        weight: that slice's base weight ``(O, I)``; required for ``grad_x_weight``.
-
-    Returns:
-        ``(O, I)`` fp32; always a fresh tensor (callers may modify it in place).
-    """
-    g = grad.detach().to(torch.float32)
-    if statistic == "grad":
-        return g.abs()
-    if statistic == "grad2":
-        return g * g
-    if statistic == "grad_x_weight":
-        if weight is None:
-            raise ValueError("statistic 'grad_x_weight' needs the slice's base weight")
-        if weight.shape != grad.shape:
-            raise ValueError(f"weight {tuple(weight.shape)} does not match grad {tuple(grad.shape)}")
-        return (move(weight.detach(), g.device, torch.float32) * g).abs()
-    raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
-
+__all__ = ["ScoreAccumulator", "merge"]
 
 class ScoreAccumulator:
     """Accumulated importance of one fused expert tensor ``(E, O, I)``, reduced to a pool of candidates.
@@ -365,38 +328,11 @@ class ScoreAccumulator:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain ints/str/bool and CPU tensors (copies), loadable with ``torch.load(weights_only=True)``."""
-        state: dict[str, Any] = {
-            "shape": tuple(self.shape),
-            "candidates": self.candidates,
-            "statistic": self.statistic,
-            "pool_factor": self.pool_factor,
-            "exact": self.exact,
-            "batches": self.batches,
-            "counts": _cpu_copy(self.counts),
-            "closed_loss": _cpu_copy(self._closed_loss),
-            "epoch_loss": _cpu_copy(self._epoch_loss),
-            "indices": _cpu_copy(self._indices),
-            "scores": _cpu_copy(self._scores),
-        }
-        if self._dense is not None:
-            state["dense"] = _cpu_copy(self._dense)
-        return state
+        return accumulator_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the configuration must match this accumulator's."""
-        mine = (tuple(self.shape), self.statistic, self.exact, self.capacity)
-        theirs = (tuple(int(d) for d in state["shape"]), state["statistic"], bool(state["exact"]))
-        theirs += (min(int(state["pool_factor"]) * int(state["candidates"]), self.numel),)
-        if mine != theirs:
-            raise ValueError(f"state (shape, statistic, exact, capacity) {theirs} does not match {mine}")
-        where = self.device or torch.device("cpu")
-        self.batches = int(state["batches"])
-        self.counts = state["counts"].to(where, torch.int64)
-        self._closed_loss = state["closed_loss"].to(where, torch.float32)
-        self._epoch_loss = state["epoch_loss"].to(where, torch.float32)
-        self._indices = state["indices"].to(where, torch.int64)
-        self._scores = state["scores"].to(where, torch.float32)
-        self._dense = state["dense"].to(where, torch.float32) if "dense" in state else None
+        restore_accumulator(self, state)
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], device: torch.device | str | None = None) -> ScoreAccumulator:
@@ -451,7 +387,3 @@ def merge(accumulators: Iterable[ScoreAccumulator]) -> ScoreAccumulator:
     out._indices, out._scores, out._epoch_loss = out._keep_best(unique, summed)
     return out
 
-
-def _cpu_copy(t: Tensor) -> Tensor:
-    # A copy even on CPU: a state dict must not change when the accumulator keeps adding.
-    return t.detach().to("cpu", copy=True)

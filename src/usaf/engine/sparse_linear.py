@@ -22,8 +22,11 @@ import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
+
+from usaf.backends.transfer import sampled_addmm_supported
 
 ScoreSink = Callable[[torch.Tensor, torch.Tensor], None]
 """``sink(grad_w (O, I) fp32, weight (O, I)) -> None``; must reduce ``grad_w`` at once, not keep it."""
@@ -97,8 +100,6 @@ def _segment_table(scatter: torch.Tensor, width: int) -> tuple[torch.Tensor, int
     ``scatter[j] == c``, padded with ``n`` (which points at an all-zero column appended to the
     contributions). ``L`` is the most entries any column receives.
     """
-    import numpy as np
-
     s = scatter.detach().cpu().numpy()
     n = s.size
     counts = np.bincount(s, minlength=width)  # (width,)
@@ -177,7 +178,7 @@ def _merged_weight(weight: torch.Tensor, rows, cols, values, dtype: torch.dtype)
 
 def _sampled_addmm_supported(x: torch.Tensor) -> bool:
     """CPU fp32/fp64 only: bf16/fp16 are refused by the kernel, and other backends are untested here."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+    return sampled_addmm_supported(x.device, x.dtype)
 
 
 def _sampled_product_csr(dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 This is ``usaf plan``'s ``stream`` placement. Every MoE layer's 4-bit experts stay in host memory (pinned
 where the backend allows); when a forward reaches a *frozen* MoE layer, that layer's codes must be on the
 device. The streamer keeps at most two layers' copies there — the one in use and the next one, whose copy
-started (on a side CUDA stream) when the previous layer began, so the transfer overlaps that layer's compute
+started (on a side copy stream, CUDA/ROCm) when the previous layer began, so the transfer overlaps that layer's compute
 — and drops a layer's copy when its forward ends (autograd never keeps the codes: a frozen expert's backward
 needs only the dequantized slice it saved).
 
@@ -26,12 +26,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from usaf.artifacts.quantized import EXPERTS_FILE
+from usaf.backends.transfer import CopyStream, has_copy_stream
 from usaf.engine.experts import LayerExperts
 from usaf.quant import QuantizedTensor
+from usaf.units import human_bytes
 
 BUFFER_LAYERS = 2  # one layer in use, one in flight (the planner's "4-bit streaming buffer")
 
@@ -55,7 +60,7 @@ class StreamStats:
 class _Copy:
     gate_up: QuantizedTensor
     down: QuantizedTensor
-    ready: torch.cuda.Event | None  # recorded on the copy stream; None for synchronous copies
+    ready: Any  # the copy stream's event (CopyStream.ready); None for synchronous copies
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate_up.tensors(), *self.down.tensors()]
@@ -70,7 +75,7 @@ class ExpertStreamer:
         layers: the frozen MoE layers to stream.
         device: where forwards compute.
         pin: keep the host copies in page-locked memory (needed for asynchronous copies).
-        overlap: copy on a side CUDA stream (default: on CUDA devices).
+        overlap: copy on a side stream (default: where the device has one, :func:`has_copy_stream`).
         copy: force real copies even when ``device`` is host memory (tests).
     """
 
@@ -94,8 +99,8 @@ class ExpertStreamer:
             host = tuple(_to_host(w.q, pin) for w in (state.gate_up, state.down))
             state.gate_up.q, state.down.q = host
             self._host[layer] = host
-        self._overlap = (self.device.type == "cuda") if overlap is None else overlap
-        self._stream = torch.cuda.Stream(self.device) if self._overlap else None
+        self._overlap = has_copy_stream(self.device) if overlap is None else overlap
+        self._stream = CopyStream(self.device) if self._overlap else None
         self._copies: dict[int, _Copy] = {}  # started, not yet in use
         self._in_use: int | None = None
         self._skip_below = 0  # layers below this one are skipped by the forward (a cached prefix): no copies
@@ -158,10 +163,7 @@ class ExpertStreamer:
         else:
             self.stats.prefetched += 1
         if copy.ready is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(copy.ready)
-            for t in copy.tensors():  # allocated on the copy stream, used on this one: free after its work
-                t.record_stream(current)
+            self._stream.wait(copy.ready, copy.tensors())
         state = self._states[layer]
         state.gate_up.q, state.down.q = copy.gate_up, copy.down
         self._in_use = layer
@@ -192,10 +194,9 @@ class ExpertStreamer:
         self.stats.bytes += gate_up.nbytes + down.nbytes
         if self._stream is None:
             return _Copy(*(q.to(self.device, copy=self._copy_always) for q in (gate_up, down)), None)
-        with torch.cuda.stream(self._stream):
+        with self._stream.copying():
             moved = [q.to(self.device, non_blocking=True) for q in (gate_up, down)]
-            ready = torch.cuda.Event()
-            ready.record(self._stream)
+            ready = self._stream.ready()
         return _Copy(*moved, ready)
 
 
@@ -215,8 +216,6 @@ def choose_streaming(requested: bool | None, backend, experts_bytes: int) -> tup
     are one (CPU, Apple silicon) streaming moves nothing: asked for, it runs (the hooks swap references) and
     says so.
     """
-    from usaf.units import human_bytes
-
     unified = backend.capabilities.unified_memory
     if requested is not None:
         note = "host and device memory are one here: streaming moves nothing" if requested and unified else None
@@ -232,8 +231,4 @@ def choose_streaming(requested: bool | None, backend, experts_bytes: int) -> tup
 
 def quantized_bytes(manifest_dir) -> int:
     """Bytes of every layer's 4-bit experts, from the size of the quantized model's ``experts_q4.pt``."""
-    from pathlib import Path
-
-    from usaf.artifacts.quantized import EXPERTS_FILE
-
     return (Path(manifest_dir) / EXPERTS_FILE).stat().st_size

@@ -78,6 +78,7 @@ class ExpertLayerPlan:
 
         ``dtype`` applies to decoded formats only (MXFP4; default bfloat16); other tensors keep theirs.
         """
+        # lazy: importing usaf.families stays free of torch
         import torch
 
         out = {}
@@ -90,6 +91,7 @@ class ExpertLayerPlan:
                 down = torch.stack([disk[n] for n in t.sources[0]])  # [E, H, I]
                 out[t.target] = down.transpose(1, 2).contiguous() if self.layout.transposed else down
             elif t.op is ExpertOp.MXFP4:
+                # lazy: gpt-oss's MXFP4 checkpoints only; transformers is heavy
                 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
                 blocks, scales = (disk[n] for n in t.sources[0])
@@ -125,6 +127,7 @@ class ExpertLayerPlan:
 
 
 def _contiguous():
+    # lazy: importing usaf.families stays free of torch
     import torch
 
     return torch.contiguous_format
@@ -132,6 +135,7 @@ def _contiguous():
 
 def combine_gate_up(gate: torch.Tensor, up: torch.Tensor, layout: ExpertsLayout) -> torch.Tensor:
     """gate [E, I, H] + up [E, I, H] -> gate_up in ``layout`` ([E, 2I, H], or [E, H, 2I] if transposed)."""
+    # lazy: importing usaf.families stays free of torch
     import torch
 
     e, i, h = gate.shape

@@ -12,6 +12,8 @@ from typing import Any
 
 from usaf.errors import UsafError
 from usaf.families.checkpoint import TensorInfo, checkpoint_files, quantized_formats, read_checkpoint
+from usaf.families.mapping import build_mapping
+from usaf.families.meta import unique_numels
 from usaf.families.registry import load_model_config, resolve_family
 from usaf.families.spec import FamilySpec
 from usaf.units import human_bytes
@@ -153,8 +155,6 @@ def describe_model(model_dir: Path) -> ModelDescription:
     if not infos:
         return _from_config(model_dir, spec, config, params, nbytes)
 
-    from usaf.families.mapping import build_mapping
-
     problem, ignored, layout = None, {}, None
     try:
         plan = build_mapping(spec, infos, strict=False)
@@ -202,8 +202,6 @@ def _from_config(model_dir: Path, spec: FamilySpec, config: dict, params: dict, 
     )
     size = _DTYPE_BYTES.get(dtype.replace("torch.", ""), 2)
     try:
-        from usaf.families.meta import unique_numels
-
         numels = unique_numels(config)
         source = f"computed from config.json (model built on the meta device; bytes at {dtype}); no weight files"
     except Exception as e:  # transformers cannot build it: describe what the config says, without counts

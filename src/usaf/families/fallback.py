@@ -164,6 +164,7 @@ def _literal(pattern: str) -> str | None:
 def _disk_spec(model_type: str, layout: ExpertsLayout) -> DiskSpec:
     """The renames and per-expert patterns transformers applies when loading this model type."""
     try:
+        # lazy: transformers is heavy, and these modules exist only in transformers >= 5
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:  # transformers without conversion mappings: checkpoints hold the in-memory names

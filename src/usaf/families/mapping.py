@@ -18,6 +18,8 @@ from typing import Any
 from usaf.errors import UsafError
 from usaf.families.checkpoint import MXFP4, TensorInfo, load_tensors, quantized_formats, read_checkpoint
 from usaf.families.convert import ExpertLayerPlan, ExpertOp, FusedTensorPlan
+from usaf.families.meta import expected_tensors
+from usaf.families.registry import load_model_config, resolve_family
 from usaf.families.spec import DiskLayout, FamilySpec
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
@@ -114,7 +116,6 @@ def _expected(spec: FamilySpec, expected: Mapping[str, Any] | Iterable[str] | No
     if expected is None:
         if not spec.config:
             raise ValueError("build_mapping needs `expected` for a spec without its config")
-        from usaf.families.meta import expected_tensors
 
         return dict(expected_tensors(spec.config, spec))
     if isinstance(expected, Mapping):
@@ -362,8 +363,6 @@ class _Planner:
 
 def map_checkpoint(model_dir: Path, spec: FamilySpec | None = None, *, strict: bool = True) -> MappingPlan:
     """Read ``model_dir``'s config and safetensors headers and build its mapping plan."""
-    from usaf.families.registry import load_model_config, resolve_family
-
     spec = spec or resolve_family(load_model_config(model_dir))
     return build_mapping(spec, read_checkpoint(model_dir), strict=strict)
 

@@ -8,16 +8,19 @@ and config-only parameter counts all use it.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
 from usaf.errors import UsafError
+from usaf.families.modules import legacy_config_fields, transformers_major, usaf_view
 
 
 def build_config(config: Mapping[str, Any]):
     """A transformers config object from a ``config.json`` dict (as ``from_pretrained`` would build it)."""
+    # lazy: importing usaf.families stays free of transformers
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -36,7 +39,7 @@ def build_config(config: Mapping[str, Any]):
 
 def _legacy_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """transformers 4.x: config fields renamed since (usaf.families.modules.legacy_config_fields)."""
-    from usaf.families.modules import legacy_config_fields, transformers_major
+    # lazy: a cycle: registry -> fallback -> meta -> registry
     from usaf.families.registry import registered_families, resolve_family
 
     if transformers_major() >= 5 or config.get("model_type") not in registered_families():
@@ -45,6 +48,7 @@ def _legacy_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _tf_version() -> str:
+    # lazy: importing usaf.families stays free of transformers
     import transformers
 
     return transformers.__version__
@@ -52,6 +56,7 @@ def _tf_version() -> str:
 
 @lru_cache(maxsize=16)
 def _meta_model_cached(config_json: str):
+    # lazy: importing usaf.families stays free of torch and transformers
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -63,6 +68,7 @@ def _meta_model_cached(config_json: str):
                 return AutoModelForCausalLM.from_config(cfg)
             except ValueError:
                 # Multimodal wrappers are not causal LMs for the Auto class; their image-text class is.
+                # lazy: transformers is heavy; only for multimodal configs
                 from transformers import AutoModelForImageTextToText
 
                 return AutoModelForImageTextToText.from_config(cfg)
@@ -78,11 +84,10 @@ def in_usaf_names(config: Mapping[str, Any], shapes: dict[str, tuple[int, ...]],
 
     On transformers 4.x the per-expert weights become the fused tensors (:func:`usaf.families.modules.usaf_view`).
     """
-    from usaf.families.modules import transformers_major, usaf_view
-
     if transformers_major() >= 5:
         return shapes
     if spec is None:
+        # lazy: a cycle: registry -> fallback -> meta -> registry
         from usaf.families.registry import resolve_family
 
         spec = resolve_family(config)
@@ -113,8 +118,6 @@ def tied_names(config: Mapping[str, Any]) -> dict[str, str]:
 
 def unique_numels(config: Mapping[str, Any]) -> dict[str, int]:
     """In-memory name -> numel, counting tied parameters once (parameters and persistent buffers)."""
-    import math
-
     model = meta_model(config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     state = model.state_dict()

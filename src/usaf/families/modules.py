@@ -20,10 +20,13 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from enum import Enum
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from usaf.errors import UsafError
@@ -34,6 +37,17 @@ if TYPE_CHECKING:
 
 #: The oldest transformers 4.x usaf supports (Qwen3-MoE appeared in 4.51).
 MIN_LEGACY = "4.51"
+
+#: The fused experts module's bias parameters (gpt-oss), in (gate_up, down) order.
+EXPERT_BIAS_PARAMS = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def expert_biases(experts: Any, expert: int) -> tuple[Any, Any]:
+    """``(gate_up_bias (2I,), down_bias (H,))`` of one expert of a fused experts module, or ``(None, None)``
+    when the module has no biases (its ``has_bias``; every family but gpt-oss)."""
+    if not getattr(experts, "has_bias", False):
+        return None, None
+    return tuple(getattr(experts, name)[expert] for name in EXPERT_BIAS_PARAMS)
 
 
 class ModuleLayout(str, Enum):
@@ -47,8 +61,6 @@ class ModuleLayout(str, Enum):
 @lru_cache(maxsize=1)
 def installed_transformers() -> str | None:
     """The installed transformers version (from its metadata: no import), or None when absent."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("transformers")
     except PackageNotFoundError:
@@ -97,9 +109,7 @@ def legacy_config_fields(spec: FamilySpec, config: Mapping[str, Any], major: int
 
 def transformers_config(path: Any, spec: FamilySpec) -> Any:
     """``AutoConfig.from_pretrained(path)`` with :func:`legacy_config_fields` applied (transformers 4.x)."""
-    import json
-    from pathlib import Path
-
+    # lazy: importing usaf.families stays free of transformers
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -199,6 +209,7 @@ class FusedView:
 
         ``grad``: the parameter's ``.grad`` instead (fused the same way).
         """
+        # lazy: this module imports neither torch nor transformers (see its docstring)
         import torch
 
         def part(n: str) -> torch.Tensor:
@@ -233,6 +244,7 @@ class FusedView:
 
     def set(self, name: str, value: torch.Tensor) -> None:
         """Copy ``value`` (usaf's layout for ``name``) into the model, casting to the model's dtype."""
+        # lazy: this module imports neither torch nor transformers (see its docstring)
         import torch
 
         with torch.no_grad():

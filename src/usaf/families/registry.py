@@ -15,6 +15,8 @@ from typing import Any
 
 from usaf.errors import UsafError
 from usaf.families import fields
+from usaf.families.fallback import StructureRefused, structural_spec
+from usaf.families.modules import installed_transformers, transformers_major
 from usaf.families.spec import FamilySpec
 
 # (text config, root config, key the text config is nested under or None) -> spec
@@ -75,9 +77,6 @@ def resolve_family(config: Mapping[str, Any]) -> FamilySpec:
     builder = _BUILDERS.get(model_type)
     if builder is not None:
         return builder(text, config, nested)
-
-    from usaf.families.fallback import StructureRefused, structural_spec
-    from usaf.families.modules import installed_transformers, transformers_major
 
     reason = "model_type is empty" if not model_type else None
     if reason is None and transformers_major() < 5:

@@ -33,6 +33,7 @@ def route(
         bias: router bias [E] (gpt-oss).
         correction_bias: ``e_score_correction_bias`` [E] (DeepSeek-V3), used for the choice only.
     """
+    # lazy: importing usaf.families stays free of torch
     import torch
     import torch.nn.functional as F
 

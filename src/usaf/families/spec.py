@@ -194,6 +194,13 @@ class FamilySpec:
     def layer_prefix(self, layer: int) -> str:
         return f"{self.layers_prefix}.{layer}"
 
+    def layer_of(self, name: str) -> int:
+        """The decoder layer of an in-memory tensor name (``model.layers.3.mlp.experts.down_proj`` -> 3)."""
+        rest = name.removeprefix(f"{self.layers_prefix}.")
+        if rest == name:
+            raise ValueError(f"{name!r} is not under {self.layers_prefix!r}")
+        return int(rest.split(".", 1)[0])
+
     def moe_prefix(self, layer: int) -> str:
         return f"{self.layers_prefix}.{layer}.{self.moe_module}"
 

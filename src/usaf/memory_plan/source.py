@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from usaf.artifacts import MANIFEST_NAME, QuantizedModelManifest, load_manifest
+from usaf.data.hub import looks_like_path
 from usaf.errors import UsafError
+from usaf.families import load_model_config
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,6 @@ def read_model(model: str, *, nbits: int | None, group_size: int | None) -> Mode
     A quantized directory's own settings win; flags that contradict them are an error (a plan for
     settings the model was not made with would be wrong without saying so).
     """
-    from usaf.data.hub import looks_like_path
-    from usaf.families import load_model_config
-
     local = Path(model).expanduser()
     if local.is_dir():
         config = load_model_config(local)
@@ -75,8 +75,6 @@ def _requested(nbits: int | None, group_size: int | None) -> QuantSettings:
 
 
 def _quantized_settings(path: Path) -> QuantSettings | None:
-    from usaf.artifacts import MANIFEST_NAME, QuantizedModelManifest, load_manifest
-
     if not (path / MANIFEST_NAME).is_file():
         return None
     manifest = load_manifest(path, QuantizedModelManifest, flag="MODEL")
@@ -91,6 +89,7 @@ def _quantized_settings(path: Path) -> QuantSettings | None:
 
 def _hub_config(repo: str) -> dict[str, Any]:
     """Only ``config.json`` of a hub repository: the cache first, then the hub (honours HF_HUB_OFFLINE)."""
+    # lazy: huggingface_hub only when the config comes from the hub
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import (
         EntryNotFoundError,

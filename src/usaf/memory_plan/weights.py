@@ -32,6 +32,7 @@ DEFAULT_TOP_FRACTION = 0.25  # usaf score's default trainable block (stages.scor
 
 def quantized_bytes(shape: tuple[int, int, int], nbits: int, group_size: int) -> int:
     """codes ``(E, O, packed I)`` uint8 + scale and zero ``(E, O, I / group)`` fp16."""
+    # lazy: usaf.quant imports torch; `usaf plan` (and `usaf --help`) stay free of it
     from usaf.quant import effective_group_size, packed_width
 
     e, o, i = shape

@@ -32,6 +32,8 @@ from usaf.artifacts.quantized import (
 )
 from usaf.artifacts.safety import check_free_space
 from usaf.artifacts.writer import write_text_atomic
+from usaf.backends import resolve_backend
+from usaf.backends.transfer import is_host
 from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
 from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
@@ -126,8 +128,6 @@ def _load_layer(path: Path) -> dict[str, Any] | None:
 
 def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[QuantizedModelManifest, Path]:
     """Quantize ``config.model``'s experts; returns the manifest and the output directory."""
-    from usaf.backends import resolve_backend
-
     progress = progress or NullProgress()
     if config.model is None:
         raise UsafError("MODEL is required: a model directory or hub id", "e.g. usaf quantize Qwen/Qwen3-30B-A3B")
@@ -233,7 +233,7 @@ def _quantize_layers(
     layers_dir = work / LAYERS_DIR
     layers_dir.mkdir(exist_ok=True)
     total_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
-    estimated = device.type != "cpu"  # the estimate is only printed for CPU runs
+    estimated = not is_host(device)  # the estimate is only printed for CPU runs
     records: list[TensorQuantRecord] = []
     packing = ""
     progress.start("quantizing experts", total_bytes, "bytes")

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
+
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.quantized import BASE_INDEX_FILE, ShardRecord, SourceModelRecord
-from usaf.families import TensorInfo
+from usaf.families import TensorInfo, load_tensors
 from usaf.stages.progress import Progress
 
 PARTIAL_SETTINGS = "partial-settings.json"
@@ -95,10 +97,6 @@ def write_base_shards(
     shards: list[BaseShard], model_dir: Path, infos: dict[str, TensorInfo], work: Path, progress: Progress
 ) -> None:
     """Copy the non-expert tensors, renamed to their in-memory names, one shard at a time (resumable)."""
-    from safetensors.torch import save_file
-
-    from usaf.families import load_tensors
-
     total = sum(infos[n].nbytes for s in shards for n in s.disk_names)
     progress.start("copying non-expert weights", total, "bytes")
     weight_map: dict[str, str] = {}

@@ -163,7 +163,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
             "drop --cache, or train fewer layers (--train-from above 0)",
         )
     shapes = {name: w.shape for name, w in engine.weights.items()}
-    layer_of = {name: int(name.split(".layers.")[1].split(".")[0]) for name in shapes}
+    layer_of = {name: loaded.spec.layer_of(name) for name in shapes}
     pools = pool_size(shapes, config.frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

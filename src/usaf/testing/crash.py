@@ -30,6 +30,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from usaf.artifacts import QuantizedModelManifest, RunManifest, load_manifest, load_verified
+from usaf.artifacts.run import DELTAS_FILE, OPTIMIZER_FILE, ROUTERS_FILE, STATE_FILE
+from usaf.artifacts.safety import load_safetensors, load_torch
+from usaf.cli.app import app
+from usaf.errors import UsafError
+from usaf.stages.quantize import QuantizeConfig
+from usaf.stages.quantize import run as quantize
+from usaf.stages.trainer import latest_checkpoint
+from usaf.testing import build_tiny_model
+
 STEP_DIR = re.compile(r"checkpoints/step-(\d+)$")
 LAYER_TMP = re.compile(r"layers/(layer-\d+)\.tmp$")
 
@@ -94,9 +106,6 @@ class Stage(abc.ABC):
 
 
 def _verified(path: Path, manifest_cls) -> list[str]:
-    from usaf.artifacts import load_verified
-    from usaf.errors import UsafError
-
     try:
         load_verified(path, manifest_cls, flag="--out")
     except UsafError as e:
@@ -124,15 +133,11 @@ class QuantizeStage(Stage):
         return ["quantize", str(self.model), "--out", str(out), "--method", "rtn", "--group-size", "8"]
 
     def check_visible(self, out: Path) -> tuple[str, list[str]]:
-        from usaf.artifacts import QuantizedModelManifest
-
         if not out.exists():
             return "nothing (a hidden partial directory to resume)", []
         return "a complete artifact", _verified(out, QuantizedModelManifest)
 
     def compare(self, out: Path, reference: Path) -> list[str]:
-        from usaf.artifacts import QuantizedModelManifest, load_manifest
-
         problems = _verified(out, QuantizedModelManifest)
         if problems:
             return problems
@@ -169,8 +174,6 @@ class TrainStage(Stage):
         ]  # fmt: skip
 
     def check_visible(self, out: Path) -> tuple[str, list[str]]:
-        from usaf.artifacts import RunManifest
-
         if not out.exists():
             return "nothing", []
         problems = []
@@ -189,8 +192,6 @@ class TrainStage(Stage):
         return seen, problems
 
     def compare(self, out: Path, reference: Path) -> list[str]:
-        from usaf.artifacts import RunManifest, load_manifest
-
         problems = _verified(out, RunManifest)
         if problems:
             return problems
@@ -227,10 +228,6 @@ def _step_losses(run: Path) -> list[tuple[int, float]]:
 
 def _checkpoint_problems(directory: Path) -> list[str]:
     """A visible checkpoint must load completely (what --resume and export read)."""
-    from usaf.artifacts.run import DELTAS_FILE, OPTIMIZER_FILE, ROUTERS_FILE, STATE_FILE
-    from usaf.artifacts.safety import load_safetensors, load_torch
-    from usaf.errors import UsafError
-
     try:
         load_safetensors(directory / DELTAS_FILE)
         load_safetensors(directory / ROUTERS_FILE)
@@ -242,8 +239,6 @@ def _checkpoint_problems(directory: Path) -> list[str]:
 
 
 def _latest_checkpoint(out: Path) -> int | None:
-    from usaf.stages.trainer import latest_checkpoint
-
     found = latest_checkpoint(out) if out.exists() else None
     return int(found.name.split("-")[1]) if found is not None else None
 
@@ -398,13 +393,6 @@ class Setup:
 
 def build_setup(root: Path, *, num_layers: int = 4) -> Setup:
     """A tiny qwen3_moe model, its quantization, a tokens file and a plan (in-process, a few seconds)."""
-    from typer.testing import CliRunner
-
-    from usaf.cli.app import app
-    from usaf.stages.quantize import QuantizeConfig
-    from usaf.stages.quantize import run as quantize
-    from usaf.testing import build_tiny_model
-
     model = build_tiny_model("qwen3_moe", root / "model", tokenizer=True, num_layers=num_layers)
     _, quantized = quantize(QuantizeConfig(model=str(model), out=root / "quantized", method="rtn", group_size=8))
     rng = random.Random(0)

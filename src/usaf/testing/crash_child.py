@@ -24,6 +24,11 @@ import signal
 import sys
 from pathlib import Path
 
+import safetensors.torch
+import torch
+
+from usaf.quant import ptfile
+
 
 def _truncate(path: object, fraction: float) -> None:
     path = Path(str(path))
@@ -33,11 +38,6 @@ def _truncate(path: object, fraction: float) -> None:
 
 
 def install(events_path: str, kill_at: int, fraction: float) -> None:
-    import safetensors.torch
-    import torch
-
-    from usaf.quant import ptfile
-
     log = open(events_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open until the process ends)
     count = 0
 
@@ -131,6 +131,7 @@ def main() -> None:
     if sep != "--":
         raise SystemExit("usage: python -m usaf.testing.crash_child EVENTS KILL_AT FRACTION -- USAF_ARGS...")
     install(events, int(kill_at), float(fraction))
+    # lazy: after install() has patched the writers (modules bind save_file when imported)
     from usaf.cli.app import app
 
     app(args=args, prog_name="usaf")

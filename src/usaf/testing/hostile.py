@@ -27,6 +27,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+from typer.testing import CliRunner
+
+from usaf.artifacts.hashing import combine, sha256_file
+from usaf.cli.app import app
+from usaf.stages.quantize import QuantizeConfig
+from usaf.stages.quantize import run as quantize
+from usaf.testing import build_tiny_model
+
 TOKENS = "tokens JSONL"
 TEXT = "text JSONL (tokenize)"
 MANIFEST = "manifest.json"
@@ -50,10 +59,6 @@ class Bench:
 
     @classmethod
     def build(cls, root: Path) -> Bench:
-        from usaf.stages.quantize import QuantizeConfig
-        from usaf.stages.quantize import run as quantize
-        from usaf.testing import build_tiny_model
-
         root = Path(root)
         model = build_tiny_model("qwen3_moe", root / "model", tokenizer=True)
         _, quantized = quantize(QuantizeConfig(model=str(model), out=root / "quantized", method="rtn", group_size=8))
@@ -95,8 +100,6 @@ class Outcome:
 
 def _resign(artifact: Path) -> None:
     """Rewrite an artifact's manifest so its sizes and hashes match the files again (a consistent forgery)."""
-    from usaf.artifacts.hashing import combine, sha256_file
-
     path = artifact / "manifest.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     for record in data["files"]:
@@ -337,8 +340,6 @@ def _experts_case(
 
 def _edit_experts(edit: Callable[[dict], object]) -> Callable[[Path, Path], None]:
     def write(path: Path, case_dir: Path) -> None:
-        import torch
-
         data = torch.load(path, weights_only=True)
         new = edit(data)
         torch.save(data if new is None else new, path)
@@ -351,8 +352,6 @@ def _first_entry(data: dict) -> dict:
 
 
 def experts_cases() -> list[Case]:
-    import torch
-
     def truncate(fraction: float) -> Callable[[Path, Path], None]:
         return lambda path, _: path.write_bytes(path.read_bytes()[: int(path.stat().st_size * fraction)])
 
@@ -427,8 +426,6 @@ def experts_cases() -> list[Case]:
 
 def _double_experts(data: dict) -> None:
     """Every entry claims twice the experts, with codes and scales repeated to match (a consistent foreign file)."""
-    import torch
-
     for entry in data.values():
         for key in ("codes", "scale", "zero"):
             entry[key] = torch.cat([entry[key], entry[key]])
@@ -653,10 +650,6 @@ def _temporaries(directory: Path) -> list[str]:
 
 def run_case(bench: Bench, case: Case, case_dir: Path) -> Outcome:
     """Write the case's input, run its command in-process, and judge the answer."""
-    from typer.testing import CliRunner
-
-    from usaf.cli.app import app
-
     case_dir.mkdir(parents=True, exist_ok=True)
     args = case.build(bench, case_dir)
     result = CliRunner().invoke(app, args)

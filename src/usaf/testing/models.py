@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.errors import UsafError
+from usaf.testing.tokenizer import build_tiny_tokenizer
 
 TINY_HIDDEN = 32
 TINY_EXPERT_WIDTH = 24
@@ -111,8 +112,6 @@ def _tokenizer_files() -> Path:
     """Train the tiny tokenizer once per process and reuse its files (training takes ~1 s)."""
     global _TOKENIZER_CACHE
     if _TOKENIZER_CACHE is None or not _TOKENIZER_CACHE.exists():
-        from usaf.testing.tokenizer import build_tiny_tokenizer
-
         path = Path(tempfile.mkdtemp(prefix="usaf-tiny-tokenizer-"))
         atexit.register(shutil.rmtree, path, True)
         build_tiny_tokenizer(path)
@@ -149,6 +148,7 @@ def build_tiny_model(
     Returns:
         ``out_dir``.
     """
+    # lazy: usaf.testing's builders are imported by `usaf tiny-model` and the demo: torch/transformers on use
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

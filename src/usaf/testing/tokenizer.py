@@ -55,6 +55,7 @@ def build_tiny_tokenizer(out_dir: Path | None = None, *, vocab_size: int = 512, 
     Returns:
         A ``PreTrainedTokenizerFast`` whose eos token is ``<|endoftext|>`` (id 0).
     """
+    # lazy: usaf.testing's builders are imported by `usaf tiny-model` and the demo: tokenizers/transformers on use
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

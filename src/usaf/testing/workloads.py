@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from usaf.stages import score
+from usaf.stages.quantize import QuantizeConfig
+from usaf.stages.quantize import run as quantize
+from usaf.testing.models import TINY_VOCAB, build_tiny_model
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -28,8 +33,6 @@ class Workload:
 
 def write_tokens(path: Path, *, samples: int, seq_len: int, seed: int = 0) -> Path:
     """``samples`` random sequences of ``seq_len`` ids of the tiny tokenizer's vocabulary, labels = ids."""
-    from usaf.testing.models import TINY_VOCAB
-
     rng = random.Random(seed)
     with Path(path).open("w", encoding="utf-8") as f:
         for _ in range(samples):
@@ -51,11 +54,6 @@ def build_workload(
     seed: int = 0,
 ) -> Workload:
     """In-process: build, quantize (RTN 4-bit, group 128), write ``samples`` sequences, score a plan."""
-    from usaf.stages import score
-    from usaf.stages.quantize import QuantizeConfig
-    from usaf.stages.quantize import run as quantize
-    from usaf.testing.models import build_tiny_model
-
     root = Path(root)
     source = build_tiny_model(family, root / "source", num_layers=num_layers, seed=seed, **widths)
     _, model = quantize(QuantizeConfig(model=str(source), out=root / "quantized", method="rtn"))

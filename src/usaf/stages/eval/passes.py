@@ -53,8 +53,7 @@ def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
     size = torch.empty(0, dtype=weights[0].compute_dtype).element_size() if weights else 0
     needed = sum(w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights)
     if wanted is None:
-        memory = backend.memory()
-        free = memory.host_available if backend.device.type == "cpu" else memory.device_free
+        free = backend.free_memory()
         wanted = free is not None and needed <= RESIDENT_SHARE * free
     if wanted:
         for weight in weights:

@@ -10,6 +10,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
+
 from usaf.artifacts.eval_report import LayerDrift
 
 CURVES_FILE = "training_curves.png"
@@ -22,9 +24,11 @@ def matplotlib_available() -> bool:
 
 
 def _pyplot():
+    # lazy: optional dependency (the plot extra)
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: optional dependency; after matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
@@ -81,8 +85,6 @@ def plot_curves(metrics: Path, out: Path, *, base_heldout: float | None = None) 
 
 def plot_load(routing: list[LayerDrift], out: Path) -> None:
     """Expert-load shares per layer (rows) and expert (columns): base, fine-tuned, and their difference."""
-    import torch
-
     plt = _pyplot()
     experts = max(d.experts for d in routing)
 
