@@ -136,6 +136,10 @@ class Backend:
         total, free, allocated = self.device_memory()
         return MemoryStats(host_total, host_available, total, free, allocated)
 
+    def peak_allocated(self) -> int | None:
+        """The most device memory tensors have held so far (bytes); ``None`` where the backend cannot tell."""
+        return None
+
     def synchronize(self) -> None:
         """Wait until all queued work on the device is done (for timing and before reading memory)."""
 

@@ -242,7 +242,7 @@ def _checkpoint_problems(directory: Path) -> list[str]:
 
 
 def _latest_checkpoint(out: Path) -> int | None:
-    from usaf.stages.trainer import latest_checkpoint
+    from usaf.stages.train.trainer import latest_checkpoint
 
     found = latest_checkpoint(out) if out.exists() else None
     return int(found.name.split("-")[1]) if found is not None else None

@@ -39,6 +39,7 @@ from usaf.artifacts.run import (
     STATE_FILE,
     ReselectionRecord,
 )
+from usaf.backends.base import Backend
 from usaf.data.batches import Batch, collate
 from usaf.data.dataset import TokenDataset
 from usaf.distributed import World, sum_expert_loads
@@ -46,8 +47,8 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
 from usaf.errors import UsafError
+from usaf.stages.train.config import TrainConfig
 
-SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
 ROUTING_WINDOW = 10  # steps whose expert loads are pooled before checking a trainable layer for collapse
 
 
@@ -67,67 +68,58 @@ class TrainState:
     world_size: int = 1  # processes of the run that wrote this state (data parallel)
 
 
-@dataclass
-class LoopSettings:
-    steps: int
-    microbatch: int
-    grad_accum: int
-    lr: float
-    router_lr: float
-    weight_decay: float
-    clip: float | None
-    warmup_steps: int
-    reselect_every: int
-    reselect_fraction: float
-    eval_every: int
-    save_every: int
-    seed: int
-    seq_len: int | None = None  # longer sequences are cut to this many tokens
-
-
 class Trainer:
     def __init__(
         self,
         engine: SparseEngine,
-        settings: LoopSettings,
+        config: TrainConfig,
         data: TokenDataset,
         eval_data: TokenDataset | None,
         run_dir: Path,
         *,
+        steps: int,
+        reselect_every: int,
         pad_id: int,
         prefix: tuple[Any, str] | None = None,
         loss_scaler: Any = None,
         world: World | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.engine = engine
-        self.s = settings
+        self.config = config  # the run's settings (frozen); what the run derived from them follows
+        self.steps = steps
+        self.reselect_every = reselect_every  # 0: a static mask
+        self.microbatch, self.grad_accum = config.microbatch, config.grad_accum  # an out-of-memory retry changes them
         self.data = data
         self.eval_data = eval_data
         self.run_dir = run_dir
         self.pad_id = pad_id
         self.prefix = prefix  # (PrefixCache, model fingerprint) or None
-        self.optimizer = SparseAdamW(
-            engine.parameter_groups(lr=settings.lr, router_lr=settings.router_lr, weight_decay=settings.weight_decay),
-            max_grad_norm=settings.clip,
-        )
-        self.schedule = WarmupCosine(settings.warmup_steps, settings.steps)
+        self.optimizer = self._new_optimizer()
+        self.schedule = WarmupCosine(int(config.warmup * steps), steps)
         self.state = TrainState()
         self.collector: Any = None  # grow scores being collected for the next reselection (checkpointed)
         self.scaler = loss_scaler  # DynamicLossScaler under fp16 compute, else None
         self.world = world or World()
+        self.backend = backend
         self.state.world_size = self.world.size
+
+    def _new_optimizer(self) -> SparseAdamW:
+        c = self.config
+        groups = self.engine.parameter_groups(lr=c.lr, router_lr=c.router_lr, weight_decay=c.weight_decay)
+        return SparseAdamW(groups, max_grad_norm=c.clip)
 
     # -- one step -------------------------------------------------------------------------------------
 
     def _microbatches(self, step: int) -> list:
         """This rank's microbatches of the step: its contiguous share of the step's global sequences."""
-        share = self.s.microbatch * self.s.grad_accum
-        lines = self.data.samples_for_step(step, share * self.world.size, self.s.seed)
+        share, size = self.microbatch * self.grad_accum, self.microbatch
+        lines = self.data.samples_for_step(step, share * self.world.size, self.config.seed)
         lines = self._cut(lines[self.world.rank * share : (self.world.rank + 1) * share])
-        return [collate(lines[i : i + self.s.microbatch], self.pad_id) for i in range(0, len(lines), self.s.microbatch)]
+        return [collate(lines[i : i + size], self.pad_id) for i in range(0, len(lines), size)]
 
     def _cut(self, lines: list) -> list:
-        n = self.s.seq_len
+        n = self.config.seq_len
         if n is None:
             return lines
         return [replace(line, input_ids=line.input_ids[:n], labels=line.labels[:n]) for line in lines]
@@ -193,7 +185,7 @@ class Trainer:
             **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
             "step": self.state.step,
             "loss": loss_sum,
-            "lr": self.s.lr * lr_factor,
+            "lr": self.config.lr * lr_factor,
             "grad_norm": report.grad_norm,
             "skipped": not finite,
             "tokens": self.state.tokens,
@@ -201,7 +193,7 @@ class Trainer:
             "seconds": seconds,
             **({"world": {"size": self.world.size, "allreduce_bytes": sent}} if self.world.active else {}),
             "routing": routing,
-            "memory": _memory_now(),
+            "memory": self._memory_now(),
         }
 
     def _step_routing(self, before: dict[int, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -246,24 +238,24 @@ class Trainer:
         import gc
 
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        total = self.s.microbatch * self.s.grad_accum
-        smaller = [d for d in range(1, self.s.microbatch // 2 + 1) if total % d == 0]
+        if self.backend is not None:
+            self.backend.empty_cache()
+        total = self.microbatch * self.grad_accum
+        smaller = [d for d in range(1, self.microbatch // 2 + 1) if total % d == 0]
         if not smaller:
             raise UsafError(
-                f"out of device memory at microbatch {self.s.microbatch} (step {self.state.step + 1})",
+                f"out of device memory at microbatch {self.microbatch} (step {self.state.step + 1})",
                 "use a shorter --seq-len, fewer trainable layers (a higher --train-from), or another --device",
             )
-        before = (self.s.microbatch, self.s.grad_accum)
-        self.s.microbatch, self.s.grad_accum = smaller[-1], total // smaller[-1]
-        self.state.microbatch, self.state.grad_accum = self.s.microbatch, self.s.grad_accum
+        before = (self.microbatch, self.grad_accum)
+        self.microbatch, self.grad_accum = smaller[-1], total // smaller[-1]
+        self.state.microbatch, self.state.grad_accum = self.microbatch, self.grad_accum
         note = (
             f"out of memory at microbatch {before[0]} × {before[1]}: retrying step {self.state.step + 1} "
-            f"with microbatch {self.s.microbatch} × grad-accum {self.s.grad_accum} (kept from now on)"
+            f"with microbatch {self.microbatch} × grad-accum {self.grad_accum} (kept from now on)"
         )
-        self.log({"step": self.state.step + 1, "oom_retry": {"microbatch": self.s.microbatch,
-                                                              "grad_accum": self.s.grad_accum}})  # fmt: skip
+        self.log({"step": self.state.step + 1, "oom_retry": {"microbatch": self.microbatch,
+                                                              "grad_accum": self.grad_accum}})  # fmt: skip
         return note
 
     def _collector_state(self) -> dict | None:
@@ -327,11 +319,10 @@ class Trainer:
 
     def _evaluate(self) -> float:
         total = tokens = 0.0
-        starts = range(0, len(self.eval_data), self.s.microbatch)
+        size = self.microbatch
+        starts = range(0, len(self.eval_data), size)
         for start in starts[self.world.rank :: self.world.size]:  # every rank its share of the microbatches
-            lines = self._cut(
-                [self.eval_data[i] for i in range(start, min(start + self.s.microbatch, len(self.eval_data)))]
-            )
+            lines = self._cut([self.eval_data[i] for i in range(start, min(start + size, len(self.eval_data)))])
             parts = self._loss(collate(lines, self.pad_id))
             total += float(parts.ce) * parts.tokens
             tokens += parts.tokens
@@ -416,17 +407,14 @@ class Trainer:
         with torch.no_grad():
             for name, master in self.engine.routers.items():
                 master.copy_(routers[name])
-        self.optimizer = SparseAdamW(
-            self.engine.parameter_groups(lr=self.s.lr, router_lr=self.s.router_lr, weight_decay=self.s.weight_decay),
-            max_grad_norm=self.s.clip,
-        )
+        self.optimizer = self._new_optimizer()
         self.optimizer.load_state_dict(extra["optimizer"])
         self.schedule.load_state_dict(extra["schedule"])
         torch.set_rng_state(extra["rng"])
         self.state = TrainState(**state)
         same_world = self.state.world_size == self.world.size
         if self.state.microbatch is not None and same_world:  # an out-of-memory retry before the checkpoint
-            self.s.microbatch, self.s.grad_accum = self.state.microbatch, self.state.grad_accum
+            self.microbatch, self.grad_accum = self.state.microbatch, self.state.grad_accum
         self.state.world_size = self.world.size
         if self.scaler is not None and "loss_scale" in extra:
             self.scaler.load_state_dict(extra["loss_scale"])
@@ -450,6 +438,16 @@ class Trainer:
         for name, acc in self.collector.accumulators.items():
             acc.load_state_dict(mine[name])
 
+    def _memory_now(self) -> dict[str, int]:
+        """Process RSS, and the accelerator's peak allocation when the backend reports one (bytes)."""
+        import psutil
+
+        memory = {"rss": psutil.Process().memory_info().rss}
+        peak = self.backend.peak_allocated() if self.backend is not None else None
+        if peak is not None:
+            memory["device_peak"] = peak
+        return memory
+
     def checkpoint_dir(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step:07d}"
 
@@ -471,16 +469,6 @@ class Trainer:
         ).model_dump()
         self.state.reselections.append(record)
         return record
-
-
-def _memory_now() -> dict[str, int]:
-    """Process RSS, and the accelerator's peak allocation when there is one (bytes)."""
-    import psutil
-
-    memory = {"rss": psutil.Process().memory_info().rss}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        memory["device_peak"] = torch.cuda.max_memory_allocated()
-    return memory
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
