@@ -227,22 +227,18 @@ def _step_losses(run: Path) -> list[tuple[int, float]]:
 
 def _checkpoint_problems(directory: Path) -> list[str]:
     """A visible checkpoint must load completely (what --resume and export read)."""
-    from usaf.artifacts.run import DELTAS_FILE, OPTIMIZER_FILE, ROUTERS_FILE, STATE_FILE
-    from usaf.artifacts.safety import load_safetensors, load_torch
+    from usaf.artifacts.run import read_checkpoint
     from usaf.errors import UsafError
 
     try:
-        load_safetensors(directory / DELTAS_FILE)
-        load_safetensors(directory / ROUTERS_FILE)
-        load_torch(directory / OPTIMIZER_FILE)
-        json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
-    except (UsafError, OSError, ValueError) as e:
+        read_checkpoint(directory)
+    except UsafError as e:
         return [f"does not load: {getattr(e, 'message', e)}"]
     return []
 
 
 def _latest_checkpoint(out: Path) -> int | None:
-    from usaf.stages.train.trainer import latest_checkpoint
+    from usaf.stages.train.resume import latest_checkpoint
 
     found = latest_checkpoint(out) if out.exists() else None
     return int(found.name.split("-")[1]) if found is not None else None

@@ -68,7 +68,7 @@ def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Pr
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
     from usaf.stages.score import resolve_data, resolve_model
     from usaf.stages.train.budget import apply_budget
-    from usaf.stages.train.trainer import latest_checkpoint
+    from usaf.stages.train.resume import latest_checkpoint
 
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")

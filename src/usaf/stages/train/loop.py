@@ -38,7 +38,7 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
                 progress.note(note)
                 raise
     except PeerLost as e:
-        from usaf.stages.train.trainer import latest_checkpoint
+        from usaf.stages.train.resume import latest_checkpoint
 
         last = latest_checkpoint(trainer.run_dir)
         where = f"the newest complete checkpoint is {last}" if last else "no checkpoint was written yet"

@@ -1,14 +1,12 @@
-"""The training loop of ``usaf train``, and its checkpoints.
+"""One training step of ``usaf train`` and what it needs: batches, loss, update, evaluation, checkpoint calls.
 
 One step = ``grad_accum`` microbatches of ``microbatch`` sequences, the loss of each weighted by its
 share of the step's scored tokens (so the step's loss is token-weighted, whatever the padding), then
 one optimizer step over the deltas and routers at the schedule's learning rate. A non-finite loss or
 gradient skips the step (the optimizer leaves everything bit-identical) and is counted.
 
-A checkpoint holds everything a resumed run needs to continue *exactly*: the active deltas and the
-frozen cumulative record, router masters, the optimizer state (moments and per-entry step counts),
-the step, counters, reselection history and torch's RNG state. The data order is a pure function of
-(seed, step), so it needs no saving. Checkpoints are written to a temporary directory and renamed.
+When each step runs, and what happens between steps, is :mod:`usaf.stages.train.loop`'s; what a checkpoint
+holds is :mod:`usaf.stages.train.resume`'s.
 
 Data parallel (torchrun, :mod:`usaf.distributed`): a step's global batch is ``microbatch × grad_accum ×
 world size`` sequences in the same order one process would draw them, rank ``r`` taking the ``r``-th
@@ -21,8 +19,6 @@ every rank's partial grow scores.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,12 +28,10 @@ import torch
 
 from usaf.artifacts.run import (
     CHECKPOINTS_DIR,
-    DELTAS_FILE,
     METRICS_FILE,
-    OPTIMIZER_FILE,
-    ROUTERS_FILE,
-    STATE_FILE,
     ReselectionRecord,
+    read_checkpoint,
+    write_checkpoint,
 )
 from usaf.backends.base import Backend
 from usaf.data.batches import Batch, collate
@@ -344,99 +338,15 @@ class Trainer:
         return directory
 
     def _write_checkpoint(self, directory: Path, scores_by_rank: list[dict | None]) -> None:
-        from safetensors.torch import save_file
+        from usaf.stages.train.resume import checkpoint_of
 
-        from usaf.engine.reselect import cumulative_delta
-
-        tmp = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        deltas = {}
-        for name, weight in self.engine.weights.items():
-            if weight.delta is not None:
-                deltas[f"{name}.indices"] = weight.delta.indices.cpu().contiguous()
-                deltas[f"{name}.values"] = weight.delta.values.detach().cpu().contiguous()
-            deltas[f"{name}.frozen_indices"] = weight.frozen_indices.cpu().contiguous()
-            deltas[f"{name}.frozen_values"] = weight.frozen_values.cpu().contiguous()
-            idx, val = cumulative_delta(weight)
-            deltas[f"{name}.cumulative_indices"] = idx.cpu().contiguous()
-            deltas[f"{name}.cumulative_values"] = val.cpu().contiguous()
-        save_file(deltas, str(tmp / DELTAS_FILE))
-        save_file(
-            {n: p.detach().cpu().contiguous() for n, p in self.engine.routers.items()} or {"_none": torch.zeros(0)},
-            str(tmp / ROUTERS_FILE),
-        )
-        extra = {
-            "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        if self.collector is not None:  # inside a scoring window: the grow scores collected so far, per rank
-            extra["scores"] = scores_by_rank[0]
-            if self.world.active:
-                extra["scores_by_rank"] = scores_by_rank
-        if self.scaler is not None:
-            extra["loss_scale"] = self.scaler.state_dict()
-        torch.save(extra, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(vars(self.state), indent=1))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        write_checkpoint(directory, checkpoint_of(self, scores_by_rank))
 
     def load_checkpoint(self, directory: Path) -> None:
-        from safetensors.torch import load_file
+        """Continue from ``directory`` (read whole, or refused: never half-loaded) in a fresh engine."""
+        from usaf.stages.train.resume import restore
 
-        try:
-            deltas = load_file(str(directory / DELTAS_FILE))
-            routers = load_file(str(directory / ROUTERS_FILE))
-            extra = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
-            state = json.loads((directory / STATE_FILE).read_text())
-        except Exception as e:  # any damage: refuse, never half-load
-            raise UsafError(
-                f"--resume {directory}: unreadable checkpoint ({e})", "resume from an earlier checkpoint"
-            ) from None
-        selection = {n: deltas[f"{n}.indices"] for n in self.engine.weights if f"{n}.indices" in deltas}
-        values = {n: deltas[f"{n}.values"] for n in selection}
-        self.engine.set_deltas(selection, values)
-        for name, weight in self.engine.weights.items():
-            if weight.frozen_indices.numel():
-                raise RuntimeError("a checkpoint is restored into a fresh engine only")
-            frozen = deltas[f"{name}.frozen_indices"]
-            if frozen.numel():  # dropped-and-kept deltas: back into the record and the resident base
-                weight.fold(frozen, deltas[f"{name}.frozen_values"])
-        with torch.no_grad():
-            for name, master in self.engine.routers.items():
-                master.copy_(routers[name])
-        self.optimizer = self._new_optimizer()
-        self.optimizer.load_state_dict(extra["optimizer"])
-        self.schedule.load_state_dict(extra["schedule"])
-        torch.set_rng_state(extra["rng"])
-        self.state = TrainState(**state)
-        same_world = self.state.world_size == self.world.size
-        if self.state.microbatch is not None and same_world:  # an out-of-memory retry before the checkpoint
-            self.microbatch, self.grad_accum = self.state.microbatch, self.state.grad_accum
-        self.state.world_size = self.world.size
-        if self.scaler is not None and "loss_scale" in extra:
-            self.scaler.load_state_dict(extra["loss_scale"])
-        if "scores" in extra:
-            self._restore_scores(extra.get("scores_by_rank") or [extra["scores"]])
-
-    def _restore_scores(self, by_rank: list[dict]) -> None:
-        """Grow scores saved inside a scoring window: each rank its own when the world size is the same;
-        otherwise rank 0 takes all of them merged (the same sums) and the others start empty."""
-        from usaf.engine.reselect import collect_scores
-        from usaf.engine.scores import ScoreAccumulator, merge
-
-        self.collector = collect_scores(self.engine)
-        if len(by_rank) == self.world.size:
-            mine = by_rank[self.world.rank]
-        elif self.world.is_main:
-            mine = {name: merge([ScoreAccumulator.from_state_dict(s[name]) for s in by_rank]).state_dict()
-                    for name in by_rank[0]}  # fmt: skip
-        else:
-            return
-        for name, acc in self.collector.accumulators.items():
-            acc.load_state_dict(mine[name])
+        restore(self, read_checkpoint(directory, flag="--resume"), directory)
 
     def _memory_now(self) -> dict[str, int]:
         """Process RSS, and the accelerator's peak allocation when the backend reports one (bytes)."""
@@ -469,11 +379,3 @@ class Trainer:
         ).model_dump()
         self.state.reselections.append(record)
         return record
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    directory = run_dir / CHECKPOINTS_DIR
-    if not directory.is_dir():
-        return None
-    complete = sorted(p for p in directory.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file())
-    return complete[-1] if complete else None
