@@ -22,15 +22,11 @@ from usaf.artifacts import (
     ArtifactWriter,
     InputRecord,
     PlanManifest,
-    QuantizedModelManifest,
-    TokensManifest,
     current_environment,
     default_output,
     load_verified,
-    pick_latest,
     workspace_dir,
 )
-from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.plan import (
     FULL_MAPS_FILE,
     IMPORTANCE_FILE,
@@ -40,7 +36,7 @@ from usaf.artifacts.plan import (
     PlanSummary,
     TensorSelection,
 )
-from usaf.artifacts.tokens import TRAIN_FILE
+from usaf.artifacts.workspace import resolve_data, resolve_model
 from usaf.config import StageConfig
 from usaf.data.batches import Batch, batches, sample_lines
 from usaf.errors import UsafError
@@ -106,47 +102,6 @@ def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:
         return chosen
     count = max(1, math.ceil(DEFAULT_TOP_FRACTION * len(moe_layers)))
     return list(moe_layers[-count:])
-
-
-def resolve_model(config: Any, progress: Progress) -> tuple[Path, QuantizedModelManifest]:
-    if config.model is None:
-        found = pick_latest(
-            workspace_dir(config.workspace),
-            QuantizedModelManifest,
-            flag="--model",
-            lineage=lambda m: m.summary.source.fingerprint,
-        )
-        progress.note(f"using the quantized model {found.path} (newest in the workspace)")
-        return found.path, found.manifest
-    return config.model, load_verified(config.model, QuantizedModelManifest, flag="--model", hashes=False)
-
-
-def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Progress) -> tuple[Path, str]:
-    """The training sequences file and the fingerprint of what it came from; checks the tokenizer."""
-    data = config.data
-    if data is None:
-        found = pick_latest(
-            workspace_dir(config.workspace),
-            TokensManifest,
-            flag="--data",
-            accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,
-            wanted=" made with this model's tokenizer",
-        )
-        progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
-        data = found.path
-    if data.is_dir():
-        manifest = load_verified(data, TokensManifest, flag="--data")
-        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
-            raise UsafError(
-                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
-                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
-                f"{tokenizer_fingerprint[:16]})",
-                "re-run usaf tokenize with --model pointing at this model",
-            )
-        return data / TRAIN_FILE, manifest.fingerprint
-    if not data.is_file():
-        raise UsafError(f"--data {data}: no such file or directory", "pass a tokens directory or a JSONL file")
-    return data, sha256_file(data)
 
 
 def _counted(items: list[Batch], progress: Progress, description: str) -> Iterator[tuple]:

@@ -16,15 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from usaf.artifacts import (
-    PlanManifest,
-    QuantizedModelManifest,
-    default_output,
-    find_artifacts,
-    load_verified,
-    workspace_dir,
-)
+from usaf.artifacts import PlanManifest, QuantizedModelManifest, default_output, load_verified, workspace_dir
 from usaf.artifacts.run import SETTINGS_FILE
+from usaf.artifacts.workspace import check_plan_model, resolve_data, resolve_model, resolve_plan
 from usaf.artifacts.writer import remove_stale_temporaries_inside
 from usaf.distributed import World
 from usaf.errors import UsafError
@@ -66,7 +60,6 @@ def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Pr
     """Resolve and check every input of the run (scoring a plan on the fly when there is none)."""
     from usaf.data.dataset import TokenDataset
     from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from usaf.stages.score import resolve_data, resolve_model
     from usaf.stages.train.budget import apply_budget
     from usaf.stages.train.resume import latest_checkpoint
 
@@ -81,13 +74,13 @@ def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Pr
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, progress)
 
-    given = None if config.plan is None else (config.plan, load_verified(config.plan, PlanManifest, flag="--plan"))
+    model = (model_dir, model_manifest.fingerprint)
+    given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
     given_summary = given[1].summary if given else None
     budgeted = apply_budget(config, model_dir, backend, data, given_summary, progress)
     steps, reselect_every = _length(budgeted, len(data), world, progress)  # before any scoring on the fly
     source = config.data if config.data is not None else data_file.parent
-    plan_dir, plan = given or _find_plan(budgeted, model_manifest.fingerprint, model_dir, source, run_dir, progress)
-    _check_plan_model(plan_dir, plan, model_manifest.fingerprint, model_dir)
+    plan_dir, plan = given or _find_plan(budgeted, model, source, run_dir, progress)
     first = plan.summary.trainable_layers[0]
     if given is None and budgeted is not config and budgeted.train_from not in (None, first):
         budgeted = apply_budget(config, model_dir, backend, data, plan.summary, progress)  # a plan from the workspace
@@ -130,7 +123,6 @@ def _check_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, progress: Progress) -> Any:
     from usaf.data.dataset import TokenDataset
-    from usaf.stages.score import resolve_data
 
     if config.eval_data is None:
         return None
@@ -170,29 +162,17 @@ def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any) -> None:
 
 
 def _find_plan(
-    config: TrainConfig, model_fp: str, model_dir: Path, data: Path, run_dir: Path, progress: Progress
+    config: TrainConfig, model: tuple[Path, str], data: Path, run_dir: Path, progress: Progress
 ) -> tuple[Path, PlanManifest]:
     """Without ``--plan``: the one scored into RUN/plan by an earlier start; else the workspace's newest plan
     for this model; else one scored now into RUN/plan."""
     if (run_dir / PLAN_DIR / "manifest.json").is_file():  # scored on the fly by an earlier, interrupted start
         path = run_dir / PLAN_DIR
-        return path, load_verified(path, PlanManifest, flag="--plan")
-    found = find_artifacts(workspace_dir(config.workspace), PlanManifest)
-    own = run_dir.resolve()
-    mine = [a for a in found if a.manifest.summary.model_fingerprint == model_fp and own not in a.path.parents]
-    if mine:  # newest first
-        progress.note(f"using the plan {mine[0].path} (newest made for this model)")
-        return mine[0].path, mine[0].manifest
-    return _score_on_the_fly(config, model_dir, data, run_dir, progress)
-
-
-def _check_plan_model(path: Path, plan: PlanManifest, model_fp: str, model_dir: Path) -> None:
-    if plan.summary.model_fingerprint != model_fp:
-        raise UsafError(
-            f"--plan {path}: made for another quantized model (fingerprint {plan.summary.model_fingerprint[:16]}), "
-            f"not --model {model_dir} (fingerprint {model_fp[:16]})",
-            f"re-run usaf score --model {model_dir}",
-        )
+        manifest = load_verified(path, PlanManifest, flag="--plan")
+        check_plan_model(path, manifest, model)
+        return path, manifest
+    found = resolve_plan(None, config.workspace, model, progress, outside=run_dir)
+    return found or _score_on_the_fly(config, model[0], data, run_dir, progress)
 
 
 def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir: Path, progress: Progress):
