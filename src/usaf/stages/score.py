@@ -8,7 +8,6 @@ same pass. Writes a ``plan`` artifact that ``usaf train`` consumes.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -28,13 +27,10 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.plan import (
-    FULL_MAPS_FILE,
-    IMPORTANCE_FILE,
-    MASKS_FILE,
-    ROUTING_FILE,
     LayerRouting,
     PlanSummary,
     TensorSelection,
+    write_plan_files,
 )
 from usaf.artifacts.workspace import resolve_data, resolve_model
 from usaf.config import StageConfig
@@ -256,21 +252,13 @@ def _with_prefix_store(summary, engine, data_file, work, model_fingerprint, toke
 
 
 def _write_files(work: Path, masks: dict, accumulators: dict, routing: dict, *, full_maps: bool) -> None:
-    from safetensors.torch import save_file
-
-    save_file({name: idx.contiguous() for name, idx in masks.items()}, str(work / MASKS_FILE))
-    importance = {}
-    for name, acc in accumulators.items():
-        indices, scores = acc.ranked()
-        importance[f"{name}.indices"] = indices.contiguous()
-        importance[f"{name}.scores"] = scores.contiguous()
-    save_file(importance, str(work / IMPORTANCE_FILE))
-    if full_maps:
-        save_file(
-            {name: acc.dense_map().contiguous() for name, acc in accumulators.items()}, str(work / FULL_MAPS_FILE)
-        )
-    routing_json = {str(layer): vars(load) for layer, load in routing.items()}
-    (work / ROUTING_FILE).write_text(json.dumps(routing_json, indent=1))
+    write_plan_files(
+        work,
+        masks,
+        {name: acc.ranked() for name, acc in accumulators.items()},
+        {layer: vars(load) for layer, load in routing.items()},
+        full_maps={name: acc.dense_map() for name, acc in accumulators.items()} if full_maps else None,
+    )
 
 
 def _summary(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import InputRecord, RunManifest, current_environment, load_verified
-from usaf.artifacts.plan import MASKS_FILE
+from usaf.artifacts.plan import read_masks
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
 from usaf.errors import UsafError
@@ -70,8 +70,6 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
 
 def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     """The engine over the loaded model, its deltas placed on the plan's masks."""
-    from safetensors.torch import load_file
-
     from usaf.engine.engine import SparseEngine
     from usaf.stages.engine_setup import load_for_engine
 
@@ -85,7 +83,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
         z_loss_coef=config.z_loss_coef,
         **placement,
     )
-    masks = load_file(str(inputs.plan_dir / MASKS_FILE))
+    masks = read_masks(inputs.plan_dir)
     unknown = set(masks) - set(engine.weights)
     if unknown:
         raise UsafError(
