@@ -555,7 +555,7 @@ def cli_command(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, every
 def replica_child(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, every: int) -> dict:
     """Runs in a fresh child: the stage function as the CLI calls it, instrumented for the accounting."""
     import usaf.engine.reselect as reselect_module
-    from usaf.engine.prefix import PrefixStore
+    from usaf.artifacts.prefix_store import PrefixStore
     from usaf.stages import train as train_stage
     from usaf.stages.progress import NullProgress
     from usaf.stages.train import loop as train_loop

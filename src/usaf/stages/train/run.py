@@ -96,8 +96,8 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
 
 def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[Any, str] | None:
     """(the frozen-prefix cache, the model's fingerprint) when the engine has a frozen prefix, else None."""
+    from usaf.artifacts.prefix_store import open_store
     from usaf.engine.prefix import PrefixCache
-    from usaf.stages.prefix_cache import open_store
 
     if engine.prefix is None:
         return None
