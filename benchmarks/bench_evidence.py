@@ -260,16 +260,18 @@ def _usaf_child(spec: dict) -> dict:
     from usaf.engine.optim import SparseAdamW
     from usaf.stages import train as train_stage
     from usaf.stages.change import model_with_change
+    from usaf.stages.train import loop as train_loop
 
     router_only = spec["kind"] == "router_only"
     held: dict = {}
-    original_loop = train_stage._loop
+    original_loop = train_loop.run_loop
 
     def loop(trainer, steps, progress):
         if router_only:  # no expert deltas: only the routers train, in the same loop
             trainer.engine.set_deltas({})
-            groups = trainer.engine.parameter_groups(lr=trainer.s.lr, router_lr=trainer.s.router_lr, weight_decay=0.0)
-            trainer.optimizer = SparseAdamW(groups, max_grad_norm=trainer.s.clip)
+            c = trainer.config
+            groups = trainer.engine.parameter_groups(lr=c.lr, router_lr=c.router_lr, weight_decay=0.0)
+            trainer.optimizer = SparseAdamW(groups, max_grad_norm=trainer.config.clip)
         start = time.perf_counter()
         original_loop(trainer, steps, progress)
         held["loop_seconds"] = time.perf_counter() - start
@@ -294,7 +296,7 @@ def _usaf_child(spec: dict) -> dict:
         device="cpu",
     )
     start = time.perf_counter()
-    with mock.patch.object(train_stage, "_loop", loop):
+    with mock.patch.object(train_loop, "run_loop", loop):
         manifest, run_dir = train_stage.run(config)
     train_seconds = time.perf_counter() - start
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -82,7 +82,7 @@ RESELECT_AT, RESELECT_OF = 50, 1000  # figure 3's fraction: update_fraction(50, 
 LORA_ALPHA = 16  # does not change timing or bytes
 # The CLI's imports in a fresh process: the RSS baseline of the accounting.
 BASELINE_CHILD = (
-    "import usaf.cli.app, usaf.cli.train, usaf.stages.train, usaf.stages.trainer, usaf.stages.score\n"
+    "import usaf.cli.app, usaf.cli.train, usaf.stages.train, usaf.stages.train.trainer, usaf.stages.score\n"
     "import usaf.engine.engine, usaf.engine.loading, usaf.engine.reselect, usaf.engine.prefix\n"
     "import usaf.data.tokenizer, usaf.data.dataset, usaf.backends, safetensors.torch\n"
     "import transformers.models.qwen3_moe.modeling_qwen3_moe\n"
@@ -188,6 +188,7 @@ def stage_trainer(qdir: Path, tdir: Path, plan: Path, run_dir: Path):
     """The Trainer exactly as ``usaf.stages.train.run`` builds it (the stage is stopped at its loop)."""
     from usaf.stages import train as train_stage
     from usaf.stages.progress import NullProgress
+    from usaf.stages.train import loop as train_loop
 
     progress = NullProgress()
     holder = {}
@@ -208,7 +209,7 @@ def stage_trainer(qdir: Path, tdir: Path, plan: Path, run_dir: Path):
         device="cpu",
         dtype="float32",
     )
-    with mock.patch.object(train_stage, "_loop", capture), contextlib.suppress(_Captured):
+    with mock.patch.object(train_loop, "run_loop", capture), contextlib.suppress(_Captured):
         train_stage.run(config, progress=progress)
     return holder["trainer"], progress.notes
 
@@ -444,16 +445,16 @@ def state_bytes(trainer, full_params, full_opt, top_params, top_opt, all_params,
 
 def reselection(trainer, repeats: int, first_step: int, profile: bool = False) -> dict:
     from usaf.engine.reselect import collect_scores, reselect, update_fraction
-    from usaf.stages.trainer import SCORE_BATCHES
+    from usaf.stages.train.loop import SCORE_BATCHES
 
     engine = trainer.engine
-    fraction = update_fraction(RESELECT_AT, RESELECT_OF, trainer.s.reselect_fraction)
+    fraction = update_fraction(RESELECT_AT, RESELECT_OF, trainer.config.reselect_fraction)
     times: dict[str, list[float]] = {"plain_step": [], "collecting_step": [], "reselect": [], "collect_setup": []}
     reports = []
     step = first_step
     for r in range(repeats + 1):  # round 0 is a warm-up
         start = time.perf_counter()
-        scores = collect_scores(engine)  # as _loop does at the first step of the scoring window
+        scores = collect_scores(engine)  # as run_loop does at the first step of the scoring window
         setup = time.perf_counter() - start
         sinks = {name: engine.weights[name].score_sink for name in scores}
         plain, collecting = [], []
@@ -473,7 +474,7 @@ def reselection(trainer, repeats: int, first_step: int, profile: bool = False) -
             step += 1
         trainer.collector = None
         start = time.perf_counter()
-        scores.close()  # as _loop does: sinks off, accumulators readable
+        scores.close()  # as run_loop does: sinks off, accumulators readable
         report = reselect(engine, trainer.optimizer, scores, fraction)
         trainer.record_reselection(step, report)
         seconds = time.perf_counter() - start
@@ -554,15 +555,16 @@ def cli_command(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, every
 def replica_child(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, every: int) -> dict:
     """Runs in a fresh child: the stage function as the CLI calls it, instrumented for the accounting."""
     import usaf.engine.reselect as reselect_module
-    from usaf.engine.prefix import PrefixStore
+    from usaf.artifacts.prefix_store import PrefixStore
     from usaf.stages import train as train_stage
     from usaf.stages.progress import NullProgress
+    from usaf.stages.train import loop as train_loop
 
     baseline = current_rss()
     seen: dict[str, int] = {}
     accumulators: list[int] = []
     after: dict = {}
-    original_get, original_reselect, original_loop = PrefixStore.get, reselect_module.reselect, train_stage._loop
+    original_get, original_reselect, original_loop = PrefixStore.get, reselect_module.reselect, train_loop.run_loop
 
     def get(self, key):
         state = original_get(self, key)
@@ -596,7 +598,7 @@ def replica_child(qdir: Path, tdir: Path, plan: Path, out: Path, steps: int, eve
     with (
         mock.patch.object(PrefixStore, "get", get),
         mock.patch.object(reselect_module, "reselect", reselect),
-        mock.patch.object(train_stage, "_loop", loop),
+        mock.patch.object(train_loop, "run_loop", loop),
     ):
         manifest, _ = train_stage.run(config, progress=progress)
     import resource

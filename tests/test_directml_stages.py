@@ -188,7 +188,7 @@ def test_score_train_reselect_checkpoint_resume_and_eval_avoid_rejected_ops(
     inputs, no_index_ops, tmp_path, monkeypatch
 ):
     from usaf.artifacts import RunManifest, load_verified
-    from usaf.stages import trainer
+    from usaf.stages.train import trainer
 
     qdir, tokens = inputs
     used: set[tuple[str, str]] = set()

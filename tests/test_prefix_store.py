@@ -58,9 +58,10 @@ def test_train_reads_every_prefix_state_from_the_plan_and_learns_the_same(setup,
 
 def test_a_store_is_consulted_and_its_states_are_what_the_forward_uses(setup, tmp_path):
     """Wrong states planted in a store change the loss; the right ones reproduce the full forward."""
+    from usaf.artifacts.prefix_store import PrefixStore
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
-    from usaf.engine.prefix import PrefixCache, PrefixStore
+    from usaf.engine.prefix import PrefixCache
 
     qdir, _ = setup
     engine = SparseEngine(load_quantized_model(qdir), trainable_layers=[2])

@@ -95,10 +95,6 @@ SAME_LAYER: dict[tuple[str, str], str] = {
 
 # Known violations in files being rewritten in parallel (issue 18's other areas). (file, rule) -> why kept.
 ALLOWED: dict[tuple[str, str], str] = {
-    # train stage (artifacts+train area): uses the backend for empty_cache/peak memory once stages/train/ lands.
-    ("src/usaf/stages/trainer.py", "device"): "torch.cuda.empty_cache / max_memory_allocated",
-    # the engine facade (artifacts+train area): the CPU pinned-memory branch.
-    ("src/usaf/engine/engine.py", "device"): "device.type == 'cpu'",
     # Function-level imports not yet moved or explained, in the artifacts+train area's files:
     ("src/usaf/artifacts/delta.py", "lazy-import"): "to sort",
     ("src/usaf/artifacts/loader.py", "lazy-import"): "to sort",

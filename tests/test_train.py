@@ -73,7 +73,7 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     ],
 )
 def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
-    from usaf.stages import trainer
+    from usaf.stages.train import trainer
 
     qdir, tokens, plan = prepared("qwen3_moe")
     args = ["--steps", 20, "--reselect-every", 5, "--reselect-fraction", 0.3]
@@ -250,7 +250,7 @@ def test_short_runs_default_to_a_static_mask_and_seq_len_cuts_sequences(prepared
 
 def test_routing_collapse_is_warned_once_per_layer():
     from usaf.engine.engine import LayerLoad
-    from usaf.stages.trainer import Trainer, TrainState
+    from usaf.stages.train.trainer import Trainer, TrainState
 
     loads = iter(
         [
@@ -278,7 +278,7 @@ def test_routing_collapse_is_warned_once_per_layer():
 
 
 def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path, monkeypatch):
-    from usaf.stages import trainer
+    from usaf.stages.train import trainer
 
     qdir, tokens, _ = prepared("qwen3_moe")
     workspace = tmp_path / "empty-workspace"  # no plan to find
@@ -310,7 +310,7 @@ def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path,
 
 
 def test_fp16_training_scales_the_loss_learns_and_resumes_exactly(prepared, tmp_path, monkeypatch):
-    from usaf.stages import trainer
+    from usaf.stages.train import trainer
 
     qdir, tokens, plan = prepared("qwen3_moe")
     memory = tmp_path / "two.jsonl"
@@ -386,7 +386,7 @@ def test_a_signal_during_the_stop_checkpoint_does_not_cut_it_short():
     import types
 
     from usaf.stages.progress import NullProgress
-    from usaf.stages.train import _loop
+    from usaf.stages.train.loop import run_loop as _loop
 
     events = []
 
@@ -408,3 +408,35 @@ def test_a_signal_during_the_stop_checkpoint_does_not_cut_it_short():
     assert events == ["save started", "save finished"]
     assert any(n.startswith("interrupted: saved checkpoints/step-0000005") for n in progress.notes)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored afterwards
+
+
+def test_a_memory_budget_with_a_plan_sizes_the_plans_frac_not_the_default(monkeypatch):
+    """``usaf train --plan P --vram/--ram``: the planner is asked about P's masks (its frac and first trainable
+    layer), not about --frac's default, which the plan overrides."""
+    import types
+
+    import usaf.memory_plan as memory_plan
+    from usaf.stages.progress import NullProgress
+    from usaf.stages.train import TrainConfig
+    from usaf.stages.train.budget import apply_budget
+
+    asked = []
+
+    class Asked(Exception):
+        pass
+
+    def plan_memory(facts, quant, target, request):
+        asked.append(request)
+        raise Asked
+
+    monkeypatch.setattr(memory_plan, "read_model", lambda *a, **k: types.SimpleNamespace(config={}, quant=None))
+    monkeypatch.setattr(memory_plan, "model_facts", lambda config: None)
+    monkeypatch.setattr(memory_plan, "plan_memory", plan_memory)
+    memory = types.SimpleNamespace(host_total=2**34, device_total=None)
+    backend = types.SimpleNamespace(device=torch.device("cpu"), memory=lambda: memory)
+    data = [types.SimpleNamespace(input_ids=[1] * 32)] * 4
+    config = TrainConfig(plan=Path("plan"), ram="8GiB")  # --frac not given: its default is not the plan's
+    plan = types.SimpleNamespace(frac=0.05, trainable_layers=[3, 4])
+    with pytest.raises(Asked):
+        apply_budget(config, Path("model"), backend, data, plan, NullProgress())
+    assert asked[0].frac == 0.05 and asked[0].train_from == 3 and config.frac != 0.05

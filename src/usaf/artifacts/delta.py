@@ -71,16 +71,15 @@ def write_delta_files(directory: Path, change: TrainedChange) -> None:
 def read_delta(path: Path, manifest: DeltaManifest, *, flag: str) -> TrainedChange:
     """The change a verified delta directory holds (:func:`usaf.artifacts.run.load_trained_change` calls this)."""
     import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     from usaf.artifacts.run import TrainedChange
+    from usaf.artifacts.safety import load_safetensors
 
     try:
-        tensors = load_file(str(path / DELTA_FILE))
-        routers = load_file(str(path / ROUTERS_FILE))
-    except (OSError, SafetensorError) as e:
-        raise UsafError(f"{flag} {path}: unreadable delta ({e})", "export the delta again") from None
+        tensors = load_safetensors(path / DELTA_FILE)
+        routers = load_safetensors(path / ROUTERS_FILE)
+    except UsafError as e:
+        raise UsafError(f"{flag} {path}: unreadable delta ({e.message})", "export the delta again") from None
     summary = manifest.summary
     deltas = {}
     for record in summary.tensors:

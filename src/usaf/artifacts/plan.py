@@ -1,12 +1,21 @@
-"""The ``plan`` artifact written by ``usaf score``: which expert weights train, and why."""
+"""The ``plan`` artifact written by ``usaf score``: which expert weights train, and why.
+
+Its files are written by :func:`write_plan_files` and read by :func:`read_masks` / :func:`read_importance`
+(through :mod:`usaf.artifacts.safety`); the prefix store a plan may hold is :mod:`usaf.artifacts.prefix_store`'s.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from usaf.artifacts.manifest import Manifest, Record, register
+
+if TYPE_CHECKING:  # torch stays out of the CLI's import time
+    import torch
 
 MASKS_FILE = "masks.safetensors"  # tensor name -> sorted int64 flat indices into the stored (E, O, I)
 IMPORTANCE_FILE = "importance.safetensors"  # "<name>.indices" / "<name>.scores": ranked candidates
@@ -69,3 +78,46 @@ class PlanManifest(Manifest):
     DESCRIPTION = "masks, importance maps and routing statistics from calibration data"
 
     summary: PlanSummary
+
+
+# -- the plan's files: written by usaf score, read by usaf train ---------------------------------------------
+
+
+def write_plan_files(
+    directory: Path,
+    masks: dict[str, torch.Tensor],
+    importance: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    routing: dict[int, dict],
+    *,
+    full_maps: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write the masks, the ranked candidates (``importance[name] = (indices, scores)``), the routing statistics
+    (``routing[layer]``: a LayerLoad's fields) and, with ``full_maps``, the dense statistic per tensor."""
+    from safetensors.torch import save_file
+
+    save_file({name: idx.contiguous() for name, idx in masks.items()}, str(directory / MASKS_FILE))
+    ranked = {}
+    for name, (indices, scores) in importance.items():
+        ranked[f"{name}.indices"] = indices.contiguous()
+        ranked[f"{name}.scores"] = scores.contiguous()
+    save_file(ranked, str(directory / IMPORTANCE_FILE))
+    if full_maps is not None:
+        save_file({name: m.contiguous() for name, m in full_maps.items()}, str(directory / FULL_MAPS_FILE))
+    (directory / ROUTING_FILE).write_text(json.dumps({str(layer): load for layer, load in routing.items()}, indent=1))
+
+
+def read_masks(directory: Path) -> dict[str, torch.Tensor]:
+    """The plan's masks: tensor name -> sorted int64 flat indices into the stored (E, O, I)."""
+    from usaf.artifacts.safety import load_safetensors
+
+    return load_safetensors(directory / MASKS_FILE)
+
+
+def read_importance(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The plan's ranked candidates: tensor name -> (flat indices, scores), best first."""
+    from usaf.artifacts.safety import load_safetensors
+
+    tensors = load_safetensors(directory / IMPORTANCE_FILE)
+    suffix = ".indices"
+    return {k[: -len(suffix)]: (v, tensors[k[: -len(suffix)] + ".scores"]) for k, v in tensors.items()
+            if k.endswith(suffix) and k[: -len(suffix)] + ".scores" in tensors}  # fmt: skip

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -93,3 +95,53 @@ def read_base_index(model_dir: Path, *, flag: str = "--model") -> dict[str, str]
     for file in set(weight_map.values()):
         contained(Path(model_dir), file, where=str(path))
     return weight_map
+
+
+# -- reading a quantized model's files, for the engine ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedFiles:
+    """A ``usaf quantize`` output opened for the engine: its verified manifest and checked shard map.
+
+    The engine builds the model from what this hands it (:meth:`shards`, :meth:`experts`) and never opens
+    a file itself. ``path`` stays for the model's own ``config.json`` (read by :mod:`usaf.families`).
+    """
+
+    path: Path
+    manifest: QuantizedModelManifest
+    weight_map: dict[str, str]  # tensor -> shard file, every file checked to stay inside ``path``
+    flag: str = "--model"
+
+    @property
+    def experts_bytes(self) -> int:
+        """Bytes of every layer's 4-bit experts (the size of ``experts_q4.pt``)."""
+        return (self.path / EXPERTS_FILE).stat().st_size
+
+    def shards(self, device: str) -> Iterator[tuple[str, Any]]:
+        """``(where, handle)`` per base shard, opened with :func:`~usaf.artifacts.safety.open_safetensors`."""
+        from usaf.artifacts.safety import open_safetensors
+
+        for file in sorted(set(self.weight_map.values())):
+            with open_safetensors(self.path / file, device=device) as f:
+                yield str(self.path / file), f
+
+    def experts(self) -> dict:
+        """``experts_q4.pt``: expert tensor name -> its quantized dict (memory-mapped, weights only)."""
+        from usaf.artifacts.safety import load_torch
+        from usaf.errors import UsafError
+
+        path = self.path / EXPERTS_FILE
+        raw = load_torch(path, mmap=True, what="experts file")  # weights_only: no code runs
+        if not isinstance(raw, dict):
+            raise UsafError(f"{path}: holds a {type(raw).__name__}, not a dict of layers", "re-run usaf quantize")
+        return raw
+
+
+def open_quantized(path: Path, *, flag: str = "--model") -> QuantizedFiles:
+    """Open a quantized-model directory: manifest verified (without rehashing the weights), shard map checked."""
+    from usaf.artifacts.loader import load_verified
+
+    path = Path(path)
+    manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
+    return QuantizedFiles(path, manifest, read_base_index(path, flag=flag), flag)

@@ -4,15 +4,21 @@ Unlike the other artifacts, a run directory exists while training (its checkpoin
 crash): ``checkpoints/step-NNNNNNN/`` are each written atomically, ``metrics.jsonl`` grows line by
 line, and ``manifest.json`` is written last, when the run completes. A directory without a manifest
 is an interrupted run, which ``usaf train`` resumes.
+
+A checkpoint is one :class:`Checkpoint`, written by :func:`write_checkpoint` and read by
+:func:`read_checkpoint` (the trainer's resume, and every reader of what a run trained): the file names and
+the key scheme of its deltas are spelled here only, and every read goes through :mod:`usaf.artifacts.safety`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -26,10 +32,10 @@ CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 SETTINGS_FILE = "run-settings.json"
-DELTAS_FILE = "deltas.safetensors"  # "<name>.indices"/".values" (active), ".frozen_indices"/".frozen_values"
-ROUTERS_FILE = "routers.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "state.json"
+DELTAS_FILE = "deltas.safetensors"  # "<name>.<part>_indices"/"<name>.<part>_values", see _DELTA_KEYS
+ROUTERS_FILE = "routers.safetensors"  # in-memory router name -> fp32 master weight
+OPTIMIZER_FILE = "optimizer.pt"  # optimizer, schedule, RNG, loss scale, partial grow scores (weights_only)
+STATE_FILE = "state.json"  # the trainer's counters and histories
 
 
 class ReselectionRecord(Record):
@@ -70,6 +76,125 @@ class RunManifest(Manifest):
     DESCRIPTION = "a finished training run: final sparse delta + routers, checkpoints, metrics"
 
     summary: RunSummary
+
+
+# -- the checkpoint --------------------------------------------------------------------------------------
+
+Pair = tuple["torch.Tensor", "torch.Tensor"]  # (indices (m,) int64 sorted flat into the stored (E, O, I), values (m,))
+_DELTA_KEYS = {"active": ("indices", "values"), "frozen": ("frozen_indices", "frozen_values"),
+               "cumulative": ("cumulative_indices", "cumulative_values")}  # fmt: skip
+_NO_ROUTERS = "_none"  # safetensors cannot store an empty file: the placeholder of a run without routers
+
+
+@dataclass
+class DeltaRecord:
+    """One trained expert tensor's sparse deltas.
+
+    ``active``: the entries the optimizer trains now (None once none are); ``frozen``: entries a reselection
+    dropped, kept in the weight; ``cumulative``: frozen ∪ active, what the run changed (what eval, export and
+    generate apply). A checkpoint read for its change only may lack the first two.
+    """
+
+    active: Pair | None
+    frozen: Pair | None
+    cumulative: Pair
+
+
+@dataclass
+class Checkpoint:
+    """Everything a resumed run needs to continue exactly (the data order is a pure function of seed and step).
+
+    ``optimizer``/``schedule``/``rng`` are None when only the change was read (:func:`read_checkpoint` with
+    ``full=False``); ``scores`` holds the grow scores collected inside a scoring window (rank 0's, and with
+    data parallelism ``scores_by_rank`` every rank's).
+    """
+
+    deltas: dict[str, DeltaRecord]
+    routers: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    optimizer: dict | None = None
+    schedule: dict | None = None
+    rng: torch.Tensor | None = None
+    scores: dict | None = None
+    scores_by_rank: list | None = None
+    loss_scale: dict | None = None
+
+
+def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
+    """Write ``checkpoint`` atomically: into ``<directory>.tmp``, renamed over ``directory`` when complete."""
+    import torch
+    from safetensors.torch import save_file
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for name, record in checkpoint.deltas.items():
+        for part, (ikey, vkey) in _DELTA_KEYS.items():
+            pair = getattr(record, part)
+            if pair is not None:
+                tensors[f"{name}.{ikey}"], tensors[f"{name}.{vkey}"] = (t.contiguous() for t in pair)
+    save_file(tensors, str(tmp / DELTAS_FILE))
+    routers = {n: p.contiguous() for n, p in checkpoint.routers.items()} or {_NO_ROUTERS: torch.zeros(0)}
+    save_file(routers, str(tmp / ROUTERS_FILE))
+    extra: dict[str, Any] = {"optimizer": checkpoint.optimizer, "schedule": checkpoint.schedule, "rng": checkpoint.rng}
+    for key in ("scores", "scores_by_rank", "loss_scale"):
+        if getattr(checkpoint, key) is not None:
+            extra[key] = getattr(checkpoint, key)
+    torch.save(extra, tmp / OPTIMIZER_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+
+
+def read_checkpoint(
+    directory: Path, *, flag: str = "--resume", full: bool = True, hint: str = "resume from an earlier checkpoint"
+) -> Checkpoint:
+    """Read a checkpoint through the safe readers; any damage is one UsafError naming ``flag``, never a half-load.
+
+    ``full=False`` reads the deltas and routers only (what a run changed), not the optimizer's state.
+    """
+    from usaf.artifacts.safety import load_safetensors, load_torch
+
+    try:
+        tensors = load_safetensors(directory / DELTAS_FILE)
+        routers = load_safetensors(directory / ROUTERS_FILE)
+        extra = load_torch(directory / OPTIMIZER_FILE, what="checkpoint") if full else {}
+        state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8")) if full else {}
+    except (UsafError, OSError, ValueError) as e:
+        raise UsafError(f"{flag} {directory}: unreadable checkpoint ({getattr(e, 'message', e)})", hint) from None
+    routers.pop(_NO_ROUTERS, None)
+    deltas = _delta_records(tensors, directory, flag=flag, hint=hint)
+    if full and not all(key in extra for key in ("optimizer", "schedule", "rng")):
+        raise UsafError(f"{flag} {directory}: unreadable checkpoint (its optimizer state is incomplete)", hint)
+    return Checkpoint(
+        deltas, dict(routers), state, extra.get("optimizer"), extra.get("schedule"), extra.get("rng"),
+        extra.get("scores"), extra.get("scores_by_rank"), extra.get("loss_scale"),
+    )  # fmt: skip
+
+
+def _delta_records(tensors: dict, directory: Path, *, flag: str, hint: str) -> dict[str, DeltaRecord]:
+    import torch
+
+    suffix = "." + _DELTA_KEYS["cumulative"][0]
+    records = {}
+    for key in tensors:
+        if not key.endswith(suffix):
+            continue
+        name = key[: -len(suffix)]
+        pairs = {}
+        for part, (ikey, vkey) in _DELTA_KEYS.items():
+            indices, values = tensors.get(f"{name}.{ikey}"), tensors.get(f"{name}.{vkey}")
+            if indices is None and values is None and part != "cumulative":
+                pairs[part] = None
+                continue
+            wrong_dtype = part == "cumulative" and indices is not None and indices.dtype != torch.int64
+            if indices is None or values is None or values.shape != indices.shape or wrong_dtype:
+                raise UsafError(f"{flag} {directory}: malformed delta for {name}", hint)
+            pairs[part] = (indices, values)
+        records[name] = DeltaRecord(**pairs)
+    return records
 
 
 # -- reading what a run trained ------------------------------------------------------------------------
@@ -153,32 +278,13 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
 def _read_checkpoint(
     directory: Path, *, flag: str, source: Path, fingerprint: str, model_fingerprint: str, layers: list[int] | None
 ) -> TrainedChange:
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(directory / DELTAS_FILE))
-        routers = load_file(str(directory / ROUTERS_FILE))
-    except (OSError, SafetensorError) as e:
-        raise UsafError(
-            f"{flag} {directory}: unreadable checkpoint ({e})", "pass an intact run or checkpoint"
-        ) from None
-    suffix = ".cumulative_indices"
-    deltas = {}
-    for key in tensors:
-        if key.endswith(suffix):
-            name = key[: -len(suffix)]
-            indices, values = tensors[key], tensors.get(f"{name}.cumulative_values")
-            if values is None or values.shape != indices.shape or indices.dtype != torch.int64:
-                raise UsafError(f"{flag} {directory}: malformed delta for {name}", "pass an intact run or checkpoint")
-            deltas[name] = (indices, values.float())
+    checkpoint = read_checkpoint(directory, flag=flag, full=False, hint="pass an intact run or checkpoint")
+    deltas = {name: (r.cumulative[0], r.cumulative[1].float()) for name, r in checkpoint.deltas.items()}
     if not deltas:
         raise UsafError(f"{flag} {directory}: the checkpoint holds no deltas", "pass an intact run or checkpoint")
-    routers.pop("_none", None)
     if layers is None:
         layers = sorted({int(m.group(1)) for n in deltas if (m := re.search(r"layers\.(\d+)\.", n))})
-    return TrainedChange(source, fingerprint, model_fingerprint, list(layers), deltas, dict(routers))
+    return TrainedChange(source, fingerprint, model_fingerprint, list(layers), deltas, checkpoint.routers)
 
 
 def trim_metrics(run_dir: Path, step: int) -> int:

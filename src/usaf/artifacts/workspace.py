@@ -16,10 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from usaf.artifacts.loader import load_manifest
+from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.loader import load_manifest, load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME, Manifest
+from usaf.artifacts.plan import PlanManifest
+from usaf.artifacts.quantized import QuantizedModelManifest
+from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
@@ -116,3 +120,84 @@ def pick_latest(
                 f"pass {flag} with the one you mean",
             )
     return found[0]
+
+
+# -- the inputs a stage was not given ----------------------------------------------------------------------
+# ``progress`` below is anything with ``note(str)`` (a stage's Progress): the line says what was picked.
+
+
+def resolve_model(config: Any, progress: Any) -> tuple[Path, QuantizedModelManifest]:
+    """``config.model`` (verified without rehashing its weights), else the workspace's newest quantized model."""
+    if config.model is None:
+        found = pick_latest(
+            workspace_dir(config.workspace),
+            QuantizedModelManifest,
+            flag="--model",
+            lineage=lambda m: m.summary.source.fingerprint,
+        )
+        progress.note(f"using the quantized model {found.path} (newest in the workspace)")
+        return found.path, found.manifest
+    return config.model, load_verified(config.model, QuantizedModelManifest, flag="--model", hashes=False)
+
+
+def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Any) -> tuple[Path, str]:
+    """The training sequences file and the fingerprint of what it came from; checks the tokenizer."""
+    data = config.data
+    if data is None:
+        found = pick_latest(
+            workspace_dir(config.workspace),
+            TokensManifest,
+            flag="--data",
+            accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,
+            wanted=" made with this model's tokenizer",
+        )
+        progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
+        data = found.path
+    if data.is_dir():
+        manifest = load_verified(data, TokensManifest, flag="--data")
+        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
+            raise UsafError(
+                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
+                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
+                f"{tokenizer_fingerprint[:16]})",
+                "re-run usaf tokenize with --model pointing at this model",
+            )
+        return data / TRAIN_FILE, manifest.fingerprint
+    if not data.is_file():
+        raise UsafError(f"--data {data}: no such file or directory", "pass a tokens directory or a JSONL file")
+    return data, sha256_file(data)
+
+
+def resolve_plan(
+    plan: Path | None, workspace: Path | None, model: tuple[Path, str], progress: Any, *, outside: Path | None = None
+) -> tuple[Path, PlanManifest] | None:
+    """``plan`` (read and verified once), else the workspace's newest plan made for ``model`` (its directory and
+    fingerprint), not one inside ``outside`` (a run directory, whose own plan its run finds), else None.
+
+    Refuses a plan made for another quantized model.
+    """
+    model_dir, model_fingerprint = model
+    if plan is not None:
+        path, manifest = plan, load_verified(plan, PlanManifest, flag="--plan")
+    else:
+        own = outside.resolve() if outside is not None else None
+        found = find_artifacts(workspace_dir(workspace), PlanManifest)
+        mine = [a for a in found if a.manifest.summary.model_fingerprint == model_fingerprint
+                and (own is None or own not in a.path.parents)]  # fmt: skip
+        if not mine:
+            return None
+        path, manifest = mine[0].path, mine[0].manifest  # newest first
+        progress.note(f"using the plan {path} (newest made for this model)")
+    check_plan_model(path, manifest, model)
+    return path, manifest
+
+
+def check_plan_model(path: Path, plan: PlanManifest, model: tuple[Path, str]) -> None:
+    """Refuse a plan made for another quantized model than ``model`` (its directory and fingerprint)."""
+    model_dir, model_fingerprint = model
+    if plan.summary.model_fingerprint != model_fingerprint:
+        raise UsafError(
+            f"--plan {path}: made for another quantized model (fingerprint {plan.summary.model_fingerprint[:16]}), "
+            f"not --model {model_dir} (fingerprint {model_fingerprint[:16]})",
+            f"re-run usaf score --model {model_dir}",
+        )

@@ -140,6 +140,10 @@ class Backend:
         """Free bytes where this backend's tensors live (the device's; ``None`` where it cannot say)."""
         return self.memory().device_free
 
+    def peak_allocated(self) -> int | None:
+        """The most device memory tensors have held so far (bytes); ``None`` where the backend cannot tell."""
+        return None
+
     def synchronize(self) -> None:
         """Wait until all queued work on the device is done (for timing and before reading memory)."""
 

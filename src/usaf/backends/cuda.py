@@ -111,6 +111,9 @@ class CudaBackend(Backend):
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total), int(free), int(torch.cuda.memory_allocated(self.device))
 
+    def peak_allocated(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device)) if torch.cuda.is_initialized() else None
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 

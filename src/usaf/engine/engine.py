@@ -9,7 +9,6 @@ accounting. It never prints and never touches files.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from usaf.backends.transfer import check_allocation, move
+from usaf.engine.accounting import (  # noqa: F401 (budget, resident_placement: re-exported)
+    LayerLoad,
+    budget,
+    layer_loads,
+    memory_by_component,
+    resident_placement,
+    weight_storages,
+)
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
 from usaf.engine.experts import ExpertWeight
@@ -35,14 +42,6 @@ class LossParts:
     aux: torch.Tensor | None  # the model's own load-balancing loss (unscaled)
     z: torch.Tensor | None  # router z-loss (unscaled)
     tokens: int  # scored tokens
-
-
-@dataclass(frozen=True)
-class LayerLoad:
-    tokens_per_expert: list[int]
-    entropy: float  # of the expert-load distribution, in nats (max: log E)
-    max_share: float
-    dead_experts: int
 
 
 class SparseEngine:
@@ -353,65 +352,14 @@ class SparseEngine:
 
     def load_stats(self, *, reset: bool = True) -> dict[int, LayerLoad]:
         """Per MoE layer: tokens per expert since the last reset, load entropy, max share, dead experts."""
-        stats = {}
-        for layer, state in self.loaded.experts.items():
-            counts = state.tokens_per_expert.clone()
-            total = int(counts.sum())
-            shares = counts.double() / max(total, 1)
-            nonzero = shares[shares > 0]
-            entropy = float(-(nonzero * nonzero.log()).sum()) if total else 0.0
-            stats[layer] = LayerLoad(
-                counts.tolist(), entropy, float(shares.max()) if total else 0.0, int((counts == 0).sum())
-            )
-            if reset:
-                state.tokens_per_expert.zero_()
-        return stats
+        return layer_loads(self.loaded.experts, reset=reset)
 
     def memory(self, *, optimizer: object | None = None, cache: PrefixCache | None = None) -> dict[str, int]:
-        """Bytes by component: 4-bit experts, resident bases, deltas, routers (fp32 masters), other
-        weights, activations (measured: the largest training forward's saved tensors so far), and (when
-        given) the optimizer's state and the prefix cache (RAM and disk)."""
-        quantized = resident = delta = 0
-        for state in self.loaded.experts.values():
-            for weight in (state.gate_up, state.down):
-                sizes = weight.nbytes()
-                quantized += sizes["quantized"]
-                resident += sizes["resident"]
-                delta += sizes["delta"] + sizes.get("frozen", 0)
-        routers = sum(p.numel() * 4 for p in self.routers.values())
-        counted = {id(p) for p in self.routers.values()} | {id(d.values) for d in self.deltas().values()}
-        counted |= {id(b) for d in self.deltas().values() for b in d.buffers()}
-        other = sum(
-            t.numel() * t.element_size()
-            for t in [*self.model.parameters(), *self.model.buffers()]
-            if id(t) not in counted
-        )
-        out = {
-            "experts_4bit": quantized,
-            "resident_bases": resident,
-            "deltas": delta,
-            "routers": routers,
-            "other_weights": other,
-        }
-        if self.activations.peak:
-            out["activations"] = self.activations.peak  # measured: the largest training forward's saved tensors
-        if optimizer is not None:
-            out["optimizer_state"] = optimizer.state_bytes()
-        if cache is not None:
-            out["prefix_cache_ram"] = cache.nbytes["ram"]
-            out["prefix_cache_disk"] = cache.nbytes["disk"]
-        return out
+        """Bytes by component (:func:`usaf.engine.accounting.memory_by_component`)."""
+        return memory_by_component(self, optimizer=optimizer, cache=cache)
 
     def _weight_storages(self) -> set[int]:
-        """Data pointers of every weight storage: parameters, buffers, resident bases, 4-bit experts."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        for state in self.loaded.experts.values():
-            for weight in (state.gate_up, state.down):
-                q = weight.q
-                tensors.extend((q.codes, q.scale, q.zero))
-                if weight.resident is not None:
-                    tensors.extend(weight.resident.chunks)
-        return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+        return weight_storages(self)
 
     def trainable_count(self) -> dict[str, int]:
         return {
@@ -429,25 +377,3 @@ class _CastTo(nn.Module):
 
     def forward(self, master: torch.Tensor) -> torch.Tensor:
         return master.to(self.dtype)
-
-
-def resident_placement(backend: object, nbytes: int, *, headroom: float = 0.8) -> tuple[torch.device, bool]:
-    """Where trainable layers' resident bases go: ``(device, pin)``.
-
-    On the accelerator when ``nbytes`` fits in ``headroom`` of its free memory; otherwise in host memory,
-    pinned where the backend supports it (then each expert slice is copied to the device when used). A
-    per-allocation limit does not matter here: bases are stored in expert chunks under it
-    (:class:`usaf.engine.resident.ResidentBase`).
-    """
-    device = backend.device
-    if device.type == "cpu":
-        return device, False
-    free = backend.memory().device_free
-    if free is not None and nbytes <= headroom * free:
-        return device, False
-    return torch.device("cpu"), bool(backend.capabilities.pinned_memory)
-
-
-def budget(shape: tuple[int, int, int], frac: float) -> int:
-    """Entries a per-tensor budget of ``frac`` gives a tensor of ``shape`` (at least 1)."""
-    return max(1, math.floor(frac * shape[0] * shape[1] * shape[2]))

@@ -5,7 +5,8 @@ The model is built on the meta device from the directory's own ``config.json`` w
 :mod:`usaf.engine.legacy`); non-expert tensors are read from the ``base-*.safetensors`` shards
 (already under their in-memory names) straight into place; each MoE layer's fused expert parameters
 are removed and replaced by usaf's :class:`~usaf.engine.experts.LayerExperts` (4-bit codes, memory-mapped
-from ``experts_q4.pt``). Nothing is allocated at the full size of the experts.
+from ``experts_q4.pt``). Nothing is allocated at the full size of the experts. The files are opened by
+:class:`usaf.artifacts.quantized.QuantizedFiles`, which the stages hand in.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from usaf.artifacts import QuantizedModelManifest, load_verified
-from usaf.artifacts.quantized import EXPERTS_FILE, read_base_index
-from usaf.artifacts.safety import load_torch, open_safetensors
+from usaf.artifacts import QuantizedModelManifest
+from usaf.artifacts.quantized import EXPERTS_FILE, QuantizedFiles, open_quantized
 from usaf.backends.transfer import check_allocation, device_capabilities, move
 from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
 from usaf.engine.legacy import adapt_block
@@ -64,17 +64,18 @@ def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def load_quantized_model(
-    path: Path,
+    source: QuantizedFiles | Path,
     *,
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype = torch.float32,
     flag: str = "--model",
     experts_device: torch.device | str | None = None,
 ) -> LoadedModel:
-    """Build the model of a ``usaf quantize`` output directory on ``device``.
+    """Build the model of a ``usaf quantize`` output on ``device``.
 
     Args:
-        path: the quantized-model directory.
+        source: the opened quantized model (:func:`usaf.artifacts.quantized.open_quantized`); a directory
+            is opened here (for tests and tools).
         device: where non-expert weights and expert codes live.
         experts_device: where the 4-bit expert codes live instead (``"cpu"`` for streaming them).
         compute_dtype: dtype of non-expert weights and of dequantized expert bases.
@@ -82,9 +83,9 @@ def load_quantized_model(
     """
     from transformers import AutoModelForCausalLM
 
-    path = Path(path)
+    files = source if isinstance(source, QuantizedFiles) else open_quantized(source, flag=flag)
+    path, manifest = files.path, files.manifest
     device = torch.device(device)
-    manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
     spec = resolve_family(load_model_config(path))
     config = transformers_config(path, spec)  # 4.x: fields transformers 5 renamed, under their old names
     layout = module_layout(spec)
@@ -100,21 +101,15 @@ def load_quantized_model(
 
     caps = device_capabilities(device)
     read_on = device if caps.direct_load else torch.device("cpu")  # DirectML: read on the host, then move
-    weight_map = read_base_index(path, flag=flag)  # every shard path checked to stay inside ``path``
-    for file in sorted(set(weight_map.values())):
-        with open_safetensors(path / file, device=str(read_on)) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
-                target_dtype = current.dtype if current.is_floating_point() else None
-                tensor = f.get_tensor(name)
-                check_allocation(tensor.numel() * current.element_size(), device, f"{path / file}: {name}")
-                _set_tensor(model, name, move(tensor, device, target_dtype))
+    for where, f in files.shards(str(read_on)):
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
+            target_dtype = current.dtype if current.is_floating_point() else None
+            tensor = f.get_tensor(name)
+            check_allocation(tensor.numel() * current.element_size(), device, f"{where}: {name}")
+            _set_tensor(model, name, move(tensor, device, target_dtype))
 
-    raw = load_torch(path / EXPERTS_FILE, mmap=True, what="experts file")  # weights_only: no code runs
-    if not isinstance(raw, dict):
-        raise UsafError(
-            f"{path / EXPERTS_FILE}: holds a {type(raw).__name__}, not a dict of layers", "re-run usaf quantize"
-        )
+    raw = files.experts()
     experts: dict[int, LayerExperts] = {}
     for layer in spec.moe_layers:
         module = model.get_submodule(spec.experts_prefix(layer))

@@ -10,15 +10,15 @@ layer ``start`` records its input and stops the forward there.
 
 :class:`PrefixCache` keeps states in RAM up to a budget and spills the rest to a memory-mapped file.
 Keys are content hashes (token ids, model fingerprint, ``start``, dtype, library versions), so a
-changed model or setting never reuses a stale state. A :class:`PrefixStore` is the persistent,
-read-only form (``usaf score --cache`` writes one into its plan): a cache consults it before computing.
+changed model or setting never reuses a stale state. A cache is handed an opened, read-only
+:class:`~usaf.artifacts.prefix_store.PrefixStore` (``usaf score --cache`` writes one into its plan) and
+consults it before computing; the store's files are :mod:`usaf.artifacts.prefix_store`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from usaf.artifacts.prefix_store import PrefixStore, read_state
 
 
 class _StopForward(Exception):
@@ -125,63 +127,6 @@ def cache_key(tokens: torch.Tensor, *, model_fingerprint: str, start: int, dtype
     return digest.hexdigest()
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
-
-
-class PrefixStore:
-    """Persistent prefix states: one binary file of raw tensors and a JSON index ``key -> [offset, shape, dtype]``.
-
-    Written once (:meth:`write`), then read through a memory map; entries are immutable, so any number
-    of runs can share a store.
-    """
-
-    def __init__(self, states_path: Path, index_path: Path) -> None:
-        self.states_path = Path(states_path)
-        index = json.loads(Path(index_path).read_text(encoding="utf-8"))
-        self.meta = {k: v for k, v in index.items() if k != "entries"}
-        self._entries = {k: (int(o), tuple(shape), _DTYPES[dt]) for k, (o, shape, dt) in index["entries"].items()}
-        self._mmap: np.memmap | None = None
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: str) -> torch.Tensor | None:
-        if key not in self._entries:
-            return None
-        if self._mmap is None:
-            self._mmap = np.memmap(self.states_path, dtype=np.uint8, mode="r")
-        offset, shape, dtype = self._entries[key]
-        return _read(self._mmap, offset, shape, dtype)
-
-    @staticmethod
-    def write(states_path: Path, index_path: Path, items, *, meta: dict) -> dict[str, int]:
-        """Write ``(key, state (t, H))`` pairs; returns ``{"samples", "tokens", "bytes"}``."""
-        entries: dict[str, list] = {}
-        tokens = 0
-        with Path(states_path).open("wb") as f:
-            for key, state in items:
-                if key in entries:
-                    continue  # a repeated sequence: one state serves every occurrence
-                state = state.detach().contiguous().cpu()
-                entries[key] = [f.tell(), list(state.shape), str(state.dtype).removeprefix("torch.")]
-                f.write(state.view(torch.uint8).numpy().tobytes())
-                tokens += int(state.shape[0])
-            size = f.tell()
-            f.flush()
-            os.fsync(f.fileno())
-        Path(index_path).write_text(json.dumps({**meta, "entries": entries}), encoding="utf-8")
-        return {"samples": len(entries), "tokens": tokens, "bytes": size}
-
-
-def _read(mmap: np.memmap, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.from_numpy(np.array(mmap[offset : offset + size]))
-    return raw.view(dtype).reshape(shape)
-
-
 class PrefixCache:
     """Hidden states by key: from a read-only :class:`PrefixStore` when given, else in RAM up to
     ``ram_budget_bytes``, then appended to a memory-mapped file. ``hits``/``misses`` count lookups by
@@ -234,4 +179,4 @@ class PrefixCache:
         offset, shape, dtype = self._spilled[key]
         if self._mmap is None:
             self._mmap = np.memmap(self.spill_path, dtype=np.uint8, mode="r")
-        return _read(self._mmap, offset, shape, dtype)
+        return read_state(self._mmap, offset, shape, dtype)

@@ -109,10 +109,11 @@ def model_with_change(
     """
     import torch
 
+    from usaf.artifacts.quantized import open_quantized
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
 
-    loaded = load_quantized_model(model_dir, device=device, compute_dtype=dtype or torch.float32)
+    loaded = load_quantized_model(open_quantized(model_dir), device=device, compute_dtype=dtype or torch.float32)
     if change is not None:
         engine = SparseEngine(loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers))
         try:

@@ -16,14 +16,16 @@ def load_for_engine(
     Streamed: every 4-bit expert is loaded into host memory (never all onto the device first), pinned
     where the backend can, and the engine streams the frozen layers' (:mod:`usaf.engine.streaming`).
     """
+    from usaf.artifacts.quantized import open_quantized
     from usaf.engine.loading import load_quantized_model
-    from usaf.engine.streaming import choose_streaming, quantized_bytes
+    from usaf.engine.streaming import choose_streaming
 
-    stream, note = choose_streaming(stream, backend, quantized_bytes(model_dir))
+    files = open_quantized(model_dir)
+    stream, note = choose_streaming(stream, backend, files.experts_bytes)
     if note:
         progress.note(note)
     loaded = load_quantized_model(
-        model_dir, device=backend.device, compute_dtype=compute, experts_device="cpu" if stream else None
+        files, device=backend.device, compute_dtype=compute, experts_device="cpu" if stream else None
     )
     pin = stream and backend.capabilities.pinned_memory
     return loaded, {"stream_experts": stream, "pin_experts": pin}

@@ -1,5 +1,5 @@
-"""The frozen-prefix cache across stages: ``usaf score --cache`` stores every training sequence's prefix
-state in its plan; ``usaf train`` reads that store (and keeps a per-run cache for anything missing).
+"""The frozen-prefix states ``usaf score --cache`` computes into its plan's store (the store's files are
+:mod:`usaf.artifacts.prefix_store`'s); ``usaf train`` opens that store and keeps a per-run cache for the rest.
 
 A store is only a speed-up: keys are content hashes (tokens, model fingerprint, first trainable layer,
 dtype, library versions), so a store made on another device/dtype or for other data simply misses,
@@ -12,12 +12,10 @@ from pathlib import Path
 
 import torch
 
+from usaf.artifacts import prefix_store
 from usaf.data.batches import collate
 from usaf.data.tokens import iter_token_file
 from usaf.stages.progress import Progress
-
-STATES_FILE = "prefix_states.bin"
-INDEX_FILE = "prefix_index.json"
 
 
 def write_store(
@@ -32,8 +30,6 @@ def write_store(
     progress: Progress,
 ) -> dict[str, int]:
     """Compute the prefix state of every sequence of ``data_file`` (batched) into ``out_dir``'s store."""
-    from usaf.engine.prefix import PrefixStore
-
     total = sum(1 for _ in iter_token_file(data_file, vocab_size=vocab_size))
     device = next(engine.model.parameters()).device
 
@@ -52,7 +48,7 @@ def write_store(
         progress.finish()
 
     meta = {"model_fingerprint": model_fingerprint, "start": engine.prefix.start}
-    return PrefixStore.write(out_dir / STATES_FILE, out_dir / INDEX_FILE, states(), meta=meta)
+    return prefix_store.write_store(out_dir, states(), meta=meta)
 
 
 def _batch_states(engine, lines, pad_id: int, device: torch.device, model_fingerprint: str):
@@ -61,12 +57,3 @@ def _batch_states(engine, lines, pad_id: int, device: torch.device, model_finger
     for i, line in enumerate(lines):
         n = len(line.input_ids)
         yield engine.prefix_key(batch.input_ids[i, :n], model_fingerprint), hidden[i, :n]
-
-
-def open_store(plan_dir: Path):
-    """The plan's prefix store, or None when the plan has none."""
-    from usaf.engine.prefix import PrefixStore
-
-    if not (plan_dir / INDEX_FILE).is_file():
-        return None
-    return PrefixStore(plan_dir / STATES_FILE, plan_dir / INDEX_FILE)

@@ -8,7 +8,6 @@ same pass. Writes a ``plan`` artifact that ``usaf train`` consumes.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -21,25 +20,18 @@ from usaf.artifacts import (
     ArtifactWriter,
     InputRecord,
     PlanManifest,
-    QuantizedModelManifest,
-    TokensManifest,
     current_environment,
     default_output,
     load_verified,
-    pick_latest,
     workspace_dir,
 )
-from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.plan import (
-    FULL_MAPS_FILE,
-    IMPORTANCE_FILE,
-    MASKS_FILE,
-    ROUTING_FILE,
     LayerRouting,
     PlanSummary,
     TensorSelection,
+    write_plan_files,
 )
-from usaf.artifacts.tokens import TRAIN_FILE
+from usaf.artifacts.workspace import resolve_data, resolve_model
 from usaf.data.batches import Batch, batches, sample_lines
 from usaf.errors import UsafError
 from usaf.settings.score import ScoreConfig
@@ -67,47 +59,6 @@ def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:
         return chosen
     count = max(1, math.ceil(DEFAULT_TOP_FRACTION * len(moe_layers)))
     return list(moe_layers[-count:])
-
-
-def resolve_model(config: Any, progress: Progress) -> tuple[Path, QuantizedModelManifest]:
-    if config.model is None:
-        found = pick_latest(
-            workspace_dir(config.workspace),
-            QuantizedModelManifest,
-            flag="--model",
-            lineage=lambda m: m.summary.source.fingerprint,
-        )
-        progress.note(f"using the quantized model {found.path} (newest in the workspace)")
-        return found.path, found.manifest
-    return config.model, load_verified(config.model, QuantizedModelManifest, flag="--model", hashes=False)
-
-
-def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Progress) -> tuple[Path, str]:
-    """The training sequences file and the fingerprint of what it came from; checks the tokenizer."""
-    data = config.data
-    if data is None:
-        found = pick_latest(
-            workspace_dir(config.workspace),
-            TokensManifest,
-            flag="--data",
-            accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,
-            wanted=" made with this model's tokenizer",
-        )
-        progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
-        data = found.path
-    if data.is_dir():
-        manifest = load_verified(data, TokensManifest, flag="--data")
-        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
-            raise UsafError(
-                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
-                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
-                f"{tokenizer_fingerprint[:16]})",
-                "re-run usaf tokenize with --model pointing at this model",
-            )
-        return data / TRAIN_FILE, manifest.fingerprint
-    if not data.is_file():
-        raise UsafError(f"--data {data}: no such file or directory", "pass a tokens directory or a JSONL file")
-    return data, sha256_file(data)
 
 
 def _counted(items: list[Batch], progress: Progress, description: str) -> Iterator[tuple]:
@@ -262,21 +213,13 @@ def _with_prefix_store(summary, engine, data_file, work, model_fingerprint, toke
 
 
 def _write_files(work: Path, masks: dict, accumulators: dict, routing: dict, *, full_maps: bool) -> None:
-    from safetensors.torch import save_file
-
-    save_file({name: idx.contiguous() for name, idx in masks.items()}, str(work / MASKS_FILE))
-    importance = {}
-    for name, acc in accumulators.items():
-        indices, scores = acc.ranked()
-        importance[f"{name}.indices"] = indices.contiguous()
-        importance[f"{name}.scores"] = scores.contiguous()
-    save_file(importance, str(work / IMPORTANCE_FILE))
-    if full_maps:
-        save_file(
-            {name: acc.dense_map().contiguous() for name, acc in accumulators.items()}, str(work / FULL_MAPS_FILE)
-        )
-    routing_json = {str(layer): vars(load) for layer, load in routing.items()}
-    (work / ROUTING_FILE).write_text(json.dumps(routing_json, indent=1))
+    write_plan_files(
+        work,
+        masks,
+        {name: acc.ranked() for name, acc in accumulators.items()},
+        {layer: vars(load) for layer, load in routing.items()},
+        full_maps={name: acc.dense_map() for name, acc in accumulators.items()} if full_maps else None,
+    )
 
 
 def _summary(

@@ -33,13 +33,12 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_manifest, load_verified
-from usaf.artifacts.run import DELTAS_FILE, OPTIMIZER_FILE, ROUTERS_FILE, STATE_FILE
-from usaf.artifacts.safety import load_safetensors, load_torch
+from usaf.artifacts.run import read_checkpoint
 from usaf.cli.app import app
 from usaf.errors import UsafError
 from usaf.stages.quantize import QuantizeConfig
 from usaf.stages.quantize import run as quantize
-from usaf.stages.trainer import latest_checkpoint
+from usaf.stages.train.resume import latest_checkpoint
 from usaf.testing import build_tiny_model
 
 STEP_DIR = re.compile(r"checkpoints/step-(\d+)$")
@@ -229,11 +228,8 @@ def _step_losses(run: Path) -> list[tuple[int, float]]:
 def _checkpoint_problems(directory: Path) -> list[str]:
     """A visible checkpoint must load completely (what --resume and export read)."""
     try:
-        load_safetensors(directory / DELTAS_FILE)
-        load_safetensors(directory / ROUTERS_FILE)
-        load_torch(directory / OPTIMIZER_FILE)
-        json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
-    except (UsafError, OSError, ValueError) as e:
+        read_checkpoint(directory)
+    except UsafError as e:
         return [f"does not load: {getattr(e, 'message', e)}"]
     return []
 

@@ -29,7 +29,7 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
     ``--model`` alone: base only.
     """
     from usaf.artifacts.run import load_trained_change
-    from usaf.stages.score import resolve_model
+    from usaf.artifacts.workspace import resolve_model
 
     change = load_trained_change(config.checkpoint, flag="--checkpoint") if config.checkpoint is not None else None
     if config.model is not None or change is None:

@@ -19,17 +19,17 @@ _KINDS = {"cpu": "cpu", "cuda": "cuda", "privateuseone": "directml"}  # torch de
 SEQ_LEN_SAMPLE = 256  # lines read to find the data's sequence length when --seq-len is not given
 
 
-def apply_budget(
-    config: Any, model_dir: Path, backend: Any, data: Any, first_layer: int | None, progress: Progress
-) -> Any:
+def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_summary: Any, progress: Progress) -> Any:
     """``config`` with the planner's settings where the user gave none; unchanged without --vram/--ram.
 
     Args:
-        config: the run's :class:`~usaf.stages.train.TrainConfig`.
+        config: the run's :class:`~usaf.stages.train.config.TrainConfig`.
         model_dir: the quantized model.
         backend: the resolved backend (its device kind; its memory when a budget is not given).
         data: the training :class:`~usaf.data.dataset.TokenDataset`.
-        first_layer: the plan's first trainable layer when a plan is known, else None (the planner picks).
+        plan_summary: the plan's :class:`~usaf.artifacts.plan.PlanSummary` when a plan is known, else None (the
+            planner picks the first trainable layer). Its frac and trainable layers decide the run, whatever
+            ``config`` says.
     """
     if config.vram is None and config.ram is None:
         return config
@@ -47,12 +47,13 @@ def apply_budget(
     target = make_target(kind, None if config.dtype == "auto" else config.dtype, vram if kind != "cpu" else None, ram)
     source = read_model(str(model_dir), nbits=None, group_size=None)
     given = config.model_fields_set
+    first_layer = plan_summary.trainable_layers[0] if plan_summary is not None else None
     train_from = first_layer
     if train_from is None:
         train_from = min(config.layers) if config.layers else config.train_from
     request = Request(
         seq_len=config.seq_len or max(len(data[i].input_ids) for i in range(min(len(data), SEQ_LEN_SAMPLE))),
-        frac=config.frac,
+        frac=plan_summary.frac if plan_summary is not None else config.frac,  # a plan's masks are already this size
         microbatch=config.microbatch if "microbatch" in given else None,
         train_from=train_from,
         samples=len(data),

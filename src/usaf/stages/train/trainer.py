@@ -1,14 +1,12 @@
-"""The training loop of ``usaf train``, and its checkpoints.
+"""One training step of ``usaf train`` and what it needs: batches, loss, update, evaluation, checkpoint calls.
 
 One step = ``grad_accum`` microbatches of ``microbatch`` sequences, the loss of each weighted by its
 share of the step's scored tokens (so the step's loss is token-weighted, whatever the padding), then
 one optimizer step over the deltas and routers at the schedule's learning rate. A non-finite loss or
 gradient skips the step (the optimizer leaves everything bit-identical) and is counted.
 
-A checkpoint holds everything a resumed run needs to continue *exactly*: the active deltas and the
-frozen cumulative record, router masters, the optimizer state (moments and per-entry step counts),
-the step, counters, reselection history and torch's RNG state. The data order is a pure function of
-(seed, step), so it needs no saving. Checkpoints are written to a temporary directory and renamed.
+When each step runs, and what happens between steps, is :mod:`usaf.stages.train.loop`'s; what a checkpoint
+holds is :mod:`usaf.stages.train.resume`'s.
 
 Data parallel (torchrun, :mod:`usaf.distributed`): a step's global batch is ``microbatch × grad_accum ×
 world size`` sequences in the same order one process would draw them, rank ``r`` taking the ``r``-th
@@ -21,8 +19,6 @@ every rank's partial grow scores.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,13 +28,12 @@ import torch
 
 from usaf.artifacts.run import (
     CHECKPOINTS_DIR,
-    DELTAS_FILE,
     METRICS_FILE,
-    OPTIMIZER_FILE,
-    ROUTERS_FILE,
-    STATE_FILE,
     ReselectionRecord,
+    read_checkpoint,
+    write_checkpoint,
 )
+from usaf.backends.base import Backend
 from usaf.data.batches import Batch, collate
 from usaf.data.dataset import TokenDataset
 from usaf.distributed import World, sum_expert_loads
@@ -46,8 +41,8 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
 from usaf.errors import UsafError
+from usaf.stages.train.config import TrainConfig
 
-SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
 ROUTING_WINDOW = 10  # steps whose expert loads are pooled before checking a trainable layer for collapse
 
 
@@ -67,67 +62,58 @@ class TrainState:
     world_size: int = 1  # processes of the run that wrote this state (data parallel)
 
 
-@dataclass
-class LoopSettings:
-    steps: int
-    microbatch: int
-    grad_accum: int
-    lr: float
-    router_lr: float
-    weight_decay: float
-    clip: float | None
-    warmup_steps: int
-    reselect_every: int
-    reselect_fraction: float
-    eval_every: int
-    save_every: int
-    seed: int
-    seq_len: int | None = None  # longer sequences are cut to this many tokens
-
-
 class Trainer:
     def __init__(
         self,
         engine: SparseEngine,
-        settings: LoopSettings,
+        config: TrainConfig,
         data: TokenDataset,
         eval_data: TokenDataset | None,
         run_dir: Path,
         *,
+        steps: int,
+        reselect_every: int,
         pad_id: int,
         prefix: tuple[Any, str] | None = None,
         loss_scaler: Any = None,
         world: World | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.engine = engine
-        self.s = settings
+        self.config = config  # the run's settings (frozen); what the run derived from them follows
+        self.steps = steps
+        self.reselect_every = reselect_every  # 0: a static mask
+        self.microbatch, self.grad_accum = config.microbatch, config.grad_accum  # an out-of-memory retry changes them
         self.data = data
         self.eval_data = eval_data
         self.run_dir = run_dir
         self.pad_id = pad_id
         self.prefix = prefix  # (PrefixCache, model fingerprint) or None
-        self.optimizer = SparseAdamW(
-            engine.parameter_groups(lr=settings.lr, router_lr=settings.router_lr, weight_decay=settings.weight_decay),
-            max_grad_norm=settings.clip,
-        )
-        self.schedule = WarmupCosine(settings.warmup_steps, settings.steps)
+        self.optimizer = self._new_optimizer()
+        self.schedule = WarmupCosine(int(config.warmup * steps), steps)
         self.state = TrainState()
         self.collector: Any = None  # grow scores being collected for the next reselection (checkpointed)
         self.scaler = loss_scaler  # DynamicLossScaler under fp16 compute, else None
         self.world = world or World()
+        self.backend = backend
         self.state.world_size = self.world.size
+
+    def _new_optimizer(self) -> SparseAdamW:
+        c = self.config
+        groups = self.engine.parameter_groups(lr=c.lr, router_lr=c.router_lr, weight_decay=c.weight_decay)
+        return SparseAdamW(groups, max_grad_norm=c.clip)
 
     # -- one step -------------------------------------------------------------------------------------
 
     def _microbatches(self, step: int) -> list:
         """This rank's microbatches of the step: its contiguous share of the step's global sequences."""
-        share = self.s.microbatch * self.s.grad_accum
-        lines = self.data.samples_for_step(step, share * self.world.size, self.s.seed)
+        share, size = self.microbatch * self.grad_accum, self.microbatch
+        lines = self.data.samples_for_step(step, share * self.world.size, self.config.seed)
         lines = self._cut(lines[self.world.rank * share : (self.world.rank + 1) * share])
-        return [collate(lines[i : i + self.s.microbatch], self.pad_id) for i in range(0, len(lines), self.s.microbatch)]
+        return [collate(lines[i : i + size], self.pad_id) for i in range(0, len(lines), size)]
 
     def _cut(self, lines: list) -> list:
-        n = self.s.seq_len
+        n = self.config.seq_len
         if n is None:
             return lines
         return [replace(line, input_ids=line.input_ids[:n], labels=line.labels[:n]) for line in lines]
@@ -193,7 +179,7 @@ class Trainer:
             **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
             "step": self.state.step,
             "loss": loss_sum,
-            "lr": self.s.lr * lr_factor,
+            "lr": self.config.lr * lr_factor,
             "grad_norm": report.grad_norm,
             "skipped": not finite,
             "tokens": self.state.tokens,
@@ -201,7 +187,7 @@ class Trainer:
             "seconds": seconds,
             **({"world": {"size": self.world.size, "allreduce_bytes": sent}} if self.world.active else {}),
             "routing": routing,
-            "memory": _memory_now(),
+            "memory": self._memory_now(),
         }
 
     def _step_routing(self, before: dict[int, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -246,24 +232,24 @@ class Trainer:
         import gc
 
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        total = self.s.microbatch * self.s.grad_accum
-        smaller = [d for d in range(1, self.s.microbatch // 2 + 1) if total % d == 0]
+        if self.backend is not None:
+            self.backend.empty_cache()
+        total = self.microbatch * self.grad_accum
+        smaller = [d for d in range(1, self.microbatch // 2 + 1) if total % d == 0]
         if not smaller:
             raise UsafError(
-                f"out of device memory at microbatch {self.s.microbatch} (step {self.state.step + 1})",
+                f"out of device memory at microbatch {self.microbatch} (step {self.state.step + 1})",
                 "use a shorter --seq-len, fewer trainable layers (a higher --train-from), or another --device",
             )
-        before = (self.s.microbatch, self.s.grad_accum)
-        self.s.microbatch, self.s.grad_accum = smaller[-1], total // smaller[-1]
-        self.state.microbatch, self.state.grad_accum = self.s.microbatch, self.s.grad_accum
+        before = (self.microbatch, self.grad_accum)
+        self.microbatch, self.grad_accum = smaller[-1], total // smaller[-1]
+        self.state.microbatch, self.state.grad_accum = self.microbatch, self.grad_accum
         note = (
             f"out of memory at microbatch {before[0]} × {before[1]}: retrying step {self.state.step + 1} "
-            f"with microbatch {self.s.microbatch} × grad-accum {self.s.grad_accum} (kept from now on)"
+            f"with microbatch {self.microbatch} × grad-accum {self.grad_accum} (kept from now on)"
         )
-        self.log({"step": self.state.step + 1, "oom_retry": {"microbatch": self.s.microbatch,
-                                                              "grad_accum": self.s.grad_accum}})  # fmt: skip
+        self.log({"step": self.state.step + 1, "oom_retry": {"microbatch": self.microbatch,
+                                                              "grad_accum": self.grad_accum}})  # fmt: skip
         return note
 
     def _collector_state(self) -> dict | None:
@@ -327,11 +313,10 @@ class Trainer:
 
     def _evaluate(self) -> float:
         total = tokens = 0.0
-        starts = range(0, len(self.eval_data), self.s.microbatch)
+        size = self.microbatch
+        starts = range(0, len(self.eval_data), size)
         for start in starts[self.world.rank :: self.world.size]:  # every rank its share of the microbatches
-            lines = self._cut(
-                [self.eval_data[i] for i in range(start, min(start + self.s.microbatch, len(self.eval_data)))]
-            )
+            lines = self._cut([self.eval_data[i] for i in range(start, min(start + size, len(self.eval_data)))])
             parts = self._loss(collate(lines, self.pad_id))
             total += float(parts.ce) * parts.tokens
             tokens += parts.tokens
@@ -353,102 +338,25 @@ class Trainer:
         return directory
 
     def _write_checkpoint(self, directory: Path, scores_by_rank: list[dict | None]) -> None:
-        from safetensors.torch import save_file
+        from usaf.stages.train.resume import checkpoint_of
 
-        from usaf.engine.reselect import cumulative_delta
-
-        tmp = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        deltas = {}
-        for name, weight in self.engine.weights.items():
-            if weight.delta is not None:
-                deltas[f"{name}.indices"] = weight.delta.indices.cpu().contiguous()
-                deltas[f"{name}.values"] = weight.delta.values.detach().cpu().contiguous()
-            deltas[f"{name}.frozen_indices"] = weight.frozen_indices.cpu().contiguous()
-            deltas[f"{name}.frozen_values"] = weight.frozen_values.cpu().contiguous()
-            idx, val = cumulative_delta(weight)
-            deltas[f"{name}.cumulative_indices"] = idx.cpu().contiguous()
-            deltas[f"{name}.cumulative_values"] = val.cpu().contiguous()
-        save_file(deltas, str(tmp / DELTAS_FILE))
-        save_file(
-            {n: p.detach().cpu().contiguous() for n, p in self.engine.routers.items()} or {"_none": torch.zeros(0)},
-            str(tmp / ROUTERS_FILE),
-        )
-        extra = {
-            "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        if self.collector is not None:  # inside a scoring window: the grow scores collected so far, per rank
-            extra["scores"] = scores_by_rank[0]
-            if self.world.active:
-                extra["scores_by_rank"] = scores_by_rank
-        if self.scaler is not None:
-            extra["loss_scale"] = self.scaler.state_dict()
-        torch.save(extra, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(vars(self.state), indent=1))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        write_checkpoint(directory, checkpoint_of(self, scores_by_rank))
 
     def load_checkpoint(self, directory: Path) -> None:
-        from safetensors.torch import load_file
+        """Continue from ``directory`` (read whole, or refused: never half-loaded) in a fresh engine."""
+        from usaf.stages.train.resume import restore
 
-        try:
-            deltas = load_file(str(directory / DELTAS_FILE))
-            routers = load_file(str(directory / ROUTERS_FILE))
-            extra = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
-            state = json.loads((directory / STATE_FILE).read_text())
-        except Exception as e:  # any damage: refuse, never half-load
-            raise UsafError(
-                f"--resume {directory}: unreadable checkpoint ({e})", "resume from an earlier checkpoint"
-            ) from None
-        selection = {n: deltas[f"{n}.indices"] for n in self.engine.weights if f"{n}.indices" in deltas}
-        values = {n: deltas[f"{n}.values"] for n in selection}
-        self.engine.set_deltas(selection, values)
-        for name, weight in self.engine.weights.items():
-            if weight.frozen_indices.numel():
-                raise RuntimeError("a checkpoint is restored into a fresh engine only")
-            frozen = deltas[f"{name}.frozen_indices"]
-            if frozen.numel():  # dropped-and-kept deltas: back into the record and the resident base
-                weight.fold(frozen, deltas[f"{name}.frozen_values"])
-        with torch.no_grad():
-            for name, master in self.engine.routers.items():
-                master.copy_(routers[name])
-        self.optimizer = SparseAdamW(
-            self.engine.parameter_groups(lr=self.s.lr, router_lr=self.s.router_lr, weight_decay=self.s.weight_decay),
-            max_grad_norm=self.s.clip,
-        )
-        self.optimizer.load_state_dict(extra["optimizer"])
-        self.schedule.load_state_dict(extra["schedule"])
-        torch.set_rng_state(extra["rng"])
-        self.state = TrainState(**state)
-        same_world = self.state.world_size == self.world.size
-        if self.state.microbatch is not None and same_world:  # an out-of-memory retry before the checkpoint
-            self.s.microbatch, self.s.grad_accum = self.state.microbatch, self.state.grad_accum
-        self.state.world_size = self.world.size
-        if self.scaler is not None and "loss_scale" in extra:
-            self.scaler.load_state_dict(extra["loss_scale"])
-        if "scores" in extra:
-            self._restore_scores(extra.get("scores_by_rank") or [extra["scores"]])
+        restore(self, read_checkpoint(directory, flag="--resume"), directory)
 
-    def _restore_scores(self, by_rank: list[dict]) -> None:
-        """Grow scores saved inside a scoring window: each rank its own when the world size is the same;
-        otherwise rank 0 takes all of them merged (the same sums) and the others start empty."""
-        from usaf.engine.reselect import collect_scores
-        from usaf.engine.scores import ScoreAccumulator, merge
+    def _memory_now(self) -> dict[str, int]:
+        """Process RSS, and the accelerator's peak allocation when the backend reports one (bytes)."""
+        import psutil
 
-        self.collector = collect_scores(self.engine)
-        if len(by_rank) == self.world.size:
-            mine = by_rank[self.world.rank]
-        elif self.world.is_main:
-            mine = {name: merge([ScoreAccumulator.from_state_dict(s[name]) for s in by_rank]).state_dict()
-                    for name in by_rank[0]}  # fmt: skip
-        else:
-            return
-        for name, acc in self.collector.accumulators.items():
-            acc.load_state_dict(mine[name])
+        memory = {"rss": psutil.Process().memory_info().rss}
+        peak = self.backend.peak_allocated() if self.backend is not None else None
+        if peak is not None:
+            memory["device_peak"] = peak
+        return memory
 
     def checkpoint_dir(self) -> Path:
         return self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step:07d}"
@@ -471,21 +379,3 @@ class Trainer:
         ).model_dump()
         self.state.reselections.append(record)
         return record
-
-
-def _memory_now() -> dict[str, int]:
-    """Process RSS, and the accelerator's peak allocation when there is one (bytes)."""
-    import psutil
-
-    memory = {"rss": psutil.Process().memory_info().rss}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        memory["device_peak"] = torch.cuda.max_memory_allocated()
-    return memory
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    directory = run_dir / CHECKPOINTS_DIR
-    if not directory.is_dir():
-        return None
-    complete = sorted(p for p in directory.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file())
-    return complete[-1] if complete else None

@@ -1,0 +1,242 @@
+"""Everything ``usaf train`` needs, resolved and checked before any expensive work.
+
+In order: the model, its tokenizer and context, the data, the run directory's state (finished, to resume,
+another run's, to overwrite), the plan when one is given (read and verified once), the memory budget, the
+run's length and reselection cadence, and only then a plan from the workspace or one scored on the fly;
+last, whether the run directory holds this run's checkpoints to resume from. Nothing here loads the model's
+weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from usaf.artifacts import PlanManifest, QuantizedModelManifest, default_output, load_verified, workspace_dir
+from usaf.artifacts.run import SETTINGS_FILE
+from usaf.artifacts.workspace import check_plan_model, resolve_data, resolve_model, resolve_plan
+from usaf.artifacts.writer import remove_stale_temporaries_inside
+from usaf.distributed import World
+from usaf.errors import UsafError
+from usaf.settings import SELECTION_FIELDS
+from usaf.stages.progress import Progress
+from usaf.stages.train.config import TrainConfig
+
+PLAN_DIR = "plan"  # inside the run directory: the plan scored on the fly when none was given or found
+DEFAULT_RESELECT_EVERY = 50
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    """A run's inputs, all checked: what :func:`usaf.stages.train.run` builds the engine and the loop from."""
+
+    config: TrainConfig  # with the memory planner's choices (--vram/--ram) filled in
+    model_dir: Path
+    model: QuantizedModelManifest
+    tokenizer: Any
+    data_file: Path
+    data_fingerprint: str
+    data: Any  # TokenDataset
+    eval_data: Any  # TokenDataset or None
+    run_dir: Path
+    plan_dir: Path
+    plan: PlanManifest
+    steps: int
+    reselect_every: int  # 0: a static mask
+    per_step: int  # the global batch, in sequences
+    settings_record: dict  # what a resumed run must share with this one (run-settings.json)
+    resume_from: Path | None  # this run's newest checkpoint, when the directory holds one
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+
+def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Progress) -> TrainInputs:
+    """Resolve and check every input of the run (scoring a plan on the fly when there is none)."""
+    from usaf.data.dataset import TokenDataset
+    from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from usaf.stages.train.budget import apply_budget
+    from usaf.stages.train.resume import latest_checkpoint
+
+    model_dir, model_manifest = resolve_model(config, progress)
+    tokenizer = load_tokenizer(str(model_dir), flag="--model")
+    _check_seq_len(config.seq_len, str(model_dir), tokenizer)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    data_file, data_fp = resolve_data(config, tokenizer_fp, progress)
+    run_dir = _check_run_dir(config, model_dir, world)
+    data = TokenDataset(data_file, vocab_size=len(tokenizer))
+    if len(data) == 0:
+        raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
+    eval_data = _eval_data(config, tokenizer, tokenizer_fp, progress)
+
+    model = (model_dir, model_manifest.fingerprint)
+    given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
+    given_summary = given[1].summary if given else None
+    budgeted = apply_budget(config, model_dir, backend, data, given_summary, progress)
+    steps, reselect_every = _length(budgeted, len(data), world, progress)  # before any scoring on the fly
+    source = config.data if config.data is not None else data_file.parent
+    plan_dir, plan = given or _find_plan(budgeted, model, source, run_dir, progress)
+    first = plan.summary.trainable_layers[0]
+    if given is None and budgeted is not config and budgeted.train_from not in (None, first):
+        budgeted = apply_budget(config, model_dir, backend, data, plan.summary, progress)  # a plan from the workspace
+        steps, reselect_every = _length(budgeted, len(data), world, progress)
+    config = budgeted
+    record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp, world)
+    resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
+    return TrainInputs(
+        config=config,
+        model_dir=model_dir,
+        model=model_manifest,
+        tokenizer=tokenizer,
+        data_file=data_file,
+        data_fingerprint=data_fp,
+        data=data,
+        eval_data=eval_data,
+        run_dir=run_dir,
+        plan_dir=plan_dir,
+        plan=plan,
+        steps=steps,
+        reselect_every=reselect_every,
+        per_step=config.microbatch * config.grad_accum * world.size,
+        settings_record=record,
+        resume_from=resume_from,
+    )
+
+
+def _check_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
+    """``--out`` (or the workspace's default): overwritten if asked; refused when finished or nothing to resume."""
+    run_dir = Path(config.out or default_output(workspace_dir(config.workspace), "run", model_dir.name))
+    if run_dir.exists() and config.overwrite and world.is_main:
+        shutil.rmtree(run_dir)
+    world.barrier("overwrite")
+    if (run_dir / "manifest.json").is_file():
+        raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
+    if config.resume and not run_dir.exists():
+        raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
+    return run_dir
+
+
+def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, progress: Progress) -> Any:
+    from usaf.data.dataset import TokenDataset
+
+    if config.eval_data is None:
+        return None
+    eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
+    if eval_file.name == "train.jsonl":
+        eval_file = eval_file.with_name("heldout.jsonl")
+    return TokenDataset(eval_file, vocab_size=len(tokenizer))
+
+
+def _length(config: TrainConfig, sequences: int, world: World, progress: Progress) -> tuple[int, int]:
+    """The run's steps and its reselection interval."""
+    per_step = config.microbatch * config.grad_accum * world.size  # the global batch, in sequences
+    steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
+    return steps, _reselect_every(config.reselect_every, steps, progress)
+
+
+def _reselect_every(requested: int | None, steps: int, progress: Progress) -> int:
+    """``--reselect-every`` as given; by default 50, or a static mask when the run is too short for one."""
+    if requested is not None:
+        if requested > steps:
+            raise UsafError(
+                f"--reselect-every {requested} exceeds the run's {steps} steps", "lower it, or pass 0 for a static mask"
+            )
+        return requested
+    if steps <= DEFAULT_RESELECT_EVERY:
+        progress.note(f"a {steps}-step run is too short for a reselection every {DEFAULT_RESELECT_EVERY}: static mask")
+        return 0
+    return DEFAULT_RESELECT_EVERY
+
+
+def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any) -> None:
+    from usaf.data.tokenizer import max_sequence_length
+
+    limit = max_sequence_length(model, tokenizer)
+    if seq_len is not None and limit is not None and seq_len > limit:
+        raise UsafError(f"--seq-len {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
+
+
+def _find_plan(
+    config: TrainConfig, model: tuple[Path, str], data: Path, run_dir: Path, progress: Progress
+) -> tuple[Path, PlanManifest]:
+    """Without ``--plan``: the one scored into RUN/plan by an earlier start; else the workspace's newest plan
+    for this model; else one scored now into RUN/plan."""
+    if (run_dir / PLAN_DIR / "manifest.json").is_file():  # scored on the fly by an earlier, interrupted start
+        path = run_dir / PLAN_DIR
+        manifest = load_verified(path, PlanManifest, flag="--plan")
+        check_plan_model(path, manifest, model)
+        return path, manifest
+    found = resolve_plan(None, config.workspace, model, progress, outside=run_dir)
+    return found or _score_on_the_fly(config, model[0], data, run_dir, progress)
+
+
+def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir: Path, progress: Progress):
+    from usaf.distributed import world
+    from usaf.stages import score
+
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UsafError(
+            f"--out {run_dir}: holds another run (other settings or inputs)",
+            "pass another --out, or --overwrite to replace it",
+        )
+    progress.note(f"no --plan and none in the workspace for this model: scoring now into {run_dir / PLAN_DIR}")
+    world().barrier("run directory check")  # every rank has looked before rank 0 creates it
+    if world().is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    options = (*SELECTION_FIELDS, "router", "device", "seed", "stream_experts")  # the settings score shares
+    settings = score.ScoreConfig(
+        model=model_dir,
+        data=data,
+        out=run_dir / PLAN_DIR,
+        microbatch=config.microbatch,
+        stability=False,
+        **{name: getattr(config, name) for name in options},
+    )
+    manifest, path = score.run(settings, progress=progress)
+    return path, manifest
+
+
+def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data_fp: str, world: World) -> dict:
+    """What a resumed run must share with the interrupted one.
+
+    The split of a step's sequences into processes and microbatches is left out: only the global batch
+    (microbatch × grad-accum × processes) decides which sequences a step trains on, so a run may resume
+    with another world size or microbatch as long as that product is the same.
+    """
+    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "stream_experts", "microbatch", "grad_accum",
+            "vram", "ram", "prefix_cache_gib"}  # where things live and how a batch is split: not the result
+    keep = config.model_dump(mode="json", exclude=skip)
+    global_batch = config.microbatch * config.grad_accum * world.size
+    return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,
+            "data_fingerprint": data_fp}  # fmt: skip
+
+
+def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) -> Path | None:
+    """This run's newest checkpoint when ``run_dir`` holds this run; refused when it holds another's."""
+    if run_dir.exists() and world.is_main:
+        remove_stale_temporaries_inside(run_dir)  # e.g. run-settings.json of a start killed while writing it
+    world.barrier("stale temporaries")
+    if not run_dir.exists():
+        return None
+    previous = run_dir / SETTINGS_FILE
+    if previous.is_file() and _read_settings(previous) == record:
+        return latest_checkpoint(run_dir)
+    if any(p.name != PLAN_DIR for p in run_dir.iterdir()):
+        raise UsafError(
+            f"--out {run_dir}: holds another run (other settings or inputs)",
+            "pass another --out, or --overwrite to replace it",
+        )
+    return None
+
+
+def _read_settings(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # unreadable: treated as another run's, never a traceback
+        return None

@@ -1,0 +1,147 @@
+"""The step loop of ``usaf train`` and its whole cadence, in the order it happens.
+
+Before each step: a stop request (Ctrl-C, torchrun's SIGTERM) ends the run at this boundary with a checkpoint;
+inside the ``SCORE_BATCHES`` steps before a reselection the grow scores are collected. After each step: its
+record is logged, then every ``reselect_every`` steps (not at the end) the mask is reselected from the merged
+scores, every ``eval_every`` steps the held-out loss is measured, every ``save_every`` steps a checkpoint is
+written. One step's mechanics are :meth:`usaf.stages.train.trainer.Trainer.step`.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from usaf.distributed import PeerLost, World, merge_scores
+from usaf.errors import UsafError
+from usaf.stages.progress import Progress
+from usaf.units import human_bytes
+
+SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
+
+
+def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
+    """Train from ``trainer.state.step`` to ``steps``; a stop request saves a checkpoint, then KeyboardInterrupt."""
+    progress.start("training", steps, "steps")
+    progress.advance(trainer.state.step)
+    stop = StopRequest(trainer.world)
+    try:
+        with stop:  # also around the save below: a repeated signal (torchrun forwards one) must not cut it short
+            try:
+                _steps(trainer, steps, progress, stop)
+            except KeyboardInterrupt:
+                saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
+                if trainer.collector is not None:
+                    trainer.collector.close()
+                note = f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume"
+                progress.note(note)
+                raise
+    except PeerLost as e:
+        from usaf.stages.train.resume import latest_checkpoint
+
+        last = latest_checkpoint(trainer.run_dir)
+        where = f"the newest complete checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise UsafError(f"{e.message}; {where}", e.hint) from None
+    finally:
+        progress.finish()
+
+
+def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> None:
+    from usaf.engine.reselect import collect_scores
+
+    first = trainer.state.step
+    while trainer.state.step < steps:
+        stop.check()
+        step, every, config = trainer.state.step, trainer.reselect_every, trainer.config
+        # Grow candidates are ranked by the gradients of the last SCORE_BATCHES steps before a reselection.
+        if every and trainer.collector is None and collecting(step, every, steps):
+            trainer.collector = collect_scores(trainer.engine)
+        record = trainer.step()
+        trainer.log(record)
+        _report(trainer, record, progress, first_step=step == first)
+        done = trainer.state.step
+        if every and done % every == 0 and done < steps:
+            _reselect(trainer, steps)
+        if config.eval_every and done % config.eval_every == 0:
+            loss = trainer.evaluate()
+            if loss is not None:
+                trainer.state.eval_losses.append([done, loss])
+                trainer.log({"step": done, "eval_loss": loss})
+        if config.save_every and done % config.save_every == 0:
+            trainer.save_checkpoint(trainer.checkpoint_dir())
+        progress.advance(1, tokens=trainer.state.tokens, loss=record["loss"])
+
+
+def collecting(step: int, every: int, steps: int) -> bool:
+    """Whether step ``step`` (0-based) is one of the batches that rank candidates for the next reselection."""
+    position = (step % every) + 1  # 1..every within the current cycle
+    return position > every - SCORE_BATCHES and (step // every + 1) * every < steps
+
+
+def _reselect(trainer: Any, steps: int) -> None:
+    """Drop and grow at the cycle's end, from the grow scores every rank collected (merged: the same everywhere)."""
+    from usaf.engine.reselect import reselect, update_fraction
+
+    done = trainer.state.step
+    fraction = update_fraction(done, steps, trainer.config.reselect_fraction)
+    scores, trainer.collector = trainer.collector, None
+    if scores is None:
+        return
+    scores.close()  # sinks off: the accumulators stay readable
+    if fraction > 0:
+        merged = merge_scores(scores.accumulators, trainer.world)
+        report = reselect(trainer.engine, trainer.optimizer, merged, fraction)
+        trainer.log({"reselection": trainer.record_reselection(done, report)})
+
+
+def _report(trainer: Any, record: dict, progress: Progress, *, first_step: bool) -> None:
+    if first_step:  # activations are measured by the first training forward: the full account
+        cache = trainer.prefix[0] if trainer.prefix else None
+        memory = trainer.engine.memory(optimizer=trainer.optimizer, cache=cache)
+        progress.note(f"memory after the first step: {memory_parts(memory)}")
+    for note in record.get("notes", []):
+        progress.note(note)
+    for warning in record.get("routing_warnings", []):
+        progress.note(f"warning: {warning}")
+
+
+def memory_parts(memory: dict[str, int]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in memory.items() if v)
+
+
+class StopRequest:
+    """Ctrl-C (or torchrun's SIGTERM) stops the run at the next step boundary, never inside a step.
+
+    A signal only sets a flag; the loop checks it before each step (data parallel: the ranks agree on it
+    with one all-reduce, so all of them reach the collective checkpoint together) and raises
+    KeyboardInterrupt there, so the checkpoint holds whole steps only. In one process a second Ctrl-C
+    leaves at once without writing (the last checkpoint stays intact); under torchrun repeated signals
+    change nothing (a terminal's Ctrl-C reaches every rank and torchrun forwards it again; a rank stuck in
+    a step is torchrun's to kill). Installed only in the main thread (Python's rule for signal handlers).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            signals = (signal.SIGINT, signal.SIGTERM) if self.world.active else (signal.SIGINT,)
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and not self.world.active:
+            raise SystemExit(130)  # the second Ctrl-C: leave now, no checkpoint
+        self.requested = True
+
+    def check(self) -> None:
+        if self.world.any(self.requested):
+            raise KeyboardInterrupt

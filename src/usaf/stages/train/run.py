@@ -1,0 +1,181 @@
+"""``usaf train``'s stage function: inputs checked → engine → loop → finish.
+
+Light at import (the CLI imports the stage before it knows it will run); torch and the engine come in
+with :func:`run`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from usaf.artifacts import InputRecord, RunManifest, current_environment, load_verified
+from usaf.artifacts.plan import read_masks
+from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
+from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
+from usaf.errors import UsafError
+from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.train.config import TrainConfig
+
+
+def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
+    """Train; returns the run's manifest and directory."""
+    import torch
+
+    from usaf import distributed
+    from usaf.backends import resolve_backend
+    from usaf.engine.loss_scale import DynamicLossScaler
+    from usaf.stages.train import loop
+    from usaf.stages.train.inputs import resolve_inputs
+    from usaf.stages.train.trainer import Trainer
+
+    start = time.perf_counter()
+    backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
+    world = distributed.init(config.dist_backend, backend.device)
+    progress = (progress or NullProgress()) if world.is_main else NullProgress()
+    inputs = resolve_inputs(config, backend, world, progress)
+    config, run_dir = inputs.config, inputs.run_dir
+
+    compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
+    engine = _engine(inputs, backend, compute, progress)
+    world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / SETTINGS_FILE, json.dumps(inputs.settings_record, indent=1))  # all or nothing
+    world.barrier("run directory")
+
+    scaler = DynamicLossScaler() if compute == torch.float16 else None  # fp16 gradients underflow without it
+    torch.manual_seed(config.seed)  # checkpoints store torch's RNG state: unseeded, two equal runs differ in bytes
+    trainer = Trainer(
+        engine, config, inputs.data, inputs.eval_data, run_dir, steps=inputs.steps,
+        reselect_every=inputs.reselect_every, pad_id=inputs.pad_id, prefix=_prefix(engine, inputs, world, progress),
+        loss_scaler=scaler, world=world, backend=backend,
+    )  # fmt: skip
+    if inputs.resume_from is not None:
+        trainer.load_checkpoint(inputs.resume_from)
+        progress.note(f"resuming from {inputs.resume_from} (step {trainer.state.step} of {inputs.steps})")
+    if world.is_main:
+        trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint (or all, from 0) are logged again
+    per_step = inputs.per_step
+    if world.active:
+        progress.note(f"data parallel: {world.size} processes ({world.backend}), {per_step} sequences per step "
+                      f"({per_step // world.size} per process)")  # fmt: skip
+    progress.note(_plan_line(engine, trainer, inputs.steps, per_step))
+
+    loop.run_loop(trainer, inputs.steps, progress)
+    return _finish(inputs, trainer, backend, time.perf_counter() - start)
+
+
+def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
+    """The engine over the loaded model, its deltas placed on the plan's masks."""
+    from usaf.engine.engine import SparseEngine
+    from usaf.stages.engine_setup import load_for_engine
+
+    config = inputs.config
+    loaded, placement = load_for_engine(inputs.model_dir, backend, compute, config.stream_experts, progress)
+    engine = SparseEngine(
+        loaded,
+        trainable_layers=inputs.plan.summary.trainable_layers,
+        train_router=config.router,
+        aux_loss_coef=config.aux_loss_coef,
+        z_loss_coef=config.z_loss_coef,
+        **placement,
+    )
+    masks = read_masks(inputs.plan_dir)
+    unknown = set(masks) - set(engine.weights)
+    if unknown:
+        raise UsafError(
+            f"--plan {inputs.plan_dir}: masks for tensors this model does not train: {sorted(unknown)[:3]}",
+            "re-run usaf score for this model",
+        )
+    engine.set_deltas(masks)
+    return engine
+
+
+def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[Any, str] | None:
+    """(the frozen-prefix cache, the model's fingerprint) when the engine has a frozen prefix, else None."""
+    from usaf.artifacts.prefix_store import open_store
+    from usaf.engine.prefix import PrefixCache
+
+    if engine.prefix is None:
+        return None
+    store = open_store(inputs.plan_dir)  # written by usaf score --cache
+    spill = inputs.run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
+    cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
+    if store is not None:
+        progress.note(f"prefix states of {len(store):,} sequences read from the plan (usaf score --cache)")
+    return cache, inputs.model.fingerprint
+
+
+def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
+    from usaf.stages.train.loop import memory_parts
+
+    counts = engine.trainable_count()
+    memory = engine.memory(optimizer=trainer.optimizer)
+    return (
+        f"training {counts['delta_entries']:,} expert weights + {counts['router_params']:,} router weights "
+        f"in layers {list(engine.trainable_layers)} for {steps} steps of {per_step} sequences; "
+        f"memory: {memory_parts(memory)}"
+    )
+
+
+def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[RunManifest, Path]:
+    """The held-out loss of the final weights, ``final/``, and (rank 0) the run's manifest."""
+    state, run_dir = trainer.state, inputs.run_dir
+    if trainer.eval_data is not None and (not state.eval_losses or state.eval_losses[-1][0] != state.step):
+        loss = trainer.evaluate()  # the held-out loss of the final weights, always reported
+        state.eval_losses.append([state.step, loss])
+        trainer.log({"step": state.step, "eval_loss": loss})
+    final = trainer.save_checkpoint(run_dir / FINAL_DIR)
+    if state.first_loss is None:
+        raise UsafError("every step was skipped (non-finite loss or gradient)", "lower --lr or check the data")
+    cache = trainer.prefix[0] if trainer.prefix else None
+    hits, misses = trainer.world.sum_floats([cache.hits, cache.misses] if cache else [0, 0], "prefix-cache counts")
+    if not trainer.world.is_main:
+        trainer.world.barrier("manifest")  # rank 0 writes it
+        return load_verified(run_dir, RunManifest, flag="--out"), run_dir
+    counts = trainer.engine.trainable_count()
+    model_fp = inputs.model.fingerprint
+    summary = RunSummary(
+        model_fingerprint=model_fp,
+        plan_fingerprint=inputs.plan.fingerprint,
+        data_fingerprint=inputs.data_fingerprint,
+        trainable_layers=list(trainer.engine.trainable_layers),
+        steps=state.step,
+        tokens=state.tokens,
+        skipped_steps=state.skipped,
+        first_loss=state.first_loss,
+        final_loss=state.last_loss,
+        eval_losses=state.eval_losses,
+        expert_entries=counts["delta_entries"],
+        router_params=counts["router_params"],
+        frozen_entries=sum(int(w.frozen_indices.numel()) for w in trainer.engine.weights.values()),
+        reselections=[ReselectionRecord(**r) for r in state.reselections],
+        routing_warnings=state.routing_warnings,
+        prefix_cache_hits=int(hits) if cache else None,
+        prefix_cache_misses=int(misses) if cache else None,
+        world_size=trainer.world.size,
+        seconds=seconds,
+    )
+    manifest = write_manifest(
+        run_dir,
+        RunManifest,
+        record_files(run_dir, (p for p in final.rglob("*") if p.is_file())),
+        inputs=[
+            InputRecord(role="model", kind="quantized_model", path=str(inputs.model_dir), fingerprint=model_fp),
+            InputRecord(role="plan", kind="plan", path=str(inputs.plan_dir), fingerprint=inputs.plan.fingerprint),
+            InputRecord(role="data", kind="tokens", path=str(inputs.data_file), fingerprint=inputs.data_fingerprint),
+        ],
+        config=inputs.config.model_dump(mode="json"),
+        environment=current_environment(
+            backend=backend.name,
+            device=str(backend.device),
+            dtype=str(next(trainer.engine.model.parameters()).dtype).removeprefix("torch."),
+            seed=inputs.config.seed,
+        ),
+        summary=summary,
+    )
+    trainer.world.barrier("manifest")
+    return manifest, run_dir
