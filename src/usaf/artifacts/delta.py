@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from usaf.artifacts.manifest import Manifest, Record, register
+from usaf.artifacts.safety import load_safetensors
 from usaf.errors import UsafError
 
 if TYPE_CHECKING:  # torch stays out of the CLI's import time
@@ -56,6 +57,7 @@ class DeltaManifest(Manifest):
 
 def write_delta_files(directory: Path, change: TrainedChange) -> None:
     """Write ``change``'s deltas and routers into ``directory`` (contiguous CPU copies)."""
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
     from safetensors.torch import save_file
 
@@ -70,10 +72,11 @@ def write_delta_files(directory: Path, change: TrainedChange) -> None:
 
 def read_delta(path: Path, manifest: DeltaManifest, *, flag: str) -> TrainedChange:
     """The change a verified delta directory holds (:func:`usaf.artifacts.run.load_trained_change` calls this)."""
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
 
+    # lazy: an import cycle (usaf.artifacts.run imports this module at its top)
     from usaf.artifacts.run import TrainedChange
-    from usaf.artifacts.safety import load_safetensors
 
     try:
         tensors = load_safetensors(path / DELTA_FILE)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
+from usaf.artifacts.safety import contained
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
@@ -94,8 +95,6 @@ class FileCheck:
 
 def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list[FileCheck]:
     """Check every file the manifest lists: present, same size, and (``hashes``) same sha256."""
-    from usaf.artifacts.safety import contained
-
     checks = []
     for record in manifest.files:
         file = contained(Path(path), record.path, where=f"{Path(path) / MANIFEST_NAME}")

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from usaf._version import __version__
+from usaf.artifacts.safety import unsafe_relative_path
 
 MANIFEST_NAME = "manifest.json"
 
@@ -34,8 +35,6 @@ class FileRecord(Record):
     @classmethod
     def _inside(cls, value: str) -> str:
         # A listed path is opened relative to the artifact: '../x' or '/x' would name a file outside it.
-        from usaf.artifacts.safety import unsafe_relative_path
-
         problem = unsafe_relative_path(value)
         if problem is not None:
             raise ValueError(f"{value!r} escapes the artifact directory ({problem})")

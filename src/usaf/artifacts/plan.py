@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from usaf.artifacts.manifest import Manifest, Record, register
+from usaf.artifacts.safety import load_safetensors
 
 if TYPE_CHECKING:  # torch stays out of the CLI's import time
     import torch
@@ -93,6 +94,7 @@ def write_plan_files(
 ) -> None:
     """Write the masks, the ranked candidates (``importance[name] = (indices, scores)``), the routing statistics
     (``routing[layer]``: a LayerLoad's fields) and, with ``full_maps``, the dense statistic per tensor."""
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     from safetensors.torch import save_file
 
     save_file({name: idx.contiguous() for name, idx in masks.items()}, str(directory / MASKS_FILE))
@@ -108,15 +110,11 @@ def write_plan_files(
 
 def read_masks(directory: Path) -> dict[str, torch.Tensor]:
     """The plan's masks: tensor name -> sorted int64 flat indices into the stored (E, O, I)."""
-    from usaf.artifacts.safety import load_safetensors
-
     return load_safetensors(directory / MASKS_FILE)
 
 
 def read_importance(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The plan's ranked candidates: tensor name -> (flat indices, scores), best first."""
-    from usaf.artifacts.safety import load_safetensors
-
     tensors = load_safetensors(directory / IMPORTANCE_FILE)
     suffix = ".indices"
     return {k[: -len(suffix)]: (v, tensors[k[: -len(suffix)] + ".scores"]) for k, v in tensors.items()

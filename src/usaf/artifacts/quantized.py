@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import Manifest, Record, register
+from usaf.artifacts.safety import contained, load_torch, open_safetensors
+from usaf.errors import UsafError
 
 EXPERTS_FILE = "experts_q4.pt"
 BASE_INDEX_FILE = "base.safetensors.index.json"
@@ -80,11 +84,6 @@ class QuantizedModelManifest(Manifest):
 
 def read_base_index(model_dir: Path, *, flag: str = "--model") -> dict[str, str]:
     """``base.safetensors.index.json``'s weight map (tensor -> shard file), each file checked to stay inside."""
-    import json
-
-    from usaf.artifacts.safety import contained
-    from usaf.errors import UsafError
-
     path = Path(model_dir) / BASE_INDEX_FILE
     try:
         weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
@@ -120,17 +119,12 @@ class QuantizedFiles:
 
     def shards(self, device: str) -> Iterator[tuple[str, Any]]:
         """``(where, handle)`` per base shard, opened with :func:`~usaf.artifacts.safety.open_safetensors`."""
-        from usaf.artifacts.safety import open_safetensors
-
         for file in sorted(set(self.weight_map.values())):
             with open_safetensors(self.path / file, device=device) as f:
                 yield str(self.path / file), f
 
     def experts(self) -> dict:
         """``experts_q4.pt``: expert tensor name -> its quantized dict (memory-mapped, weights only)."""
-        from usaf.artifacts.safety import load_torch
-        from usaf.errors import UsafError
-
         path = self.path / EXPERTS_FILE
         raw = load_torch(path, mmap=True, what="experts file")  # weights_only: no code runs
         if not isinstance(raw, dict):
@@ -140,8 +134,6 @@ class QuantizedFiles:
 
 def open_quantized(path: Path, *, flag: str = "--model") -> QuantizedFiles:
     """Open a quantized-model directory: manifest verified (without rehashing the weights), shard map checked."""
-    from usaf.artifacts.loader import load_verified
-
     path = Path(path)
     manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
     return QuantizedFiles(path, manifest, read_base_index(path, flag=flag), flag)

@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from usaf.artifacts.delta import DeltaManifest, read_delta
+from usaf.artifacts.loader import load_verified, read_manifest_json
 from usaf.artifacts.manifest import Manifest, Record, register
+from usaf.artifacts.safety import load_safetensors, load_torch
+from usaf.artifacts.writer import write_text_atomic
 from usaf.errors import UsafError
 
 if TYPE_CHECKING:  # torch stays out of the CLI's import time
@@ -122,6 +126,7 @@ class Checkpoint:
 
 def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` atomically: into ``<directory>.tmp``, renamed over ``directory`` when complete."""
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
     from safetensors.torch import save_file
 
@@ -155,8 +160,6 @@ def read_checkpoint(
 
     ``full=False`` reads the deltas and routers only (what a run changed), not the optimizer's state.
     """
-    from usaf.artifacts.safety import load_safetensors, load_torch
-
     try:
         tensors = load_safetensors(directory / DELTAS_FILE)
         routers = load_safetensors(directory / ROUTERS_FILE)
@@ -175,6 +178,7 @@ def read_checkpoint(
 
 
 def _delta_records(tensors: dict, directory: Path, *, flag: str, hint: str) -> dict[str, DeltaRecord]:
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
 
     suffix = "." + _DELTA_KEYS["cumulative"][0]
@@ -227,14 +231,10 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
 
     Raises UsafError naming ``flag`` when the directory is none of these or its files are damaged.
     """
-    from usaf.artifacts.loader import load_verified, read_manifest_json
-
     path = Path(path)
     if not path.is_dir():
         raise UsafError(f"{flag} {path}: no such directory", "pass a run directory written by usaf train")
     if (path / "manifest.json").is_file():
-        from usaf.artifacts.delta import DeltaManifest, read_delta
-
         if read_manifest_json(path, flag=flag)["kind"] == DeltaManifest.KIND:
             return read_delta(path, load_verified(path, DeltaManifest, flag=flag), flag=flag)
         manifest = load_verified(path, RunManifest, flag=flag)
@@ -293,8 +293,6 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     A run killed after its last checkpoint logged steps the resumed run repeats from that checkpoint;
     kept, they would appear twice in the loss curve of ``usaf eval``.
     """
-    from usaf.artifacts.writer import write_text_atomic
-
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return 0

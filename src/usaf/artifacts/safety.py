@@ -79,6 +79,7 @@ def load_torch(path: Path, *, mmap: bool = False, what: str = "file") -> Any:
     ``weights_only=True`` is what keeps a crafted pickle from running code; the error says so when
     the file holds anything else than tensors and plain values.
     """
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
 
     path = Path(path)
@@ -121,6 +122,7 @@ def _safetensors_error(path: Path, e: BaseException) -> UsafError:
 
 def load_safetensors(path: Path, *, device: str = "cpu") -> dict[str, Any]:
     """``safetensors.torch.load_file`` with a header that lies, or a truncated file, as one clear error."""
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -136,6 +138,7 @@ def load_safetensors(path: Path, *, device: str = "cpu") -> dict[str, Any]:
 @contextlib.contextmanager
 def open_safetensors(path: Path, *, device: str = "cpu") -> Iterator[Any]:
     """``safetensors.safe_open`` (lazy), with header errors on opening or reading as one clear error."""
+    # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
