@@ -32,6 +32,7 @@ from usaf.engine.head_loss import IGNORE_INDEX, HeadInput, next_token_loss  # no
 from usaf.engine.loading import LoadedModel
 from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
+from usaf.engine.streaming import ExpertStreamer
 from usaf.families.modules import decoder_returns_tuple
 
 
@@ -121,8 +122,6 @@ class SparseEngine:
                     self.router_anchors[name] = master.detach().clone()
         self.streamer = None
         if stream_experts:
-            from usaf.engine.streaming import ExpertStreamer
-
             frozen = [layer for layer in spec.moe_layers if layer not in self.trainable_layers]
             for layer in self.trainable_layers:  # their codes are read only by folds: host memory is enough
                 for weight in (loaded.experts[layer].gate_up, loaded.experts[layer].down):

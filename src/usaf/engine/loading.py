@@ -81,6 +81,7 @@ def load_quantized_model(
         compute_dtype: dtype of non-expert weights and of dequantized expert bases.
         flag: the flag ``path`` came from, for messages.
     """
+    # lazy: transformers (seconds to import) only when a model is built; usaf.engine imports without it
     from transformers import AutoModelForCausalLM
 
     files = source if isinstance(source, QuantizedFiles) else open_quantized(source, flag=flag)

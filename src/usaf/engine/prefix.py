@@ -118,6 +118,7 @@ class PrefixTap:
 
 def cache_key(tokens: torch.Tensor, *, model_fingerprint: str, start: int, dtype: torch.dtype) -> str:
     """Content hash of everything the cached state depends on."""
+    # lazy: transformers (seconds to import) only for its version in the key; usaf.engine imports without it
     import transformers
 
     digest = hashlib.sha256()

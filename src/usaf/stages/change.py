@@ -8,16 +8,18 @@ model fingerprint the change records against the model's own, and names both whe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
+from usaf.artifacts.quantized import open_quantized
 from usaf.artifacts.run import TrainedChange, load_trained_change
+from usaf.engine.engine import SparseEngine
+from usaf.engine.loading import load_quantized_model
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
 
 
 def resolve_model_and_change(
@@ -107,12 +109,6 @@ def model_with_change(
 
     ``dtype``: compute dtype of non-expert weights and dequantized bases (default fp32).
     """
-    import torch
-
-    from usaf.artifacts.quantized import open_quantized
-    from usaf.engine.engine import SparseEngine
-    from usaf.engine.loading import load_quantized_model
-
     loaded = load_quantized_model(open_quantized(model_dir), device=device, compute_dtype=dtype or torch.float32)
     if change is not None:
         engine = SparseEngine(loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers))

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from usaf.artifacts.quantized import open_quantized
+from usaf.engine.loading import load_quantized_model
+from usaf.engine.streaming import choose_streaming
 from usaf.stages.progress import Progress
 
 
@@ -16,10 +19,6 @@ def load_for_engine(
     Streamed: every 4-bit expert is loaded into host memory (never all onto the device first), pinned
     where the backend can, and the engine streams the frozen layers' (:mod:`usaf.engine.streaming`).
     """
-    from usaf.artifacts.quantized import open_quantized
-    from usaf.engine.loading import load_quantized_model
-    from usaf.engine.streaming import choose_streaming
-
     files = open_quantized(model_dir)
     stream, note = choose_streaming(stream, backend, files.experts_bytes)
     if note:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from usaf import distributed
 from usaf.artifacts import (
     ArtifactWriter,
     InputRecord,
@@ -28,13 +29,20 @@ from usaf.artifacts import (
 from usaf.artifacts.plan import (
     LayerRouting,
     PlanSummary,
+    PrefixCacheRecord,
     TensorSelection,
     write_plan_files,
 )
 from usaf.artifacts.workspace import resolve_data, resolve_model
+from usaf.backends import resolve_backend
 from usaf.data.batches import Batch, batches, sample_lines
+from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
+from usaf.engine.engine import SparseEngine
+from usaf.engine.selection import SelectionError, jaccard, pool_size, select
 from usaf.errors import UsafError
 from usaf.settings.score import ScoreConfig
+from usaf.stages.engine_setup import load_for_engine
+from usaf.stages.prefix_cache import write_store
 from usaf.stages.progress import NullProgress, Progress
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -78,13 +86,6 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     r, r + N, ...) and the accumulators are merged, so the plan equals one process's with the same
     microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the others wait.
     """
-    from usaf import distributed
-    from usaf.backends import resolve_backend
-    from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from usaf.engine.engine import SparseEngine
-    from usaf.engine.selection import SelectionError, jaccard, pool_size, select
-    from usaf.stages.engine_setup import load_for_engine
-
     start = time.perf_counter()
     backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
     world = distributed.init(config.dist_backend, backend.device)
@@ -94,8 +95,6 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
     out = config.out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
     ArtifactWriter(out, overwrite=config.overwrite).check_target()
-
-    from usaf.data.tokenizer import max_sequence_length
 
     # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
     context = max_sequence_length(str(model_dir), tokenizer)
@@ -194,9 +193,6 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
 
 
 def _with_prefix_store(summary, engine, data_file, work, model_fingerprint, tokenizer, pad, microbatch, progress):
-    from usaf.artifacts.plan import PrefixCacheRecord
-    from usaf.stages.prefix_cache import write_store
-
     stored = write_store(
         engine,
         data_file,
@@ -236,8 +232,6 @@ def _summary(
     data_fingerprint: str,
     seconds: float,
 ) -> PlanSummary:
-    from usaf.engine.selection import pool_size
-
     budgets = pool_size({n: a.shape for n, a in accumulators.items()}, config.frac, config.budget, layer_of)
     tensors = []
     for name, idx in masks.items():
