@@ -33,6 +33,7 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
     """
     if config.vram is None and config.ram is None:
         return config
+    # lazy: the planner (a meta-device model) only when --vram/--ram are given
     from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
 
     kind = _KINDS.get(backend.device.type)
@@ -86,6 +87,7 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
 
 
 def _peaks(plan: Any) -> str:
+    # lazy: usaf.memory_plan only when --vram/--ram are given
     from usaf.memory_plan.sizes import gib
 
     train = next(stage for stage in plan.stages if stage.stage == "train")

@@ -20,11 +20,16 @@ from usaf.artifacts import PlanManifest, QuantizedModelManifest, default_output,
 from usaf.artifacts.run import SETTINGS_FILE
 from usaf.artifacts.workspace import check_plan_model, resolve_data, resolve_model, resolve_plan
 from usaf.artifacts.writer import remove_stale_temporaries_inside
-from usaf.distributed import World
+from usaf.data.dataset import TokenDataset
+from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
+from usaf.distributed import World, world
 from usaf.errors import UsafError
 from usaf.settings import SELECTION_FIELDS
+from usaf.stages import score
 from usaf.stages.progress import Progress
+from usaf.stages.train.budget import apply_budget
 from usaf.stages.train.config import TrainConfig
+from usaf.stages.train.resume import latest_checkpoint
 
 PLAN_DIR = "plan"  # inside the run directory: the plan scored on the fly when none was given or found
 DEFAULT_RESELECT_EVERY = 50
@@ -59,11 +64,6 @@ class TrainInputs:
 
 def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Progress) -> TrainInputs:
     """Resolve and check every input of the run (scoring a plan on the fly when there is none)."""
-    from usaf.data.dataset import TokenDataset
-    from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from usaf.stages.train.budget import apply_budget
-    from usaf.stages.train.resume import latest_checkpoint
-
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     _check_seq_len(config.seq_len, str(model_dir), tokenizer)
@@ -123,8 +123,6 @@ def _check_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
 
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, progress: Progress) -> Any:
-    from usaf.data.dataset import TokenDataset
-
     if config.eval_data is None:
         return None
     eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
@@ -155,8 +153,6 @@ def _reselect_every(requested: int | None, steps: int, progress: Progress) -> in
 
 
 def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any) -> None:
-    from usaf.data.tokenizer import max_sequence_length
-
     limit = max_sequence_length(model, tokenizer)
     if seq_len is not None and limit is not None and seq_len > limit:
         raise UsafError(f"--seq-len {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
@@ -177,9 +173,6 @@ def _find_plan(
 
 
 def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir: Path, progress: Progress):
-    from usaf.distributed import world
-    from usaf.stages import score
-
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UsafError(
             f"--out {run_dir}: holds another run (other settings or inputs)",

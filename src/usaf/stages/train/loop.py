@@ -14,8 +14,10 @@ import threading
 from typing import Any
 
 from usaf.distributed import PeerLost, World, merge_scores
+from usaf.engine.reselect import collect_scores, reselect, update_fraction
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
+from usaf.stages.train.resume import latest_checkpoint
 from usaf.units import human_bytes
 
 SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
@@ -38,8 +40,6 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
                 progress.note(note)
                 raise
     except PeerLost as e:
-        from usaf.stages.train.resume import latest_checkpoint
-
         last = latest_checkpoint(trainer.run_dir)
         where = f"the newest complete checkpoint is {last}" if last else "no checkpoint was written yet"
         raise UsafError(f"{e.message}; {where}", e.hint) from None
@@ -48,8 +48,6 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
 
 
 def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> None:
-    from usaf.engine.reselect import collect_scores
-
     first = trainer.state.step
     while trainer.state.step < steps:
         stop.check()
@@ -81,8 +79,6 @@ def collecting(step: int, every: int, steps: int) -> bool:
 
 def _reselect(trainer: Any, steps: int) -> None:
     """Drop and grow at the cycle's end, from the grow scores every rank collected (merged: the same everywhere)."""
-    from usaf.engine.reselect import reselect, update_fraction
-
     done = trainer.state.step
     fraction = update_fraction(done, steps, trainer.config.reselect_fraction)
     scores, trainer.collector = trainer.collector, None

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from usaf.artifacts.run import CHECKPOINTS_DIR, STATE_FILE, Checkpoint, DeltaRecord
+from usaf.engine.reselect import collect_scores, cumulative_delta
+from usaf.engine.scores import ScoreAccumulator, merge
 from usaf.errors import UsafError
 from usaf.stages.train.trainer import TrainState
 
 
 def checkpoint_of(trainer: Any, scores_by_rank: list[dict | None]) -> Checkpoint:
     """The trainer's whole state as a checkpoint (CPU tensors); ``scores_by_rank``: every rank's grow scores."""
-    from usaf.engine.reselect import cumulative_delta
-
     deltas = {}
     for name, weight in trainer.engine.weights.items():
         active = None
@@ -81,9 +81,6 @@ def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
 def _restore_scores(trainer: Any, by_rank: list[dict]) -> None:
     """Grow scores saved inside a scoring window: each rank its own when the world size is the same;
     otherwise rank 0 takes all of them merged (the same sums) and the others start empty."""
-    from usaf.engine.reselect import collect_scores
-    from usaf.engine.scores import ScoreAccumulator, merge
-
     trainer.collector = collect_scores(trainer.engine)
     if len(by_rank) == trainer.world.size:
         mine = by_rank[trainer.world.rank]

@@ -22,8 +22,10 @@ from usaf.stages.train.config import TrainConfig
 
 def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
     """Train; returns the run's manifest and directory."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     import torch
 
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf import distributed
     from usaf.backends import resolve_backend
     from usaf.engine.loss_scale import DynamicLossScaler
@@ -70,6 +72,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
 
 def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     """The engine over the loaded model, its deltas placed on the plan's masks."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.engine.engine import SparseEngine
     from usaf.stages.engine_setup import load_for_engine
 
@@ -96,6 +99,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
 
 def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[Any, str] | None:
     """(the frozen-prefix cache, the model's fingerprint) when the engine has a frozen prefix, else None."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.artifacts.prefix_store import open_store
     from usaf.engine.prefix import PrefixCache
 
@@ -110,6 +114,7 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[A
 
 
 def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.stages.train.loop import memory_parts
 
     counts = engine.trainable_count()

@@ -18,12 +18,14 @@ every rank's partial grow scores.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from usaf.artifacts.run import (
@@ -229,8 +231,6 @@ class Trainer:
 
     def _shrink_microbatch(self) -> str:
         """Halve the microbatch (to a divisor of the step's sequences) and raise the accumulation to match."""
-        import gc
-
         gc.collect()
         if self.backend is not None:
             self.backend.empty_cache()
@@ -338,20 +338,20 @@ class Trainer:
         return directory
 
     def _write_checkpoint(self, directory: Path, scores_by_rank: list[dict | None]) -> None:
+        # lazy: an import cycle (resume imports TrainState from this module)
         from usaf.stages.train.resume import checkpoint_of
 
         write_checkpoint(directory, checkpoint_of(self, scores_by_rank))
 
     def load_checkpoint(self, directory: Path) -> None:
         """Continue from ``directory`` (read whole, or refused: never half-loaded) in a fresh engine."""
+        # lazy: an import cycle (resume imports TrainState from this module)
         from usaf.stages.train.resume import restore
 
         restore(self, read_checkpoint(directory, flag="--resume"), directory)
 
     def _memory_now(self) -> dict[str, int]:
         """Process RSS, and the accelerator's peak allocation when the backend reports one (bytes)."""
-        import psutil
-
         memory = {"rss": psutil.Process().memory_info().rss}
         peak = self.backend.peak_allocated() if self.backend is not None else None
         if peak is not None:
