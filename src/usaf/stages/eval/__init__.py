@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+import torch
+import transformers
+
+from usaf._version import __version__
 from usaf.artifacts import (
     ArtifactWriter,
     EvalReportManifest,
@@ -26,10 +31,30 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
+from usaf.artifacts.run import METRICS_FILE
+from usaf.backends import resolve_backend
+from usaf.data.tokenizer import load_tokenizer, max_sequence_length
+from usaf.engine.engine import SparseEngine
+from usaf.engine.prefix import PrefixTap
+from usaf.engine.streaming import ExpertStreamer
 from usaf.errors import UsafError
 from usaf.settings.eval import EvalConfig
+from usaf.stages.engine_setup import load_for_engine
+from usaf.stages.eval import cache, passes, plots  # module attributes, read at call time (tests patch them)
+from usaf.stages.eval.inputs import HELD_OUT, sequences_fingerprint
+from usaf.stages.eval.passes import (
+    batch_hidden,
+    batches_of,
+    make_resident,
+    max_logit_change,
+    run_pass,
+)
+from usaf.stages.eval.plots import CURVES_FILE, INSTALL_HINT, LOAD_FILE, plot_curves, plot_load
+from usaf.stages.eval.report import markdown, result_rows, routing_drift
+from usaf.stages.eval.resolve import model_and_change, read_inputs
 from usaf.stages.eval.stats import CONFIDENCE
 from usaf.stages.progress import NullProgress, Progress
+from usaf.units import human_bytes
 
 
 @dataclass
@@ -53,15 +78,10 @@ class _Outcome:
 
 def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
     """Evaluate and write the report; returns its manifest and directory."""
-    from usaf.backends import resolve_backend
-    from usaf.data.tokenizer import load_tokenizer, max_sequence_length
-    from usaf.stages.eval.plots import INSTALL_HINT, matplotlib_available
-    from usaf.stages.eval.resolve import model_and_change, read_inputs
-
     progress = progress or NullProgress()
     start = time.perf_counter()
     workspace = workspace_dir(config.workspace)
-    if config.plots and not matplotlib_available():
+    if config.plots and not plots.matplotlib_available():
         raise UsafError("--plots: matplotlib is not installed", f"{INSTALL_HINT}, or pass --no-plots")
     model_dir, model_manifest, change = model_and_change(config, workspace, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
@@ -79,12 +99,6 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
 
 def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress) -> _Outcome:
     """The base pass (or its cached result) and the fine-tuned pass over the same batches."""
-    from usaf.stages.engine_setup import load_for_engine
-    from usaf.stages.eval import cache
-    from usaf.stages.eval.inputs import sequences_fingerprint
-    from usaf.stages.eval.passes import batches_of, make_resident, run_pass
-    from usaf.units import human_bytes
-
     sequences = [s for item in inputs for s in item.sequences]
     batches = batches_of(sequences, config.microbatch, pad)
     data_fp = sequences_fingerprint(sequences)
@@ -139,11 +153,6 @@ def _label(model_dir: Path, change) -> str:
 
 
 def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend) -> dict:
-    import torch
-    import transformers
-
-    from usaf._version import __version__
-
     return {
         "model": model_fp,
         "sequences": data_fp,
@@ -161,8 +170,6 @@ def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend) -> d
 
 def _refuse_empty_change(change, model) -> None:
     """A checkpoint whose deltas are all zero and whose routers equal the model's changes nothing: say so."""
-    import torch
-
     if any(bool(values.ne(0).any()) for _, values in change.deltas.values()):
         return
     for name, weight in change.routers.items():
@@ -183,7 +190,6 @@ def _stream_every_layer(loaded, backend, placement: dict):
     """The base pass streams every MoE layer (none trains); None when the experts are not streamed."""
     if not placement["stream_experts"]:
         return None
-    from usaf.engine.streaming import ExpertStreamer
 
     return ExpertStreamer(
         loaded.model.model.layers, loaded.experts, list(loaded.experts), backend.device, pin=placement["pin_experts"]
@@ -193,12 +199,6 @@ def _stream_every_layer(loaded, backend, placement: dict):
 def _prefix_tap(loaded, change, batches, progress: Progress):
     """A tap on the checkpoint's first trained layer for the base pass, or None (no checkpoint, nothing frozen
     below it, or the states would take over ``PREFIX_RAM_SHARE`` of the available RAM)."""
-    import psutil
-
-    from usaf.engine.prefix import PrefixTap
-    from usaf.stages.eval.passes import PREFIX_RAM_SHARE
-    from usaf.units import human_bytes
-
     if change is None or min(change.trainable_layers) == 0:
         return None
     first = min(change.trainable_layers)
@@ -207,10 +207,10 @@ def _prefix_tap(loaded, change, batches, progress: Progress):
     element = next(model.parameters()).element_size()
     needed = sum(b.input_ids.numel() for b in batches) * width * element  # (B, S, H) per batch, padded
     available = psutil.virtual_memory().available
-    if needed > PREFIX_RAM_SHARE * available:
+    if needed > passes.PREFIX_RAM_SHARE * available:
         progress.note(
             f"fine-tuned pass: runs every layer (the base pass's states at layer {first} would take "
-            f"{human_bytes(needed)}, over {PREFIX_RAM_SHARE:.0%} of the available RAM)"
+            f"{human_bytes(needed)}, over {passes.PREFIX_RAM_SHARE:.0%} of the available RAM)"
         )
         return None
     return PrefixTap(model.model.layers[first])
@@ -223,11 +223,6 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
     None). The layers below it are the base model's in both passes, so the fine-tuned pass starts there, and
     their routing is the base pass's.
     """
-    import torch
-
-    from usaf.engine.engine import SparseEngine
-    from usaf.stages.eval.passes import batch_hidden, max_logit_change, run_pass
-
     try:
         engine = SparseEngine(
             loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers), **placement
@@ -268,8 +263,6 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
 
 def _write(config: EvalConfig, out: Path, backend, o: _Outcome, start: float, progress: Progress):
     """Rows, drift, plots, ``report.json``/``report.md`` and the manifest, committed atomically."""
-    from usaf.stages.eval.report import markdown, result_rows, routing_drift
-
     rows = result_rows(o.sequences, o.base, o.tuned, samples=config.bootstrap, seed=config.seed)
     drift = routing_drift(o.base, o.tuned, o.num_experts)
     with ArtifactWriter(out, overwrite=config.overwrite) as art:
@@ -331,20 +324,9 @@ def _input_records(o: _Outcome) -> list[InputRecord]:
 
 
 def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progress) -> tuple[list[str], str | None]:
-    from usaf.artifacts.run import METRICS_FILE
-    from usaf.stages.eval.inputs import HELD_OUT
-    from usaf.stages.eval.plots import (
-        CURVES_FILE,
-        INSTALL_HINT,
-        LOAD_FILE,
-        matplotlib_available,
-        plot_curves,
-        plot_load,
-    )
-
     if config.plots is False:
         return [], None
-    if not matplotlib_available():
+    if not plots.matplotlib_available():
         note = f"plots skipped: matplotlib is not installed ({INSTALL_HINT})"
         progress.note(note)
         return [], note

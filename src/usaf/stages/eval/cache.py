@@ -19,6 +19,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
 from usaf.artifacts.hashing import sha256_text
 from usaf.stages.eval.passes import PassResult
 
@@ -38,9 +41,6 @@ def entry_dir(workspace: Path, key: str) -> Path:
 
 def load(directory: Path, key: str, *, sequences: int, input_tokens: int) -> PassResult | None:
     """The cached base pass, or ``None`` when absent or not matching (then the caller recomputes)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
         tensors = load_file(str(directory / TENSORS_FILE))
@@ -59,8 +59,6 @@ def load(directory: Path, key: str, *, sequences: int, input_tokens: int) -> Pas
 
 def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult) -> None:
     """Write an entry atomically (temp dir + rename); an existing entry of the same key is replaced."""
-    from safetensors.torch import save_file
-
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()

@@ -20,11 +20,13 @@ from typing import Any
 from usaf.artifacts import TokensManifest, load_verified
 from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE
+from usaf.data.corpus import discover
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.data.packing import IGNORE_INDEX
 from usaf.data.tokens import iter_token_file
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
+from usaf.stages.tokenize import TokenizeConfig, pack_corpus
 
 DATA, HELD_OUT = "data", "held-out"  # the two sets, named after their flags
 FLAGS = {DATA: "--data", HELD_OUT: "--held-out"}
@@ -135,9 +137,6 @@ def _token_lines(file: Path, set_name: str, vocab: int, context: int | None) -> 
 
 
 def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, progress: Progress) -> list[EvalSequence]:
-    from usaf.data.corpus import discover
-    from usaf.stages.tokenize import TokenizeConfig, pack_corpus
-
     flag = FLAGS[set_name]
     corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth)
     if not corpus.files:

@@ -13,6 +13,9 @@ from usaf.artifacts import (
     load_verified,
     pick_latest,
 )
+from usaf.artifacts.run import load_trained_change
+from usaf.artifacts.workspace import resolve_model
+from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
 from usaf.stages.progress import Progress
@@ -28,9 +31,6 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
     for it (base only when there is none). ``--checkpoint`` alone: the newest model it was trained on.
     ``--model`` alone: base only.
     """
-    from usaf.artifacts.run import load_trained_change
-    from usaf.artifacts.workspace import resolve_model
-
     change = load_trained_change(config.checkpoint, flag="--checkpoint") if config.checkpoint is not None else None
     if config.model is not None or change is None:
         model_dir, manifest = resolve_model(config, progress)
@@ -69,8 +69,6 @@ def read_inputs(
 
     Raw-text settings (``--seq-len`` ...) given without a raw-text input are refused, not ignored.
     """
-    from usaf.data.tokenizer import tokenizer_fingerprint
-
     tok_fp = tokenizer_fingerprint(tokenizer)
     data, held_out = list(config.data), list(config.held_out)
     if not data and not held_out:
