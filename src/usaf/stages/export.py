@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file
+
 from usaf.artifacts import (
     ArtifactWriter,
     DeltaManifest,
@@ -31,10 +34,17 @@ from usaf.artifacts.hf_export import HfExportSummary
 from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.run import TrainedChange
 from usaf.artifacts.safety import check_free_space
+from usaf.backends import resolve_backend
 from usaf.errors import UsafError
+from usaf.families import load_model_config, resolve_family
 from usaf.settings.export import DEFAULT_SHARD_GIB, ExportConfig
 from usaf.stages.change import resolve_model_and_change
+from usaf.stages.export_base import resolve_base
+from usaf.stages.export_shards import plan_shards, write_shards
+from usaf.stages.export_sources import OriginalSource, QuantizedSource
+from usaf.stages.export_verify import verify
 from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.quantize_parts import copy_model_files
 
 
 def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any, Path]:
@@ -52,8 +62,6 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
         InputRecord(role="change", kind=_change_kind(change), path=str(change.source), fingerprint=change.fingerprint),
     ]
     if config.format == "delta":
-        from usaf.families import load_model_config, resolve_family
-
         transposed = resolve_family(load_model_config(model_dir)).layout.transposed
         with writer as art:
             summary = _write_delta(art.dir, change, qmanifest, transposed=transposed, verify=config.verify)
@@ -84,9 +92,6 @@ def _write_delta(
 ) -> DeltaSummary:
     write_delta_files(work, change)
     if verify:  # read the files back: the shared artifact must hold exactly the change, bit for bit
-        import torch
-        from safetensors.torch import load_file
-
         back = load_file(str(work / DELTA_FILE))
         for name, (indices, values) in change.deltas.items():
             if not (torch.equal(back[f"{name}.indices"], indices) and torch.equal(back[f"{name}.values"], values)):
@@ -121,15 +126,6 @@ def _export_hf(
     progress: Progress,
     started: float,
 ):
-    import torch
-
-    from usaf.backends import resolve_backend
-    from usaf.families import load_model_config, resolve_family
-    from usaf.stages.export_base import resolve_base
-    from usaf.stages.export_shards import plan_shards, write_shards
-    from usaf.stages.export_sources import OriginalSource, QuantizedSource
-    from usaf.stages.export_verify import verify
-
     spec = resolve_family(load_model_config(model_dir))
     dtype = getattr(torch, config.dtype) if config.dtype else None
     base_dir, base_fp = None, None
@@ -201,8 +197,6 @@ def _export_hf(
 
 def _model_files(source_dir: Path, work: Path, dtype: str | None) -> list[str]:
     """Copy config, generation config and tokenizer; edit config.json only where the export differs."""
-    from usaf.stages.quantize_parts import copy_model_files
-
     copy_model_files(source_dir, work)
     config = json.loads((work / "config.json").read_text(encoding="utf-8"))
     notes = []

@@ -12,11 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from usaf.artifacts import QuantizedModelManifest
 from usaf.artifacts.quantized import read_base_index
 from usaf.artifacts.run import TrainedChange
+from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
-from usaf.families import FamilySpec, MappingPlan, TensorInfo
+from usaf.families import (
+    FamilySpec,
+    MappingPlan,
+    TensorInfo,
+    load_model_config,
+    load_tensors,
+    map_checkpoint,
+    read_checkpoint,
+    resolve_family,
+)
+from usaf.families.checkpoint import read_header
+from usaf.stages.quantize_parts import source_record
 
 SMALL_NUMEL = 1 << 20  # tensors up to this many elements are always compared (norms, biases, routers)
 
@@ -33,10 +47,6 @@ def resolve_base(
     base: str, spec: FamilySpec, qmanifest: QuantizedModelManifest, model_dir: Path, change: TrainedChange
 ) -> Base:
     """The --base directory, its headers, mapping and fingerprint, checked against the quantized model."""
-    from usaf.data.hub import resolve_model_dir
-    from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
-    from usaf.stages.quantize_parts import source_record
-
     base_dir = resolve_model_dir(base, flag="--base")
     if not (base_dir / "config.json").is_file():
         raise UsafError(f"--base {base}: no config.json there", "pass the original Hugging Face model directory")
@@ -63,11 +73,6 @@ def _compare_copies(
     model_dir: Path,
     change: TrainedChange,
 ) -> None:
-    import torch
-
-    from usaf.families import load_tensors
-    from usaf.families.checkpoint import read_header
-
     weight_map = read_base_index(model_dir)
     stored: dict[str, TensorInfo] = {}
     for file in sorted(set(weight_map.values())):

@@ -12,6 +12,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import safetensors.torch
+
 from usaf.artifacts.hf_export import INDEX_FILE, ExportShardRecord
 from usaf.stages.export_sources import ExportSource, Unit
 from usaf.stages.progress import Progress
@@ -37,8 +39,6 @@ def write_shards(
     source: ExportSource, shards: list[list[Unit]], work: Path, progress: Progress
 ) -> list[ExportShardRecord]:
     """Produce and save every shard into ``work``; write the index last. Returns one record per shard."""
-    from safetensors.torch import save_file
-
     count = len(shards)
     weight_map: dict[str, str] = {}
     records: list[ExportShardRecord] = []
@@ -55,7 +55,7 @@ def write_shards(
             progress.advance(unit.nbytes, tensors=len(tensors))
         # (tensors, bytes) of this shard; safetensors needs each tensor contiguous and owning its storage
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file(tensors, str(work / file), metadata={"format": "pt"})
+        safetensors.torch.save_file(tensors, str(work / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         records.append(ExportShardRecord(name=file, bytes=(work / file).stat().st_size, tensors=len(tensors)))
         total += nbytes

@@ -21,12 +21,14 @@ import gc
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from usaf.artifacts.hf_export import VerifyRecord
 from usaf.artifacts.run import TrainedChange
 from usaf.errors import UsafError
-from usaf.families import FamilySpec
-from usaf.families.modules import FusedView, usaf_state_dict
+from usaf.families import FamilySpec, load_model_config, resolve_family
+from usaf.families.modules import FusedView, transformers_config, usaf_state_dict
 from usaf.stages.change import model_with_change
 from usaf.stages.progress import Progress
 
@@ -53,12 +55,7 @@ def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _load_hf(path: Path, device: torch.device, what: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # a per-tensor loading bar would bury the export's own progress
-    from usaf.families import load_model_config, resolve_family
-    from usaf.families.modules import transformers_config
 
     config = transformers_config(path, resolve_family(load_model_config(path)))  # 4.x: renamed fields
     model, info = AutoModelForCausalLM.from_pretrained(

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import GenerationConfig, TextStreamer
+
+from usaf.backends import resolve_backend
+from usaf.data.tokenizer import load_tokenizer
 from usaf.errors import UsafError
 from usaf.settings.generate import GenerateConfig
 from usaf.stages.change import model_with_change, resolve_model_and_change
@@ -50,8 +55,6 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> tuple[str, list
 
 
 def _streamer(tokenizer: Any, on_text: Callable[[str], None]) -> Any:
-    from transformers import TextStreamer
-
     class Streamer(TextStreamer):
         """transformers' word-boundary streaming, handing text to a callback instead of print()."""
 
@@ -64,8 +67,6 @@ def _streamer(tokenizer: Any, on_text: Callable[[str], None]) -> Any:
 
 def generation_config(config: GenerateConfig, tokenizer: Any, model_dir: Path) -> Any:
     """Sampling settings from the flags only; end-of-sequence ids from the model's generation config."""
-    from transformers import GenerationConfig
-
     eos = tokenizer.eos_token_id
     if (model_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos  # e.g. Qwen's two end tokens
@@ -82,11 +83,6 @@ def run(
     config: GenerateConfig, *, on_text: Callable[[str], None] | None = None, progress: Progress | None = None
 ) -> Generation:
     """Generate from ``config.prompt``; new text goes to ``on_text`` as it is decoded."""
-    import torch
-
-    from usaf.backends import resolve_backend
-    from usaf.data.tokenizer import load_tokenizer
-
     progress = progress or NullProgress()
     if not config.prompt:
         raise UsafError("PROMPT is empty", 'pass the text to continue, e.g. usaf generate "def fib(n):"')
