@@ -40,7 +40,8 @@ Rules:
 - **lazy-import**: an import inside a function in ``src/usaf`` says why it is there, with a ``# lazy: reason``
   comment on its line or on the comment/import lines right above it (an import cycle, an optional dependency,
   keeping ``usaf --help`` or a light module free of torch). Anything else goes to the module's top, where the
-  dependency graph can be read.
+  dependency graph can be read. ``usaf/cli/`` is exempt as a whole (``LAZY_BY_DESIGN``: ``usaf --help`` imports it
+  all).
 
 ``ALLOWED`` lists (file, rule) pairs that are known violations in files other changes are rewriting in
 parallel; each entry is exempt from that one rule only. Prune it as those files are fixed.
@@ -94,32 +95,15 @@ SAME_LAYER: dict[tuple[str, str], str] = {
 }
 
 # Known violations in files being rewritten in parallel (issue 18's other areas). (file, rule) -> why kept.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("src/usaf/stages/eval/__init__.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/eval/cache.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/eval/inputs.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/eval/resolve.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/export.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/export_base.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/export_shards.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/export_verify.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/generate.py", "lazy-import"): "to sort",
-    # ... and in the options area's files (cli/ keeps most of its imports lazy for `usaf --help`: say so there):
-    ("src/usaf/cli/demo.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/doctor.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/eval_.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/export.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/generate.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/inspect.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/plan.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/plan_render.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/quantize.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/score.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/stage.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/tiny_model.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/tokenize.py", "lazy-import"): "to sort",
-    ("src/usaf/cli/train.py", "lazy-import"): "to sort",
-    ("src/usaf/stages/demo.py", "lazy-import"): "to sort",
+ALLOWED: dict[tuple[str, str], str] = {}
+
+# Packages exempt from the lazy-import rule as a whole, the reason said once here rather than on each import.
+LAZY_BY_DESIGN: dict[str, str] = {
+    # `usaf --help` imports every cli module (the app registers each command) and loads nothing but typer:
+    # rich, pydantic (usaf.config, usaf.settings), torch and the stages load inside the command that runs.
+    # tests/test_cli.py and tests/test_doctor.py check the light import; cheap imports (stdlib, usaf.errors,
+    # usaf.units) still sit at the modules' tops.
+    "src/usaf/cli/": "`usaf --help` stays instant",
 }
 
 DEVICE_TYPES = {"cuda", "cpu", "mps", "privateuseone", "xpu"}
@@ -392,7 +376,12 @@ def test_tests_do_not_import_tests():
 
 
 def test_function_level_imports_say_why():
-    found = [v for path, text in _sources(SRC / "usaf") for v in check_lazy_imports(path, text)]
+    found = [
+        v
+        for path, text in _sources(SRC / "usaf")
+        if not path.startswith(tuple(LAZY_BY_DESIGN))
+        for v in check_lazy_imports(path, text)
+    ]
     _fail_on(found)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,6 @@ from usaf.cli.flags import settings_command
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
-    import json
-
     from usaf.cli.console import handle_errors
 
     with handle_errors(verbose):

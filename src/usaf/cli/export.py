@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
+from usaf.errors import UsafError
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -14,7 +15,6 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
     # Refused here, not in the settings: USAF_DEVICE and [defaults] set --device for every command.
     if cli["device"] is not None and cli["format"] == "delta":
         from usaf.cli.console import handle_errors
-        from usaf.errors import UsafError
 
         with handle_errors(verbose):
             raise UsafError(

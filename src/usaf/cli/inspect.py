@@ -7,6 +7,7 @@ from typing import Any
 
 from usaf.cli.flags import settings_command
 from usaf.cli.options import COMMAND_EXTRAS
+from usaf.errors import UsafError
 
 
 def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
@@ -15,7 +16,6 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
 
     with handle_errors(verbose):
         from usaf.artifacts import MANIFEST_NAME
-        from usaf.errors import UsafError
         from usaf.settings.inspect import InspectConfig
 
         settings = InspectConfig(**{name: value for name, value in cli.items() if value is not None})
@@ -60,7 +60,6 @@ def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
 
     from usaf.artifacts import load_manifest, verify_files
     from usaf.cli.console import out, print_json
-    from usaf.errors import UsafError
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=hashes)
@@ -105,7 +104,6 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     from usaf.artifacts import load_manifest, verify_files
     from usaf.artifacts.loader import unlisted_files
     from usaf.cli.console import note, out, print_json
-    from usaf.errors import UsafError
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=True)

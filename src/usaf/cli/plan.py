@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
+from usaf.errors import UsafError
 
 
 def _command(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
@@ -32,11 +34,8 @@ command = settings_command(
 
 
 def _run(settings: Any, json_output: bool) -> None:
-    import dataclasses
-
     from usaf.cli.console import note, out, print_json
     from usaf.cli.plan_render import plan_json, render
-    from usaf.errors import UsafError
     from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
 
     kind = _device_kind(settings.device, settings.vram)
@@ -62,7 +61,6 @@ def _run(settings: Any, json_output: bool) -> None:
 
 def _device_kind(device: str | None, vram: str | None) -> str:
     from usaf.backends.spec import parse_device_spec
-    from usaf.errors import UsafError
 
     if device is None:
         return "cuda" if vram is not None else "cpu"

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from usaf.cli.stage import stage_command
+from usaf.units import human_bytes
 
 
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
-
-    from usaf.units import human_bytes
 
     s = manifest.summary
     table = Table(title=f"quantized model → {path}", title_justify="left")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from usaf.cli.stage import stage_command
+from usaf.units import human_bytes
 
 
 def _print_summary(console, manifest, path: Path) -> None:
@@ -40,8 +41,6 @@ def _print_summary(console, manifest, path: Path) -> None:
     )
     console.print("hottest experts: " + "; ".join(hottest))
     if s.prefix_cache is not None:
-        from usaf.units import human_bytes
-
         c = s.prefix_cache
         console.print(
             f"prefix cache: {c.samples:,} sequences / {c.tokens:,} tokens entering layer {c.start} "

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import typer
+
 from usaf.cli.flags import settings_command
+from usaf.errors import UsafError
 
 
 def stage_command(name: str, *, summary: Callable[[Any, Any, Path], None], doc: str) -> Any:
@@ -85,15 +91,8 @@ def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
 
     Exits with torchrun's status. Refused when already launched by torchrun.
     """
-    import os
-    import subprocess
-    import sys
-
-    import typer
-
     from usaf.cli.console import handle_errors
     from usaf.distributed import launched
-    from usaf.errors import UsafError
 
     with handle_errors(verbose):
         if launched():

@@ -6,6 +6,7 @@ from typing import Any
 
 from usaf.cli.flags import settings_command
 from usaf.cli.options import COMMAND_EXTRAS
+from usaf.errors import UsafError
 
 
 def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
@@ -15,7 +16,6 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
         from usaf.artifacts import ArtifactWriter
         from usaf.cli.console import out as stdout
         from usaf.cli.console import print_json
-        from usaf.errors import UsafError
         from usaf.families import SUPPORTED_FAMILIES, describe_model
         from usaf.settings.tiny_model import TinyModelConfig
         from usaf.testing import build_tiny_model

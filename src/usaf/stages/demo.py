@@ -9,13 +9,25 @@ so Ctrl-C at any point loses at most the steps since the last checkpoint.
 
 from __future__ import annotations
 
+import importlib
+import math
 import shlex
+import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from usaf.artifacts import load_manifest
+from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
+from usaf.settings.argv import command_line
 from usaf.settings.demo import DemoConfig
+from usaf.settings.eval import EvalConfig
+from usaf.settings.export import ExportConfig
+from usaf.settings.quantize import QuantizeConfig
+from usaf.settings.score import ScoreConfig
+from usaf.settings.tokenize import TokenizeConfig
+from usaf.settings.train import TrainConfig
 from usaf.stages.progress import NullProgress, Progress
 
 NAME = "demo"  # every artifact of the demo is WORKSPACE/<kind>/demo
@@ -49,8 +61,6 @@ FORGETTING_SOURCES = ("argparse.py", "difflib.py", "textwrap.py")
 
 
 def forgetting_inputs() -> list[Path]:
-    from usaf.demo import PRETRAIN_DOMAIN
-
     chosen = [x for x in PRETRAIN_DOMAIN.inputs() if x.name in FORGETTING_SOURCES]
     assert len(chosen) == len(FORGETTING_SOURCES) and set(FORGETTING_SOURCES) <= set(PRETRAIN_DOMAIN.held_out)
     return chosen
@@ -58,10 +68,6 @@ def forgetting_inputs() -> list[Path]:
 
 def domain(config: DemoConfig):
     """The fine-tuning domain: ``usaf.demo.DEMO_DOMAIN``, or three of its sources with ``--quick``."""
-    from dataclasses import replace
-
-    from usaf.demo import DEMO_DOMAIN
-
     if not config.quick:
         return DEMO_DOMAIN
     return replace(DEMO_DOMAIN, paths=QUICK_SOURCES, held_out=QUICK_SOURCES[-1:])
@@ -76,14 +82,6 @@ def effective(config: DemoConfig) -> DemoConfig:
 
 def stage_settings(config: DemoConfig) -> dict[str, Any]:
     """Each stage's settings, stage by stage: what the demo runs, and what its shell lines say."""
-    from usaf.demo import demo_model_dir
-    from usaf.settings.eval import EvalConfig
-    from usaf.settings.export import ExportConfig
-    from usaf.settings.quantize import QuantizeConfig
-    from usaf.settings.score import ScoreConfig
-    from usaf.settings.tokenize import TokenizeConfig
-    from usaf.settings.train import TrainConfig
-
     p = paths(config.workspace)
     model = str(demo_model_dir())
     device = config.device
@@ -108,8 +106,6 @@ def stage_settings(config: DemoConfig) -> dict[str, Any]:
 
 def commands(config: DemoConfig) -> list[tuple[str, list[str]]]:
     """The shell commands that do what the demo does, stage by stage (spelled from the same settings)."""
-    from usaf.settings.argv import command_line
-
     return [(name, command_line(name, settings)) for name, settings in stage_settings(effective(config)).items()]
 
 
@@ -124,12 +120,6 @@ def run(
     on_step: Callable[[DemoStep], None] | None = None,
 ) -> tuple[Any, Path]:
     """Run every stage; returns the eval report's manifest and directory (``on_step`` sees each stage)."""
-    import importlib
-    import shutil
-
-    from usaf.artifacts import load_manifest
-    from usaf.settings.argv import command_line
-
     progress = progress or NullProgress()
     config = effective(config)
     p = paths(config.workspace)
@@ -164,8 +154,6 @@ class Outcome:
 def outcomes(config: DemoConfig, report: dict) -> list[Outcome]:
     """The eval report's per-source rows in the demo's three groups: the sequences trained on, the same
     domain's held-out sources, and the pretraining domain's held-out sources (forgetting)."""
-    import math
-
     held_out = set(domain(effective(config)).held_out)
     groups: dict[str, list[dict]] = {"trained-on sources": [], "held-out sources, same domain": [],
                                      "pretraining domain (forgetting)": []}  # fmt: skip
