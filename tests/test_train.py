@@ -102,36 +102,30 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_ctrl_c_in_a_subprocess_saves_and_the_rerun_resumes(prepared, tmp_path):
-    qdir, tokens, plan = prepared("olmoe")
-    run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "usaf",
-        "train",
-        "--model",
-        str(qdir),
-        "--data",
-        str(tokens),
-        "--plan",
-        str(plan),
-        "--out",
-        str(run),
-        "--steps",
-        "600",
-        "--save-every",
-        "0",
-    ]
+def _train_command(qdir, tokens, plan, run, steps: int) -> list[str]:
+    args = ["--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--steps", steps, "--save-every", 0]
+    return [sys.executable, "-m", "usaf", "train", *map(str, args)]
+
+
+def _signal_after_two_steps(cmd: list[str], run, signum: int) -> tuple[int, str]:
+    """Start ``cmd``, send ``signum`` as soon as two steps are logged; (exit code, stderr)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     log = run / "metrics.jsonl"
-    # Interrupt as soon as two steps are logged: an unloaded machine runs a step of this model in ~10 ms.
+    # An unloaded machine runs a step of this model in ~10 ms.
     while time.time() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 2):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
+    return proc.returncode, stderr
+
+
+def test_ctrl_c_in_a_subprocess_saves_and_the_rerun_resumes(prepared, tmp_path):
+    qdir, tokens, plan = prepared("olmoe")
+    run = tmp_path / "run"
+    cmd = _train_command(qdir, tokens, plan, run, 600)
+    returncode, stderr = _signal_after_two_steps(cmd, run, signal.SIGINT)
+    assert returncode == 130, stderr
     checkpoints = sorted((run / "checkpoints").iterdir())
     assert len(checkpoints) == 1 and "interrupted" in stderr
     done = int(checkpoints[0].name.split("-")[1])
@@ -140,6 +134,26 @@ def test_ctrl_c_in_a_subprocess_saves_and_the_rerun_resumes(prepared, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"step {done} of 600" in resumed.stderr
     assert load_verified(run, RunManifest).summary.steps == 600
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_save_like_ctrl_c_and_exit_with_the_signals_code(prepared, tmp_path, name):
+    """What kill, schedulers, container stops (SIGTERM) and a closed terminal (SIGHUP) send: a checkpoint at the
+    step boundary, exit 128 + the signal's number, and the rerun resumes from it."""
+    signum = getattr(signal, name)
+    qdir, tokens, plan = prepared("olmoe")
+    run = tmp_path / "run"
+    cmd = _train_command(qdir, tokens, plan, run, 150)
+    returncode, stderr = _signal_after_two_steps(cmd, run, signum)
+    assert returncode == 128 + signum, stderr
+    assert f"stopped by {name}" in stderr and "interrupted: saved" in stderr
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert len(checkpoints) == 1
+    done = int(checkpoints[0].name.split("-")[1])
+    assert 0 < done < 150
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"step {done} of 150" in resumed.stderr
 
 
 def test_reselection_keeps_the_set_size_and_every_trained_value(prepared, tmp_path):

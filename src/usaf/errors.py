@@ -7,6 +7,8 @@ else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import signal
+
 
 class UsafError(Exception):
     """A user-facing error: what is wrong (naming the file, line or flag) and how to fix it."""
@@ -20,3 +22,15 @@ class UsafError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class StopSignal(KeyboardInterrupt):
+    """A run stopped at a step boundary by a signal: Ctrl-C (SIGINT), ``kill``/a scheduler/a container stop
+    (SIGTERM) or a closed terminal (SIGHUP). Handled like Ctrl-C; the command exits with the shell's
+    convention for that signal, 128 + its number (130, 143, 129)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.name = signal.Signals(signum).name

@@ -49,6 +49,8 @@ def handle_errors(verbose: bool = False) -> Iterator[None]:
             err.print("[yellow]hint:[/yellow] ", end="")
             err.print(e.hint, markup=False, emoji=False, highlight=False)
         raise typer.Exit(UsafError.exit_code) from None
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]: nothing half-written was left behind")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as e:
+        name = getattr(e, "name", "SIGINT")
+        what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+        err.print(f"[yellow]{what}[/yellow]: nothing half-written was left behind")
+        raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None

@@ -242,14 +242,22 @@ class SparseEngine:
                 raise ValueError(f"{self.spec.model_type} computes no load-balancing loss; pass aux_loss_coef=0")
             loss = loss + self.aux_loss_coef * aux
         if self.z_loss_coef > 0:
-            z = self._z_loss(outputs.router_logits)
+            first = self.prefix.start if prefix_states is not None else 0  # skipped frozen layers route nothing
+            z = self._z_loss(outputs.router_logits, first_run_layer=first)
             loss = loss + self.z_loss_coef * z
         return LossParts(loss, ce, aux, z, tokens)
 
-    def _z_loss(self, router_logits: Iterable[torch.Tensor]) -> torch.Tensor:
-        """Mean squared logsumexp of the trainable layers' router logits (ST-MoE's z-loss)."""
+    def _z_loss(self, router_logits: Iterable[torch.Tensor], *, first_run_layer: int = 0) -> torch.Tensor:
+        """Mean squared logsumexp of the trainable layers' router logits (ST-MoE's z-loss).
+
+        ``router_logits`` holds one entry per MoE layer that ran, in order: from a cached prefix state the
+        frozen layers below ``first_run_layer`` did not run and recorded none.
+        """
         per_layer = [logits for logits in router_logits if logits is not None]
-        chosen = [per_layer[self.spec.moe_layers.index(layer)] for layer in self.trainable_layers]
+        ran = [layer for layer in self.spec.moe_layers if layer >= first_run_layer]
+        if len(per_layer) != len(ran):
+            raise RuntimeError(f"{len(per_layer)} router logits for the {len(ran)} MoE layers that ran")
+        chosen = [per_layer[ran.index(layer)] for layer in self.trainable_layers]
         return torch.stack([torch.logsumexp(x.float(), dim=-1).pow(2).mean() for x in chosen]).mean()
 
     @contextlib.contextmanager

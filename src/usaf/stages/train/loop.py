@@ -15,7 +15,7 @@ from typing import Any
 
 from usaf.distributed import PeerLost, World, merge_scores
 from usaf.engine.reselect import collect_scores, reselect, update_fraction
-from usaf.errors import UsafError
+from usaf.errors import StopSignal, UsafError
 from usaf.stages.progress import Progress
 from usaf.stages.train.resume import latest_checkpoint
 from usaf.units import human_bytes
@@ -106,26 +106,34 @@ def memory_parts(memory: dict[str, int]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in memory.items() if v)
 
 
+# Ctrl-C; kill, schedulers and container stops; a closed terminal (Windows has no SIGHUP).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 class StopRequest:
-    """Ctrl-C (or torchrun's SIGTERM) stops the run at the next step boundary, never inside a step.
+    """Ctrl-C, SIGTERM or SIGHUP stops the run at the next step boundary, never inside a step.
 
     A signal only sets a flag; the loop checks it before each step (data parallel: the ranks agree on it
     with one all-reduce, so all of them reach the collective checkpoint together) and raises
-    KeyboardInterrupt there, so the checkpoint holds whole steps only. In one process a second Ctrl-C
-    leaves at once without writing (the last checkpoint stays intact); under torchrun repeated signals
-    change nothing (a terminal's Ctrl-C reaches every rank and torchrun forwards it again; a rank stuck in
-    a step is torchrun's to kill). Installed only in the main thread (Python's rule for signal handlers).
+    :class:`usaf.errors.StopSignal` (a KeyboardInterrupt) there, so the checkpoint holds whole steps only and
+    the command exits with 128 + the signal's number. In one process a second signal leaves at once without
+    writing (the last checkpoint stays intact); under torchrun repeated signals change nothing (a
+    terminal's Ctrl-C reaches every rank and torchrun forwards it again; a rank stuck in a step is
+    torchrun's to kill). Installed only in the main thread (Python's rule for signal handlers).
     """
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.requested = False
+        self.signum: int | None = None  # the first stop signal received
         self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            signals = (signal.SIGINT, signal.SIGTERM) if self.world.active else (signal.SIGINT,)
-            for sig in signals:
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -135,9 +143,9 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.requested and not self.world.active:
-            raise SystemExit(130)  # the second Ctrl-C: leave now, no checkpoint
-        self.requested = True
+            raise SystemExit(128 + signum)  # the second signal: leave now, no checkpoint
+        self.signum = self.signum or signum
 
     def check(self) -> None:
-        if self.world.any(self.requested):
-            raise KeyboardInterrupt
+        if self.world.any(self.requested):  # a rank that got none stops for its peers: as Ctrl-C
+            raise StopSignal(self.signum or signal.SIGINT)
