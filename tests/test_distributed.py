@@ -64,6 +64,16 @@ def files(run: Path) -> list[str]:
     return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_like_the_ranks():
+    """The ranks run with OMP_NUM_THREADS=1; the one-process twins run in this process, whose intra-op threads
+    must match for their sums to be bit-identical (with 2 threads the losses differed by ~2e-7)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def setup(prepared, tmp_path_factory):
     """(qdir, tokens, plan at frac 0.3, root)."""

@@ -156,6 +156,25 @@ def test_sigterm_and_sighup_save_like_ctrl_c_and_exit_with_the_signals_code(prep
     assert f"step {done} of 150" in resumed.stderr
 
 
+@pytest.mark.parametrize(
+    "options",
+    [("--z-loss-coef", 0.01), ("--aux-loss-coef", 0.01), ("--aux-loss-coef", 0.01, "--z-loss-coef", 0.01, "--no-router")],
+    ids=["z-loss", "aux-loss", "both-without-router"],
+)
+def test_every_router_loss_option_trains_end_to_end(prepared, tmp_path, options):
+    """Through the CLI, from the default cached prefix (where --z-loss-coef once crashed): the run finishes and
+    its first step's loss carries the router terms on top of the plain run's cross-entropy."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    runs = {"plain": (), "with": options}
+    for name, extra in runs.items():
+        result = train(qdir, tokens, plan, tmp_path / name, "--steps", 3, "--save-every", 0, *extra)
+        assert result.exit_code == 0, result.output
+    first = {name: [m["loss"] for m in metrics(tmp_path / name) if "loss" in m][0] for name in runs}
+    assert first["with"] > first["plain"]  # the same weights and batch at step 0: only the router terms differ
+    summary = load_verified(tmp_path / "with", RunManifest).summary
+    assert summary.steps == 3 and summary.skipped_steps == 0
+
+
 def test_reselection_keeps_the_set_size_and_every_trained_value(prepared, tmp_path):
     qdir, tokens, plan = prepared("mixtral")
     masks = load_file(str(plan / "masks.safetensors"))
