@@ -158,7 +158,11 @@ def test_sigterm_and_sighup_save_like_ctrl_c_and_exit_with_the_signals_code(prep
 
 @pytest.mark.parametrize(
     "options",
-    [("--z-loss-coef", 0.01), ("--aux-loss-coef", 0.01), ("--aux-loss-coef", 0.01, "--z-loss-coef", 0.01, "--no-router")],
+    [
+        ("--z-loss-coef", 0.01),
+        ("--aux-loss-coef", 0.01),
+        ("--aux-loss-coef", 0.01, "--z-loss-coef", 0.01, "--no-router"),
+    ],
     ids=["z-loss", "aux-loss", "both-without-router"],
 )
 def test_every_router_loss_option_trains_end_to_end(prepared, tmp_path, options):
