@@ -26,13 +26,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from usaf.artifacts.quantized import EXPERTS_FILE
 from usaf.backends.transfer import CopyStream, has_copy_stream
 from usaf.engine.experts import LayerExperts
 from usaf.quant import QuantizedTensor
@@ -227,8 +225,3 @@ def choose_streaming(requested: bool | None, backend, experts_bytes: int) -> tup
         f"streaming the frozen layers' 4-bit experts from host memory ({human_bytes(experts_bytes)} would take over "
         f"half of the device's {human_bytes(free)} free); --no-stream-experts keeps them on the device"
     )
-
-
-def quantized_bytes(manifest_dir) -> int:
-    """Bytes of every layer's 4-bit experts, from the size of the quantized model's ``experts_q4.pt``."""
-    return (Path(manifest_dir) / EXPERTS_FILE).stat().st_size
