@@ -36,6 +36,7 @@ CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 SETTINGS_FILE = "run-settings.json"
+PLAN_DIR = "plan"  # the plan usaf train scored on the fly, when it was given none and found none
 DELTAS_FILE = "deltas.safetensors"  # "<name>.<part>_indices"/"<name>.<part>_values", see _DELTA_KEYS
 ROUTERS_FILE = "routers.safetensors"  # in-memory router name -> fp32 master weight
 OPTIMIZER_FILE = "optimizer.pt"  # optimizer, schedule, RNG, loss scale, partial grow scores (weights_only)

@@ -21,31 +21,41 @@ import psutil
 
 from usaf._version import __version__
 from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, Manifest
+from usaf.artifacts.outputs import (
+    OLD_TAG,
+    TMP_TAG,
+    InputPaths,
+    check_not_an_input,
+    found_at,
+    mark_usaf_made,
+    old_sibling,
+    refuse_unless_replaceable,
+)
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
 
-_TMP_TAG = ".usaf-tmp-"
-_OLD_TAG = ".usaf-old-"
 _PARTIAL_TAG = ".usaf-partial"
 
 
 def _remove_stale_temporaries(target: Path) -> None:
-    """Delete temporaries of this target left by processes that no longer run (e.g. SIGKILL)."""
+    """Delete temporaries and replaced outputs of this target left by processes that no longer run (SIGKILL)."""
     parent = target.parent
     if not parent.is_dir():
         return
-    for candidate in parent.glob(f".{target.name}{_TMP_TAG}*"):
-        pid_text = candidate.name.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
-        if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)):
-            shutil.rmtree(candidate, ignore_errors=True)
+    for tag in (TMP_TAG, OLD_TAG):
+        for candidate in parent.glob(f".{target.name}{tag}*"):
+            pid_text = candidate.name.rsplit(tag, 1)[1].split("-", 1)[0]
+            if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)) and not candidate.is_symlink():
+                shutil.rmtree(candidate, ignore_errors=True)
 
 
 def remove_stale_temporaries_inside(directory: Path) -> None:
     """Inside a resumed partial directory: temporaries (``*.usaf-tmp-PID-*``) of processes that no longer run."""
-    for candidate in directory.rglob(f"*{_TMP_TAG}*"):
-        pid_text = candidate.name.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
+    for candidate in directory.rglob(f"*{TMP_TAG}*"):
+        pid_text = candidate.name.rsplit(TMP_TAG, 1)[1].split("-", 1)[0]
         if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)):
             if candidate.is_dir():
                 shutil.rmtree(candidate, ignore_errors=True)
@@ -57,7 +67,7 @@ def remove_stale_temporaries_inside(directory: Path) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one step: a kill leaves the old content or the new, never a part."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(f".{path.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with tmp.open("w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -76,22 +86,36 @@ class ArtifactWriter:
                                   environment=current_environment(), summary=summary)
     """
 
-    def __init__(self, target: Path, *, flag: str = "--out", overwrite: bool = False, resumable: bool = False) -> None:
+    def __init__(
+        self,
+        target: Path,
+        *,
+        flag: str = "--out",
+        overwrite: bool = False,
+        overwrite_flag: str = "--overwrite",
+        inputs: InputPaths | None = None,
+        resumable: bool = False,
+    ) -> None:
         """Args:
         target: the artifact directory to create.
         flag: the flag the path came from, for messages.
-        overwrite: replace an existing ``target`` (atomically, at commit).
+        overwrite: replace an existing ``target`` (atomically, at commit), if usaf made it.
+        overwrite_flag: the flag that sets ``overwrite``, for messages (``--force`` for quantize).
+        inputs: the command's inputs (flag -> path or paths): ``target`` may not be, contain or lie in one.
         resumable: build in a fixed ``.NAME.usaf-partial`` directory that survives a failure or
             Ctrl-C, so a rerun continues from what it holds (``resumed`` says whether it existed).
         """
         self.target = Path(target).absolute()
         self.flag = flag
         self.overwrite = overwrite
+        self.overwrite_flag = overwrite_flag
+        self.inputs = inputs or {}
+        self.lock = OutputLock(self.target, flag=flag)
         self.resumable = resumable
         if resumable:
             self.dir = self.partial_dir(self.target)
         else:
-            self.dir = self.target.parent / f".{self.target.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.dir = self.target.parent / f".{self.target.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.resumed = False
         self.committed = False
 
@@ -102,21 +126,29 @@ class ArtifactWriter:
         return target.parent / f".{target.name}{_PARTIAL_TAG}"
 
     def check_target(self) -> None:
-        """Refuse early (before any work) if the output exists and may not be replaced."""
-        if self.target.exists() and not self.overwrite:
-            if (self.target / MANIFEST_NAME).is_file():
-                what = "an artifact"
-            else:
-                what = "a directory" if self.target.is_dir() else "a file"
-            raise UsafError(
-                f"{self.flag} {self.target}: {what} already exists there",
-                "pass another path, or --overwrite to replace it",
-            )
-        if self.target.exists() and not self.target.is_dir():
-            raise UsafError(f"{self.flag} {self.target}: exists and is not a directory", "pass another path")
+        """Refuse early (before any work): an output that is or holds an input, that exists and may not be
+        replaced, or that another process is writing."""
+        check_not_an_input(self.target, self.flag, self.inputs)
+        self._check_replaceable()
+        self.lock.check_free()
+
+    def _check_replaceable(self) -> None:
+        refuse_unless_replaceable(
+            self.target, found_at(self.target), self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag
+        )
 
     def __enter__(self) -> ArtifactWriter:
-        self.check_target()
+        check_not_an_input(self.target, self.flag, self.inputs)
+        self._check_replaceable()
+        self.lock.acquire()  # held until __exit__: one writer per output
+        try:
+            self._enter()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def _enter(self) -> None:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_temporaries(self.target)
@@ -128,11 +160,13 @@ class ArtifactWriter:
             raise UsafError(
                 f"{self.flag} {self.target}: cannot create it: {e.strerror}", "pick a writable path"
             ) from None
-        return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self.committed and not self.resumable:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if not self.committed and not self.resumable:
+                shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            self.lock.release()
 
     def file_records(self, exclude: tuple[str, ...] = ()) -> list[FileRecord]:
         return record_files(self.dir, (p for p in self.dir.rglob("*") if p.is_file() and p.name not in exclude))
@@ -150,18 +184,23 @@ class ArtifactWriter:
         self.committed = True
         return manifest
 
-    def commit_foreign(self) -> Path:
-        """Move a directory in another tool's format (a Hugging Face model) into place, no manifest."""
+    def commit_foreign(self, kind: str | None = None) -> Path:
+        """Move the directory into place as it is: one in another tool's format (a Hugging Face model), marked
+        as usaf's by a ``kind`` marker file, or one whose manifest is already written (``kind`` None)."""
+        if kind is not None:
+            mark_usaf_made(self.dir, kind)
         self._move_into_place()
         self.committed = True
         return self.target
 
     def _move_into_place(self) -> None:
         old = None
-        if self.target.exists():
-            if not self.overwrite:  # appeared while we were working
-                raise UsafError(f"{self.flag} {self.target}: appeared while writing", "pass another path")
-            old = self.target.parent / f".{self.target.name}{_OLD_TAG}{uuid.uuid4().hex[:8]}"
+        found = found_at(self.target)
+        if found.state != "absent":  # looked at again: it may have appeared or changed while we worked
+            refuse_unless_replaceable(
+                self.target, found, self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag
+            )
+            old = old_sibling(self.target)
             os.replace(self.target, old)
         os.replace(self.dir, self.target)
         if old is not None:

@@ -28,7 +28,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
             )
         with ArtifactWriter(settings.out, flag="OUT", overwrite=settings.overwrite) as art:
             build_tiny_model(family, art.dir, num_layers=layers, seed=settings.seed)
-            path = art.commit_foreign()
+            path = art.commit_foreign("tiny model")
         description = describe_model(path)
         if json_output:
             print_json({"path": str(path), "model": description.to_dict()})

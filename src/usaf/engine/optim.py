@@ -378,4 +378,3 @@ class SparseAdamW:
         self._bc2_sqrt = torch.ones(1, dtype=torch.float64)
         self._max_step = restore_state(state_dict, self.param_groups, self._state)
         self._grow_tables(self._max_step)
-

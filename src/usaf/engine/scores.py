@@ -68,6 +68,7 @@ from usaf.engine.statistics import STATISTICS, slice_statistic
 
 __all__ = ["ScoreAccumulator", "merge"]
 
+
 class ScoreAccumulator:
     """Accumulated importance of one fused expert tensor ``(E, O, I)``, reduced to a pool of candidates.
 
@@ -386,4 +387,3 @@ def merge(accumulators: Iterable[ScoreAccumulator]) -> ScoreAccumulator:
     summed = torch.zeros(unique.numel(), dtype=torch.float32, device=where).index_add_(0, inverse, scores)
     out._indices, out._scores, out._epoch_loss = out._keep_best(unique, summed)
     return out
-

@@ -56,6 +56,7 @@ def _file_writer(file: Any) -> Any:
         return torch._C.PyTorchFileWriter(file)
     return torch._C.PyTorchFileWriter(file, get_crc32_options(), _get_storage_alignment())
 
+
 _TMP_TAG = ".usaf-tmp-"  # same tag as usaf.artifacts.writer, so stray temporaries are recognisable
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import importlib
 import math
 import shlex
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import load_manifest
+from usaf.artifacts.outputs import remove_usaf_made
 from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
 from usaf.settings.argv import command_line
 from usaf.settings.demo import DemoConfig
@@ -124,8 +124,8 @@ def run(
     config = effective(config)
     p = paths(config.workspace)
     if config.overwrite:
-        for path in p.values():
-            shutil.rmtree(path, ignore_errors=True)
+        for path in p.values():  # each only if usaf made it: a user's directory there is refused, never deleted
+            remove_usaf_made(path, "--workspace")
     for name, settings in stage_settings(config).items():
         command = command_line(name, settings)
         step = DemoStep(name, command, p[_ARTIFACT[name]])

@@ -55,7 +55,8 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
     assert change is not None  # resolve_model_and_change finds one or raises
     kind = "hf_export" if config.format == "hf" else "delta"
     out = Path(config.out or default_output(workspace_dir(config.workspace), kind, change.source.name))
-    writer = ArtifactWriter(out, flag="--out", overwrite=config.overwrite)
+    given = {"--model": model_dir, "--checkpoint": change.source, "--base": config.base}
+    writer = ArtifactWriter(out, flag="--out", overwrite=config.overwrite, inputs=given)
     writer.check_target()  # before any work: an existing --out is refused at once
     inputs = [
         InputRecord(role="model", kind="quantized_model", path=str(model_dir), fingerprint=qmanifest.fingerprint),

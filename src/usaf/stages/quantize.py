@@ -23,6 +23,7 @@ import torch
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
+from usaf.artifacts.outputs import found_at
 from usaf.artifacts.quantized import (
     EXPERTS_FILE,
     QuantizedModelManifest,
@@ -145,66 +146,76 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         "nbits": config.nbits,
         "group_size": config.group_size,
     }
-    if out.exists():
-        if config.resume and not config.force:
-            manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
-            if not _made_with(manifest, settings):
-                raise UsafError(
-                    f"--out {out}: holds a quantization of another model or with other settings",
-                    "pass --force to replace it, or another --out",
-                )
-            progress.note(f"{out} is already complete; nothing to do")
-            return manifest, out
-        if not config.force:
-            raise UsafError(f"--out {out}: already exists", "pass --resume to accept it, --force to replace it")
-
-    experts_source_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
-    shards = base_shard_plan(plan, infos)
-    base_bytes = sum(infos[n].nbytes for shard in shards for n in shard.disk_names)
-    # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
-    partial = ArtifactWriter.partial_dir(out)
-    if partial.is_dir():
-        recorded = _partial_settings(partial)
-        # The settings are the first thing a run writes: without them (killed while writing them) it did no work.
-        same = recorded == settings or recorded is None
-        if config.force or not same:
-            if not same and not config.force:
-                raise UsafError(
-                    f"--out {out}: an interrupted run with other settings or another model left {partial}",
-                    "rerun with its settings to resume it, or pass --force to discard it",
-                )
-            shutil.rmtree(partial)
-    done = _done_bytes(partial) if partial.is_dir() else 0
-    # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
-    needed = int(experts_source_bytes * (config.nbits / 16 + 0.1) * 2 + base_bytes)
-    check_free_space(out, max(needed - done, 0), what="the quantized model")
-
-    try:
-        with ArtifactWriter(out, overwrite=config.force, resumable=True) as art:
-            if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
-                art.commit_foreign()  # killed after its manifest was written: only the rename was missing
-                return complete, art.target
-            write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps(settings))
-            if art.resumed:
-                progress.note(f"resuming the interrupted run in {art.dir}")
-            records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
-            write_base_shards(shards, model_dir, infos, art.dir, progress)
-            _assemble_experts(plan, art.dir, progress)
-            copy_model_files(model_dir, art.dir)
-            summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
-            manifest = art.commit(
-                QuantizedModelManifest,
-                exclude=(PARTIAL_SETTINGS,),
-                inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
-                config=config.model_dump(mode="json"),
-                environment=current_environment(**_env(backend)),
-                summary=summary,
+    writer = ArtifactWriter(out, overwrite=config.force, overwrite_flag="--force", inputs={"MODEL": model_dir},
+                            resumable=True)  # fmt: skip
+    with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it
+        found = found_at(out)
+        if found.state == "usaf" and not config.force:
+            if config.resume:
+                manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
+                if not _made_with(manifest, settings):
+                    raise UsafError(
+                        f"--out {out}: holds a quantization of another model or with other settings",
+                        "pass --force to replace it, or another --out",
+                    )
+                progress.note(f"{out} is already complete; nothing to do")
+                return manifest, out
+            raise UsafError(
+                f"--out {out}: {found.what} already exists there", "pass --resume to accept it, --force to replace it"
             )
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise UsafError(f"--out {out}: no space left on the disk", "free some space and rerun to resume") from None
-        raise
-    return manifest, art.target
+        writer.check_target()  # a link, a file or a directory usaf did not make: refused whatever the flags
+
+        experts_source_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
+        shards = base_shard_plan(plan, infos)
+        base_bytes = sum(infos[n].nbytes for shard in shards for n in shard.disk_names)
+        # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
+        partial = ArtifactWriter.partial_dir(out)
+        if partial.is_dir():
+            recorded = _partial_settings(partial)
+            # The settings are the first thing a run writes: without them (killed while writing them) it did no work.
+            same = recorded == settings or recorded is None
+            if config.force or not same:
+                if not same and not config.force:
+                    raise UsafError(
+                        f"--out {out}: an interrupted run with other settings or another model left {partial}",
+                        "rerun with its settings to resume it, or pass --force to discard it",
+                    )
+                shutil.rmtree(partial)
+        done = _done_bytes(partial) if partial.is_dir() else 0
+        # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
+        needed = int(experts_source_bytes * (config.nbits / 16 + 0.1) * 2 + base_bytes)
+        check_free_space(out, max(needed - done, 0), what="the quantized model")
+
+        try:
+            with writer as art:
+                if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
+                    art.commit_foreign()  # killed after its manifest was written: only the rename was missing
+                    return complete, art.target
+                write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps(settings))
+                if art.resumed:
+                    progress.note(f"resuming the interrupted run in {art.dir}")
+                records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
+                write_base_shards(shards, model_dir, infos, art.dir, progress)
+                _assemble_experts(plan, art.dir, progress)
+                copy_model_files(model_dir, art.dir)
+                summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
+                manifest = art.commit(
+                    QuantizedModelManifest,
+                    exclude=(PARTIAL_SETTINGS,),
+                    inputs=[
+                        InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)
+                    ],
+                    config=config.model_dump(mode="json"),
+                    environment=current_environment(**_env(backend)),
+                    summary=summary,
+                )
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise UsafError(
+                    f"--out {out}: no space left on the disk", "free some space and rerun to resume"
+                ) from None
+            raise
+        return manifest, art.target
 
 
 def _weight_tensors(layer: Any) -> list[Any]:

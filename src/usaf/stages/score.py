@@ -94,7 +94,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
     out = config.out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
-    ArtifactWriter(out, overwrite=config.overwrite).check_target()
+    writer = ArtifactWriter(
+        out, overwrite=config.overwrite, inputs={"--model": model_dir, "--data": [config.data, data_file]}
+    )
+    writer.check_target()
 
     # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
     context = max_sequence_length(str(model_dir), tokenizer)
@@ -166,7 +169,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
         return load_verified(out, PlanManifest, flag="--out"), out
-    with ArtifactWriter(out, overwrite=config.overwrite) as art:
+    with writer as art:
         _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
         if config.cache:
             summary = _with_prefix_store(summary, engine, data_file, art.dir, model_manifest.fingerprint, tokenizer,

@@ -86,7 +86,10 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     model_dir, model_manifest, change = model_and_change(config, workspace, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     out = config.out or default_output(workspace, EvalReportManifest.KIND, _label(model_dir, change))
-    ArtifactWriter(out, overwrite=config.overwrite).check_target()
+    given = {"--model": model_dir, "--checkpoint": change.source if change else None, "--data": config.data,
+             "--held-out": config.held_out}  # fmt: skip
+    writer = ArtifactWriter(out, overwrite=config.overwrite, inputs=given)
+    writer.check_target()
     context = max_sequence_length(str(model_dir), tokenizer)
     inputs = read_inputs(config, workspace, model_dir, change, tokenizer, context, progress)
     backend = resolve_backend(None if config.device == "auto" else config.device)
@@ -94,7 +97,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     outcome = _evaluate(
         config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress
     )
-    return _write(config, out, backend, outcome, start, progress)
+    return _write(config, writer, backend, outcome, start, progress)
 
 
 def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress) -> _Outcome:
@@ -261,11 +264,11 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
 # -- the report -------------------------------------------------------------------------------------------
 
 
-def _write(config: EvalConfig, out: Path, backend, o: _Outcome, start: float, progress: Progress):
+def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, start: float, progress: Progress):
     """Rows, drift, plots, ``report.json``/``report.md`` and the manifest, committed atomically."""
     rows = result_rows(o.sequences, o.base, o.tuned, samples=config.bootstrap, seed=config.seed)
     drift = routing_drift(o.base, o.tuned, o.num_experts)
-    with ArtifactWriter(out, overwrite=config.overwrite) as art:
+    with writer as art:
         plots, plots_note = _plots(config, art.dir, o.change, drift, rows, progress)
         change = o.change
         summary = EvalSummary(

@@ -9,15 +9,19 @@ weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import shutil
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import PlanManifest, QuantizedModelManifest, default_output, load_verified, workspace_dir
-from usaf.artifacts.run import SETTINGS_FILE
+from usaf.artifacts.lock import OutputLock
+from usaf.artifacts.outputs import check_not_an_input, found_at, refuse_unless_replaceable, remove_usaf_made
+from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 from usaf.artifacts.workspace import check_plan_model, resolve_data, resolve_model, resolve_plan
 from usaf.artifacts.writer import remove_stale_temporaries_inside
 from usaf.data.dataset import TokenDataset
@@ -31,7 +35,6 @@ from usaf.stages.train.budget import apply_budget
 from usaf.stages.train.config import TrainConfig
 from usaf.stages.train.resume import latest_checkpoint
 
-PLAN_DIR = "plan"  # inside the run directory: the plan scored on the fly when none was given or found
 DEFAULT_RESELECT_EVERY = 50
 
 
@@ -62,14 +65,24 @@ class TrainInputs:
         return pad if pad is not None else self.tokenizer.eos_token_id
 
 
-def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Progress) -> TrainInputs:
-    """Resolve and check every input of the run (scoring a plan on the fly when there is none)."""
+@contextlib.contextmanager
+def resolved_inputs(config: TrainConfig, backend: Any, world: World, progress: Progress) -> Iterator[TrainInputs]:
+    """:func:`resolve_inputs`, with the run directory locked (rank 0) until the block ends, however it ends."""
+    with contextlib.ExitStack() as held:
+        yield resolve_inputs(config, backend, world, progress, held)
+
+
+def resolve_inputs(
+    config: TrainConfig, backend: Any, world: World, progress: Progress, held: contextlib.ExitStack
+) -> TrainInputs:
+    """Resolve and check every input of the run (scoring a plan on the fly when there is none); ``held`` keeps
+    the run directory's lock."""
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     _check_seq_len(config.seq_len, str(model_dir), tokenizer)
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
     data_file, data_fp = resolve_data(config, tokenizer_fp, progress)
-    run_dir = _check_run_dir(config, model_dir, world)
+    run_dir = _check_run_dir(config, model_dir, data_file, world, held)
     data = TokenDataset(data_file, vocab_size=len(tokenizer))
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
@@ -109,17 +122,38 @@ def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Pr
     )
 
 
-def _check_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
-    """``--out`` (or the workspace's default): overwritten if asked; refused when finished or nothing to resume."""
+def _check_run_dir(
+    config: TrainConfig, model_dir: Path, data_file: Path, world: World, held: contextlib.ExitStack
+) -> Path:
+    """``--out`` (or the workspace's default), locked by rank 0 for the run: never an input, never a directory usaf
+    did not make; a finished run is replaced only with ``--overwrite``; refused when there is nothing to resume."""
     run_dir = Path(config.out or default_output(workspace_dir(config.workspace), "run", model_dir.name))
-    if run_dir.exists() and config.overwrite and world.is_main:
-        shutil.rmtree(run_dir)
+    own_plan = run_dir / PLAN_DIR  # the plan this run scored on the fly: inside it by design
+    plan = None if config.plan is None or _real(config.plan) == _real(own_plan) else config.plan
+    inputs = {"--model": model_dir, "--data": [config.data, data_file], "--eval-data": config.eval_data, "--plan": plan}
+    check_not_an_input(run_dir, "--out", inputs)
+    if world.is_main:
+        held.enter_context(OutputLock(run_dir, flag="--out"))  # one run per directory
+    _check_existing_run(run_dir, config, world)
+    return run_dir
+
+
+def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> None:
+    found = found_at(run_dir)
+    refuse_unless_replaceable(run_dir, found, "--out", overwrite=True, overwrite_flag="--overwrite")  # links, files
+    if config.overwrite and world.is_main:
+        remove_usaf_made(run_dir, "--out")
     world.barrier("overwrite")
+    found = found_at(run_dir)
     if (run_dir / "manifest.json").is_file():
-        raise UsafError(f"--out {run_dir}: a finished run is there", "pass another --out, or --overwrite")
+        what = "a finished run" if found.what == "a usaf run artifact" else found.what
+        raise UsafError(f"--out {run_dir}: {what} is there", "pass another --out, or --overwrite to replace it")
     if config.resume and not run_dir.exists():
         raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
-    return run_dir
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
 
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, progress: Progress) -> Any:
@@ -202,8 +236,19 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
     (microbatch × grad-accum × processes) decides which sequences a step trains on, so a run may resume
     with another world size or microbatch as long as that product is the same.
     """
-    skip = {"resume", "overwrite", "out", "workspace", "dist_backend", "stream_experts", "microbatch", "grad_accum",
-            "vram", "ram", "prefix_cache_gib"}  # where things live and how a batch is split: not the result
+    skip = {
+        "resume",
+        "overwrite",
+        "out",
+        "workspace",
+        "dist_backend",
+        "stream_experts",
+        "microbatch",
+        "grad_accum",
+        "vram",
+        "ram",
+        "prefix_cache_gib",
+    }  # where things live and how a batch is split: not the result
     keep = config.model_dump(mode="json", exclude=skip)
     global_batch = config.microbatch * config.grad_accum * world.size
     return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,

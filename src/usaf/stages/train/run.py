@@ -23,21 +23,27 @@ from usaf.stages.train.config import TrainConfig
 def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
     """Train; returns the run's manifest and directory."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
-    import torch
-
-    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf import distributed
     from usaf.backends import resolve_backend
-    from usaf.engine.loss_scale import DynamicLossScaler
-    from usaf.stages.train import loop
-    from usaf.stages.train.inputs import resolve_inputs
-    from usaf.stages.train.trainer import Trainer
+    from usaf.stages.train.inputs import resolved_inputs
 
     start = time.perf_counter()
     backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
-    inputs = resolve_inputs(config, backend, world, progress)
+    with resolved_inputs(config, backend, world, progress) as inputs:  # --out stays locked until the run ends
+        return _train(inputs, backend, world, progress, start)
+
+
+def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: float) -> tuple[RunManifest, Path]:
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    import torch
+
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    from usaf.engine.loss_scale import DynamicLossScaler
+    from usaf.stages.train import loop
+    from usaf.stages.train.trainer import Trainer
+
     config, run_dir = inputs.config, inputs.run_dir
 
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)

@@ -1,0 +1,178 @@
+"""What a command may write over: never one of its inputs, never a directory usaf did not make.
+
+Every writer asks here before any work (and again at the moment it replaces anything):
+
+- :func:`check_not_an_input`: the output is not an input, does not contain one and does not lie inside
+  one (``usaf quantize M --out M --force`` would otherwise delete the model it reads);
+- :func:`found_at`: what already is at the output, so that ``--overwrite``/``--force`` replaces only a
+  usaf artifact (a directory with a usaf ``manifest.json``, or a run usaf is still training) and refuses
+  a user's directory whatever the flag; a symbolic link is refused too (replacing it would either write
+  through it into its target or replace the link and leave the target behind);
+- :func:`remove_usaf_made`: delete an output that :func:`found_at` says usaf made (rename, then delete, so
+  a kill midway leaves a hidden ``.NAME.usaf-old-PID-*`` sibling that the next writer clears, never a
+  half-deleted artifact under the real name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from usaf._version import __version__
+from usaf.artifacts.lock import LOCK_TAG
+from usaf.artifacts.manifest import MANIFEST_NAME
+from usaf.errors import UsafError
+
+OLD_TAG = ".usaf-old-"
+TMP_TAG = ".usaf-tmp-"
+MADE_MARKER = ".usaf-made"  # in a directory usaf wrote in another tool's format (a tiny Hugging Face model)
+
+InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag -> the path(s) it named
+
+
+def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
+    """Refuse an output that is, contains or lies inside one of ``inputs`` (compared after resolving links)."""
+    out = _real(target)
+    for name, path in _each_path(inputs):
+        if not os.path.lexists(path):
+            continue  # a hub id, or a path that does not exist: nothing there to lose
+        given = _real(path)
+        if out == given:
+            shape = "is"
+        elif given.is_relative_to(out):
+            shape = "contains"
+        elif out.is_relative_to(given):
+            shape = "lies inside"
+        else:
+            continue
+        raise UsafError(
+            f"{flag} {target} {shape} the input {name} {path}: writing there would replace or mix with that input",
+            f"pass a {flag} outside every input",
+        )
+
+
+@dataclass(frozen=True)
+class Found:
+    """What is at an output path before a command writes it."""
+
+    state: Literal["absent", "empty", "usaf", "foreign", "file", "link"]
+    what: str = ""  # for messages: "a usaf plan artifact", "a directory usaf did not make (…)"
+
+
+def found_at(target: Path) -> Found:
+    target = Path(target)
+    if target.is_symlink():
+        return Found("link", f"a symbolic link (to {os.readlink(target)})")
+    if not target.exists():
+        return Found("absent")
+    if not target.is_dir():
+        return Found("file", "a file, not a directory")
+    entries = sorted(p.name for p in target.iterdir())
+    if not entries:
+        return Found("empty", "an empty directory")
+    own = [name for name in entries if not _bookkeeping(name)]
+    if not own:  # only what killed usaf writes left behind (the next writer clears them)
+        return Found("usaf", "an unfinished usaf output (only its temporaries)")
+    made = usaf_made(target, own)
+    if made is not None:
+        return Found("usaf", made)
+    shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
+    return Found("foreign", f"a directory usaf did not make ({len(entries)} entries: {shown}; no usaf {MANIFEST_NAME})")
+
+
+def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
+    """What usaf artifact ``directory`` is (``"a usaf plan artifact"``), or None if usaf did not make it."""
+    # lazy: artifacts.run imports the writer, which imports this module
+    from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
+
+    kind = _manifest_kind(directory)
+    if kind is not None:
+        return f"a usaf {kind} artifact"
+    marker = _json_object(directory / MADE_MARKER)
+    if marker is not None and isinstance(marker.get("kind"), str):
+        return f"a usaf-made {marker['kind']}"
+    if (directory / SETTINGS_FILE).is_file():  # written when training starts (atomically; cut by old versions)
+        return "an unfinished usaf run"
+    entries = entries if entries is not None else [p.name for p in directory.iterdir() if not _bookkeeping(p.name)]
+    if entries == [PLAN_DIR] and _manifest_kind(directory / PLAN_DIR) == "plan":
+        return "an unfinished usaf run (its plan scored, no step trained)"
+    return None
+
+
+def refuse_unless_replaceable(target: Path, found: Found, flag: str, *, overwrite: bool, overwrite_flag: str) -> None:
+    """The one refusal of an existing output, by what it is: a link, a file or a user's directory always; a usaf
+    artifact unless ``overwrite``. An empty directory is taken as it is."""
+    if found.state in ("link", "file"):
+        raise UsafError(f"{flag} {target}: {found.what}; usaf writes only into a directory of its own",
+                        f"pass another {flag}")  # fmt: skip
+    if found.state == "foreign":
+        raise UsafError(f"{flag} {target}: {found.what}; usaf never replaces or deletes it, with or without "
+                        f"{overwrite_flag}", f"pass another {flag}: a new or an empty directory")  # fmt: skip
+    if found.state == "usaf" and not overwrite:
+        raise UsafError(f"{flag} {target}: {found.what} already exists there",
+                        f"pass another {flag}, or {overwrite_flag} to replace it")  # fmt: skip
+
+
+def remove_usaf_made(target: Path, flag: str, *, overwrite_flag: str = "--overwrite") -> None:
+    """Delete ``target`` if it is an empty directory or usaf's own; refuse anything else."""
+    target = Path(target)
+    found = found_at(target)
+    refuse_unless_replaceable(target, found, flag, overwrite=True, overwrite_flag=overwrite_flag)
+    if found.state == "absent":
+        return
+    old = old_sibling(target)
+    os.replace(target, old)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def mark_usaf_made(directory: Path, kind: str) -> None:
+    """Record in a directory of another tool's format that usaf made it (so ``--overwrite`` may replace it)."""
+    (Path(directory) / MADE_MARKER).write_text(json.dumps({"kind": kind, "usaf_version": __version__}) + "\n")
+
+
+def old_sibling(target: Path) -> Path:
+    """Where a replaced output waits to be deleted; the PID lets a later writer clear one a kill left."""
+    target = Path(target)
+    return target.parent / f".{target.name}{OLD_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _bookkeeping(name: str) -> bool:
+    """A temporary, a replaced output waiting for deletion, or a lock file: usaf's, never the user's."""
+    return any(tag in name for tag in (TMP_TAG, OLD_TAG, LOCK_TAG))
+
+
+def _manifest_kind(directory: Path) -> str | None:
+    data = _json_object(directory / MANIFEST_NAME)
+    if data is None or not isinstance(data.get("kind"), str) or "usaf_version" not in data:
+        return None
+    return data["kind"]
+
+
+def _json_object(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _real(path: Path | str) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _each_path(inputs: InputPaths) -> Iterable[tuple[str, Path | str]]:
+    for name, value in inputs.items():
+        if value is None:
+            continue
+        if isinstance(value, (str, os.PathLike)):
+            yield name, value
+        else:
+            for path in value:
+                if path is not None:
+                    yield name, path

@@ -1,0 +1,333 @@
+"""Nothing a user owns is lost: an output is never an input, ``--overwrite`` replaces only what usaf made, links
+are refused, and one process at a time writes an output (an OS lock naming its holder).
+
+Each refusal is checked for its message (both paths, no ``--overwrite`` suggested where it would not help) and
+for what it leaves: the input byte for byte as it was, no temporaries beside it. Negative controls: the same
+commands on a new or an empty directory, or on usaf's own artifact with the flag, succeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import invoke, leftovers
+from helpers_trained import train_run
+from usaf.artifacts.lock import OutputLock, lock_path
+from usaf.artifacts.outputs import found_at, remove_usaf_made
+from usaf.errors import UsafError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (or ``root`` itself) -> its sha256: what 'left intact' is compared by."""
+    root = Path(root)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.fixture(scope="module")
+def ws(prepared, tmp_path_factory):
+    """A quantized model, its tokens and plan, and a finished run (the inputs every command reads)."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = train_run(qdir, tokens, tmp_path_factory.mktemp("outputs-run"), steps=2, train_from=2)
+    return {"model": qdir, "tokens": tokens, "plan": plan, "run": run}
+
+
+def _user_dir(path: Path) -> Path:
+    """A directory of the user's (no usaf manifest) with a file in it."""
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("my own work\n")
+    return path
+
+
+# -- an output that is, contains or lies inside an input ------------------------------------------------------
+
+
+def test_quantize_out_is_its_model_is_refused_even_with_force(tiny_model, tmp_path):
+    model = Path(tiny_model("qwen3_moe"))
+    before = snapshot(model)
+    result = invoke("quantize", model, "--method", "rtn", "--group-size", 8, "--out", model, "--force")
+    assert result.exit_code == 2
+    assert f"--out {model} is the input MODEL {model}" in result.stderr, result.stderr
+    assert "--force" not in result.stderr.split("(")[-1]  # the fix is another --out, never the flag
+    assert snapshot(model) == before
+
+
+def test_tokenize_out_containing_its_inputs_is_refused(ws, tmp_path):
+    top = tmp_path / "project"
+    top.mkdir()
+    corpus = top / "x.py"
+    corpus.write_text("x = 1\n" * 20)
+    before = snapshot(top)
+    result = invoke("tokenize", corpus, "--model", ws["model"], "--out", top, "--overwrite")
+    assert result.exit_code == 2
+    assert f"--out {top} contains the input INPUTS {corpus}" in result.stderr, result.stderr
+    assert snapshot(top) == before and leftovers(tmp_path) == []
+
+
+def test_train_out_inside_its_data_is_refused(ws, tmp_path):
+    inside = Path(ws["tokens"]) / "run"
+    result = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,
+                    "--out", inside, "--overwrite")  # fmt: skip
+    assert result.exit_code == 2
+    assert f"--out {inside} lies inside the input --data {ws['tokens']}" in result.stderr, result.stderr
+    assert not inside.exists()
+
+
+def test_score_out_is_its_data_through_a_link_is_refused(ws, tmp_path):
+    """Compared after resolving links: a link to the input is the input."""
+    link = tmp_path / "link-to-tokens"
+    link.symlink_to(ws["tokens"], target_is_directory=True)
+    before = snapshot(ws["tokens"])
+    result = invoke("score", "--model", ws["model"], "--data", ws["tokens"], "--out", link, "--overwrite",
+                    "--calib-samples", 2, "--no-stability")  # fmt: skip
+    assert result.exit_code == 2 and "is the input --data" in result.stderr, result.stderr
+    assert snapshot(ws["tokens"]) == before
+
+
+def test_export_out_is_its_model_is_refused(ws, tmp_path):
+    before = snapshot(ws["model"])
+    result = invoke("export", "--model", ws["model"], "--checkpoint", ws["run"], "--out", ws["model"], "--overwrite")
+    assert result.exit_code == 2 and f"is the input --model {ws['model']}" in result.stderr, result.stderr
+    assert snapshot(ws["model"]) == before
+
+
+def test_eval_out_containing_its_run_is_refused(ws, tmp_path):
+    parent = Path(ws["run"]).parent
+    before = snapshot(ws["run"])
+    result = invoke("eval", "--model", ws["model"], "--checkpoint", ws["run"], "--data", ws["tokens"],
+                    "--out", parent, "--overwrite", "--no-plots")  # fmt: skip
+    assert result.exit_code == 2 and f"contains the input --checkpoint {ws['run']}" in result.stderr, result.stderr
+    assert snapshot(ws["run"]) == before
+
+
+# -- --overwrite replaces only what usaf made -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [None, "--overwrite"])
+def test_a_users_directory_is_never_replaced(ws, tmp_path, flag):
+    mine = _user_dir(tmp_path / "mine")
+    before = snapshot(mine)
+    args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--out", mine, "--calib-samples", 2,
+            "--no-stability", *([flag] if flag else [])]  # fmt: skip
+    result = invoke(*args)
+    assert result.exit_code == 2 and "a directory usaf did not make" in result.stderr, result.stderr
+    assert "notes.txt" in result.stderr and "or --overwrite to replace it" not in result.stderr
+    assert snapshot(mine) == before and leftovers(tmp_path) == []
+
+
+def test_quantize_force_on_a_users_directory_is_refused(tiny_model, tmp_path):
+    mine = _user_dir(tmp_path / "mine")
+    result = invoke("quantize", tiny_model("qwen3_moe"), "--method", "rtn", "--group-size", 8, "--out", mine, "--force")
+    assert result.exit_code == 2 and "usaf never replaces or deletes it, with or without --force" in result.stderr
+    assert (mine / "notes.txt").read_text() == "my own work\n"
+
+
+@pytest.mark.parametrize("flag", [[], ["--overwrite"]])
+def test_train_on_a_users_directory_is_refused(ws, tmp_path, flag):
+    mine = _user_dir(tmp_path / "mine")
+    result = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,
+                    "--out", mine, *flag)  # fmt: skip
+    assert result.exit_code == 2 and "a directory usaf did not make" in result.stderr, result.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_demo_overwrite_refuses_a_users_directory_where_a_stage_writes(tmp_path):
+    from usaf.stages.demo import paths
+
+    workspace = tmp_path / "ws"
+    target = next(iter(paths(workspace).values()))
+    _user_dir(target)
+    result = invoke("demo", "--workspace", workspace, "--overwrite")
+    assert result.exit_code == 2 and "a directory usaf did not make" in result.stderr, result.stderr
+    assert (target / "notes.txt").is_file()
+
+
+def test_overwrite_replaces_usafs_own_artifact_and_an_empty_directory_is_used(ws, tmp_path):
+    """Negative control: the refusals above are about whose directory it is, not about existing at all."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"]
+    assert invoke(*args, "--out", empty).exit_code == 0 and (empty / "manifest.json").is_file()
+    again = invoke(*args, "--out", empty)
+    assert again.exit_code == 2 and "a usaf plan artifact already exists there" in again.stderr
+    assert "--overwrite to replace it" in again.stderr
+    assert invoke(*args, "--out", empty, "--overwrite").exit_code == 0
+    assert leftovers(tmp_path) == []
+
+
+def test_train_overwrite_replaces_a_finished_run(ws, tmp_path):
+    run = train_run(ws["model"], ws["tokens"], tmp_path, steps=2)
+    again = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,
+                   "--out", run)  # fmt: skip
+    assert again.exit_code == 2 and "a finished run is there" in again.stderr
+    replaced = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,
+                      "--out", run, "--overwrite")  # fmt: skip
+    assert replaced.exit_code == 0, replaced.output
+    assert leftovers(tmp_path) == []
+
+
+def test_what_usaf_made_is_recognised(ws, tmp_path):
+    assert found_at(ws["run"]).what == "a usaf run artifact"
+    assert found_at(ws["plan"]).what == "a usaf plan artifact"
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "checkpoints").mkdir(parents=True)
+    (unfinished / "run-settings.json").write_text("{}")
+    assert found_at(unfinished).state == "usaf"
+    fake = _user_dir(tmp_path / "fake")
+    (fake / "manifest.json").write_text('{"kind": "plan"}')  # not usaf's: no usaf_version
+    assert found_at(fake).state == "foreign"
+    with pytest.raises(UsafError, match="usaf did not make"):
+        remove_usaf_made(fake, "--out")
+    assert (fake / "notes.txt").is_file()
+
+
+# -- links ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinked_out_is_refused_and_its_target_kept(ws, tmp_path, dangling):
+    target = tmp_path / "target"
+    if not dangling:
+        args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"]
+        assert invoke(*args, "--out", target).exit_code == 0  # a usaf artifact behind the link
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    before = snapshot(target) if not dangling else {}
+    result = invoke("score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability",
+                    "--out", link, "--overwrite")  # fmt: skip
+    assert result.exit_code == 2 and f"--out {link}: a symbolic link (to {target})" in result.stderr, result.stderr
+    assert link.is_symlink() and (snapshot(target) == before if not dangling else not target.exists())
+    assert leftovers(tmp_path) == []
+
+
+# -- one writer per output ----------------------------------------------------------------------------------------
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    sys.argv = ["usaf", "train", "--out", sys.argv[1]]
+    from usaf.artifacts.lock import OutputLock
+    OutputLock(sys.argv[3]).acquire()
+    print("held", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.fixture
+def holder():
+    """``holder(path)``: another process that holds ``path``'s output lock (killed at the end)."""
+    procs = []
+
+    def start(path: Path) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": SRC})  # fmt: skip
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_train_on_the_same_out_is_refused_naming_the_holder(ws, tmp_path, holder):
+    run = tmp_path / "run"
+    proc = holder(run)
+    result = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,
+                    "--out", run)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"--out {run}: another usaf process is writing it (PID {proc.pid}: usaf train --out {run})" in result.stderr
+    assert not run.exists()
+
+
+def test_a_second_quantize_on_the_same_out_is_refused(tiny_model, tmp_path, holder):
+    out = tmp_path / "q"
+    proc = holder(out)
+    result = invoke("quantize", tiny_model("qwen3_moe"), "--method", "rtn", "--group-size", 8, "--out", out)
+    assert result.exit_code == 2 and f"(PID {proc.pid}" in result.stderr, result.stderr
+    assert not out.exists() and not (tmp_path / ".q.usaf-partial").exists()
+
+
+def test_a_killed_holders_lock_is_stale_and_taken_over(ws, tmp_path, holder):
+    out = tmp_path / "plan"
+    proc = holder(out)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert lock_path(out).is_file()  # left behind by the kill
+    result = invoke("score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability",
+                    "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert not lock_path(out).exists()  # released (and removed) at the end
+
+
+def test_the_lock_is_released_on_an_error_and_in_process_writers_exclude_each_other(tmp_path):
+    out = tmp_path / "x"
+    first = OutputLock(out).acquire()
+    with pytest.raises(UsafError, match=rf"another usaf process is writing it \(PID {os.getpid()}"):
+        OutputLock(out).acquire()
+    first.release()
+    with pytest.raises(RuntimeError), OutputLock(out):
+        raise RuntimeError("a stage failed")
+    OutputLock(out).acquire().release()  # free again: released on the exception
+
+
+def test_without_os_locks_the_pid_in_the_file_decides(tmp_path, monkeypatch):
+    """On a file system without advisory locks: a live PID holds it, a dead one's lock is stale."""
+    import errno
+
+    from usaf.artifacts import lock as lock_module
+
+    def no_locks(fd):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock_module, "_try_lock", no_locks)
+    out = tmp_path / "x"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock_path(out).write_text(f'{{"pid": {sleeper.pid}, "command": "usaf quantize"}}')
+        with pytest.raises(UsafError, match=rf"PID {sleeper.pid}: usaf quantize"):
+            OutputLock(out).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    taken = OutputLock(out).acquire()  # its holder is gone: stale
+    assert f'"pid": {os.getpid()}' in lock_path(out).read_text()
+    taken.release()
+    assert not lock_path(out).exists()
+
+
+def test_eval_and_export_read_a_run_being_written(ws, tmp_path):
+    """A run whose trainer holds its lock (no manifest yet): readers use its newest complete checkpoint."""
+    run = tmp_path / "run"
+    result = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 4,
+                    "--save-every", 2, "--out", run, "--reselect-every", 0)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (run / "manifest.json").unlink()  # as while training: checkpoints on disk, the run not finished
+    with OutputLock(run):
+        report = invoke("eval", "--model", ws["model"], "--checkpoint", run, "--data", ws["tokens"],
+                        "--out", tmp_path / "report", "--no-plots")  # fmt: skip
+        assert report.exit_code == 0, report.output
+        export = invoke("export", "--model", ws["model"], "--checkpoint", run, "--format", "delta",
+                        "--out", tmp_path / "delta")  # fmt: skip
+        assert export.exit_code == 0, export.output
+
+
+def test_stale_replaced_outputs_of_dead_processes_are_cleared(ws, tmp_path):
+    out = tmp_path / "plan"
+    stale = tmp_path / ".plan.usaf-old-999999999-deadbeef"
+    _user_dir(stale)  # what a kill between the two renames of a replacement leaves
+    result = invoke("score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability",
+                    "--out", out)  # fmt: skip
+    assert result.exit_code == 0 and not stale.exists() and leftovers(tmp_path) == []
