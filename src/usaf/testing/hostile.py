@@ -80,6 +80,7 @@ class Case:
     may_pass: bool = False  # odd but valid: a normal finish is a correct answer too
     unsafe: bool = False  # an attempt to run code or read outside a directory
     note: str = ""  # why a may_pass case is accepted
+    after: Callable[[Path], list[str]] | None = None  # more checks of what the command left (the case directory)
 
 
 @dataclass
@@ -682,6 +683,8 @@ def run_case(bench: Bench, case: Case, case_dir: Path) -> Outcome:
         problems.append(f"temporaries left: {temps}")
     if marker_of(case_dir).exists():
         problems.append("CODE FROM THE INPUT RAN")
+    if case.after is not None:
+        problems += case.after(case_dir)
     return Outcome(
         case.reader, case.name, answer, not problems, result.exit_code, message, case.unsafe, problems, case.note
     )
