@@ -202,12 +202,18 @@ def _logged_steps(run: Path) -> int:
     return len([line for line in log.read_text().splitlines() if '"loss"' in line]) if log.is_file() else 0
 
 
-def test_ctrl_c_stops_every_rank_at_one_step_and_the_rerun_resumes(setup, tmp_path):
+@pytest.mark.parametrize("how", ["Ctrl-C to the group", "SIGTERM to torchrun"])
+def test_ctrl_c_stops_every_rank_at_one_step_and_the_rerun_resumes(setup, tmp_path, how):
+    """A terminal's Ctrl-C reaches every rank; a scheduler's or a container stop's SIGTERM reaches torchrun,
+    which forwards it to the ranks: either way one checkpoint at one step boundary, then a resumable rerun."""
     run = tmp_path / "run"
     args = train_args(setup, run, "--steps", 300, "--microbatch", 1, "--save-every", 0)
     proc = torchrun(*args, start_new_session=True)  # its own process group: a terminal's Ctrl-C reaches all
     _wait_for(lambda: _logged_steps(run) >= 3, proc)
-    os.killpg(proc.pid, signal.SIGINT)
+    if how == "SIGTERM to torchrun":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
     code, _, stderr = finished(proc)
     assert code != 0 and "interrupted: saved" in stderr, stderr
     (checkpoint,) = list((run / "checkpoints").iterdir())
