@@ -26,6 +26,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from typer.testing import CliRunner
@@ -637,9 +638,30 @@ def model_cases() -> list[Case]:
     ]
 
 
-def all_cases() -> list[Case]:
+def base_cases() -> list[Case]:
+    """This module's cases: one reader of one file format each (tests/test_hostile_inputs.py)."""
     return [*tokens_cases(), *text_cases(), *manifest_cases(), *experts_cases(), *safetensors_cases(),
             *toml_cases(), *model_cases()]  # fmt: skip
+
+
+# Catalogues of their own, each a module with READERS and cases() and a test file running them.
+CATALOGUES = ("hostile_outputs",)
+
+
+def catalogues() -> list[Any]:
+    # lazy: each catalogue imports this module for Bench and Case
+    import importlib
+
+    return [importlib.import_module(f"usaf.testing.{name}") for name in CATALOGUES]
+
+
+def all_readers() -> tuple[str, ...]:
+    return READERS + tuple(reader for module in catalogues() for reader in module.READERS)
+
+
+def all_cases() -> list[Case]:
+    """Every hostile input of every catalogue (scripts/fuzz_readers.py, docs/RELIABILITY.md)."""
+    return [*base_cases(), *(case for module in catalogues() for case in module.cases())]
 
 
 # -- running a case ---------------------------------------------------------------------------------
