@@ -58,7 +58,7 @@ def test_a_router_master_stays_fp32_under_half_compute(quantized):
 
     engine = SparseEngine(load_quantized_model(quantized("qwen3_moe", num_layers=3), compute_dtype=torch.bfloat16),
                           trainable_layers=[2])  # fmt: skip
-    (name, master), = engine.routers.items()
+    ((name, master),) = engine.routers.items()
     module = engine.model.get_submodule(name.rsplit(".", 1)[0])
     assert master.dtype == torch.float32 and module.weight.dtype == torch.bfloat16
     engine.loss(*(torch.randint(1, 500, (1, 8)),) * 2).loss.backward()
