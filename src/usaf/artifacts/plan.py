@@ -100,7 +100,8 @@ def _summary_problem(s: PlanSummary) -> str | None:
     if s.expert_entries != entries:
         return f"expert_entries is {s.expert_entries}, the tensors select {entries}"
     if s.trainable_params != s.expert_entries + s.router_params:
-        return f"trainable_params is {s.trainable_params}, not expert_entries + router_params ({entries + s.router_params})"
+        expected = s.expert_entries + s.router_params
+        return f"trainable_params is {s.trainable_params}, not expert_entries + router_params ({expected})"
     return None
 
 

@@ -41,9 +41,13 @@ READERS: tuple[str, ...] = (PLAN, PREFIX, QUANTIZED)
 # -- the valid plan every plan case starts from --------------------------------------------------------------
 
 
+def bench_plan(root: Path) -> Path:
+    """A plan (with a prefix store: ``--cache``) of the bench under ``root``, scored once, copied by every case."""
+    return _scored_plan(Path(root))
+
+
 @functools.cache
-def _plan_of(root: Path) -> Path:
-    """A plan (with a prefix store: ``--cache``) scored once per bench, copied by every case."""
+def _scored_plan(root: Path) -> Path:
     out = root / "artifacts-plan"
     if not (out / "manifest.json").is_file():
         args = ["score", "--model", str(root / "quantized"), "--data", str(root / "tokens.jsonl"), "--out", str(out),
@@ -54,7 +58,7 @@ def _plan_of(root: Path) -> Path:
     return out
 
 
-def _train(bench: Bench, case_dir: Path, *, plan: Path | None = None, model: Path | None = None) -> list[str]:
+def train_args(bench: Bench, case_dir: Path, *, plan: Path | None = None, model: Path | None = None) -> list[str]:
     args = ["train", "--model", str(model or bench.quantized), "--data", str(bench.tokens), "--steps", "1",
             "--out", str(case_dir / "out")]  # fmt: skip
     return [*args, "--plan", str(plan)] if plan is not None else args
@@ -77,11 +81,11 @@ def _plan_case(
     """``tamper(plan_dir)`` edits a copy of the bench's plan; the manifest is re-signed; read by ``usaf train``."""
 
     def build(bench: Bench, case_dir: Path) -> list[str]:
-        plan = Path(shutil.copytree(_plan_of(bench.root), case_dir / "plan"))
+        plan = Path(shutil.copytree(bench_plan(bench.root), case_dir / "plan"))
         tamper(plan)
         if not verify:
             _resign(plan)
-            return _train(bench, case_dir, plan=plan)
+            return train_args(bench, case_dir, plan=plan)
         return ["inspect", "--verify", str(plan)]
 
     return Case(reader, name, build, needle)
@@ -222,10 +226,10 @@ def plan_cases() -> list[Case]:
         return lambda s: s.__setitem__("trainable_layers", value)
 
     def untrained(bench: Bench, case_dir: Path) -> list[str]:  # needs the bench to name the tensor
-        plan = Path(shutil.copytree(_plan_of(bench.root), case_dir / "plan"))
+        plan = Path(shutil.copytree(bench_plan(bench.root), case_dir / "plan"))
         _untrained_layer(bench)(plan)
         _resign(plan)
-        return _train(bench, case_dir, plan=plan)
+        return train_args(bench, case_dir, plan=plan)
 
     def per_expert_off(s: dict) -> None:
         s["tensors"][0]["per_expert"][0] += 1
@@ -355,10 +359,11 @@ def _quantized_case(name: str, tamper: Callable[[Path], None], needle: str, comm
             return ["inspect", "--verify", str(model)]
         _resign(model)
         if command == "train":
-            return _train(bench, case_dir, model=model)
+            return train_args(bench, case_dir, model=model)
         if command == "eval":
+            # --workspace: eval's cache of the base model's losses stays in the case directory
             return ["eval", "--model", str(model), "--data", str(bench.tokens), "--bootstrap", "100",
-                    "--out", str(case_dir / "out")]  # fmt: skip
+                    "--out", str(case_dir / "out"), "--workspace", str(case_dir)]  # fmt: skip
         return _score(bench, case_dir, model=model)
 
     return Case(QUANTIZED, name, build, needle)
