@@ -468,6 +468,11 @@ def quantized_cases() -> list[Case]:
         _quantized_case("config.json with a layer more", _config(more_layers), "config.json"),
         _quantized_case("the manifest's moe_layers changed", _manifest(moe_layers), "config.json"),
         _quantized_case("a manifest listing no files", _manifest(lambda d: d.__setitem__("files", [])), "manifest"),
+        _quantized_case("a manifest listing no files (usaf train)", _manifest(lambda d: d.__setitem__("files", [])),
+                        "manifest", "train"),
+        _quantized_case("a manifest leaving out config.json (usaf eval)", _manifest(
+            lambda d: d.__setitem__("files", [f for f in d["files"] if f["path"] != "config.json"])), "config.json",
+            "eval"),
         _quantized_case("a base shard the manifest does not list", _unlisted_shard, "manifest"),
         _quantized_case("inspect --verify: fingerprint no longer matches the files",
                         _manifest(lambda d: d.__setitem__("fingerprint", "0" * 64)), "fingerprint", "verify"),
