@@ -72,3 +72,14 @@ def test_inspect_verify_json_reports_the_forged_fingerprint(bench, tmp_path):
     assert report["verified"] is False
     assert report["problems"] == [{"path": "manifest.json", "problem": report["problems"][0]["problem"]}]
     assert "does not match the sha256 of the files it lists" in report["problems"][0]["problem"]
+
+
+def test_plain_inspect_also_refuses_the_forged_fingerprint_even_without_hashing(bench, tmp_path):
+    plan = shutil.copytree(hostile_artifacts.bench_plan(bench.root), tmp_path / "plan")
+    assert invoke("inspect", plan, "--no-hash").exit_code == 0  # negative control
+    data = json.loads((plan / "manifest.json").read_text())
+    data["fingerprint"] = "0" * 64
+    (plan / "manifest.json").write_text(json.dumps(data))
+    result = invoke("inspect", plan, "--no-hash")
+    assert result.exit_code == 2
+    assert f"error: {plan / 'manifest.json'}: its fingerprint 0000000000000000 does not match" in result.stderr

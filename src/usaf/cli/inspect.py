@@ -58,20 +58,23 @@ def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]], *, limit: int
 def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
     from rich.table import Table
 
-    from usaf.artifacts import load_manifest, verify_files
+    from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
+    from usaf.artifacts.loader import fingerprint_problem, listing_problem
     from usaf.cli.console import out, print_json
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=hashes)
     bad = [c for c in checks if not c.ok]
+    problem = listing_problem(manifest) or fingerprint_problem(manifest)  # no file read: checked with --no-hash too
     if as_json:
         print_json(
             {
                 "path": str(path),
                 "manifest": manifest.model_dump(mode="json"),
-                "verified": not bad,
+                "verified": not bad and problem is None,
                 "hashes_checked": hashes,
-                "problems": [{"path": c.path, "problem": c.problem} for c in bad],
+                "problems": [{"path": c.path, "problem": c.problem} for c in bad]
+                + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else []),
             }
         )
     else:
@@ -97,6 +100,8 @@ def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
             f"{path}: {len(bad)} of {len(checks)} files fail verification ({bad[0].path}: {bad[0].problem})",
             "re-run the stage that made this artifact",
         )
+    if problem is not None:
+        raise UsafError(f"{path / MANIFEST_NAME}: {problem}", "re-run the stage that made this artifact")
 
 
 def _verify_artifact(path: Path, *, as_json: bool) -> None:

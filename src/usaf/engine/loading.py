@@ -106,17 +106,14 @@ def load_quantized_model(
     for where, f in files.shards(str(read_on)):
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             current = _model_tensor(model, name, where)
-            if tuple(shape := f.get_slice(name).get_shape()) != tuple(current.shape):  # before reading it
-                raise UsafError(
-                    f"{where}: {name} has shape {list(shape)}, the model's config says {list(current.shape)}",
-                    "the quantized directory is inconsistent; re-run usaf quantize",
-                )
+            _check_base_tensor(where, name, f.get_slice(name), current)  # before reading it
             target_dtype = current.dtype if current.is_floating_point() else None
             tensor = f.get_tensor(name)
             check_allocation(tensor.numel() * current.element_size(), device, f"{where}: {name}")
             _set_tensor(model, name, move(tensor, device, target_dtype))
 
     raw = files.experts()
+    recorded = {t.name: list(t.shape) for t in manifest.summary.tensors}  # in-memory shapes, as quantized
     experts: dict[int, LayerExperts] = {}
     for layer in spec.moe_layers:
         module = model.get_submodule(spec.experts_prefix(layer))
@@ -128,6 +125,12 @@ def load_quantized_model(
                 q = QuantizedTensor.from_dict(raw[name], name=name)
             except ValueError as e:  # wrong keys, dtypes, shapes or non-finite scales: a damaged or foreign file
                 raise UsafError(f"{path / EXPERTS_FILE}: {e}", "re-run usaf quantize") from None
+            if list(q.memory_shape) != recorded.get(name, list(q.memory_shape)):
+                raise UsafError(
+                    f"{path / EXPERTS_FILE}: {name} has shape {list(q.memory_shape)}, the manifest records "
+                    f"{recorded[name]} (edited after usaf quantize?)",
+                    "re-run usaf quantize",
+                )
             attr = name.rsplit(".", 1)[1]
             fused = getattr(module, attr, None)  # the meta parameter it replaces (v5, gpt-oss 4.x); absent in 4.x
             if fused is not None and tuple(q.memory_shape) != tuple(fused.shape):
@@ -170,6 +173,22 @@ def _check_config_matches(path: Path, spec: FamilySpec, manifest: QuantizedModel
             f"{path / 'config.json'}: describes a {now[0]} model with MoE layers {now[1]}, the manifest records "
             f"a {made[0]} model with MoE layers {made[1]} (edited after usaf quantize?)",
             "restore the config.json usaf quantize wrote, or re-run usaf quantize",
+        )
+
+
+def _check_base_tensor(where: str, name: str, stored, current: torch.Tensor) -> None:
+    """A base tensor (``stored``: its safetensors slice) of the model's shape, and floating point where the
+    model's is (an integer router would be cast silently)."""
+    shape, dtype = list(stored.get_shape()), stored.get_dtype()  # safetensors codes: F32, BF16, I64, BOOL, ...
+    if shape != list(current.shape):
+        raise UsafError(
+            f"{where}: {name} has shape {shape}, the model's config says {list(current.shape)}",
+            "the quantized directory is inconsistent; re-run usaf quantize",
+        )
+    if current.is_floating_point() and not dtype.startswith(("F", "BF")):
+        raise UsafError(
+            f"{where}: {name} is stored as {dtype}, the model's is floating point",
+            "the quantized directory is inconsistent; re-run usaf quantize",
         )
 
 

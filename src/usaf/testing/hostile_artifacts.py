@@ -29,7 +29,7 @@ from usaf.artifacts.plan import MASKS_FILE
 from usaf.artifacts.prefix_store import INDEX_FILE, STATES_FILE
 from usaf.cli.app import app
 from usaf.families import load_model_config, resolve_family
-from usaf.testing.hostile import Bench, Case, _copy_quantized, _resign, _score
+from usaf.testing.hostile import Bench, Case, _copy_quantized, _double_experts, _resign, _score
 
 PLAN = "plan files"
 PREFIX = "plan prefix store"
@@ -395,6 +395,25 @@ def _router_transposed(tensors: dict, spec) -> None:
     tensors[name] = tensors[name].t().contiguous()
 
 
+def _router_as_integers(tensors: dict, spec) -> None:
+    name = spec.router_weight_name(spec.moe_layers[0])
+    tensors[name] = (tensors[name] * 100).round().to(torch.int64)
+
+
+def _another_expert_count(model: Path) -> None:
+    """Config, experts and routers all of twice the experts, consistent with each other; only the manifest's
+    summary still says what was quantized."""
+    _config(lambda c: c.__setitem__("num_local_experts", c["num_local_experts"] * 2))(model)
+    _experts(_double_experts)(model)
+
+    def routers(tensors: dict, spec) -> None:
+        for layer in spec.moe_layers:
+            name = spec.router_weight_name(layer)
+            tensors[name] = torch.cat([tensors[name], tensors[name]])
+
+    _edit_base(routers)(model)
+
+
 def _foreign_tensor(tensors: dict, spec) -> None:
     tensors[spec.layer_prefix(99) + ".extra.weight"] = torch.zeros(2, 2)
 
@@ -460,6 +479,9 @@ def quantized_cases() -> list[Case]:
         _quantized_case("a router with one expert too many", _edit_base(_router_rows), "base-"),
         _quantized_case("a router transposed", _edit_base(_router_transposed), "base-", "eval"),
         _quantized_case("a base tensor the model does not have", _edit_base(_foreign_tensor), "base-"),
+        _quantized_case("a router stored as integers", _edit_base(_router_as_integers), "base-"),
+        _quantized_case("config, experts and routers all of another expert count", _another_expert_count,
+                        "experts_q4.pt"),
         _quantized_case("an unknown source_dtype", _source_dtype("bfloat17"), "source_dtype"),
         _quantized_case("source_dtype an integer type", _source_dtype("int8"), "source_dtype"),
         _quantized_case("source_dtype a torch attribute, not a dtype", _source_dtype("Tensor"), "source_dtype"),
