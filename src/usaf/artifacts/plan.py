@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from pydantic import Field, model_validator
 
@@ -273,5 +273,5 @@ def _per_expert(indices: torch.Tensor, shape: list[int]) -> list[int]:
     return torch.bincount(indices // (rows * cols), minlength=experts).tolist()
 
 
-def _refuse(flag: str, path: Path, problem: str) -> None:
+def _refuse(flag: str, path: Path, problem: str) -> NoReturn:
     raise UsafError(f"{flag} {path}: {problem}", "the plan was edited or is damaged; re-run usaf score")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -168,7 +168,7 @@ def _check_against(
                                         f"records layer {record.start}")  # fmt: skip
 
 
-def _refuse(flag: str, path: Path, problem: str) -> None:
+def _refuse(flag: str, path: Path, problem: str) -> NoReturn:
     raise UsafError(f"{flag} {path}: {problem}", "the prefix store is damaged or was edited; re-run usaf score --cache")
 
 

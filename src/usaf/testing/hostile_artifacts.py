@@ -147,23 +147,20 @@ def _drop_tensor_everywhere(plan: Path) -> None:
     _summary_edit(edit)(plan)
 
 
-def _untrained_layer(bench: Bench) -> Callable[[Path], None]:
+def _untrained_layer(plan: Path) -> None:
     """A mask (and manifest entry) for layer 0's gate_up, a layer the plan does not train."""
+    inputs = json.loads((plan / "manifest.json").read_text(encoding="utf-8"))["inputs"]
+    model = Path(next(i["path"] for i in inputs if i["role"] == "model"))
+    name = resolve_family(load_model_config(model)).gate_up_name(0)
+    first = _summary(plan)["tensors"][0]
+    _masks(lambda masks, names: masks.__setitem__(name, masks[names[0]].clone()))(plan)
 
-    def tamper(plan: Path) -> None:
-        spec = resolve_family(load_model_config(bench.quantized))
-        name = spec.gate_up_name(0)
-        first = _summary(plan)["tensors"][0]
-        _masks(lambda masks, names: masks.__setitem__(name, masks[names[0]].clone()))(plan)
+    def edit(s: dict) -> None:
+        s["tensors"].append({**first, "name": name, "layer": 0})
+        s["expert_entries"] += first["selected"]
+        s["trainable_params"] += first["selected"]
 
-        def edit(s: dict) -> None:
-            s["tensors"].append({**first, "name": name, "layer": 0})
-            s["expert_entries"] += first["selected"]
-            s["trainable_params"] += first["selected"]
-
-        _summary_edit(edit)(plan)
-
-    return tamper
+    _summary_edit(edit)(plan)
 
 
 def _empty_everywhere(plan: Path) -> None:
@@ -225,12 +222,6 @@ def plan_cases() -> list[Case]:
     def layers(value: list[int]) -> Callable[[dict], None]:
         return lambda s: s.__setitem__("trainable_layers", value)
 
-    def untrained(bench: Bench, case_dir: Path) -> list[str]:  # needs the bench to name the tensor
-        plan = Path(shutil.copytree(bench_plan(bench.root), case_dir / "plan"))
-        _untrained_layer(bench)(plan)
-        _resign(plan)
-        return train_args(bench, case_dir, plan=plan)
-
     def per_expert_off(s: dict) -> None:
         s["tensors"][0]["per_expert"][0] += 1
 
@@ -255,7 +246,7 @@ def plan_cases() -> list[Case]:
             lambda masks, names: masks.__setitem__(names[0] + "_extra", masks[names[0]].clone()))),
         _plan_case("a tensor gone from masks and manifest alike (fewer weights than the layer has)",
                    _drop_tensor_everywhere),
-        Case(PLAN, "a mask for a layer the plan does not train", untrained, "manifest"),
+        _plan_case("a mask for a layer the plan does not train", _untrained_layer, needle="manifest"),
         _plan_case("a tensor's shape is another model's", _doubled_shape, needle="manifest"),
         _plan_case("expert_entries disagrees with the tensors", _summary_edit(counts_off("expert_entries")),
                    needle="manifest"),
