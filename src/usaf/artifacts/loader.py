@@ -9,7 +9,7 @@ from typing import TypeVar, overload
 
 from pydantic import ValidationError
 
-from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
 from usaf.artifacts.safety import contained
 from usaf.errors import UsafError
@@ -109,6 +109,31 @@ def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list
     return checks
 
 
+def fingerprint_problem(manifest: Manifest) -> str | None:
+    """Why the manifest's fingerprint does not identify its files (an edited manifest), or None.
+
+    Every writer derives the fingerprint from the listed paths and sha256 (:func:`usaf.artifacts.hashing.combine`),
+    and consumers trust it as the artifact's identity (lineage checks, resume): one that no longer matches the
+    listing would let files be swapped under an old identity.
+    """
+    combined = combine((record.path, record.sha256) for record in manifest.files)
+    if combined == manifest.fingerprint:
+        return None
+    return (
+        f"its fingerprint {manifest.fingerprint[:16]} does not match the sha256 of the files it lists "
+        f"(they combine to {combined[:16]}): the manifest was edited"
+    )
+
+
+def listing_problem(manifest: Manifest) -> str | None:
+    """The first file this kind of artifact always holds that the manifest does not list, or None."""
+    listed = {record.path for record in manifest.files}
+    missing = [name for name in manifest.required_files() if name not in listed]
+    if not missing:
+        return None
+    return f"does not list {', '.join(missing)}, which every '{manifest.kind}' artifact holds"
+
+
 def unlisted_files(path: Path, manifest: Manifest) -> list[str]:
     """Files in the artifact directory that its manifest does not list (added after it was made)."""
     listed = {record.path for record in manifest.files} | {MANIFEST_NAME}
@@ -118,10 +143,14 @@ def unlisted_files(path: Path, manifest: Manifest) -> list[str]:
 
 
 def load_verified(path: Path, expect: type[M], *, flag: str = "path", hashes: bool = True) -> M:
-    """Load a manifest and refuse the artifact if any of its files is missing, truncated or changed."""
+    """Load a manifest and refuse the artifact if any of its files is missing, truncated or changed, if it does not
+    list a file its kind always holds, or if its fingerprint does not match the files it lists."""
     manifest = load_manifest(path, expect, flag=flag)
     bad = [c for c in verify_files(path, manifest, hashes=hashes) if not c.ok]
     if bad:
         listing = "; ".join(f"{c.path}: {c.problem}" for c in bad[:5])
         raise UsafError(f"{flag} {path}: damaged artifact: {listing}", "re-run the stage that made it")
+    problem = listing_problem(manifest) or fingerprint_problem(manifest)
+    if problem is not None:
+        raise UsafError(f"{flag} {Path(path) / MANIFEST_NAME}: {problem}", "re-run the stage that made it")
     return manifest

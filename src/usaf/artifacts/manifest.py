@@ -79,6 +79,11 @@ class Manifest(Record):
     files: list[FileRecord]
     summary: Any = None
 
+    def required_files(self) -> tuple[str, ...]:
+        """Files every artifact of this kind holds; :func:`usaf.artifacts.loader.load_verified` refuses a manifest
+        that does not list one (listed files are the ones checked, so an unlisted one would go unchecked)."""
+        return ()
+
     def file(self, path: str) -> FileRecord:
         for record in self.files:
             if record.path == path:

@@ -2,18 +2,24 @@
 
 Its files are written by :func:`write_plan_files` and read by :func:`read_masks` / :func:`read_importance`
 (through :mod:`usaf.artifacts.safety`); the prefix store a plan may hold is :mod:`usaf.artifacts.prefix_store`'s.
+
+A plan is trusted by nothing but its own consistency: the summary's counts must add up (checked when the manifest
+is read, :class:`PlanSummary`), the masks must be what the summary says, tensor by tensor (:func:`read_masks`),
+and both must fit the model being trained (:func:`check_plan_layers`, :func:`check_masks_fit`). A masks file
+edited and re-signed would otherwise train other weights, or fewer, than the plan claims.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NoReturn
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors
+from usaf.errors import UsafError
 
 if TYPE_CHECKING:  # torch stays out of the CLI's import time
     import torch
@@ -71,6 +77,46 @@ class PlanSummary(Record):
     prefix_cache: PrefixCacheRecord | None = Field(None, description="states stored by --cache, for usaf train")
     seconds: float
 
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanSummary:
+        problem = _summary_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+def _summary_problem(s: PlanSummary) -> str | None:
+    """The first way the summary disagrees with itself (an edited manifest), or None."""
+    layers = s.trainable_layers
+    if not layers or layers != sorted(set(layers)) or layers[0] < 0:
+        return f"trainable_layers must be distinct layer numbers in ascending order, got {layers}"
+    names = [t.name for t in s.tensors]
+    if not names or len(set(names)) != len(names):
+        return "tensors must list each trainable tensor once"
+    for t in s.tensors:
+        if problem := _tensor_problem(t, layers):
+            return f"tensor {t.name}: {problem}"
+    entries = sum(t.selected for t in s.tensors)
+    if s.expert_entries != entries:
+        return f"expert_entries is {s.expert_entries}, the tensors select {entries}"
+    if s.trainable_params != s.expert_entries + s.router_params:
+        expected = s.expert_entries + s.router_params
+        return f"trainable_params is {s.trainable_params}, not expert_entries + router_params ({expected})"
+    return None
+
+
+def _tensor_problem(t: TensorSelection, layers: list[int]) -> str | None:
+    if t.layer not in layers:
+        return f"layer {t.layer} is not one of trainable_layers {layers}"
+    if len(t.shape) != 3 or any(d < 1 for d in t.shape):
+        return f"shape must be 3 positive sizes (E, O, I), got {t.shape}"
+    experts, rows, cols = t.shape
+    if not 1 <= t.selected <= experts * rows * cols:
+        return f"selected {t.selected} is not between 1 and the tensor's {experts * rows * cols} weights"
+    if len(t.per_expert) != experts or min(t.per_expert) < 0 or sum(t.per_expert) != t.selected:
+        return f"per_expert must be {experts} counts adding up to selected ({t.selected})"
+    return None
+
 
 @register
 class PlanManifest(Manifest):
@@ -79,6 +125,13 @@ class PlanManifest(Manifest):
     DESCRIPTION = "masks, importance maps and routing statistics from calibration data"
 
     summary: PlanSummary
+
+    def required_files(self) -> tuple[str, ...]:
+        # lazy: the store's module imports torch and numpy at its top; manifests are read without them
+        from usaf.artifacts.prefix_store import INDEX_FILE, STATES_FILE
+
+        store = (STATES_FILE, INDEX_FILE) if self.summary.prefix_cache is not None else ()
+        return (MASKS_FILE, IMPORTANCE_FILE, ROUTING_FILE, *store)
 
 
 # -- the plan's files: written by usaf score, read by usaf train ---------------------------------------------
@@ -108,14 +161,117 @@ def write_plan_files(
     (directory / ROUTING_FILE).write_text(json.dumps({str(layer): load for layer, load in routing.items()}, indent=1))
 
 
-def read_masks(directory: Path) -> dict[str, torch.Tensor]:
-    """The plan's masks: tensor name -> sorted int64 flat indices into the stored (E, O, I)."""
-    return load_safetensors(directory / MASKS_FILE)
+def read_masks(directory: Path, plan: PlanManifest, *, flag: str = "--plan") -> dict[str, torch.Tensor]:
+    """The plan's masks: tensor name -> sorted int64 flat indices into the stored (E, O, I).
+
+    Each mask is checked against the plan's own manifest (``plan``, already read): one per listed tensor, of
+    exactly its ``selected`` count and ``per_expert`` split, unique, ascending and inside its shape.
+    """
+    path = Path(directory) / MASKS_FILE
+    masks = load_safetensors(path)
+    listed = {t.name: t for t in plan.summary.tensors}
+    if extra := sorted(set(masks) - set(listed)):
+        _refuse(flag, path, f"a mask for {extra[0]}, which the plan's manifest does not list")
+    if missing := sorted(set(listed) - set(masks)):
+        _refuse(flag, path, f"no mask for {missing[0]}, which the plan's manifest lists")
+    for name, selection in listed.items():
+        if problem := _indices_problem(masks[name], selection.shape, selection.selected):
+            _refuse(flag, path, f"the mask of {name} {problem}")
+        if _per_expert(masks[name], selection.shape) != selection.per_expert:
+            _refuse(flag, path, f"the mask of {name} splits over the experts unlike the manifest's per_expert")
+    return masks
 
 
-def read_importance(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The plan's ranked candidates: tensor name -> (flat indices, scores), best first."""
-    tensors = load_safetensors(directory / IMPORTANCE_FILE)
-    suffix = ".indices"
-    return {k[: -len(suffix)]: (v, tensors[k[: -len(suffix)] + ".scores"]) for k, v in tensors.items()
-            if k.endswith(suffix) and k[: -len(suffix)] + ".scores" in tensors}  # fmt: skip
+def read_importance(
+    directory: Path, plan: PlanManifest, *, flag: str = "--plan"
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The plan's ranked candidates: tensor name -> (flat indices, scores), best first.
+
+    One pair per tensor of the plan's manifest, of its ``candidates`` count: int64 indices, unique and inside the
+    tensor's shape (in rank order, not sorted), and as many finite floating-point scores.
+    """
+    # lazy: torch stays out of usaf.artifacts' import time (manifests are read without it)
+    import torch
+
+    path = Path(directory) / IMPORTANCE_FILE
+    tensors = load_safetensors(path)
+    ranked = {}
+    for t in plan.summary.tensors:
+        indices, scores = tensors.get(f"{t.name}.indices"), tensors.get(f"{t.name}.scores")
+        if indices is None or scores is None:
+            _refuse(flag, path, f"no {t.name}.indices and .scores, a tensor the plan's manifest lists")
+        if problem := _indices_problem(indices.sort().values, t.shape, t.candidates):
+            _refuse(flag, path, f"{t.name}.indices {problem}")
+        if not scores.is_floating_point() or scores.shape != indices.shape or not bool(torch.isfinite(scores).all()):
+            _refuse(flag, path, f"{t.name}.scores must be {t.candidates} finite floating-point values")
+        ranked[t.name] = (indices, scores)
+    if extra := sorted(set(tensors) - {f"{n}.{k}" for n in ranked for k in ("indices", "scores")}):
+        _refuse(flag, path, f"holds {extra[0]}, which the plan's manifest does not list")
+    return ranked
+
+
+def check_plan_layers(directory: Path, plan: PlanManifest, moe_layers: list[int], *, flag: str = "--plan") -> None:
+    """Refuse a plan that trains a layer the model has no experts in (``moe_layers``: the model's MoE layers)."""
+    foreign = sorted(set(plan.summary.trainable_layers) - set(moe_layers))
+    if foreign:
+        raise UsafError(
+            f"{flag} {Path(directory) / 'manifest.json'}: trains layer {foreign[0]}, which is no MoE layer of "
+            f"the model (its MoE layers: {list(moe_layers)})",
+            "re-run usaf score for this model",
+        )
+
+
+def check_masks_fit(
+    directory: Path,
+    plan: PlanManifest,
+    masks: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    flag: str = "--plan",
+) -> None:
+    """Refuse masks (read by :func:`read_masks`, so agreeing with ``plan``) that do not cover exactly the model's
+    trainable tensors (``shapes``: name -> stored (E, O, I)), or a plan made for other shapes: a missing mask would
+    train fewer weights than planned, a foreign shape other weights."""
+    path = Path(directory) / MASKS_FILE
+    if extra := sorted(set(masks) - set(shapes)):
+        _refuse(flag, path, f"a mask for {extra[0]}, which is no trainable tensor of the plan's layers in this model")
+    if missing := sorted(set(shapes) - set(masks)):
+        _refuse(flag, path, f"no mask for {missing[0]}, a tensor of the layers the plan trains")
+    for selection in plan.summary.tensors:
+        if list(selection.shape) != list(shapes[selection.name]):
+            _refuse(flag, Path(directory) / "manifest.json", f"{selection.name} has shape {selection.shape}, "
+                    f"the model's is {list(shapes[selection.name])} (a plan for another model)")  # fmt: skip
+
+
+def _indices_problem(indices: torch.Tensor, shape: list[int], count: int) -> str | None:
+    """Why ``indices`` are not ``count`` unique ascending int64 flat indices into ``shape``, or None."""
+    # lazy: torch stays out of usaf.artifacts' import time (manifests are read without it)
+    import torch
+
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        return f"must be a 1-D int64 tensor, got {indices.dim()}-D {str(indices.dtype).removeprefix('torch.')}"
+    if indices.numel() != count:
+        return f"holds {indices.numel()} indices, the plan's manifest says {count}"
+    if indices.numel() == 0:
+        return "is empty"
+    if bool((indices[1:] == indices[:-1]).any()):
+        return "repeats an index"
+    if bool((indices[1:] < indices[:-1]).any()):
+        return "is not in ascending order"
+    size = shape[0] * shape[1] * shape[2]
+    if int(indices[0]) < 0 or int(indices[-1]) >= size:
+        bad = int(indices[0]) if int(indices[0]) < 0 else int(indices[-1])
+        return f"holds the index {bad}, outside the {size} weights of shape {list(shape)}"
+    return None
+
+
+def _per_expert(indices: torch.Tensor, shape: list[int]) -> list[int]:
+    # lazy: torch stays out of usaf.artifacts' import time (manifests are read without it)
+    import torch
+
+    experts, rows, cols = shape
+    return torch.bincount(indices // (rows * cols), minlength=experts).tolist()
+
+
+def _refuse(flag: str, path: Path, problem: str) -> NoReturn:
+    raise UsafError(f"{flag} {path}: {problem}", "the plan was edited or is damaged; re-run usaf score")

@@ -5,6 +5,11 @@ Two files in the plan directory: ``prefix_states.bin``, the raw tensors one afte
 layer). Written once, then read through a memory map; entries are immutable, so any number of runs can
 share a store. Keys are content hashes (:func:`usaf.engine.prefix.cache_key`): a store made for other
 data, another device or dtype simply misses.
+
+The index is checked when the store is opened (:func:`open_store`): every entry a 2-D state of a known dtype
+lying inside the states file, the whole agreeing with the plan's manifest (samples, tokens, bytes, dtype) and
+with the model's hidden size. A truncated or edited store is refused by name instead of feeding the engine
+states of the wrong size.
 """
 
 from __future__ import annotations
@@ -12,9 +17,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
+
+from usaf.errors import UsafError
+
+if TYPE_CHECKING:  # the record's module (plan) imports this one's names lazily
+    from usaf.artifacts.plan import PrefixCacheRecord
 
 STATES_FILE = "prefix_states.bin"
 INDEX_FILE = "prefix_index.json"
@@ -31,9 +42,10 @@ class PrefixStore:
 
     def __init__(self, states_path: Path, index_path: Path) -> None:
         self.states_path = Path(states_path)
-        index = json.loads(Path(index_path).read_text(encoding="utf-8"))
+        self.index_path = Path(index_path)
+        index = _read_index(self.index_path)
         self.meta = {k: v for k, v in index.items() if k != "entries"}
-        self._entries = {k: (int(o), tuple(shape), _DTYPES[dt]) for k, (o, shape, dt) in index["entries"].items()}
+        self._entries = {key: _entry(self.index_path, key, value) for key, value in index["entries"].items()}
         self._mmap: np.memmap | None = None
 
     def __contains__(self, key: str) -> bool:
@@ -77,11 +89,87 @@ def read_state(mmap: np.memmap, offset: int, shape: tuple[int, ...], dtype: torc
     return raw.view(dtype).reshape(shape)
 
 
-def open_store(plan_dir: Path) -> PrefixStore | None:
-    """The plan's prefix store, or None when the plan has none."""
-    if not (Path(plan_dir) / INDEX_FILE).is_file():
+def open_store(
+    plan_dir: Path, record: PrefixCacheRecord | None, *, hidden_size: int | None = None, flag: str = "--plan"
+) -> PrefixStore | None:
+    """The plan's prefix store, checked against its manifest's ``record`` and the model's ``hidden_size``; None
+    when the plan records none (``usaf score`` without ``--cache``)."""
+    if record is None:
         return None
-    return PrefixStore(Path(plan_dir) / STATES_FILE, Path(plan_dir) / INDEX_FILE)
+    states, index = Path(plan_dir) / STATES_FILE, Path(plan_dir) / INDEX_FILE
+    for path in (states, index):
+        if not path.is_file():
+            _refuse(flag, path, "missing, though the plan's manifest records a prefix store")
+    store = PrefixStore(states, index)
+    _check_entries(store, states.stat().st_size, flag=flag)
+    _check_against(store, record, states.stat().st_size, hidden_size, flag=flag)
+    return store
+
+
+def _read_index(path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        _refuse("--plan", path, f"unreadable index ({type(e).__name__}: {str(e)[:200]})")
+    if not isinstance(index, dict) or not isinstance(index.get("entries"), dict):
+        _refuse("--plan", path, "must be a JSON object with an 'entries' object")
+    return index
+
+
+def _entry(path: Path, key: str, value: object) -> tuple[int, tuple[int, ...], torch.dtype]:
+    """One index entry ``[offset, [t, H], dtype]`` as ``(offset, shape, dtype)``, refused unless well formed."""
+
+    def is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not (isinstance(value, list) and len(value) == 3):
+        _refuse("--plan", path, f"entry {key[:16]} must be [offset, shape, dtype], got {str(value)[:80]}")
+    offset, shape, dtype = value
+    if not (is_int(offset) and offset >= 0):
+        _refuse("--plan", path, f"entry {key[:16]}: offset must be a non-negative integer, got {offset!r}")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(is_int(d) and d > 0 for d in shape)):
+        _refuse("--plan", path, f"entry {key[:16]}: shape must be [tokens, hidden size], got {shape!r}")
+    if dtype not in _DTYPES:
+        _refuse("--plan", path, f"entry {key[:16]}: unknown dtype {dtype!r} (known: {', '.join(_DTYPES)})")
+    return offset, tuple(shape), _DTYPES[dtype]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _check_entries(store: PrefixStore, size: int, *, flag: str) -> None:
+    """Every entry inside the states file (a truncated one would be read as a short state)."""
+    for key, (offset, shape, dtype) in store._entries.items():
+        if offset + _nbytes(shape, dtype) > size:
+            _refuse(flag, store.index_path, f"entry {key[:16]} ends at byte {offset + _nbytes(shape, dtype):,}, "
+                                            f"past the {size:,} bytes of {STATES_FILE}")  # fmt: skip
+
+
+def _check_against(
+    store: PrefixStore, record: PrefixCacheRecord, size: int, hidden_size: int | None, *, flag: str
+) -> None:
+    """The store as the plan's manifest records it, with states as wide as the model's."""
+    if size != record.bytes:
+        _refuse(flag, store.states_path, f"{size:,} bytes, the plan's manifest records {record.bytes:,}")
+    entries = store._entries.values()
+    tokens = sum(shape[0] for _, shape, _ in entries)
+    if (len(entries), tokens) != (record.samples, record.tokens):
+        _refuse(flag, store.index_path, f"{len(entries)} states of {tokens} tokens, the plan's manifest records "
+                                        f"{record.samples} of {record.tokens}")  # fmt: skip
+    for key, (_, shape, dtype) in store._entries.items():
+        if str(dtype).removeprefix("torch.") != record.dtype:
+            _refuse(flag, store.index_path, f"entry {key[:16]} is {dtype}, the plan's manifest records {record.dtype}")
+        if hidden_size is not None and shape[1] != hidden_size:
+            _refuse(flag, store.index_path, f"entry {key[:16]} is {shape[1]} wide, the model's hidden size is "
+                                            f"{hidden_size}")  # fmt: skip
+    if store.meta.get("start") != record.start:
+        _refuse(flag, store.index_path, f"states entering layer {store.meta.get('start')!r}, the plan's manifest "
+                                        f"records layer {record.start}")  # fmt: skip
+
+
+def _refuse(flag: str, path: Path, problem: str) -> NoReturn:
+    raise UsafError(f"{flag} {path}: {problem}", "the prefix store is damaged or was edited; re-run usaf score --cache")
 
 
 def write_store(plan_dir: Path, items, *, meta: dict) -> dict[str, int]:

@@ -17,6 +17,7 @@ from usaf.errors import UsafError
 
 EXPERTS_FILE = "experts_q4.pt"
 BASE_INDEX_FILE = "base.safetensors.index.json"
+CONFIG_FILE = "config.json"  # the model's own, read by usaf.families; checked against the summary when loaded
 
 
 class ShardRecord(Record):
@@ -81,6 +82,9 @@ class QuantizedModelManifest(Manifest):
 
     summary: QuantizedModelSummary
 
+    def required_files(self) -> tuple[str, ...]:
+        return (EXPERTS_FILE, BASE_INDEX_FILE, CONFIG_FILE)
+
 
 def read_base_index(model_dir: Path, *, flag: str = "--model") -> dict[str, str]:
     """``base.safetensors.index.json``'s weight map (tensor -> shard file), each file checked to stay inside."""
@@ -136,4 +140,12 @@ def open_quantized(path: Path, *, flag: str = "--model") -> QuantizedFiles:
     """Open a quantized-model directory: manifest verified (without rehashing the weights), shard map checked."""
     path = Path(path)
     manifest = load_verified(path, QuantizedModelManifest, flag=flag, hashes=False)
-    return QuantizedFiles(path, manifest, read_base_index(path, flag=flag), flag)
+    weight_map = read_base_index(path, flag=flag)
+    listed = {record.path for record in manifest.files}
+    unlisted = sorted(set(weight_map.values()) - listed)
+    if unlisted:  # its size and hash are nobody's: a swapped shard would load unnoticed
+        raise UsafError(
+            f"{flag} {path / 'manifest.json'}: does not list {unlisted[0]}, a shard {BASE_INDEX_FILE} names",
+            "re-run usaf quantize",
+        )
+    return QuantizedFiles(path, manifest, weight_map, flag)

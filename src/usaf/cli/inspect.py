@@ -58,20 +58,23 @@ def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]], *, limit: int
 def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
     from rich.table import Table
 
-    from usaf.artifacts import load_manifest, verify_files
+    from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
+    from usaf.artifacts.loader import fingerprint_problem, listing_problem
     from usaf.cli.console import out, print_json
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=hashes)
     bad = [c for c in checks if not c.ok]
+    problem = listing_problem(manifest) or fingerprint_problem(manifest)  # no file read: checked with --no-hash too
     if as_json:
         print_json(
             {
                 "path": str(path),
                 "manifest": manifest.model_dump(mode="json"),
-                "verified": not bad,
+                "verified": not bad and problem is None,
                 "hashes_checked": hashes,
-                "problems": [{"path": c.path, "problem": c.problem} for c in bad],
+                "problems": [{"path": c.path, "problem": c.problem} for c in bad]
+                + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else []),
             }
         )
     else:
@@ -97,17 +100,21 @@ def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
             f"{path}: {len(bad)} of {len(checks)} files fail verification ({bad[0].path}: {bad[0].problem})",
             "re-run the stage that made this artifact",
         )
+    if problem is not None:
+        raise UsafError(f"{path / MANIFEST_NAME}: {problem}", "re-run the stage that made this artifact")
 
 
 def _verify_artifact(path: Path, *, as_json: bool) -> None:
-    """``--verify``: every listed file re-hashed against the manifest; one verdict line."""
-    from usaf.artifacts import load_manifest, verify_files
-    from usaf.artifacts.loader import unlisted_files
+    """``--verify``: every listed file re-hashed against the manifest, the fingerprint against the files; one
+    verdict line."""
+    from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
+    from usaf.artifacts.loader import fingerprint_problem, listing_problem, unlisted_files
     from usaf.cli.console import note, out, print_json
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=True)
     bad = [c for c in checks if not c.ok]
+    problem = listing_problem(manifest) or fingerprint_problem(manifest)  # the files match, the manifest lies
     extra = unlisted_files(path, manifest)
     if as_json:
         print_json(
@@ -115,9 +122,10 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
                 "path": str(path),
                 "kind": manifest.kind,
                 "fingerprint": manifest.fingerprint,
-                "verified": not bad,
+                "verified": not bad and problem is None,
                 "files": len(checks),
-                "problems": [{"path": c.path, "problem": c.problem} for c in bad],
+                "problems": [{"path": c.path, "problem": c.problem} for c in bad]
+                + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else []),
                 "unlisted": extra,
             }
         )
@@ -129,6 +137,8 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
             f"{path}: {len(bad)} of {len(checks)} files fail verification: {listing}",
             "re-run the stage that made this artifact",
         )
+    if problem is not None:
+        raise UsafError(f"{path / MANIFEST_NAME}: {problem}", "re-run the stage that made this artifact")
     if not as_json:
         out.print(
             f"{path}: {manifest.kind} artifact verified: {len(checks)} files match their sha256 "

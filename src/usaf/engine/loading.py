@@ -88,6 +88,7 @@ def load_quantized_model(
     path, manifest = files.path, files.manifest
     device = torch.device(device)
     spec = resolve_family(load_model_config(path))
+    _check_config_matches(path, spec, manifest)
     config = transformers_config(path, spec)  # 4.x: fields transformers 5 renamed, under their old names
     layout = module_layout(spec)
     if layout is ModuleLayout.FUSED:  # transformers >= 5: usaf's experts through the registry
@@ -104,13 +105,15 @@ def load_quantized_model(
     read_on = device if caps.direct_load else torch.device("cpu")  # DirectML: read on the host, then move
     for where, f in files.shards(str(read_on)):
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
+            current = _model_tensor(model, name, where)
+            _check_base_tensor(where, name, f.get_slice(name), current)  # before reading it
             target_dtype = current.dtype if current.is_floating_point() else None
             tensor = f.get_tensor(name)
             check_allocation(tensor.numel() * current.element_size(), device, f"{where}: {name}")
             _set_tensor(model, name, move(tensor, device, target_dtype))
 
     raw = files.experts()
+    recorded = {t.name: list(t.shape) for t in manifest.summary.tensors}  # in-memory shapes, as quantized
     experts: dict[int, LayerExperts] = {}
     for layer in spec.moe_layers:
         module = model.get_submodule(spec.experts_prefix(layer))
@@ -122,6 +125,12 @@ def load_quantized_model(
                 q = QuantizedTensor.from_dict(raw[name], name=name)
             except ValueError as e:  # wrong keys, dtypes, shapes or non-finite scales: a damaged or foreign file
                 raise UsafError(f"{path / EXPERTS_FILE}: {e}", "re-run usaf quantize") from None
+            if list(q.memory_shape) != recorded.get(name, list(q.memory_shape)):
+                raise UsafError(
+                    f"{path / EXPERTS_FILE}: {name} has shape {list(q.memory_shape)}, the manifest records "
+                    f"{recorded[name]} (edited after usaf quantize?)",
+                    "re-run usaf quantize",
+                )
             attr = name.rsplit(".", 1)[1]
             fused = getattr(module, attr, None)  # the meta parameter it replaces (v5, gpt-oss 4.x); absent in 4.x
             if fused is not None and tuple(q.memory_shape) != tuple(fused.shape):
@@ -151,6 +160,47 @@ def load_quantized_model(
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(model, spec, experts, manifest, path)
+
+
+def _check_config_matches(path: Path, spec: FamilySpec, manifest: QuantizedModelManifest) -> None:
+    """Refuse a ``config.json`` that no longer describes the model the manifest says was quantized (an edited
+    config would build another model around these weights)."""
+    source = manifest.summary.source
+    made = (source.model_type, list(manifest.summary.moe_layers))
+    now = (spec.model_type, list(spec.moe_layers))
+    if made != now:
+        raise UsafError(
+            f"{path / 'config.json'}: describes a {now[0]} model with MoE layers {now[1]}, the manifest records "
+            f"a {made[0]} model with MoE layers {made[1]} (edited after usaf quantize?)",
+            "restore the config.json usaf quantize wrote, or re-run usaf quantize",
+        )
+
+
+def _check_base_tensor(where: str, name: str, stored, current: torch.Tensor) -> None:
+    """A base tensor (``stored``: its safetensors slice) of the model's shape, and floating point where the
+    model's is (an integer router would be cast silently)."""
+    shape, dtype = list(stored.get_shape()), stored.get_dtype()  # safetensors codes: F32, BF16, I64, BOOL, ...
+    if shape != list(current.shape):
+        raise UsafError(
+            f"{where}: {name} has shape {shape}, the model's config says {list(current.shape)}",
+            "the quantized directory is inconsistent; re-run usaf quantize",
+        )
+    if current.is_floating_point() and not dtype.startswith(("F", "BF")):
+        raise UsafError(
+            f"{where}: {name} is stored as {dtype}, the model's is floating point",
+            "the quantized directory is inconsistent; re-run usaf quantize",
+        )
+
+
+def _model_tensor(model: nn.Module, name: str, where: str) -> torch.Tensor:
+    """The model's (meta) parameter or buffer ``name``; a base tensor the model does not have is refused."""
+    try:
+        return model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
+    except AttributeError:
+        raise UsafError(
+            f"{where}: holds {name}, which is no tensor of the model its config describes",
+            "the quantized directory is inconsistent; re-run usaf quantize",
+        ) from None
 
 
 def _is_parameter(model: nn.Module, name: str) -> bool:

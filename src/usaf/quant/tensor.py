@@ -128,8 +128,9 @@ def _problem(d: Mapping) -> str | None:
     if not isinstance(d["transposed"], bool):
         return f"transposed must be a bool, got {d['transposed']!r}"
     src = d["source_dtype"]
-    if not (isinstance(src, str) and isinstance(getattr(torch, src, None), torch.dtype)):
-        return f"source_dtype must name a torch dtype, got {src!r}"
+    source = getattr(torch, src, None) if isinstance(src, str) else None
+    if not (isinstance(source, torch.dtype) and source.is_floating_point):  # what was quantized: float weights
+        return f"source_dtype must name a floating-point torch dtype, got {src!r}"
     if not (isinstance(d["packing"], str) and d["packing"] == PACKING):
         return f"packing {d['packing']!r} is not supported (expected {PACKING!r})"
     expected = {"codes": (e, o, packed_width(i, d["nbits"])), "scale": (e, o, i // g), "zero": (e, o, i // g)}

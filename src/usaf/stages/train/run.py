@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import InputRecord, RunManifest, current_environment, load_verified
-from usaf.artifacts.plan import read_masks
+from usaf.artifacts.plan import check_masks_fit, check_plan_layers, read_masks
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
 from usaf.errors import UsafError
@@ -48,6 +48,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
 
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
     engine = _engine(inputs, backend, compute, progress)
+    prefix = _prefix(engine, inputs, world, progress)  # its store is checked before the run directory is made
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +59,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     torch.manual_seed(config.seed)  # checkpoints store torch's RNG state: unseeded, two equal runs differ in bytes
     trainer = Trainer(
         engine, config, inputs.data, inputs.eval_data, run_dir, steps=inputs.steps,
-        reselect_every=inputs.reselect_every, pad_id=inputs.pad_id, prefix=_prefix(engine, inputs, world, progress),
+        reselect_every=inputs.reselect_every, pad_id=inputs.pad_id, prefix=prefix,
         loss_scaler=scaler, world=world, backend=backend,
     )  # fmt: skip
     if inputs.resume_from is not None:
@@ -84,6 +85,8 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
 
     config = inputs.config
     loaded, placement = load_for_engine(inputs.model_dir, backend, compute, config.stream_experts, progress)
+    masks = read_masks(inputs.plan_dir, inputs.plan)  # checked against the plan's own manifest
+    check_plan_layers(inputs.plan_dir, inputs.plan, list(loaded.spec.moe_layers))
     engine = SparseEngine(
         loaded,
         trainable_layers=inputs.plan.summary.trainable_layers,
@@ -92,13 +95,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
         z_loss_coef=config.z_loss_coef,
         **placement,
     )
-    masks = read_masks(inputs.plan_dir)
-    unknown = set(masks) - set(engine.weights)
-    if unknown:
-        raise UsafError(
-            f"--plan {inputs.plan_dir}: masks for tensors this model does not train: {sorted(unknown)[:3]}",
-            "re-run usaf score for this model",
-        )
+    check_masks_fit(inputs.plan_dir, inputs.plan, masks, {name: tuple(w.shape) for name, w in engine.weights.items()})
     engine.set_deltas(masks)
     return engine
 
@@ -111,7 +108,8 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[A
 
     if engine.prefix is None:
         return None
-    store = open_store(inputs.plan_dir)  # written by usaf score --cache
+    hidden = engine.model.get_input_embeddings().embedding_dim  # the width of every stored state
+    store = open_store(inputs.plan_dir, inputs.plan.summary.prefix_cache, hidden_size=hidden)  # usaf score --cache
     spill = inputs.run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
     cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
     if store is not None:
