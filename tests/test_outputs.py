@@ -331,3 +331,11 @@ def test_stale_replaced_outputs_of_dead_processes_are_cleared(ws, tmp_path):
     result = invoke("score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability",
                     "--out", out)  # fmt: skip
     assert result.exit_code == 0 and not stale.exists() and leftovers(tmp_path) == []
+
+
+def test_train_scoring_on_the_fly_that_fails_leaves_no_run_directory(ws, tmp_path):
+    run = tmp_path / "run"
+    result = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--steps", 1, "--layers", 99,
+                    "--workspace", tmp_path / "empty-workspace", "--out", run)  # fmt: skip
+    assert result.exit_code == 2 and "99" in result.stderr, result.output
+    assert not run.exists() and leftovers(tmp_path) == []

@@ -642,7 +642,7 @@ def base_cases() -> list[Case]:
 
 
 # Catalogues of their own, each a module with READERS and cases() and a test file running them.
-CATALOGUES = ("hostile_outputs",)
+CATALOGUES = ("hostile_outputs", "hostile_artifacts")
 
 
 def catalogues() -> list[Any]:

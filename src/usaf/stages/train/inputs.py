@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +215,7 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
         )
     progress.note(f"no --plan and none in the workspace for this model: scoring now into {run_dir / PLAN_DIR}")
     world().barrier("run directory check")  # every rank has looked before rank 0 creates it
+    made = world().is_main and not run_dir.exists()
     if world().is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     options = (*SELECTION_FIELDS, "router", "device", "seed", "stream_experts")  # the settings score shares
@@ -225,7 +227,12 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
         stability=False,
         **{name: getattr(config, name) for name in options},
     )
-    manifest, path = score.run(settings, progress=progress)
+    try:
+        manifest, path = score.run(settings, progress=progress)
+    except BaseException:
+        if made and found_at(run_dir).state in ("empty", "usaf") and not (run_dir / PLAN_DIR).exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # the empty directory made just now: a failure leaves nothing
+        raise
     return path, manifest
 
 
