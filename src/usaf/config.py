@@ -232,7 +232,7 @@ def _name_sources(message: str, origin: Mapping[str, str]) -> str:
     for field, source in origin.items():
         flag = flag_name(field)
         if source != flag:
-            message = re.sub(re.escape(flag) + r"(?![\w-])", lambda _: source, message)
+            message = re.sub(re.escape(flag) + r"(?![\w-])", lambda _, name=source: name, message)  # verbatim
     return message
 
 
