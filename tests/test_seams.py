@@ -66,6 +66,7 @@ LAYERS: dict[str, int] = {
     "usaf.testing.crash": 9,
     "usaf.testing.crash_child": 9,
     "usaf.testing.hostile": 9,
+    "usaf.testing.hostile_settings": 9,
     "usaf.testing.workloads": 9,
     "usaf.cli": 8,
     "usaf.stages": 7,

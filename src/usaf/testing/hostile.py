@@ -80,6 +80,7 @@ class Case:
     may_pass: bool = False  # odd but valid: a normal finish is a correct answer too
     unsafe: bool = False  # an attempt to run code or read outside a directory
     note: str = ""  # why a may_pass case is accepted
+    env: dict[str, str] | None = None  # environment variables set for the command (USAF_*), restored after
 
 
 @dataclass
@@ -652,7 +653,7 @@ def run_case(bench: Bench, case: Case, case_dir: Path) -> Outcome:
     """Write the case's input, run its command in-process, and judge the answer."""
     case_dir.mkdir(parents=True, exist_ok=True)
     args = case.build(bench, case_dir)
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, args, env=case.env)
     stderr = result.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     message = errors[0].removeprefix("error: ") if errors else ""
