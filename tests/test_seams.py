@@ -7,7 +7,7 @@ Rules:
   functions). Same-layer packages may not import each other, except the pairs in ``SAME_LAYER``. Layers,
   top to bottom::
 
-      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, workloads)
+      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, hostile_*, workloads)
       8  usaf.cli
       7  usaf.stages
       6  usaf.distributed
@@ -93,6 +93,8 @@ SAME_LAYER: dict[tuple[str, str], str] = {
     # The tokenizer's chat-template handling differs between transformers 4 and 5; which transformers is
     # installed is the families' knowledge (usaf.families.modules.transformers_major).
     ("usaf.data", "usaf.families"): "transformers' major version",
+    # A catalogue module of hostile inputs builds on the harness's Bench, Case and forging helpers.
+    ("usaf.testing.hostile_settings", "usaf.testing.hostile"): "the hostile-input harness",
 }
 
 # Known violations in files being rewritten in parallel (issue 18's other areas). (file, rule) -> why kept.
