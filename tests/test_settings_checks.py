@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from usaf.artifacts.run import Checkpoint, DeltaRecord, checkpoint_dirs, read_checkpoint, write_checkpoint
-from usaf.config import flag_name, resolve_config
+from usaf.config import flag_name, resolve_config, source_of
 from usaf.engine.optim_state import check_state_dict
 from usaf.errors import UsafError
 from usaf.settings import TABLES, table_keys
@@ -171,6 +171,17 @@ def test_a_cross_field_message_names_the_sources_of_its_values(tmp_path):
     with pytest.raises(UsafError) as e:
         resolve_config(TrainConfig, section="train", cli={"steps": 3}, config_file=config, env={})
     assert f"pass either --steps or --config {config} [train] epochs, not both" in e.value.message
+
+
+def test_a_check_after_resolving_names_the_source_and_sources_do_not_change_equality(tmp_path):
+    config = tmp_path / "usaf.toml"
+    config.write_text("[train]\nram = '8GiB'\n")
+    settings = resolve_config(TrainConfig, section="train", cli={"lr": 0.1}, config_file=config,
+                              env={"USAF_VRAM": "lots"})  # fmt: skip
+    assert source_of(settings, "vram") == "USAF_VRAM" and source_of(settings, "lr") == "--lr"
+    assert source_of(settings, "ram") == f"--config {config} [train] ram"
+    assert source_of(settings, "seq_len") == "--seq-len"  # defaulted: its flag
+    assert settings == TrainConfig(lr=0.1, vram="lots", ram="8GiB") and hash(settings) == hash(settings.model_copy())
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------

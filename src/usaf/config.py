@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from usaf.errors import UsafError
 
@@ -61,6 +61,25 @@ class StageConfig(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)  # field -> where resolve_config found it
+
+    def __eq__(self, other: object) -> bool:
+        """Equal settings are equal values: where each came from (``_sources``) is no part of them."""
+        if not isinstance(other, BaseModel):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = BaseModel.__hash__
+
+
+def source_of(settings: BaseModel, field: str) -> str:
+    """Where a resolved setting came from, as a user would look for it: ``--lr``, ``USAF_LR``, ``--config f.toml
+    [train] lr``, ``legacy env LR_PEAK``; its flag when it was defaulted or set by code.
+
+    For the checks made after resolving (a size, a context length): their message names this, not the flag.
+    """
+    sources = getattr(settings, "_sources", None) or {}
+    return sources.get(field, flag_name(field))
 
 
 # Every ``--config`` table and the keys it may hold; installed by :mod:`usaf.settings` (which sits above
@@ -195,6 +214,7 @@ def resolve_config(
         problems += _value_problems(e, values, origin)
     else:
         if not problems:
+            settings._sources = dict(origin)
             return settings
     raise UsafError(
         "invalid settings: " + "; ".join(problems),

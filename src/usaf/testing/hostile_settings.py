@@ -190,6 +190,8 @@ def settings_cases() -> list[Case]:
         _env_case("USAF_STEPS", "three", name="train with USAF_STEPS=three"),
         _env_case("USAF_ROUTER", "maybe", name="train with USAF_ROUTER=maybe"),
         _env_case("USAF_RESELECT_EVERY", "500", name="train with USAF_RESELECT_EVERY=500 over --steps 1"),
+        _env_case("USAF_VRAM", "lots", name="train with USAF_VRAM=lots (checked after resolving)"),
+        _env_case("USAF_SEQ_LEN", "99999", name="train with USAF_SEQ_LEN beyond the model's context"),
         _toml_case("[train] lr = inf", "[train]\nlr = inf\n", "[train] lr"),
         _toml_case("[train] warmup = 1e309", "[train]\nwarmup = 1e309\n", "[train] warmup"),
         _toml_case("[defaults] z_loss_coef = nan", "[defaults]\nz_loss_coef = nan\n", "[defaults] z_loss_coef"),
