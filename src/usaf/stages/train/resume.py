@@ -85,6 +85,7 @@ def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
     with _refused(directory / OPTIMIZER_FILE):
         trainer.optimizer = trainer._new_optimizer()
         trainer.optimizer.load_state_dict(checkpoint.optimizer)
+        _check_schedule(checkpoint.schedule)
         trainer.schedule.load_state_dict(checkpoint.schedule)
         _check_rng(checkpoint.rng)
         torch.set_rng_state(checkpoint.rng)
@@ -116,7 +117,23 @@ def _refused(path: Path) -> Iterator[None]:
 
 def _check_rng(rng: Any) -> None:
     if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
-        raise ValueError(f"its rng is not torch's RNG state (a 1-D uint8 tensor), but {type(rng).__name__}")
+        what = f"{rng.dtype} of shape {tuple(rng.shape)}" if isinstance(rng, torch.Tensor) else type(rng).__name__
+        raise ValueError(f"its rng is not torch's RNG state (a 1-D uint8 tensor) but {what}")
+
+
+_SCHEDULE_KEYS = ("warmup_steps", "total_steps", "min_lr_ratio", "peak_lr", "last_step")
+
+
+def _check_schedule(schedule: Any) -> None:
+    """The learning-rate schedule's state: its keys, each a number (``last_step`` None before the first step)."""
+    if not isinstance(schedule, dict) or (missing := [k for k in _SCHEDULE_KEYS if k not in schedule]):
+        raise ValueError(f"its schedule lacks {missing if isinstance(schedule, dict) else list(_SCHEDULE_KEYS)}")
+    for key in _SCHEDULE_KEYS:
+        value = schedule[key]
+        if value is None and key == "last_step":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"its schedule's {key} {value!r} is not a number")
 
 
 def _train_state(state: Any, path: Path) -> TrainState:
@@ -137,10 +154,8 @@ def _check_routers(masters: dict[str, torch.Tensor], saved: dict[str, torch.Tens
     """The checkpoint's routers are this run's: the same names, each of its router's shape."""
     missing, extra = sorted(set(masters) - set(saved)), sorted(set(saved) - set(masters))
     if missing or extra:
-        raise UsafError(
-            f"--resume {path}: its routers are not this run's (missing {missing[:3]}, not trained here {extra[:3]})",
-            _HINT,
-        )
+        parts = [f"{what} {names[:3]}" for what, names in (("missing", missing), ("not this run's", extra)) if names]
+        raise UsafError(f"--resume {path}: routers {'; '.join(parts)}", _HINT)
     for name, master in masters.items():
         if tuple(saved[name].shape) != tuple(master.shape):
             raise UsafError(
