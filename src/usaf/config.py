@@ -239,7 +239,7 @@ def _value_problems(e: ValidationError, values: Mapping[str, Any], origin: Mappi
 def _reason(err: Mapping[str, Any]) -> str:
     """pydantic's message for one bad value, where its own would not say what to pass."""
     if err["type"] == "finite_number":  # inf, -inf, nan, or a literal beyond float range (1e309)
-        return "not a finite number (inf, nan and values beyond the float range such as 1e309 are refused)"
+        return "not a finite number (inf or nan; a literal such as 1e309 overflows to inf)"
     return str(err["msg"])
 
 
@@ -281,7 +281,7 @@ def document_problems(document: Mapping[str, Any], path: Path, section: str, fie
             if _tables is None:
                 continue
             if not isinstance(table, dict):
-                problems.append(f"{where}: '{name}' is outside any table{_closest(name, shared)}")
+                problems.append(f"{where}: '{name}' is outside any table (settings go under [defaults] or [COMMAND])")
             else:
                 closest = _closest(name, [DEFAULTS_TABLE, *tables], spell="[{}]")
                 problems.append(f"{where}: unknown table [{name}]{closest}")
