@@ -69,8 +69,6 @@ class StageConfig(BaseModel):
             return NotImplemented
         return type(self) is type(other) and self.__dict__ == other.__dict__
 
-    __hash__ = BaseModel.__hash__
-
 
 def source_of(settings: BaseModel, field: str) -> str:
     """Where a resolved setting came from, as a user would look for it: ``--lr``, ``USAF_LR``, ``--config f.toml
