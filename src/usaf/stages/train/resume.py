@@ -6,9 +6,9 @@ counters, reselection history, torch's RNG state and, inside a scoring window, e
 scores. The data order is a pure function of (seed, step), so it needs no saving. Its files are
 :mod:`usaf.artifacts.run`'s (:class:`~usaf.artifacts.run.Checkpoint`).
 
-:func:`restore` checks what a checkpoint's files hold against this run before it changes anything: the
-routers' names and shapes, the state's counters, and the optimizer state (its structure, sizes and finite
-moments); a checkpoint that does not fit is refused naming the file, never a traceback from deep inside.
+:func:`restore` checks what a checkpoint's files hold against this run: the routers' names and shapes, the
+state's counters, and the optimizer state (its structure, sizes and finite moments); a checkpoint that does
+not fit is refused naming the file, never a traceback from deep inside (and the run then stops).
 """
 
 from __future__ import annotations
@@ -138,9 +138,10 @@ def _check_schedule(schedule: Any) -> None:
 
 def _train_state(state: Any, path: Path) -> TrainState:
     """The trainer's counters from ``state.json``: only its fields, and whole-number counters from 0."""
-    known = {f.name for f in dataclasses.fields(TrainState)}
-    unknown = sorted(set(state) - known) if isinstance(state, dict) else None
-    if unknown is None or unknown:
+    if not isinstance(state, dict):
+        raise UsafError(f"--resume {path}: not the state usaf writes (a JSON object)", _HINT)
+    unknown = sorted(set(state) - {f.name for f in dataclasses.fields(TrainState)})
+    if unknown:
         raise UsafError(f"--resume {path}: not the state usaf writes (unknown keys {unknown})", _HINT)
     for key in ("step", "tokens", "skipped", "world_size", "microbatch", "grad_accum"):
         value = state.get(key, 0)
