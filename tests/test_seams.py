@@ -7,7 +7,7 @@ Rules:
   functions). Same-layer packages may not import each other, except the pairs in ``SAME_LAYER``. Layers,
   top to bottom::
 
-      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, workloads)
+      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, hostile_*, workloads)
       8  usaf.cli
       7  usaf.stages
       6  usaf.distributed

@@ -16,21 +16,29 @@ it. From a shared source (``USAF_*``, ``[defaults]``, legacy variables: every co
 dropped instead.
 
 Every problem, from every source, is collected and reported in one :class:`UsafError` that names
-where each bad value came from, so a user fixes them all in one go.
+where each bad value came from (the variable, not the flag, for a ``USAF_*`` value; the file and table for a
+TOML one), so a user fixes them all in one go. Two checks hold for every command at once:
+
+- a float setting must be finite (``inf``, ``nan``, ``1e309``), from any source (``StageConfig``);
+- a ``--config`` file may hold only the tables of commands that read one (:func:`register_tables`), each
+  with that command's keys, and ``[defaults]`` only keys some command has; a misspelt name is refused with
+  the closest valid one.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from usaf.errors import UsafError
 
@@ -46,9 +54,42 @@ C = TypeVar("C", bound=BaseModel)
 
 
 class StageConfig(BaseModel):
-    """Base of every stage's settings: frozen, and unknown keys are errors, not silently ignored."""
+    """Base of every stage's settings: frozen, unknown keys are errors, and floats are finite.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``allow_inf_nan=False``: ``--lr inf``, ``USAF_LR=nan`` or ``lr = 1e309`` (which parses to inf) would
+    train to NaN or overflow a step count; refused here once, for every float field of every command.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)  # field -> where resolve_config found it
+
+    def __eq__(self, other: object) -> bool:
+        """Equal settings are equal values: where each came from (``_sources``) is no part of them."""
+        if not isinstance(other, BaseModel):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+
+def source_of(settings: BaseModel, field: str) -> str:
+    """Where a resolved setting came from, as a user would look for it: ``--lr``, ``USAF_LR``, ``--config f.toml
+    [train] lr``, ``legacy env LR_PEAK``; its flag when it was defaulted or set by code.
+
+    For the checks made after resolving (a size, a context length): their message names this, not the flag.
+    """
+    sources = getattr(settings, "_sources", None) or {}
+    return sources.get(field, flag_name(field))
+
+
+# Every ``--config`` table and the keys it may hold; installed by :mod:`usaf.settings` (which sits above
+# this module), read when a file is checked. None: only the command's own table is checked.
+Tables = Callable[[], Mapping[str, Collection[str]]]
+_tables: Tables | None = None
+
+
+def register_tables(tables: Tables) -> None:
+    """Install the catalogue of ``--config`` tables: table name -> the setting names it may hold."""
+    global _tables
+    _tables = tables
 
 
 def cli_meta(info: Any) -> dict[str, Any]:
@@ -150,14 +191,8 @@ def resolve_config(
         document = load_toml(config_file)
         own = document.get(section, {})
         shared = document.get(DEFAULTS_TABLE, {})
-        for name, table in ((section, own), (DEFAULTS_TABLE, shared)):
-            if not isinstance(table, dict):
-                problems.append(f"--config {config_file}: [{name}] must be a table")
+        problems += document_problems(document, config_file, section, set(fields))
         if isinstance(own, dict):
-            for key in sorted(set(own) - set(fields)):
-                problems.append(
-                    f"--config {config_file}: [{section}] has no setting '{key}' (known: {', '.join(sorted(fields))})"
-                )
             for field in fields:
                 offer(field, own.get(field), f"--config {config_file} [{section}] {field}")
         if isinstance(shared, dict):
@@ -171,22 +206,94 @@ def resolve_config(
 
     _apply_deciders(fields, values, origin, own_table=f"--config {config_file} [{section}] ")
 
-    if not problems:
-        try:
-            return cls(**values)
-        except ValidationError as e:
-            for err in e.errors():
-                field = str(err["loc"][0]) if err["loc"] else ""
-                if not field:  # a cross-field check: its message names the flags itself
-                    problems.append(str(err["msg"]).removeprefix("Value error, "))
-                    continue
-                where = origin.get(field, f"{flag_name(field)} (default)")
-                given = f" = {values[field]!r}" if field in values else ""
-                problems.append(f"{where}{given}: {err['msg']}")
+    try:  # the values read are checked even when the file has unknown names: every problem at once
+        settings = cls(**values)
+    except ValidationError as e:
+        problems += _value_problems(e, values, origin)
+    else:
+        if not problems:
+            settings._sources = dict(origin)
+            return settings
     raise UsafError(
         "invalid settings: " + "; ".join(problems),
         "fix the values above (flags win over USAF_* variables, which win over --config)",
     )
+
+
+def _value_problems(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> list[str]:
+    """One line per bad value, naming where it came from (the flag, the variable, the file's table)."""
+    problems = []
+    for err in e.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        if not field:  # a cross-field check: its message names the flags, renamed to where each came from
+            problems.append(_name_sources(str(err["msg"]).removeprefix("Value error, "), origin))
+            continue
+        where = origin.get(field, f"{flag_name(field)} (default)")
+        given = f" = {values[field]!r}" if field in values else ""
+        problems.append(f"{where}{given}: {_reason(err)}")
+    return problems
+
+
+def _reason(err: Mapping[str, Any]) -> str:
+    """pydantic's message for one bad value, where its own would not say what to pass."""
+    if err["type"] == "finite_number":  # inf, -inf, nan, or a literal beyond float range (1e309)
+        return "not a finite number (inf or nan; a literal such as 1e309 overflows to inf)"
+    return str(err["msg"])
+
+
+def _name_sources(message: str, origin: Mapping[str, str]) -> str:
+    """A cross-field message with each ``--flag`` whose value came from elsewhere named by that source.
+
+    ``--reselect-every 500 exceeds --steps 3`` with ``USAF_RESELECT_EVERY=500`` becomes ``USAF_RESELECT_EVERY
+    500 exceeds --steps 3``: a user looks for the value where it was set, and no flag was given.
+    """
+    for field, source in origin.items():
+        flag = flag_name(field)
+        if source != flag:
+            message = re.sub(re.escape(flag) + r"(?![\w-])", lambda _, name=source: name, message)  # verbatim
+    return message
+
+
+def _closest(name: str, known: Collection[str], spell: str = "'{}'") -> str:
+    """`` (did you mean 'x'?)`` for a misspelt name, else the known names (a short list) or nothing."""
+    match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    if match:
+        return f" (did you mean {spell.format(match[0])}?)"
+    return f" (known: {', '.join(spell.format(k) for k in sorted(known))})" if len(known) <= 60 else ""
+
+
+def document_problems(document: Mapping[str, Any], path: Path, section: str, fields: Collection[str]) -> list[str]:
+    """Every unknown table and key of a ``--config`` document, each with the closest valid name.
+
+    ``section``/``fields``: the running command's table and settings (they win over the catalogue, so a
+    settings model that is not a registered command, as in tests, checks its own table all the same).
+    Without a registered catalogue only that table is checked.
+    """
+    tables = {name: set(keys) for name, keys in (_tables() if _tables is not None else {}).items()}
+    tables[section] = set(fields)
+    shared = set().union(*tables.values())
+    where = f"--config {path}"
+    problems = []
+    for name, table in document.items():
+        if name != DEFAULTS_TABLE and name not in tables:
+            if _tables is None:
+                continue
+            if not isinstance(table, dict):
+                problems.append(f"{where}: '{name}' is outside any table (settings go under [defaults] or [COMMAND])")
+            else:
+                closest = _closest(name, [DEFAULTS_TABLE, *tables], spell="[{}]")
+                problems.append(f"{where}: unknown table [{name}]{closest}")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{where}: [{name}] must be a table")
+            continue
+        if name == DEFAULTS_TABLE and _tables is None:
+            continue  # which commands exist is unknown: a key of another command's may be right
+        known = shared if name == DEFAULTS_TABLE else tables[name]
+        for key in sorted(set(table) - known):
+            what = f"'{key}', a setting no command has" if name == DEFAULTS_TABLE else f"no setting '{key}'"
+            problems.append(f"{where}: [{name}] has {what}{_closest(key, known)}")
+    return problems
 
 
 def _apply_deciders(

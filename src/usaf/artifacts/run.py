@@ -8,6 +8,9 @@ is an interrupted run, which ``usaf train`` resumes.
 A checkpoint is one :class:`Checkpoint`, written by :func:`write_checkpoint` and read by
 :func:`read_checkpoint` (the trainer's resume, and every reader of what a run trained): the file names and
 the key scheme of its deltas are spelled here only, and every read goes through :mod:`usaf.artifacts.safety`.
+A read refuses, naming the file: a NaN or Inf in a delta or router (it would become NaN weights), a step
+that is not a whole number from 0 to the run's steps, and a ``step-N`` directory whose name is not a step
+or disagrees with its ``state.json`` (:func:`checkpoint_dirs` lists a run's checkpoints by step number).
 """
 
 from __future__ import annotations
@@ -155,27 +158,88 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
 
 
 def read_checkpoint(
-    directory: Path, *, flag: str = "--resume", full: bool = True, hint: str = "resume from an earlier checkpoint"
+    directory: Path,
+    *,
+    flag: str = "--resume",
+    full: bool = True,
+    hint: str = "resume from an earlier checkpoint",
+    max_step: int | None = None,
 ) -> Checkpoint:
     """Read a checkpoint through the safe readers; any damage is one UsafError naming ``flag``, never a half-load.
 
     ``full=False`` reads the deltas and routers only (what a run changed), not the optimizer's state.
+    ``max_step``: the run's steps, when known; a checkpoint beyond them is another run's or edited.
     """
     try:
         tensors = load_safetensors(directory / DELTAS_FILE)
         routers = load_safetensors(directory / ROUTERS_FILE)
         extra = load_torch(directory / OPTIMIZER_FILE, what="checkpoint") if full else {}
-        state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8")) if full else {}
+        state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
     except (UsafError, OSError, ValueError) as e:
         raise UsafError(f"{flag} {directory}: unreadable checkpoint ({getattr(e, 'message', e)})", hint) from None
     routers.pop(_NO_ROUTERS, None)
     deltas = _delta_records(tensors, directory, flag=flag, hint=hint)
-    if full and not all(key in extra for key in ("optimizer", "schedule", "rng")):
-        raise UsafError(f"{flag} {directory}: unreadable checkpoint (its optimizer state is incomplete)", hint)
+    _check_finite(directory / DELTAS_FILE, tensors, flag=flag, hint=hint)
+    _check_finite(directory / ROUTERS_FILE, routers, flag=flag, hint=hint)
+    _check_step(directory, state, max_step, flag=flag, hint=hint)
+    if full and not (isinstance(extra, dict) and all(key in extra for key in ("optimizer", "schedule", "rng"))):
+        raise UsafError(
+            f"{flag} {directory / OPTIMIZER_FILE}: unreadable checkpoint (not the optimizer state usaf writes: "
+            "a dict of optimizer, schedule and rng)",
+            hint,
+        )
     return Checkpoint(
         deltas, dict(routers), state, extra.get("optimizer"), extra.get("schedule"), extra.get("rng"),
         extra.get("scores"), extra.get("scores_by_rank"), extra.get("loss_scale"),
     )  # fmt: skip
+
+
+def _check_finite(path: Path, tensors: dict, *, flag: str, hint: str) -> None:
+    """Refuse a NaN or Inf in any floating tensor of a checkpoint file: applied, it makes NaN weights."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise UsafError(f"{flag} {path}: {name} holds NaN or Inf values", hint)
+
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _check_step(directory: Path, state: Any, max_step: int | None, *, flag: str, hint: str) -> None:
+    """The recorded step: a whole number from 0 to the run's steps, the one a ``step-N`` name says."""
+    path = directory / STATE_FILE
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UsafError(f"{flag} {path}: step {step!r} is not a step (a whole number from 0)", hint)
+    if max_step is not None and step > max_step:
+        raise UsafError(f"{flag} {path}: step {step} is beyond the run's {max_step} steps", hint)
+    if directory.parent.name == CHECKPOINTS_DIR:
+        named = step_of(directory, flag=flag)
+        if named != step:
+            raise UsafError(f"{flag} {directory}: its name says step {named}, its {STATE_FILE} says step {step}", hint)
+
+
+def step_of(directory: Path, *, flag: str) -> int:
+    """The step a ``checkpoints/step-N`` directory's name records; refused when it records none."""
+    match = _STEP_DIR.fullmatch(directory.name)
+    if match is None:
+        raise UsafError(
+            f"{flag} {directory}: not a checkpoint name (step-N, N the step)",
+            "rename it back, or remove it: usaf names checkpoints step-0000050",
+        )
+    return int(match.group(1))
+
+
+def checkpoint_dirs(run_dir: Path, *, flag: str) -> list[Path]:
+    """A run's complete checkpoints (their state file is written last), oldest first by step number.
+
+    A complete ``step-*`` directory whose name is not a step is refused, not skipped or sorted as text: it
+    would decide which checkpoint is the newest.
+    """
+    directory = Path(run_dir) / CHECKPOINTS_DIR
+    if not directory.is_dir():
+        return []
+    complete = [p for p in directory.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file()]
+    return sorted(complete, key=lambda p: step_of(p, flag=flag))
 
 
 def _delta_records(tensors: dict, directory: Path, *, flag: str, hint: str) -> dict[str, DeltaRecord]:
@@ -246,11 +310,12 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
             fingerprint=manifest.fingerprint,
             model_fingerprint=manifest.summary.model_fingerprint,
             layers=manifest.summary.trainable_layers,
+            max_step=manifest.summary.steps,
         )
     checkpoint, run_dir = path, path.parent.parent
     if not (path / STATE_FILE).is_file():  # an unfinished run directory: its newest complete checkpoint
         run_dir = path
-        done = sorted(p for p in (path / CHECKPOINTS_DIR).glob("step-*") if (p / STATE_FILE).is_file())
+        done = checkpoint_dirs(path, flag=flag)
         if not done:
             raise UsafError(
                 f"{flag} {path}: not a usaf run (no manifest.json, no checkpoint)",
@@ -261,7 +326,8 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
     try:
         record = json.loads(settings.read_text(encoding="utf-8"))
         model_fingerprint = record["model_fingerprint"]
-    except (OSError, ValueError, KeyError):
+        steps = record.get("steps")  # None for a run of --epochs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UsafError(
             f"{flag} {checkpoint}: its run's {SETTINGS_FILE} is missing or unreadable",
             "pass the run directory written by usaf train",
@@ -273,13 +339,23 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
         fingerprint=f"{model_fingerprint[:16]}:{checkpoint.name}",
         model_fingerprint=model_fingerprint,
         layers=None,
+        max_step=steps if isinstance(steps, int) else None,
     )
 
 
 def _read_checkpoint(
-    directory: Path, *, flag: str, source: Path, fingerprint: str, model_fingerprint: str, layers: list[int] | None
+    directory: Path,
+    *,
+    flag: str,
+    source: Path,
+    fingerprint: str,
+    model_fingerprint: str,
+    layers: list[int] | None,
+    max_step: int | None,
 ) -> TrainedChange:
-    checkpoint = read_checkpoint(directory, flag=flag, full=False, hint="pass an intact run or checkpoint")
+    checkpoint = read_checkpoint(
+        directory, flag=flag, full=False, hint="pass an intact run or checkpoint", max_step=max_step
+    )
     deltas = {name: (r.cumulative[0], r.cumulative[1].float()) for name, r in checkpoint.deltas.items()}
     if not deltas:
         raise UsafError(f"{flag} {directory}: the checkpoint holds no deltas", "pass an intact run or checkpoint")

@@ -19,6 +19,7 @@ import contextlib
 import pickle
 import re
 import shutil
+import struct
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -106,7 +107,9 @@ def load_torch(path: Path, *, mmap: bool = False, what: str = "file") -> Any:
         ) from None
     except FileNotFoundError:
         raise UsafError(f"{path}: missing", "re-run the stage that made it") from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, AttributeError) as e:
+    # random bytes read as a legacy pickle fail anywhere in the unpickler: each of these is the file's fault
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, AttributeError, IndexError,
+            TypeError, OverflowError, struct.error) as e:  # fmt: skip
         message = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UsafError(
             f"{path}: unreadable {what} (truncated or not a torch file: {message})", "re-run the stage that made it"

@@ -173,6 +173,11 @@ class SparseEngine:
         missing = set(change.routers) - set(self.routers)
         if missing:
             raise KeyError(f"change has routers the engine does not train: {sorted(missing)[:3]}")
+        for name, weight in change.routers.items():  # copy_ would broadcast a (1, H) router over every expert
+            if tuple(weight.shape) != tuple(self.routers[name].shape):
+                raise ValueError(
+                    f"router {name} of shape {tuple(weight.shape)}, the model's {tuple(self.routers[name].shape)}"
+                )
         self.set_deltas({n: i for n, (i, _) in change.deltas.items()}, {n: v for n, (_, v) in change.deltas.items()})
         for delta in self.deltas().values():
             delta.values.requires_grad_(False)

@@ -82,6 +82,7 @@ class Case:
     unsafe: bool = False  # an attempt to run code or read outside a directory
     note: str = ""  # why a may_pass case is accepted
     after: Callable[[Path], list[str]] | None = None  # more checks of what the command left (the case directory)
+    env: dict[str, str] | None = None  # environment variables set for the command (USAF_*), restored after
 
 
 @dataclass
@@ -642,7 +643,7 @@ def base_cases() -> list[Case]:
 
 
 # Catalogues of their own, each a module with READERS and cases() and a test file running them.
-CATALOGUES = ("hostile_outputs", "hostile_artifacts")
+CATALOGUES = ("hostile_outputs", "hostile_artifacts", "hostile_settings")
 
 
 def catalogues() -> list[Any]:
@@ -672,7 +673,7 @@ def run_case(bench: Bench, case: Case, case_dir: Path) -> Outcome:
     """Write the case's input, run its command in-process, and judge the answer."""
     case_dir.mkdir(parents=True, exist_ok=True)
     args = case.build(bench, case_dir)
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, args, env=case.env)
     stderr = result.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     message = errors[0].removeprefix("error: ") if errors else ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from usaf.config import source_of
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
 
@@ -43,8 +44,8 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
             "drop --vram/--ram and set --microbatch and --stream-experts yourself",
         )
     memory = backend.memory()
-    vram = parse_size(config.vram, flag="--vram") if config.vram else memory.device_total
-    ram = parse_size(config.ram, flag="--ram") if config.ram else memory.host_total
+    vram = parse_size(config.vram, flag=source_of(config, "vram")) if config.vram else memory.device_total
+    ram = parse_size(config.ram, flag=source_of(config, "ram")) if config.ram else memory.host_total
     target = make_target(kind, None if config.dtype == "auto" else config.dtype, vram if kind != "cpu" else None, ram)
     source = read_model(str(model_dir), nbits=None, group_size=None)
     given = config.model_fields_set

@@ -25,6 +25,7 @@ from usaf.artifacts.outputs import check_not_an_input, found_at, refuse_unless_r
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 from usaf.artifacts.workspace import check_plan_model, resolve_data, resolve_model, resolve_plan
 from usaf.artifacts.writer import remove_stale_temporaries_inside
+from usaf.config import source_of
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import World, world
@@ -80,7 +81,7 @@ def resolve_inputs(
     the run directory's lock."""
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
-    _check_seq_len(config.seq_len, str(model_dir), tokenizer)
+    _check_seq_len(config.seq_len, str(model_dir), tokenizer, source_of(config, "seq_len"))
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
     data_file, data_fp = resolve_data(config, tokenizer_fp, progress)
     run_dir = _check_run_dir(config, model_dir, data_file, world, held)
@@ -187,10 +188,10 @@ def _reselect_every(requested: int | None, steps: int, progress: Progress) -> in
     return DEFAULT_RESELECT_EVERY
 
 
-def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any) -> None:
+def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str) -> None:
     limit = max_sequence_length(model, tokenizer)
     if seq_len is not None and limit is not None and seq_len > limit:
-        raise UsafError(f"--seq-len {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
+        raise UsafError(f"{source} {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
 
 
 def _find_plan(

@@ -5,16 +5,30 @@ cumulative record, router masters, the optimizer state (moments and per-entry st
 counters, reselection history, torch's RNG state and, inside a scoring window, every rank's partial grow
 scores. The data order is a pure function of (seed, step), so it needs no saving. Its files are
 :mod:`usaf.artifacts.run`'s (:class:`~usaf.artifacts.run.Checkpoint`).
+
+:func:`restore` checks what a checkpoint's files hold against this run: the routers' names and shapes, the
+state's counters, and the optimizer state (its structure, sizes and finite moments); a checkpoint that does
+not fit is refused naming the file, never a traceback from deep inside (and the run then stops).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from usaf.artifacts.run import CHECKPOINTS_DIR, STATE_FILE, Checkpoint, DeltaRecord
+from usaf.artifacts.run import (
+    OPTIMIZER_FILE,
+    ROUTERS_FILE,
+    STATE_FILE,
+    Checkpoint,
+    DeltaRecord,
+    checkpoint_dirs,
+)
 from usaf.engine.reselect import collect_scores, cumulative_delta
 from usaf.engine.scores import ScoreAccumulator, merge
 from usaf.errors import UsafError
@@ -46,8 +60,13 @@ def checkpoint_of(trainer: Any, scores_by_rank: list[dict | None]) -> Checkpoint
     )
 
 
+_HINT = "resume from an earlier checkpoint (remove the damaged one), or pass --overwrite to start again"
+
+
 def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
     """Put ``checkpoint`` into the trainer, whose engine is fresh (nothing trained or folded yet)."""
+    state = _train_state(checkpoint.state, directory / STATE_FILE)
+    _check_routers(trainer.engine.routers, checkpoint.routers, directory / ROUTERS_FILE)
     records = checkpoint.deltas
     selection = {n: records[n].active[0] for n in trainer.engine.weights if n in records and records[n].active}
     values = {n: records[n].active[1] for n in selection}
@@ -63,19 +82,88 @@ def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
     with torch.no_grad():
         for name, master in trainer.engine.routers.items():
             master.copy_(checkpoint.routers[name])
-    trainer.optimizer = trainer._new_optimizer()
-    trainer.optimizer.load_state_dict(checkpoint.optimizer)
-    trainer.schedule.load_state_dict(checkpoint.schedule)
-    torch.set_rng_state(checkpoint.rng)
-    trainer.state = TrainState(**checkpoint.state)
+    with _refused(directory / OPTIMIZER_FILE):
+        trainer.optimizer = trainer._new_optimizer()
+        trainer.optimizer.load_state_dict(checkpoint.optimizer)
+        _check_schedule(checkpoint.schedule)
+        trainer.schedule.load_state_dict(checkpoint.schedule)
+        _check_rng(checkpoint.rng)
+        torch.set_rng_state(checkpoint.rng)
+        if trainer.scaler is not None and checkpoint.loss_scale is not None:
+            trainer.scaler.load_state_dict(checkpoint.loss_scale)
+        if checkpoint.scores is not None:
+            _restore_scores(trainer, checkpoint.scores_by_rank or [checkpoint.scores])
+    trainer.state = state
     same_world = trainer.state.world_size == trainer.world.size
     if trainer.state.microbatch is not None and same_world:  # an out-of-memory retry before the checkpoint
         trainer.microbatch, trainer.grad_accum = trainer.state.microbatch, trainer.state.grad_accum
     trainer.state.world_size = trainer.world.size
-    if trainer.scaler is not None and checkpoint.loss_scale is not None:
-        trainer.scaler.load_state_dict(checkpoint.loss_scale)
-    if checkpoint.scores is not None:
-        _restore_scores(trainer, checkpoint.scores_by_rank or [checkpoint.scores])
+
+
+@contextlib.contextmanager
+def _refused(path: Path) -> Iterator[None]:
+    """What a file's optimizer state does not fit, as one error naming the file.
+
+    The state is read from a file a user may have replaced: a valid pickle of another structure, tensors of
+    other sizes. The loaders check what they can (``check_state_dict``); whatever else breaks on such a
+    value while it is loaded is the file's fault, not a bug, so it is answered the same way.
+    """
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UsafError(f"--resume {path}: not the optimizer state of this run ({detail})", _HINT) from None
+
+
+def _check_rng(rng: Any) -> None:
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
+        what = f"{rng.dtype} of shape {tuple(rng.shape)}" if isinstance(rng, torch.Tensor) else type(rng).__name__
+        raise ValueError(f"its rng is not torch's RNG state (a 1-D uint8 tensor) but {what}")
+
+
+_SCHEDULE_KEYS = ("warmup_steps", "total_steps", "min_lr_ratio", "peak_lr", "last_step")
+
+
+def _check_schedule(schedule: Any) -> None:
+    """The learning-rate schedule's state: its keys, each a number (``last_step`` None before the first step)."""
+    if not isinstance(schedule, dict) or (missing := [k for k in _SCHEDULE_KEYS if k not in schedule]):
+        raise ValueError(f"its schedule lacks {missing if isinstance(schedule, dict) else list(_SCHEDULE_KEYS)}")
+    for key in _SCHEDULE_KEYS:
+        value = schedule[key]
+        if value is None and key == "last_step":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"its schedule's {key} {value!r} is not a number")
+
+
+def _train_state(state: Any, path: Path) -> TrainState:
+    """The trainer's counters from ``state.json``: only its fields, and whole-number counters from 0."""
+    if not isinstance(state, dict):
+        raise UsafError(f"--resume {path}: not the state usaf writes (a JSON object)", _HINT)
+    unknown = sorted(set(state) - {f.name for f in dataclasses.fields(TrainState)})
+    if unknown:
+        raise UsafError(f"--resume {path}: not the state usaf writes (unknown keys {unknown})", _HINT)
+    for key in ("step", "tokens", "skipped", "world_size", "microbatch", "grad_accum"):
+        value = state.get(key, 0)
+        optional = key in ("microbatch", "grad_accum") and value is None
+        if not optional and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise UsafError(f"--resume {path}: {key} {value!r} is not a count (a whole number from 0)", _HINT)
+    return TrainState(**state)
+
+
+def _check_routers(masters: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: Path) -> None:
+    """The checkpoint's routers are this run's: the same names, each of its router's shape."""
+    missing, extra = sorted(set(masters) - set(saved)), sorted(set(saved) - set(masters))
+    if missing or extra:
+        parts = [f"{what} {names[:3]}" for what, names in (("missing", missing), ("not this run's", extra)) if names]
+        raise UsafError(f"--resume {path}: routers {'; '.join(parts)}", _HINT)
+    for name, master in masters.items():
+        if tuple(saved[name].shape) != tuple(master.shape):
+            raise UsafError(
+                f"--resume {path}: router {name} has shape {tuple(saved[name].shape)}, the model's is "
+                f"{tuple(master.shape)}",
+                _HINT,
+            )
 
 
 def _restore_scores(trainer: Any, by_rank: list[dict]) -> None:
@@ -94,9 +182,6 @@ def _restore_scores(trainer: Any, by_rank: list[dict]) -> None:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The run's newest complete checkpoint (its state file is written last), or None."""
-    directory = run_dir / CHECKPOINTS_DIR
-    if not directory.is_dir():
-        return None
-    complete = sorted(p for p in directory.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file())
-    return complete[-1] if complete else None
+    """The run's newest complete checkpoint (by step number; its state file is written last), or None."""
+    done = checkpoint_dirs(run_dir, flag="--out")
+    return done[-1] if done else None

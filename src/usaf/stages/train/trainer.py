@@ -348,7 +348,7 @@ class Trainer:
         # lazy: an import cycle (resume imports TrainState from this module)
         from usaf.stages.train.resume import restore
 
-        restore(self, read_checkpoint(directory, flag="--resume"), directory)
+        restore(self, read_checkpoint(directory, flag="--resume", max_step=self.steps), directory)
 
     def _memory_now(self) -> dict[str, int]:
         """Process RSS, and the accelerator's peak allocation when the backend reports one (bytes)."""

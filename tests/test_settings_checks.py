@@ -1,0 +1,264 @@
+"""Checks every command's settings and every checkpoint reader share (issue 19, slice "settings").
+
+- every float setting of every command is finite, from a flag, a ``USAF_*`` variable or a ``--config`` table;
+- a ``--config`` file holds only known tables and keys, a misspelt one answered with the closest valid name;
+- a value from the environment or a file is named by where it came from, in cross-field messages too;
+- a checkpoint with NaN/Inf tensors, a step that is not one, or optimizer state that does not fit is refused
+  naming the file (the CLI paths: tests/test_hostile_settings.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from usaf.artifacts.run import Checkpoint, DeltaRecord, checkpoint_dirs, read_checkpoint, write_checkpoint
+from usaf.config import flag_name, resolve_config, source_of
+from usaf.engine.optim_state import check_state_dict
+from usaf.errors import UsafError
+from usaf.settings import TABLES, table_keys
+from usaf.settings.argv import cli_type
+from usaf.settings.train import TrainConfig
+from usaf.stages.train.resume import latest_checkpoint
+
+# -- every float setting of every command ----------------------------------------------------------------
+
+
+def _models() -> dict[str, type]:
+    out = {}
+    for table, spec in TABLES.items():
+        module, _, name = spec.partition(":")
+        out[table] = getattr(importlib.import_module(f"usaf.settings.{module}"), name)
+    return out
+
+
+def _required(model: type) -> dict:
+    """Placeholder values of the model's required fields (the checks run before anything reads them)."""
+    return {
+        name: ["x"] if typing.get_origin(info.annotation) is list else "x"
+        for name, info in model.model_fields.items()
+        if info.is_required()
+    }
+
+
+FLOATS = [
+    (table, field)
+    for table, model in _models().items()
+    for field, info in model.model_fields.items()
+    if cli_type(info.annotation) is float
+]
+
+
+def test_the_float_settings_are_found():
+    """The parametrization below is not vacuous: it holds train's learning rates and the other commands' floats."""
+    assert {("train", "lr"), ("train", "router_lr"), ("train", "epochs"), ("score", "frac"), ("plan", "frac"),
+            ("generate", "temperature"), ("export", "max_shard_gib"), ("demo", "lr")} <= set(FLOATS)  # fmt: skip
+
+
+@pytest.mark.parametrize(("table", "field"), FLOATS, ids=[f"{t}.{f}" for t, f in FLOATS])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, float("1e309")], ids=["inf", "-inf", "nan", "1e309"])
+def test_every_float_setting_refuses_a_non_finite_flag(table, field, value):
+    model = _models()[table]
+    with pytest.raises(UsafError) as e:
+        resolve_config(model, section=table, cli={**_required(model), field: value}, env={})
+    assert f"{flag_name(field)} = {value!r}: not a finite number" in e.value.message
+
+
+@pytest.mark.parametrize(("table", "field"), FLOATS, ids=[f"{t}.{f}" for t, f in FLOATS])
+def test_every_float_setting_refuses_nan_from_env_and_inf_from_toml(table, field, tmp_path):
+    model = _models()[table]
+    variable = "USAF_" + field.upper()
+    with pytest.raises(UsafError) as e:
+        resolve_config(model, section=table, cli=_required(model), env={variable: "nan"})
+    assert f"{variable} = 'nan': not a finite number" in e.value.message and flag_name(field) not in e.value.message
+    config = tmp_path / "usaf.toml"
+    config.write_text(f"[{table}]\n{field} = 1e309\n")
+    with pytest.raises(UsafError) as e:
+        resolve_config(model, section=table, cli=_required(model), config_file=config, env={})
+    assert f"[{table}] {field} = inf: not a finite number" in e.value.message
+
+
+def test_negative_control_finite_floats_from_every_source_are_accepted(tmp_path):
+    config = tmp_path / "usaf.toml"
+    config.write_text("[defaults]\nz_loss_coef = 0.001\n[train]\nwarmup = 0.1\n")
+    settings = resolve_config(TrainConfig, section="train", cli={"lr": 1e-3, "epochs": 2.5}, config_file=config,
+                              env={"USAF_ROUTER_LR": "1e-5", "USAF_CLIP": "0.5"})  # fmt: skip
+    assert (settings.lr, settings.epochs, settings.router_lr, settings.clip) == (1e-3, 2.5, 1e-5, 0.5)
+    assert (settings.warmup, settings.z_loss_coef) == (0.1, 0.001)
+
+
+def test_a_legacy_variable_that_is_not_finite_is_named():
+    with pytest.raises(UsafError, match=r"legacy env LR_PEAK = 'inf': not a finite number"):
+        resolve_config(TrainConfig, section="train", cli={}, env={"LR_PEAK": "inf"}, legacy_env={"LR_PEAK": "lr"})
+
+
+# -- the --config file's tables and keys ---------------------------------------------------------------------
+
+
+def _train_with(tmp_path: Path, text: str) -> UsafError:
+    config = tmp_path / "usaf.toml"
+    config.write_text(text)
+    with pytest.raises(UsafError) as e:
+        resolve_config(TrainConfig, section="train", cli={}, config_file=config, env={})
+    return e.value
+
+
+def test_an_unknown_defaults_key_is_refused_with_the_closest_setting(tmp_path):
+    error = _train_with(tmp_path, "[defaults]\nlearnig_rate = 1\nrouter_lrr = 1\n")
+    assert "[defaults] has 'learnig_rate', a setting no command has" in error.message
+    assert "[defaults] has 'router_lrr', a setting no command has (did you mean 'router_lr'?)" in error.message
+
+
+def test_a_misspelt_table_is_refused_with_the_closest_table(tmp_path):
+    error = _train_with(tmp_path, "[trian]\nsteps = 3\n")
+    assert "unknown table [trian] (did you mean [train]?)" in error.message
+
+
+def test_an_unknown_key_of_the_own_or_another_table_is_refused(tmp_path):
+    error = _train_with(tmp_path, "[train]\nstepz = 3\n")
+    assert "[train] has no setting 'stepz' (did you mean 'steps'?)" in error.message
+    error = _train_with(tmp_path, "[score]\nfracc = 1\n")
+    assert "[score] has no setting 'fracc' (did you mean 'frac'?)" in error.message
+    assert "'lr' is outside any table" in _train_with(tmp_path, "lr = 0.1\n").message
+
+
+def test_every_problem_of_the_file_is_reported_at_once(tmp_path):
+    error = _train_with(tmp_path, "[trian]\nsteps = 3\n[train]\nlr = inf\n")
+    assert "unknown table [trian]" in error.message and "[train] lr = inf: not a finite number" in error.message
+
+
+def test_negative_control_keys_of_other_commands_in_defaults_and_their_tables_are_accepted(tmp_path):
+    """[defaults] may hold any command's setting (each command takes its own); other tables are left alone."""
+    config = tmp_path / "usaf.toml"
+    config.write_text('[defaults]\nheld_out_frac = 0.2\nsteps = 4\ndevice = "cpu"\n[tokenize]\nseq_len = 64\n'
+                      "[generate]\ntop_p = 0.5\n[train]\nlr = 0.01\n")  # fmt: skip
+    settings = resolve_config(TrainConfig, section="train", cli={}, config_file=config, env={})
+    assert (settings.steps, settings.device, settings.lr) == (4, "cpu", 0.01)
+    example = Path(__file__).parent.parent / "examples" / "usaf.toml"
+    assert resolve_config(TrainConfig, section="train", cli={}, config_file=example, env={}).lr == TrainConfig().lr
+
+
+def test_the_tables_are_the_commands_that_read_a_config_file():
+    from usaf.cli.app import app
+
+    with_config = {c.name for c in app.registered_commands if "config" in inspect.signature(c.callback).parameters}
+    assert with_config == set(TABLES)
+    assert set(table_keys()["train"]) == set(TrainConfig.model_fields)
+
+
+# -- where a value came from -------------------------------------------------------------------------------
+
+
+def test_an_environment_value_that_is_wrong_names_the_variable_not_the_flag():
+    with pytest.raises(UsafError) as e:
+        resolve_config(TrainConfig, section="train", cli={}, env={"USAF_LR": "abc"})
+    assert "USAF_LR = 'abc': Input should be a valid number" in e.value.message and "--lr" not in e.value.message
+
+
+def test_a_cross_field_message_names_the_sources_of_its_values(tmp_path):
+    with pytest.raises(UsafError) as e:
+        resolve_config(TrainConfig, section="train", cli={"steps": 3}, env={"USAF_RESELECT_EVERY": "500"})
+    assert e.value.message == "invalid settings: USAF_RESELECT_EVERY 500 exceeds --steps 3; lower it or pass 0 " \
+        "for a static mask"  # fmt: skip
+    config = tmp_path / "usaf.toml"
+    config.write_text("[train]\nepochs = 2.0\n")
+    with pytest.raises(UsafError) as e:
+        resolve_config(TrainConfig, section="train", cli={"steps": 3}, config_file=config, env={})
+    assert f"pass either --steps or --config {config} [train] epochs, not both" in e.value.message
+
+
+def test_a_check_after_resolving_names_the_source_and_sources_do_not_change_equality(tmp_path):
+    config = tmp_path / "usaf.toml"
+    config.write_text("[train]\nram = '8GiB'\n")
+    settings = resolve_config(TrainConfig, section="train", cli={"lr": 0.1}, config_file=config,
+                              env={"USAF_VRAM": "lots"})  # fmt: skip
+    assert source_of(settings, "vram") == "USAF_VRAM" and source_of(settings, "lr") == "--lr"
+    assert source_of(settings, "ram") == f"--config {config} [train] ram"
+    assert source_of(settings, "seq_len") == "--seq-len"  # defaulted: its flag
+    assert settings == TrainConfig(lr=0.1, vram="lots", ram="8GiB") and hash(settings) == hash(settings.model_copy())
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------
+
+TENSOR = "layers.1.experts.down"
+
+
+def _write(directory: Path, *, step: int = 3, values: torch.Tensor | None = None, router: torch.Tensor | None = None):
+    pair = (torch.tensor([0, 2, 5]), torch.tensor([0.1, -0.2, 0.3]) if values is None else values)
+    checkpoint = Checkpoint(
+        deltas={TENSOR: DeltaRecord(active=pair, frozen=None, cumulative=tuple(t.clone() for t in pair))},
+        routers={"layers.1.router": torch.ones(4, 8) if router is None else router},
+        state={"step": step},
+        optimizer={"format": "x"},
+        schedule={},
+        rng=torch.get_rng_state(),
+    )
+    write_checkpoint(directory, checkpoint)
+    return directory
+
+
+def test_negative_control_an_intact_checkpoint_is_read(tmp_path):
+    checkpoint = read_checkpoint(_write(tmp_path / "checkpoints" / "step-0000003"), max_step=3)
+    assert checkpoint.state["step"] == 3 and set(checkpoint.deltas) == {TENSOR}
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_delta_or_router_is_refused_naming_file_and_tensor(tmp_path, bad):
+    directory = _write(tmp_path / "final", values=torch.tensor([0.1, bad, 0.3]))
+    with pytest.raises(UsafError, match=rf"deltas\.safetensors: {TENSOR}\.\w*values holds NaN or Inf"):
+        read_checkpoint(directory, full=False, flag="--checkpoint")
+    router = torch.ones(4, 8)
+    router[2, 3] = bad
+    directory = _write(tmp_path / "final", router=router)
+    with pytest.raises(UsafError, match=r"routers\.safetensors: layers\.1\.router holds NaN or Inf"):
+        read_checkpoint(directory, full=False, flag="--checkpoint")
+
+
+@pytest.mark.parametrize(
+    ("step", "why"),
+    [(-1, "is not a step"), ("3", "is not a step"), (True, "is not a step"), (2.0, "is not a step"),
+     (99, "beyond the run's 3 steps")],
+)  # fmt: skip
+def test_a_step_that_is_not_one_of_the_run_is_refused(tmp_path, step, why):
+    directory = _write(tmp_path / "final", step=step)
+    with pytest.raises(UsafError, match=rf"final/state\.json: step .* {why}"):
+        read_checkpoint(directory, full=False, max_step=3)
+
+
+def test_a_step_directory_must_be_named_by_its_step(tmp_path):
+    directory = _write(tmp_path / "checkpoints" / "step-0000004", step=3)
+    with pytest.raises(UsafError, match="its name says step 4, its state.json says step 3"):
+        read_checkpoint(directory)
+    directory = _write(tmp_path / "checkpoints" / "step-x3", step=3)
+    with pytest.raises(UsafError, match="step-x3: not a checkpoint name"):
+        read_checkpoint(directory)
+
+
+def test_a_runs_checkpoints_are_ordered_by_step_number_not_as_text(tmp_path):
+    """step-10000000 (eight digits) is newer than step-9999999; sorted as text it was not."""
+    for step in (9_999_999, 10_000_000):
+        _write(tmp_path / "checkpoints" / f"step-{step:07d}", step=step)
+    (tmp_path / "checkpoints" / "step-0000001.tmp").mkdir()  # an unfinished write: not a checkpoint
+    assert latest_checkpoint(tmp_path).name == "step-10000000"
+    assert [p.name for p in checkpoint_dirs(tmp_path, flag="--out")] == ["step-9999999", "step-10000000"]
+    _write(tmp_path / "checkpoints" / "step-abc", step=1)
+    with pytest.raises(UsafError, match="step-abc: not a checkpoint name"):
+        latest_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [None, 5, [], {"format": "usaf.sparse_adamw/1"}, {"format": "usaf.sparse_adamw/1", "betas": [0.9, 0.99],
+     "eps": 1e-8, "max_grad_norm": None, "applied_steps": 1, "skipped_steps": 0, "groups": {"deltas": 1}}],
+    ids=["None", "int", "list", "format only", "groups a dict"],
+)  # fmt: skip
+def test_an_optimizer_state_of_another_structure_is_a_value_error(state):
+    """Whatever optimizer.pt holds, its check says what is wrong as a ValueError (resume names the file)."""
+    with pytest.raises(ValueError):
+        check_state_dict(state, [{"name": "deltas", "params": [torch.zeros(3)]}])
