@@ -66,14 +66,15 @@ def resolve_inputs(config: TrainConfig, backend: Any, world: World, progress: Pr
     """Resolve and check every input of the run (scoring a plan on the fly when there is none)."""
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
-    _check_seq_len(config.seq_len, str(model_dir), tokenizer)
+    context = _check_seq_len(config.seq_len, str(model_dir), tokenizer)
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
     data_file, data_fp = resolve_data(config, tokenizer_fp, progress)
-    run_dir = _check_run_dir(config, model_dir, world)
-    data = TokenDataset(data_file, vocab_size=len(tokenizer))
+    # Read before the run directory is touched: with --overwrite, bad data must not cost the run it replaces.
+    data = TokenDataset(data_file, vocab_size=len(tokenizer), context=context)
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
-    eval_data = _eval_data(config, tokenizer, tokenizer_fp, progress)
+    eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
+    run_dir = _check_run_dir(config, model_dir, world)
 
     model = (model_dir, model_manifest.fingerprint)
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
@@ -122,13 +123,13 @@ def _check_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
     return run_dir
 
 
-def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, progress: Progress) -> Any:
+def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
     if config.eval_data is None:
         return None
     eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
     if eval_file.name == "train.jsonl":
         eval_file = eval_file.with_name("heldout.jsonl")
-    return TokenDataset(eval_file, vocab_size=len(tokenizer))
+    return TokenDataset(eval_file, vocab_size=len(tokenizer), context=context)
 
 
 def _length(config: TrainConfig, sequences: int, world: World, progress: Progress) -> tuple[int, int]:
@@ -152,10 +153,16 @@ def _reselect_every(requested: int | None, steps: int, progress: Progress) -> in
     return DEFAULT_RESELECT_EVERY
 
 
-def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any) -> None:
+def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any) -> int | None:
+    """The model's context (``None`` when unknown), refusing a ``--seq-len`` beyond it.
+
+    Every line of the data must fit it too, ``--seq-len`` or not: score and eval refuse the same file, and a
+    file tokenized for a longer context is for another model (re-tokenizing cuts it where packing would).
+    """
     limit = max_sequence_length(model, tokenizer)
     if seq_len is not None and limit is not None and seq_len > limit:
         raise UsafError(f"--seq-len {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
+    return limit
 
 
 def _find_plan(
