@@ -107,10 +107,11 @@ def read_input(
         )
     if not any(s.scored for s in sequences):  # a tokens file has some (its reader checks): not this sample or text
         where = file if kind == "tokens" else path
+        which = f"the {len(sequences)} sequences sampled by --max-sequences" if max_sequences else "its sequences"
         raise UsafError(
-            f"{flag} {where}: the {len(sequences)} sequences have no token to score (labels all -100, or 1-token "
-            "sequences): the report would be empty",
-            "drop --max-sequences or raise it" if max_sequences else "pass text or tokens with scored labels",
+            f"{flag} {where}: {which} have no token to score (labels all -100, or 1-token sequences): the report "
+            "would be empty",
+            "raise --max-sequences or drop it" if max_sequences else "pass text or tokens with scored labels",
         )
     if kind == "text":  # what was evaluated is the packed text: fingerprint that
         fingerprint = sequences_fingerprint(sequences)
