@@ -125,6 +125,7 @@ def token_value_cases() -> list[Case]:
         _tokens_case("train", "a line longer than the model's context", OVER_CONTEXT, "bad.jsonl:2"),
         _eval_data_case("a label beyond the vocabulary", with_label(VOCAB + 5), "eval.jsonl:1"),
         _eval_data_case("every label -100", ALL_IGNORED),
+        _eval_data_case("an empty file", ""),
         _tokens_case("score", "a label equal to the vocabulary size", at_vocab, "bad.jsonl:1"),
         _tokens_case("score", "label -101", below, "bad.jsonl:1"),
         _tokens_case("score", "every label -100", ALL_IGNORED),

@@ -129,7 +129,13 @@ def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: 
     eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
     if eval_file.name == "train.jsonl":
         eval_file = eval_file.with_name("heldout.jsonl")
-    return TokenDataset(eval_file, vocab_size=len(tokenizer), context=context)
+    data = TokenDataset(eval_file, vocab_size=len(tokenizer), context=context)
+    if len(data) == 0:  # else the run would report no held-out loss, without a word
+        raise UsafError(
+            f"--eval-data {eval_file}: no sequences",
+            "tokenize with --held-out SOURCE for a held-out split, or drop --eval-data",
+        )
+    return data
 
 
 def _length(config: TrainConfig, sequences: int, world: World, progress: Progress) -> tuple[int, int]:
