@@ -245,7 +245,7 @@ def test_empty_corpus(tmp_path, tok_dir):
     out = tmp_path / "out"
     assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "empty corpus")
     (empty / "blob.bin").write_bytes(b"\x00" * 10)
-    assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "1 binary files skipped")
+    assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "1 binary file skipped")
     (empty / "blank.txt").write_text("   \n\n")
     assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "empty corpus")
 

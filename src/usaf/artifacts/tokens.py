@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from usaf.artifacts.manifest import Manifest, Record, register
+from usaf.errors import UsafError
 
 TRAIN_FILE = "train.jsonl"
 HELDOUT_FILE = "heldout.jsonl"
@@ -55,3 +57,18 @@ class TokensManifest(Manifest):
     DESCRIPTION = "packed token sequences (train.jsonl, heldout.jsonl), held out by source"
 
     summary: TokensSummary
+
+
+def check_tokenizer(path: Path, manifest: TokensManifest, tokenizer_fingerprint: str, *, flag: str) -> None:
+    """Refuse tokens made with another tokenizer than the model's: their ids would mean other text.
+
+    Raises:
+        UsafError: naming ``flag path`` and both fingerprints.
+    """
+    made_with = manifest.summary.tokenizer
+    if made_with.fingerprint != tokenizer_fingerprint:
+        raise UsafError(
+            f"{flag} {path}: tokenized with another tokenizer ({made_with.name_or_path}, fingerprint "
+            f"{made_with.fingerprint[:16]}) than the model's (fingerprint {tokenizer_fingerprint[:16]})",
+            "re-run usaf tokenize with --model pointing at this model",
+        )

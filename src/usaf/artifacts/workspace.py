@@ -23,7 +23,7 @@ from usaf.artifacts.loader import load_manifest, load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME, Manifest
 from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
-from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest
+from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest, check_tokenizer
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
@@ -155,13 +155,7 @@ def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Any) -> tupl
         data = found.path
     if data.is_dir():
         manifest = load_verified(data, TokensManifest, flag="--data")
-        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
-            raise UsafError(
-                f"--data {data}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
-                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
-                f"{tokenizer_fingerprint[:16]})",
-                "re-run usaf tokenize with --model pointing at this model",
-            )
+        check_tokenizer(data, manifest, tokenizer_fingerprint, flag="--data")
         return data / TRAIN_FILE, manifest.fingerprint
     if not data.is_file():
         raise UsafError(f"--data {data}: no such file or directory", "pass a tokens directory or a JSONL file")

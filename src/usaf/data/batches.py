@@ -24,14 +24,14 @@ class Batch:
         return int(self.attention_mask.sum())
 
 
-def sample_lines(path: Path, count: int, *, seed: int, vocab_size: int, max_len: int | None = None) -> list[TokenLine]:
+def sample_lines(path: Path, count: int, *, seed: int, vocab_size: int, context: int | None = None) -> list[TokenLine]:
     """``count`` lines chosen uniformly at random in one pass (reservoir sampling), in file order.
 
-    Memory holds ``count`` lines, not the file; every line is validated (ids in the vocabulary).
+    Memory holds ``count`` lines, not the file; every line is validated (:func:`iter_token_file`).
     """
     rng = random.Random(seed)
     reservoir: list[TokenLine] = []
-    for seen, line in enumerate(iter_token_file(path, vocab_size=vocab_size, max_len=max_len)):
+    for seen, line in enumerate(iter_token_file(path, vocab_size=vocab_size, context=context)):
         if len(reservoir) < count:
             reservoir.append(line)
         else:

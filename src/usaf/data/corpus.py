@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +37,8 @@ class CorpusFile:
 class Corpus:
     files: list[CorpusFile]
     skipped_binary: list[Path]
+    skipped_links: list[Path] = field(default_factory=list)  # symbolic links not followed (--no-follow-symlinks)
+    broken_links: list[Path] = field(default_factory=list)  # symbolic links to nothing
 
     @property
     def total_bytes(self) -> int:
@@ -66,37 +68,99 @@ def _matches(rel: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(name, p) for p in patterns)
 
 
-def _walk_sorted(root: Path, exclude: list[str]) -> Iterator[tuple[Path, str]]:
-    """``(path, relative posix path)`` of every file under ``root``, in sorted order.
+class _Walk:
+    """Walks directory inputs once each: symbolic links followed (or counted), every real directory and file
+    read once however many paths lead to it (a link to an ancestor, two links to one repository).
 
-    Directories that an exclude glob covers entirely (``site-packages/*``) are not entered.
+    Real entries come first: links are followed after the tree they sit in, so a link to a directory or file
+    of the same tree is the duplicate, not the original.
     """
-    top = str(root)
-    for dirpath, dirnames, filenames in os.walk(top):
-        rel_dir = os.path.relpath(dirpath, top).replace(os.sep, "/")
-        prefix = "" if rel_dir == "." else rel_dir + "/"
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _matches(prefix + d + "/\0", exclude))
-        for name in sorted(filenames):
-            yield Path(dirpath, name), prefix + name
+
+    def __init__(self, *, follow_symlinks: bool) -> None:
+        self.follow = follow_symlinks
+        self.seen: set[tuple[int, int]] = set()  # (device, inode) of every directory and file read
+        self.skipped_links: list[Path] = []  # not followed (--no-follow-symlinks)
+        self.broken_links: list[Path] = []  # pointing at nothing
+
+    def first_visit(self, path: Path | str) -> bool:
+        """True the first time ``path``'s real file or directory is met; False after, or when it cannot be read."""
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        key = (info.st_dev, info.st_ino)
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def files(self, root: Path, exclude: list[str]) -> Iterator[tuple[Path, str]]:
+        """``(path, relative posix path)`` of every file under ``root``, sorted within each directory.
+
+        Directories that an exclude glob covers entirely (``site-packages/*``) are not entered.
+        """
+        queue = [(root, "")]  # the input, then each symlinked directory met, with its path under the input
+        linked: list[tuple[Path, str]] = []  # symlinked files, read once the real ones are known
+        while queue:
+            top, base = queue.pop(0)
+            yield from self._tree(top, base, exclude, queue, linked)
+        for path, rel in linked:
+            if self.first_visit(path):
+                yield path, rel
+
+    def _tree(
+        self, top: Path, base: str, exclude: list[str], queue: list[tuple[Path, str]], linked: list[tuple[Path, str]]
+    ) -> Iterator[tuple[Path, str]]:
+        """The real files under ``top`` (``base`` + their path under it); links met are queued or counted."""
+        for dirpath, dirnames, filenames in os.walk(top):
+            if not self.first_visit(dirpath):  # a loop, or a directory another link or input already gave
+                dirnames[:] = []
+                continue
+            rel_dir = os.path.relpath(dirpath, top).replace(os.sep, "/")
+            prefix = base + ("" if rel_dir == "." else rel_dir + "/")
+            kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _matches(f"{prefix}{d}/\0", exclude))
+            dirnames[:] = [d for d in kept if not self._is_link(Path(dirpath, d), queue, f"{prefix}{d}/")]
+            for name in sorted(filenames):
+                path = Path(dirpath, name)
+                if not self._is_link(path, linked, prefix + name) and self.first_visit(path):
+                    yield path, prefix + name
+
+    def _is_link(self, path: Path, follow_later: list[tuple[Path, str]], rel: str) -> bool:
+        """Whether ``path`` is a symbolic link; one to follow is queued, the others are counted."""
+        if not path.is_symlink():
+            return False
+        if not path.exists():
+            self.broken_links.append(path)
+        elif self.follow:
+            follow_later.append((path, rel))
+        else:
+            self.skipped_links.append(path)
+        return True
 
 
-def discover(inputs: list[Path], *, include: list[str], exclude: list[str], source_depth: int) -> Corpus:
+def discover(
+    inputs: list[Path], *, include: list[str], exclude: list[str], source_depth: int, follow_symlinks: bool = True
+) -> Corpus:
     """List the corpus files, sorted so that each source's files are contiguous.
+
+    Symbolic links under a directory input are followed unless ``follow_symlinks`` is False (then counted in
+    :attr:`Corpus.skipped_links`); inputs given by name are always read.
 
     Raises:
         UsafError: a path that does not exist.
     """
     files: list[CorpusFile] = []
     skipped: list[Path] = []
+    walk = _Walk(follow_symlinks=follow_symlinks)
     for given in inputs:
         if not given.exists():
             raise UsafError(f"{given}: no such file or directory", "check the input paths")
         if given.is_file():
-            candidates = [(given, given.name, given.name)]
+            candidates = [(given, given.name, given.name)] if walk.first_visit(given) else []
         else:
             root_name = given.resolve().name
             candidates = []
-            for path, rel in _walk_sorted(given, exclude):
+            for path, rel in walk.files(given, exclude):
                 parts = rel.split("/")
                 source = "/".join([root_name, *parts[: max(source_depth, 0)]]) if source_depth else root_name
                 candidates.append((path, rel, source))
@@ -113,7 +177,7 @@ def discover(inputs: list[Path], *, include: list[str], exclude: list[str], sour
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
-    return Corpus(files, skipped)
+    return Corpus(files, skipped, walk.skipped_links, walk.broken_links)
 
 
 def read_text_document(file: CorpusFile, *, decode_errors: str) -> Document | None:

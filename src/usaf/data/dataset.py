@@ -16,10 +16,10 @@ class TokenDataset:
     Memory: 8 bytes per sequence (its offset), not the sequences themselves.
     """
 
-    def __init__(self, path: Path, *, vocab_size: int, max_len: int | None = None) -> None:
+    def __init__(self, path: Path, *, vocab_size: int, context: int | None = None) -> None:
         self.path = Path(path)
-        for _ in iter_token_file(self.path, vocab_size=vocab_size, max_len=max_len):
-            pass  # validates every line (ids in the vocabulary, lengths, no pre-shifted labels)
+        for _ in iter_token_file(self.path, vocab_size=vocab_size, context=context):
+            pass  # validates every line (ids and labels, lengths, no pre-shifted labels) and the file's targets
         offsets = []
         with self.path.open("rb") as f:
             position = 0

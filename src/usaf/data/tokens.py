@@ -50,13 +50,69 @@ class TokenLine:
     source: str
 
 
-def iter_token_file(path: Path, *, vocab_size: int | None = None, max_len: int | None = None) -> Iterator[TokenLine]:
-    """Read a tokens JSONL file (usaf's own or the original tool's format), validating each line.
+def scored_targets(labels: list[int]) -> int:
+    """Positions with a loss: labels 1.. not -100 (label 0 has no earlier position to predict it)."""
+    return max(len(labels) - 1, 0) - labels[1:].count(IGNORE_INDEX)  # list.count: one C pass over a long line
+
+
+def check_token_values(where: str, ids: list[int], labels: list[int], *, vocab_size: int) -> None:
+    """Every id a token of the vocabulary, every label -100 or one (integers already checked).
 
     Raises:
-        UsafError: naming ``path:line`` for a malformed line, ids outside the vocabulary, a line
-            longer than ``max_len``, or pre-shifted labels.
+        UsafError: naming ``where`` (``file:line``) and the first value out of range.
     """
+    bad = next((v for v in ids if not 0 <= v < vocab_size), None)
+    if bad is not None:
+        raise UsafError(
+            f"{where}: token id {bad} is outside the model's vocabulary (size {vocab_size})",
+            "the file was tokenized for another model; re-run `usaf tokenize --model` with this model",
+        )
+    if labels is ids or labels == ids:  # the common case (plain text): checked above, at C speed here
+        return
+    bad = next((v for v in labels if v != IGNORE_INDEX and not 0 <= v < vocab_size), None)
+    if bad is not None:
+        raise UsafError(
+            f"{where}: label {bad} is neither {IGNORE_INDEX} (not scored) nor a token id of the model's vocabulary "
+            f"(0 to {vocab_size - 1})",
+            f"labels are the ids to predict, or {IGNORE_INDEX}; fix the line or re-tokenize with `usaf tokenize`",
+        )
+
+
+def check_length(where: str, length: int, context: int | None) -> None:
+    """Refuse a sequence the model cannot take in one piece (positions it never saw; memory to match)."""
+    if context is not None and length > context:
+        raise UsafError(
+            f"{where}: {length} tokens, longer than the model's context of {context} (max_position_embeddings)",
+            f"re-tokenize with `usaf tokenize --seq-len {context}` or less",
+        )
+
+
+def nothing_to_score(path: Path) -> UsafError:
+    """The error for a file whose sequences hold no target at all (train would run at loss 0, eval report nothing)."""
+    return UsafError(
+        f"{path}: no token to learn from or to score: every label is {IGNORE_INDEX} or every sequence is 1 token "
+        "long (a sequence's first token has no earlier position to predict it)",
+        "tokenize text whose labels are not all -100 (a chat needs assistant turns), in sequences of 2+ tokens",
+    )
+
+
+def iter_token_file(path: Path, *, vocab_size: int, context: int | None = None) -> Iterator[TokenLine]:
+    """Read a tokens JSONL file (usaf's own or the original tool's format), validating each line.
+
+    The one reader of token files: train, score, eval and the prefix cache all go through it, so the
+    limits below hold in every stage. A file as a whole must have a position to score (lines without
+    one are fine among others); that is checked when the last line has been read.
+
+    Args:
+        path: the tokens JSONL file.
+        vocab_size: the model's vocabulary; ids must be below it, labels too (or -100).
+        context: the model's longest sequence (``max_sequence_length``); ``None`` when unknown.
+
+    Raises:
+        UsafError: naming ``path:line`` for a malformed line, ids or labels outside the vocabulary, a line
+            longer than ``context``, or pre-shifted labels; naming ``path`` for a file with nothing to score.
+    """
+    lines = scored = 0
     for number, obj, _ in iter_jsonl_objects(path, what="tokens JSONL"):
         where = f"{path}:{number}"
         ids = obj.get("input_ids")
@@ -68,22 +124,17 @@ def iter_token_file(path: Path, *, vocab_size: int | None = None, max_len: int |
             )
         if not all(type(v) is int for v in ids) or not all(type(v) is int for v in labels):
             raise UsafError(f"{where}: 'input_ids'/'labels' must hold integers only", "fix the line")
-        if vocab_size is not None:
-            bad = next((v for v in ids if not 0 <= v < vocab_size), None)
-            if bad is not None:
-                raise UsafError(
-                    f"{where}: token id {bad} is outside the model's vocabulary (size {vocab_size})",
-                    "the file was tokenized for another model; re-run `usaf tokenize --model` with this model",
-                )
-        if max_len is not None and len(ids) > max_len:
-            raise UsafError(
-                f"{where}: {len(ids)} tokens, longer than {max_len}", "re-tokenize with a smaller --seq-len"
-            )
+        check_token_values(where, ids, labels, vocab_size=vocab_size)
+        check_length(where, len(ids), context)
         if labels_look_shifted(ids, labels):
             raise UsafError(
                 f"{where}: labels look pre-shifted (labels[i] == input_ids[i+1]); the model would learn "
                 "to predict the token after next",
                 "re-tokenize with `usaf tokenize FILE --fix-shifted-labels`",
             )
+        lines += 1
+        scored += scored_targets(labels)
         source = obj.get("source", path.name)
         yield TokenLine(number, ids, labels, source if isinstance(source, str) else str(source))
+    if lines and not scored:  # an empty file is its caller's to name ("no sequences", "no held-out split")
+        raise nothing_to_score(path)

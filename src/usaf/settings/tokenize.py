@@ -34,6 +34,11 @@ class TokenizeConfig(StageConfig):
     source_depth: int = Field(1, ge=0, description="Path components under a directory input that name a file's source.")
     include: list[str] = Field(default_factory=list, description="Only files matching this glob (repeatable).")
     exclude: list[str] = Field(default_factory=list, description="Skip files matching this glob (repeatable).")
+    follow_symlinks: bool = Field(
+        True,
+        description="Follow symbolic links under directory inputs (each real directory and file is read once); "
+        "--no-follow-symlinks skips them and says how many.",
+    )
     held_out: list[str] = Field(
         default_factory=list,
         description="Hold out this source (glob; repeatable): its sequences go to heldout.jsonl.",

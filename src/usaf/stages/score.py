@@ -37,6 +37,7 @@ from usaf.artifacts.workspace import resolve_data, resolve_model
 from usaf.backends import resolve_backend
 from usaf.data.batches import Batch, batches, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
+from usaf.data.tokens import scored_targets
 from usaf.engine.engine import SparseEngine
 from usaf.engine.selection import SelectionError, jaccard, pool_size, select
 from usaf.errors import UsafError
@@ -101,9 +102,15 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
 
     # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
     context = max_sequence_length(str(model_dir), tokenizer)
-    lines = sample_lines(data_file, config.calib_samples, seed=config.seed, vocab_size=len(tokenizer), max_len=context)
+    lines = sample_lines(data_file, config.calib_samples, seed=config.seed, vocab_size=len(tokenizer), context=context)
     if not lines:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
+    if not any(scored_targets(line.labels) for line in lines):  # the file has some (checked): not this sample
+        raise UsafError(
+            f"--data {data_file}: the {len(lines)} sampled sequences (--calib-samples) have no token to score "
+            "(labels all -100, or 1-token sequences): every gradient would be zero",
+            "raise --calib-samples, or drop the lines without targets from the file",
+        )
     if len(lines) < config.calib_samples:
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
 

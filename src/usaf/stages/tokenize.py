@@ -25,7 +25,7 @@ from usaf.data.corpus import Corpus, Document, discover, iter_documents
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
 from usaf.data.packing import Sequence, SourcePacker
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_record
-from usaf.data.tokens import labels_look_shifted, unshift_labels
+from usaf.data.tokens import check_token_values, labels_look_shifted, scored_targets, unshift_labels
 from usaf.errors import UsafError
 from usaf.settings.tokenize import TokenizeConfig
 from usaf.stages.progress import NullProgress, Progress
@@ -40,6 +40,7 @@ class _Counts:
     sequences: int = 0
     tokens: int = 0
     loss_tokens: int = 0
+    targets: int = 0  # positions with a loss (labels 1.. not -100): what train learns from, eval scores
 
 
 @dataclass
@@ -150,12 +151,7 @@ class _Tokenizer:
 
     def _pretokenized(self, doc: Document) -> tuple[list[int], list[int]]:
         ids, labels = doc.input_ids, doc.labels
-        bad = next((v for v in ids if not 0 <= v < self.vocab_size), None)
-        if bad is not None:
-            raise UsafError(
-                f"{doc.origin}: token id {bad} is outside this tokenizer's vocabulary ({self.vocab_size})",
-                "the line was tokenized for another model; pass that model's --model",
-            )
+        check_token_values(doc.origin, ids, labels, vocab_size=self.vocab_size)  # what train/score/eval will check
         if len(ids) > self.config.seq_len:
             raise UsafError(
                 f"{doc.origin}: pre-tokenized line of {len(ids)} tokens exceeds --seq-len {self.config.seq_len}",
@@ -173,6 +169,47 @@ class _Tokenizer:
         return ids, labels
 
 
+def _counted(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
+def _skipped_note(corpus: Corpus) -> str:
+    """`` (3 binary files, 2 symbolic links (--no-follow-symlinks) skipped)``, or "" when nothing was skipped."""
+    parts = []
+    if corpus.skipped_binary:
+        parts.append(_counted(len(corpus.skipped_binary), "binary file"))
+    if corpus.skipped_links:
+        parts.append(_counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
+    if corpus.broken_links:
+        parts.append(_counted(len(corpus.broken_links), "broken symbolic link"))
+    return f" ({', '.join(parts)} skipped)" if parts else ""
+
+
+def _report_links(corpus: Corpus, progress: Progress) -> None:
+    """Say which symbolic links were not read: a directory of links skipped in silence looks like an empty corpus."""
+    if corpus.skipped_links:
+        progress.note(
+            f"{_counted(len(corpus.skipped_links), 'symbolic link')} not followed (--no-follow-symlinks), e.g. "
+            f"{corpus.skipped_links[0]}; drop the flag to read them"
+        )
+    if corpus.broken_links:
+        broken = _counted(len(corpus.broken_links), "broken symbolic link")
+        progress.note(f"{broken} skipped, e.g. {corpus.broken_links[0]}")
+
+
+def _refuse_nothing_to_score(config: TokenizeConfig, totals: _Totals) -> None:
+    """A split of sequences without one position to score is refused: train would run at loss 0 on it, eval
+    would report nothing. Sequences without targets among others are fine (a chat's user-only turns)."""
+    for split in ("train", "heldout"):
+        counts = [c for c in totals.per_source.values() if c.split == split]
+        if sum(c.sequences for c in counts) and not sum(c.targets for c in counts):
+            raise UsafError(
+                f"{', '.join(map(str, config.inputs))}: the {split} sequences have no token to learn from or to "
+                "score (every label is -100, or every sequence is 1 token long)",
+                "give text, chats with assistant turns, or pre-tokenized lines whose labels are not all -100",
+            )
+
+
 def _corpus_fingerprint(corpus: Corpus) -> str:
     return combine((f"{f.source}|{f.path.name}|{i}", sha256_file(f.path)) for i, f in enumerate(corpus.files))
 
@@ -185,12 +222,20 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     if limit is not None and config.seq_len > limit:
         raise UsafError(f"--seq-len {config.seq_len} exceeds the model's maximum of {limit} tokens", "lower --seq-len")
 
-    corpus = discover(config.inputs, include=config.include, exclude=config.exclude, source_depth=config.source_depth)
+    corpus = discover(
+        config.inputs,
+        include=config.include,
+        exclude=config.exclude,
+        source_depth=config.source_depth,
+        follow_symlinks=config.follow_symlinks,
+    )
+    _report_links(corpus, progress)
     if not corpus.files:
-        skipped = f" ({len(corpus.skipped_binary)} binary files skipped)" if corpus.skipped_binary else ""
         raise UsafError(
-            f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{skipped}",
-            "check the paths and --include/--exclude",
+            f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{_skipped_note(corpus)}",
+            "drop --no-follow-symlinks to read the linked files"
+            if corpus.skipped_links
+            else "check the paths and --include/--exclude",
         )
     heldout: set[str] = set()
     if config.held_out or config.held_out_frac:
@@ -211,6 +256,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
                 counts.sequences += 1
                 counts.tokens += len(seq.input_ids)
                 counts.loss_tokens += seq.loss_tokens
+                counts.targets += scored_targets(seq.labels)
                 writers[counts.split].write(dumps_sequence(seq.input_ids, seq.labels, seq.source))
 
             _tokenize_corpus(corpus, config, tokenizer, heldout, totals, emit, progress)
@@ -225,6 +271,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             raise UsafError(
                 "no training sequences: every sequence came from a held-out source", "hold out fewer sources"
             )
+        _refuse_nothing_to_score(config, totals)
         manifest = art.commit(
             TokensManifest,
             inputs=[

@@ -19,7 +19,7 @@ from typing import Any
 
 from usaf.artifacts import TokensManifest, load_verified
 from usaf.artifacts.hashing import sha256_file
-from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE
+from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, check_tokenizer
 from usaf.data.corpus import discover
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.data.packing import IGNORE_INDEX
@@ -88,13 +88,7 @@ def read_input(
     vocab = len(tokenizer)
     if path.is_dir() and (path / "manifest.json").is_file():
         manifest = load_verified(path, TokensManifest, flag=flag)
-        if manifest.summary.tokenizer.fingerprint != tokenizer_fingerprint:
-            raise UsafError(
-                f"{flag} {path}: tokenized with another tokenizer ({manifest.summary.tokenizer.name_or_path}, "
-                f"fingerprint {manifest.summary.tokenizer.fingerprint[:16]}) than the model's (fingerprint "
-                f"{tokenizer_fingerprint[:16]})",
-                "re-run usaf tokenize with --model pointing at this model",
-            )
+        check_tokenizer(path, manifest, tokenizer_fingerprint, flag=flag)
         file = path / (TRAIN_FILE if set_name == DATA else HELDOUT_FILE)
         lines = _token_lines(file, set_name, vocab, context)
         kind, fingerprint = "tokens", manifest.fingerprint
@@ -111,6 +105,14 @@ def read_input(
             f"{flag} {where}: holds no sequences",
             "tokenize with --held-out SOURCE for a held-out split" if kind == "tokens" else "pass a non-empty input",
         )
+    if not any(s.scored for s in sequences):  # a tokens file has some (its reader checks): not this sample or text
+        where = file if kind == "tokens" else path
+        which = f"the {len(sequences)} sequences sampled by --max-sequences" if max_sequences else "its sequences"
+        raise UsafError(
+            f"{flag} {where}: {which} have no token to score (labels all -100, or 1-token sequences): the report "
+            "would be empty",
+            "raise --max-sequences or drop it" if max_sequences else "pass text or tokens with scored labels",
+        )
     if kind == "text":  # what was evaluated is the packed text: fingerprint that
         fingerprint = sequences_fingerprint(sequences)
     return EvalInput(set_name, path, kind, fingerprint, sequences)
@@ -126,13 +128,7 @@ def _is_tokens_jsonl(path: Path) -> bool:
 
 
 def _token_lines(file: Path, set_name: str, vocab: int, context: int | None) -> Iterator[EvalSequence]:
-    for line in iter_token_file(file, vocab_size=vocab):
-        if context is not None and len(line.input_ids) > context:
-            raise UsafError(
-                f"{file}:{line.line}: {len(line.input_ids)} tokens, longer than the model's context of {context} "
-                "(max_position_embeddings)",
-                f"re-tokenize with --seq-len {context} or less",
-            )
+    for line in iter_token_file(file, vocab_size=vocab, context=context):
         yield EvalSequence(set_name, line.source, line.input_ids, line.labels)
 
 

@@ -81,14 +81,15 @@ def resolve_inputs(
     the run directory's lock."""
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
-    _check_seq_len(config.seq_len, str(model_dir), tokenizer, source_of(config, "seq_len"))
+    context = _check_seq_len(config.seq_len, str(model_dir), tokenizer, source_of(config, "seq_len"))
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
     data_file, data_fp = resolve_data(config, tokenizer_fp, progress)
-    run_dir = _check_run_dir(config, model_dir, data_file, world, held)
-    data = TokenDataset(data_file, vocab_size=len(tokenizer))
+    # Read before the run directory is touched: with --overwrite, bad data must not cost the run it replaces.
+    data = TokenDataset(data_file, vocab_size=len(tokenizer), context=context)
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
-    eval_data = _eval_data(config, tokenizer, tokenizer_fp, progress)
+    eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
+    run_dir = _check_run_dir(config, model_dir, data_file, world, held)
 
     model = (model_dir, model_manifest.fingerprint)
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
@@ -158,13 +159,19 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, progress: Progress) -> Any:
+def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
     if config.eval_data is None:
         return None
     eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
     if eval_file.name == "train.jsonl":
         eval_file = eval_file.with_name("heldout.jsonl")
-    return TokenDataset(eval_file, vocab_size=len(tokenizer))
+    data = TokenDataset(eval_file, vocab_size=len(tokenizer), context=context)
+    if len(data) == 0:  # else the run would report no held-out loss, without a word
+        raise UsafError(
+            f"--eval-data {eval_file}: no sequences",
+            "tokenize with --held-out SOURCE for a held-out split, or drop --eval-data",
+        )
+    return data
 
 
 def _length(config: TrainConfig, sequences: int, world: World, progress: Progress) -> tuple[int, int]:
@@ -188,10 +195,16 @@ def _reselect_every(requested: int | None, steps: int, progress: Progress) -> in
     return DEFAULT_RESELECT_EVERY
 
 
-def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str) -> None:
+def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str) -> int | None:
+    """The model's context (``None`` when unknown), refusing a ``--seq-len`` (from ``source``) beyond it.
+
+    Every line of the data must fit it too, ``--seq-len`` or not: score and eval refuse the same file, and a
+    file tokenized for a longer context is for another model (re-tokenizing cuts it where packing would).
+    """
     limit = max_sequence_length(model, tokenizer)
     if seq_len is not None and limit is not None and seq_len > limit:
         raise UsafError(f"{source} {seq_len} exceeds the model's context ({limit} tokens)", f"use at most {limit}")
+    return limit
 
 
 def _find_plan(
