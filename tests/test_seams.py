@@ -7,6 +7,7 @@ Rules:
   functions). Same-layer packages may not import each other, except the pairs in ``SAME_LAYER``. Layers,
   top to bottom::
 
+     10  usaf.testing.hostile_exporteval (cases on the hostile harness)
       9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, workloads)
       8  usaf.cli
       7  usaf.stages
@@ -66,6 +67,7 @@ LAYERS: dict[str, int] = {
     "usaf.testing.crash": 9,
     "usaf.testing.crash_child": 9,
     "usaf.testing.hostile": 9,
+    "usaf.testing.hostile_exporteval": 10,  # cases built on the hostile harness (Bench, Case)
     "usaf.testing.workloads": 9,
     "usaf.cli": 8,
     "usaf.stages": 7,
