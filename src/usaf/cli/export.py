@@ -74,7 +74,8 @@ def _verified_line(v, *, alone: bool) -> str:
         line += (
             f"; the change moves logits by up to {v.change_max_abs_effect:.3g} (RMS {v.change_rms:.3g} in the "
             f"engine), as exported vs as trained RMS {v.change_effect_diff_rms:.3g} (tolerance "
-            f"{v.change_effect_tolerance:.3g}; the export dtype's rounding of the model alone: RMS {v.rounding_rms:.3g})"
+            f"{v.change_effect_tolerance:.3g}; the export dtype's rounding of the model alone: "
+            f"RMS {v.rounding_rms:.3g})"
         )
     elif v.engine_max_abs_diff is not None:
         line += (
