@@ -109,24 +109,23 @@ def dequantized_reference(
             tensor = handle.get_tensor(name)
             stored[name] = tensor.dtype
             view.set(name, tensor.to(_written_dtype(tensor.dtype, override)))
-    experts: dict[str, torch.Tensor] = {}  # fp32 dequantized, in memory layout: the change is added to these
-    for name, entry in files.experts().items():
+    raw = files.experts()  # memory-mapped codes: dequantized one tensor at a time
+    for name, entry in raw.items():
         q = QuantizedTensor.from_dict(entry, name=name)
-        experts[name] = dequantize(q, dtype=torch.float32)
         stored[name] = getattr(torch, q.source_dtype)
-        view.set(name, experts[name].to(_written_dtype(stored[name], override)))
-    _check_every_tensor_set(model, spec)
+        view.set(name, dequantize(q, dtype=torch.float32).to(_written_dtype(stored[name], override)))
+    _check_every_tensor_set(model)
     before = logits_of(model, ids)
-    for name in change.deltas:  # the unrounded base: base + delta is summed in fp32, then rounded once
-        view.set(name, experts[name])
+    for name in change.deltas:  # the unrounded base again: base + delta is summed in fp32, then rounded once
+        view.set(name, dequantize(QuantizedTensor.from_dict(raw[name], name=name), dtype=torch.float32))
     add_change_in_memory(model, spec, change)
     for name in [*change.deltas, *change.routers]:
         view.set(name, view.get(name).to(_written_dtype(stored[name], override)))
     return before, logits_of(model, ids)
 
 
-def _check_every_tensor_set(model: torch.nn.Module, spec: FamilySpec) -> None:
-    unset = [n for n, t in usaf_state_dict(model, spec).items() if t.is_floating_point() and bool(t.isnan().any())]
+def _check_every_tensor_set(model: torch.nn.Module) -> None:
+    unset = [n for n, t in model.state_dict().items() if t.is_floating_point() and bool(t.isnan().any())]
     if unset:  # the reference would be meaningless: a bug in usaf (or a quantized model missing a tensor)
         raise RuntimeError(f"export verification: the quantized model provides no value for {unset[:3]}")
 
