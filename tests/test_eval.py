@@ -214,19 +214,55 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads((out / "report.json").read_text())
     assert data["checkpoint"] is None and data["tuned_pass"] is None and "base model only" in result.stdout
-    assert [(r["source"], r["overall"]) for r in data["rows"]] == [
-        ("all", False),
-        ("alpha", False),
-        ("beta", False),
-        ("textwrap.py", False),
-        ("all", True),
-    ]  # a source named "all" stays a source
-    rows = rows_by(data)
+    textwrap = str(stdlib_dir() / "textwrap.py")
+    assert [(r["source"], r["overall"], r["input"]) for r in data["rows"]] == [
+        ("all", False, str(texts)),  # a source named "all" stays a source
+        ("alpha", False, str(texts)),
+        ("beta", False, str(texts)),
+        ("all", True, str(texts)),  # each input's total, then the set's
+        ("textwrap.py", False, textwrap),
+        ("all", True, textwrap),
+        ("all", True, None),
+    ]
+    rows = {(r["set"], r["source"]): r for r in data["rows"] if not r["overall"]}
     assert all(r["tuned"] is None and r["delta"] is None for r in data["rows"])
     assert rows[("held-out", "alpha")]["sequences"] > rows[("held-out", "beta")]["sequences"]
     assert {i["kind"] for i in data["inputs"]} == {"text"}
     assert all(d["changed_fraction"] is None for d in data["routing"])
     assert "**base model only**" in (out / "report.md").read_text()
+
+
+def test_each_held_out_input_gets_its_own_total(trained, report, tmp_path):
+    """--held-out A --held-out B: one total per input, each equal to evaluating that input alone."""
+    python = stdlib_dir() / "textwrap.py"  # raw text, the module the run memorised (its held-out one is shlex.py)
+    q, run, workspace = trained["q"], trained["run"], trained["workspace"]
+    common = ("--model", q, "--checkpoint", run, "--workspace", workspace, "--no-plots")
+    text = ("--seq-len", 32)  # for the raw text only (refused when every input is tokenized)
+    both = tmp_path / "both"
+    result = invoke("eval", *common, "--held-out", trained["tokens"], "--held-out", python, *text, "--out", both)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((both / "report.json").read_text())["rows"]
+    totals = {r["input"]: r for r in rows if r["overall"]}
+    assert list(totals) == [str(trained["tokens"]), str(python), None]
+    alone = {}
+    for path in (trained["tokens"], python):
+        out = tmp_path / path.name
+        result_alone = invoke("eval", *common, "--held-out", path, *(text if path == python else ()), "--out", out)
+        assert result_alone.exit_code == 0, result_alone.output
+        (alone[str(path)],) = [r for r in json.loads((out / "report.json").read_text())["rows"] if r["overall"]]
+    for path, row in alone.items():
+        mine = totals[path]
+        assert (mine["sequences"], mine["tokens"]) == (row["sequences"], row["tokens"])
+        assert mine["base"]["nll"] == pytest.approx(row["base"]["nll"], abs=1e-6)
+        assert mine["tuned"]["nll"] == pytest.approx(row["tuned"]["nll"], abs=1e-6)
+    # negative control: the two inputs score differently, and the pooled row is neither
+    held, memorised, pooled = (totals[k]["tuned"]["nll"] for k in totals)
+    assert held - memorised > 0.01 and memorised < pooled < held
+    assert totals[None]["tokens"] == sum(r["tokens"] for r in alone.values())
+    printed = " ".join(result.stdout.split())
+    assert f"all: {trained['tokens'].name}" in printed and "all inputs" in printed  # the table names inputs short
+    md = (both / "report.md").read_text()
+    assert f"| held-out | **all: {python}** |" in md and "| held-out | **all inputs** |" in md
 
 
 def test_plots_need_matplotlib(trained, report, tmp_path, monkeypatch):

@@ -32,8 +32,13 @@ class Difference(Record):
 
 class ResultRow(Record):
     set: str = Field(description="'data' (in-domain, --data) or 'held-out' (--held-out)")
-    source: str = Field(description="a source (repository, file group), or 'all' on the set's overall row")
-    overall: bool = Field(description="the set's overall row (every source)")
+    source: str = Field(description="a source (repository, file group), or 'all' on a total row")
+    overall: bool = Field(description="a total row: of one input (input set) or of the whole set (input None)")
+    input: str | None = Field(
+        None,
+        description="the --data/--held-out input the row's sequences come from; None on the set's overall row. "
+        "A set with several inputs has one total row per input, then its overall row",
+    )
     sequences: int = Field(description="sequences with at least one scored token")
     tokens: int = Field(description="scored tokens (labels not -100, after the shift)")
     base: Estimate

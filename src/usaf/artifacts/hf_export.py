@@ -23,19 +23,42 @@ class ExportShardRecord(Record):
 
 
 class VerifyRecord(Record):
+    """How the reloaded export was checked (every distance is a max |logit difference| on the probe sequences)."""
+
     sequences: int
     tokens_per_sequence: int
-    reference: Literal["engine", "original+change"] = Field(
-        description="what the reloaded export was compared with: the usaf engine with the change applied "
-        "(dequantized-base export), or the original model loaded by transformers with the change added"
+    reference: Literal["dequantized+change", "original+change", "engine"] = Field(
+        description="the weights the export must hold, built in memory: the quantized model's dequantized base "
+        "with the change, or --base's original (as transformers loads it) with the change, each tensor rounded "
+        "to its written dtype ('engine': earlier exports, compared with the engine directly)"
     )
-    max_abs_diff: float = Field(description="max |logit difference| between the reloaded export and the reference")
+    max_abs_diff: float = Field(description="the reloaded export vs the reference: must be fp32 noise")
     tolerance: float
     engine_max_abs_diff: float | None = Field(
-        None, description="--base exports: max |logit difference| to the engine (the 4-bit base's own error)"
+        None,
+        description="the reloaded export vs the engine with the change (information: the export dtype's rounding; "
+        "with --base also the 4-bit base's own error)",
     )
     change_max_abs_effect: float = Field(
-        description="max |logit difference| between the reference with and without the change (what was exported)"
+        description="the reference with vs without the change: how much the exported change moves logits"
+    )
+    change_rms: float | None = Field(
+        None, description="RMS over the probe logits of the engine with vs without the change: the trained effect"
+    )
+    rounding_rms: float | None = Field(
+        None,
+        description="dequantized-base exports: RMS of the engine's base vs the same base rounded as exported "
+        "(what the export dtype alone does to this model)",
+    )
+    change_effect_diff_rms: float | None = Field(
+        None,
+        description="RMS of (export - exported base) - (engine with the change - engine base): the change's "
+        "effect as exported vs as trained",
+    )
+    change_effect_tolerance: float | None = Field(
+        None,
+        description="the bound on change_effect_diff_rms (half of change_rms, or twice rounding_rms when larger, "
+        "plus fp32 noise); None: not checked (--base: the engine's base is the 4-bit one)",
     )
 
 
@@ -46,8 +69,8 @@ class HfExportSummary(Record):
     base_path: str | None = None
     base_fingerprint: str | None = None
     model_fingerprint: str = Field(description="the quantized model's fingerprint")
-    change_fingerprint: str
-    change_source: str
+    change_fingerprint: str | None = Field(description="None: the quantized base alone (--no-checkpoint)")
+    change_source: str | None
     family: str
     model_type: str
     dtype: str = Field(description="'original' (each tensor keeps its dtype) or the --dtype it was cast to")

@@ -11,7 +11,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from usaf.stages.eval.report import fmt_ci
+    from usaf.stages.eval.report import fmt_ci, row_label
 
     s = manifest.summary
     tuned = s.checkpoint is not None
@@ -22,7 +22,8 @@ def _print_summary(console, manifest, path: Path) -> None:
     for column in columns:
         table.add_column(column, justify="left" if column in ("set", "source") else "right")
     for r in s.rows:
-        cells = [r.set, escape(r.source), f"{r.sequences:,}", f"{r.tokens:,}", f"{r.base.ppl:.2f}"]
+        label = escape(row_label(r, s.rows, short=True))  # a source, or a total: of one input, of the set
+        cells = [r.set, label, f"{r.sequences:,}", f"{r.tokens:,}", f"{r.base.ppl:.2f}"]
         if tuned:
             d = r.delta
             style = "" if not d.excludes_zero else ("green" if d.nll < 0 else "red")

@@ -44,20 +44,42 @@ def _print_summary(console, manifest, path: Path) -> None:
         )
         return
     base = f"--base {s.base_path}" if s.base == "original" else "dequantized 4-bit base"
+    if s.change_source is None:
+        applied = "the dequantized 4-bit base alone (--no-checkpoint)"
+    else:
+        applied = (
+            f"{s.expert_entries:,} delta entries applied to {s.expert_tensors_changed} expert tensors, "
+            f"{s.router_tensors} routers replaced, {s.tensors_copied:,} tensors copied as they were ({base})"
+        )
     console.print(
-        f"export → {path}: {len(s.shards)} shards, {s.bytes / 2**20:,.1f} MiB, {s.tensors:,} tensors; "
-        f"{s.expert_entries:,} delta entries applied to {s.expert_tensors_changed} expert tensors, "
-        f"{s.router_tensors} routers replaced, {s.tensors_copied:,} tensors copied as they were ({base})"
+        f"export → {path}: {len(s.shards)} shards, {s.bytes / 2**20:,.1f} MiB, {s.tensors:,} tensors; {applied}"
     )
     if s.verify is not None:
-        v = s.verify
-        console.print(
-            f"verified: reloaded with transformers, max |Δlogit| vs the {v.reference} = {v.max_abs_diff:.3g} "
-            f"(tolerance {v.tolerance:.3g}; the change itself moves logits by up to {v.change_max_abs_effect:.3g}"
-            + (f"; vs the 4-bit engine {v.engine_max_abs_diff:.3g}" if v.engine_max_abs_diff is not None else "")
-            + ")"
-        )
+        console.print(_verified_line(s.verify, alone=s.change_source is None))
     else:
         console.print("not verified (--no-verify)")
     for note in s.notes:
         console.print(f"note: {note}")
+
+
+def _verified_line(v, *, alone: bool) -> str:
+    """What the reload showed: the exact check, then the change's effect against the engine's."""
+    line = (
+        f"verified: reloaded with transformers, max |Δlogit| vs the same weights built in memory "
+        f"({'dequantized base' if alone else v.reference}) = {v.max_abs_diff:.3g} (tolerance {v.tolerance:.3g})"
+    )
+    if alone:
+        line += f"; vs the engine's 4-bit base {v.engine_max_abs_diff:.3g} (the export dtype's rounding)"
+    elif v.change_effect_tolerance is not None:
+        line += (
+            f"; the change moves logits by up to {v.change_max_abs_effect:.3g} (RMS {v.change_rms:.3g} in the "
+            f"engine), as exported vs as trained RMS {v.change_effect_diff_rms:.3g} (tolerance "
+            f"{v.change_effect_tolerance:.3g}; the export dtype's rounding of the model alone: "
+            f"RMS {v.rounding_rms:.3g})"
+        )
+    elif v.engine_max_abs_diff is not None:
+        line += (
+            f"; the change moves logits by up to {v.change_max_abs_effect:.3g}; vs the 4-bit engine "
+            f"{v.engine_max_abs_diff:.3g}"
+        )
+    return line

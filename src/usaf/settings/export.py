@@ -19,6 +19,9 @@ class ExportConfig(StageConfig):
 
     model: Path | None = f.quantized_model("the one the change was trained on")
     checkpoint: Path | None = f.checkpoint()
+    no_checkpoint: bool = Field(
+        False, description="Export the quantized model's dequantized base alone, without a change (to compare)."
+    )
     out: Path | None = f.out_dir("hf_export|delta")
     workspace: Path | None = f.workspace()
     base: str | None = Field(
@@ -38,6 +41,21 @@ class ExportConfig(StageConfig):
     verify: bool = Field(True, description="Reload with transformers and compare logits before committing.")
     device: str | None = f.device(None, default_text="cpu")
     overwrite: bool = f.overwrite()
+
+    @model_validator(mode="after")
+    def _no_checkpoint_alone(self) -> ExportConfig:
+        if not self.no_checkpoint:
+            return self
+        if self.checkpoint is not None:
+            raise ValueError("pass either --checkpoint or --no-checkpoint, not both")
+        if self.format == "delta":
+            raise ValueError("--no-checkpoint with --format delta would write an empty change; pass --format hf")
+        if self.base is not None:
+            raise ValueError(
+                "--no-checkpoint with --base would copy the original unchanged; drop --base to export the "
+                "dequantized 4-bit base"
+            )
+        return self
 
     @model_validator(mode="after")
     def _hf_only(self) -> ExportConfig:

@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
-from usaf.artifacts.quantized import open_quantized
+from usaf.artifacts.quantized import open_quantized, read_base_index
 from usaf.artifacts.run import TrainedChange, load_trained_change
 from usaf.engine.engine import SparseEngine
 from usaf.engine.loading import load_quantized_model
 from usaf.errors import UsafError
+from usaf.families import load_model_config, resolve_family
+from usaf.families.checkpoint import read_header
 from usaf.stages.progress import Progress
 
 
@@ -99,6 +101,30 @@ def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model:
             raise UsafError(
                 f"--checkpoint {change.source}: delta indices of {name} are not sorted and unique",
                 "the checkpoint is damaged; export it again from the run",
+            )
+    if change.routers:
+        _check_routers(change, model)
+
+
+def _check_routers(change: TrainedChange, model: Path) -> None:
+    """Every trained router must be a router of the change's layers, with the shape the model stores."""
+    spec = resolve_family(load_model_config(model))
+    stored = {}
+    for file in sorted(set(read_base_index(model).values())):
+        stored.update(read_header(model / file))
+    allowed = {n for layer in change.trainable_layers for n in spec.router_names(layer) if n in stored}
+    for name, weight in change.routers.items():
+        if name not in allowed:
+            raise UsafError(
+                f"--checkpoint {change.source}: a trained router {name}, which is not a router of its layers "
+                f"{list(change.trainable_layers)} in --model {model}",
+                "pass the --model the run was trained on",
+            )
+        if tuple(weight.shape) != tuple(stored[name].shape):
+            raise UsafError(
+                f"--checkpoint {change.source}: router {name} has shape {list(weight.shape)}, --model {model} "
+                f"stores {list(stored[name].shape)}",
+                "the checkpoint is damaged, or for another model; pass the --model the run was trained on",
             )
 
 

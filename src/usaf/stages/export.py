@@ -7,6 +7,8 @@ shard and one layer at a time; nothing is re-quantized. The result is reloaded w
 its logits compared with a reference before it is committed (``--no-verify`` skips that).
 
 ``--format delta`` writes the change alone (a ``delta`` artifact), which ``--checkpoint`` accepts later.
+``--no-checkpoint`` writes the quantized model's dequantized base alone (to compare against), verified the
+same way with an empty change.
 """
 
 from __future__ import annotations
@@ -51,17 +53,29 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
     """Export; returns the manifest (``hf_export`` or ``delta``) and the output directory."""
     progress = progress or NullProgress()
     started = time.perf_counter()
-    model_dir, qmanifest, change = resolve_model_and_change(config.model, config.checkpoint, config.workspace, progress)
-    assert change is not None  # resolve_model_and_change finds one or raises
+    model_dir, qmanifest, change = resolve_model_and_change(
+        config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
+    )
+    if change is None:  # --no-checkpoint: the dequantized base alone, an empty change
+        change = _no_change(model_dir, qmanifest)
+        progress.note(f"--no-checkpoint: exporting the dequantized base of {model_dir} without a change")
     kind = "hf_export" if config.format == "hf" else "delta"
-    out = Path(config.out or default_output(workspace_dir(config.workspace), kind, change.source.name))
-    given = {"--model": model_dir, "--checkpoint": change.source, "--base": config.base}
+    label = f"{model_dir.name}-base" if config.no_checkpoint else change.source.name
+    out = Path(config.out or default_output(workspace_dir(config.workspace), kind, label))
+    given = {
+        "--model": model_dir,
+        "--checkpoint": None if config.no_checkpoint else change.source,
+        "--base": config.base,
+    }
     writer = ArtifactWriter(out, flag="--out", overwrite=config.overwrite, inputs=given)
     writer.check_target()  # before any work: an existing --out is refused at once
-    inputs = [
-        InputRecord(role="model", kind="quantized_model", path=str(model_dir), fingerprint=qmanifest.fingerprint),
-        InputRecord(role="change", kind=_change_kind(change), path=str(change.source), fingerprint=change.fingerprint),
-    ]
+    inputs = [InputRecord(role="model", kind="quantized_model", path=str(model_dir), fingerprint=qmanifest.fingerprint)]
+    if not config.no_checkpoint:
+        inputs.append(
+            InputRecord(
+                role="change", kind=_change_kind(change), path=str(change.source), fingerprint=change.fingerprint
+            )
+        )
     if config.format == "delta":
         transposed = resolve_family(load_model_config(model_dir)).layout.transposed
         with writer as art:
@@ -75,6 +89,18 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
             )
         return manifest, writer.target
     return _export_hf(config, model_dir, qmanifest, change, writer, inputs, progress, started)
+
+
+def _no_change(model_dir: Path, qmanifest: QuantizedModelManifest) -> TrainedChange:
+    """The change of no run: exporting it writes the quantized model's dequantized base as it is."""
+    return TrainedChange(
+        source=model_dir,
+        fingerprint="",
+        model_fingerprint=qmanifest.fingerprint,
+        trainable_layers=[],
+        deltas={},
+        routers={},
+    )
 
 
 def _change_kind(change: TrainedChange) -> str:
@@ -170,8 +196,8 @@ def _export_hf(
             base_path=str(base_dir) if base_dir is not None else None,
             base_fingerprint=base_fp,
             model_fingerprint=qmanifest.fingerprint,
-            change_fingerprint=change.fingerprint,
-            change_source=str(change.source),
+            change_fingerprint=None if config.no_checkpoint else change.fingerprint,
+            change_source=None if config.no_checkpoint else str(change.source),
             family=spec.family,
             model_type=spec.model_type,
             dtype=config.dtype or "original",

@@ -643,7 +643,7 @@ def base_cases() -> list[Case]:
 
 
 # Catalogues of their own, each a module with READERS and cases() and a test file running them.
-CATALOGUES = ("hostile_outputs", "hostile_artifacts", "hostile_settings", "hostile_data")
+CATALOGUES = ("hostile_outputs", "hostile_artifacts", "hostile_settings", "hostile_data", "hostile_exporteval")
 
 
 def catalogues() -> list[Any]:

@@ -6,7 +6,7 @@
    (``cache``: keyed by model, sequences and how they are run, never by the checkpoint).
 3. Apply the change in a ``SparseEngine`` and check that the logits of the first batch moved (the
    original tool's eval never applied its checkpoint and nobody noticed); fine-tuned pass.
-4. Per-source and per-set rows with bootstrap intervals (``stats``), routing drift, ``report.json``,
+4. Per-source, per-input and per-set rows with bootstrap intervals (``stats``), routing drift, ``report.json``,
    ``report.md`` and plots (``plots``), written atomically as an ``eval_report`` artifact.
 """
 
@@ -266,7 +266,7 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
 
 def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, start: float, progress: Progress):
     """Rows, drift, plots, ``report.json``/``report.md`` and the manifest, committed atomically."""
-    rows = result_rows(o.sequences, o.base, o.tuned, samples=config.bootstrap, seed=config.seed)
+    rows = result_rows(o.inputs, o.base, o.tuned, samples=config.bootstrap, seed=config.seed)
     drift = routing_drift(o.base, o.tuned, o.num_experts)
     with writer as art:
         plots, plots_note = _plots(config, art.dir, o.change, drift, rows, progress)
@@ -334,7 +334,7 @@ def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progre
         progress.note(note)
         return [], note
     (work / PLOTS_DIR).mkdir()
-    held = [r for r in rows if r.set == HELD_OUT and r.overall]
+    held = [r for r in rows if r.set == HELD_OUT and r.overall and r.input is None]  # the set's, every input
     base_heldout = held[0].base.nll if held else None
     made = []
     if change is not None:

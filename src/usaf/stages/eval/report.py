@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from usaf.artifacts.eval_report import Difference, Estimate, EvalSummary, LayerDrift, ResultRow
 from usaf.engine.routing import changed_tokens, expert_counts, load_summary
-from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalSequence
+from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput
 from usaf.stages.eval.passes import PassResult
 from usaf.stages.eval.stats import bootstrap_row, ppl, row_seed
 
@@ -16,43 +18,78 @@ ALL = "all"
 
 
 def result_rows(
-    sequences: Sequence[EvalSequence],
+    inputs: Sequence[EvalInput],
     base: PassResult,
     tuned: PassResult | None,
     *,
     samples: int,
     seed: int,
 ) -> list[ResultRow]:
-    """One row per (set, source), then each set's overall row; sequences without scored tokens left out."""
-    groups: dict[tuple[str, bool, str], list[int]] = {}  # (set, overall, source) -> sequence indices
-    for i, s in enumerate(sequences):
-        if int(base.tokens[i]) > 0:
-            groups.setdefault((s.set, False, s.source), []).append(i)
-            groups.setdefault((s.set, True, ALL), []).append(i)  # a source may be called "all" too
-    order = {DATA: 0, HELD_OUT: 1}
-    rows = []
-    for set_name, overall, source in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2])):
-        idx = torch.tensor(groups[(set_name, overall, source)])
-        stats = bootstrap_row(
-            base.nll[idx],
-            tuned.nll[idx] if tuned is not None else None,
-            base.tokens[idx],
-            samples=samples,
-            seed=row_seed(seed, idx),
-        )
-        rows.append(
-            ResultRow(
-                set=set_name,
-                source=source,
-                overall=overall,
-                sequences=stats.sequences,
-                tokens=stats.tokens,
-                base=_estimate(stats.base_nll, stats.base_ci),
-                tuned=_estimate(stats.tuned_nll, stats.tuned_ci) if stats.tuned_nll is not None else None,
-                delta=_difference(stats) if stats.delta_nll is not None else None,
-            )
-        )
-    return rows
+    """Per set: for each of its inputs a row per source, then the input's total (when the set has several
+    inputs: A and B may be different kinds of text, one pooled number would hide that); then the set's
+    overall row. Sequences without scored tokens are left out.
+
+    ``base``/``tuned`` hold one entry per sequence, inputs in order.
+    """
+    groups: dict[tuple[int, int, int, str], list[int]] = {}  # (set order, input position, kind, source) -> idx
+    meta: dict[tuple[int, int, int, str], tuple[str, str | None]] = {}  # the same key -> (set, input path)
+    per_set = Counter(item.set for item in inputs)
+    seen: Counter[str] = Counter()  # inputs of each set so far
+    i = 0
+    for item in inputs:
+        order, position = _SET_ORDER.get(item.set, 2), seen[item.set]
+        seen[item.set] += 1
+        for s in item.sequences:
+            keys = [((order, position, _SOURCE, s.source), (item.set, str(item.path)))]
+            if per_set[item.set] > 1:
+                keys.append(((order, position, _INPUT, ALL), (item.set, str(item.path))))
+            keys.append(((order, len(inputs), _SET, ALL), (item.set, None)))  # after every input of the set
+            if int(base.tokens[i]) > 0:
+                for key, about in keys:
+                    groups.setdefault(key, []).append(i)
+                    meta[key] = about
+            i += 1
+    return [_row(key, meta[key], groups[key], base, tuned, samples=samples, seed=seed) for key in sorted(groups)]
+
+
+_SET_ORDER = {DATA: 0, HELD_OUT: 1}
+_SOURCE, _INPUT, _SET = 0, 1, 2  # row kinds, in their order within an input and within a set
+
+
+def _row(key, about, indices: list[int], base: PassResult, tuned: PassResult | None, *, samples, seed) -> ResultRow:
+    (_, _, kind, source), (set_name, path) = key, about
+    idx = torch.tensor(indices)
+    stats = bootstrap_row(
+        base.nll[idx],
+        tuned.nll[idx] if tuned is not None else None,
+        base.tokens[idx],
+        samples=samples,
+        seed=row_seed(seed, idx),
+    )
+    return ResultRow(
+        set=set_name,
+        source=source,
+        overall=kind != _SOURCE,  # a source may be called "all" too
+        input=path,
+        sequences=stats.sequences,
+        tokens=stats.tokens,
+        base=_estimate(stats.base_nll, stats.base_ci),
+        tuned=_estimate(stats.tuned_nll, stats.tuned_ci) if stats.tuned_nll is not None else None,
+        delta=_difference(stats) if stats.delta_nll is not None else None,
+    )
+
+
+def row_label(row: ResultRow, rows: Sequence[ResultRow], *, short: bool = False) -> str:
+    """What a row is about: its source, an input's total (``all: PATH``), or its set's (``all`` / ``all inputs``).
+
+    ``short``: an input by its file or directory name (a terminal table; the report has the whole path).
+    """
+    if not row.overall:
+        return row.source
+    if row.input is not None:
+        return f"all: {Path(row.input).name if short else row.input}"
+    several = any(r.overall and r.input is not None and r.set == row.set for r in rows)
+    return "all inputs" if several else ALL
 
 
 def _estimate(nll: float, ci: tuple[float, float] | None) -> Estimate:
@@ -135,7 +172,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines += ["| set | source | sequences | tokens | base PPL | 95 % CI |", "|---|---|---:|---:|---:|---|"]
         for r in s.rows:
             lines.append(
-                f"| {r.set} | {_source(r)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
+                f"| {r.set} | {_source(r, s.rows)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
                 f"{_plain_ci(r.base.ppl_ci)} |"
             )
     else:
@@ -146,7 +183,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         for r in s.rows:
             d = r.delta
             lines.append(
-                f"| {r.set} | {_source(r)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
+                f"| {r.set} | {_source(r, s.rows)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
                 f"{r.tuned.ppl:.3f} | {d.ppl:+.3f} {fmt_ci(d.ppl_ci, 3)} | {d.nll:+.4f} {fmt_ci(d.nll_ci, 4)} |"
             )
     lines += ["", "## Routing drift", ""]
@@ -177,6 +214,7 @@ def _plain_ci(ci: list[float] | None) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "(n < 2)"
 
 
-def _source(row) -> str:
-    """A source's name, escaped for a table cell; the overall row in bold."""
-    return "**all**" if row.overall else row.source.replace("|", "\\|")
+def _source(row, rows) -> str:
+    """A row's label, escaped for a table cell; total rows in bold."""
+    label = row_label(row, rows).replace("|", "\\|")
+    return f"**{label}**" if row.overall else label

@@ -17,6 +17,7 @@ from usaf.artifacts.run import load_trained_change
 from usaf.artifacts.workspace import resolve_model
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
+from usaf.stages.change import check_change
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
 from usaf.stages.progress import Progress
 
@@ -53,12 +54,8 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
         if runs:
             change = load_trained_change(runs[0].path, flag="--checkpoint")
             progress.note(f"using the run {runs[0].path} (newest finished run for this model)")
-    if change is not None and change.model_fingerprint != manifest.fingerprint:
-        raise UsafError(
-            f"--checkpoint {config.checkpoint or change.source}: trained on the quantized model with fingerprint "
-            f"{change.model_fingerprint[:16]}, but --model {model_dir} has fingerprint {manifest.fingerprint[:16]}",
-            "pass the --model the run was trained on, or a checkpoint trained on this model",
-        )
+    if change is not None:  # export's and generate's checks: its model, tensors, indices and routers
+        check_change(change, manifest, model_dir)
     return model_dir, manifest, change
 
 
