@@ -151,3 +151,11 @@ def prepared(quantized, tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def bench(tmp_path_factory):
+    """The hostile catalogues' valid inputs (usaf.testing.hostile.Bench): every case copies what it breaks."""
+    from usaf.testing import hostile
+
+    return hostile.Bench.build(tmp_path_factory.mktemp("hostile-bench"))

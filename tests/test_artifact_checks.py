@@ -33,11 +33,6 @@ from usaf.quant.tensor import QuantizedTensor
 from usaf.testing import hostile, hostile_artifacts
 
 
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    return hostile.Bench.build(tmp_path_factory.mktemp("checks-bench"))
-
-
 @pytest.fixture
 def plan(bench, tmp_path) -> Path:
     """A fresh copy of the bench's plan (scored with --cache), free to tamper with."""

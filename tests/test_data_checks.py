@@ -24,11 +24,6 @@ from usaf.testing.hostile_data import ALL_IGNORED, GOOD, IGNORE, ids, line, repo
 VOCAB = hostile.VOCAB
 
 
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    return hostile.Bench.build(tmp_path_factory.mktemp("data-checks-bench"))
-
-
 def write(path: Path, content: str) -> Path:
     path.write_text(content, encoding="utf-8")
     return path

@@ -3,24 +3,10 @@ one error line naming the input, exit 2, nothing left behind."""
 
 from __future__ import annotations
 
-import pytest
-
 from helpers import invoke
-from usaf.testing import hostile, hostile_exporteval
+from usaf.testing import hostile_exporteval
 
 CASES = hostile_exporteval.cases()
-
-
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    return hostile.Bench.build(tmp_path_factory.mktemp("hostile-exporteval"))
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_each_hostile_export_or_eval_input_is_answered_cleanly(bench, case, tmp_path):
-    outcome = hostile.run_case(bench, case, tmp_path / "case")
-    assert outcome.ok, (outcome.answer, outcome.message, outcome.problems)
-    assert outcome.exit_code == 2
 
 
 def test_the_cases_are_distinct_and_name_their_reader():

@@ -1,8 +1,10 @@
-"""Hostile and broken inputs: the fuzz catalogue through the real CLI, property tests of each reader, and an audit.
+"""Hostile and broken inputs: every catalogue through the real CLI, property tests of each reader, and an audit.
 
 Every reader of a file usaf did not just write itself (tokens JSONL, manifests, experts_q4.pt,
 safetensors headers, --config TOML, model directories) answers a malformed input with one error
-line naming the file, exit 2, no traceback, no output left behind, and no code run.
+line naming the file, exit 2, no traceback, no output left behind, and no code run. The other
+catalogues (output paths, tampered artifacts, settings and checkpoints, token data, export and eval:
+``hostile.CATALOGUES``) run here too, on the same bench; their own test files hold their negative controls.
 """
 
 from __future__ import annotations
@@ -25,18 +27,14 @@ from usaf.errors import UsafError
 from usaf.testing import hostile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-CASES = hostile.base_cases()  # the other catalogues have test files of their own (tests/test_hostile_*.py)
-
-
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    return hostile.Bench.build(tmp_path_factory.mktemp("hostile-bench"))
+CASES = hostile.all_cases()
+BASE = hostile.base_cases()
 
 
 # -- the catalogue through the CLI ---------------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore:Detected pickle protocol 5")  # torch's note on the hostile pickle itself
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note on the hostile pickle itself
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.reader}: {c.name}" for c in CASES])
 def test_each_hostile_input_is_answered_cleanly(bench, case, tmp_path):
     outcome = hostile.run_case(bench, case, tmp_path / "case")
@@ -46,10 +44,11 @@ def test_each_hostile_input_is_answered_cleanly(bench, case, tmp_path):
 
 
 def test_the_catalogue_covers_every_reader_and_is_distinct():
-    by_reader = {r: [c.name for c in CASES if c.reader == r] for r in hostile.READERS}
+    by_reader = {r: [c.name for c in CASES if c.reader == r] for r in hostile.all_readers()}
     assert all(len(names) >= 4 for names in by_reader.values()), {r: len(n) for r, n in by_reader.items()}
-    assert len({(c.reader, c.name) for c in CASES}) == len(CASES)
-    assert sum(c.unsafe for c in CASES) >= 10
+    assert {c.reader for c in CASES} == set(hostile.all_readers())
+    assert len({(c.reader, c.name) for c in CASES}) == len(CASES) >= 300
+    assert sum(c.unsafe for c in BASE) >= 10
 
 
 def test_negative_control_the_untouched_bench_is_accepted(bench, tmp_path):
