@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import InputRecord, RunManifest, current_environment, load_verified
+from usaf.artifacts.disk import guarded_write
 from usaf.artifacts.plan import read_masks
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
@@ -23,23 +24,32 @@ from usaf.stages.train.config import TrainConfig
 def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
     """Train; returns the run's manifest and directory."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
-    import torch
-
-    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf import distributed
     from usaf.backends import resolve_backend
-    from usaf.engine.loss_scale import DynamicLossScaler
-    from usaf.stages.train import loop
     from usaf.stages.train.inputs import resolve_inputs
-    from usaf.stages.train.trainer import Trainer
 
     start = time.perf_counter()
     backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
     inputs = resolve_inputs(config, backend, world, progress)
-    config, run_dir = inputs.config, inputs.run_dir
+    # a full or read-only disk at any write of the run (settings, metrics, a checkpoint, the manifest): one
+    # line naming --out; the checkpoints already written stay, and the same command resumes from the newest
+    with guarded_write(inputs.run_dir, flag="--out", resumable=True):
+        return _train(inputs, backend, world, progress, start)
 
+
+def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: float) -> tuple[RunManifest, Path]:
+    """Build the engine, train from the step the inputs resume at, and finish the run."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    import torch
+
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    from usaf.engine.loss_scale import DynamicLossScaler
+    from usaf.stages.train import loop
+    from usaf.stages.train.trainer import Trainer
+
+    config, run_dir = inputs.config, inputs.run_dir
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
     engine = _engine(inputs, backend, compute, progress)
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
