@@ -7,11 +7,11 @@ Rules:
   functions). Same-layer packages may not import each other, except the pairs in ``SAME_LAYER``. Layers,
   top to bottom::
 
-      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, workloads)
+      9  usaf.__main__, the harnesses of usaf.testing (crash, crash_child, hostile, hostile_disk, workloads)
       8  usaf.cli
       7  usaf.stages
       6  usaf.distributed
-      5  usaf.engine, usaf.memory_plan
+      5  usaf.engine, usaf.memory_plan, usaf.testing.faults (a disk that refuses a write)
       4  usaf.data, usaf.families, usaf.quant, usaf.demo
       3  usaf.artifacts, usaf.backends, usaf.testing (the model and tokenizer builders, rss)
       2  usaf.settings
@@ -66,12 +66,14 @@ LAYERS: dict[str, int] = {
     "usaf.testing.crash": 9,
     "usaf.testing.crash_child": 9,
     "usaf.testing.hostile": 9,
+    "usaf.testing.hostile_disk": 9,
     "usaf.testing.workloads": 9,
     "usaf.cli": 8,
     "usaf.stages": 7,
     "usaf.distributed": 6,
     "usaf.engine": 5,
     "usaf.memory_plan": 5,
+    "usaf.testing.faults": 5,  # patches the writers of usaf.quant and the libraries; the harnesses use it
     "usaf.data": 4,
     "usaf.families": 4,
     "usaf.quant": 4,

@@ -5,7 +5,7 @@ call usaf's stages make (``safetensors.torch.save_file``, ``torch.save``, ``Path
 opened for writing, the streaming ``experts_q4.pt`` writer's ``add``, ``mkdir``) and makes the
 ``at``-th of them fail as a full or read-only disk would:
 
-- a file write leaves a torn prefix (half the bytes; an opened file is left empty), then raises;
+- a file write leaves a torn prefix (half the bytes), then raises; an ``open`` for writing raises at once;
 - ``mkdir`` raises before creating anything (a read-only disk refuses the first directory);
 - ``form`` picks the error: ``OSError`` with ``ENOSPC``/``EDQUOT``/``EROFS``/``EACCES`` (any write), or
   what the libraries raise instead on a full disk: torch.save's ``RuntimeError`` (``torch``) and
@@ -25,6 +25,12 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+from usaf.quant import ptfile
 
 TORCH_NO_SPACE = (
     "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0: file write failed"
@@ -49,9 +55,6 @@ def make_error(form: str, path: object) -> Exception:
     if form == "torch":
         return RuntimeError(TORCH_NO_SPACE)
     if form == "safetensors":
-        # lazy: safetensors stays out of this module's import time (the CLI imports usaf.testing lazily too)
-        from safetensors import SafetensorError
-
         return SafetensorError(SAFETENSORS_NO_SPACE)
     number = _ERRNOS[form]
     return OSError(number, os.strerror(number), str(path))
@@ -73,11 +76,6 @@ def failing_write(
     ``kinds`` defaults to those ``form`` can come from (all, for an ``OSError`` form); ``at=0`` fails
     nothing (the events are only logged: a reference run to count them).
     """
-    import safetensors.torch  # lazy: see make_error
-    import torch
-
-    from usaf.quant import ptfile
-
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}, expected one of {FORMS}")
     kinds = kinds or _KINDS_OF_FORM.get(form)
@@ -137,8 +135,7 @@ def failing_write(
     def opened(real: Callable, file, mode="r", *args, **kwargs):
         with inside():
             if isinstance(file, (str, os.PathLike)) and any(m in mode for m in _WRITE_MODES) and due("open", file):
-                real(file, mode, *args, **kwargs).close()  # created (or truncated), nothing written
-                raise make_error(form, file)
+                raise make_error(form, file)  # refused at the open: nothing created
             return real(file, mode, *args, **kwargs)
 
     def path_open(self, mode="r", *args, **kwargs):
