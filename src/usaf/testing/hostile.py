@@ -16,6 +16,7 @@ the results as JSON for docs/RELIABILITY.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -80,6 +81,8 @@ class Case:
     may_pass: bool = False  # odd but valid: a normal finish is a correct answer too
     unsafe: bool = False  # an attempt to run code or read outside a directory
     note: str = ""  # why a may_pass case is accepted
+    # the environment the command runs in, when the input is not a file (a disk that refuses a write)
+    during: Callable[[Path], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass
@@ -652,7 +655,8 @@ def run_case(bench: Bench, case: Case, case_dir: Path) -> Outcome:
     """Write the case's input, run its command in-process, and judge the answer."""
     case_dir.mkdir(parents=True, exist_ok=True)
     args = case.build(bench, case_dir)
-    result = CliRunner().invoke(app, args)
+    with case.during(case_dir) if case.during is not None else contextlib.nullcontext():
+        result = CliRunner().invoke(app, args)
     stderr = result.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     message = errors[0].removeprefix("error: ") if errors else ""
