@@ -7,7 +7,9 @@ output and the cause, exit 2, no output or temporaries left (``hostile.run_case`
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
+from usaf.cli.app import app
 from usaf.testing import hostile, hostile_disk
 
 pytestmark = pytest.mark.slow
@@ -37,5 +39,5 @@ def test_negative_control_without_the_fault_each_command_succeeds(bench, tmp_pat
     for number, (stage, build) in enumerate(sorted(builders.items())):
         case_dir = tmp_path / f"c{number}"
         case_dir.mkdir()
-        result = hostile.CliRunner().invoke(hostile.app, build(bench, case_dir))
+        result = CliRunner().invoke(app, build(bench, case_dir))
         assert result.exit_code == 0, (stage, result.output[-800:])

@@ -31,9 +31,11 @@ def _fault(form: str, path_part: str, *, at: int = 1, kinds: tuple[str, ...] | N
 
     def during(case_dir: Path) -> contextlib.AbstractContextManager:
         inside = str(case_dir) + "/"
-        return failing_write(
-            at, form, kinds=kinds, only=lambda p: p.startswith(inside) and path_part in p[len(inside) :]
-        )
+
+        def only(path: str) -> bool:  # below the case directory (the bench's own paths never match)
+            return path.startswith(inside) and path_part in path[len(inside) :]
+
+        return failing_write(at, form, kinds=kinds, only=only)
 
     return during
 
