@@ -113,7 +113,8 @@ def write_base_shards(
             os.replace(tmp, path)
             del tensors
         progress.advance(sum(infos[n].nbytes for n in shard.disk_names))
-    (work / BASE_INDEX_FILE).write_text(json.dumps({"weight_map": dict(sorted(weight_map.items()))}, indent=1))
+    with removed_on_failure(work / BASE_INDEX_FILE):  # rewritten by every run: a torn one is only removed
+        (work / BASE_INDEX_FILE).write_text(json.dumps({"weight_map": dict(sorted(weight_map.items()))}, indent=1))
     progress.finish()
 
 
