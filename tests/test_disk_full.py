@@ -215,6 +215,18 @@ def test_a_checkpoint_without_room_is_refused_before_it_is_written(setup, tmp_pa
     assert not (out / "checkpoints").exists() or list((out / "checkpoints").iterdir()) == []
 
 
+def test_a_prefix_cache_without_room_is_refused_before_it_is_written(setup, tmp_path, monkeypatch):
+    out = tmp_path / "plan"
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    args = ["score", "--model", setup.quantized, "--data", setup.tokens, "--out", out, "--frac", "0.05",
+            "--calib-samples", 4, "--no-stability", "--cache", "--train-from", 1]  # fmt: skip
+    line = _error_line(invoke(*args))
+    assert "the prefix states of --cache needs" in line and "1,000 bytes" in line, line
+    assert not out.exists() and leftovers(tmp_path) == []
+    monkeypatch.undo()  # negative control: with room, the same command writes its store
+    assert invoke(*args).exit_code == 0 and (out / "prefix_states.bin").is_file()
+
+
 # -- read-only and forbidden outputs ------------------------------------------------------------------
 
 
