@@ -226,8 +226,8 @@ previous checkpoints and the same command resumes from the newest, `quantize` re
 directory, and eval's base-pass cache, which only saves time, is skipped with a note. Large writes check
 free space before writing anything and fail early naming the bytes needed and free: `usaf quantize` (the
 quantized experts, twice while the layer files and `experts_q4.pt` coexist, plus the non-expert shards,
-minus what an interrupted run already wrote), `usaf export --format hf` (every shard at its output dtype)
-and every train checkpoint (its tensors and optimizer state). Tested through the CLI at a write of every
+minus what an interrupted run already wrote), `usaf export --format hf` (every shard at its output dtype),
+every train checkpoint (its tensors and optimizer state) and `score --cache`'s prefix states. Tested through the CLI at a write of every
 stage in `tests/test_disk_full.py` and the catalogue's disk cases (`tests/test_hostile_disk.py`).
 
 ## Lineage
