@@ -247,6 +247,28 @@ def test_a_read_only_out_says_read_only(setup, trained, tmp_path, stage):
     assert "writable disk" in result.stderr and not out.exists()
 
 
+def test_a_read_only_image_reporting_no_free_space_says_read_only(setup, tmp_path, monkeypatch):
+    """A squashfs or ISO mount reports 0 bytes free: the preflight must not call that a full disk."""
+    import os
+
+    real = os.statvfs
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    monkeypatch.setattr(os, "statvfs", lambda path: _Flags(real(path), os.ST_RDONLY))
+    out = tmp_path / "q"
+    line = _error_line(invoke(*_quantize(setup, out)))
+    assert f"--out {out}: {READ_ONLY}" in line and "needs" not in line, line
+    monkeypatch.setattr(os, "statvfs", real)  # negative control: a writable disk with 0 free is full
+    assert "needs" in _error_line(invoke(*_quantize(setup, out)))
+
+
+class _Flags:
+    def __init__(self, result, flag: int) -> None:
+        self._result, self.f_flag = result, flag
+
+    def __getattr__(self, name):
+        return getattr(self._result, name)
+
+
 def test_permission_denied_says_so(setup, tmp_path):
     out = tmp_path / "q"
     with failing_write(1, "eacces", only=lambda p: "layer-00000" in p):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,12 +74,26 @@ def cause_of(exc: BaseException) -> str | None:
     return None
 
 
-def free_bytes(target: Path) -> int:
-    """Free space on the disk ``target`` is (or would be) on: its nearest existing parent decides."""
+def _existing(target: Path) -> Path:
+    """``target``, or its nearest existing parent: what decides the disk a path that is not there yet is on."""
     probe = Path(target).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return probe
+
+
+def free_bytes(target: Path) -> int:
+    """Free space on the disk ``target`` is (or would be) on."""
+    return shutil.disk_usage(_existing(target)).free
+
+
+def on_read_only_mount(target: Path) -> bool:
+    """Whether the disk ``target`` is (or would be) on is mounted read-only."""
+    probe = _existing(target)
+    try:
+        return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return False
 
 
 def check_free_space(target: Path, needed: int, *, flag: str | None = "--out", what: str = "the output") -> None:
@@ -90,6 +105,8 @@ def check_free_space(target: Path, needed: int, *, flag: str | None = "--out", w
     free = free_bytes(target)
     if free < needed:
         where = f"{flag} {target}" if flag else str(target)
+        if on_read_only_mount(target):  # a read-only image (squashfs, ISO) reports 0 free: say read-only
+            raise UsafError(f"{where}: {READ_ONLY}, cannot write there", "pass a path on a writable disk")
         raise UsafError(
             f"{where}: {what} needs {needed:,} bytes (about {needed / 2**30:.2f} GiB) on that disk, "
             f"which has {free:,} bytes ({free / 2**30:.2f} GiB free); {needed - free:,} bytes needed beyond that",
