@@ -162,9 +162,8 @@ def failing_write(
             if due("ptfile.add", self.path):
                 raise make_error(form, self.path)
 
-    # modules that bound save_file at import keep the real one unless rebound here
-    bound = [m for name, m in list(sys.modules.items()) if name.startswith("usaf.") and
-             getattr(m, "save_file", None) is real_save_file]  # fmt: skip
+    save_file._usaf_fault = True  # type: ignore[attr-defined]  # a module imported in the block binds it
+    bound = _binding_save_file(real_save_file)  # modules that bound save_file at import: rebound here
     patches = [
         (safetensors.torch, "save_file", save_file), (torch, "save", torch_save), (Path, "write_text", write_text),
         (Path, "open", path_open), (builtins, "open", builtin_open), (Path, "mkdir", mkdir), (os, "mkdir", os_mkdir),
@@ -178,3 +177,15 @@ def failing_write(
     finally:
         for target, name, value in reversed(originals):
             setattr(target, name, value)
+        for module in _binding_save_file(real_save_file):  # imported inside the block: bound the wrapper
+            module.save_file = real_save_file
+
+
+def _binding_save_file(real: Callable) -> list:
+    """usaf's modules whose ``save_file`` is safetensors' (bound at import), or a wrapper of a block."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        bound = getattr(module, "save_file", None) if name.startswith("usaf.") else None
+        if bound is not None and (bound is real or getattr(bound, "_usaf_fault", False)):
+            found.append(module)
+    return found
