@@ -219,16 +219,17 @@ STATIC = """## Disk space
 Every stage's writes go through a few places (`ArtifactWriter`, a train checkpoint, quantize's layer
 files and shards, the caches) that answer a disk refusing a write in one line naming `--out` and the
 cause (`usaf.artifacts.disk`): full (`ENOSPC`, a quota's `EDQUOT`, and the forms the libraries raise
-instead, torch.save's `RuntimeError: ... PytorchStreamWriter failed writing file` / `basic_ios::clear` and
-safetensors' `os error 28`), read-only (`EROFS`: it says read-only, not "no space"), or forbidden
+instead, torch.save's `RuntimeError: ... PytorchStreamWriter failed writing file` / `basic_ios::clear`
+and safetensors' `os error 28`), read-only (`EROFS`: it says read-only, not "no space"), or forbidden
 (`EACCES`). The torn file is removed first, so nothing half-written stays; a `train` run keeps its
 previous checkpoints and the same command resumes from the newest, `quantize` resumes from its partial
 directory, and eval's base-pass cache, which only saves time, is skipped with a note. Large writes check
 free space before writing anything and fail early naming the bytes needed and free: `usaf quantize` (the
 quantized experts, twice while the layer files and `experts_q4.pt` coexist, plus the non-expert shards,
-minus what an interrupted run already wrote), `usaf export --format hf` (every shard at its output dtype),
-every train checkpoint (its tensors and optimizer state) and `score --cache`'s prefix states. Tested through the CLI at a write of every
-stage in `tests/test_disk_full.py` and the catalogue's disk cases (`tests/test_hostile_disk.py`).
+minus what an interrupted run already wrote), `usaf export --format hf` (every shard at its output
+dtype), every train checkpoint (its tensors and optimizer state) and `score --cache`'s prefix states.
+Tested through the CLI at a write of every stage in `tests/test_disk_full.py` and the catalogue's disk
+cases (`tests/test_hostile_disk.py`).
 
 ## Lineage
 
