@@ -34,9 +34,11 @@ def hostile_section(data: dict) -> list[str]:
         "",
         f"Reproduce: `{data['command']}` ({data['seconds']} s). Each case is one distinct malformed input, "
         "written by `usaf.testing.hostile`, read by the real command (`usaf score`, `tokenize`, `quantize`, "
-        "`inspect --verify`) in-process. A case passes when the command exits 2 with exactly one `error:` line "
-        "naming the file (or finishes normally where the input is odd but valid), leaves no output directory "
-        "and no temporaries, and no code from the input ran.",
+        "`inspect --verify`) in-process; a *full or read-only disk* case is a disk that refuses one write of a "
+        "stage (`usaf.testing.hostile_disk`, every writing command). A case passes when the command exits 2 "
+        "with exactly one `error:` line naming the file (the output and the cause, for the disk cases), or "
+        "finishes normally where the input is odd but valid, leaves no output directory and no temporaries, "
+        "and no code from the input ran.",
         "",
         "| reader | distinct malformed inputs | refused, exit 2, file named | accepted as valid | answered badly |",
         "|---|---:|---:|---:|---:|",
@@ -133,7 +135,7 @@ def crash_section(data: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for record in data["stages"]:
-        trials = record["trials"]
+        trials = _kills(record)
         killed = [t for t in trials if t["killed"]]
         mid_ckpt = sum(t["torn"] and "checkpoints/step-" in t["event"] for t in killed)
         lines.append(
@@ -143,7 +145,7 @@ def crash_section(data: dict) -> list[str]:
             f"| {len(trials) - len(killed)} |"
         )
     for record in data["stages"]:
-        killed = [t for t in record["trials"] if t["killed"]]
+        killed = [t for t in _kills(record) if t["killed"]]
         kinds = Counter(t["event"].split(" ")[0] if t["mode"] == "event" else "time" for t in killed)
         seen = Counter(t["visible_after_kill"] for t in killed)
         reference = record["reference"]
@@ -160,25 +162,74 @@ def crash_section(data: dict) -> list[str]:
             order = sorted(resumed.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
             steps = ", ".join(f"{'none (started over)' if k is None else k} ({v}×)" for k, v in order)
             lines.append(f"Reruns resumed from step: {steps}, each the newest checkpoint complete on disk.")
-        else:
+        elif record["stage"] == "quantize":
             kept = sum(len(t["complete_layers"]) for t in killed)
             redone = sum(len(t["redone"]) for t in killed)
             lines.append(f"Layer files complete at the kill, summed over kills: {kept}; quantized again: {redone}.")
+        else:  # export, eval: one ArtifactWriter directory, the rerun starts over
+            same = sum(t["equal_to_reference"] for t in killed)
+            what = "the same report numbers" if record["stage"] == "eval" else "byte-identical"
+            lines.append(f"Reruns started over; {what} as the reference: {same} of {len(killed)}.")
         bad = [t for t in killed if not t["survived"]]
         for t in bad:
             lines.append(f"- NOT survived: {t['mode']} {t['event']}: {'; '.join(t['problems'])}")
+    lines.append("")
+    return lines + disk_full_section(data)
+
+
+def _kills(record: dict) -> list[dict]:
+    return [t for t in record["trials"] if t["mode"] != "disk-full"]
+
+
+def disk_full_section(data: dict) -> list[str]:
+    """The harness's disk-full trials (``--disk-full N``), when it ran any."""
+    records = [(r, [t for t in r["trials"] if t["mode"] == "disk-full"]) for r in data["stages"]]
+    records = [(r, trials) for r, trials in records if trials]
+    if not records:
+        return []
+    lines = [
+        "### A full disk at a random write",
+        "",
+        "The same harness, the kill replaced by a full disk (`KILL_AT:enospc`): at a random file write the "
+        "writer leaves its torn prefix and raises what it raises on a full disk (safetensors' `os error 28`, "
+        "torch.save's `RuntimeError`, `OSError(ENOSPC)`). Answered when the run exits 2 with one error line "
+        "naming `--out` and the cause, no traceback, no temporary left, nothing corrupt visible, and the same "
+        "command, rerun, finishes equal to the reference (`train` resuming from its newest checkpoint); a "
+        "write that was optional (eval's base-pass cache) is skipped with a note and the run finishes.",
+        "",
+        "| stage | full disks | answered and recovered | by the write that failed | "
+        "finished without an optional write |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for record, trials in records:
+        landed = [t for t in trials if t["killed"]]
+        kinds = Counter(t["event"].split(" ")[0] for t in landed)
+        optional = sum(t["visible_after_kill"].startswith("finished") for t in landed)
+        by_kind = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+        lines.append(
+            f"| {record['stage']} | {len(landed)} | {sum(t['survived'] for t in landed)} | {by_kind} | {optional} |"
+        )
+        lines += [f"- NOT answered: {t['event']}: {'; '.join(t['problems'])}" for t in landed if not t["survived"]]
     lines.append("")
     return lines
 
 
 STATIC = """## Disk space
 
-Large writes check free space before writing anything (`usaf.artifacts.safety.check_free_space`) and fail
-early with one line naming the bytes needed and free: `usaf quantize` (the quantized experts, twice while
-the layer files and `experts_q4.pt` coexist, plus the non-expert shards, minus what an interrupted run
-already wrote) and `usaf export --format hf` (every shard at its output dtype). A disk that fills anyway
-(`ENOSPC`) is one error line too, and `quantize` resumes from its partial directory once space is freed.
-Tested in `tests/test_reliability_misc.py` and `tests/test_quantize.py::test_no_space_left`.
+Every stage's writes go through a few places (`ArtifactWriter`, a train checkpoint, quantize's layer
+files and shards, the caches) that answer a disk refusing a write in one line naming `--out` and the
+cause (`usaf.artifacts.disk`): full (`ENOSPC`, a quota's `EDQUOT`, and the forms the libraries raise
+instead, torch.save's `RuntimeError: ... PytorchStreamWriter failed writing file` / `basic_ios::clear`
+and safetensors' `os error 28`), read-only (`EROFS`: it says read-only, not "no space"), or forbidden
+(`EACCES`). The torn file is removed first, so nothing half-written stays; a `train` run keeps its
+previous checkpoints and the same command resumes from the newest, `quantize` resumes from its partial
+directory, and eval's base-pass cache, which only saves time, is skipped with a note. Large writes check
+free space before writing anything and fail early naming the bytes needed and free: `usaf quantize` (the
+quantized experts, twice while the layer files and `experts_q4.pt` coexist, plus the non-expert shards,
+minus what an interrupted run already wrote), `usaf export --format hf` (every shard at its output
+dtype), every train checkpoint (its tensors and optimizer state) and `score --cache`'s prefix states.
+Tested through the CLI at a write of every stage in `tests/test_disk_full.py` and the catalogue's disk
+cases (`tests/test_hostile_disk.py`).
 
 ## Lineage
 

@@ -1,7 +1,8 @@
 """Crash safety: SIGKILL at random moments (and mid-checkpoint-write), rerun, compare with an uninterrupted run.
 
-Three kills per stage here (two random, one placed); the long version (30 per stage) is
-``scripts/crash_harness.py``, whose output is in docs/RELIABILITY.md.
+Three kills per stage here for quantize and train (two random, one placed), one placed for export,
+and a full disk instead of a kill for eval; the long version (30 kills per
+stage) is ``scripts/crash_harness.py``, whose output is in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import shutil
 
 import pytest
 
-from usaf.testing import crash
+from usaf.testing import crash, crash_stages
 
 pytestmark = pytest.mark.slow
 
@@ -81,3 +82,71 @@ def test_negative_control_the_checks_catch_corruption(train_ref, tmp_path):
     raw[-1] ^= 1
     final.write_bytes(bytes(raw))
     assert any("routers" in p for p in stage.compare(copy, reference.path))
+
+
+# -- export and eval, and a full disk instead of a kill ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run(setup, tmp_path_factory):
+    return crash_stages.build_run(setup, tmp_path_factory.mktemp("crash-run"))
+
+
+@pytest.fixture(scope="module")
+def export_ref(setup, run, tmp_path_factory):
+    stage = crash_stages.ExportStage(setup.quantized, run)
+    return stage, crash.run_reference(stage, tmp_path_factory.mktemp("crash-export"))
+
+
+@pytest.fixture(scope="module")
+def eval_ref(setup, run, tmp_path_factory):
+    stage = crash_stages.EvalStage(setup.quantized, run, setup.tokens)
+    return stage, crash.run_reference(stage, tmp_path_factory.mktemp("crash-eval"))
+
+
+def _event_of(reference, kind: str, path_part: str) -> int:
+    return next(n for n, k, path in reference.log if k == kind and path_part in path)
+
+
+def test_export_killed_mid_shard_leaves_nothing_and_the_rerun_is_byte_identical(export_ref, tmp_path):
+    stage, reference = export_ref
+    shard = _event_of(reference, "save_file", "model-00001")
+    trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), "event", kill_at=shard, fraction=0.5)
+    assert trial.killed and trial.torn and trial.visible_after_kill == "nothing"
+    assert not trial.problems and trial.equal_to_reference, trial.problems
+
+
+def test_eval_on_a_full_disk_is_one_line_and_the_rerun_reports_the_same(eval_ref, tmp_path):
+    """disk-full mode at eval's report (OSError ENOSPC): one error line naming --out, nothing torn left, the
+    rerun's numbers equal to the uninterrupted run's. (train's checkpoint and the other stages' writes:
+    tests/test_disk_full.py, in-process; ``scripts/crash_harness.py --disk-full N`` at random writes.)"""
+    stage, reference = eval_ref
+    trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), crash.DISK_FULL,
+                            kill_at=_event_of(reference, "write_text", "report.json"), fraction=0.5)  # fmt: skip
+    assert trial.killed and not trial.problems and trial.equal_to_reference, (trial.event, trial.problems)
+
+
+def test_negative_control_the_export_and_eval_checks_catch_a_difference(export_ref, eval_ref, tmp_path):
+    for stage, reference in (export_ref, eval_ref):
+        copy = shutil.copytree(reference.path, tmp_path / stage.name)
+        assert stage.check_visible(copy)[1] == [] and stage.compare(copy, reference.path) == []
+    shard = next((tmp_path / "export").glob("model-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    assert any("model-" in p for p in export_ref[0].compare(tmp_path / "export", export_ref[1].path))
+    report = tmp_path / "eval" / "report.json"
+    report.write_text(report.read_text().replace('"rows": [', '"rows": [{"bogus": 1},', 1))
+    assert eval_ref[0].compare(tmp_path / "eval", eval_ref[1].path)  # the manifest no longer verifies
+
+
+def test_negative_control_a_full_disk_answered_badly_is_caught(eval_ref, tmp_path):
+    """The disk-full judge flags a traceback, a second error line and a temporary left behind."""
+    stage, _ = eval_ref
+    out = tmp_path / "out"
+    (tmp_path / ".out.usaf-tmp-1-x").mkdir()
+    assert crash._disk_full_answer(stage, out, 2, f"error: --out {out}: no space left on the disk\n") == [
+        "left after the full disk: .out.usaf-tmp-1-x"
+    ]
+    assert crash._disk_full_answer(stage, out, 1, "Traceback (most recent call last):\nRuntimeError: x\n")
+    assert crash._disk_full_answer(stage, out, 2, "error: a\nerror: b\n")

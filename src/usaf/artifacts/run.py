@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from usaf.artifacts.delta import DeltaManifest, read_delta
+from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.loader import load_verified, read_manifest_json
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors, load_torch
@@ -129,32 +130,50 @@ class Checkpoint:
 
 
 def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
-    """Write ``checkpoint`` atomically: into ``<directory>.tmp``, renamed over ``directory`` when complete."""
+    """Write ``checkpoint`` atomically: into ``<directory>.tmp``, renamed over ``directory`` when complete.
+
+    A disk without room for it refuses before anything is written; one that fills anyway leaves no
+    ``.tmp`` behind. Either way the previous checkpoint is untouched, so a rerun resumes from it.
+    """
     # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
     from safetensors.torch import save_file
 
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = {}
     for name, record in checkpoint.deltas.items():
         for part, (ikey, vkey) in _DELTA_KEYS.items():
             pair = getattr(record, part)
             if pair is not None:
                 tensors[f"{name}.{ikey}"], tensors[f"{name}.{vkey}"] = (t.contiguous() for t in pair)
-    save_file(tensors, str(tmp / DELTAS_FILE))
     routers = {n: p.contiguous() for n, p in checkpoint.routers.items()} or {_NO_ROUTERS: torch.zeros(0)}
-    save_file(routers, str(tmp / ROUTERS_FILE))
     extra: dict[str, Any] = {"optimizer": checkpoint.optimizer, "schedule": checkpoint.schedule, "rng": checkpoint.rng}
     for key in ("scores", "scores_by_rank", "loss_scale"):
         if getattr(checkpoint, key) is not None:
             extra[key] = getattr(checkpoint, key)
-    torch.save(extra, tmp / OPTIMIZER_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
+    needed = tensor_bytes([tensors, routers, extra]) + 2**16  # + the headers, the state and the pickle's records
+    check_free_space(directory, needed, flag=None, what="the checkpoint")
+    with removed_on_failure(tmp, needed=needed):
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / DELTAS_FILE))
+        save_file(routers, str(tmp / ROUTERS_FILE))
+        torch.save(extra, tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in ``obj`` (nested dicts, lists, tuples): what writing it costs on disk."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.element_size() * obj.numel())
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def read_checkpoint(

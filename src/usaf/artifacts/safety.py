@@ -10,7 +10,8 @@ naming the file and the problem, never a traceback, and never run code from it:
   anything but tensors and plain containers is refused with a message that says so.
 - :func:`load_safetensors` / :func:`open_safetensors` turn safetensors' header errors (a header that
   lies about offsets, a truncated file) into the same one-line error.
-- :func:`check_free_space` is the check large writes make first, naming the bytes needed.
+- ``check_free_space`` (re-exported from :mod:`usaf.artifacts.disk`, where a refused write is translated)
+  is the check large writes make first, naming the bytes needed.
 """
 
 from __future__ import annotations
@@ -18,14 +19,23 @@ from __future__ import annotations
 import contextlib
 import pickle
 import re
-import shutil
 import struct
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from usaf.artifacts.disk import check_free_space
 from usaf.errors import UsafError
+
+__all__ = [
+    "check_free_space",
+    "contained",
+    "load_safetensors",
+    "load_torch",
+    "open_safetensors",
+    "unsafe_relative_path",
+]
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -156,20 +166,3 @@ def open_safetensors(path: Path, *, device: str = "cpu") -> Iterator[Any]:
             yield f
         except SafetensorError as e:  # a tensor whose offsets the header lies about (callers' bugs pass through)
             raise _safetensors_error(path, e) from None
-
-
-def check_free_space(target: Path, needed: int, *, flag: str = "--out", what: str = "the output") -> None:
-    """Refuse before writing ``needed`` bytes to ``target`` when its disk has less free space.
-
-    ``target`` may not exist yet: the nearest existing parent decides which disk it is on.
-    """
-    probe = Path(target).absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < needed:
-        raise UsafError(
-            f"{flag} {target}: {what} needs {needed:,} bytes (about {needed / 2**30:.2f} GiB) on that disk, "
-            f"which has {free:,} bytes ({free / 2**30:.2f} GiB free); {needed - free:,} bytes needed beyond that",
-            "free some space, or pass another path on a disk with room",
-        )

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import psutil
 
 from usaf._version import __version__
+from usaf.artifacts.disk import raise_disk_error, removed_on_failure
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, Manifest
@@ -68,7 +69,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one step: a kill leaves the old content or the new, never a part."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with tmp.open("w", encoding="utf-8") as f:
+    with removed_on_failure(tmp), tmp.open("w", encoding="utf-8") as f:  # a full disk leaves no torn temporary
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -118,6 +119,7 @@ class ArtifactWriter:
             self.dir = self.target.parent / f".{self.target.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.resumed = False
         self.committed = False
+        self.needed: int | None = None  # bytes the artifact needs, if a preflight knew (a full disk's message)
 
     @staticmethod
     def partial_dir(target: Path) -> Path:
@@ -157,6 +159,7 @@ class ArtifactWriter:
             if self.resumed:  # files a killed run was still writing: never part of the artifact
                 remove_stale_temporaries_inside(self.dir)
         except OSError as e:
+            raise_disk_error(e, self.target, flag=self.flag)  # full, read-only, forbidden: says which
             raise UsafError(
                 f"{self.flag} {self.target}: cannot create it: {e.strerror}", "pick a writable path"
             ) from None
@@ -165,6 +168,8 @@ class ArtifactWriter:
         try:
             if not self.committed and not self.resumable:
                 shutil.rmtree(self.dir, ignore_errors=True)
+            if exc is not None:  # a full or read-only disk while writing or committing: one line naming the output
+                raise_disk_error(exc, self.target, flag=self.flag, needed=self.needed, resumable=self.resumable)
         finally:
             self.lock.release()
 
@@ -230,7 +235,7 @@ def write_manifest(directory: Path, manifest_cls: type[M], files: list[FileRecor
         **fields,
     )
     tmp = directory / (MANIFEST_NAME + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with removed_on_failure(tmp), tmp.open("w", encoding="utf-8") as f:  # a full disk leaves no torn temporary
         f.write(manifest.model_dump_json(indent=2))
         f.write("\n")
         f.flush()

@@ -11,6 +11,7 @@ import json
 import sys
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -40,17 +41,36 @@ def handle_errors(verbose: bool = False) -> Iterator[None]:
     try:
         yield
     except UsafError as e:
-        if verbose:
-            err.print(traceback.format_exc(), markup=False)
-        # Messages hold user text (paths, values like "[doctor]" or ":x:"): never markup or emoji.
-        err.print("[bold red]error:[/bold red] ", end="")
-        err.print(e.message, markup=False, emoji=False, highlight=False)
-        if e.hint:
-            err.print("[yellow]hint:[/yellow] ", end="")
-            err.print(e.hint, markup=False, emoji=False, highlight=False)
+        _print_error(e, verbose)
+        raise typer.Exit(UsafError.exit_code) from None
+    except OSError as e:
+        translated = _stray_disk_error(e)
+        if translated is None:
+            raise
+        _print_error(translated, verbose)
         raise typer.Exit(UsafError.exit_code) from None
     except KeyboardInterrupt as e:
         name = getattr(e, "name", "SIGINT")
         what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
         err.print(f"[yellow]{what}[/yellow]: nothing half-written was left behind")
         raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None
+
+
+def _print_error(e: UsafError, verbose: bool) -> None:
+    if verbose:
+        err.print(traceback.format_exc(), markup=False)
+    # Messages hold user text (paths, values like "[doctor]" or ":x:"): never markup or emoji.
+    err.print("[bold red]error:[/bold red] ", end="")
+    err.print(e.message, markup=False, emoji=False, highlight=False)
+    if e.hint:
+        err.print("[yellow]hint:[/yellow] ", end="")
+        err.print(e.hint, markup=False, emoji=False, highlight=False)
+
+
+def _stray_disk_error(e: OSError) -> UsafError | None:
+    """Last resort for a full or read-only disk at a write no stage guards (the write sites are the first
+    place, naming the flag): the path the OS names, or the working directory when it names none."""
+    # lazy: usaf --help imports every cli module; the disk translation is needed only when a command failed
+    from usaf.artifacts.disk import disk_error
+
+    return disk_error(e, Path(e.filename) if e.filename else Path.cwd(), flag=None)

@@ -32,10 +32,10 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.delta import DELTA_FILE, DeltaSummary, DeltaTensorRecord, write_delta_files
+from usaf.artifacts.disk import check_free_space
 from usaf.artifacts.hf_export import HfExportSummary
 from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.run import TrainedChange
-from usaf.artifacts.safety import check_free_space
 from usaf.backends import resolve_backend
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
@@ -166,7 +166,8 @@ def _export_hf(
     backend = resolve_backend(config.device or "cpu")  # "auto" picks a GPU, where fp32 models rarely fit
     shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
     # before any shard is written: the whole model at its output dtype, plus a little for config and tokenizer
-    check_free_space(writer.target, sum(u.nbytes for u in source.units) + 2**20, what="the exported model")
+    writer.needed = sum(u.nbytes for u in source.units) + 2**20  # also named if the disk fills anyway
+    check_free_space(writer.target, writer.needed, what="the exported model")
     with writer as art:
         records = write_shards(source, shards, art.dir, progress)
         counts = source.counts

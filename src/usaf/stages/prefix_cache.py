@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from usaf.artifacts import prefix_store
+from usaf.artifacts.disk import check_free_space
 from usaf.data.batches import collate
 from usaf.data.tokens import iter_token_file
 from usaf.stages.progress import Progress
@@ -30,7 +31,8 @@ def write_store(
     progress: Progress,
 ) -> dict[str, int]:
     """Compute the prefix state of every sequence of ``data_file`` (batched) into ``out_dir``'s store."""
-    total = sum(1 for _ in iter_token_file(data_file, vocab_size=vocab_size))
+    lengths = [len(line.input_ids) for line in iter_token_file(data_file, vocab_size=vocab_size)]
+    total = len(lengths)
     device = next(engine.model.parameters()).device
 
     def states():
@@ -48,7 +50,16 @@ def write_store(
         progress.finish()
 
     meta = {"model_fingerprint": model_fingerprint, "start": engine.prefix.start}
-    return prefix_store.write_store(out_dir, states(), meta=meta)
+    return prefix_store.write_store(out_dir, _room_checked(states(), out_dir, sum(lengths)), meta=meta)
+
+
+def _room_checked(items, out_dir: Path, tokens: int):
+    """The states, refused before the first is written when the store (tokens x H x element size) cannot fit."""
+    for n, (key, state) in enumerate(items):  # state: (t, H)
+        if n == 0:
+            needed = tokens * state.shape[-1] * state.element_size()
+            check_free_space(out_dir, needed, flag=None, what="the prefix states of --cache")
+        yield key, state
 
 
 def _batch_states(engine, lines, pad_id: int, device: torch.device, model_fingerprint: str):

@@ -10,7 +10,6 @@ run leaves ``.NAME.usaf-partial`` and the same command resumes from it.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
+from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import found_at
@@ -31,7 +31,6 @@ from usaf.artifacts.quantized import (
     QuantSettingsRecord,
     TensorQuantRecord,
 )
-from usaf.artifacts.safety import check_free_space
 from usaf.artifacts.writer import write_text_atomic
 from usaf.backends import resolve_backend
 from usaf.backends.transfer import is_host
@@ -113,7 +112,8 @@ def _estimate_note(layer_tensor: torch.Tensor, config: QuantizeConfig, device: t
 
 def _save_layer(path: Path, entries: dict[str, QuantizedTensor], errors: dict[str, float]) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors}, tmp)
+    with removed_on_failure(tmp):  # a full disk leaves no torn layer file
+        torch.save({"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors}, tmp)
     os.replace(tmp, path)
 
 
@@ -168,7 +168,6 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         experts_source_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
         shards = base_shard_plan(plan, infos)
         base_bytes = sum(infos[n].nbytes for shard in shards for n in shard.disk_names)
-        # Layer files and the assembled experts_q4.pt coexist briefly; 4-bit codes + fp16 scales < 0.4 x bf16.
         partial = ArtifactWriter.partial_dir(out)
         if partial.is_dir():
             recorded = _partial_settings(partial)
@@ -186,35 +185,27 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         needed = int(experts_source_bytes * (config.nbits / 16 + 0.1) * 2 + base_bytes)
         check_free_space(out, max(needed - done, 0), what="the quantized model")
 
-        try:
-            with writer as art:
-                if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
-                    art.commit_foreign()  # killed after its manifest was written: only the rename was missing
-                    return complete, art.target
-                write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps(settings))
-                if art.resumed:
-                    progress.note(f"resuming the interrupted run in {art.dir}")
-                records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
-                write_base_shards(shards, model_dir, infos, art.dir, progress)
-                _assemble_experts(plan, art.dir, progress)
-                copy_model_files(model_dir, art.dir)
-                summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
-                manifest = art.commit(
-                    QuantizedModelManifest,
-                    exclude=(PARTIAL_SETTINGS,),
-                    inputs=[
-                        InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)
-                    ],
-                    config=config.model_dump(mode="json"),
-                    environment=current_environment(**_env(backend)),
-                    summary=summary,
-                )
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise UsafError(
-                    f"--out {out}: no space left on the disk", "free some space and rerun to resume"
-                ) from None
-            raise
+        with writer as art:
+            art.needed = max(needed - done, 0)  # named if the disk fills anyway
+            if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
+                art.commit_foreign()  # killed after its manifest was written: only the rename was missing
+                return complete, art.target
+            write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps(settings))
+            if art.resumed:
+                progress.note(f"resuming the interrupted run in {art.dir}")
+            records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
+            write_base_shards(shards, model_dir, infos, art.dir, progress)
+            _assemble_experts(plan, art.dir, progress)
+            copy_model_files(model_dir, art.dir)
+            summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
+            manifest = art.commit(
+                QuantizedModelManifest,
+                exclude=(PARTIAL_SETTINGS,),
+                inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
+                config=config.model_dump(mode="json"),
+                environment=current_environment(**_env(backend)),
+                summary=summary,
+            )
         return manifest, art.target
 
 

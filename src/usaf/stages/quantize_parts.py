@@ -13,6 +13,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from usaf.artifacts.disk import removed_on_failure
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.quantized import BASE_INDEX_FILE, ShardRecord, SourceModelRecord
 from usaf.families import TensorInfo, load_tensors
@@ -107,11 +108,13 @@ def write_base_shards(
         if not path.is_file():
             tensors = load_tensors(model_dir, shard.disk_names, infos)
             tmp = path.with_suffix(".tmp")
-            save_file({renamed[n]: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+            with removed_on_failure(tmp):  # no torn shard left on a full disk
+                save_file({renamed[n]: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, path)
             del tensors
         progress.advance(sum(infos[n].nbytes for n in shard.disk_names))
-    (work / BASE_INDEX_FILE).write_text(json.dumps({"weight_map": dict(sorted(weight_map.items()))}, indent=1))
+    with removed_on_failure(work / BASE_INDEX_FILE):  # rewritten by every run: a torn one is only removed
+        (work / BASE_INDEX_FILE).write_text(json.dumps({"weight_map": dict(sorted(weight_map.items()))}, indent=1))
     progress.finish()
 
 

@@ -42,6 +42,8 @@ from usaf.stages.train.resume import latest_checkpoint
 from usaf.testing import build_tiny_model
 
 STEP_DIR = re.compile(r"checkpoints/step-(\d+)$")
+DISK_FULL = "disk-full"
+WRITE_KINDS = ("save_file", "torch.save", "write_text", "ptfile.add")  # where a disk can fill (disk-full mode)
 LAYER_TMP = re.compile(r"layers/(layer-\d+)\.tmp$")
 
 
@@ -79,7 +81,7 @@ def _events(path: Path) -> list[tuple[int, str, str]]:
     return out
 
 
-def _child(events: Path, kill_at: int, fraction: float, args: list[str]) -> list[str]:
+def _child(events: Path, kill_at: int | str, fraction: float, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "usaf.testing.crash_child", str(events), str(kill_at), str(fraction), "--", *args]
 
 
@@ -279,16 +281,22 @@ def run_trial(
     kill_at: int | None = None,
     fraction: float | None = None,
 ) -> Trial:
-    """One killed run and its rerun; ``kill_at``/``fraction`` pick the event instead of ``rng`` (event mode)."""
+    """One killed run and its rerun; ``kill_at``/``fraction`` pick the event instead of ``rng`` (event mode).
+
+    ``mode``: ``event`` (SIGKILL at a write event), ``time`` (SIGKILL after a delay) or ``disk-full`` (the
+    disk fills at a random file write: the run must answer in one error line, leave nothing torn, and
+    the same command, rerun, must finish as the uninterrupted run did).
+    """
     out = root / f"{stage.name}-{number:03d}"
     events = root / f"{stage.name}-{number:03d}.events"
     trial = Trial(stage.name, mode)
-    if mode == "event":
-        trial.kill_at = kill_at if kill_at is not None else rng.randint(1, reference.events)
+    if mode in ("event", DISK_FULL):
+        writes = [n for n, kind, _ in reference.log if kind in WRITE_KINDS]
+        default = rng.choice(writes) if mode == DISK_FULL else rng.randint(1, reference.events)
+        trial.kill_at = kill_at if kill_at is not None else default
         trial.fraction = fraction if fraction is not None else round(rng.random(), 3)
-        proc = subprocess.run(
-            _child(events, trial.kill_at, trial.fraction, stage.args(out)), capture_output=True, timeout=600
-        )
+        spec = f"{trial.kill_at}:enospc" if mode == DISK_FULL else trial.kill_at
+        proc = subprocess.run(_child(events, spec, trial.fraction, stage.args(out)), capture_output=True, timeout=600)
         returncode = proc.returncode
     else:
         # the delay runs from the process's own first write (imports and model loading take a varying time
@@ -304,11 +312,15 @@ def run_trial(
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGKILL)
         returncode = child.wait()
-    trial.killed = returncode == -signal.SIGKILL
     before = _events(events)
-    kill_line = [e for e in before if e[1] == "KILL"]
+    kill_line = [e for e in before if e[1] in ("KILL", "FAULT")]
+    if mode == DISK_FULL:
+        trial.killed = bool(kill_line)  # the fault landed (the run then answers it, or goes on without it)
+        trial.problems += _disk_full_answer(stage, out, returncode, proc.stderr.decode())
+    else:
+        trial.killed = returncode == -signal.SIGKILL
     if kill_line:
-        trial.event = next(f"{kind} {path}" for n, kind, path in before if n == kill_line[0][0] and kind != "KILL")
+        trial.event = " ".join(_landed_on(before, kill_line))
     elif before:
         trial.event = f"after {before[-1][1]} {before[-1][2]}"
     trial.event = trial.event.replace(str(root) + "/", "")
@@ -316,9 +328,14 @@ def run_trial(
         if returncode != 0:
             trial.problems.append(f"the run ended with status {returncode}, not by the kill")
         return trial  # finished before the kill: nothing to test here
+    if mode == DISK_FULL and returncode == 0:  # an optional write (eval's base cache): the run went on
+        trial.visible_after_kill = "finished without the optional write"
+        trial.problems += stage.compare(out, reference.path)
+        trial.equal_to_reference = not trial.problems
+        return trial
     trial.torn = _torn(before, kill_line, trial)
     if trial.torn:
-        torn_path = Path(next(path for n, kind, path in before if n == kill_line[0][0] and kind != "KILL"))
+        torn_path = Path(_landed_on(before, kill_line)[1])
         trial.torn_bytes = torn_path.stat().st_size if torn_path.is_file() else -1
     trial.visible_after_kill, problems = stage.check_visible(out)
     trial.problems += problems
@@ -326,7 +343,7 @@ def run_trial(
         trial.last_checkpoint = _latest_checkpoint(out)
         completed = [int(m.group(1)) for n, kind, path in before if kind == "replace" and (m := STEP_DIR.search(path))
                      and not (kill_line and n == kill_line[0][0])]  # fmt: skip
-        if mode == "event" and (max(completed) if completed else None) != trial.last_checkpoint:
+        if mode != "time" and (max(completed) if completed else None) != trial.last_checkpoint:
             trial.problems.append(
                 f"checkpoints completed before the kill {completed}, newest on disk {trial.last_checkpoint}"
             )
@@ -349,24 +366,56 @@ def run_trial(
     return trial
 
 
+def _disk_full_answer(stage: Stage, out: Path, returncode: int, stderr: str) -> list[str]:
+    """A full disk's answer: one error line naming the output and the cause, exit 2, no temporaries left."""
+    if returncode == 0:
+        return []  # judged by comparing the finished output (an optional write was skipped)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    problems = [] if returncode == 2 else [f"exit status {returncode}, not 2: {stderr[-400:]}"]
+    if len(errors) != 1 or "Traceback" in stderr:
+        problems.append(f"{len(errors)} error lines{' and a traceback' if 'Traceback' in stderr else ''}")
+    elif str(out) not in errors[0] or "no space left on the disk" not in errors[0]:
+        problems.append(f"the error line does not name the output and the cause: {errors[0]}")
+    return problems + [f"left after the full disk: {name}" for name in _temporaries_of(out)]
+
+
+def _temporaries_of(out: Path) -> list[str]:
+    """Temporary siblings of ``out``, and temporaries inside it or its resumable partial directory."""
+    names = [p.name for p in out.parent.glob(f".{out.name}.usaf-*") if not p.name.endswith(".usaf-partial")]
+    for directory in (out, out.parent / f".{out.name}.usaf-partial"):
+        if directory.is_dir():
+            names += [str(p.relative_to(out.parent)) for p in directory.rglob("*")
+                      if p.name.endswith(".tmp") or ".usaf-tmp-" in p.name]  # fmt: skip
+    return sorted(names)
+
+
+def _landed_on(before: list, kill_line: list) -> tuple[str, str]:
+    """(kind, path) of the write event the kill or the fault landed on."""
+    return next((kind, path) for n, kind, path in before if n == kill_line[0][0] and kind not in ("KILL", "FAULT"))
+
+
 def _torn(before: list, kill_line: list, trial: Trial) -> bool:
     """Whether the kill left a file partly written (event mode: a write event cut short)."""
     if not kill_line or trial.mode != "event":
         return False
-    kind = next(k for n, k, _ in before if n == kill_line[0][0] and k != "KILL")
+    kind = _landed_on(before, kill_line)[0]
     if kind == "ptfile.add":  # the streaming writer's temporary holds the layers added so far
         return True
     return kind in ("save_file", "torch.save", "write_text") and 0 < trial.fraction < 1
 
 
-def run_stage(stage: Stage, root: Path, *, kills: int, seed: int, time_share: float = 1 / 3) -> dict:
-    """The reference run plus ``kills`` trials; returns a JSON-able record."""
+def run_stage(
+    stage: Stage, root: Path, *, kills: int, seed: int, time_share: float = 1 / 3, disk_full: int = 0
+) -> dict:
+    """The reference run plus ``kills`` killed trials and ``disk_full`` full-disk trials; a JSON-able record."""
     rng = random.Random(seed)
     reference = run_reference(stage, root)
     trials = []
     for number in range(kills):
         mode = "time" if rng.random() < time_share else "event"
         trials.append(run_trial(stage, reference, root, number, rng, mode))
+    for number in range(kills, kills + disk_full):
+        trials.append(run_trial(stage, reference, root, number, rng, DISK_FULL))
     return {
         "stage": stage.name,
         "seed": seed,

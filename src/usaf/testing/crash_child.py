@@ -1,6 +1,7 @@
 """Run ``usaf`` with its file writes numbered, and SIGKILL itself at one of them: a crash at a chosen moment.
 
     python -m usaf.testing.crash_child EVENTS KILL_AT FRACTION -- quantize MODEL --out OUT ...
+    python -m usaf.testing.crash_child EVENTS KILL_AT:enospc FRACTION -- ...    (a full disk instead of a kill)
 
 Every write-side operation usaf's stages use (``safetensors.torch.save_file``, ``torch.save``,
 ``Path.write_text``, ``os.replace``, ``shutil.rmtree``, the streaming ``experts_q4.pt`` writer) is
@@ -11,6 +12,11 @@ that moment would and sends itself SIGKILL:
 - a file write is done, then cut to ``FRACTION`` of its bytes (a writer killed mid-file leaves a prefix);
 - a rename or a tree removal is not done (``rmtree`` removes ``FRACTION`` of the files first);
 - the streaming writer's ``add`` is done (its temporary holds that many layers), ``close`` is not.
+
+With ``KILL_AT:enospc`` the event is a full disk instead: a file write leaves its torn prefix (as above)
+and raises what the writer raises on a full disk (safetensors' ``os error 28``, torch.save's
+``RuntimeError``, ``OSError(ENOSPC)`` for the others: ``usaf.testing.faults``); the process goes on to
+answer it (one error line, exit 2, or a note where the write was optional). The log marks it ``FAULT``.
 
 Nothing here changes what usaf writes when no kill is due: the hooks call the real functions.
 Used by :mod:`usaf.testing.crash` (``scripts/crash_harness.py``, ``tests/test_crash_safety.py``).
@@ -28,6 +34,7 @@ import safetensors.torch
 import torch
 
 from usaf.quant import ptfile
+from usaf.testing.faults import make_error
 
 
 def _truncate(path: object, fraction: float) -> None:
@@ -37,18 +44,26 @@ def _truncate(path: object, fraction: float) -> None:
         os.truncate(path, int(size * fraction))
 
 
-def install(events_path: str, kill_at: int, fraction: float) -> None:
+# the form a full disk takes at each kind of write (what that writer raises)
+_DISK_FULL_FORM = {"save_file": "safetensors", "torch.save": "torch"}
+
+
+def install(events_path: str, kill_at: int, fraction: float, *, disk_full: bool = False) -> None:
     log = open(events_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open until the process ends)
     count = 0
 
     def event(kind: str, path: object, partial=None) -> bool:
-        """Log the event; at KILL_AT run ``partial`` (the torn state) and die. True: do the real thing."""
+        """Log the event; at KILL_AT run ``partial`` (the torn state) and die, or raise a full disk's error
+        (``disk_full``). True: do the real thing."""
         nonlocal count
         count += 1
         log.write(f"{count}\t{kind}\t{path}\n")
         if count == kill_at:
             if partial is not None:
                 partial()
+            if disk_full:
+                log.write(f"{count}\tFAULT\t{path}\n")
+                raise make_error(_DISK_FULL_FORM.get(kind, "enospc"), path)
             log.write(f"{count}\tKILL\t{path}\n")
             log.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -129,8 +144,9 @@ def install(events_path: str, kill_at: int, fraction: float) -> None:
 def main() -> None:
     events, kill_at, fraction, sep, *args = sys.argv[1:]
     if sep != "--":
-        raise SystemExit("usage: python -m usaf.testing.crash_child EVENTS KILL_AT FRACTION -- USAF_ARGS...")
-    install(events, int(kill_at), float(fraction))
+        raise SystemExit("usage: python -m usaf.testing.crash_child EVENTS KILL_AT[:enospc] FRACTION -- USAF_ARGS...")
+    at, _, mode = kill_at.partition(":")
+    install(events, int(at), float(fraction), disk_full=mode == "enospc")
     # lazy: after install() has patched the writers (modules bind save_file when imported)
     from usaf.cli.app import app
 

@@ -16,6 +16,7 @@ the results as JSON for docs/RELIABILITY.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -83,6 +84,8 @@ class Case:
     note: str = ""  # why a may_pass case is accepted
     after: Callable[[Path], list[str]] | None = None  # more checks of what the command left (the case directory)
     env: dict[str, str] | None = None  # environment variables set for the command (USAF_*), restored after
+    # the environment the command runs in, when the input is not a file (a disk that refuses a write)
+    during: Callable[[Path], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass
@@ -643,7 +646,8 @@ def base_cases() -> list[Case]:
 
 
 # Catalogues of their own, each a module with READERS and cases() and a test file running them.
-CATALOGUES = ("hostile_outputs", "hostile_artifacts", "hostile_settings", "hostile_data", "hostile_exporteval")
+CATALOGUES = ("hostile_outputs", "hostile_artifacts", "hostile_settings", "hostile_data", "hostile_exporteval",
+              "hostile_disk")  # fmt: skip
 
 
 def catalogues() -> list[Any]:
@@ -673,7 +677,8 @@ def run_case(bench: Bench, case: Case, case_dir: Path) -> Outcome:
     """Write the case's input, run its command in-process, and judge the answer."""
     case_dir.mkdir(parents=True, exist_ok=True)
     args = case.build(bench, case_dir)
-    result = CliRunner().invoke(app, args, env=case.env)
+    with case.during(case_dir) if case.during is not None else contextlib.nullcontext():
+        result = CliRunner().invoke(app, args, env=case.env)
     stderr = result.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     message = errors[0].removeprefix("error: ") if errors else ""

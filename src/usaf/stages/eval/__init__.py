@@ -28,6 +28,7 @@ from usaf.artifacts import (
     InputRecord,
     current_environment,
     default_output,
+    disk,
     workspace_dir,
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
@@ -138,8 +139,7 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         if streamer is not None:
             streamer.close()  # the fine-tuned pass's engine streams its own frozen layers
         if entry is not None:
-            cache.save(entry, key, key_parts, base)
-            progress.note(f"base pass: computed and cached in {entry}")
+            _cache_base(entry, key, key_parts, base, progress)
     tuned, logit_change = None, None
     if change is not None:
         tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement, base, prefix)
@@ -259,6 +259,19 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
                          around=lambda i: engine.injected(prefix[i].to(backend.device)))  # fmt: skip
     tuned.routing = {layer: base.routing[layer] if layer < first else tuned.routing[layer] for layer in loaded.experts}
     return tuned, moved
+
+
+def _cache_base(entry: Path, key: str, key_parts: dict, base: Any, progress: Progress) -> None:
+    """Keep the base pass for the next eval; a disk without room for it only costs that reuse."""
+    try:
+        cache.save(entry, key, key_parts, base)
+    except Exception as e:
+        cause = disk.cause_of(e)
+        if cause is None:
+            raise
+        progress.note(f"base pass: not cached in {entry} ({cause}); the next eval computes it again")
+        return
+    progress.note(f"base pass: computed and cached in {entry}")
 
 
 # -- the report -------------------------------------------------------------------------------------------

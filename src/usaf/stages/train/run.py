@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import InputRecord, RunManifest, current_environment, load_verified
+from usaf.artifacts.disk import guarded_write
 from usaf.artifacts.plan import check_masks_fit, check_plan_layers, read_masks
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
@@ -31,11 +32,18 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
-    with resolved_inputs(config, backend, world, progress) as inputs:  # --out stays locked until the run ends
+    # --out stays locked until the run ends; a full or read-only disk at any write of the run (settings, metrics,
+    # a checkpoint, the manifest) is one line naming it, the checkpoints already written stay, and the same
+    # command resumes from the newest
+    with (
+        resolved_inputs(config, backend, world, progress) as inputs,
+        guarded_write(inputs.run_dir, flag="--out", resumable=True),
+    ):
         return _train(inputs, backend, world, progress, start)
 
 
 def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: float) -> tuple[RunManifest, Path]:
+    """Build the engine, train from the step the inputs resume at, and finish the run."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     import torch
 
@@ -45,7 +53,6 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     from usaf.stages.train.trainer import Trainer
 
     config, run_dir = inputs.config, inputs.run_dir
-
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
     engine = _engine(inputs, backend, compute, progress)
     prefix = _prefix(engine, inputs, world, progress)  # its store is checked before the run directory is made

@@ -1,0 +1,98 @@
+"""The crash harness's ``usaf export`` and ``usaf eval`` stages (see :mod:`usaf.testing.crash`).
+
+Both write one artifact through :class:`~usaf.artifacts.writer.ArtifactWriter` (a temporary sibling
+renamed into place), so after a kill a consumer sees nothing or a complete artifact, and the rerun of
+the same command starts over. ``export``'s rerun must be byte-identical to the uninterrupted run;
+``eval``'s must report the same numbers (its report also holds wall-clock times and the cache's path,
+and its base pass may come from the base-pass cache the killed run completed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from usaf.artifacts import EvalReportManifest, HfExportManifest, load_manifest
+from usaf.cli.app import app
+from usaf.testing.crash import Setup, Stage, _same_files, _verified
+
+
+def build_run(setup: Setup, root: Path, *, steps: int = 4) -> Path:
+    """A short train run on the setup's inputs (in-process): the change export and eval read."""
+    run = root / "run"
+    result = CliRunner().invoke(
+        app,
+        ["train", "--model", str(setup.quantized), "--data", str(setup.tokens), "--plan", str(setup.plan),
+         "--out", str(run), "--steps", str(steps), "--save-every", str(steps), "--seed", "3"],
+    )  # fmt: skip
+    if result.exit_code != 0:
+        raise RuntimeError(result.output)
+    return run
+
+
+class ExportStage(Stage):
+    """``usaf export --format hf``: the run's change merged into a Hugging Face directory, verified by a reload."""
+
+    name = "export"
+
+    def __init__(self, quantized: Path, run: Path) -> None:
+        self.quantized, self.run = quantized, run
+
+    def args(self, out: Path) -> list[str]:
+        return ["export", "--model", str(self.quantized), "--checkpoint", str(self.run), "--out", str(out)]
+
+    def check_visible(self, out: Path) -> tuple[str, list[str]]:
+        if not out.exists():
+            return "nothing", []
+        return "a complete export", _verified(out, HfExportManifest)
+
+    def compare(self, out: Path, reference: Path) -> list[str]:
+        problems = _verified(out, HfExportManifest)
+        if problems:
+            return problems
+        mine, ref = load_manifest(out, HfExportManifest), load_manifest(reference, HfExportManifest)
+        if [f.path for f in mine.files] != [f.path for f in ref.files]:
+            problems.append(f"other files than the uninterrupted run: {[f.path for f in mine.files]}")
+        problems += _same_files(out, reference, [f.path for f in ref.files])
+        if mine.fingerprint != ref.fingerprint:
+            problems.append("fingerprint differs from the uninterrupted run")
+        return problems
+
+
+# the report's fields that are results (not wall-clock times, paths, or whether the cache served)
+_EVAL_RESULTS = ("model_fingerprint", "checkpoint_fingerprint", "data_fingerprint", "base_cache_key",
+                 "max_logit_change", "rows", "routing", "trainable_layers")  # fmt: skip
+
+
+class EvalStage(Stage):
+    """``usaf eval``: base vs fine-tuned perplexity per source, with its base-pass cache in its own workspace."""
+
+    name = "eval"
+
+    def __init__(self, quantized: Path, run: Path, tokens: Path) -> None:
+        self.quantized, self.run, self.tokens = quantized, run, tokens
+
+    def args(self, out: Path) -> list[str]:
+        # a workspace per output: a killed run's cache entry is what its rerun finds (or does not); no plots
+        # (matplotlib's import is a third of the run, and its PNGs go through the same ArtifactWriter)
+        return ["eval", "--model", str(self.quantized), "--checkpoint", str(self.run), "--data", str(self.tokens),
+                "--out", str(out), "--workspace", str(out.with_name(out.name + "-ws")), "--no-plots",
+                "--bootstrap", "200"]  # fmt: skip
+
+    def check_visible(self, out: Path) -> tuple[str, list[str]]:
+        if not out.exists():
+            return "nothing", []
+        return "a complete report", _verified(out, EvalReportManifest)
+
+    def compare(self, out: Path, reference: Path) -> list[str]:
+        problems = _verified(out, EvalReportManifest)
+        if problems:
+            return problems
+        mine, ref = _report(out), _report(reference)
+        return [f"report {key}: differs from the uninterrupted run" for key in _EVAL_RESULTS if mine[key] != ref[key]]
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text(encoding="utf-8"))
