@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 
+from usaf.artifacts.disk import raise_disk_error
 from usaf.errors import UsafError
 
 LOCK_TAG = ".usaf-lock"
@@ -92,6 +93,7 @@ class OutputLock:
             while not self._acquire_once():
                 pass
         except OSError as e:
+            raise_disk_error(e, self.target, flag=self.flag)  # read-only, full, forbidden: the usual one line
             raise UsafError(
                 f"{self.flag} {self.target}: cannot create its lock file {self.path.name}: {e.strerror}",
                 "pick a writable path",
