@@ -34,7 +34,8 @@ def hostile_section(data: dict) -> list[str]:
         "",
         f"Reproduce: `{data['command']}` ({data['seconds']} s). Each case is one distinct malformed input, "
         "written by `usaf.testing.hostile`, read by the real command (`usaf score`, `tokenize`, `quantize`, "
-        "`inspect --verify`) in-process; a *full or read-only disk* case is a disk that refuses one write of a "
+        "`inspect --verify`, and for the other catalogues every command that reads or writes what they break) "
+        "in-process; a *full or read-only disk* case is a disk that refuses one write of a "
         "stage (`usaf.testing.hostile_disk`, every writing command). A case passes when the command exits 2 "
         "with exactly one `error:` line naming the file (the output and the cause, for the disk cases), or "
         "finishes normally where the input is odd but valid, leaves no output directory and no temporaries, "
@@ -71,6 +72,58 @@ def hostile_section(data: dict) -> list[str]:
         lines += [f"- {c['reader']}, *{c['case']}*: {c.get('note') or 'valid input'}" for c in accepted]
         lines.append("")
     return lines
+
+
+CATALOGUES = """## Checked by the catalogues, reader by reader
+
+Settings values and checkpoints (`usaf.testing.hostile_settings`, `tests/test_hostile_settings.py`): every
+float setting of `usaf train` as `inf` and `nan` (and a few of `score`, `plan`, `tokenize`, `generate`,
+`export`), from a flag, a `USAF_*` or legacy variable and a `--config` table, is refused naming where it was
+set; so are unknown tables and keys. A finished run's checkpoint tampered with (NaN/Inf in a delta or a
+router, a router of another shape, a `step-N` directory renamed `step-99999`/`step--1`/`step-abc`, a
+`state.json` step beyond the run, negative or not a number, an `optimizer.pt` replaced by random bytes, a
+pickle that runs code, another structure or moments of another size) is refused by `eval`, `export`,
+`generate` and `train` resuming, naming the file: a run's checkpoints are read through one reader
+(`artifacts/run.read_checkpoint`) and resumed through one check (`stages/train/resume.restore`).
+
+### Outputs: never an input, never a user's directory, one writer
+
+Every command that writes (`tokenize`, `quantize`, `score`, `train`, `eval`, `export`, `tiny-model`) refuses an
+`--out` that is, contains or lies inside one of its inputs (links resolved), refuses to replace anything usaf
+did not make whatever `--overwrite`/`--force` says (a directory without a usaf manifest, a file, a symbolic
+link, a dangling link), and refuses an output another usaf process is writing, naming its PID (an OS lock on
+`.NAME.usaf-lock`, released on any exit, a SIGKILL included). The hostile-input catalogue has these as its
+"output paths" readers, each case checking afterwards that the inputs and the user's files are byte for byte
+as they were and that a link is still a link; `tests/test_outputs.py` adds a second real process holding the
+lock, a killed holder's stale lock taken over, the PID-file fallback without OS locks, `--overwrite` of usaf's
+own artifacts and runs (negative controls), and `eval`/`export` of a run whose trainer holds its lock.
+
+### Tampered and inconsistent artifacts
+
+An artifact edited and then re-signed (sizes, sha256 and fingerprint rewritten to match, as an attacker or a
+broken tool would) passes every hash check, so each reader checks the contents against the manifest's
+summary and against the model: a plan's masks (range, sign, order, duplicates, dtype, rank, count and
+per-expert split per tensor, one mask per listed tensor, every trainable tensor of the planned layers
+covered, shapes equal to the model's), its summary's own counts, its prefix store (truncated or padded
+states, a broken index, totals, dtype, first layer and hidden size), a quantized model's base tensors (names
+and shapes, routers included), `source_dtype`, `config.json` against the recorded `model_type` and MoE
+layers, and a manifest that leaves out a file its kind always holds. Each is one `error:` line naming the
+file, exit 2, no run directory. `pytest tests/test_hostile_artifacts.py tests/test_artifact_checks.py`
+(catalogue: `usaf.testing.hostile_artifacts`).
+
+### Token data
+
+Every reader of tokens (`score`, `train --data`/`--eval-data`, `eval`, the prefix cache) goes through one
+reader, `usaf.data.tokens.iter_token_file`, so the limits are the same in every stage and are checked at
+load, before a model is built or a run directory touched (`train --overwrite` deletes nothing for bad
+data): ids in the vocabulary, labels `-100` or in it (`usaf tokenize` checks pre-tokenized lines the same
+way instead of writing them), every line within the model's context. A file with no position to score
+(labels all -100, 1-token sequences) is refused by name — training would run at loss 0, eval would print
+an empty table — but the decision is per file: lines without targets among others are read. A directory
+of symbolic links is tokenized through them, each real directory once (loops and duplicate links
+included). Cases: `tests/test_hostile_data.py` (`usaf.testing.hostile_data`), decisions and negative
+controls: `tests/test_data_checks.py`.
+"""
 
 
 def _short(message: str) -> str:
@@ -236,10 +289,14 @@ cases (`tests/test_hostile_disk.py`).
 Every consumer refuses an artifact made for another model, tokenizer or layer set, naming both fingerprints
 and writing nothing: `score`/`train`/`eval --data` tokenized with another tokenizer, `train --plan` scored
 on another quantized model, `eval`/`export`/`generate --checkpoint` trained on another quantized model
-(another layer set has another fingerprint). `pytest tests/test_lineage.py`.
+(another layer set has another fingerprint). `pytest tests/test_lineage.py`. A change is also checked against
+the model's own tensors before anything is written (`eval`, `export`, `generate` alike): its layers, delta
+tensors and indices, and each router (a router of a layer it trains, of the model's shape; a forged one was a
+traceback). `pytest tests/test_hostile_exporteval.py`.
 
 `usaf inspect DIR --verify` re-hashes every file the manifest lists and exits 2 naming each missing,
-truncated or modified one (files not listed, such as a run's metrics and checkpoints, are named as a note).
+truncated or modified one (files not listed, such as a run's metrics and checkpoints, are named as a note),
+and a manifest whose fingerprint no longer matches the files it lists.
 Consumers check presence and size only at every load (hashing a 15 GB `experts_q4.pt` each time would
 cost minutes); the hostile-input table shows both answers for the same modified file.
 
@@ -270,7 +327,7 @@ def main() -> None:
     args = parser.parse_args()
     fuzz = json.loads(args.fuzz.read_text(encoding="utf-8"))
     crash = json.loads(args.crash.read_text(encoding="utf-8"))
-    lines = [HEADER, *hostile_section(fuzz), *unsafe_section(fuzz), *crash_section(crash), STATIC]
+    lines = [HEADER, *hostile_section(fuzz), CATALOGUES, *unsafe_section(fuzz), *crash_section(crash), STATIC]
     args.out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"written {args.out}")
 
