@@ -320,14 +320,20 @@ def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
             expect=("--base", "--format hf"))  # fmt: skip
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--device", "cpu",
             expect=("--device", "--format hf"))  # fmt: skip
-    # an existing --out is refused (and left as it was) unless --overwrite
+    # a directory of the user's at --out is refused (and left as it was) with or without --overwrite ...
     out.mkdir()
     (out / "keep.txt").write_text("mine")
+    for flags in ([], ["--overwrite"]):
+        result = invoke("export", "--model", qdir, "--checkpoint", run, "--out", out, "--no-verify", *flags)
+        assert result.exit_code == 2 and "a directory usaf did not make" in result.output, result.output
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # ... while an export of usaf's own is replaced only with --overwrite
+    (out / "keep.txt").unlink()
+    export("--model", qdir, "--checkpoint", run, "--out", out, "--no-verify")
     result = invoke("export", "--model", qdir, "--checkpoint", run, "--out", out, "--no-verify")
-    assert result.exit_code == 2 and "--out" in result.output and "--overwrite" in result.output
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert result.exit_code == 2 and "already exists there" in result.output and "--overwrite" in result.output
     export("--model", qdir, "--checkpoint", run, "--out", out, "--no-verify", "--overwrite")
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+    assert (out / "manifest.json").is_file()
 
 
 def test_workspace_defaults_pick_the_model_of_the_change(trained, tmp_path):
