@@ -124,6 +124,21 @@ def _same_files(a: Path, b: Path, names: list[str]) -> list[str]:
     return problems
 
 
+def same_artifact(out: Path, reference: Path, manifest_cls) -> list[str]:
+    """The rerun's artifact verifies and equals the uninterrupted run's: the same files, byte for byte, and
+    the same fingerprint."""
+    problems = _verified(out, manifest_cls)
+    if problems:
+        return problems
+    mine, ref = load_manifest(out, manifest_cls), load_manifest(reference, manifest_cls)
+    if [f.path for f in mine.files] != [f.path for f in ref.files]:
+        problems.append(f"other files than the uninterrupted run: {[f.path for f in mine.files]}")
+    problems += _same_files(out, reference, [f.path for f in ref.files])
+    if mine.fingerprint != ref.fingerprint:
+        problems.append("fingerprint differs from the uninterrupted run")
+    return problems
+
+
 class QuantizeStage(Stage):
     name = "quantize"
 
@@ -139,15 +154,7 @@ class QuantizeStage(Stage):
         return "a complete artifact", _verified(out, QuantizedModelManifest)
 
     def compare(self, out: Path, reference: Path) -> list[str]:
-        problems = _verified(out, QuantizedModelManifest)
-        if problems:
-            return problems
-        mine, ref = load_manifest(out, QuantizedModelManifest), load_manifest(reference, QuantizedModelManifest)
-        if [f.path for f in mine.files] != [f.path for f in ref.files]:
-            problems.append(f"other files than the uninterrupted run: {[f.path for f in mine.files]}")
-        problems += _same_files(out, reference, [f.path for f in ref.files])
-        if mine.fingerprint != ref.fingerprint:
-            problems.append("fingerprint differs from the uninterrupted run")
+        problems = same_artifact(out, reference, QuantizedModelManifest)
         partial = out.parent / f".{out.name}.usaf-partial"
         if partial.exists():
             problems.append(f"{partial.name} left after the rerun")

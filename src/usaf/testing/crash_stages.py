@@ -14,9 +14,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from usaf.artifacts import EvalReportManifest, HfExportManifest, load_manifest
+from usaf.artifacts import EvalReportManifest, HfExportManifest
 from usaf.cli.app import app
-from usaf.testing.crash import Setup, Stage, _same_files, _verified
+from usaf.testing.crash import Setup, Stage, _verified, same_artifact
 
 
 def build_run(setup: Setup, root: Path, *, steps: int = 4) -> Path:
@@ -49,16 +49,7 @@ class ExportStage(Stage):
         return "a complete export", _verified(out, HfExportManifest)
 
     def compare(self, out: Path, reference: Path) -> list[str]:
-        problems = _verified(out, HfExportManifest)
-        if problems:
-            return problems
-        mine, ref = load_manifest(out, HfExportManifest), load_manifest(reference, HfExportManifest)
-        if [f.path for f in mine.files] != [f.path for f in ref.files]:
-            problems.append(f"other files than the uninterrupted run: {[f.path for f in mine.files]}")
-        problems += _same_files(out, reference, [f.path for f in ref.files])
-        if mine.fingerprint != ref.fingerprint:
-            problems.append("fingerprint differs from the uninterrupted run")
-        return problems
+        return same_artifact(out, reference, HfExportManifest)
 
 
 # the report's fields that are results (not wall-clock times, paths, or whether the cache served)
