@@ -83,7 +83,8 @@ def found_at(target: Path) -> Found:
     if made is not None:
         return Found("usaf", made)
     shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
-    return Found("foreign", f"a directory usaf did not make ({len(entries)} entries: {shown}; no usaf {MANIFEST_NAME})")
+    count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+    return Found("foreign", f"a directory usaf did not make ({count}: {shown}; no usaf {MANIFEST_NAME})")
 
 
 def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
