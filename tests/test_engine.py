@@ -224,7 +224,7 @@ def test_prefix_cache_spills_to_disk_and_serves_identical_states(quantized, tmp_
     assert engine.memory(cache=cache)["prefix_cache_disk"] == cache.nbytes["disk"]
 
 
-def test_router_losses_are_the_models_own_and_reach_only_the_routers(quantized):
+def test_router_losses_are_the_trainable_layers_own_and_reach_only_the_routers(quantized):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     engine = make_engine(quantized, "qwen3_moe", aux_loss_coef=0.5, z_loss_coef=0.1)
@@ -232,9 +232,12 @@ def test_router_losses_are_the_models_own_and_reach_only_the_routers(quantized):
     parts = engine.loss(ids, labels)
     outputs = engine.model(input_ids=ids, output_router_logits=True, use_cache=False)
     config = engine.model.config
-    expected_aux = load_balancing_loss_func(outputs.router_logits, config.num_experts, config.num_experts_per_tok)
-    torch.testing.assert_close(parts.aux, expected_aux)
     top_logits = outputs.router_logits[engine.spec.moe_layers.index(engine.trainable_layers[0])]
+    # The trainable layer's own load-balancing loss, not the model's (which pools every layer's counts).
+    expected_aux = load_balancing_loss_func((top_logits,), config.num_experts, config.num_experts_per_tok)
+    torch.testing.assert_close(parts.aux, expected_aux)
+    pooled = load_balancing_loss_func(outputs.router_logits, config.num_experts, config.num_experts_per_tok)
+    assert not torch.allclose(parts.aux, pooled)  # control: the comparison above can tell the two apart
     torch.testing.assert_close(parts.z, torch.logsumexp(top_logits.float(), -1).pow(2).mean())
     torch.testing.assert_close(parts.loss, parts.ce + 0.5 * parts.aux + 0.1 * parts.z)
     # The router terms' gradient reaches the trainable routers (and nothing else trains).
@@ -257,6 +260,26 @@ def test_the_z_loss_from_a_cached_prefix_equals_the_full_forwards(quantized):
     torch.testing.assert_close(cached.z, full.z)
     torch.testing.assert_close(cached.loss, full.loss)
     assert full.z > 0  # negative control for a vacuous comparison: the term is there
+
+
+def test_the_load_balancing_loss_and_its_gradient_from_a_cached_prefix_equal_the_full_forwards(quantized):
+    """The load-balancing loss is the trainable layers' own: the model's pooled loss also counted the frozen
+    layers' routing, which a cached step never runs, so a cached step's router gradient differed."""
+    engine = make_engine(quantized, "qwen3_moe", aux_loss_coef=0.5)
+    ids, labels = batch(3)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # padding is not counted in the balance
+    grads = []
+    for states in (None, engine.prefix_states(ids, mask)):
+        engine.model.zero_grad(set_to_none=True)
+        parts = engine.loss(ids, labels, mask, prefix_states=states)
+        parts.aux.backward()
+        grads.append((parts.aux.detach(), [p.grad.clone() for p in engine.routers.values()]))
+    (full, full_grads), (cached, cached_grads) = grads
+    torch.testing.assert_close(cached, full)
+    for a, b in zip(full_grads, cached_grads):
+        torch.testing.assert_close(b, a)
+    assert full > 0 and all(g.abs().sum() > 0 for g in full_grads)  # not vacuous
 
 
 def test_resident_bases_go_to_the_device_only_when_they_fit():

@@ -33,7 +33,7 @@ from usaf.engine.loading import LoadedModel
 from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
 from usaf.engine.streaming import ExpertStreamer
-from usaf.families.modules import decoder_returns_tuple
+from usaf.families.modules import decoder_returns_tuple, load_balancing_loss_of
 
 
 @dataclass
@@ -52,7 +52,7 @@ class SparseEngine:
         loaded: the model from :func:`usaf.engine.loading.load_quantized_model`.
         trainable_layers: MoE layers whose expert deltas (and routers) train.
         train_router: also train those layers' router weights (dense, fp32).
-        aux_loss_coef: weight of the model's own load-balancing loss in :meth:`loss`.
+        aux_loss_coef: weight of the load-balancing loss in :meth:`loss` (the family's own, per trainable layer).
         z_loss_coef: weight of the router z-loss (mean squared logsumexp of router logits).
         resident_device: where trainable layers' dequantized bases live (default: the model's device).
         pin_resident: keep them in pinned host memory instead (streamed to the device per expert).
@@ -241,19 +241,17 @@ class SparseEngine:
             summed, tokens = next_token_loss(head_input(), labels, self.head.head)  # position t predicts t+1
             ce = summed / max(tokens, 1)
         loss, aux, z = ce, None, None
+        first = self.prefix.start if prefix_states is not None else 0  # skipped frozen layers route nothing
         if self.aux_loss_coef > 0:
-            aux = getattr(outputs, "aux_loss", None)
-            if aux is None:
-                raise ValueError(f"{self.spec.model_type} computes no load-balancing loss; pass aux_loss_coef=0")
+            aux = self._aux_loss(outputs, attention_mask, first_run_layer=first)
             loss = loss + self.aux_loss_coef * aux
         if self.z_loss_coef > 0:
-            first = self.prefix.start if prefix_states is not None else 0  # skipped frozen layers route nothing
             z = self._z_loss(outputs.router_logits, first_run_layer=first)
             loss = loss + self.z_loss_coef * z
         return LossParts(loss, ce, aux, z, tokens)
 
-    def _z_loss(self, router_logits: Iterable[torch.Tensor], *, first_run_layer: int = 0) -> torch.Tensor:
-        """Mean squared logsumexp of the trainable layers' router logits (ST-MoE's z-loss).
+    def _trainable_router_logits(self, router_logits: Iterable[torch.Tensor], first_run_layer: int) -> list:
+        """The trainable layers' router logits ``[(B*T, E), ...]``, in layer order.
 
         ``router_logits`` holds one entry per MoE layer that ran, in order: from a cached prefix state the
         frozen layers below ``first_run_layer`` did not run and recorded none.
@@ -262,7 +260,27 @@ class SparseEngine:
         ran = [layer for layer in self.spec.moe_layers if layer >= first_run_layer]
         if len(per_layer) != len(ran):
             raise RuntimeError(f"{len(per_layer)} router logits for the {len(ran)} MoE layers that ran")
-        chosen = [per_layer[ran.index(layer)] for layer in self.trainable_layers]
+        return [per_layer[ran.index(layer)] for layer in self.trainable_layers]
+
+    def _aux_loss(self, outputs, attention_mask: torch.Tensor | None, *, first_run_layer: int) -> torch.Tensor:
+        """The mean over the trainable layers of each layer's own load-balancing loss (the family's function).
+
+        Not the model's ``aux_loss``, which pools every layer's counts before the product: that couples a
+        trainable router's gradient to the frozen layers' routing, which a step from a cached prefix state
+        never computes, so cached and uncached steps trained differently. Per layer, it is the same with or
+        without the prefix, and it balances each trained layer rather than their sum.
+        """
+        balance = load_balancing_loss_of(self.model)
+        if balance is None:
+            raise ValueError(f"{self.spec.model_type} computes no load-balancing loss; pass aux_loss_coef=0")
+        chosen = self._trainable_router_logits(outputs.router_logits, first_run_layer)
+        return torch.stack(
+            [balance((x,), self.spec.num_experts, self.spec.top_k, attention_mask) for x in chosen]
+        ).mean()
+
+    def _z_loss(self, router_logits: Iterable[torch.Tensor], *, first_run_layer: int = 0) -> torch.Tensor:
+        """Mean squared logsumexp of the trainable layers' router logits (ST-MoE's z-loss)."""
+        chosen = self._trainable_router_logits(router_logits, first_run_layer)
         return torch.stack([torch.logsumexp(x.float(), dim=-1).pow(2).mean() for x in chosen]).mean()
 
     @contextlib.contextmanager

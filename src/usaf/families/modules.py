@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Mapping
 from enum import Enum
 from functools import lru_cache
@@ -48,6 +49,13 @@ def expert_biases(experts: Any, expert: int) -> tuple[Any, Any]:
     if not getattr(experts, "has_bias", False):
         return None, None
     return tuple(getattr(experts, name)[expert] for name in EXPERT_BIAS_PARAMS)
+
+
+def load_balancing_loss_of(model: Any) -> Any:
+    """The family's own Switch-style load-balancing loss, ``fn(gate_logits: tuple, num_experts, top_k,
+    attention_mask) -> loss``: the ``load_balancing_loss_func`` of the model's transformers module; None where
+    the family defines none (DeepSeek-V3 balances with its routing bias instead)."""
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
 
 
 class ModuleLayout(str, Enum):

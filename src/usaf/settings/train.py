@@ -49,7 +49,10 @@ class TrainConfig(StageConfig):
     )  # fmt: skip
     seq_len: int | None = f.seq_len_field(None, "Cut longer sequences to N tokens.", default_text="as tokenized")
     reselect_fraction: float = Field(0.2, ge=0, le=1, description="Initial fraction replaced, cosine to 0 at 75%.")
-    aux_loss_coef: float = Field(0.0, ge=0, description="The model's load-balancing loss weight.")
+    aux_loss_coef: float = Field(
+        0.0, ge=0,
+        description="Weight of the load-balancing loss: the family's own, per trainable layer, averaged.",
+    )  # fmt: skip
     z_loss_coef: float = Field(0.0, ge=0, description="Router z-loss weight.")
     router: bool = Field(True, description="Train the routers.")
     eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = only at the end.")
