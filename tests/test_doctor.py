@@ -137,7 +137,7 @@ def test_legacy_variables_are_explained_and_multi_gpu_warned() -> None:
         (["--device", "cuda"], {}, "--device cuda: CUDA is not available here"),
         (["--device", "mps"], {}, "--device mps: MPS is not available here"),
         (["--device", "directml"], {}, "--device directml: DirectML is not available here"),
-        ([], {"USAF_DEVICE": "tpu"}, "--device tpu: unknown device 'tpu'"),
+        ([], {"USAF_DEVICE": "tpu"}, "USAF_DEVICE tpu: unknown device 'tpu'"),  # where the value came from
         ([], {"USE_CUDA": "1"}, "(legacy for --device cuda): CUDA is not available here"),
     ],
 )

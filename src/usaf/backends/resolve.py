@@ -65,6 +65,7 @@ def _precision_notes(backend: Backend, amp: bool | None, source: str) -> list[No
 def resolve_backend(
     spec: str | None = None,
     *,
+    source: str = "--device",
     env: Mapping[str, str] | None = None,
     amp: bool | None = None,
 ) -> Backend:
@@ -76,6 +77,7 @@ def resolve_backend(
 
     Args:
         spec: ``auto|cpu|cuda|cuda:N|mps|directml|directml:N``; ``None`` or ``""``: not set.
+        source: where ``spec`` came from (``--device``, ``USAF_DEVICE``, a ``--config`` key), as errors name it.
         env: environment for the legacy variables and device visibility (``os.environ`` by default).
         amp: force mixed precision on/off; ``None``: ``USE_AMP`` if set, else the backend's default.
 
@@ -91,7 +93,7 @@ def resolve_backend(
     notes = list(legacy.notes)
     explicit = spec.strip() if spec else ""  # "" is "not set", as resolve_config treats it
     if explicit:
-        parsed, origin = parse_device_spec(explicit), f"--device {explicit}"
+        parsed, origin = parse_device_spec(explicit, source=source), f"{source} {explicit}"
         if legacy.use_cuda is not None:
             ignored = f"{USE_CUDA}={env[USE_CUDA]!r} ignored: the device is set explicitly ({parsed})"
             notes.append(Note("info", ignored))

@@ -54,35 +54,37 @@ class DeviceSpec:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
 
 
-def _bad(text: str, why: str, hint: str) -> UsafError:
-    return UsafError(f"--device {text}: {why}", hint)
+def _bad(source: str, text: str, why: str, hint: str) -> UsafError:
+    return UsafError(f"{source} {text}: {why}", hint)
 
 
-def parse_device_spec(text: str) -> DeviceSpec:
+def parse_device_spec(text: str, *, source: str = "--device") -> DeviceSpec:
     """Parse a device spec, case-insensitively and ignoring surrounding spaces.
 
     Args:
         text: the value of ``--device`` (or ``USAF_DEVICE``, or ``device`` in a ``--config`` file).
+        source: where the value came from, as the error names it (``usaf.config.source_of``).
 
     Returns:
         The parsed spec.
 
     Raises:
-        UsafError: for an unknown name or a bad index, naming ``--device`` and the accepted forms.
+        UsafError: for an unknown name or a bad index, naming ``source`` and the accepted forms.
     """
     raw = text.strip().lower()
     if not raw:
-        raise _bad(repr(text), "empty device", f"pass one of {SPEC_FORMS}")
+        raise _bad(source, repr(text), "empty device", f"pass one of {SPEC_FORMS}")
     kind, sep, index_text = raw.partition(":")
     if kind not in (AUTO, *KINDS):
         hint = _ALIASES.get(kind, f"pass one of {SPEC_FORMS}")
-        raise _bad(text, f"unknown device '{kind}'", hint)
+        raise _bad(source, text, f"unknown device '{kind}'", hint)
     if not sep:
         return DeviceSpec(kind)
     if kind not in INDEXED:
-        raise _bad(text, f"'{kind}' takes no index", f"pass --device {kind}")
+        raise _bad(source, text, f"'{kind}' takes no index", f"pass --device {kind}")
     if not (index_text.isascii() and index_text.isdigit()):  # rejects '', '-1', '1.5', '²'
         raise _bad(
+            source,
             text,
             f"device index '{index_text}' is not a non-negative integer",
             f"pass --device {kind} or {kind}:N with N = 0, 1, ...",

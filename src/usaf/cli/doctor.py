@@ -103,11 +103,13 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
 
     from usaf import distributed
     from usaf.backends import explain_env, probe_backends, resolve_backend
-    from usaf.config import resolve_config
+    from usaf.config import resolve_config, source_of
     from usaf.settings.doctor import DoctorConfig
 
     settings = resolve_config(DoctorConfig, section="doctor", cli={"device": device}, config_file=config, env=env)
-    backend = resolve_backend(distributed.device_for_rank(settings.device, env), env=env)
+    backend = resolve_backend(
+        distributed.device_for_rank(settings.device, env), source=source_of(settings, "device"), env=env
+    )
     build = (
         f"ROCm {torch.version.hip}"
         if torch.version.hip

@@ -37,6 +37,7 @@ from usaf.artifacts.hf_export import HfExportSummary
 from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.run import TrainedChange
 from usaf.backends import resolve_backend
+from usaf.config import source_of
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.settings.export import DEFAULT_SHARD_GIB, ExportConfig
@@ -163,7 +164,9 @@ def _export_hf(
         source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
     else:
         source = QuantizedSource(model_dir, spec, change, dtype)
-    backend = resolve_backend(config.device or "cpu")  # "auto" picks a GPU, where fp32 models rarely fit
+    backend = resolve_backend(
+        config.device or "cpu", source=source_of(config, "device")
+    )  # "auto" picks a GPU, where fp32 models rarely fit
     shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
     # before any shard is written: the whole model at its output dtype, plus a little for config and tokenizer
     writer.needed = sum(u.nbytes for u in source.units) + 2**20  # also named if the disk fills anyway

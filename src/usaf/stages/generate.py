@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, TextStreamer
 
 from usaf.backends import resolve_backend
+from usaf.config import source_of
 from usaf.data.tokenizer import load_tokenizer
 from usaf.errors import UsafError
 from usaf.settings.generate import GenerateConfig
@@ -89,7 +90,7 @@ def run(
     model_dir, _, change = resolve_model_and_change(
         config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
     )
-    backend = resolve_backend(None if config.device == "auto" else config.device)
+    backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     rendered, ids, templated = render_prompt(tokenizer, config.prompt, chat=config.chat)
     if config.chat and not templated:

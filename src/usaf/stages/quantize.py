@@ -34,6 +34,7 @@ from usaf.artifacts.quantized import (
 from usaf.artifacts.writer import write_text_atomic
 from usaf.backends import resolve_backend
 from usaf.backends.transfer import is_host
+from usaf.config import source_of
 from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
 from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
@@ -137,7 +138,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     infos = read_checkpoint(model_dir)
     plan = map_checkpoint(model_dir, spec)
     source = source_record(config.model, model_dir, spec, infos)
-    backend = resolve_backend(None if config.device == "auto" else config.device)
+    backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
 
     out = Path(config.out or default_output(workspace_dir(config.workspace), "quantized_model", model_dir.name))
     settings = {

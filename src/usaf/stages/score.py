@@ -35,6 +35,7 @@ from usaf.artifacts.plan import (
 )
 from usaf.artifacts.workspace import resolve_data, resolve_model
 from usaf.backends import resolve_backend
+from usaf.config import source_of
 from usaf.data.batches import Batch, batches, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.data.tokens import scored_targets
@@ -88,7 +89,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the others wait.
     """
     start = time.perf_counter()
-    backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
+    backend = resolve_backend(
+        distributed.device_for_rank(None if config.device == "auto" else config.device),
+        source=source_of(config, "device"),
+    )
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
     model_dir, model_manifest = resolve_model(config, progress)

@@ -160,6 +160,10 @@ def _other(command: str, bench: Bench, case_dir: Path) -> list[str]:
         return ["generate", "hi", "--model", str(bench.quantized), "--no-checkpoint", "--max-new-tokens", "1"]
     if command == "export":
         return ["export", "--model", str(bench.quantized), "--out", str(case_dir / "out")]
+    if command == "quantize":
+        return ["quantize", str(bench.model), "--out", str(case_dir / "out"), "--method", "rtn", "--group-size", "8"]
+    if command == "eval":
+        return _eval(bench, case_dir, finished_run(bench))
     raise ValueError(command)
 
 
@@ -168,6 +172,17 @@ def _other_flag_case(command: str, flag: str, value: str) -> Case:
         return [*_other(command, bench, case_dir), f"--{flag}", value]
 
     return Case(SETTINGS, f"{command} --{flag} {value}", build, f"--{flag}")
+
+
+def _other_env_case(command: str, variable: str, value: str) -> Case:
+    """A value from the environment is named as such: the device is parsed after the settings resolve."""
+
+    def build(bench: Bench, case_dir: Path) -> list[str]:
+        if command == "export":  # a complete command line: export checks its checkpoint before the device
+            return _export(bench, case_dir, finished_run(bench))
+        return _train_quick(bench, case_dir) if command == "train" else _other(command, bench, case_dir)
+
+    return Case(SETTINGS, f"{command} with {variable}={value}", build, f"{variable} {value}", env={variable: value})
 
 
 def settings_cases() -> list[Case]:
@@ -192,6 +207,8 @@ def settings_cases() -> list[Case]:
         _env_case("USAF_RESELECT_EVERY", "500", name="train with USAF_RESELECT_EVERY=500 over --steps 1"),
         _env_case("USAF_VRAM", "lots", name="train with USAF_VRAM=lots (checked after resolving)"),
         _env_case("USAF_SEQ_LEN", "99999", name="train with USAF_SEQ_LEN beyond the model's context"),
+        *(_other_env_case(c, "USAF_DEVICE", "gpu9") for c in ("train", "score", "quantize", "eval", "export")),
+        _other_env_case("generate", "USAF_DEVICE", "gpu9"),
         _toml_case("[train] lr = inf", "[train]\nlr = inf\n", "[train] lr"),
         _toml_case("[train] warmup = 1e309", "[train]\nwarmup = 1e309\n", "[train] warmup"),
         _toml_case("[defaults] z_loss_coef = nan", "[defaults]\nz_loss_coef = nan\n", "[defaults] z_loss_coef"),

@@ -34,6 +34,7 @@ from usaf.artifacts import (
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
 from usaf.artifacts.run import METRICS_FILE
 from usaf.backends import resolve_backend
+from usaf.config import source_of
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.engine.engine import SparseEngine
 from usaf.engine.prefix import PrefixTap
@@ -93,7 +94,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     writer.check_target()
     context = max_sequence_length(str(model_dir), tokenizer)
     inputs = read_inputs(config, workspace, model_dir, change, tokenizer, context, progress)
-    backend = resolve_backend(None if config.device == "auto" else config.device)
+    backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     outcome = _evaluate(
         config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress

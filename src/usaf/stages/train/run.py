@@ -16,6 +16,7 @@ from usaf.artifacts.disk import guarded_write
 from usaf.artifacts.plan import check_masks_fit, check_plan_layers, read_masks
 from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
+from usaf.config import source_of
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.train.config import TrainConfig
@@ -29,7 +30,10 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     from usaf.stages.train.inputs import resolved_inputs
 
     start = time.perf_counter()
-    backend = resolve_backend(distributed.device_for_rank(None if config.device == "auto" else config.device))
+    backend = resolve_backend(
+        distributed.device_for_rank(None if config.device == "auto" else config.device),
+        source=source_of(config, "device"),
+    )
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
     # --out stays locked until the run ends; a full or read-only disk at any write of the run (settings, metrics,
