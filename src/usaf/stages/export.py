@@ -164,9 +164,8 @@ def _export_hf(
         source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
     else:
         source = QuantizedSource(model_dir, spec, change, dtype)
-    backend = resolve_backend(
-        config.device or "cpu", source=source_of(config, "device")
-    )  # "auto" picks a GPU, where fp32 models rarely fit
+    # not "auto", which picks a GPU, where fp32 models rarely fit
+    backend = resolve_backend(config.device or "cpu", source=source_of(config, "device"))
     shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
     # before any shard is written: the whole model at its output dtype, plus a little for config and tokenizer
     writer.needed = sum(u.nbytes for u in source.units) + 2**20  # also named if the disk fills anyway

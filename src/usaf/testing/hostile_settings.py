@@ -178,8 +178,9 @@ def _other_env_case(command: str, variable: str, value: str) -> Case:
     """A value from the environment is named as such: the device is parsed after the settings resolve."""
 
     def build(bench: Bench, case_dir: Path) -> list[str]:
-        if command == "export":  # a complete command line: export checks its checkpoint before the device
-            return _export(bench, case_dir, finished_run(bench))
+        if command == "export":  # a complete command line (export checks its checkpoint before the device),
+            args = _export(bench, case_dir, finished_run(bench))  # of the format that computes (a delta does not)
+            return [*args[: args.index("delta")], "hf", *args[args.index("delta") + 1 :]]
         return _train_quick(bench, case_dir) if command == "train" else _other(command, bench, case_dir)
 
     return Case(SETTINGS, f"{command} with {variable}={value}", build, f"{variable} {value}", env={variable: value})
