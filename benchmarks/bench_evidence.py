@@ -92,7 +92,14 @@ ARMS = {
     "usaf_top_half": {"kind": "usaf", "frac": FRAC, "reselect": True, "router": True, "train_from": TRAIN_FROM_HALF},
     "lora": {"kind": "lora"},
     "full_finetune": {"kind": "full"},
+    # Budgets that scale (issue 20): not in the default run; pick them with --arms.
+    "usaf_frac_0.001": {"kind": "usaf", "frac": 0.001, "reselect": True, "router": True},
+    "usaf_frac_0.05": {"kind": "usaf", "frac": 0.05, "reselect": True, "router": True},
+    "usaf_frac_0.1": {"kind": "usaf", "frac": 0.1, "reselect": True, "router": True},
+    "usaf_all_layers": {"kind": "usaf", "frac": FRAC, "reselect": True, "router": True, "train_from": 0},
 }
+DEFAULT_ARMS = ("usaf", "usaf_static", "usaf_no_router", "router_only", "usaf_frac_large", "usaf_top_half", "lora",
+                "full_finetune")  # fmt: skip
 # Learning-rate grids (log-spaced by ~3), each holding usaf's default where it has one; the middle value is the
 # one used with --no-sweep / --quick.
 GRIDS = {
@@ -104,16 +111,27 @@ GRIDS = {
     "usaf_top_half": [3e-3, 1e-2, 3e-2],
     "lora": [1e-3, 3e-3, 1e-2],
     "full_finetune": [1e-4, 3e-4, 1e-3],
+    "usaf_frac_0.001": [3e-3, 1e-2, 3e-2],
+    "usaf_frac_0.05": [3e-3, 1e-2, 3e-2],
+    "usaf_frac_0.1": [3e-3, 1e-2, 3e-2],
+    "usaf_all_layers": [3e-3, 1e-2, 3e-2],
 }
-DEFAULT_LR = {"usaf": 1e-2, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
+DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
 LORA_ALPHA = 16
 
 
 # -- setup: data, quantized model, evaluation samples, plans -------------------------------------------------
 
 
-def setup(work: Path, seq: int, eval_n: int) -> dict:
-    from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
+def domains() -> dict:
+    """The fine-tuning domains by name: the demo's network/mail/markup modules, and C++ (a much larger shift)."""
+    from usaf.demo import CPP_DOMAIN, DEMO_DOMAIN
+
+    return {d.name: d for d in (DEMO_DOMAIN, CPP_DOMAIN)}
+
+
+def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net") -> dict:
+    from usaf.demo import PRETRAIN_DOMAIN, demo_model_dir
     from usaf.stages.quantize import QuantizeConfig
     from usaf.stages.quantize import run as quantize
     from usaf.stages.tokenize import TokenizeConfig
@@ -122,7 +140,7 @@ def setup(work: Path, seq: int, eval_n: int) -> dict:
     src = demo_model_dir()
     t0 = time.perf_counter()
     demo, demo_dir = tokenize(
-        TokenizeConfig(**DEMO_DOMAIN.tokenize_options(), model=str(src), seq_len=seq, out=work / "tokens-demo")
+        TokenizeConfig(**domains()[domain].tokenize_options(), model=str(src), seq_len=seq, out=work / "tokens-demo")
     )
     pre, pre_dir = tokenize(
         TokenizeConfig(**PRETRAIN_DOMAIN.tokenize_options(), model=str(src), seq_len=seq, out=work / "tokens-pretrain")
@@ -218,7 +236,7 @@ def evaluate(model, sets: dict[str, Path]) -> dict:
     model.eval()
     out = {}
     for name, path in sets.items():
-        lines = list(iter_token_file(path))
+        lines = list(iter_token_file(path, vocab_size=model.config.vocab_size))
         total, tokens = 0.0, 0
         for batch in batches(lines, EVAL_MICROBATCH, 0):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
@@ -450,13 +468,13 @@ def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: di
 # -- the run ------------------------------------------------------------------------------------------------------
 
 
-def sweep(run) -> dict:
+def sweep(run, arms: tuple[str, ...] = DEFAULT_ARMS) -> dict:
     """Seed 0 over each arm's grid (extended past an edge that wins); returns the chosen lr per arm.
 
     ``run(arm, lr, seed)`` returns one run's result.
     """
     chosen = {}
-    for arm in ARMS:
+    for arm in arms:
         tried = {lr: run(arm, lr, 0) for lr in sorted(GRIDS[arm])}
         for _ in range(MAX_EXTEND):
             best = min(tried, key=lambda x: tried[x]["eval"]["indomain_validation"]["ppl"])
@@ -544,7 +562,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="[0 1 2; 0 with --quick]")
     parser.add_argument("--no-sweep", action="store_true", help="each arm at its grid's middle lr, no sweep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads here and in the children [1]")
-    parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/evidence.json]")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="[benchmarks/results/evidence.json; evidence-DOMAIN.json for another --domain]")
+    parser.add_argument("--domain", default="stdlib-net", choices=("stdlib-net", "torch-cpp"),
+                        help="the fine-tuning domain: usaf.demo.DEMO_DOMAIN or CPP_DOMAIN [stdlib-net]")
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS),
+                        help="the arms to run, in order (usaf is always scored first: LoRA's size follows it) "
+                        f"[{' '.join(DEFAULT_ARMS)}]")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already in --out (same settings)")
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
@@ -579,7 +603,9 @@ def main() -> None:
     }
     seq = SEQ_QUICK if quick else SEQ
     eval_n = EVAL_SEQUENCES_QUICK if quick else EVAL_SEQUENCES
-    out = args.out or RESULTS / ("evidence-quick.json" if quick else "evidence.json")
+    arms = tuple(args.arms)
+    stem = "evidence" if args.domain == "stdlib-net" else f"evidence-{args.domain}"
+    out = args.out or RESULTS / (f"{stem}-quick.json" if quick else f"{stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     result: dict = {
@@ -593,6 +619,7 @@ def main() -> None:
             "microbatch": MICROBATCH,
             "tokens_per_step": MICROBATCH * seq,
             "seeds": seeds,
+            "domain": args.domain,
             "sweep": do_sweep,
             "grids": GRIDS,
             "max_extend": MAX_EXTEND,
@@ -601,7 +628,7 @@ def main() -> None:
             "weight_decay": 0.0,
             "eval_sequences": eval_n,
             "last_n_fraction": LAST_N,
-            "arms": ARMS,
+            "arms": {arm: ARMS[arm] for arm in arms},
             "lora_alpha": LORA_ALPHA,
         },
     }
@@ -633,7 +660,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="usaf-bench-evidence-") as tmp:
         work = Path(tmp)
-        env = setup(work, seq, eval_n)
+        env = setup(work, seq, eval_n, args.domain)
         result["setup"] = env["info"]
         result["bases"] = evaluate_bases(env)
         print("[bases] " + json.dumps({k: {s: round(v["ppl"], 2) for s, v in b.items()}
@@ -674,15 +701,15 @@ def main() -> None:
                               "usaf_target": target, "per_rank_experts_attention": list(per_rank)}  # fmt: skip
         save()
         if do_sweep:
-            chosen = sweep(run)
+            chosen = sweep(run, arms)
             cfg["validation"] = False  # the validation sample is only for choosing the lr
         else:
-            chosen = {arm: sorted(GRIDS[arm])[1] for arm in ARMS}
+            chosen = {arm: sorted(GRIDS[arm])[1] for arm in arms}
         result["chosen_lr"] = chosen
         for i, seed in enumerate(seeds):
             if do_sweep and seed == 0:
                 continue  # seed 0 ran in the sweep
-            order = list(ARMS) if i % 2 == 0 else list(reversed(ARMS))  # interleave arm order across seeds
+            order = list(arms) if i % 2 == 0 else list(reversed(arms))  # interleave arm order across seeds
             for arm in order:
                 run(arm, chosen[arm], seed)
     result["table"] = aggregate(runs, chosen, seeds)

@@ -175,3 +175,21 @@ def test_demo_domain_tokenizes_into_a_fine_tuning_task(tmp_path):
     assert s.heldout_sources == sorted(DEMO_DOMAIN.held_out)
     assert s.train_tokens > 450_000 and s.heldout_tokens > 50_000, (s.train_tokens, s.heldout_tokens)
     assert {src.split for src in s.sources} == {"train", "heldout"}
+
+
+def test_cpp_domain_reads_torchs_headers_with_a_heldout_source():
+    """The evidence benchmark's second domain: C++ headers of the installed torch wheel, one source per directory."""
+    from usaf.data.corpus import discover
+    from usaf.demo import CPP_DOMAIN, torch_include_dir
+    from usaf.stages.tokenize import select_heldout
+
+    assert torch_include_dir().is_dir()
+    options = CPP_DOMAIN.tokenize_options()
+    assert all(p.is_dir() for p in options["inputs"]) and options["include"] == ["*.h"]
+    corpus = discover(options["inputs"], include=options["include"], exclude=options["exclude"], source_depth=0)
+    sources = sorted({f.source for f in corpus.files})
+    assert sources == ["c10", "fmt", "pybind11"]
+    held = select_heldout(sources, options["held_out"], 0.0, 0)
+    assert sorted(held) == ["pybind11"]
+    assert all(f.path.suffix == ".h" for f in corpus.files)
+    assert not set(CPP_DOMAIN.paths) & set(PRETRAIN_DOMAIN.paths)  # nothing the demo model was pretrained on

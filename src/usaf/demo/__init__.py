@@ -7,7 +7,11 @@ machine with Python has), so the demo needs no download:
   sources held out for the validation perplexity (and, later, for measuring forgetting);
 - ``DEMO_DOMAIN``: the reserved fine-tuning domain (network protocols, mail, async I/O, markup: asyncio,
   email, http, urllib, xml, ...), never seen in pretraining, with held-out sources that use the trained
-  packages (xmlrpc, wsgiref, smtplib, ...), so fine-tuning shows an in-domain gain on unseen sources.
+  packages (xmlrpc, wsgiref, smtplib, ...), so fine-tuning shows an in-domain gain on unseen sources;
+- ``CPP_DOMAIN``: a much larger shift, another language: the C++ headers that PyTorch's wheel ships in
+  ``torch/include`` (c10 and fmt to train on, pybind11 held out). torch is a dependency of usaf, so they are
+  on every machine usaf runs on; the evidence benchmark's second domain (the system's own C headers are kept
+  out: they stay an independent check).
 
 Both are expressed in ``usaf tokenize``'s own terms: input paths under ``stdlib_dir()`` (package
 directories and single module files), ``--exclude`` globs, ``--held-out`` sources and
@@ -26,13 +30,15 @@ lib2to3, distutils, ensurepip, test) and generated tables (encodings, pydoc_data
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from usaf.testing import stdlib_dir
 
-__all__ = ["DEMO_DOMAIN", "PRETRAIN_DOMAIN", "StdlibDomain", "demo_model_dir"]
+__all__ = ["CPP_DOMAIN", "DEMO_DOMAIN", "PRETRAIN_DOMAIN", "StdlibDomain", "demo_model_dir", "torch_include_dir"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class StdlibDomain:
         exclude: ``--exclude`` globs (matched against a file's path under its input directory, or its name).
         held_out: ``--held-out`` sources (with ``source_depth`` 0: a package's directory name or a module's file name).
         source_depth: ``--source-depth``.
+        base_dir: the directory ``paths`` are relative to (default: this Python's stdlib directory).
     """
 
     name: str
@@ -54,10 +61,11 @@ class StdlibDomain:
     held_out: tuple[str, ...]
     include: tuple[str, ...] = ("*.py",)
     source_depth: int = 0
+    base_dir: Callable[[], Path] = stdlib_dir
 
     def inputs(self, root: Path | None = None) -> list[Path]:
-        """The input paths under ``root`` (default: this Python's stdlib directory)."""
-        base = Path(root) if root is not None else stdlib_dir()
+        """The input paths under ``root`` (default: :attr:`base_dir`)."""
+        base = Path(root) if root is not None else self.base_dir()
         return [base / p for p in self.paths]
 
     def tokenize_options(self, root: Path | None = None) -> dict[str, Any]:
@@ -266,6 +274,26 @@ PRETRAIN_DOMAIN = StdlibDomain(
     paths=_PRETRAIN_PACKAGES + _PRETRAIN_MODULES,
     exclude=_EXCLUDE,
     held_out=("json", "logging", "argparse.py", "difflib.py", "textwrap.py"),
+)
+
+
+def torch_include_dir() -> Path:
+    """The C++ headers PyTorch's wheel ships (``torch/include``), found without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("torch is not installed: the C++ domain reads the headers its wheel ships")
+    return Path(spec.origin).parent / "include"
+
+
+# Another language than the pretraining text: c10 (PyTorch's core library) and fmt train, pybind11 is held out.
+# Each is one source (a directory); all three are in every torch wheel since 1.x.
+CPP_DOMAIN = StdlibDomain(
+    name="torch-cpp",
+    paths=("c10", "fmt", "pybind11"),
+    exclude=("test/*",),
+    held_out=("pybind11",),
+    include=("*.h",),
+    base_dir=torch_include_dir,
 )
 
 
