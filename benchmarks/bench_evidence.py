@@ -92,6 +92,12 @@ ARMS = {
     "usaf_top_half": {"kind": "usaf", "frac": FRAC, "reselect": True, "router": True, "train_from": TRAIN_FROM_HALF},
     "lora": {"kind": "lora"},
     "full_finetune": {"kind": "full"},
+    # QLoRA: the same LoRA over usaf's own 4-bit base (HQQ, dequantized by `usaf export --no-checkpoint` to fp32), the
+    # fair comparison on a card that cannot hold the original weights. Not in the default run; pick it with --arms.
+    "qlora": {"kind": "lora", "base": "hqq4"},
+    # usaf as a user runs it: no --frac (the default rule for the layers' size), no --lr (the plan's lr test), no
+    # sweep: lr PLAN_LR stands for "the plan's".
+    "usaf_defaults": {"kind": "usaf", "frac": None, "reselect": True, "router": True},
     # Budgets that scale (issue 20): not in the default run; pick them with --arms.
     "usaf_frac_0.001": {"kind": "usaf", "frac": 0.001, "reselect": True, "router": True},
     "usaf_frac_0.05": {"kind": "usaf", "frac": 0.05, "reselect": True, "router": True},
@@ -110,6 +116,8 @@ GRIDS = {
     "usaf_frac_large": [3e-3, 1e-2, 3e-2],
     "usaf_top_half": [3e-3, 1e-2, 3e-2],
     "lora": [1e-3, 3e-3, 1e-2],
+    "qlora": [1e-3, 3e-3, 1e-2],
+    "usaf_defaults": [0.0],
     "full_finetune": [1e-4, 3e-4, 1e-3],
     "usaf_frac_0.001": [3e-3, 1e-2, 3e-2],
     "usaf_frac_0.05": [3e-3, 1e-2, 3e-2],
@@ -117,6 +125,7 @@ GRIDS = {
     "usaf_all_layers": [3e-3, 1e-2, 3e-2],
 }
 DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
+PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
 LORA_ALPHA = 16
 
 
@@ -132,6 +141,8 @@ def domains() -> dict:
 
 def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net") -> dict:
     from usaf.demo import PRETRAIN_DOMAIN, demo_model_dir
+    from usaf.stages.export import ExportConfig
+    from usaf.stages.export import run as export
     from usaf.stages.quantize import QuantizeConfig
     from usaf.stages.quantize import run as quantize
     from usaf.stages.tokenize import TokenizeConfig
@@ -147,6 +158,7 @@ def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net") -> dict
     )
     t1 = time.perf_counter()
     qmanifest, qdir = quantize(QuantizeConfig(model=str(src), out=work / "q4", device="cpu"))
+    _, q4_base = export(ExportConfig(model=qdir, no_checkpoint=True, dtype="float32", out=work / "q4-dequantized"))
     t2 = time.perf_counter()
     # Evaluation samples: the in-domain held-out sequences split into a validation sample (lr choice) and a
     # disjoint test sample (reported), a sample of the training split, the pretraining domain's held-out.
@@ -178,7 +190,7 @@ def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net") -> dict
     }
     print(f"[setup] tokenize {t1 - t0:.1f}s, quantize {t2 - t1:.1f}s; train sequences "
           f"{info['tokens_demo']['train_sequences']}", flush=True)  # fmt: skip
-    return {"src": src, "qdir": qdir, "tokens": demo_dir, "eval": paths, "info": info}
+    return {"src": src, "qdir": qdir, "q4_base": q4_base, "tokens": demo_dir, "eval": paths, "info": info}
 
 
 def _read_lines(path: Path) -> list[dict]:
@@ -254,7 +266,9 @@ def evaluate_bases(env: dict) -> dict:
 
     original = load_reference(env["src"])  # bf16 on disk, upcast to fp32: what LoRA and full fine-tuning start from
     q4 = model_with_change(env["qdir"], None, device=torch.device("cpu"))  # the 4-bit base usaf starts from
-    return {"original_fp32": evaluate(original, env["eval"]), "hqq4": evaluate(q4, env["eval"])}
+    exported = load_reference(env["q4_base"])  # QLoRA's base: the same 4-bit weights as a plain transformers model
+    return {"original_fp32": evaluate(original, env["eval"]), "hqq4": evaluate(q4, env["eval"]),
+            "hqq4_exported_fp32": evaluate(exported, env["eval"])}  # fmt: skip
 
 
 # -- one training run, in a fresh child ---------------------------------------------------------------------------
@@ -296,7 +310,7 @@ def _usaf_child(spec: dict) -> dict:
         held["state_bytes"] = usaf_state_bytes(trainer)
         held["trainable"] = trainer.engine.trainable_count()
 
-    lr = DEFAULT_LR["usaf"] if router_only else spec["lr"]
+    lr = DEFAULT_LR["usaf"] if router_only else (None if spec["lr"] == PLAN_LR else spec["lr"])
     router_lr = spec["lr"] if router_only else DEFAULT_LR["router_only"]
     config = train_stage.TrainConfig(
         model=Path(spec["qdir"]),
@@ -338,7 +352,8 @@ def _usaf_child(spec: dict) -> dict:
         "prefix_cache": [s.prefix_cache_hits, s.prefix_cache_misses],
         "routing_warnings": s.routing_warnings,
         "change_expert_entries": change.expert_entries,
-        "learning_rates": {"deltas": None if router_only else lr, "router": router_lr if spec["router"] else None},
+        "learning_rates": {"deltas": None if router_only else s.lr, "deltas_source": s.lr_source,
+                           "router": router_lr if spec["router"] else None},  # fmt: skip
     }
 
 
@@ -425,7 +440,7 @@ def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: di
         "seed": seed,
         "steps": cfg["steps"],
         "threads": torch.get_num_threads(),
-        "src": str(env["src"]),
+        "src": str(env["q4_base"] if a.get("base") == "hqq4" else env["src"]),
         "qdir": str(env["qdir"]),
         "tokens": str(env["tokens"]),
         "eval": {k: str(v) for k, v in env["eval"].items() if cfg["validation"] or k != "indomain_validation"},
@@ -475,6 +490,10 @@ def sweep(run, arms: tuple[str, ...] = DEFAULT_ARMS) -> dict:
     """
     chosen = {}
     for arm in arms:
+        if GRIDS[arm] == [PLAN_LR]:  # not swept: the plan decides
+            run(arm, PLAN_LR, 0)
+            chosen[arm] = PLAN_LR
+            continue
         tried = {lr: run(arm, lr, 0) for lr in sorted(GRIDS[arm])}
         for _ in range(MAX_EXTEND):
             best = min(tried, key=lambda x: tried[x]["eval"]["indomain_validation"]["ppl"])
@@ -573,6 +592,8 @@ def main() -> None:
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
     )
+    parser.add_argument("--lora-match", default="usaf", choices=("usaf", "usaf_defaults"),
+                        help="the usaf arm whose trainable count LoRA's ranks match [usaf]")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -629,6 +650,7 @@ def main() -> None:
             "eval_sequences": eval_n,
             "last_n_fraction": LAST_N,
             "arms": {arm: ARMS[arm] for arm in arms},
+            "lora_match": args.lora_match,
             "lora_alpha": LORA_ALPHA,
         },
     }
@@ -672,7 +694,7 @@ def main() -> None:
             if key not in plans:
                 seed, frac, train_from = key
                 plans[key], result["plans"][f"seed{seed}-frac{frac}-from{train_from}"] = make_plan(
-                    env, work, seed, frac, train_from, cache=not quick, calib=8 if quick else 64
+                    env, work, seed, frac, train_from, cache=not quick and train_from != 0, calib=8 if quick else 64
                 )
             return plans[key]
 
@@ -691,8 +713,8 @@ def main() -> None:
             cfg["layers"], cfg["lora_ranks"] = previous["lora"]["layers"], previous["lora"]["ranks_experts_attention"]
             result["lora"] = previous["lora"]
         else:
-            plan(plan_key("usaf", seeds[0]))
-            first = result["plans"][f"seed{seeds[0]}-frac{FRAC}-fromNone"]
+            plan(plan_key(args.lora_match, seeds[0]))
+            first = result["plans"][f"seed{seeds[0]}-frac{ARMS[args.lora_match]['frac']}-fromNone"]
             cfg["layers"] = first["trainable_layers"]
             target = first["expert_entries"] + first["router_params"]
             per_rank = lora_counts_per_rank(env["src"], cfg["layers"])

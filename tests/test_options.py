@@ -20,7 +20,7 @@ from usaf.cli.app import app
 from usaf.cli.options import COMMAND_EXTRAS, STAGE_EXTRAS
 from usaf.config import StageConfig, cli_meta, resolve_config
 from usaf.errors import UsafError
-from usaf.settings.fields import FRAC, SELECTION_FIELDS, cli
+from usaf.settings.fields import FRAC, SELECTION_FIELDS, cli, default_frac
 from usaf.settings.score import ScoreConfig
 from usaf.settings.train import TrainConfig
 
@@ -151,7 +151,8 @@ def test_generated_flags_follow_the_field_rules():
 def test_shared_selection_fields_are_declared_once():
     for name in SELECTION_FIELDS:
         assert repr(ScoreConfig.model_fields[name]) == repr(TrainConfig.model_fields[name]), name
-    assert ScoreConfig.model_fields["frac"].default == FRAC
+    assert ScoreConfig.model_fields["frac"].default is None  # usaf score's default_frac rule
+    assert default_frac(10**9) == FRAC and default_frac(10**6) == 0.05  # a large model's layers; a small one's
     src = Path(__file__).parent.parent / "src" / "usaf"
     spelled = [str(p.relative_to(src)) for p in src.rglob("*.py") if re.search(r"\b0\.005\b", p.read_text())]
     options = [p for p in spelled if p.startswith(("cli/", "settings/", "stages/")) or p == "config.py"]
@@ -186,7 +187,7 @@ def test_a_plan_refuses_the_command_table_and_drops_shared_sources(tmp_path):
     toml.write_text("[defaults]\nfrac = 0.1\ntrain_from = 3\n")
     settings = _train(tmp_path, {"plan": plan}, config_file=toml, env={"USAF_BUDGET": "global", "FRAC": "0.2"},
                       legacy_env={"FRAC": "frac"})  # fmt: skip
-    assert (settings.frac, settings.train_from, settings.budget) == (FRAC, None, "per-tensor")
+    assert (settings.frac, settings.train_from, settings.budget) == (None, None, "per-tensor")
     # without a plan, the same shared sources apply
     settings = _train(tmp_path, {}, config_file=toml, env={"USAF_BUDGET": "global"})
     assert (settings.frac, settings.train_from, settings.budget) == (0.1, 3, "global")

@@ -264,3 +264,40 @@ def test_not_a_quantized_model_and_bad_layers(setup, tmp_path):
         out,
         "either --train-from or --layers",
     )
+
+
+def test_without_frac_small_layers_get_the_default_floor_and_the_plan_says_so(setup, tmp_path):
+    """No --frac: the default share of a small model's layers is raised toward MIN_ENTRIES (at most the cap);
+    an explicit --frac is used exactly as given (the control)."""
+    from usaf.settings.fields import FLOOR_FRAC_CAP, FRAC, MIN_ENTRIES, default_frac
+
+    qdir, _, tokens = setup
+    common = ("--model", qdir, "--data", tokens, "--calib-samples", 8, "--train-from", 3, "--no-stability")
+    result = score(*common, "--out", tmp_path / "default")
+    assert result.exit_code == 0, result.output
+    s = load_verified(tmp_path / "default", PlanManifest).summary
+    weights = sum(t.shape[0] * t.shape[1] * t.shape[2] for t in s.tensors)
+    assert weights * FRAC < MIN_ENTRIES  # the tiny model is small enough for the rule to act
+    assert s.frac == default_frac(weights) == min(FLOOR_FRAC_CAP, MIN_ENTRIES / weights) > FRAC
+    assert s.frac_given is False
+    assert all(t.selected == int(s.frac * t.shape[0] * t.shape[1] * t.shape[2]) for t in s.tensors)
+    assert f"frac {s.frac:.4g}: the default {FRAC:g} would train" in result.output
+    assert "by default for these layers' size" in result.output
+
+    result = score(*common, "--frac", FRAC, "--out", tmp_path / "given")
+    assert result.exit_code == 0, result.output
+    g = load_verified(tmp_path / "given", PlanManifest).summary
+    assert g.frac == FRAC and g.frac_given is True
+    assert g.expert_entries == sum(int(FRAC * t.shape[0] * t.shape[1] * t.shape[2]) for t in g.tensors)
+    assert g.expert_entries < s.expert_entries
+    assert "would train" not in result.output
+
+
+def test_default_frac_rule():
+    from usaf.settings.fields import FLOOR_FRAC_CAP, FRAC, MIN_ENTRIES, default_frac
+
+    assert default_frac(10**9) == FRAC  # Qwen3-30B-A3B-sized layers: far above the floor
+    assert default_frac(round(MIN_ENTRIES / FLOOR_FRAC_CAP) * 2) == pytest.approx(FLOOR_FRAC_CAP / 2)  # the floor
+    assert default_frac(round(MIN_ENTRIES / FLOOR_FRAC_CAP) // 2) == FLOOR_FRAC_CAP  # the cap
+    assert default_frac(100) == FLOOR_FRAC_CAP  # never above the cap
+    assert default_frac(int(MIN_ENTRIES / FRAC)) == FRAC  # exactly at the floor: unchanged

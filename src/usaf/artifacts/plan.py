@@ -62,7 +62,8 @@ class PlanSummary(Record):
     model_fingerprint: str
     tokens_fingerprint: str
     trainable_layers: list[int]
-    frac: float
+    frac: float = Field(description="the share selected: --frac, or the default for the layers' size")
+    frac_given: bool | None = Field(None, description="--frac was given (None: a plan from before the default rule)")
     budget: Literal["per-tensor", "per-layer", "global", "per-expert"]
     statistic: Literal["grad", "grad2", "grad_x_weight"]
     router: bool
@@ -87,6 +88,8 @@ class PlanSummary(Record):
 
 def _summary_problem(s: PlanSummary) -> str | None:
     """The first way the summary disagrees with itself (an edited manifest), or None."""
+    if not 0 < s.frac < 1:
+        return f"frac must be between 0 and 1, got {s.frac}"
     layers = s.trainable_layers
     if not layers or layers != sorted(set(layers)) or layers[0] < 0:
         return f"trainable_layers must be distinct layer numbers in ascending order, got {layers}"

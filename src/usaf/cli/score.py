@@ -35,7 +35,8 @@ def _print_summary(console, manifest, path: Path) -> None:
         )
     console.print(
         f"{s.expert_entries:,} expert weights + {s.router_params:,} router weights = {s.trainable_params:,} trainable "
-        f"({s.budget}, frac {s.frac}, |{s.statistic}| over {s.calib_samples} sequences / {s.calib_tokens:,} tokens"
+        f"({s.budget}, frac {s.frac:.4g}{_floor_note(s)}, |{s.statistic}| over {s.calib_samples} sequences / "
+        f"{s.calib_tokens:,} tokens"
         + (f"; mask stability {s.stability_mean:.3f}" if s.stability_mean is not None else "")
         + ")"
     )
@@ -46,6 +47,11 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"prefix cache: {c.samples:,} sequences / {c.tokens:,} tokens entering layer {c.start} "
             f"({human_bytes(c.bytes)}, {c.dtype})"
         )
+
+
+def _floor_note(s) -> str:
+    """Where the share came from, when the default rule chose it."""
+    return " by default for these layers' size" if s.frac_given is False else ""
 
 
 command = stage_command(

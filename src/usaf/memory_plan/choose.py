@@ -19,6 +19,7 @@ from usaf.memory_plan.model import ModelFacts
 from usaf.memory_plan.sizes import gib
 from usaf.memory_plan.source import QuantSettings
 from usaf.memory_plan.target import GIB, RESERVE, Target
+from usaf.settings.fields import default_frac
 
 DEFAULT_MICROBATCH = 2  # usaf train's default
 DEFAULT_PREFIX_CACHE = 2 * GIB  # usaf train's --prefix-cache-gib default, used when the data size is unknown
@@ -29,7 +30,7 @@ class Request:
     """What the user fixed; ``None`` = the planner chooses."""
 
     seq_len: int = 512
-    frac: float = 0.005
+    frac: float | None = None  # None: usaf score's default for the trainable layers' size
     microbatch: int | None = None
     train_from: int | None = None
     samples: int | None = None  # training sequences, to size the prefix cache
@@ -83,7 +84,14 @@ def _candidates(m: ModelFacts, target: Target, request: Request):
         for layers in _layer_options(m, request):
             for mb in microbatches:
                 accum = 1 if fixed else math.ceil(DEFAULT_MICROBATCH / mb)
-                yield st.Settings(layers, mb, accum, request.seq_len, request.frac, placement)
+                yield st.Settings(layers, mb, accum, request.seq_len, _frac(m, request, layers), placement)
+
+
+def _frac(m: ModelFacts, request: Request, layers: tuple[int, ...]) -> float:
+    """The share usaf score selects on these layers: ``--frac`` as given, else its default for their size."""
+    if request.frac is not None:
+        return request.frac
+    return default_frac(len(layers) * (w.numel(m.gate_up_shape) + w.numel(m.down_shape)))
 
 
 def _prefix_total(m: ModelFacts, target: Target, request: Request) -> int | None:
@@ -159,7 +167,7 @@ def _stream_alternative(m: ModelFacts, q: QuantSettings, t: Target, request: Req
     for layers in _layer_options(m, request):
         if len(layers) <= have:
             return None
-        settings = st.Settings(layers, 1, DEFAULT_MICROBATCH, request.seq_len, request.frac, "stream")
+        settings = st.Settings(layers, 1, DEFAULT_MICROBATCH, request.seq_len, _frac(m, request, layers), "stream")
         settings = _with_prefix(m, q, t, request, settings)
         if not _shortfalls(t, tuple(st.all_stages(m, q, t, settings))):
             return len(layers)

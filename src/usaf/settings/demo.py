@@ -16,7 +16,7 @@ class DemoConfig(StageConfig):
 
     workspace: Path = Field(Path("usaf-demo"), description="Where the demo's artifacts go.")
     steps: int = Field(150, ge=1, description="Training steps.")
-    frac: float = f.frac(0.02)
+    frac: float | None = f.frac()
     seq_len: int = Field(256, ge=16, description="Tokens per sequence.", json_schema_extra=cli(hidden=True))
     lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas.", json_schema_extra=cli(hidden=True))
     eval_sequences: int = Field(32, ge=1, description="Sequences per evaluated input (a seeded sample).")

@@ -23,9 +23,28 @@ from typing import Any, Literal
 from pydantic import Field
 
 FRAC = 0.005  # the default share of the trainable layers' expert weights (score, train, plan)
+# Without --frac, small trainable sets get a larger share: enough for MIN_ENTRIES expert weights, at most
+# FLOOR_FRAC_CAP (docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark": 0.005 of a small model's layer
+# trains too few weights).
+MIN_ENTRIES = 50_000
+FLOOR_FRAC_CAP = 0.1
 
 # Which layers and weights train: chosen by usaf score, or by train when it scores on the fly.
 SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget")
+
+
+def default_frac(weights: int) -> float:
+    """The share of ``weights`` (the trainable layers' expert weights) selected when ``--frac`` is not given.
+
+    :data:`FRAC`, raised to ``MIN_ENTRIES / weights`` where it would select fewer than :data:`MIN_ENTRIES`, at
+    most to :data:`FLOOR_FRAC_CAP`. An explicit ``--frac`` is always used as given.
+    """
+    if weights <= 0 or FRAC * weights >= MIN_ENTRIES:
+        return FRAC
+    return max(FRAC, min(FLOOR_FRAC_CAP, MIN_ENTRIES / weights))
+
+
+FRAC_DEFAULT_TEXT = f"{FRAC:g}; on small layers enough for {MIN_ENTRIES:,} weights, at most {FLOOR_FRAC_CAP:g}"
 
 Statistic = Literal["grad", "grad2", "grad_x_weight"]
 Budget = Literal["per-tensor", "per-layer", "global", "per-expert"]
@@ -96,9 +115,11 @@ def dist_backend() -> Any:
 _DECIDED = cli(decided_by="plan")  # ignored by a command without a plan field (score)
 
 
-def frac(default: float = FRAC, **meta: Any) -> Any:
+def frac(default: float | None = None, **meta: Any) -> Any:
+    """``None``: :func:`default_frac` of the trainable layers' size, decided by usaf score."""
+    text = {"default_text": FRAC_DEFAULT_TEXT} if default is None else {}
     return Field(default, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.",
-                 json_schema_extra=cli(**{**_DECIDED["cli"], **meta}))  # fmt: skip
+                 json_schema_extra=cli(**{**_DECIDED["cli"], **text, **meta}))  # fmt: skip
 
 
 def train_from() -> Any:

@@ -34,7 +34,7 @@ class PlanConfig(StageConfig):
         None, ge=1, description="Sequences per forward.",
         json_schema_extra=cli(default_text="the largest of 2, 1 that fits"),
     )  # fmt: skip
-    frac: float = f.frac()
+    frac: float | None = f.frac()
     train_from: int | None = Field(
         None, ge=0, description="First trainable layer.",
         json_schema_extra=cli(default_text="the most layers that fit, up to the top quarter"),

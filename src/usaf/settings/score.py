@@ -21,7 +21,7 @@ class ScoreConfig(StageConfig):
     )  # fmt: skip
     out: Path | None = f.out_dir("plan")
     workspace: Path | None = f.workspace()
-    frac: float = f.frac()
+    frac: float | None = f.frac()
     train_from: int | None = f.train_from()
     layers: list[int] | None = f.layers()
     calib_samples: int = f.calib_samples()

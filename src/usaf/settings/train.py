@@ -27,7 +27,7 @@ class TrainConfig(StageConfig):
     eval_data: Path | None = Field(None, description="Held-out tokens (a tokens dir uses its heldout.jsonl).")
     out: Path | None = f.out_dir("run", "Run directory.")
     workspace: Path | None = f.workspace()
-    frac: float = f.frac()
+    frac: float | None = f.frac()
     train_from: int | None = f.train_from()
     layers: list[int] | None = f.layers()
     statistic: Statistic = f.statistic()

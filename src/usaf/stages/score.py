@@ -40,8 +40,9 @@ from usaf.data.batches import Batch, batches, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.data.tokens import scored_targets
 from usaf.engine.engine import SparseEngine
-from usaf.engine.selection import SelectionError, jaccard, pool_size, select
+from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import UsafError
+from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
 from usaf.settings.score import ScoreConfig
 from usaf.stages.engine_setup import load_for_engine
 from usaf.stages.prefix_cache import write_store
@@ -128,7 +129,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         )
     shapes = {name: w.shape for name, w in engine.weights.items()}
     layer_of = {name: loaded.spec.layer_of(name) for name in shapes}
-    pools = pool_size(shapes, config.frac, config.budget, layer_of)
+    frac = _selected_share(config.frac, sum(numel(shape) for shape in shapes.values()), progress)
+    pools = pool_size(shapes, frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def score(subset: list, description: str) -> dict:
@@ -147,7 +149,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     distributed.sum_expert_loads(engine, world)
     routing = engine.load_stats(reset=True)
     try:
-        masks = select(accumulators, frac=config.frac, mode=config.budget, layer_of=layer_of)
+        masks = select(accumulators, frac=frac, mode=config.budget, layer_of=layer_of)
     except SelectionError as e:
         raise UsafError(
             f"selection smaller than its budget: {e}",
@@ -158,13 +160,14 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     if config.stability and len(lines) >= 2:
         halves = [score(lines[0::2], "stability, half 1"), score(lines[1::2], "stability, half 2")]
         try:
-            a, b = (select(h, frac=config.frac, mode=config.budget, layer_of=layer_of) for h in halves)
+            a, b = (select(h, frac=frac, mode=config.budget, layer_of=layer_of) for h in halves)
             stability = {name: jaccard(a[name], b[name]) for name in masks}
         except SelectionError as e:
             progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
 
     summary = _summary(
         config,
+        frac,
         engine,
         layers,
         masks,
@@ -232,8 +235,22 @@ def _write_files(work: Path, masks: dict, accumulators: dict, routing: dict, *, 
     )
 
 
+def _selected_share(given: float | None, weights: int, progress: Progress) -> float:
+    """``--frac`` as given, else the default share of ``weights`` (the trainable layers' expert weights)."""
+    if given is not None:
+        return given
+    frac = default_frac(weights)
+    if frac != FRAC:
+        progress.note(
+            f"frac {frac:.4g}: the default {FRAC:g} would train {int(FRAC * weights):,} of these layers' "
+            f"{weights:,} expert weights, fewer than {MIN_ENTRIES:,} (pass --frac to choose)"
+        )
+    return frac
+
+
 def _summary(
     config,
+    frac: float,
     engine,
     layers,
     masks,
@@ -246,7 +263,7 @@ def _summary(
     data_fingerprint: str,
     seconds: float,
 ) -> PlanSummary:
-    budgets = pool_size({n: a.shape for n, a in accumulators.items()}, config.frac, config.budget, layer_of)
+    budgets = pool_size({n: a.shape for n, a in accumulators.items()}, frac, config.budget, layer_of)
     tensors = []
     for name, idx in masks.items():
         acc = accumulators[name]
@@ -273,7 +290,8 @@ def _summary(
         model_fingerprint=model_fingerprint,
         tokens_fingerprint=data_fingerprint,
         trainable_layers=layers,
-        frac=config.frac,
+        frac=frac,
+        frac_given=config.frac is not None,
         budget=config.budget,
         statistic=config.statistic,
         router=config.router,

@@ -1,0 +1,109 @@
+"""Pareto plots of the evidence benchmark: in-domain held-out PPL against forgetting, every arm and learning rate.
+
+Reads one or more results files of ``bench_evidence.py`` for the same domain (their runs are pooled; the bases
+must agree), and draws one point per (arm, lr, seed) run, faint, plus each arm's mean over seeds at every lr
+that ran on more than one seed, bold. x: PPL on the pretraining domain's held-out sources (forgetting; left is
+better), y: PPL on the fine-tuning domain's held-out test sample (lower is better). The legend gives each arm's
+trainable parameters. The 4-bit and original bases are drawn as crosses.
+
+    python benchmarks/plot_pareto.py benchmarks/results/evidence-torch-cpp.json [more.json ...] \
+        --out docs/pareto-torch-cpp.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def load_runs(paths: list[Path]) -> tuple[list[dict], dict, str]:
+    runs, bases, domain = [], None, None
+    for path in paths:
+        r = json.loads(path.read_text())
+        d = r["settings"].get("domain", "stdlib-net")
+        if domain is not None and d != domain:
+            raise SystemExit(f"{path}: domain {d}, the others' {domain}")
+        domain = d
+        if bases is None:
+            bases = r["bases"]
+        elif abs(r["bases"]["hqq4"]["indomain_heldout"]["ppl"] - bases["hqq4"]["indomain_heldout"]["ppl"]) > 1e-6:
+            raise SystemExit(f"{path}: other evaluation sequences than the first file's (bases differ)")
+        runs.extend(r["runs"])
+    return runs, bases, domain
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes (both lower is better), sorted by x."""
+    front = []
+    for x, y in sorted(points):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def plot(runs: list[dict], bases: dict, domain: str, out: Path) -> None:
+    import matplotlib  # lazy: an optional dependency (usaf[plot])
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: after the backend is chosen
+
+    by_arm: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_arm[r["arm"]].append(r)
+    fig, ax = plt.subplots(figsize=(9, 6.5))
+    cmap = plt.get_cmap("tab20")
+    means = []
+    for i, (arm, rs) in enumerate(sorted(by_arm.items())):
+        color = cmap(i % 20)
+        xs = [r["eval"]["pretrain_heldout"]["ppl"] for r in rs]
+        ys = [r["eval"]["indomain_heldout"]["ppl"] for r in rs]
+        ax.scatter(xs, ys, color=color, alpha=0.25, s=14)
+        params = rs[0]["trainable_params"]
+        label = f"{arm} ({params:,} trainable)"
+        by_lr: dict[float, list[dict]] = defaultdict(list)
+        for r in rs:
+            by_lr[r["lr"]].append(r)
+        for lr, group in sorted(by_lr.items()):
+            x = statistics.fmean(r["eval"]["pretrain_heldout"]["ppl"] for r in group)
+            y = statistics.fmean(r["eval"]["indomain_heldout"]["ppl"] for r in group)
+            if len(group) > 1:
+                ax.scatter([x], [y], color=color, s=60, edgecolor="black", label=label)
+                ax.annotate(f"{lr:g} ×{len(group)}", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+                label = None
+                means.append((x, y))
+            else:
+                ax.annotate(f"{lr:g}", (x, y), fontsize=6, color=color, xytext=(3, -8), textcoords="offset points")
+        if label is not None:  # no lr ran on several seeds: label the faint points
+            ax.scatter([], [], color=color, alpha=0.5, s=14, label=label)
+    front = pareto_front(means)
+    if len(front) > 1:
+        ax.plot(*zip(*front), color="grey", linestyle="--", linewidth=1, label="front of the seed means")
+    for name, marker in (("hqq4", "X"), ("original_fp32", "P")):
+        b = bases[name]
+        ax.scatter([b["pretrain_heldout"]["ppl"]], [b["indomain_heldout"]["ppl"]], marker=marker, color="black",
+                   s=70, label=f"base: {name}")  # fmt: skip
+    ax.set_xlabel("pretraining-domain held-out PPL (forgetting; lower is better)")
+    ax.set_ylabel(f"{domain} held-out test PPL (lower is better)")
+    ax.set_title(f"usaf vs LoRA / QLoRA / full fine-tuning on {domain}: every arm and lr (bold: mean over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="+", help="bench_evidence.py results files of one domain")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    args = parser.parse_args()
+    runs, bases, domain = load_runs(args.results)
+    plot(runs, bases, domain, args.out)
+
+
+if __name__ == "__main__":
+    main()
