@@ -194,3 +194,65 @@ def test_refused_without_router_training_and_for_model_defined_routers(quantized
     assert spec.router.kind is RouterKind.MODEL_DEFINED
     assert "structural fallback" in dense_router_grad_refusal(spec)
     assert all(dense_router_grad_refusal(spec_of(tiny_model(f))) is None for f in FAMILIES)
+
+
+# -- usaf train --dense-router-grad ------------------------------------------------------------------------
+
+
+def _train(qdir, tokens, plan, out, *extra):
+    from helpers import invoke
+
+    args = ["--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--lr", 0.05, "--save-every", 0]
+    return invoke("train", *args, *extra)
+
+
+def test_train_option_is_recorded_trains_the_routers_differently_and_resumes_exactly(prepared, tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import load_file
+
+    from usaf.stages.train import trainer
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 12, "--reselect-every", 5, "--router-lr", 1e-2]
+    plain, straight, resumed = tmp_path / "plain", tmp_path / "straight", tmp_path / "resumed"
+    assert _train(qdir, tokens, plan, plain, *args).exit_code == 0
+    result = _train(qdir, tokens, plan, straight, *args, "--dense-router-grad")
+    assert result.exit_code == 0, result.output
+    assert json.loads((straight / "run-settings.json").read_text())["dense_router_grad"] is True
+    assert "dense_router_grad" not in json.loads((plain / "run-settings.json").read_text())  # off: as before it
+
+    def routers(run):
+        return load_file(str(run / "final" / "routers.safetensors"))
+
+    a, b = routers(plain), routers(straight)
+    assert a.keys() == b.keys() and any(not torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+    real_step = trainer.Trainer.step
+
+    def interrupt(self):
+        if self.state.step == 7:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
+    assert _train(qdir, tokens, plan, resumed, *args, "--dense-router-grad").exit_code == 130
+    monkeypatch.setattr(trainer.Trainer, "step", real_step)
+    result = _train(qdir, tokens, plan, resumed, *args, "--dense-router-grad")
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    losses = lambda run: [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                          if "loss" in json.loads(line)]  # fmt: skip
+    assert losses(resumed) == losses(straight)
+    c = routers(resumed)
+    assert all(torch.equal(b[k], c[k]) for k in b)
+
+
+def test_train_refuses_it_with_no_router_and_for_a_model_defined_router(prepared, quantized, tmp_path):
+    qdir, tokens, plan = prepared("mixtral")
+    result = _train(qdir, tokens, plan, tmp_path / "run", "--steps", 2, "--dense-router-grad", "--no-router")
+    assert result.exit_code != 0 and "--no-router trains none" in result.output + result.stderr
+    assert not (tmp_path / "run").exists()
+    fallback = quantized("glm4_moe")
+    result = _train(fallback, tokens, plan, tmp_path / "run2", "--steps", 2, "--dense-router-grad")
+    assert result.exit_code != 0 and "--dense-router-grad: " in result.stderr, result.output
+    assert "structural fallback" in result.stderr and "Traceback" not in result.output + result.stderr
