@@ -218,7 +218,7 @@ def evaluate(model, sets: dict[str, Path]) -> dict:
     model.eval()
     out = {}
     for name, path in sets.items():
-        lines = list(iter_token_file(path))
+        lines = list(iter_token_file(path, vocab_size=model.config.vocab_size))
         total, tokens = 0.0, 0
         for batch in batches(lines, EVAL_MICROBATCH, 0):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
@@ -279,7 +279,7 @@ def _usaf_child(spec: dict) -> dict:
         held["trainable"] = trainer.engine.trainable_count()
 
     lr = DEFAULT_LR["usaf"] if router_only else spec["lr"]
-    router_lr = spec["lr"] if router_only else DEFAULT_LR["router_only"]
+    router_lr = spec["lr"] if router_only else spec.get("router_lr", DEFAULT_LR["router_only"])
     config = train_stage.TrainConfig(
         model=Path(spec["qdir"]),
         data=Path(spec["tokens"]),
@@ -291,6 +291,7 @@ def _usaf_child(spec: dict) -> dict:
         router_lr=router_lr,
         reselect_every=spec["reselect_every"],
         router=spec["router"],
+        dense_router_grad=spec.get("dense_router_grad", False),  # bench_router_grad.py's arms
         save_every=0,
         seed=spec["seed"],
         device="cpu",
