@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FAMILIES
 from helpers_engine import batch, make_engine, random_selection
@@ -256,3 +257,47 @@ def test_train_refuses_it_with_no_router_and_for_a_model_defined_router(prepared
     result = _train(fallback, tokens, plan, tmp_path / "run2", "--steps", 2, "--dense-router-grad")
     assert result.exit_code != 0 and "--dense-router-grad: " in result.stderr, result.output
     assert "structural fallback" in result.stderr and "Traceback" not in result.output + result.stderr
+
+
+class _Rejected(RuntimeError):
+    pass
+
+
+# the aten ops torch-directml rejects (tests/test_directml.py's list)
+_REJECTED = ("nonzero", "index_add", "scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put",
+             "one_hot", "masked_scatter", "index_copy")  # fmt: skip
+
+
+class _RejectOps(TorchDispatchMode):
+    """Raise on every rejected aten op, forward and backward."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1].rstrip("_")
+        if name in _REJECTED or name.lstrip("_") in _REJECTED:
+            raise _Rejected(f"{func} (DirectML rejects it)")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_index_free_dense_pass_avoids_rejected_ops(family, quantized):
+    """The experts forward and backward with the dense router gradient, index-free: no op DirectML rejects."""
+    from usaf.engine.experts import usaf_experts_forward
+    from usaf.families.routing import dense_weights
+
+    engine = _engine(quantized, family, dense=True)
+    layer = engine.trainable_layers[-1]
+    state = engine.loaded.experts[layer]
+    state.set_index_ops(False)
+    experts = engine.model.get_submodule(engine.spec.experts_prefix(layer))
+    x, probe = _layer_inputs(engine)
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(x.shape[0], engine.spec.num_experts, generator=g).requires_grad_(True)  # (T, E)
+    index = logits.detach().topk(engine.spec.top_k, dim=-1).indices  # (T, k)
+    weights = dense_weights(engine.spec.router, logits.detach(), index).gather(1, index).requires_grad_(True)
+    with pytest.raises(_Rejected), _RejectOps():  # negative control: the guard sees one_hot
+        F.one_hot(index, engine.spec.num_experts)
+    with _RejectOps():
+        state.router_logits = logits
+        out = usaf_experts_forward(experts, x, index, weights)  # (T, H)
+        (probe * out).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().max() > 0  # the dense pass ran
