@@ -311,7 +311,7 @@ def _usaf_child(spec: dict) -> dict:
         held["trainable"] = trainer.engine.trainable_count()
 
     lr = DEFAULT_LR["usaf"] if router_only else (None if spec["lr"] == PLAN_LR else spec["lr"])
-    router_lr = spec["lr"] if router_only else DEFAULT_LR["router_only"]
+    router_lr = spec["lr"] if router_only else spec.get("router_lr", DEFAULT_LR["router_only"])
     config = train_stage.TrainConfig(
         model=Path(spec["qdir"]),
         data=Path(spec["tokens"]),
@@ -323,6 +323,7 @@ def _usaf_child(spec: dict) -> dict:
         router_lr=router_lr,
         reselect_every=spec["reselect_every"],
         router=spec["router"],
+        dense_router_grad=spec.get("dense_router_grad", False),  # bench_router_grad.py's arms
         save_every=0,
         seed=spec["seed"],
         device="cpu",

@@ -9,6 +9,7 @@ accounting. It never prints and never touches files.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
 from usaf.engine.streaming import ExpertStreamer
 from usaf.families.modules import decoder_returns_tuple, load_balancing_loss_of
+from usaf.families.routing import dense_router_grad_refusal
 
 
 @dataclass
@@ -60,6 +62,10 @@ class SparseEngine:
             the device one layer ahead of the forward (:mod:`usaf.engine.streaming`); ``"copy"`` also
             copies when the device is host memory (tests).
         pin_experts: page-locked host memory for the streamed experts (backends that support it).
+        dense_router_grad: DenseMixer's router gradient on the trainable layers (needs ``train_router``):
+            the forward is unchanged, the routers' gradient is the dense mixture's over all experts, at the
+            cost of one extra no-grad pass over all experts of those layers in each backward
+            (:class:`usaf.engine.experts._DenseRouterGrad`).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class SparseEngine:
         pin_resident: bool = False,
         stream_experts: bool | str = False,
         pin_experts: bool = False,
+        dense_router_grad: bool = False,
     ) -> None:
         spec = loaded.spec
         bad = sorted(set(trainable_layers) - set(spec.moe_layers))
@@ -120,6 +127,9 @@ class SparseEngine:
                         assert module.parametrizations[attr].original is master
                     self.routers[name] = master
                     self.router_anchors[name] = master.detach().clone()
+        self.dense_router_grad = dense_router_grad
+        if dense_router_grad:
+            self._attach_dense_router_grad(train_router)
         self.streamer = None
         if stream_experts:
             frozen = [layer for layer in spec.moe_layers if layer not in self.trainable_layers]
@@ -135,6 +145,19 @@ class SparseEngine:
         self.activations = SavedTensorMeter(self._weight_storages, start_at=self.model.model.layers[0])
         returns_tuple = decoder_returns_tuple(spec)
         self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
+
+    def _attach_dense_router_grad(self, train_router: bool) -> None:
+        """Each trainable layer's router hands its logits to that layer's experts (a per-instance forward hook)."""
+        if not train_router:
+            raise ValueError("dense_router_grad needs train_router: it changes only the routers' gradient")
+        refusal = dense_router_grad_refusal(self.spec)
+        if refusal is not None:
+            raise ValueError(refusal)
+        for layer in self.trainable_layers:
+            state = self.loaded.experts[layer]
+            state.dense_router = self.spec.router
+            router = self.model.get_submodule(self.spec.router_prefix(layer))
+            router.register_forward_hook(functools.partial(_keep_router_logits, state))
 
     @property
     def device(self) -> torch.device:
@@ -396,6 +419,14 @@ class SparseEngine:
             "delta_entries": sum(d.nnz for d in self.deltas().values()),
             "router_params": sum(p.numel() for p in self.routers.values()),
         }
+
+
+def _keep_router_logits(state, module: nn.Module, args, output) -> None:
+    """Forward hook of a trainable layer's router: its logits ``(T, E)`` go to the layer's experts forward.
+
+    transformers 5 routers return ``(logits, weights, index)``; a 4.x softmax router is a Linear (logits).
+    """
+    state.router_logits = output[0] if isinstance(output, tuple) else output
 
 
 class _CastTo(nn.Module):

@@ -26,6 +26,8 @@ from usaf.engine.deltas import SparseDelta
 from usaf.engine.resident import ResidentBase
 from usaf.engine.sparse_linear import sparse_delta_linear
 from usaf.families.modules import expert_biases
+from usaf.families.routing import dense_weights
+from usaf.families.spec import RouterSpec
 from usaf.quant import QuantizedTensor, dequantize
 
 IMPLEMENTATION = "usaf"
@@ -128,10 +130,15 @@ class ExpertWeight(nn.Module):
             return self.resident.expert(expert).to(device, non_blocking=True)
         return dequantize(self.q, experts=[expert], dtype=self.compute_dtype, device=device, memory_layout=False)[0]
 
-    def linear(self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x (T, I) -> (T, O)`` through expert ``expert``'s base + delta."""
+    def linear(
+        self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None, *, score: bool = True
+    ) -> torch.Tensor:
+        """``x (T, I) -> (T, O)`` through expert ``expert``'s base + delta.
+
+        ``score=False``: no dense-score sink even in score mode (the dense router pass, which has no backward).
+        """
         weight = self.base(expert, x.device)
-        sink = self.score_sink(expert) if self.score_sink is not None else None
+        sink = self.score_sink(expert) if self.score_sink is not None and score else None
         if self.delta is None and sink is None:
             return F.linear(x, weight.to(x.dtype), bias)
         if self.delta is not None:
@@ -181,6 +188,10 @@ class LayerExperts(nn.Module):
         # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
         # ``sink(layer, top_k_index (T, k))``. None costs nothing.
         self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
+        # DenseMixer's router gradient (SparseEngine(dense_router_grad=True), trainable layers only): the
+        # family's router spec, and the router logits (T, E) its forward hook left for this layer's forward.
+        self.dense_router: RouterSpec | None = None
+        self.router_logits: torch.Tensor | None = None
 
     def set_index_ops(self, available: bool) -> None:
         """Whether the device runs nonzero/index_add_/scatter (``Capabilities.index_ops``); False: avoid them."""
@@ -193,6 +204,78 @@ class LayerExperts(nn.Module):
         if self.routing_sink is not None:
             self.routing_sink(self.layer, top_k_index)
         return counts
+
+    def take_router_logits(self, tokens: int) -> torch.Tensor | None:
+        """The router logits ``(T, E)`` of this forward when the dense router gradient applies, else None.
+
+        It applies while training: the logits reach the router's (trainable) weights. Taken once, so no
+        graph outlives the forward that made it.
+        """
+        logits, self.router_logits = self.router_logits, None
+        if self.dense_router is None or logits is None or not (torch.is_grad_enabled() and logits.requires_grad):
+            return None
+        logits = logits.reshape(-1, logits.shape[-1])  # (T, E)
+        if logits.shape[0] != tokens:
+            raise RuntimeError(f"router logits for {logits.shape[0]} tokens, the experts got {tokens}")
+        return logits
+
+
+def _expert_output(self: nn.Module, state: LayerExperts, x: torch.Tensor, expert: int, *, score: bool = True):
+    """One expert's MLP, ``x (t, H) -> (t, H)``: gate_up, the family's gate, down (+ biases, post-norm)."""
+    gate_up_bias, down_bias = expert_biases(self, expert)  # (2I,), (H,) or None
+    h = state.gate_up.linear(x, expert, gate_up_bias, score=score)  # (t, 2I), the family's own column order
+    h = self._apply_gate(h)  # (t, I)
+    y = state.down.linear(h, expert, down_bias, score=score)  # (t, H)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    return y
+
+
+class _DenseRouterGrad(torch.autograd.Function):
+    """DenseMixer's straight-through router gradient: the output is the top-k mixture, unchanged; the
+    gradient of the routing weights is the dense mixture's, over every expert.
+
+    The top-k mixture already gives each kept expert's weight ``dL/dw[t, e] = g_t . f_e(x_t)``. This adds
+    the same term for every expert a token was *not* routed to, ``f_e(x_t)`` computed in the backward
+    under no_grad (one extra pass over all experts, no activations kept): the gradient of
+    ``sum_e w[t, e] f_e(x_t)`` with the experts' outputs held constant. Experts' weights get nothing more.
+    """
+
+    @staticmethod
+    def forward(ctx, out, weights, hidden, others, expert_output):
+        # out (T, H) the top-k mixture; weights (T, E) every expert's weight (grad to the router);
+        # hidden (T, H) the experts' input, detached; others (T, E) bool: the experts a token was not routed to
+        ctx.save_for_backward(hidden, others)
+        ctx.expert_output = expert_output  # (x (T, H), expert) -> (T, H), no grad
+        return out.view_as(out)  # the forward is the top-k output, bit for bit
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, others = ctx.saved_tensors
+        with torch.no_grad():
+            columns = []
+            for expert in range(others.shape[1]):  # one (T, H) output at a time
+                y = ctx.expert_output(hidden, expert)  # (T, H)
+                columns.append((grad.float() * y.float()).sum(dim=-1))  # (T,) g_t . f_e(x_t)
+            grad_weights = torch.stack(columns, dim=1) * others  # (T, E), kept experts' terms are the sparse path's
+        return grad, grad_weights, None, None, None
+
+
+def _dense_router_grad(
+    self: nn.Module, state: LayerExperts, out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor
+) -> torch.Tensor:
+    """``out`` unchanged, with DenseMixer's router gradient attached when it applies (training a trainable layer)."""
+    logits = state.take_router_logits(hidden_states.shape[0])
+    if logits is None:
+        return out
+    weights = dense_weights(state.dense_router, logits, top_k_index)  # (T, E) fp32
+    experts = torch.arange(weights.shape[1], device=weights.device)
+    others = (top_k_index.unsqueeze(-1) != experts).all(dim=1)  # (T, E) bool, by comparison (no one_hot)
+
+    def expert_output(x: torch.Tensor, expert: int) -> torch.Tensor:
+        return _expert_output(self, state, x, expert, score=False)
+
+    return _DenseRouterGrad.apply(out, weights, hidden_states.detach(), others, expert_output)
 
 
 def usaf_experts_forward(
@@ -209,17 +292,12 @@ def usaf_experts_forward(
     for expert in torch.nonzero(counts).flatten().tolist():
         token_idx, k_pos = torch.where(top_k_index == expert)
         x = hidden_states[token_idx]  # (t, H)
-        gate_up_bias, down_bias = expert_biases(self, expert)  # (2I,), (H,) or None
-        h = state.gate_up.linear(x, expert, gate_up_bias)  # (t, 2I), the family's own column order
-        h = self._apply_gate(h)  # (t, I)
-        y = state.down.linear(h, expert, down_bias)  # (t, H)
-        if getattr(self, "has_post_expert_norm", False):
-            y = self.post_expert_norm(y)
+        y = _expert_output(self, state, x, expert)  # (t, H)
         y = y * top_k_weights[token_idx, k_pos, None]
         # In place: the out-of-place index_add copies (T, H) per expert and measured 100x slower on CPU
         # (torch 2.13); autograd is unaffected (index_add's backward saves only the index).
         out.index_add_(0, token_idx, y.float())
-    return out.to(hidden_states.dtype)
+    return _dense_router_grad(self, state, out.to(hidden_states.dtype), hidden_states, top_k_index)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -273,17 +351,11 @@ def _index_free_forward(
             continue
         x = rows[start : start + n]  # (n, H)
         start += n
-        gate_up_bias, down_bias = expert_biases(self, expert)  # (2I,), (H,) or None
-        h = state.gate_up.linear(x, expert, gate_up_bias)  # (n, 2I)
-        h = self._apply_gate(h)  # (n, I)
-        y = state.down.linear(h, expert, down_bias)  # (n, H)
-        if getattr(self, "has_post_expert_norm", False):
-            y = self.post_expert_norm(y)
-        outputs.append(y.float())
+        outputs.append(_expert_output(self, state, x, expert).float())  # (n, H)
     expert_major = torch.cat(outputs)  # (T*k, H)
     token_major = _PermuteRows.apply(expert_major, inv, perm).view(t, k, hidden)  # (T, k, H)
     out = (token_major * top_k_weights.float().unsqueeze(-1)).sum(dim=1)  # (T, H)
-    return out.to(hidden_states.dtype)
+    return _dense_router_grad(self, state, out.to(hidden_states.dtype), hidden_states, top_k_index)
 
 
 def register() -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from usaf.families.spec import RouterKind, RouterSpec
+from usaf.families.modules import transformers_major
+from usaf.families.spec import FamilySpec, RouterKind, RouterSpec
 
 if TYPE_CHECKING:
     import torch
@@ -65,3 +66,48 @@ def route(
             values = values / (values.sum(dim=-1, keepdim=True) + 1e-20)
         return values * router.scaling_factor, indices
     raise ValueError(f"router kind {router.kind.value} is defined by the model; run its router module instead")
+
+
+def dense_router_grad_refusal(spec: FamilySpec) -> str | None:
+    """Why the dense router gradient (``--dense-router-grad``) cannot apply to this family, or None when it can."""
+    if spec.router.kind is RouterKind.MODEL_DEFINED:
+        return f"{spec.family}'s router is its model's own module (a structural fallback): usaf knows no scores for it"
+    if spec.legacy is not None and spec.legacy.router_routes and transformers_major() < 5:
+        return f"on transformers 4.x, {spec.family}'s router module returns its routing, not its logits"
+    return None
+
+
+def dense_weights(router: RouterSpec, logits: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """Every expert's routing weight ``(T, E)`` fp32, extending the family's top-k weights to all experts
+    as DenseMixer does (its "partscale_fix_expert" normalisation).
+
+    ``weight[t, e] = score[t, e] * c[t]``: the family's per-expert score (softmax over all experts, or
+    DeepSeek-V3's sigmoid) times the factor that turns the kept scores into the family's top-k weights
+    (``scaling_factor / sum of the kept scores`` when they are renormalised, else ``scaling_factor``).
+    At the kept experts this equals the family's weight, with its gradient; at the others the factor
+    is detached, so a non-selected expert's weight moves only with its own score. gpt-oss (top-k of the
+    logits, softmax over those k) is the renormalised softmax case: ``softmax(top-k logits)_j`` equals
+    ``p_j / sum_kept p`` for ``p = softmax(all logits)``, in value and in gradient.
+
+    Args:
+        logits: ``(T, E)`` router logits as the family's router returns them (gpt-oss: with its bias).
+        top_k_index: ``(T, k)`` the experts each token was routed to.
+    """
+    # lazy: importing usaf.families stays free of torch
+    import torch
+
+    if router.kind is RouterKind.SIGMOID_GROUP_TOPK:
+        scores, eps = logits.float().sigmoid(), 1e-20  # (T, E); transformers adds 1e-20 to the sum
+    elif router.kind in (RouterKind.SOFTMAX_TOPK, RouterKind.TOPK_SOFTMAX):
+        scores, eps = torch.softmax(logits.float(), dim=-1), 0.0  # (T, E)
+    else:
+        raise ValueError(f"no dense routing weights for router kind {router.kind.value}")
+    # kept experts as a comparison, not one_hot/scatter (the DirectML path has none)
+    experts = torch.arange(scores.shape[-1], device=scores.device)
+    kept = (top_k_index.unsqueeze(-1) == experts).any(dim=1)  # (T, E) bool
+    renormalise = router.renormalize or router.kind is RouterKind.TOPK_SOFTMAX
+    factor = torch.full_like(scores[:, :1], router.scaling_factor)  # (T, 1)
+    if renormalise:
+        factor = factor / ((scores * kept).sum(dim=-1, keepdim=True) + eps)  # (T, 1), with its gradient
+    # kept: score * factor (the family's weight and its gradient); others: the factor held constant
+    return torch.where(kept, scores * factor, scores * factor.detach())  # (T, E)

@@ -55,6 +55,11 @@ class TrainConfig(StageConfig):
     )  # fmt: skip
     z_loss_coef: float = Field(0.0, ge=0, description="Router z-loss weight.")
     router: bool = Field(True, description="Train the routers.")
+    dense_router_grad: bool = Field(
+        False,
+        description="DenseMixer's router gradient: the routers learn from every expert's output, not only the "
+        "top-k's (forward unchanged; one extra pass over the trained layers' experts per backward).",
+    )
     eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = only at the end.")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps.")
     seed: int = Field(0, description="Seed of the data order.")
@@ -91,4 +96,6 @@ class TrainConfig(StageConfig):
                 f"--reselect-every {self.reselect_every} exceeds --steps {self.steps}; "
                 "lower it or pass 0 for a static mask"
             )
+        if self.dense_router_grad and not self.router:
+            raise ValueError("--dense-router-grad changes only the routers' gradient; --no-router trains none")
         return self

@@ -30,6 +30,8 @@ from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import World, world
 from usaf.errors import UsafError
+from usaf.families import load_model_config, resolve_family
+from usaf.families.routing import dense_router_grad_refusal
 from usaf.settings import SELECTION_FIELDS
 from usaf.stages import score
 from usaf.stages.progress import Progress
@@ -80,6 +82,7 @@ def resolve_inputs(
     """Resolve and check every input of the run (scoring a plan on the fly when there is none); ``held`` keeps
     the run directory's lock."""
     model_dir, model_manifest = resolve_model(config, progress)
+    _check_dense_router_grad(config, model_dir)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     context = _check_seq_len(config.seq_len, str(model_dir), tokenizer, source_of(config, "seq_len"))
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
@@ -123,6 +126,15 @@ def resolve_inputs(
         settings_record=record,
         resume_from=resume_from,
     )
+
+
+def _check_dense_router_grad(config: TrainConfig, model_dir: Path) -> None:
+    """``--dense-router-grad`` is refused for a family whose router scores usaf cannot compute."""
+    if not config.dense_router_grad:
+        return
+    refusal = dense_router_grad_refusal(resolve_family(load_model_config(model_dir)))
+    if refusal is not None:
+        raise UsafError(f"--dense-router-grad: {refusal}", "drop --dense-router-grad")
 
 
 def _check_run_dir(
@@ -271,6 +283,8 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
         "prefix_cache_gib",
     }  # where things live and how a batch is split: not the result
     keep = config.model_dump(mode="json", exclude=skip)
+    if not config.dense_router_grad:  # recorded when on: a run directory from before the option still resumes
+        del keep["dense_router_grad"]
     global_batch = config.microbatch * config.grad_accum * world.size
     return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,
             "data_fingerprint": data_fp}  # fmt: skip

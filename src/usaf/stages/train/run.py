@@ -102,6 +102,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
         loaded,
         trainable_layers=inputs.plan.summary.trainable_layers,
         train_router=config.router,
+        dense_router_grad=config.dense_router_grad,
         aux_loss_coef=config.aux_loss_coef,
         z_loss_coef=config.z_loss_coef,
         **placement,
