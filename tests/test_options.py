@@ -152,7 +152,7 @@ def test_shared_selection_fields_are_declared_once():
     for name in SELECTION_FIELDS:
         assert repr(ScoreConfig.model_fields[name]) == repr(TrainConfig.model_fields[name]), name
     assert ScoreConfig.model_fields["frac"].default is None  # usaf score's default_frac rule
-    assert default_frac(10**9) == FRAC and default_frac(10**6) == 0.05  # a large model's layers; a small one's
+    assert default_frac(10**9) == FRAC and default_frac(4 * 10**6) == 0.025  # a large model's layers; a small one's
     src = Path(__file__).parent.parent / "src" / "usaf"
     spelled = [str(p.relative_to(src)) for p in src.rglob("*.py") if re.search(r"\b0\.005\b", p.read_text())]
     options = [p for p in spelled if p.startswith(("cli/", "settings/", "stages/")) or p == "config.py"]

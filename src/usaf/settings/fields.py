@@ -26,7 +26,7 @@ FRAC = 0.005  # the default share of the trainable layers' expert weights (score
 # Without --frac, small trainable sets get a larger share: enough for MIN_ENTRIES expert weights, at most
 # FLOOR_FRAC_CAP (docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark": 0.005 of a small model's layer
 # trains too few weights).
-MIN_ENTRIES = 50_000
+MIN_ENTRIES = 100_000
 FLOOR_FRAC_CAP = 0.1
 
 # Which layers and weights train: chosen by usaf score, or by train when it scores on the fly.
