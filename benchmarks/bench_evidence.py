@@ -593,7 +593,7 @@ def main() -> None:
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
     )
-    parser.add_argument("--lora-match", default="usaf", choices=("usaf", "usaf_defaults"),
+    parser.add_argument("--lora-match", default="usaf", choices=[a for a in ARMS if ARMS[a]["kind"] == "usaf"],
                         help="the usaf arm whose trainable count LoRA's ranks match [usaf]")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
