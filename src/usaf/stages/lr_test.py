@@ -108,12 +108,13 @@ def split(lines: list) -> tuple[list, list]:
 
 def _with_prefix(engine: Any, items: list[Batch]) -> list[tuple[Batch, torch.Tensor | None]]:
     """Each microbatch on the engine's device, with its frozen-prefix states ``(B, T, H)`` computed once (the
-    prefix is frozen: every probe would recompute the same states)."""
+    prefix is frozen: every probe would recompute the same states) and kept in host memory, as train's prefix
+    cache keeps them (the sample's states at a large model's width would otherwise hold device memory)."""
     device = engine.device
     out = []
     for b in items:
         b = Batch(b.input_ids.to(device), b.labels.to(device), b.attention_mask.to(device))
-        states = engine.prefix_states(b.input_ids, b.attention_mask) if engine.prefix is not None else None
+        states = engine.prefix_states(b.input_ids, b.attention_mask).cpu() if engine.prefix is not None else None
         out.append((b, states))
     return out
 
@@ -128,6 +129,7 @@ def _probe(engine: Any, masks: dict, train: list, held: list, lr: float, steps: 
     for step in range(steps):
         batch, states = train[step % len(train)]
         optimizer.zero_grad()
+        states = None if states is None else states.to(batch.input_ids.device)
         parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
         if not bool(torch.isfinite(parts.loss.detach())):
             return None
@@ -142,6 +144,7 @@ def _heldout_loss(engine: Any, held: list) -> float:
     """Token-weighted cross-entropy over the held-back microbatches."""
     total = tokens = 0.0
     for batch, states in held:
+        states = None if states is None else states.to(batch.input_ids.device)
         parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
         total += float(parts.ce) * parts.tokens
         tokens += parts.tokens
