@@ -36,21 +36,20 @@ def engine_of(quantized, *, all_layers: bool = False) -> SparseEngine:
 # -- the rule -------------------------------------------------------------------------------------------------
 
 
-def test_rule_takes_the_smallest_lr_with_most_of_the_best_gain():
-    # gains 0.1, 0.2, 0.25, 0.4: 0.75 of the best (0.3) is first reached at the best itself
-    assert choose_lr(5.0, [1e-3, 1e-2, 3e-2, 1e-1], [4.9, 4.8, 4.75, 4.6]) == 1e-1
-    # gains 0.1, 0.35, 0.38, 0.4: 1e-2 already has 0.875 of the best; the larger lrs add little
-    assert choose_lr(5.0, [1e-3, 1e-2, 3e-2, 1e-1], [4.9, 4.65, 4.62, 4.6]) == 1e-2
+def test_rule_takes_the_lowest_heldout_loss():
+    assert choose_lr(5.0, [1e-3, 3e-3, 1e-2, 3e-2], [4.9, 4.8, 4.85, 4.95]) == 3e-3
+    assert choose_lr(5.0, [3e-2, 1e-3, 1e-2], [4.6, 4.9, 4.7]) == 3e-2, "in any order"
+    assert choose_lr(5.0, [1e-3, 1e-2], [4.8, 4.8]) == 1e-3, "a tie: the smaller"
     assert choose_lr(5.0, [1e-3, 1e-2], [5.1, 5.2]) == 1e-3, "nothing gains: the smallest"
 
 
 def test_rule_refuses_everything_from_the_first_divergence_up():
     """A lucky probe above a diverged one is not taken; the negative control: without the safeguard (the plain
     best held-back loss over the finite probes) it would be."""
-    candidates, losses = [1e-3, 1e-2, 1e-1, 1.0], [4.9, 4.8, None, 4.0]
+    candidates, losses = [1e-3, 1e-2, 3e-2, 1e-1], [4.9, 4.8, None, 4.0]
     assert choose_lr(5.0, candidates, losses) == 1e-2
     finite = [(loss, lr) for lr, loss in zip(candidates, losses) if loss is not None]
-    assert min(finite)[1] == 1.0, "control: the unguarded rule picks the probe above the divergence"
+    assert min(finite)[1] == 1e-1, "control: the unguarded rule picks the probe above the divergence"
     worse = [4.9, 4.8, 5.3, 4.0]  # above the untrained loss counts as diverged too
     assert choose_lr(5.0, candidates, worse) == 1e-2
 

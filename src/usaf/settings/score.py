@@ -10,7 +10,7 @@ from usaf.config import StageConfig
 from usaf.settings import fields as f
 from usaf.settings.fields import Budget, DistBackend, Statistic, cli
 
-LR_TEST_STEPS = 16  # per probe: 5 probes x 16 steps at the default microbatch 4 (docs/ARCHITECTURE.md, usaf score)
+LR_TEST_STEPS = 16  # per probe: 4 probes x 16 steps at the default microbatch 4 (docs/ARCHITECTURE.md, usaf score)
 
 
 class ScoreConfig(StageConfig):
