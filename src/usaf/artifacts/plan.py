@@ -12,6 +12,7 @@ edited and re-signed would otherwise train other weights, or fewer, than the pla
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
 
@@ -58,6 +59,18 @@ class PrefixCacheRecord(Record):
     dtype: str
 
 
+class LrTestRecord(Record):
+    """usaf score's learning-rate test (:mod:`usaf.stages.lr_test`): what it measured and the lr it chose."""
+
+    lr: float = Field(gt=0, allow_inf_nan=False, description="the chosen lr of the deltas: usaf train's unless --lr")
+    candidates: list[float] = Field(description="the probes' lrs, ascending")
+    heldout_losses: list[float | None] = Field(description="held-back loss after each probe (None: it diverged)")
+    base_loss: float = Field(allow_inf_nan=False, description="held-back loss of the untrained model")
+    rule: str = Field(description="how the lr was chosen from the losses")
+    steps: int = Field(ge=0, description="optimizer steps over all probes")
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+
+
 class PlanSummary(Record):
     model_fingerprint: str
     tokens_fingerprint: str
@@ -76,6 +89,7 @@ class PlanSummary(Record):
     stability_mean: float | None
     routing: list[LayerRouting]
     prefix_cache: PrefixCacheRecord | None = Field(None, description="states stored by --cache, for usaf train")
+    lr_test: LrTestRecord | None = Field(None, description="the lr test (None: --no-lr-test, or an older plan)")
     seconds: float
 
     @model_validator(mode="after")
@@ -105,6 +119,20 @@ def _summary_problem(s: PlanSummary) -> str | None:
     if s.trainable_params != s.expert_entries + s.router_params:
         expected = s.expert_entries + s.router_params
         return f"trainable_params is {s.trainable_params}, not expert_entries + router_params ({expected})"
+    if s.lr_test is not None:
+        return _lr_test_problem(s.lr_test)
+    return None
+
+
+def _lr_test_problem(t: LrTestRecord) -> str | None:
+    if not t.candidates or any(not math.isfinite(c) or c <= 0 for c in t.candidates):
+        return f"lr_test.candidates must be finite learning rates > 0, got {t.candidates}"
+    if len(t.heldout_losses) != len(t.candidates):
+        return f"lr_test has {len(t.heldout_losses)} heldout_losses for {len(t.candidates)} candidates"
+    if any(loss is not None and not math.isfinite(loss) for loss in t.heldout_losses):
+        return f"lr_test.heldout_losses must be finite or null, got {t.heldout_losses}"
+    if t.lr not in t.candidates:
+        return f"lr_test.lr {t.lr} is none of its candidates {t.candidates}"
     return None
 
 

@@ -75,6 +75,8 @@ class RunSummary(Record):
     prefix_cache_hits: int | None = Field(None, description="sequences whose frozen-prefix state was cached")
     prefix_cache_misses: int | None = Field(None, description="sequences whose prefix state had to be computed")
     world_size: int = Field(1, ge=1, description="data-parallel processes (torchrun) of the run's last start")
+    lr: float | None = Field(None, description="the deltas' peak lr the run used (None: a run of an older usaf)")
+    lr_source: str | None = Field(None, description="where that lr came from: --lr, USAF_LR, the plan's lr test, ...")
     seconds: float
 
 

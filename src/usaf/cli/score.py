@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from usaf.cli.stage import stage_command
+from usaf.settings.train import DEFAULT_LR
 from usaf.units import human_bytes
 
 
@@ -41,6 +42,16 @@ def _print_summary(console, manifest, path: Path) -> None:
         + ")"
     )
     console.print("hottest experts: " + "; ".join(hottest))
+    if s.lr_test is not None:
+        t = s.lr_test
+        probes = ", ".join(f"{lr:g}: " + ("diverged" if loss is None else f"{loss:.4f}")
+                           for lr, loss in zip(t.candidates, t.heldout_losses))  # fmt: skip
+        console.print(
+            f"lr test: lr {t.lr:.1e} for usaf train (held-back loss {t.base_loss:.4f} untrained; {probes}; "
+            f"{t.steps} steps, {t.seconds:.1f} s)"
+        )
+    else:
+        console.print(f"lr test: off (--no-lr-test); usaf train uses --lr, else {DEFAULT_LR:g}")
     if s.prefix_cache is not None:
         c = s.prefix_cache
         console.print(

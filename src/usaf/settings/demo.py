@@ -18,7 +18,10 @@ class DemoConfig(StageConfig):
     steps: int = Field(150, ge=1, description="Training steps.")
     frac: float | None = f.frac()
     seq_len: int = Field(256, ge=16, description="Tokens per sequence.", json_schema_extra=cli(hidden=True))
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas.", json_schema_extra=cli(hidden=True))
+    lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of the deltas.",
+        json_schema_extra=cli(hidden=True, default_text="the plan's (usaf score's lr test)"),
+    )  # fmt: skip
     eval_sequences: int = Field(32, ge=1, description="Sequences per evaluated input (a seeded sample).")
     export: bool = Field(
         False, description="Also export a HF model.", json_schema_extra=cli(flag="--export/--no-export")

@@ -10,6 +10,8 @@ from usaf.config import StageConfig
 from usaf.settings import fields as f
 from usaf.settings.fields import Budget, DistBackend, Statistic, cli
 
+LR_TEST_STEPS = 16  # per probe: 4 probes x 16 steps at the default microbatch 4 (docs/ARCHITECTURE.md, usaf score)
+
 
 class ScoreConfig(StageConfig):
     """Settings of ``usaf score``."""
@@ -43,6 +45,16 @@ class ScoreConfig(StageConfig):
         description="Store every training sequence's frozen-prefix state in the plan, so train starts at once.",
         json_schema_extra=cli(flag="--cache/--no-cache"),
     )
+    lr_test: bool = Field(
+        True,
+        description="Pick usaf train's lr by short probe runs at a few lrs, scored on a held-back part of the "
+        "calibration sample; recorded in the plan.",
+        json_schema_extra=cli(flag="--lr-test/--no-lr-test"),
+    )
+    lr_test_steps: int | None = Field(
+        None, ge=1, le=10_000, description="Optimizer steps of each of the lr test's probe runs.",
+        json_schema_extra=cli(default_text=str(LR_TEST_STEPS)),
+    )  # fmt: skip
     stream_experts: bool | None = f.stream_experts()
     dist_backend: DistBackend = f.dist_backend()
     overwrite: bool = f.overwrite()
@@ -51,4 +63,6 @@ class ScoreConfig(StageConfig):
     def _one_layer_choice(self) -> ScoreConfig:
         if self.train_from is not None and self.layers is not None:
             raise ValueError("pass either --train-from or --layers, not both")
+        if not self.lr_test and self.lr_test_steps is not None:
+            raise ValueError("--lr-test-steps sizes the lr test, which --no-lr-test turns off; drop one")
         return self

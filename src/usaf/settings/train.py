@@ -10,6 +10,8 @@ from usaf.config import StageConfig
 from usaf.settings import fields as f
 from usaf.settings.fields import Budget, ComputeDtype, DistBackend, Statistic, cli
 
+DEFAULT_LR = 3e-3  # the deltas' lr when neither --lr nor the plan's lr test gives one (the evidence benchmark's)
+
 
 class TrainConfig(StageConfig):
     """Settings of ``usaf train`` (each also ``USAF_<NAME>`` and a ``[train]`` TOML key)."""
@@ -38,7 +40,10 @@ class TrainConfig(StageConfig):
     )
     microbatch: int = Field(2, ge=1, description="Sequences per forward.")
     grad_accum: int = Field(1, ge=1, description="Microbatches per optimizer step.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the deltas (docs/ARCHITECTURE.md: the evidence).")
+    lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of the deltas (docs/ARCHITECTURE.md: the evidence).",
+        json_schema_extra=cli(default_text=f"the plan's (usaf score's lr test), else {DEFAULT_LR:g}"),
+    )  # fmt: skip
     router_lr: float = Field(1e-4, ge=0, description="Peak learning rate of the routers.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled, toward the pretrained weights.")
     clip: float | None = Field(1.0, gt=0, description="Gradient-norm clip over all trainables.")

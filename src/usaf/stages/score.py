@@ -28,6 +28,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.plan import (
     LayerRouting,
+    LrTestRecord,
     PlanSummary,
     PrefixCacheRecord,
     TensorSelection,
@@ -43,8 +44,9 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import UsafError
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
-from usaf.settings.score import ScoreConfig
+from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
 from usaf.stages.engine_setup import load_for_engine
+from usaf.stages.lr_test import CANDIDATES, RULE, run_lr_test
 from usaf.stages.prefix_cache import write_store
 from usaf.stages.progress import NullProgress, Progress
 
@@ -165,6 +167,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         except SelectionError as e:
             progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
 
+    lr_record = _lr_test(config, engine, masks, lines, pad, progress)
     summary = _summary(
         config,
         frac,
@@ -179,7 +182,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         model_manifest.fingerprint,
         data_fingerprint,
         time.perf_counter() - start,
-    )
+    ).model_copy(update={"lr_test": lr_record})
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
         return load_verified(out, PlanManifest, flag="--out"), out
@@ -207,6 +210,25 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         )
     world.barrier("plan written")
     return manifest, art.target
+
+
+def _lr_test(config, engine, masks, lines, pad, progress: Progress) -> LrTestRecord | None:
+    """The lr test on the calibration sample (``--lr-test``); the engine is left as it was."""
+    if not config.lr_test:
+        return None
+    steps = config.lr_test_steps or LR_TEST_STEPS
+    progress.note(f"lr test: {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
+    result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps)
+    progress.note(f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.steps} steps)")
+    return LrTestRecord(
+        lr=result.lr,
+        candidates=result.candidates,
+        heldout_losses=result.losses,
+        base_loss=result.base_loss,
+        rule=RULE,
+        steps=result.steps,
+        seconds=result.seconds,
+    )
 
 
 def _with_prefix_store(summary, engine, data_file, work, model_fingerprint, tokenizer, pad, microbatch, progress):

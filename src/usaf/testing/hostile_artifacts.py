@@ -225,6 +225,9 @@ def plan_cases() -> list[Case]:
     def per_expert_off(s: dict) -> None:
         s["tensors"][0]["per_expert"][0] += 1
 
+    def lr_test_lr(value: object) -> Callable[[dict], None]:
+        return lambda s: s["lr_test"].__setitem__("lr", value)  # the bench's plan is scored with the lr test
+
     def counts_off(key: str) -> Callable[[dict], None]:
         return lambda s: s.__setitem__(key, s[key] + 1)
 
@@ -256,6 +259,9 @@ def plan_cases() -> list[Case]:
         _plan_case("trainable_layers names a layer the model lacks", _summary_edit(layers([1, 7])),
                    needle="manifest"),
         _plan_case("trainable_layers empty", _summary_edit(layers([])), needle="manifest"),
+        *(_plan_case(f"the lr test's lr {what}", _summary_edit(lr_test_lr(value)), needle="manifest")
+          for what, value in (("NaN", float("nan")), ("negative", -0.01), ("a string", "fast"),
+                              ("none of its candidates", 7e-3))),
         _plan_case("made for a model of the same name, another fingerprint", _summary_edit(model_fingerprint),
                    needle="fingerprint"),
         _plan_case("masks header length past the file's end", _header(_header_past_end)),

@@ -33,6 +33,7 @@ from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.routing import dense_router_grad_refusal
 from usaf.settings import SELECTION_FIELDS
+from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
 from usaf.stages.progress import Progress
 from usaf.stages.train.budget import apply_budget
@@ -62,6 +63,7 @@ class TrainInputs:
     per_step: int  # the global batch, in sequences
     settings_record: dict  # what a resumed run must share with this one (run-settings.json)
     resume_from: Path | None  # this run's newest checkpoint, when the directory holds one
+    lr_source: str  # where config.lr came from: "--lr", "USAF_LR", "the plan's lr test", ...
 
     @property
     def pad_id(self) -> int:
@@ -105,7 +107,7 @@ def resolve_inputs(
     if given is None and budgeted is not config and budgeted.train_from not in (None, first):
         budgeted = apply_budget(config, model_dir, backend, data, plan.summary, progress)  # a plan from the workspace
         steps, reselect_every = _length(budgeted, len(data), world, progress)
-    config = budgeted
+    config, lr_source = with_lr(budgeted, plan)
     record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp, world)
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
     return TrainInputs(
@@ -125,6 +127,7 @@ def resolve_inputs(
         per_step=config.microbatch * config.grad_accum * world.size,
         settings_record=record,
         resume_from=resume_from,
+        lr_source=lr_source,
     )
 
 
@@ -135,6 +138,18 @@ def _check_dense_router_grad(config: TrainConfig, model_dir: Path) -> None:
     refusal = dense_router_grad_refusal(resolve_family(load_model_config(model_dir)))
     if refusal is not None:
         raise UsafError(f"--dense-router-grad: {refusal}", "drop --dense-router-grad")
+
+
+def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:
+    """``config`` with the deltas' lr filled in, and where it came from: ``--lr`` (or ``USAF_LR``, a TOML key) as
+    given, else the one the plan's lr test chose, else ``DEFAULT_LR`` (a plan scored with ``--no-lr-test``, or by
+    an older usaf). The filled-in lr is in the run's settings record, so a resumed run uses the same."""
+    if config.lr is not None:
+        return config, source_of(config, "lr")
+    test = plan.summary.lr_test
+    if test is not None:
+        return config.model_copy(update={"lr": test.lr}), "the plan's lr test"
+    return config.model_copy(update={"lr": DEFAULT_LR}), "the default: the plan has no lr test"
 
 
 def _check_run_dir(
@@ -251,6 +266,7 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
         out=run_dir / PLAN_DIR,
         microbatch=config.microbatch,
         stability=False,
+        lr_test=config.lr is None,  # an lr given to train makes the test's choice moot
         **{name: getattr(config, name) for name in options},
     )
     try:

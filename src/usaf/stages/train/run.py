@@ -83,6 +83,8 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
         progress.note(f"data parallel: {world.size} processes ({world.backend}), {per_step} sequences per step "
                       f"({per_step // world.size} per process)")  # fmt: skip
     progress.note(_plan_line(engine, trainer, inputs.steps, per_step))
+    progress.note(f"lr {config.lr:.1e} (from {inputs.lr_source})"
+                  + (f", router lr {config.router_lr:g}" if config.router else ""))  # fmt: skip
 
     loop.run_loop(trainer, inputs.steps, progress)
     return _finish(inputs, trainer, backend, time.perf_counter() - start)
@@ -178,6 +180,8 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         prefix_cache_hits=int(hits) if cache else None,
         prefix_cache_misses=int(misses) if cache else None,
         world_size=trainer.world.size,
+        lr=inputs.config.lr,
+        lr_source=inputs.lr_source,
         seconds=seconds,
     )
     manifest = write_manifest(

@@ -1,0 +1,156 @@
+"""``usaf score``'s learning-rate test: a few short probe runs that pick the lr ``usaf train`` will use.
+
+No fixed lr transfers between domains (docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"): on the demo
+model the best swept lr was 3e-3 for a small shift (standard-library network modules) and 10x that for a large one
+(C++ headers). So score, which already holds the engine, the masks and a calibration sample, trains the plan's
+masks briefly at each of a few log-spaced candidate lrs and scores every probe on a held-back part of the sample.
+
+Each probe is the real training machinery: the engine with the plan's masks as fresh (zero) deltas, the routers
+as train has them (restored to their pretrained weights before each probe), :class:`SparseAdamW` with train's
+clipping and router lr, the engine's loss, one microbatch per step. Nothing is left on the engine: the deltas are
+removed, the routers restored, the gradients and expert-load counters cleared.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from usaf.data.batches import Batch, batches
+from usaf.engine.optim import SparseAdamW
+
+# Log-spaced by ~3: the evidence benchmark's grid (3e-3, 1e-2, 3e-2) and its lower extension. Not 1e-1: every sweep
+# preferred 3e-2 to 9e-2, while a 16-step probe sometimes preferred 1e-1 (a short run rewards a large lr).
+CANDIDATES = (1e-3, 3e-3, 1e-2, 3e-2)
+ROUTER_LR = 1e-4  # usaf train's --router-lr default: the probes train the routers as train will
+CLIP = 1.0  # usaf train's --clip default
+HOLD_BACK = 4  # every 4th source file of the calibration sample is held back to score the probes (see split)
+RULE = "lowest held-back loss, below any divergence"
+
+
+@dataclass(frozen=True)
+class LrTestResult:
+    """What the test measured and chose (``losses[i]``: held-back loss after the probe at ``candidates[i]``;
+    None where the probe diverged)."""
+
+    lr: float
+    candidates: list[float]
+    losses: list[float | None]
+    base_loss: float
+    steps: int  # optimizer steps over all probes
+    seconds: float
+
+
+def choose_lr(base_loss: float, candidates: list[float], losses: list[float | None]) -> float:
+    """The candidate whose probe ended with the lowest held-back loss (the smaller lr on a tie).
+
+    The safeguard: no candidate at or above the first one that diverged (a non-finite loss, or a held-back loss
+    above the untrained model's) is eligible, even if its probe happened to end low: past a divergence the
+    probes measure luck. When nothing is eligible, the smallest candidate.
+    """
+    eligible: list[tuple[float, float]] = []  # (held-back loss, lr), ascending lr, up to the first divergence
+    for lr, loss in sorted(zip(candidates, losses), key=lambda pair: pair[0]):
+        if loss is None or not math.isfinite(loss) or loss > base_loss:
+            break
+        eligible.append((loss, lr))
+    return min(eligible)[1] if eligible else min(candidates)
+
+
+def run_lr_test(
+    engine: Any,
+    masks: dict[str, torch.Tensor],
+    lines: list,
+    *,
+    microbatch: int,
+    pad_id: int,
+    steps: int,
+    candidates: tuple[float, ...] = CANDIDATES,
+) -> LrTestResult:
+    """Probe ``steps`` optimizer steps at each candidate lr on the calibration ``lines`` less the held-back ones
+    (:func:`split`), score each probe on those, and choose (:func:`choose_lr`)."""
+    start = time.perf_counter()
+    train_lines, held_lines = split(lines)
+    train = _with_prefix(engine, list(batches(train_lines, microbatch, pad_id)))
+    held = _with_prefix(engine, list(batches(held_lines, microbatch, pad_id)))
+    try:
+        base = _heldout_loss(engine, held)
+        losses = [_probe(engine, masks, train, held, lr, steps) for lr in candidates]
+    finally:
+        _restore(engine)
+    lr = choose_lr(base, list(candidates), losses)
+    return LrTestResult(lr, list(candidates), losses, base, steps * len(candidates), time.perf_counter() - start)
+
+
+def split(lines: list) -> tuple[list, list]:
+    """(probe lines, held-back lines): every ``HOLD_BACK``-th *source* of the sample held back, so the held-back
+    loss rewards what transfers to other files of the domain, not what memorizes the probed files' own names (a
+    long run at a large lr does the latter: on the evidence benchmark it kept lowering the training sources' loss
+    while the held-out sources' rose). With fewer than two sources, every ``HOLD_BACK``-th line; one line is both."""
+    sources = list(dict.fromkeys(line.source for line in lines))  # in order of first appearance: deterministic
+    if len(sources) >= 2:
+        held_sources = set(sources[HOLD_BACK - 1 :: HOLD_BACK]) or {sources[-1]}
+        held = [line for line in lines if line.source in held_sources]
+        return [line for line in lines if line.source not in held_sources], held
+    held = [line for i, line in enumerate(lines) if i % HOLD_BACK == HOLD_BACK - 1]
+    train = [line for i, line in enumerate(lines) if i % HOLD_BACK != HOLD_BACK - 1]
+    return train or held, held or train
+
+
+def _with_prefix(engine: Any, items: list[Batch]) -> list[tuple[Batch, torch.Tensor | None]]:
+    """Each microbatch on the engine's device, with its frozen-prefix states ``(B, T, H)`` computed once (the
+    prefix is frozen: every probe would recompute the same states) and kept in host memory, as train's prefix
+    cache keeps them (the sample's states at a large model's width would otherwise hold device memory)."""
+    device = engine.device
+    out = []
+    for b in items:
+        b = Batch(b.input_ids.to(device), b.labels.to(device), b.attention_mask.to(device))
+        states = engine.prefix_states(b.input_ids, b.attention_mask).cpu() if engine.prefix is not None else None
+        out.append((b, states))
+    return out
+
+
+def _probe(engine: Any, masks: dict, train: list, held: list, lr: float, steps: int) -> float | None:
+    """Train fresh deltas (and the routers, from their pretrained weights) ``steps`` steps at ``lr``; the
+    held-back loss after, or None when a step's loss was not finite."""
+    _restore(engine)
+    engine.set_deltas(masks)  # zero values: the probe starts from the base model, as a run does
+    groups = engine.parameter_groups(lr=lr, router_lr=ROUTER_LR, weight_decay=0.0)
+    optimizer = SparseAdamW(groups, max_grad_norm=CLIP)
+    for step in range(steps):
+        batch, states = train[step % len(train)]
+        optimizer.zero_grad()
+        states = None if states is None else states.to(batch.input_ids.device)
+        parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
+        if not bool(torch.isfinite(parts.loss.detach())):
+            return None
+        parts.loss.backward()
+        optimizer.step()  # skips a step with a non-finite gradient, as train does
+    loss = _heldout_loss(engine, held)
+    return loss if math.isfinite(loss) else None
+
+
+@torch.no_grad()
+def _heldout_loss(engine: Any, held: list) -> float:
+    """Token-weighted cross-entropy over the held-back microbatches."""
+    total = tokens = 0.0
+    for batch, states in held:
+        states = None if states is None else states.to(batch.input_ids.device)
+        parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
+        total += float(parts.ce) * parts.tokens
+        tokens += parts.tokens
+    return total / max(tokens, 1.0)
+
+
+@torch.no_grad()
+def _restore(engine: Any) -> None:
+    """The engine as score built it: no deltas, the routers' pretrained weights, no gradients, no load counts."""
+    engine.set_deltas({})
+    for name, master in engine.routers.items():
+        master.copy_(engine.router_anchors[name])
+        master.grad = None
+    engine.model.zero_grad(set_to_none=True)
+    engine.load_stats(reset=True)

@@ -1,0 +1,216 @@
+"""usaf score's learning-rate test (usaf.stages.lr_test): the rule, the engine left untouched, determinism, the lr
+recorded in the plan and used by usaf train unless --lr / USAF_LR is given, and tampered records refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import invoke
+from helpers_engine import FAMILY_LAYERS, batch, random_selection
+from usaf.artifacts import PlanManifest, RunManifest, load_verified
+from usaf.data.tokens import TokenLine
+from usaf.engine.engine import SparseEngine
+from usaf.engine.loading import load_quantized_model
+from usaf.stages.lr_test import CANDIDATES, choose_lr, run_lr_test, split
+
+STEPS = 3  # per probe in the CLI tests: the recorded figures, not their quality, are under test
+
+
+def lines(n: int = 8, length: int = 20, sources: int = 2) -> list[TokenLine]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 512, (n, length), generator=g).tolist()
+    return [TokenLine(i, row, row, f"file{i % sources}.py") for i, row in enumerate(ids)]
+
+
+def engine_of(quantized, *, all_layers: bool = False) -> SparseEngine:
+    loaded = load_quantized_model(quantized("qwen3_moe", num_layers=FAMILY_LAYERS))
+    layers = list(loaded.spec.moe_layers) if all_layers else [loaded.spec.moe_layers[-1]]
+    return SparseEngine(loaded, trainable_layers=layers)
+
+
+# -- the rule -------------------------------------------------------------------------------------------------
+
+
+def test_rule_takes_the_lowest_heldout_loss():
+    assert choose_lr(5.0, [1e-3, 3e-3, 1e-2, 3e-2], [4.9, 4.8, 4.85, 4.95]) == 3e-3
+    assert choose_lr(5.0, [3e-2, 1e-3, 1e-2], [4.6, 4.9, 4.7]) == 3e-2, "in any order"
+    assert choose_lr(5.0, [1e-3, 1e-2], [4.8, 4.8]) == 1e-3, "a tie: the smaller"
+    assert choose_lr(5.0, [1e-3, 1e-2], [5.1, 5.2]) == 1e-3, "nothing gains: the smallest"
+
+
+def test_rule_refuses_everything_from_the_first_divergence_up():
+    """A lucky probe above a diverged one is not taken; the negative control: without the safeguard (the plain
+    best held-back loss over the finite probes) it would be."""
+    candidates, losses = [1e-3, 1e-2, 3e-2, 1e-1], [4.9, 4.8, None, 4.0]
+    assert choose_lr(5.0, candidates, losses) == 1e-2
+    finite = [(loss, lr) for lr, loss in zip(candidates, losses) if loss is not None]
+    assert min(finite)[1] == 1e-1, "control: the unguarded rule picks the probe above the divergence"
+    worse = [4.9, 4.8, 5.3, 4.0]  # above the untrained loss counts as diverged too
+    assert choose_lr(5.0, candidates, worse) == 1e-2
+
+
+def test_split_holds_back_whole_sources():
+    train, held = split(lines(8, sources=4))
+    assert {x.source for x in held} == {"file3.py"} and "file3.py" not in {x.source for x in train}
+    train, held = split(lines(8, sources=1))  # one source: every 4th line
+    assert [x.line for x in held] == [3, 7] and len(train) == 6
+    train, held = split(lines(1, sources=1))
+    assert train == held and len(train) == 1
+
+
+# -- the test on a tiny model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("all_layers", [False, True], ids=["frozen-prefix", "train-from-0"])
+def test_engine_is_left_as_it_was(quantized, all_layers):
+    engine = engine_of(quantized, all_layers=all_layers)
+    assert (engine.prefix is None) == all_layers
+    ids, labels = batch()
+    before = float(engine.loss(ids, labels).loss.detach())
+    routers = {n: p.detach().clone() for n, p in engine.routers.items()}
+    result = run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2)
+    assert result.steps == 2 * len(CANDIDATES) and result.seconds > 0
+    assert any(loss is not None and loss != result.base_loss for loss in result.losses), "the probes trained"
+    assert engine.deltas() == {}
+    assert all(torch.equal(p, routers[n]) and p.grad is None for n, p in engine.routers.items())
+    assert float(engine.loss(ids, labels).loss.detach()) == before
+
+
+def test_deterministic(quantized):
+    results = []
+    for _ in range(2):
+        engine = engine_of(quantized)
+        results.append(run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2))
+    assert results[0].losses == results[1].losses and results[0].lr == results[1].lr
+
+
+def test_a_diverging_lr_is_not_chosen(quantized):
+    """lr 1e20 overflows the trained experts' outputs (non-finite loss); the test chooses below it. The control: its
+    probe really diverged (a large finite lr does not show it here: on a random tiny model the final norm bounds the
+    logits, and lr 100 still lowered the held-back loss of random tokens)."""
+    engine = engine_of(quantized)
+    result = run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2,
+                         candidates=(1e-3, 1e-2, 1e20))  # fmt: skip
+    assert result.losses[-1] is None, "control: the probe at 1e20 diverged"
+    assert result.lr < 1e20
+
+
+# -- through the CLI: score records it, train uses it -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(prepared):
+    qdir, tokens, _ = prepared("qwen3_moe")
+    return qdir, tokens
+
+
+def score(qdir: Path, tokens: Path, out: Path, *extra):
+    result = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
+                    "--train-from", 2, "--no-stability", "--out", out, *extra)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return load_verified(out, PlanManifest), result.output
+
+
+def train(qdir: Path, tokens: Path, plan: Path, out: Path, *extra, env=None):
+    return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--out", out, *extra,
+                  env=env)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plan(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lr") / "plan"
+    manifest, output = score(*inputs, out, "--lr-test-steps", STEPS)
+    return out, manifest, output
+
+
+def test_score_records_and_prints_the_test(plan):
+    _, manifest, output = plan
+    t = manifest.summary.lr_test
+    assert t is not None and t.lr in t.candidates and t.steps == STEPS * len(CANDIDATES)
+    assert len(t.heldout_losses) == len(t.candidates) and math.isfinite(t.base_loss)
+    assert t.lr == choose_lr(t.base_loss, t.candidates, t.heldout_losses)
+    assert f"lr test: lr {t.lr:.1e}" in output
+
+
+def test_train_uses_the_plans_lr(inputs, plan, tmp_path):
+    path, manifest, _ = plan
+    result = train(*inputs, path, tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    lr = manifest.summary.lr_test.lr
+    s = load_verified(tmp_path / "run", RunManifest).summary
+    assert (s.lr, s.lr_source) == (lr, "the plan's lr test")
+    assert json.loads((tmp_path / "run" / "run-settings.json").read_text())["lr"] == lr  # resume uses it too
+    assert f"lr {lr:.1e} (from the plan's lr test)" in result.output
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_lr_given_wins_over_the_plan(inputs, plan, tmp_path, how):
+    path, manifest, _ = plan
+    given = 0.0123
+    assert given != manifest.summary.lr_test.lr
+    extra, env = (("--lr", given), None) if how == "flag" else ((), {"USAF_LR": str(given)})
+    result = train(*inputs, path, tmp_path / "run", *extra, env=env)
+    assert result.exit_code == 0, result.output
+    s = load_verified(tmp_path / "run", RunManifest).summary
+    assert (s.lr, s.lr_source) == (given, "--lr" if how == "flag" else "USAF_LR")
+
+
+def test_no_lr_test_means_the_default(inputs, tmp_path):
+    manifest, output = score(*inputs, tmp_path / "plan", "--no-lr-test")
+    assert manifest.summary.lr_test is None and "lr test: off" in output
+    result = train(*inputs, tmp_path / "plan", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    s = load_verified(tmp_path / "run", RunManifest).summary
+    assert s.lr == 3e-3 and "no lr test" in s.lr_source
+
+
+def test_steps_without_the_test_are_refused(inputs, tmp_path):
+    result = invoke("score", "--model", inputs[0], "--data", inputs[1], "--no-lr-test", "--lr-test-steps", 4,
+                    "--out", tmp_path / "plan")  # fmt: skip
+    assert result.exit_code == 2 and "--lr-test-steps" in result.output and "--no-lr-test" in result.output
+
+
+def test_the_cache_is_captured_from_an_untouched_engine(inputs, tmp_path):
+    """--cache runs after the lr test: its stored states equal those of a plan scored without the test."""
+    with_test, _ = score(*inputs, tmp_path / "a", "--cache", "--lr-test-steps", STEPS)
+    without, _ = score(*inputs, tmp_path / "b", "--cache", "--no-lr-test")
+    assert with_test.summary.lr_test is not None
+    states = [(tmp_path / p / "prefix_states.bin").read_bytes() for p in ("a", "b")]
+    assert states[0] == states[1]
+
+
+def test_train_scoring_on_the_fly_runs_the_test_unless_lr_is_given(inputs, tmp_path):
+    for name, extra in (("plain", ()), ("given", ("--lr", 0.01))):
+        out = tmp_path / name
+        result = invoke("train", "--model", inputs[0], "--data", inputs[1], "--steps", 1, "--calib-samples", 4,
+                        "--train-from", 2, "--workspace", tmp_path / f"ws-{name}", "--out", out, *extra)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        plan = load_verified(out / "plan", PlanManifest).summary
+        s = load_verified(out, RunManifest).summary
+        if extra:
+            assert plan.lr_test is None and (s.lr, s.lr_source) == (0.01, "--lr")
+        else:
+            assert plan.lr_test is not None and (s.lr, s.lr_source) == (plan.lr_test.lr, "the plan's lr test")
+
+
+@pytest.mark.parametrize("value", [float("nan"), -0.01, "fast", 7e-3], ids=["nan", "negative", "string", "foreign"])
+def test_a_tampered_lr_is_refused(inputs, plan, tmp_path, value):
+    """One line naming the plan's manifest; re-signed, so only the summary's own checks can catch it."""
+    import shutil
+
+    from usaf.testing.hostile import _resign as resign  # the catalogue's re-signing: sizes, hashes, fingerprint
+
+    copy = Path(shutil.copytree(plan[0], tmp_path / "plan"))
+    data = json.loads((copy / "manifest.json").read_text())
+    data["summary"]["lr_test"]["lr"] = value
+    (copy / "manifest.json").write_text(json.dumps(data))
+    resign(copy)
+    result = train(*inputs, copy, tmp_path / "run")
+    assert result.exit_code == 2, result.output
+    assert str(copy / "manifest.json") in result.output and "lr_test" in result.output
+    assert "Traceback" not in result.output
