@@ -218,7 +218,8 @@ def make_plan(
     out = work / f"plan-seed{seed}-frac{frac}-from{train_from}"
     manifest, plan = score(
         ScoreConfig(model=env["qdir"], data=env["tokens"], out=out, frac=frac, seed=seed, cache=cache,
-                    calib_samples=calib, train_from=train_from, device="cpu")
+                    calib_samples=calib, train_from=train_from, device="cpu",
+                    lr_test=frac is None)  # the lr test only where train takes the plan's lr: usaf_defaults
     )  # fmt: skip
     s = manifest.summary
     info = {
@@ -229,6 +230,8 @@ def make_plan(
         "calib_samples": s.calib_samples,
         "stability_mean": s.stability_mean,
         "prefix_cache": cache,
+        "frac": s.frac,
+        "lr_test": s.lr_test.model_dump() if s.lr_test is not None else None,
     }
     print(f"[score] seed {seed} frac {frac} layers {s.trainable_layers}: {info['seconds']:.1f}s, "
           f"{s.expert_entries} entries, "
