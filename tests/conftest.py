@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# usaf score's lr test (64 probe steps) would add seconds to every one of the suite's ~60 scorings; it is tested in
+# tests/test_lr_test.py (and usaf demo's tests), which turn it on explicitly. USAF_LR_TEST=true runs the suite with it.
+os.environ.setdefault("USAF_LR_TEST", "false")
 
 # The families with their own file, plus two structural-fallback types: glm4_moe (DeepSeek-like
 # routing with shared experts) and phimoe (Mixtral-like on-disk names renamed by transformers).

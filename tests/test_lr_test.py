@@ -110,8 +110,9 @@ def inputs(prepared):
 
 
 def score(qdir: Path, tokens: Path, out: Path, *extra):
+    on = () if "--no-lr-test" in extra else ("--lr-test",)  # tests/conftest.py turns it off by default
     result = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
-                    "--train-from", 2, "--no-stability", "--out", out, *extra)  # fmt: skip
+                    "--train-from", 2, "--no-stability", "--out", out, *extra, *on)  # fmt: skip
     assert result.exit_code == 0, result.output
     return load_verified(out, PlanManifest), result.output
 

@@ -51,7 +51,8 @@ def _scored_plan(root: Path) -> Path:
     out = root / "artifacts-plan"
     if not (out / "manifest.json").is_file():
         args = ["score", "--model", str(root / "quantized"), "--data", str(root / "tokens.jsonl"), "--out", str(out),
-                "--frac", "0.05", "--calib-samples", "4", "--no-stability", "--cache"]  # fmt: skip
+                "--frac", "0.05", "--calib-samples", "4", "--no-stability", "--cache",
+                "--lr-test"]  # fmt: skip
         result = CliRunner().invoke(app, args)
         if result.exit_code != 0:
             raise RuntimeError(f"scoring the bench's plan failed: {result.output[-2000:]}")
