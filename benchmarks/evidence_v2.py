@@ -1,0 +1,90 @@
+"""Evidence, version 2: pool bench_evidence.py results per domain, tabulate every arm and the paired differences.
+
+For each domain, the runs of every given results file (same evaluation sequences: their bases must agree) are pooled.
+Per arm: the chosen lr (the file's sweep winner; usaf_defaults has none: the plan's lr test), mean ± std over seeds
+of the in-domain held-out test PPL and the pretraining-domain PPL (forgetting), trainable parameters; then, paired by
+seed, each arm minus usaf_defaults. Writes one JSON and prints markdown tables for docs/BENCHMARKS.md.
+
+    python benchmarks/evidence_v2.py --domain torch-cpp benchmarks/results/evidence-v2-*-torch-cpp.json \
+        --out benchmarks/results/evidence-v2-torch-cpp-summary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+REFERENCE = "usaf_defaults"
+
+
+def chosen_runs(paths: list[Path]) -> tuple[dict, dict]:
+    """``{arm: {seed: run}}`` at each file's chosen lr, and the first file's bases."""
+    out: dict = {}
+    bases = None
+    for path in paths:
+        r = json.loads(path.read_text())
+        bases = bases or r["bases"]
+        if abs(r["bases"]["hqq4"]["indomain_heldout"]["ppl"] - bases["hqq4"]["indomain_heldout"]["ppl"]) > 1e-6:
+            raise SystemExit(f"{path}: other evaluation sequences than the first file's")
+        for run in r["runs"]:
+            if run["lr"] == r.get("chosen_lr", {}).get(run["arm"]):
+                out.setdefault(run["arm"], {})[run["seed"]] = run
+    return out, bases
+
+
+def summarize(arms: dict) -> dict:
+    table = {}
+    for arm, by_seed in arms.items():
+        runs = [by_seed[s] for s in sorted(by_seed)]
+        row = {
+            "lr": [r["learning_rates"].get("deltas") or r["learning_rates"].get("all") or r["lr"] for r in runs],
+            "seeds": sorted(by_seed),
+            "trainable_params": runs[0]["trainable_params"],
+        }  # fmt: skip
+        for key, name in (("indomain_heldout", "test"), ("pretrain_heldout", "forgetting")):
+            values = [r["eval"][key]["ppl"] for r in runs]
+            row[name] = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                         "values": values}  # fmt: skip
+        ref = arms.get(REFERENCE, {})
+        row["minus_defaults"] = {
+            name: [by_seed[s]["eval"][key]["ppl"] - ref[s]["eval"][key]["ppl"] for s in sorted(by_seed) if s in ref]
+            for key, name in (("indomain_heldout", "test"), ("pretrain_heldout", "forgetting"))
+        }
+        table[arm] = row
+    return table
+
+
+def print_table(domain: str, bases: dict, table: dict) -> None:
+    b = bases["hqq4"]
+    print(f"\n{domain}: 4-bit base test {b['indomain_heldout']['ppl']:.2f}, "
+          f"forgetting {b['pretrain_heldout']['ppl']:.2f}")
+    print("| arm | lr | trainable | held-out test PPL | pretraining PPL (forgetting) "
+          "| − usaf defaults, by seed (test; forgetting) |")
+    print("|---|---|---|---|---|---|")
+    for arm, row in sorted(table.items(), key=lambda kv: kv[1]["test"]["mean"]):
+        lrs = sorted(set(row["lr"]))
+        d = row["minus_defaults"]
+        diffs = " / ".join(f"{x:+.2f}" for x in d["test"]) + "; " + " / ".join(f"{x:+.2f}" for x in d["forgetting"])
+        print(f"| {arm} | {', '.join(f'{x:g}' for x in lrs)} | {row['trainable_params']:,} | "
+              f"{row['test']['mean']:.2f} ± {row['test']['std']:.2f} | "
+              f"{row['forgetting']['mean']:.2f} ± {row['forgetting']['std']:.2f} | "
+              f"{diffs if arm != REFERENCE else '—'} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--domain", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    arms, bases = chosen_runs(args.results)
+    table = summarize(arms)
+    args.out.write_text(json.dumps({"domain": args.domain, "files": [str(p) for p in args.results], "bases": bases,
+                                    "table": table}, indent=1) + "\n")  # fmt: skip
+    print_table(args.domain, bases, table)
+
+
+if __name__ == "__main__":
+    main()
