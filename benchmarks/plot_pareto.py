@@ -18,6 +18,10 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from evidence_v2 import same_sequences  # the script's directory is on sys.path
+
+FORGETTING_LIMIT = 3.0  # runs forgetting beyond this multiple of the base's pretraining PPL are not drawn
+
 
 def load_runs(paths: list[Path]) -> tuple[list[dict], dict, str]:
     runs, bases, domain = [], None, None
@@ -29,7 +33,7 @@ def load_runs(paths: list[Path]) -> tuple[list[dict], dict, str]:
         domain = d
         if bases is None:
             bases = r["bases"]
-        elif abs(r["bases"]["hqq4"]["indomain_heldout"]["ppl"] - bases["hqq4"]["indomain_heldout"]["ppl"]) > 1e-6:
+        elif not same_sequences(r["bases"], bases):
             raise SystemExit(f"{path}: other evaluation sequences than the first file's (bases differ)")
         runs.extend(r["runs"])
     return runs, bases, domain
@@ -44,24 +48,39 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
-def plot(runs: list[dict], bases: dict, domain: str, out: Path) -> None:
+def plot(runs: list[dict], bases: dict, domain: str, out: Path, exclude: tuple[str, ...] = ()) -> None:
     import matplotlib  # lazy: an optional dependency (usaf[plot])
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: after the backend is chosen
+    from matplotlib import ticker  # lazy: with matplotlib
 
-    by_arm: dict[str, list[dict]] = defaultdict(list)
+    # Runs that diverged (worse than the base in-domain, or forgetting beyond FORGETTING_LIMIT x the base) would
+    # squash the rest of the plot: they are counted in the title instead of drawn.
+    base = bases["hqq4"]
+    def on_chart(r: dict) -> bool:
+        forgetting_limit = FORGETTING_LIMIT * base["pretrain_heldout"]["ppl"]
+        e = r["eval"]
+        better_than_base = e["indomain_heldout"]["ppl"] <= base["indomain_heldout"]["ppl"]
+        return better_than_base and e["pretrain_heldout"]["ppl"] <= forgetting_limit
+
+    by_arm: dict[tuple[str, int], list[dict]] = defaultdict(list)  # an arm at another size is another arm
+    off = 0
     for r in runs:
-        by_arm[r["arm"]].append(r)
+        if r["arm"] in exclude:
+            continue
+        if not on_chart(r):
+            off += 1
+            continue
+        by_arm[(r["arm"], r["trainable_params"])].append(r)
     fig, ax = plt.subplots(figsize=(9, 6.5))
     cmap = plt.get_cmap("tab20")
     means = []
-    for i, (arm, rs) in enumerate(sorted(by_arm.items())):
+    for i, ((arm, params), rs) in enumerate(sorted(by_arm.items())):
         color = cmap(i % 20)
         xs = [r["eval"]["pretrain_heldout"]["ppl"] for r in rs]
         ys = [r["eval"]["indomain_heldout"]["ppl"] for r in rs]
         ax.scatter(xs, ys, color=color, alpha=0.25, s=14)
-        params = rs[0]["trainable_params"]
         label = f"{arm} ({params:,} trainable)"
         by_lr: dict[float, list[dict]] = defaultdict(list)
         for r in rs:
@@ -71,7 +90,8 @@ def plot(runs: list[dict], bases: dict, domain: str, out: Path) -> None:
             y = statistics.fmean(r["eval"]["indomain_heldout"]["ppl"] for r in group)
             if len(group) > 1:
                 ax.scatter([x], [y], color=color, s=60, edgecolor="black", label=label)
-                ax.annotate(f"{lr:g} ×{len(group)}", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+                name = "lr test" if lr == 0 else f"{lr:g}"  # lr 0: usaf train took the plan's lr (bench_evidence)
+                ax.annotate(f"{name} ×{len(group)}", (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
                 label = None
                 means.append((x, y))
             else:
@@ -87,7 +107,13 @@ def plot(runs: list[dict], bases: dict, domain: str, out: Path) -> None:
                    s=70, label=f"base: {name}")  # fmt: skip
     ax.set_xlabel("pretraining-domain held-out PPL (forgetting; lower is better)")
     ax.set_ylabel(f"{domain} held-out test PPL (lower is better)")
-    ax.set_title(f"usaf vs LoRA / QLoRA / full fine-tuning on {domain}: every arm and lr (bold: mean over seeds)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not 4.6 x 10^1
+        axis.set_major_formatter(ticker.ScalarFormatter())
+        axis.set_minor_formatter(ticker.FormatStrFormatter("%.0f"))
+    ax.set_title(f"{domain}: every arm and lr (faint: one run, bold: mean over seeds)"
+                 + (f"; {off} diverged runs off the chart" if off else ""), fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -100,10 +126,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="+", help="bench_evidence.py results files of one domain")
     parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    parser.add_argument("--exclude", nargs="*", default=[], help="arms to leave out (e.g. full_finetune)")
     args = parser.parse_args()
     runs, bases, domain = load_runs(args.results)
-    plot(runs, bases, domain, args.out)
+    plot(runs, bases, domain, args.out, tuple(args.exclude))
 
 
 if __name__ == "__main__":
     main()
+
