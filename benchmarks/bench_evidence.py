@@ -39,7 +39,13 @@ Every run is deterministic at a fixed thread count, so ``--resume`` continues an
 runs already in ``--out`` (the same settings are checked) with the same results.
 
     python benchmarks/bench_evidence.py [--quick] [--threads 1] [--steps 250] [--seeds 0 1 2] [--no-sweep]
+                                        [--domain stdlib-net|torch-cpp] [--arms ARM ...] [--lora-match ARM]
                                         [--resume] [--out benchmarks/results/evidence.json]
+
+Version 2 (issue 20): ``--domain torch-cpp`` fine-tunes on ``usaf.demo.CPP_DOMAIN`` instead (C++ headers: a much
+larger shift); ``--arms`` picks arms beyond the default set: ``qlora`` (the same LoRA over usaf's dequantized 4-bit
+base), ``usaf_defaults`` (no --frac, no --lr: the default share rule and the plan's lr test, not swept) and the
+budget arms; ``--lora-match`` sizes LoRA to another usaf arm (``usaf_defaults``: ~80 k on the demo model).
     python benchmarks/bench_evidence.py --reaggregate benchmarks/results/evidence.json   # tables only
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arm.
