@@ -182,7 +182,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         model_manifest.fingerprint,
         data_fingerprint,
         time.perf_counter() - start,
-    ).model_copy(update={"lr_test": lr_record})
+        lr_record,
+    )
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
         return load_verified(out, PlanManifest, flag="--out"), out
@@ -284,6 +285,7 @@ def _summary(
     model_fingerprint: str,
     data_fingerprint: str,
     seconds: float,
+    lr_test: LrTestRecord | None,
 ) -> PlanSummary:
     budgets = pool_size({n: a.shape for n, a in accumulators.items()}, frac, config.budget, layer_of)
     tensors = []
@@ -325,5 +327,6 @@ def _summary(
         trainable_params=entries + router_params,
         stability_mean=sum(stability.values()) / len(stability) if stability else None,
         routing=[LayerRouting(layer=layer, **vars(load)) for layer, load in routing.items()],
+        lr_test=lr_test,  # validated with the rest (model_copy would skip the record's checks)
         seconds=seconds,
     )
