@@ -81,6 +81,8 @@ WARMUP_FRACTION = 0.05  # usaf train's --warmup default, used for every arm
 CLIP = 1.0
 FRAC = 0.005
 FRAC_LARGE = 0.02  # the demo model is tiny: 0.005 of one layer's experts is 3,931 weights
+# experts + attention of layer 3 (786,432 + 49,152 weights) at the count of 0.1 of its experts (78,643)
+FRAC_ATTENTION = 0.0941
 TRAIN_FROM_HALF = 2  # layers 2 and 3 (the default trains the top quarter: layer 3 alone)
 EVAL_SEQUENCES, EVAL_SEQUENCES_QUICK = 64, 4
 EVAL_SEED = 1234  # the evaluated samples are fixed: the same sequences for every arm and seed
@@ -109,6 +111,22 @@ ARMS = {
     "usaf_frac_0.05": {"kind": "usaf", "frac": 0.05, "reselect": True, "router": True},
     "usaf_frac_0.1": {"kind": "usaf", "frac": 0.1, "reselect": True, "router": True},
     "usaf_all_layers": {"kind": "usaf", "frac": FRAC, "reselect": True, "router": True, "train_from": 0},
+    # Targets beyond the routed experts (issue 20): the experts and the attention of the same layer. At FRAC_ATTENTION
+    # the count equals usaf_defaults' (0.1 of the experts); the defaults arm takes the share rule and the lr test.
+    "usaf_attention": {
+        "kind": "usaf",
+        "frac": FRAC_ATTENTION,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention",
+    },
+    "usaf_defaults_attention": {
+        "kind": "usaf",
+        "frac": None,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention",
+    },
 }
 DEFAULT_ARMS = ("usaf", "usaf_static", "usaf_no_router", "router_only", "usaf_frac_large", "usaf_top_half", "lora",
                 "full_finetune")  # fmt: skip
@@ -129,6 +147,8 @@ GRIDS = {
     "usaf_frac_0.05": [3e-3, 1e-2, 3e-2],
     "usaf_frac_0.1": [3e-3, 1e-2, 3e-2],
     "usaf_all_layers": [3e-3, 1e-2, 3e-2],
+    "usaf_attention": [3e-3, 1e-2, 3e-2],
+    "usaf_defaults_attention": [0.0],
 }
 DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
 PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
@@ -213,18 +233,31 @@ def _sample(lines: list[dict], n: int) -> list[dict]:
     return random.Random(EVAL_SEED).sample(lines, min(n, len(lines)))
 
 
+def plan_label(seed: int, frac: float | None, train_from: int | None, targets: str = "experts") -> str:
+    """The plan's key in a results file (and its directory's name); the experts alone keep their old label."""
+    label = f"seed{seed}-frac{frac}-from{train_from}"
+    return label if targets == "experts" else f"{label}-{targets.replace(',', '+')}"
+
+
 def make_plan(
-    env: dict, work: Path, seed: int, frac: float, train_from: int | None, cache: bool, calib: int
+    env: dict,
+    work: Path,
+    seed: int,
+    frac: float,
+    train_from: int | None,
+    cache: bool,
+    calib: int,
+    targets: str = "experts",
 ) -> tuple[Path, dict]:
     """``usaf score`` for one seed, budget and layer choice, as ``usaf demo`` runs it (``--cache``)."""
     from usaf.stages.score import ScoreConfig
     from usaf.stages.score import run as score
 
     start = time.perf_counter()
-    out = work / f"plan-seed{seed}-frac{frac}-from{train_from}"
+    out = work / f"plan-{plan_label(seed, frac, train_from, targets)}"
     manifest, plan = score(
         ScoreConfig(model=env["qdir"], data=env["tokens"], out=out, frac=frac, seed=seed, cache=cache,
-                    calib_samples=calib, train_from=train_from, device="cpu",
+                    calib_samples=calib, train_from=train_from, device="cpu", targets=targets,
                     lr_test=frac is None)  # the lr test only where train takes the plan's lr: usaf_defaults
     )  # fmt: skip
     s = manifest.summary
@@ -362,8 +395,11 @@ def _usaf_child(spec: dict) -> dict:
         "prefix_cache": [s.prefix_cache_hits, s.prefix_cache_misses],
         "routing_warnings": s.routing_warnings,
         "change_expert_entries": change.expert_entries,
-        "learning_rates": {"deltas": None if router_only else s.lr, "deltas_source": s.lr_source,
-                           "router": router_lr if spec["router"] else None},  # fmt: skip
+        "learning_rates": {
+            "deltas": None if router_only else s.lr,
+            "deltas_source": s.lr_source,
+            "router": router_lr if spec["router"] else None,
+        },  # fmt: skip
     }
 
 
@@ -439,7 +475,7 @@ def _dense_child(spec: dict) -> dict:
 
 
 def plan_key(arm: str, seed: int) -> tuple:
-    return seed, ARMS[arm]["frac"], ARMS[arm].get("train_from")
+    return seed, ARMS[arm]["frac"], ARMS[arm].get("train_from"), ARMS[arm].get("targets", "experts")
 
 
 def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: dict) -> dict:
@@ -591,19 +627,36 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="[0 1 2; 0 with --quick]")
     parser.add_argument("--no-sweep", action="store_true", help="each arm at its grid's middle lr, no sweep")
     parser.add_argument("--threads", type=int, default=1, help="torch threads here and in the children [1]")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="[benchmarks/results/evidence.json; evidence-DOMAIN.json for another --domain]")
-    parser.add_argument("--domain", default="stdlib-net", choices=("stdlib-net", "torch-cpp"),
-                        help="the fine-tuning domain: usaf.demo.DEMO_DOMAIN or CPP_DOMAIN [stdlib-net]")
-    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS),
-                        help="the arms to run, in order (usaf is always scored first: LoRA's size follows it) "
-                        f"[{' '.join(DEFAULT_ARMS)}]")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="[benchmarks/results/evidence.json; evidence-DOMAIN.json for another --domain]",
+    )
+    parser.add_argument(
+        "--domain",
+        default="stdlib-net",
+        choices=("stdlib-net", "torch-cpp"),
+        help="the fine-tuning domain: usaf.demo.DEMO_DOMAIN or CPP_DOMAIN [stdlib-net]",
+    )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(DEFAULT_ARMS),
+        choices=list(ARMS),
+        help="the arms to run, in order (usaf is always scored first: LoRA's size follows it) "
+        f"[{' '.join(DEFAULT_ARMS)}]",
+    )
     parser.add_argument("--resume", action="store_true", help="reuse the runs already in --out (same settings)")
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
     )
-    parser.add_argument("--lora-match", default="usaf", choices=[a for a in ARMS if ARMS[a]["kind"] == "usaf"],
-                        help="the usaf arm whose trainable count LoRA's ranks match [usaf]")
+    parser.add_argument(
+        "--lora-match",
+        default="usaf",
+        choices=[a for a in ARMS if ARMS[a]["kind"] == "usaf"],
+        help="the usaf arm whose trainable count LoRA's ranks match [usaf]",
+    )
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -702,9 +755,16 @@ def main() -> None:
 
         def plan(key: tuple) -> Path:  # scored when first needed
             if key not in plans:
-                seed, frac, train_from = key
-                plans[key], result["plans"][f"seed{seed}-frac{frac}-from{train_from}"] = make_plan(
-                    env, work, seed, frac, train_from, cache=not quick and train_from != 0, calib=8 if quick else 64
+                seed, frac, train_from, targets = key
+                plans[key], result["plans"][plan_label(*key)] = make_plan(
+                    env,
+                    work,
+                    seed,
+                    frac,
+                    train_from,
+                    cache=not quick and train_from != 0,
+                    calib=8 if quick else 64,
+                    targets=targets,
                 )
             return plans[key]
 
@@ -724,7 +784,7 @@ def main() -> None:
             result["lora"] = previous["lora"]
         else:
             plan(plan_key(args.lora_match, seeds[0]))
-            first = result["plans"][f"seed{seeds[0]}-frac{ARMS[args.lora_match]['frac']}-fromNone"]
+            first = result["plans"][plan_label(*plan_key(args.lora_match, seeds[0]))]
             cfg["layers"] = first["trainable_layers"]
             target = first["expert_entries"] + first["router_params"]
             per_rank = lora_counts_per_rank(env["src"], cfg["layers"])
@@ -736,7 +796,7 @@ def main() -> None:
             chosen = sweep(run, arms)
             cfg["validation"] = False  # the validation sample is only for choosing the lr
         else:
-            chosen = {arm: sorted(GRIDS[arm])[1] for arm in arms}
+            chosen = {arm: sorted(GRIDS[arm])[len(GRIDS[arm]) // 2] for arm in arms}
         result["chosen_lr"] = chosen
         for i, seed in enumerate(seeds):
             if do_sweep and seed == 0:

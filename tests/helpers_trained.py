@@ -18,12 +18,14 @@ def tokenize(qdir: Path, out: Path) -> Path:
     return out
 
 
-def train_run(qdir: Path, tokens: Path, root: Path, *, steps: int = 6, train_from: int = 2) -> Path:
-    """score + train on ``qdir`` (layers from ``train_from``, routers too, one RigL reselection); returns the run."""
+def train_run(
+    qdir: Path, tokens: Path, root: Path, *, steps: int = 6, train_from: int = 2, targets: str = "experts"
+) -> Path:
+    """score + train on ``qdir`` (layers from ``train_from``, ``targets``, routers too, one RigL reselection)."""
     plan, run = root / "plan", root / "run"
     for args in (
         ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
-         "--train-from", train_from, "--no-stability", "--out", plan),
+         "--train-from", train_from, "--targets", targets, "--no-stability", "--out", plan),
         ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
          "--router-lr", 0.01, "--steps", steps, "--reselect-every", steps // 2, "--save-every", steps),
     ):  # fmt: skip

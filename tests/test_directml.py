@@ -233,7 +233,18 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
         state.set_index_ops(False)
     # On transformers >= 5 the router is transformers' own code, and topk's backward is a scatter; the
     # DirectML configuration runs transformers 4.x, where usaf's block forward selects without one.
-    engine = SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]], train_router=not TRANSFORMERS_V5)
+    # 4.x also trains the linear targets: their backward reaches the MoE block's input, whose routing (topk)
+    # has a scatter backward in transformers >= 5's own router code, as above
+    targets = ("experts",) if TRANSFORMERS_V5 else ("experts", "attention", "shared")
+    if family == "gpt_oss" and not TRANSFORMERS_V5:  # refused (its eager attention's max has a scatter backward)
+        with pytest.raises(ValueError, match="drop attention from --targets"):
+            SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]], targets=targets)
+        targets = ("experts",)
+    engine = SparseEngine(
+        loaded, trainable_layers=[loaded.spec.moe_layers[-1]], targets=targets, train_router=not TRANSFORMERS_V5
+    )
+    linear = [w for w in engine.weights.values() if w.shape[0] == 1]
+    assert len(targets) == 1 or (linear and not any(w.index_ops for w in linear))
     g = torch.Generator().manual_seed(0)
     engine.set_deltas(
         {
@@ -247,6 +258,13 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
         losses = [train_step(engine, optimizer, ids, ids.clone()) for _ in range(4)]
     assert losses[-1] < losses[0], losses
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.routers.values())
+    for target in linear[:1]:
+        before = target.module.weight.detach().clone().reshape(-1)
+        # a reselection's fold into a linear target's weight: the record's arithmetic runs on the host (which the op
+        # guard cannot tell from the device here), the weight is rewritten by a whole copy
+        target.fold(torch.tensor([0, 5]), torch.tensor([0.5, -0.5]))
+        after = target.module.weight.detach().reshape(-1)[[0, 5]]
+        assert torch.equal(after, before[[0, 5]] + torch.tensor([0.5, -0.5]))
     # negative control: the same step with the device's index ops on hits a rejected op
     for state in loaded.experts.values():
         state.set_index_ops(True)

@@ -47,9 +47,9 @@ HOST_SIDE = {
     # index_put_ / scatter_reduce_ on the pool's indices and scores (on the CPU, see above); `dropped` and
     # `keep` are allocated on scores.device / indices.device.
     ("usaf.engine.scores", "ScoreAccumulator._keep_best"),
-    # unique + index_add_ on the frozen record: `device = ... if self.index_ops else torch.device("cpu")`,
-    # inputs moved there first (experts.py ExpertWeight.fold).
-    ("usaf.engine.experts", "ExpertWeight.fold"),
+    # unique + index_add_ on the frozen record: `device = ... if self.index_ops ... else torch.device("cpu")`,
+    # inputs moved there first (trainable.py TrainableTensor.fold).
+    ("usaf.engine.trainable", "TrainableTensor.fold"),
     # without index ops: index_put_ into a host copy of one expert's (O, I) slice (`block`, made with
     # .to(device) where device is the CPU), copied back into the resident base whole with copy_ (no index op).
     ("usaf.engine.experts", "ExpertWeight._write_frozen"),
@@ -64,6 +64,10 @@ HOST_SIDE = {
     # fresh state built there, moved to the device afterwards (optim.py SparseAdamW.remap_state).
     ("usaf.engine.optim", "SparseAdamW.remap_state"),
 }
+if not TRANSFORMERS_V5:  # where attention targets train index-free (see TARGETS below)
+    # without index ops: index_put_ into a host copy of the linear target's weight (`edited`, made with
+    # .to("cpu", copy=True)), copied back whole with copy_ (linear_target.py LinearTarget._write_frozen).
+    HOST_SIDE.add(("usaf.engine.linear_target", "LinearTarget._write_frozen"))
 
 
 class Forbidden(RuntimeError):
@@ -143,6 +147,8 @@ def no_index_ops(monkeypatch):
 # and layers 1-2 train (gradients flow through layer 2's routing into layer 1).
 TRAIN_FROM = 2 if TRANSFORMERS_V5 else 1
 ROUTER = ["--no-router"] if TRANSFORMERS_V5 else ["--router"]
+# and on 4.x the attention trains too (on 5.x its gradient would reach the MoE block's routing: the scatter above)
+TARGETS = [] if TRANSFORMERS_V5 else ["--targets", "experts,attention"]
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +163,7 @@ def inputs(quantized, tmp_path_factory):
 
 
 def score(qdir, tokens, out, *extra):
-    args = ["--frac", 0.05, "--calib-samples", 8, "--train-from", TRAIN_FROM, *ROUTER, "--no-stability"]
+    args = ["--frac", 0.05, "--calib-samples", 8, "--train-from", TRAIN_FROM, *ROUTER, *TARGETS, "--no-stability"]
     return invoke("score", "--model", qdir, "--data", tokens, *args, "--out", out, "--device", "cpu", *extra)
 
 

@@ -76,11 +76,12 @@ def one_thread_like_the_ranks():
 
 @pytest.fixture(scope="module")
 def setup(prepared, tmp_path_factory):
-    """(qdir, tokens, plan at frac 0.3, root)."""
+    """(qdir, tokens, plan at frac 0.3 of the experts and attention, root)."""
     qdir, tokens, _ = prepared("qwen3_moe")
     root = tmp_path_factory.mktemp("dp")
     plan = root / "plan"
-    args = ("--model", qdir, "--data", tokens, "--frac", 0.3, "--calib-samples", 8, "--train-from", 2, "--no-stability")
+    args = ("--model", qdir, "--data", tokens, "--frac", 0.3, "--calib-samples", 8, "--train-from", 2, "--no-stability",
+            "--targets", "experts,attention")  # fmt: skip
     result = invoke("score", *args, "--out", plan)
     assert result.exit_code == 0, result.output
     return qdir, tokens, plan, root
@@ -247,7 +248,7 @@ def test_score_with_two_ranks_equals_one_process(prepared, tmp_path):
     """Pools as large as the tensors (a candidates factor of 64 at frac 0.05): merging is exact."""
     qdir, tokens, _ = prepared("qwen3_moe")
     args = ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8, "--microbatch", 2,
-            "--train-from", 2, "--candidates-factor", 64, "--cache")  # fmt: skip
+            "--train-from", 2, "--candidates-factor", 64, "--cache", "--targets", "experts,attention")  # fmt: skip
     proc = torchrun(*args, "--out", tmp_path / "dp")
     assert invoke(*args, "--out", tmp_path / "single").exit_code == 0
     code, stdout, stderr = finished(proc)

@@ -15,7 +15,8 @@ from usaf.testing import stdlib_dir
 
 @pytest.fixture(scope="module")
 def trained(quantized, tmp_path_factory):
-    """A qwen3_moe run (layers 1-2 train, routers too) memorising textwrap.py; shlex.py held out."""
+    """A qwen3_moe run (layers 1-2 train their experts and attention, routers too) memorising textwrap.py; shlex.py
+    held out."""
     root = tmp_path_factory.mktemp("eval")
     qdir = quantized("qwen3_moe", num_layers=3, tokenizer=True)
     tokens, plan, run = root / "tokens", root / "plan", root / "run"
@@ -23,7 +24,7 @@ def trained(quantized, tmp_path_factory):
         ("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 32,
          "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens),
         ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8, "--train-from", 1,
-         "--no-stability", "--out", plan),
+         "--targets", "experts,attention", "--no-stability", "--out", plan),
         ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05, "--router-lr", 0.01,
          "--steps", 16, "--reselect-every", 8, "--save-every", 8, "--eval-data", tokens),
     ]  # fmt: skip

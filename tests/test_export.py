@@ -23,6 +23,7 @@ from usaf.artifacts.run import load_trained_change
 from usaf.families import read_checkpoint, resolve_family
 
 NUM_LAYERS = 3  # layer 2 trains (deepseek_v3: layer 0 dense, 1-2 MoE)
+ALL_TARGETS = "experts,attention,shared"  # every export test covers the linear targets too
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def trained(quantized, tiny_model, tmp_path_factory):
             qdir = quantized(family, num_layers=NUM_LAYERS, tokenizer=True)
             if not tokens:  # one tokenizer for every tiny model: tokenize once
                 tokens.append(tokenize(qdir, root / "tokens"))
-            run = train_run(qdir, tokens[0], root / family)
+            run = train_run(qdir, tokens[0], root / family, targets=ALL_TARGETS)
             cache[family] = (tiny_model(family, num_layers=NUM_LAYERS, tokenizer=True), qdir, run)
         return cache[family]
 
@@ -115,7 +116,10 @@ def test_dequantized_export_reloads_with_the_engines_logits(family, trained, tmp
 
 
 def stored(param: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """An in-memory expert tensor in the stored (E, O, I) orientation the deltas index, flattened."""
+    """An in-memory expert tensor in the stored (E, O, I) orientation the deltas index, flattened (a linear
+    target's (O, I) weight is already in it)."""
+    if param.dim() == 2:
+        return param.contiguous().view(-1)
     return (param.transpose(1, 2) if transposed else param).contiguous().view(-1)
 
 
@@ -136,8 +140,11 @@ def test_export_onto_the_original_changes_exactly_the_trained_entries(family, tr
     assert {n: v[:2] for n, v in written.items()} == {n: v[:2] for n, v in original.items()}
     trained_prefixes = tuple(f"{spec.experts_prefix(layer)}." for layer in change.trainable_layers)
     routers = {spec.disk.to_disk(n) for n in change.routers}
+    linear = {spec.disk.to_disk(n) for n in change.deltas if n.endswith(".weight")}  # attention / shared targets
+    assert linear, "the fixture trains linear targets too"
     touched = [n for n in original if original[n][2] != written[n][2]]
-    assert touched and all(n in routers or spec.disk.to_memory(n).startswith(trained_prefixes) for n in touched)
+    assert set(linear) <= set(touched)
+    assert all(n in routers | linear or spec.disk.to_memory(n).startswith(trained_prefixes) for n in touched)
 
     # in memory (transformers' own loading): original + delta at the delta's positions, nothing else moved
     before, after = hf_state(source), hf_state(out)

@@ -29,9 +29,9 @@ FRAC = 0.05  # large enough that every tiny expert slice holds entries
 DTYPES = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def _engine(qdir: Path, dtype: torch.dtype, top: int) -> SparseEngine:
+def _engine(qdir: Path, dtype: torch.dtype, top: int, targets: tuple[str, ...] = ("experts",)) -> SparseEngine:
     loaded = load_quantized_model(qdir, compute_dtype=dtype)
-    engine = SparseEngine(loaded, trainable_layers=list(loaded.spec.moe_layers[-top:]))
+    engine = SparseEngine(loaded, trainable_layers=list(loaded.spec.moe_layers[-top:]), targets=targets)
     g = torch.Generator().manual_seed(0)
     engine.set_deltas(
         {
@@ -50,22 +50,24 @@ def _facts(qdir: Path):
 # -- the formulas against the engine ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("targets", [("experts",), ("experts", "attention", "shared")])
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss", "deepseek_v3"))
-def test_weight_components_equal_the_engines_accounting(family, quantized):
+def test_weight_components_equal_the_engines_accounting(family, targets, quantized):
     """4-bit experts, resident bases, deltas, routers and optimizer state: exact; other weights within 1 %."""
     qdir = quantized(family, num_layers=4)
     facts, quant = _facts(qdir)
     assert quant.source.startswith("the quantized model's manifest") and set(quant.effective.values()) == {8}
     for dtype, c in DTYPES.items():
-        engine = _engine(qdir, dtype, top=2)
+        engine = _engine(qdir, dtype, top=2, targets=targets)
         optimizer = SparseAdamW(engine.parameter_groups(lr=1e-3, router_lr=1e-3, weight_decay=0.0))
         memory = engine.memory(optimizer=optimizer)
         layers = engine.trainable_layers
-        entries = len(layers) * w.layer_delta_entries(facts, FRAC)
+        entries = len(layers) * w.layer_delta_entries(facts, FRAC, targets)
+        assert len(targets) == 1 or entries > len(layers) * w.layer_delta_entries(facts, FRAC)  # the targets count
         routers = w.router_params(facts, layers)
         assert memory["experts_4bit"] == sum(w.layer_quantized_bytes(facts, n, quant) for n in facts.spec.moe_layers)
         assert memory["resident_bases"] == w.resident_bytes(facts, len(layers), c)
-        assert memory["deltas"] == w.delta_bytes(facts, len(layers), FRAC)
+        assert memory["deltas"] == w.delta_bytes(facts, len(layers), FRAC, targets)
         assert engine.trainable_count() == {"delta_entries": entries, "router_params": routers}
         assert memory["routers"] == 4 * routers
         assert memory["optimizer_state"] == w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers)

@@ -80,12 +80,15 @@ class PlanSummary(Record):
     budget: Literal["per-tensor", "per-layer", "global", "per-expert"]
     statistic: Literal["grad", "grad2", "grad_x_weight"]
     router: bool
+    targets: list[Literal["experts", "attention", "shared"]] | None = Field(
+        None, description="the weights that carry deltas (--targets; None: a plan from before targets, experts)"
+    )
     calib_samples: int
     calib_tokens: int
     tensors: list[TensorSelection]
-    expert_entries: int
+    expert_entries: int = Field(description="delta entries over every target (the experts' and any other)")
     router_params: int
-    trainable_params: int = Field(description="expert entries + router parameters")
+    trainable_params: int = Field(description="delta entries + router parameters")
     stability_mean: float | None
     routing: list[LayerRouting]
     prefix_cache: PrefixCacheRecord | None = Field(None, description="states stored by --cache, for usaf train")

@@ -37,6 +37,7 @@ def _run(settings: Any, json_output: bool) -> None:
     from usaf.cli.console import note, out, print_json
     from usaf.cli.plan_render import plan_json, render
     from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
+    from usaf.settings.fields import parse_targets
 
     kind = _device_kind(settings.device, settings.vram)
     source = read_model(settings.model, nbits=settings.nbits, group_size=settings.group_size)
@@ -44,9 +45,8 @@ def _run(settings: Any, json_output: bool) -> None:
     ram = parse_size(settings.ram, flag="--ram") if settings.ram is not None else _local_ram(note)
     target = make_target(kind, settings.dtype, vram, ram)
     facts = model_facts(source.config)
-    request = Request(
-        **{f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)}
-    )  # a subset of PlanConfig
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)}  # a subset of PlanConfig
+    request = Request(**{**fields, "targets": parse_targets(settings.targets)})
     plan = plan_memory(facts, source.quant, target, request)
     if json_output:
         print_json(plan_json(plan, facts, source))

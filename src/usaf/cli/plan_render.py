@@ -8,6 +8,7 @@ from typing import Any
 from usaf.memory_plan import PLACEMENTS, ModelFacts, ModelSource, Plan
 from usaf.memory_plan.sizes import gib
 from usaf.memory_plan.target import RESERVE
+from usaf.settings.fields import DEFAULT_TARGETS
 
 
 def commands(plan: Plan, source: ModelSource) -> list[str]:
@@ -23,6 +24,8 @@ def commands(plan: Plan, source: ModelSource) -> list[str]:
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
     model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
     score = f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}"
+    if s.targets != DEFAULT_TARGETS:
+        score += f" --targets {','.join(s.targets)}"
     score += placement
     out.append(score)
     train = (
@@ -150,6 +153,7 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
             "grad_accum": s.grad_accum,
             "seq_len": s.seq_len,
             "frac": s.frac,
+            "targets": list(s.targets),
             "placement": s.placement,
             "stream_experts": s.placement == "stream",
             "prefix_cache_ram_bytes": s.prefix_ram,

@@ -20,7 +20,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         used = sum(1 for n in t.per_expert if n)
         table.add_row(
             str(t.layer),
-            t.name.rsplit(".", 1)[-1],
+            _short_name(t.name, t.layer),
             f"{t.selected:,}",
             f"{t.budget:,}",
             f"{used}/{len(t.per_expert)}",
@@ -35,7 +35,8 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"L{layer.layer}: expert {top} {layer.tokens_per_expert[top] / total:.0%}, {layer.dead_experts} dead"
         )
     console.print(
-        f"{s.expert_entries:,} expert weights + {s.router_params:,} router weights = {s.trainable_params:,} trainable "
+        f"{s.expert_entries:,} weights of the {'/'.join(s.targets or ['experts'])} + {s.router_params:,} router "
+        f"weights = {s.trainable_params:,} trainable "
         f"({s.budget}, frac {s.frac:.4g}{_floor_note(s)}, |{s.statistic}| over {s.calib_samples} sequences / "
         f"{s.calib_tokens:,} tokens"
         + (f"; mask stability {s.stability_mean:.3f}" if s.stability_mean is not None else "")
@@ -60,6 +61,11 @@ def _print_summary(console, manifest, path: Path) -> None:
         )
 
 
+def _short_name(name: str, layer: int) -> str:
+    """``model.layers.2.self_attn.q_proj.weight`` -> ``self_attn.q_proj`` (the layer has its own column)."""
+    return name.split(f".{layer}.", 1)[-1].removesuffix(".weight")
+
+
 def _floor_note(s) -> str:
     """Where the share came from, when the default rule chose it."""
     return " by default for these layers' size" if s.frac_given is False else ""
@@ -68,5 +74,5 @@ def _floor_note(s) -> str:
 command = stage_command(
     "score",
     summary=_print_summary,
-    doc="Pick the expert weights to train by gradient importance on calibration data (a plan for usaf train).",
+    doc="Pick the weights to train (--targets) by gradient importance on calibration data (a plan for usaf train).",
 )

@@ -48,7 +48,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     rows += [
         ("layers", ", ".join(map(str, s.trainable_layers))),
         *([("lr", f"{s.lr:.1e} (from {s.lr_source})")] if s.lr is not None else []),
-        ("expert weights + router weights", f"{s.expert_entries:,} + {s.router_params:,}"),
+        ("delta weights + router weights", f"{s.expert_entries:,} + {s.router_params:,}"),
         ("reselections (grown in total)", f"{len(s.reselections)} ({sum(r.grown for r in s.reselections):,})"),
         ("dropped-and-kept entries", f"{s.frozen_entries:,}"),
     ]

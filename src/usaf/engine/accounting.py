@@ -40,13 +40,16 @@ def memory_by_component(engine: Any, *, optimizer: object | None = None, cache: 
     """Bytes by component: 4-bit experts, resident bases, deltas, routers (fp32 masters), other
     weights, activations (measured: the largest training forward's saved tensors so far), and (when
     given) the optimizer's state and the prefix cache (RAM and disk)."""
-    quantized = resident = delta = 0
+    quantized = resident = 0
     for state in engine.loaded.experts.values():
         for weight in (state.gate_up, state.down):
             sizes = weight.nbytes()
             quantized += sizes["quantized"]
             resident += sizes["resident"]
-            delta += sizes["delta"] + sizes.get("frozen", 0)
+    delta = 0  # every target's delta and frozen record (a linear target's kept originals too)
+    for weight in engine.weights.values():
+        sizes = weight.nbytes()
+        delta += sizes["delta"] + sizes["frozen"] + sizes.get("originals", 0)
     routers = sum(p.numel() * 4 for p in engine.routers.values())
     counted = {id(p) for p in engine.routers.values()} | {id(d.values) for d in engine.deltas().values()}
     counted |= {id(b) for d in engine.deltas().values() for b in d.buffers()}

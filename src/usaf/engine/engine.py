@@ -28,14 +28,16 @@ from usaf.engine.accounting import (  # noqa: F401 (budget, resident_placement: 
 )
 from usaf.engine.activations import SavedTensorMeter
 from usaf.engine.deltas import SparseDelta
-from usaf.engine.experts import ExpertWeight
 from usaf.engine.head_loss import IGNORE_INDEX, HeadInput, next_token_loss  # noqa: F401 (IGNORE_INDEX: re-exported)
+from usaf.engine.linear_target import attach
 from usaf.engine.loading import LoadedModel
 from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
 from usaf.engine.scores import ScoreAccumulator
 from usaf.engine.streaming import ExpertStreamer
+from usaf.engine.trainable import TrainableTensor
 from usaf.families.modules import decoder_returns_tuple, load_balancing_loss_of
 from usaf.families.routing import dense_router_grad_refusal
+from usaf.families.targets import DEFAULT_TARGETS, index_free_refusal, linear_target_modules, parse_targets
 
 
 @dataclass
@@ -52,7 +54,10 @@ class SparseEngine:
 
     Args:
         loaded: the model from :func:`usaf.engine.loading.load_quantized_model`.
-        trainable_layers: MoE layers whose expert deltas (and routers) train.
+        trainable_layers: MoE layers whose deltas (and routers) train.
+        targets: which weights of those layers carry sparse deltas (:mod:`usaf.families.targets`):
+            ``experts`` (the fused routed experts, over resident dequantized bases), ``attention`` and
+            ``shared`` (every ``nn.Linear`` of the attention / shared experts, over their own weights).
         train_router: also train those layers' router weights (dense, fp32).
         aux_loss_coef: weight of the load-balancing loss in :meth:`loss` (the family's own, per trainable layer).
         z_loss_coef: weight of the router z-loss (mean squared logsumexp of router logits).
@@ -73,6 +78,7 @@ class SparseEngine:
         loaded: LoadedModel,
         *,
         trainable_layers: Sequence[int],
+        targets: Sequence[str] = DEFAULT_TARGETS,
         train_router: bool = True,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
@@ -94,11 +100,12 @@ class SparseEngine:
         self.trainable_layers = tuple(sorted(trainable_layers))
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
-        self.weights: dict[str, ExpertWeight] = {}  # in-memory name -> trainable expert tensor
+        self.targets = parse_targets(targets)
+        self.weights: dict[str, TrainableTensor] = {}  # in-memory name -> trainable tensor, (E, O, I)
         device = self.device
         if resident_device is None and not pin_resident:
             resident_device = device  # the 4-bit codes may be in host memory (streaming); the bases are not
-        for layer in self.trainable_layers:
+        for layer in self.trainable_layers if "experts" in self.targets else ():
             state = loaded.experts[layer]
             for name, weight in ((spec.gate_up_name(layer), state.gate_up), (spec.down_name(layer), state.down)):
                 _, o, i = weight.shape
@@ -110,6 +117,18 @@ class SparseEngine:
                 check_allocation(one_expert, where, what)
                 weight.make_resident(resident_device, pin=pin_resident)
                 self.weights[name] = weight
+        index_free = not all(loaded.experts[layer].index_ops for layer in self.trainable_layers)
+        if index_free and (refusal := index_free_refusal(spec, self.targets)):
+            raise ValueError(refusal)
+        for layer in self.trainable_layers:
+            index_ops = loaded.experts[layer].index_ops
+            for target in self.targets:
+                if target == "experts":
+                    continue
+                for module_name in linear_target_modules(self.model, spec, layer, target):
+                    self.weights[f"{module_name}.weight"] = attach(
+                        self.model.get_submodule(module_name), index_ops=index_ops
+                    )
         self.routers: dict[str, nn.Parameter] = {}
         self.router_anchors: dict[str, torch.Tensor] = {}
         if train_router:
@@ -177,8 +196,7 @@ class SparseEngine:
                 weight.delta = None
                 continue
             vals = None if values is None else values.get(name)
-            device = weight.resident.device if weight.resident is not None else None
-            weight.delta = SparseDelta(weight.shape, indices, vals).to(device)
+            weight.delta = SparseDelta(weight.shape, indices, vals).to(weight.home)
 
     @torch.no_grad()
     def apply_change(self, change) -> None:

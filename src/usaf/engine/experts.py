@@ -19,12 +19,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from usaf.backends.transfer import move
-from usaf.engine.deltas import SparseDelta
 from usaf.engine.resident import ResidentBase
-from usaf.engine.sparse_linear import sparse_delta_linear
+from usaf.engine.trainable import TrainableTensor
 from usaf.families.modules import expert_biases
 from usaf.families.routing import dense_weights
 from usaf.families.spec import RouterSpec
@@ -32,32 +29,24 @@ from usaf.quant import QuantizedTensor, dequantize
 
 IMPLEMENTATION = "usaf"
 
-ScoreSinkFactory = Callable[[int], Callable[[torch.Tensor, torch.Tensor], None]]
 
-
-class ExpertWeight(nn.Module):
+class ExpertWeight(TrainableTensor):
     """One fused expert tensor of one layer: a 4-bit base, optionally resident, optionally a sparse delta.
 
     Frozen layers dequantize only the experts a batch routes to, on every forward. Trainable layers
     keep a resident dequantized base ``(E, O, I)`` in the compute dtype (made once, in expert chunks
     under the device's per-allocation limit), and may carry a :class:`SparseDelta` whose values train.
+    Folded entries (the frozen record) are written into ``resident``, so the forward pays nothing.
     """
 
     def __init__(self, q: QuantizedTensor, *, compute_dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.shape = q.shape  # (E, O, I)
-        self.compute_dtype = compute_dtype
+        super().__init__(q.shape, compute_dtype)  # (E, O, I)
         self.q = q.to(device)
         self.resident: ResidentBase | None = None
-        self.delta: SparseDelta | None = None
-        self.score_sink: ScoreSinkFactory | None = None  # dense-score mode: expert -> sink
-        self.index_ops = True  # Capabilities.index_ops of the device (LayerExperts.set_index_ops)
-        # The frozen record (usaf.engine.reselect): trained values of entries dropped at reselections,
-        # sorted unique flat indices into (E, O, I) + fp32 cumulative values. They are also written
-        # into ``resident``, so the forward pays nothing; the record lets checkpoints and export
-        # reproduce base + frozen + active exactly.
-        self.frozen_indices = torch.zeros(0, dtype=torch.int64)  # (m,)
-        self.frozen_values = torch.zeros(0, dtype=torch.float32)  # (m,)
+
+    @property
+    def home(self) -> torch.device | None:
+        return self.resident.device if self.resident is not None else None
 
     def make_resident(self, device: torch.device | None = None, *, pin: bool = False) -> None:
         """Dequantize every expert once; kept on ``device`` (or pinned host memory) for the run.
@@ -67,35 +56,9 @@ class ExpertWeight(nn.Module):
         self.resident = ResidentBase.dequantized(self.q, dtype=self.compute_dtype, device=device, pin=pin)
         self._write_frozen(self.frozen_indices)  # a record restored before the base became resident
 
-    @torch.no_grad()
-    def fold(self, indices: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` at flat ``indices`` to the frozen record and to the resident base.
-
-        Duplicates (within ``indices`` or with the record) sum. Each touched element of ``resident``
-        is rewritten as ``dequantize(q) + frozen`` in fp32, rounded once to the compute dtype, so
-        repeated folds do not accumulate rounding and a rebuilt resident base (resume) is identical.
-
-        Args:
-            indices: ``(k,)`` int64 flat indices into ``(E, O, I)``.
-            values: ``(k,)`` values to add (cast to fp32).
-        """
+    def _check_foldable(self) -> None:
         if self.resident is None:
             raise ValueError("fold needs a resident base (make_resident first)")
-        # the record's arithmetic (unique, index_add_) runs on the host where the device lacks index ops
-        device = self.resident.device if self.index_ops else torch.device("cpu")
-        indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).to(device)
-        values = move(torch.as_tensor(values).reshape(-1), device, torch.float32)
-        if indices.shape != values.shape:
-            raise ValueError(f"indices {tuple(indices.shape)} do not match values {tuple(values.shape)}")
-        numel = self.shape[0] * self.shape[1] * self.shape[2]
-        if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < numel):
-            raise ValueError(f"fold indices out of range for shape {tuple(self.shape)}")
-        merged = torch.cat([self.frozen_indices.to(device), indices])
-        unique, inverse = torch.unique(merged, return_inverse=True)  # sorted ascending
-        summed = torch.zeros(unique.numel(), dtype=torch.float32, device=device)
-        summed.index_add_(0, inverse, torch.cat([self.frozen_values.to(device), values]))
-        self.frozen_indices, self.frozen_values = unique, summed
-        self._write_frozen(torch.unique(indices))
 
     @torch.no_grad()
     def _write_frozen(self, indices: torch.Tensor) -> None:
@@ -130,46 +93,9 @@ class ExpertWeight(nn.Module):
             return self.resident.expert(expert).to(device, non_blocking=True)
         return dequantize(self.q, experts=[expert], dtype=self.compute_dtype, device=device, memory_layout=False)[0]
 
-    def linear(
-        self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None, *, score: bool = True
-    ) -> torch.Tensor:
-        """``x (T, I) -> (T, O)`` through expert ``expert``'s base + delta.
-
-        ``score=False``: no dense-score sink even in score mode (the dense router pass, which has no backward).
-        """
-        weight = self.base(expert, x.device)
-        sink = self.score_sink(expert) if self.score_sink is not None and score else None
-        if self.delta is None and sink is None:
-            return F.linear(x, weight.to(x.dtype), bias)
-        if self.delta is not None:
-            rows, cols, values = self.delta.expert_entries(expert)
-        else:  # score mode without a delta: an empty trainable set still routes the backward here
-            rows = cols = torch.zeros(0, dtype=torch.int64, device=x.device)
-            values = _EMPTY_VALUES.get(x.device)
-        return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink, index_ops=self.index_ops)
-
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.nbytes if self.resident is not None else 0
-        delta = 0
-        if self.delta is not None:  # fp32 values + the int64 index buffers (flat, expert, row, col, offsets)
-            delta = sum(t.numel() * t.element_size() for t in [*self.delta.parameters(), *self.delta.buffers()])
-        frozen = self.frozen_indices.nbytes + self.frozen_values.nbytes
-        return {"quantized": self.q.nbytes, "resident": resident, "delta": delta, "frozen": frozen}
-
-
-class _EmptyValues:
-    """One zero-size tensor that requires grad per device, so score mode reaches the custom backward."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        if device not in self._by_device:
-            self._by_device[device] = torch.zeros(0, dtype=torch.float32, device=device, requires_grad=True)
-        return self._by_device[device]
-
-
-_EMPTY_VALUES = _EmptyValues()
+        return {"quantized": self.q.nbytes, "resident": resident, **self.delta_nbytes()}
 
 
 class LayerExperts(nn.Module):

@@ -16,7 +16,7 @@ Every ``reselect_every`` training steps each trainable tensor's active set is re
 Dropped values persist (the choice method §5 asks for)
 -------------------------------------------------------
 A dropped entry's learned delta is *folded*, not discarded: it is added to the tensor's frozen record
-(:meth:`usaf.engine.experts.ExpertWeight.fold`: sorted unique flat indices + fp32 values in the stored
+(:meth:`usaf.engine.trainable.TrainableTensor.fold`: sorted unique flat indices + fp32 values in the stored
 ``(E, O, I)`` orientation, duplicates summed) and written into the resident dequantized base, so the
 forward includes it at no cost and the model computes the same function right after a reselection as
 right before it. The record is what checkpoints and export read: the trained weight is
@@ -44,9 +44,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from usaf.engine.engine import SparseEngine
-from usaf.engine.experts import ExpertWeight
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.scores import ScoreAccumulator
+from usaf.engine.trainable import TrainableTensor
 
 __all__ = [
     "ReselectCounts",
@@ -105,7 +105,7 @@ class ScoreCollection(Mapping[str, ScoreAccumulator]):
         pool_factor: int = 4,
         exact: bool = False,
     ) -> None:
-        self._weights: dict[str, ExpertWeight] = {}
+        self._weights: dict[str, TrainableTensor] = {}
         self.accumulators: dict[str, ScoreAccumulator] = {}
         busy = [name for name in engine.deltas() if engine.weights[name].score_sink is not None]
         if busy:
@@ -232,7 +232,7 @@ class ReselectReport:
 
 
 @torch.no_grad()
-def cumulative_delta(weight: ExpertWeight) -> tuple[torch.Tensor, torch.Tensor]:
+def cumulative_delta(weight: TrainableTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Everything trained into ``weight``: frozen record ∪ active delta, summed where both.
 
     Returns:
@@ -284,7 +284,7 @@ def reselect(
 
 
 def _reselect_tensor(
-    weight: ExpertWeight, optimizer: SparseAdamW | None, scores: ScoreAccumulator, fraction: float
+    weight: TrainableTensor, optimizer: SparseAdamW | None, scores: ScoreAccumulator, fraction: float
 ) -> ReselectCounts:
     delta = weight.delta
     if tuple(scores.shape) != tuple(weight.shape):

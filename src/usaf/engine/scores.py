@@ -159,7 +159,7 @@ class ScoreAccumulator:
         """``sink(grad, weight)`` adding one slice of ``expert``.
 
         ``ScoreAccumulator.sink`` itself is an ``expert -> sink`` factory, the form
-        ``usaf.engine.experts.ExpertWeight.score_sink`` takes.
+        ``usaf.engine.trainable.TrainableTensor.score_sink`` takes.
         """
         return lambda grad, weight: self.add(expert, grad, weight)
 

@@ -180,19 +180,28 @@ def loss_chunk_rows(m: ModelFacts, batch: Batch) -> int:
     return min(batch.size * (batch.seq_len - 1), max(1, CHUNK_LOGIT_BYTES // (FP32 * m.vocab)))
 
 
-def sparse_kernel_workspace(m: ModelFacts, batch: Batch, frac: float, c: int, *, cpu: bool) -> int:
-    """The largest per-expert temporary of the sparse-delta kernels (one expert at a time).
+def sparse_kernel_workspace(
+    m: ModelFacts, batch: Batch, frac: float, c: int, *, cpu: bool, targets: tuple[str, ...] = ("experts",)
+) -> int:
+    """The largest per-expert temporary of the sparse-delta kernels (one expert, or one linear target, at a time).
 
     Forward gathers a (tokens, entries) fp32 block; backward's gradient of the values gathers two of
-    them, except on CPU in fp32, where ``torch.sparse.sampled_addmm`` needs none.
+    them, except on CPU in fp32, where ``torch.sparse.sampled_addmm`` needs none. A linear target (attention,
+    shared) sees every token of the batch, an expert its share of them.
     """
     spec = m.spec
-    mean_load = batch.tokens * spec.top_k / spec.num_experts
-    tokens = min(CHUNK_TOKENS, batch.tokens, max(1, round(BUSIEST_EXPERT_LOAD * mean_load)))
-    _, o, i = m.gate_up_shape  # the larger of the two tensors per expert
-    entries = max(1, int(frac * o * i))
     blocks = 1 if (cpu and c == FP32) else 2
-    return blocks * FP32 * tokens * entries + FP32 * tokens * o
+    largest = 0
+    if "experts" in targets:
+        mean_load = batch.tokens * spec.top_k / spec.num_experts
+        tokens = min(CHUNK_TOKENS, batch.tokens, max(1, round(BUSIEST_EXPERT_LOAD * mean_load)))
+        _, o, i = m.gate_up_shape  # the larger of the two tensors per expert
+        largest = blocks * FP32 * tokens * max(1, int(frac * o * i)) + FP32 * tokens * o
+    tokens = min(CHUNK_TOKENS, batch.tokens)
+    for kind in targets:
+        for o, i in m.linear_targets.get(kind, ()):
+            largest = max(largest, blocks * FP32 * tokens * max(1, int(frac * o * i)) + FP32 * tokens * o)
+    return largest
 
 
 def forward_workspace(m: ModelFacts, batch: Batch) -> int:

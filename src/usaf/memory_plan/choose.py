@@ -34,6 +34,7 @@ class Request:
     microbatch: int | None = None
     train_from: int | None = None
     samples: int | None = None  # training sequences, to size the prefix cache
+    targets: tuple[str, ...] = ("experts",)  # --targets
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,15 @@ def _candidates(m: ModelFacts, target: Target, request: Request):
         for layers in _layer_options(m, request):
             for mb in microbatches:
                 accum = 1 if fixed else math.ceil(DEFAULT_MICROBATCH / mb)
-                yield st.Settings(layers, mb, accum, request.seq_len, _frac(m, request, layers), placement)
+                frac = _frac(m, request, layers)
+                yield st.Settings(layers, mb, accum, request.seq_len, frac, placement, targets=request.targets)
 
 
 def _frac(m: ModelFacts, request: Request, layers: tuple[int, ...]) -> float:
     """The share usaf score selects on these layers: ``--frac`` as given, else its default for their size."""
     if request.frac is not None:
         return request.frac
-    return default_frac(len(layers) * (w.numel(m.gate_up_shape) + w.numel(m.down_shape)))
+    return default_frac(len(layers) * w.layer_target_numel(m, request.targets))
 
 
 def _prefix_total(m: ModelFacts, target: Target, request: Request) -> int | None:
@@ -167,7 +169,8 @@ def _stream_alternative(m: ModelFacts, q: QuantSettings, t: Target, request: Req
     for layers in _layer_options(m, request):
         if len(layers) <= have:
             return None
-        settings = st.Settings(layers, 1, DEFAULT_MICROBATCH, request.seq_len, _frac(m, request, layers), "stream")
+        frac = _frac(m, request, layers)
+        settings = st.Settings(layers, 1, DEFAULT_MICROBATCH, request.seq_len, frac, "stream", targets=request.targets)
         settings = _with_prefix(m, q, t, request, settings)
         if not _shortfalls(t, tuple(st.all_stages(m, q, t, settings))):
             return len(layers)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from usaf.families import FamilySpec, resolve_family
 from usaf.families.attention import AttentionShape, attention_shape
 from usaf.families.fields import text_config
 from usaf.families.meta import in_usaf_names, meta_model
+from usaf.families.targets import linear_target_modules
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -39,6 +40,8 @@ class ModelFacts:
     dense_width: int | None  # dense layers' MLP width
     shared_width: int | None  # shared expert MLP width per MoE layer
     shared_gated: bool  # qwen2_moe: the shared expert's output is scaled by sigmoid(gate(x))
+    # per linear target kind (attention, shared): the (O, I) weights of one MoE layer's nn.Linear modules
+    linear_targets: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     @property
     def gate_up_shape(self) -> tuple[int, int, int]:
@@ -103,4 +106,14 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
         dense_width=spec.dense_width,
         shared_width=spec.shared.width if spec.shared is not None else None,
         shared_gated=bool(spec.shared is not None and spec.shared.gate),
+        linear_targets=_linear_target_shapes(model, spec),
     )
+
+
+def _linear_target_shapes(model: Any, spec: FamilySpec) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The (O, I) weights of the top MoE layer's attention and shared-expert ``nn.Linear`` modules."""
+    top = spec.moe_layers[-1]
+    return {
+        kind: tuple(tuple(model.get_submodule(n).weight.shape) for n in linear_target_modules(model, spec, top, kind))
+        for kind in ("attention", "shared")
+    }

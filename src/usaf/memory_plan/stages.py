@@ -51,6 +51,7 @@ class Settings:
     seq_len: int
     frac: float
     placement: str
+    targets: tuple[str, ...] = ("experts",)  # --targets: the weights that carry deltas
     prefix_ram: int = 0  # bytes of cached prefix states kept in RAM (train's --prefix-cache-gib)
     prefix_disk: int = 0  # bytes spilled to the run's memory-mapped file
 
@@ -120,9 +121,10 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
         out.append(Component("4-bit streaming buffer", device=buffer, basis="2 layers"))
     else:
         out.append(_place(t, "4-bit experts, all layers", experts, f"{group}, codes + fp16 scale/zero"))
-    out.append(
-        _place(t, "resident bases", w.resident_bytes(m, layers, t.c), f"{layers} layers dequantized to {t.dtype}")
-    )
+    if "experts" in s.targets:  # the other targets' base is their own weight, counted with the non-expert weights
+        out.append(
+            _place(t, "resident bases", w.resident_bytes(m, layers, t.c), f"{layers} layers dequantized to {t.dtype}")
+        )
     if s.train_from > 0:  # frozen layers run (prefix capture, score and eval forwards): one slice at a time
         _, o, i = m.gate_up_shape
         out.append(_place(t, "frozen-layer dequantization", (2 * act.FP32 + t.c) * o * i, "one expert slice"))
@@ -169,10 +171,14 @@ def quantize_stage(m: ModelFacts, q: QuantSettings, t: Target) -> StagePlan:
     return StagePlan("quantize", tuple(parts))
 
 
+def _dense_slice(m: ModelFacts, s: Settings) -> int:
+    """Elements of the largest dense gradient a scoring backward forms at once: an expert slice or a linear target."""
+    return max(o * i for _, o, i in w.target_shapes(m, s.targets))
+
+
 def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
     layers = len(s.layers)
     routers = w.router_params(m, s.layers)
-    _, o, i = m.gate_up_shape
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
@@ -180,10 +186,12 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(
             t,
             "score pools",
-            3 * w.pool_bytes(m, layers, s.frac),
+            3 * w.pool_bytes(m, layers, s.frac, s.targets),
             f"sample + two halves, {w.POOL_FACTOR} x budget candidates of 12 bytes",
         ),
-        _place(t, "dense expert-slice gradient", 3 * act.FP32 * o * i, "gradient, statistic, top-k; assumed"),
+        _place(
+            t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "gradient, statistic, top-k; assumed"
+        ),
         *_forward(m, t, s),
     ]
     return StagePlan("score", tuple(parts))
@@ -191,20 +199,19 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
 
 def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
     layers = len(s.layers)
-    entries = layers * w.layer_delta_entries(m, s.frac)
+    entries = layers * w.layer_delta_entries(m, s.frac, s.targets)
     routers = w.router_params(m, s.layers)
     batch = act.Batch(s.microbatch, s.seq_len)
-    _, o, i = m.gate_up_shape
-    kernel = act.sparse_kernel_workspace(m, batch, s.frac, t.c, cpu=not t.separate_device)
+    kernel = act.sparse_kernel_workspace(m, batch, s.frac, t.c, cpu=not t.separate_device, targets=s.targets)
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
-        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac), f"{entries:,} entries"),
+        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac, s.targets), f"{entries:,} entries"),
         _place(t, "delta gradients", act.FP32 * entries, "fp32"),
         _place(t, "routers (fp32)", 3 * act.FP32 * routers, f"{routers:,} weights: masters, anchors, gradients"),
         _place(t, "optimizer state", w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers), "2 fp32 moments + int32 step"),
-        _place(t, "grow-score pools (RigL)", w.pool_bytes(m, layers, s.frac), "RigL's last 4 steps"),
-        _place(t, "dense expert-slice gradient", 3 * act.FP32 * o * i, "RigL's scoring steps; assumed"),
+        _place(t, "grow-score pools (RigL)", w.pool_bytes(m, layers, s.frac, s.targets), "RigL's last 4 steps"),
+        _place(t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "RigL's scoring steps; assumed"),
         *_forward(m, t, s),
         _place(t, "sparse-kernel workspace", kernel, "one expert's gathered entries"),
     ]
@@ -227,7 +234,7 @@ def eval_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stage
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
-        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac), "applied change"),
+        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac, s.targets), "applied change"),
         _place(t, "routers (fp32)", 2 * act.FP32 * routers, "masters, anchors"),
         _place(t, "forward working memory", act.forward_workspace(m, batch), "loss chunk, hidden states"),
     ]

@@ -58,20 +58,35 @@ def delta_entries(shape: tuple[int, int, int], frac: float) -> int:
     return max(1, math.floor(frac * numel(shape)))
 
 
-def layer_delta_entries(m: ModelFacts, frac: float) -> int:
-    return delta_entries(m.gate_up_shape, frac) + delta_entries(m.down_shape, frac)
+def target_shapes(m: ModelFacts, targets: Iterable[str] = ("experts",)) -> list[tuple[int, int, int]]:
+    """One MoE layer's trainable tensors as ``(E, O, I)``: the fused experts, each linear target ``(1, O, I)``."""
+    targets = tuple(targets)
+    shapes = [m.gate_up_shape, m.down_shape] if "experts" in targets else []
+    for kind in targets:
+        shapes += [(1, o, i) for o, i in m.linear_targets.get(kind, ())]
+    return shapes
 
 
-def delta_bytes(m: ModelFacts, layers: int, frac: float) -> int:
+def layer_target_numel(m: ModelFacts, targets: Iterable[str] = ("experts",)) -> int:
+    """Weights of one MoE layer's targets (what the default share is a share of)."""
+    return sum(numel(shape) for shape in target_shapes(m, targets))
+
+
+def layer_delta_entries(m: ModelFacts, frac: float, targets: Iterable[str] = ("experts",)) -> int:
+    return sum(delta_entries(shape, frac) for shape in target_shapes(m, targets))
+
+
+def delta_bytes(m: ModelFacts, layers: int, frac: float, targets: Iterable[str] = ("experts",)) -> int:
     """Values, index buffers and the ``(E + 1)`` int64 offsets of every trainable tensor."""
-    offsets = 2 * layers * (m.spec.num_experts + 1) * INT64
-    return layers * layer_delta_entries(m, frac) * DELTA_BYTES_PER_ENTRY + offsets
+    offsets = layers * sum(e + 1 for e, _, _ in target_shapes(m, targets)) * INT64
+    return layers * layer_delta_entries(m, frac, targets) * DELTA_BYTES_PER_ENTRY + offsets
 
 
-def pool_bytes(m: ModelFacts, layers: int, frac: float) -> int:
+def pool_bytes(m: ModelFacts, layers: int, frac: float, targets: Iterable[str] = ("experts",)) -> int:
     """Score pools of every trainable tensor: ``POOL_FACTOR`` x its budget candidates each."""
-    candidates = layers * layer_delta_entries(m, frac) * POOL_FACTOR
-    return candidates * POOL_BYTES_PER_CANDIDATE + 2 * layers * m.spec.num_experts * POOL_BYTES_PER_EXPERT
+    candidates = layers * layer_delta_entries(m, frac, targets) * POOL_FACTOR
+    experts = layers * sum(e for e, _, _ in target_shapes(m, targets))
+    return candidates * POOL_BYTES_PER_CANDIDATE + experts * POOL_BYTES_PER_EXPERT
 
 
 def router_params(m: ModelFacts, layers: Iterable[int]) -> int:

@@ -18,9 +18,10 @@ optional, under ``json_schema_extra={"cli": {...}}``:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 FRAC = 0.005  # the default share of the trainable layers' expert weights (score, train, plan)
 # Without --frac, small trainable sets get a larger share: enough for MIN_ENTRIES expert weights, at most
@@ -30,7 +31,32 @@ MIN_ENTRIES = 100_000
 FLOOR_FRAC_CAP = 0.1
 
 # Which layers and weights train: chosen by usaf score, or by train when it scores on the fly.
-SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget")
+SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "targets")
+
+# The weights of a trainable layer that may carry a sparse delta (usaf.families.targets spells their modules).
+TARGETS = ("experts", "attention", "shared")
+DEFAULT_TARGETS = ("experts",)  # docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"
+
+
+def parse_targets(text: str | Iterable[str]) -> tuple[str, ...]:
+    """``"attention, experts"`` (or a sequence of names) -> ``("experts", "attention")`` (in :data:`TARGETS` order).
+
+    Raises:
+        ValueError: an unknown or repeated name, or none (the message lists the valid ones).
+    """
+    parts = text.split(",") if isinstance(text, str) else [str(n) for n in text]
+    names = [n.strip() for n in parts if n.strip()]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a target is named twice in {text!r}")
+    if not names:
+        raise ValueError(f"no target given; choose from {', '.join(TARGETS)}")
+    return tuple(t for t in TARGETS if t in names)
+
+
+Targets = Annotated[str, AfterValidator(lambda text: ",".join(parse_targets(text)))]
 
 
 def default_frac(weights: int) -> float:
@@ -118,7 +144,7 @@ _DECIDED = cli(decided_by="plan")  # ignored by a command without a plan field (
 def frac(default: float | None = None, **meta: Any) -> Any:
     """``None``: :func:`default_frac` of the trainable layers' size, decided by usaf score."""
     text = {"default_text": FRAC_DEFAULT_TEXT} if default is None else {}
-    return Field(default, gt=0, lt=1, description="Fraction of the trainable layers' expert weights.",
+    return Field(default, gt=0, lt=1, description="Fraction of the trainable layers' target weights (--targets).",
                  json_schema_extra=cli(**{**_DECIDED["cli"], **text, **meta}))  # fmt: skip
 
 
@@ -137,6 +163,12 @@ def calib_samples() -> Any:
 
 def statistic() -> Any:
     return Field("grad", description="grad (|g|) | grad2 (g²) | grad_x_weight (|w·g|).", json_schema_extra=_DECIDED)
+
+
+def targets() -> Any:
+    return Field(",".join(DEFAULT_TARGETS), json_schema_extra=_DECIDED,
+                 description=f"Weights that get sparse deltas, comma-separated: {', '.join(TARGETS)} (the routers: "
+                 "--router).")  # fmt: skip
 
 
 def budget() -> Any:

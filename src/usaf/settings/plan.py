@@ -8,7 +8,7 @@ from pydantic import Field
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
-from usaf.settings.fields import ComputeDtype, cli
+from usaf.settings.fields import ComputeDtype, Targets, cli
 
 
 class PlanConfig(StageConfig):
@@ -35,6 +35,7 @@ class PlanConfig(StageConfig):
         json_schema_extra=cli(default_text="the largest of 2, 1 that fits"),
     )  # fmt: skip
     frac: float | None = f.frac()
+    targets: Targets = f.targets()
     train_from: int | None = Field(
         None, ge=0, description="First trainable layer.",
         json_schema_extra=cli(default_text="the most layers that fit, up to the top quarter"),

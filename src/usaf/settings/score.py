@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
-from usaf.settings.fields import Budget, DistBackend, Statistic, cli
+from usaf.settings.fields import Budget, DistBackend, Statistic, Targets, cli
 
 LR_TEST_STEPS = 16  # per probe: 4 probes x 16 steps at the default microbatch 4 (docs/ARCHITECTURE.md, usaf score)
 
@@ -29,6 +29,7 @@ class ScoreConfig(StageConfig):
     calib_samples: int = f.calib_samples()
     statistic: Statistic = f.statistic()
     budget: Budget = f.budget()
+    targets: Targets = f.targets()
     router: bool = Field(True, description="Train the routers too (counted in the plan).")
     device: str = f.device()
     microbatch: int = Field(4, ge=1, description="Sequences per backward.")

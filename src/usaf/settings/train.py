@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
-from usaf.settings.fields import Budget, ComputeDtype, DistBackend, Statistic, cli
+from usaf.settings.fields import Budget, ComputeDtype, DistBackend, Statistic, Targets, cli
 
 DEFAULT_LR = 3e-3  # the deltas' lr when neither --lr nor the plan's lr test gives one (the evidence benchmark's)
 
@@ -34,6 +34,7 @@ class TrainConfig(StageConfig):
     layers: list[int] | None = f.layers()
     statistic: Statistic = f.statistic()
     budget: Budget = f.budget()
+    targets: Targets = f.targets()
     steps: int | None = Field(None, ge=1, description="Optimizer steps (or --epochs).")
     epochs: float | None = Field(
         None, gt=0, description="Passes over the data.", json_schema_extra=cli(default_text="1")

@@ -7,6 +7,7 @@ model fingerprint the change records against the model's own, and names both whe
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from usaf.engine.loading import load_quantized_model
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.checkpoint import read_header
+from usaf.families.targets import target_of, targets_of
 from usaf.stages.progress import Progress
 
 
@@ -79,6 +81,8 @@ def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model:
             "pass the --model the run was trained on (its manifest lists it under inputs)",
         )
     numel = {t.name: t.params for t in manifest.summary.tensors}
+    if any(name not in numel for name in change.deltas):  # attention / shared targets: the stored base weights
+        numel.update(_linear_target_sizes(change, model))
     layers = set(manifest.summary.moe_layers)
     bad_layers = sorted(set(change.trainable_layers) - layers)
     if bad_layers:
@@ -106,12 +110,32 @@ def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model:
         _check_routers(change, model)
 
 
-def _check_routers(change: TrainedChange, model: Path) -> None:
-    """Every trained router must be a router of the change's layers, with the shape the model stores."""
-    spec = resolve_family(load_model_config(model))
+def stored_base_headers(model: Path) -> dict:
+    """Name -> header info of every weight the quantized directory stores unquantized (``base-*.safetensors``)."""
     stored = {}
     for file in sorted(set(read_base_index(model).values())):
         stored.update(read_header(model / file))
+    return stored
+
+
+def _linear_target_sizes(change: TrainedChange, model: Path) -> dict[str, int]:
+    """Sizes of the stored weights that are linear targets (attention, shared) of the change's layers."""
+    spec = resolve_family(load_model_config(model))
+    sizes = {}
+    for name, info in stored_base_headers(model).items():
+        try:
+            kind = target_of(name, spec)
+        except ValueError:
+            continue
+        if kind != "experts" and spec.layer_of(name) in change.trainable_layers and len(info.shape) == 2:
+            sizes[name] = math.prod(info.shape)
+    return sizes
+
+
+def _check_routers(change: TrainedChange, model: Path) -> None:
+    """Every trained router must be a router of the change's layers, with the shape the model stores."""
+    spec = resolve_family(load_model_config(model))
+    stored = stored_base_headers(model)
     allowed = {n for layer in change.trainable_layers for n in spec.router_names(layer) if n in stored}
     for name, weight in change.routers.items():
         if name not in allowed:
@@ -137,8 +161,13 @@ def model_with_change(
     """
     loaded = load_quantized_model(open_quantized(model_dir), device=device, compute_dtype=dtype or torch.float32)
     if change is not None:
-        engine = SparseEngine(loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers))
         try:
+            engine = SparseEngine(
+                loaded,
+                trainable_layers=change.trainable_layers,
+                targets=targets_of(change.deltas, loaded.spec),
+                train_router=bool(change.routers),
+            )
             engine.apply_change(change)
         except (KeyError, ValueError) as e:
             raise UsafError(f"--checkpoint {change.source}: cannot be applied ({e})", "pass an intact run") from None

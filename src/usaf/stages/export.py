@@ -41,7 +41,7 @@ from usaf.config import source_of
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.settings.export import DEFAULT_SHARD_GIB, ExportConfig
-from usaf.stages.change import resolve_model_and_change
+from usaf.stages.change import resolve_model_and_change, stored_base_headers
 from usaf.stages.export_base import resolve_base
 from usaf.stages.export_shards import plan_shards, write_shards
 from usaf.stages.export_sources import OriginalSource, QuantizedSource
@@ -80,7 +80,7 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
     if config.format == "delta":
         transposed = resolve_family(load_model_config(model_dir)).layout.transposed
         with writer as art:
-            summary = _write_delta(art.dir, change, qmanifest, transposed=transposed, verify=config.verify)
+            summary = _write_delta(art.dir, change, qmanifest, model_dir, transposed=transposed, verify=config.verify)
             manifest = art.commit(
                 DeltaManifest,
                 inputs=inputs,
@@ -116,7 +116,13 @@ def _stored_shape(shape: list[int], transposed: bool) -> list[int]:
 
 
 def _write_delta(
-    work: Path, change: TrainedChange, qmanifest: QuantizedModelManifest, *, transposed: bool, verify: bool
+    work: Path,
+    change: TrainedChange,
+    qmanifest: QuantizedModelManifest,
+    model_dir: Path,
+    *,
+    transposed: bool,
+    verify: bool,
 ) -> DeltaSummary:
     write_delta_files(work, change)
     if verify:  # read the files back: the shared artifact must hold exactly the change, bit for bit
@@ -124,9 +130,11 @@ def _write_delta(
         for name, (indices, values) in change.deltas.items():
             if not (torch.equal(back[f"{name}.indices"], indices) and torch.equal(back[f"{name}.values"], values)):
                 raise UsafError(f"verification failed: {DELTA_FILE} does not hold {name} as trained", "report this")
-    shapes = {t.name: t.shape for t in qmanifest.summary.tensors}  # in-memory shapes
+    shapes = {t.name: _stored_shape(t.shape, transposed) for t in qmanifest.summary.tensors}  # (E, O, I)
+    if any(name not in shapes for name in change.deltas):  # linear targets: (O, I) weights seen as (1, O, I)
+        shapes.update({n: [1, *info.shape] for n, info in stored_base_headers(model_dir).items() if n in change.deltas})
     tensors = [
-        DeltaTensorRecord(name=name, shape=_stored_shape(shapes[name], transposed), entries=int(indices.numel()))
+        DeltaTensorRecord(name=name, shape=shapes[name], entries=int(indices.numel()))
         for name, (indices, _) in sorted(change.deltas.items())
     ]
     source = qmanifest.summary.source

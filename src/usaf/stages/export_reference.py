@@ -66,6 +66,10 @@ def add_change_in_memory(model: torch.nn.Module, spec: FamilySpec, change: Train
     view = FusedView(model, spec)  # transformers 4.x: a fused copy of the per-expert weights, written back
     for name, (indices, values) in change.deltas.items():
         param = view.get(name)
+        if param.dim() == 2:  # a linear target (attention, shared): (O, I), its own stored orientation
+            flat = param.detach().reshape(-1)
+            flat[indices.to(param.device)] += values.to(param.device).to(param.dtype)
+            continue
         e, a, b = param.shape
         o, i = (b, a) if spec.layout.transposed else (a, b)  # stored (E, O, I)
         idx = indices.to(param.device)
@@ -104,10 +108,13 @@ def dequantized_reference(
             tensor.fill_(float("nan"))
     files = open_quantized(model_dir)
     stored: dict[str, torch.dtype] = {}  # usaf name -> dtype of the base it is written from
+    unrounded: dict[str, torch.Tensor] = {}  # linear targets' stored weights, before any --dtype
     for _, handle in files.shards("cpu"):
         for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
             tensor = handle.get_tensor(name)
             stored[name] = tensor.dtype
+            if name in change.deltas:
+                unrounded[name] = tensor
             view.set(name, tensor.to(_written_dtype(tensor.dtype, override)))
     raw = files.experts()  # memory-mapped codes: dequantized one tensor at a time
     for name, entry in raw.items():
@@ -117,7 +124,8 @@ def dequantized_reference(
     _check_every_tensor_set(model)
     before = logits_of(model, ids)
     for name in change.deltas:  # the unrounded base again: base + delta is summed in fp32, then rounded once
-        view.set(name, dequantize(QuantizedTensor.from_dict(raw[name], name=name), dtype=torch.float32))
+        base = unrounded[name] if name in unrounded else dequantize(QuantizedTensor.from_dict(raw[name], name=name))
+        view.set(name, base.float())
     add_change_in_memory(model, spec, change)
     for name in [*change.deltas, *change.routers]:
         view.set(name, view.get(name).to(_written_dtype(stored[name], override)))

@@ -48,11 +48,11 @@ class Unit:
     """Output tensors produced together."""
 
     order: tuple[int, str]  # (layer or -1, name): shards follow the model's layer order
-    kind: Literal["copy", "router", "experts"]
+    kind: Literal["copy", "router", "delta", "experts"]  # delta: a linear target (attention, shared) + its delta
     names: tuple[str, ...]  # output (on-disk) names
     nbytes: int  # bytes they will take in the output
     layer: int | None = None  # experts units: the MoE layer
-    source: str | None = None  # router units: the source tensor's name (on disk or in the base shards)
+    source: str | None = None  # router/delta units: the source tensor's name (on disk or in the base shards)
 
 
 @dataclass
@@ -133,6 +133,21 @@ class ExportSource(ABC):
         self.written[memory_name] = self.out_dtype(original.dtype)
         return trained.to(self.written[memory_name]).contiguous()
 
+    def kind_of(self, memory_name: str | None) -> str:
+        """A non-expert tensor's unit kind: a trained router, a linear target with a delta, or a copy."""
+        if memory_name in self.change.routers:
+            return "router"
+        return "delta" if memory_name in self.change.deltas else "copy"
+
+    def linear_delta(self, memory_name: str, original: torch.Tensor) -> torch.Tensor:
+        """A linear target's weight ``(O, I)`` + its delta, summed in fp32 and rounded once to the output dtype."""
+        indices, values = self.change.deltas[memory_name]
+        merged = merge_delta(original[None], indices, values, transposed=False)[0]  # (O, I) fp32: (1, O, I) stored
+        self.counts.expert_tensors_changed += 1
+        self.counts.expert_entries += int(indices.numel())
+        self.written[memory_name] = self.out_dtype(original.dtype)
+        return merged.to(self.written[memory_name]).contiguous()
+
     def merge_layer(
         self,
         plan: ExpertLayerPlan,
@@ -190,7 +205,7 @@ class OriginalSource(ExportSource):
             if name in expert_sources:
                 continue
             memory = memory_of.get(name)
-            kind = "router" if memory is not None and memory in change.routers else "copy"
+            kind = self.kind_of(memory)
             self.units.append(Unit(_order(name), kind, (name,), self.nbytes(info.dtype, info.shape), source=memory))
         for layer in self.plan.experts:
             mxfp4 = any(t.op is ExpertOp.MXFP4 for t in layer.tensors)
@@ -235,6 +250,9 @@ class OriginalSource(ExportSource):
         if unit.kind == "router":
             (name,) = unit.names
             return {name: self.router(unit.source, tensors[name])}
+        if unit.kind == "delta":
+            (name,) = unit.names
+            return {name: self.linear_delta(unit.source, tensors[name])}
         return {n: self.cast(t) for n, t in tensors.items()}
 
 
@@ -255,7 +273,7 @@ class QuantizedSource(ExportSource):
             if memory in in_layers:
                 continue  # expert biases (gpt-oss) go with their layer
             disk = spec.disk.to_disk(memory)
-            kind = "router" if memory in change.routers else "copy"
+            kind = self.kind_of(memory)
             self.units.append(Unit(_order(disk), kind, (disk,), self.nbytes(info.dtype, info.shape), source=memory))
         dtypes = set()
         for layer in self.plan.experts:
@@ -292,6 +310,8 @@ class QuantizedSource(ExportSource):
         tensor = self._base(memory)
         if unit.kind == "router":
             return {name: self.router(memory, tensor)}
+        if unit.kind == "delta":
+            return {name: self.linear_delta(memory, tensor)}
         return {name: self.cast(tensor)}
 
     def _base(self, memory: str) -> torch.Tensor:

@@ -43,7 +43,7 @@ from usaf.data.tokens import scored_targets
 from usaf.engine.engine import SparseEngine
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import UsafError
-from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
+from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac, parse_targets
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
 from usaf.stages.engine_setup import load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, run_lr_test
@@ -123,7 +123,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
 
     loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, config.stream_experts, progress)
     layers = trainable_layers(config, loaded.spec.moe_layers)
-    engine = SparseEngine(loaded, trainable_layers=layers, train_router=config.router, **placement)
+    targets = parse_targets(config.targets)
+    engine = SparseEngine(loaded, trainable_layers=layers, targets=targets, train_router=config.router, **placement)
     if config.cache and engine.prefix is None:
         raise UsafError(
             f"--cache: no frozen prefix to cache (the first trainable layer is {layers[0]})",
@@ -259,14 +260,14 @@ def _write_files(work: Path, masks: dict, accumulators: dict, routing: dict, *, 
 
 
 def _selected_share(given: float | None, weights: int, progress: Progress) -> float:
-    """``--frac`` as given, else the default share of ``weights`` (the trainable layers' expert weights)."""
+    """``--frac`` as given, else the default share of ``weights`` (the trainable layers' target weights)."""
     if given is not None:
         return given
     frac = default_frac(weights)
     if frac != FRAC:
         progress.note(
             f"frac {frac:.4g}: the default {FRAC:g} would train {int(FRAC * weights):,} of these layers' "
-            f"{weights:,} expert weights, fewer than {MIN_ENTRIES:,} (pass --frac to choose)"
+            f"{weights:,} target weights, fewer than {MIN_ENTRIES:,} (pass --frac to choose)"
         )
     return frac
 
@@ -319,6 +320,7 @@ def _summary(
         budget=config.budget,
         statistic=config.statistic,
         router=config.router,
+        targets=list(engine.targets),
         calib_samples=len(lines),
         calib_tokens=sum(len(line.input_ids) for line in lines),
         tensors=tensors,

@@ -40,6 +40,7 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.prefix import PrefixTap
 from usaf.engine.streaming import ExpertStreamer
 from usaf.errors import UsafError
+from usaf.families.targets import targets_of
 from usaf.settings.eval import EvalConfig
 from usaf.stages.engine_setup import load_for_engine
 from usaf.stages.eval import cache, passes, plots  # module attributes, read at call time (tests patch them)
@@ -229,7 +230,11 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
     """
     try:
         engine = SparseEngine(
-            loaded, trainable_layers=change.trainable_layers, train_router=bool(change.routers), **placement
+            loaded,
+            trainable_layers=change.trainable_layers,
+            targets=targets_of(change.deltas, loaded.spec),
+            train_router=bool(change.routers),
+            **placement,
         )
         before = batch_hidden(engine.model, batches[0], backend.device)  # (B, S, H) of the engine without change
         engine.apply_change(change)

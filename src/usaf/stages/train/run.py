@@ -94,6 +94,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     """The engine over the loaded model, its deltas placed on the plan's masks."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.engine.engine import SparseEngine
+    from usaf.settings.fields import DEFAULT_TARGETS
     from usaf.stages.engine_setup import load_for_engine
 
     config = inputs.config
@@ -103,6 +104,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     engine = SparseEngine(
         loaded,
         trainable_layers=inputs.plan.summary.trainable_layers,
+        targets=inputs.plan.summary.targets or DEFAULT_TARGETS,  # a plan from before --targets: the experts
         train_router=config.router,
         dense_router_grad=config.dense_router_grad,
         aux_loss_coef=config.aux_loss_coef,
@@ -138,7 +140,8 @@ def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
     counts = engine.trainable_count()
     memory = engine.memory(optimizer=trainer.optimizer)
     return (
-        f"training {counts['delta_entries']:,} expert weights + {counts['router_params']:,} router weights "
+        f"training {counts['delta_entries']:,} weights of the {'/'.join(engine.targets)} + "
+        f"{counts['router_params']:,} router weights "
         f"in layers {list(engine.trainable_layers)} for {steps} steps of {per_step} sequences; "
         f"memory: {memory_parts(memory)}"
     )

@@ -1,0 +1,105 @@
+"""Which weights of a trainable MoE layer may carry a sparse delta: the ``--targets`` of score and train.
+
+* ``experts``: the fused routed-expert tensors (``experts.gate_up_proj``, ``experts.down_proj``), whose frozen
+  base is the 4-bit code;
+* ``attention``: every ``nn.Linear`` of the layer's attention module (q/k/v/o, DeepSeek-V3's MLA
+  projections ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``, gpt-oss's with their biases);
+* ``shared``: every ``nn.Linear`` of the layer's shared expert(s) and shared-expert gate (Qwen2-MoE,
+  DeepSeek-V3); a family without shared experts has none.
+
+The non-expert targets' frozen base is the weight as the quantized directory stores it (``base-*.safetensors``,
+unquantized). Each is handled as a one-"expert" tensor ``(1, O, I)`` in ``nn.Linear``'s own ``(out, in)``
+orientation, so masks, scores, reselection, checkpoints and exports address all targets alike.
+
+The dense MLPs of dense layers (DeepSeek-V3's first layers) are not a target: trainable layers are MoE layers.
+
+Importing this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from usaf.families.spec import FamilySpec
+from usaf.settings.fields import DEFAULT_TARGETS, TARGETS, parse_targets
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "TARGETS",
+    "attention_prefix",
+    "index_free_refusal",
+    "linear_target_modules",
+    "parse_targets",
+    "target_of",
+    "targets_of",
+]
+
+ATTENTION_MODULE = "self_attn"  # the attention module's attribute on a decoder layer, in every supported family
+
+
+def attention_prefix(spec: FamilySpec, layer: int) -> str:
+    return f"{spec.layer_prefix(layer)}.{ATTENTION_MODULE}"
+
+
+def linear_target_modules(model: Any, spec: FamilySpec, layer: int, target: str) -> list[str]:
+    """In-memory names of the ``nn.Linear`` modules of ``target`` (``attention`` or ``shared``) in ``layer``.
+
+    Read off the model's modules (any device, meta included), in module order.
+    """
+    import torch  # lazy: importing usaf.families stays free of torch
+
+    if target == "attention":
+        prefixes = (attention_prefix(spec, layer),)
+    elif target == "shared":
+        prefixes = spec.shared_prefixes(layer)
+    else:
+        raise ValueError(f"{target!r} is not a linear target (attention, shared)")
+    names = []
+    for prefix in prefixes:
+        try:
+            root = model.get_submodule(prefix)
+        except AttributeError:
+            continue  # e.g. a shared gate the family's config switches off
+        names += [
+            f"{prefix}.{name}" if name else prefix
+            for name, module in root.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        ]
+    return names
+
+
+def index_free_refusal(spec: FamilySpec, targets: Iterable[str]) -> str | None:
+    """Why ``targets`` cannot train on a device without index ops (DirectML), or None when they can.
+
+    gpt-oss runs its own eager attention (for its sinks), whose row max has a scatter backward: a gradient
+    through it, which an attention target needs, reaches an op DirectML rejects.
+    """
+    if "attention" in targets and spec.family == "gpt_oss":
+        return (
+            "gpt-oss's attention takes a row max whose backward is a scatter, which this device rejects: "
+            "drop attention from --targets here"
+        )
+    return None
+
+
+def target_of(name: str, spec: FamilySpec) -> str:
+    """The target kind of a trainable tensor's in-memory name (a delta's key).
+
+    Raises:
+        ValueError: the name is none of a MoE layer's targets.
+    """
+    layer = spec.layer_of(name)
+    if name in (spec.gate_up_name(layer), spec.down_name(layer)):
+        return "experts"
+    if name.startswith(attention_prefix(spec, layer) + "."):
+        return "attention"
+    if any(name.startswith(prefix + ".") for prefix in spec.shared_prefixes(layer)):
+        return "shared"
+    raise ValueError(f"{name!r} is not a sparse-delta target ({', '.join(TARGETS)})")
+
+
+def targets_of(names: Iterable[str], spec: FamilySpec) -> tuple[str, ...]:
+    """The target kinds present among delta names, in :data:`TARGETS` order (``experts`` when none)."""
+    found = {target_of(name, spec) for name in names}
+    return tuple(t for t in TARGETS if t in found) or DEFAULT_TARGETS
