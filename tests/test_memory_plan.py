@@ -81,8 +81,9 @@ def test_weight_components_equal_the_engines_accounting(family, targets, quantiz
     assert acc.nbytes == shape[0] * w.POOL_BYTES_PER_EXPERT + pooled * w.POOL_BYTES_PER_CANDIDATE
 
 
+@pytest.mark.parametrize("targets", [("experts",), ("experts", "attention", "shared")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_activation_formula_matches_the_engines_measurement(family, quantized):
+def test_activation_formula_matches_the_engines_measurement(family, targets, quantized):
     """Saved-tensor bytes of a training forward: the formula against ``engine.memory()["activations"]``.
 
     Two trainable layers of four (so one full layer and one first layer), fp32 and bf16, a padded batch.
@@ -98,20 +99,21 @@ def test_activation_formula_matches_the_engines_measurement(family, quantized):
     mask[1, 17:] = 0  # right padding: transformers passes a mask, SDPA repeats K/V per head
     labels = ids.masked_fill(mask == 0, -100)
     for dtype, c in DTYPES.items():
-        engine = _engine(qdir, dtype, top=2)
+        engine = _engine(qdir, dtype, top=2, targets=targets)
         states = engine.prefix_states(ids, mask)
         engine.loss(ids, labels, mask, prefix_states=states)
         measured = engine.memory()["activations"]
-        parts = saved_activations(facts, engine.trainable_layers[0], Batch(2, 24, padded=True), c)
+        parts = saved_activations(facts, engine.trainable_layers[0], Batch(2, 24, padded=True), c, targets)
         head = parts.pop("final norm and loss gradient")
         layers = sum(parts.values())
         assert layers == pytest.approx(measured - head, rel=0.01 if exact else 0.05), (dtype, parts)
     if exact:  # the same batch without padding: no mask, no repeated K/V; measured and predicted both drop
-        engine = _engine(qdir, torch.float32, top=2)
+        engine = _engine(qdir, torch.float32, top=2, targets=targets)
         engine.loss(ids, ids, prefix_states=engine.prefix_states(ids))
-        unpadded = sum(saved_activations(facts, engine.trainable_layers[0], Batch(2, 24, padded=False), 4).values())
+        first = engine.trainable_layers[0]
+        unpadded = sum(saved_activations(facts, first, Batch(2, 24, padded=False), 4, targets).values())
         assert unpadded == pytest.approx(engine.memory()["activations"], rel=0.01)
-        assert unpadded < sum(saved_activations(facts, engine.trainable_layers[0], Batch(2, 24), 4).values())
+        assert unpadded < sum(saved_activations(facts, first, Batch(2, 24), 4, targets).values())
 
 
 # -- Qwen3-30B-A3B on a 12 GiB card --------------------------------------------------------------------------

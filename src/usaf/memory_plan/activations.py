@@ -67,7 +67,9 @@ class Batch:
         return self.size * self.seq_len
 
 
-def saved_activations(m: ModelFacts, first_layer: int, batch: Batch, c: int) -> dict[str, int]:
+def saved_activations(
+    m: ModelFacts, first_layer: int, batch: Batch, c: int, targets: tuple[str, ...] = ("experts",)
+) -> dict[str, int]:
     """Bytes autograd keeps between one training forward and its backward, by part.
 
     Args:
@@ -75,13 +77,27 @@ def saved_activations(m: ModelFacts, first_layer: int, batch: Batch, c: int) -> 
         first_layer: the first trainable (MoE) layer; every layer above it is in the graph.
         batch: the microbatch.
         c: bytes per element of the compute dtype.
+        targets: the trainable layers' sparse-delta targets (``--targets``).
     """
     spec = m.spec
     n = batch.tokens
     above = [layer for layer in range(first_layer + 1, spec.num_layers)]
     # The first trainable layer's input is a frozen function of the prefix: only the parts with a trainable
-    # weight (router, routed experts) save anything; its attention and shared expert build no graph.
-    parts = {"first trainable layer (MoE block)": moe_block(m, n, c, shared=False)}
+    # weight save anything. Experts alone: the router and routed experts; its attention and shared expert build
+    # no graph. A trainable attention puts the rest of the layer in the graph (attention, the post-attention
+    # norm, the whole MoE block); a trainable shared expert, that expert's input.
+    if "attention" in targets:
+        a = m.attention
+        # the sparse kernels keep their inputs (a frozen projection's backward needs only its weight): the normed
+        # hidden state of q/k/v, MLA's normed latents, o_proj's input; this layer's SDPA keeps its own padding mask
+        kernels = c * n * (spec.hidden_size + sum(a.latent_dims) + a.heads * a.v_head_dim)
+        mask = batch.size * batch.seq_len**2 * c if batch.padded else 0
+        first = attention(m, batch, c) + kernels + mask + rms_norm(n, spec.hidden_size) + moe_block(m, n, c)
+    else:
+        first = moe_block(m, n, c, shared="shared" in targets)
+    if "shared" in targets and m.shared_width:  # measured: two (T, W) tensors more than a frozen shared expert keeps
+        first += 2 * c * n * m.shared_width
+    parts = {"first trainable layer (MoE block)": first}
     layers = 0
     for layer in above:
         layers += 2 * rms_norm(n, spec.hidden_size) + attention(m, batch, c)
@@ -98,11 +114,13 @@ def saved_activations(m: ModelFacts, first_layer: int, batch: Batch, c: int) -> 
     return parts
 
 
-def backward_workspace(m: ModelFacts, first_layer: int, batch: Batch, c: int) -> int:
+def backward_workspace(
+    m: ModelFacts, first_layer: int, batch: Batch, c: int, targets: tuple[str, ...] = ("experts",)
+) -> int:
     """Gradients of one layer's intermediates, alive while that layer's backward runs: taken as the largest
     layer's saved activations (an estimate; on the CPU-sized model it closes the gap to the measured peak)."""
     spec, n = m.spec, batch.tokens
-    largest = moe_block(m, n, c, shared=False)
+    largest = saved_activations(m, first_layer, batch, c, targets)["first trainable layer (MoE block)"]
     for layer in range(first_layer + 1, spec.num_layers):
         mlp = moe_block(m, n, c) if layer in spec.moe_layers else dense_mlp(m.dense_width or 0, n, c)
         largest = max(largest, 2 * rms_norm(n, spec.hidden_size) + attention(m, batch, c) + mlp)

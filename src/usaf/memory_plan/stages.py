@@ -138,9 +138,9 @@ def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
     forward returns, and the backward's gradients of intermediates come after. The larger one counts.
     """
     batch = act.Batch(s.microbatch, s.seq_len)
-    saved = act.saved_activations(m, s.train_from, batch, t.c)
+    saved = act.saved_activations(m, s.train_from, batch, t.c, s.targets)
     loss = act.loss_workspace(m, batch)
-    backward = act.backward_workspace(m, s.train_from, batch, t.c)
+    backward = act.backward_workspace(m, s.train_from, batch, t.c, s.targets)
     if loss >= backward:
         working = ("loss working memory", loss, "one chunk of logits and its softmax (the backward's is smaller)")
     else:
