@@ -66,7 +66,7 @@ def test_masks_have_exactly_the_budgeted_size(setup, tmp_path, budget):
     numels = {t.name: t.shape[0] * t.shape[1] * t.shape[2] for t in manifest.summary.tensors}
     for name, idx in masks.items():
         assert torch.equal(idx, torch.unique(idx)), "sorted and unique"
-        assert int(idx[0]) >= 0 and int(idx[-1]) < numels[name]
+        assert idx.numel() == 0 or (int(idx[0]) >= 0 and int(idx[-1]) < numels[name])  # shared rankings may give 0
     if budget == "per-tensor":
         assert all(sizes[n] == int(0.05 * numels[n]) for n in masks)
     elif budget == "per-layer":

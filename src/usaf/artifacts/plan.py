@@ -145,8 +145,9 @@ def _tensor_problem(t: TensorSelection, layers: list[int]) -> str | None:
     if len(t.shape) != 3 or any(d < 1 for d in t.shape):
         return f"shape must be 3 positive sizes (E, O, I), got {t.shape}"
     experts, rows, cols = t.shape
-    if not 1 <= t.selected <= experts * rows * cols:
-        return f"selected {t.selected} is not between 1 and the tensor's {experts * rows * cols} weights"
+    # 0: a shared ranking (--budget per-layer/global) gave this tensor nothing
+    if not 0 <= t.selected <= experts * rows * cols:
+        return f"selected {t.selected} is not between 0 and the tensor's {experts * rows * cols} weights"
     if len(t.per_expert) != experts or min(t.per_expert) < 0 or sum(t.per_expert) != t.selected:
         return f"per_expert must be {experts} counts adding up to selected ({t.selected})"
     return None
@@ -287,7 +288,7 @@ def _indices_problem(indices: torch.Tensor, shape: list[int], count: int) -> str
     if indices.numel() != count:
         return f"holds {indices.numel()} indices, the plan's manifest says {count}"
     if indices.numel() == 0:
-        return "is empty"
+        return None  # as many as the manifest says: a shared ranking gave this tensor nothing
     if bool((indices[1:] == indices[:-1]).any()):
         return "repeats an index"
     if bool((indices[1:] < indices[:-1]).any()):

@@ -37,7 +37,7 @@ from usaf.engine.streaming import ExpertStreamer
 from usaf.engine.trainable import TrainableTensor
 from usaf.families.modules import decoder_returns_tuple, load_balancing_loss_of
 from usaf.families.routing import dense_router_grad_refusal
-from usaf.families.targets import DEFAULT_TARGETS, index_free_refusal, linear_target_modules, parse_targets
+from usaf.families.targets import EXPERTS_ONLY, index_free_refusal, linear_target_modules, parse_targets
 
 
 @dataclass
@@ -78,7 +78,7 @@ class SparseEngine:
         loaded: LoadedModel,
         *,
         trainable_layers: Sequence[int],
-        targets: Sequence[str] = DEFAULT_TARGETS,
+        targets: Sequence[str] = EXPERTS_ONLY,
         train_router: bool = True,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,

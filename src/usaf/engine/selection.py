@@ -37,16 +37,20 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 def pool_size(shapes: Mapping[str, tuple[int, int, int]], frac: float, mode: str, layer_of: Mapping[str, int]) -> dict:
-    """Candidates each tensor's accumulator must be able to return for ``mode`` to be served exactly."""
+    """Candidates each tensor's accumulator must be able to return for ``mode`` to be served exactly.
+
+    A shared budget (per-layer, global) can exceed a small tensor's size (a k_proj next to fused experts): no
+    tensor is asked for more candidates than it has weights.
+    """
     if mode in ("per-tensor", "per-expert"):
         return {name: max(1, int(frac * numel(shape))) for name, shape in shapes.items()}
     if mode == "per-layer":
         per_layer: dict[int, int] = {}
         for name, shape in shapes.items():
             per_layer[layer_of[name]] = per_layer.get(layer_of[name], 0) + numel(shape)
-        return {name: max(1, int(frac * per_layer[layer_of[name]])) for name in shapes}
+        return {name: min(numel(s), max(1, int(frac * per_layer[layer_of[name]]))) for name, s in shapes.items()}
     total = sum(numel(s) for s in shapes.values())
-    return {name: max(1, int(frac * total)) for name in shapes}
+    return {name: min(numel(s), max(1, int(frac * total))) for name, s in shapes.items()}
 
 
 def _shared_top(accumulators: Mapping[str, ScoreAccumulator], budget: int) -> dict[str, torch.Tensor]:

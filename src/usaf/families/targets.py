@@ -22,10 +22,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from usaf.families.spec import FamilySpec
-from usaf.settings.fields import DEFAULT_TARGETS, TARGETS, parse_targets
+from usaf.settings.fields import DEFAULT_TARGETS, EXPERTS_ONLY, TARGETS, parse_targets
 
 __all__ = [
     "DEFAULT_TARGETS",
+    "EXPERTS_ONLY",
     "TARGETS",
     "attention_prefix",
     "index_free_refusal",
@@ -100,6 +101,6 @@ def target_of(name: str, spec: FamilySpec) -> str:
 
 
 def targets_of(names: Iterable[str], spec: FamilySpec) -> tuple[str, ...]:
-    """The target kinds present among delta names, in :data:`TARGETS` order (``experts`` when none)."""
+    """The target kinds present among delta names, in :data:`TARGETS` order (``experts`` when there are none)."""
     found = {target_of(name, spec) for name in names}
-    return tuple(t for t in TARGETS if t in found) or DEFAULT_TARGETS
+    return tuple(t for t in TARGETS if t in found) or EXPERTS_ONLY

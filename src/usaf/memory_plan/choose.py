@@ -19,7 +19,7 @@ from usaf.memory_plan.model import ModelFacts
 from usaf.memory_plan.sizes import gib
 from usaf.memory_plan.source import QuantSettings
 from usaf.memory_plan.target import GIB, RESERVE, Target
-from usaf.settings.fields import default_frac
+from usaf.settings.fields import DEFAULT_TARGETS, default_frac
 
 DEFAULT_MICROBATCH = 2  # usaf train's default
 DEFAULT_PREFIX_CACHE = 2 * GIB  # usaf train's --prefix-cache-gib default, used when the data size is unknown
@@ -34,7 +34,7 @@ class Request:
     microbatch: int | None = None
     train_from: int | None = None
     samples: int | None = None  # training sequences, to size the prefix cache
-    targets: tuple[str, ...] = ("experts",)  # --targets
+    targets: tuple[str, ...] = DEFAULT_TARGETS  # --targets
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic"
 
 # The weights of a trainable layer that may carry a sparse delta (usaf.families.targets spells their modules).
 TARGETS = ("experts", "attention", "shared")
-DEFAULT_TARGETS = ("experts",)  # docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"
+DEFAULT_TARGETS = ("experts", "attention")  # docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"
+EXPERTS_ONLY = ("experts",)  # what a plan or change from before --targets trained; the engine's library default
 
 
 def parse_targets(text: str | Iterable[str]) -> tuple[str, ...]:

@@ -309,7 +309,7 @@ def _summary(
         )
     entries = sum(t.selected for t in tensors)
     router_params = engine.trainable_count()["router_params"]
-    if entries == 0 or any(t.selected == 0 for t in tensors):
+    if entries == 0 or (config.budget in ("per-tensor", "per-expert") and any(t.selected == 0 for t in tensors)):
         raise UsafError("the selection is empty for some tensor", "check the data and --frac")
     return PlanSummary(
         model_fingerprint=model_fingerprint,

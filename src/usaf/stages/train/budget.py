@@ -14,7 +14,7 @@ from typing import Any
 
 from usaf.config import source_of
 from usaf.errors import UsafError
-from usaf.settings.fields import DEFAULT_TARGETS, parse_targets
+from usaf.settings.fields import EXPERTS_ONLY, parse_targets
 from usaf.stages.progress import Progress
 
 _KINDS = {"cpu": "cpu", "cuda": "cuda", "privateuseone": "directml"}  # torch device type -> planner kind
@@ -60,7 +60,7 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
         microbatch=config.microbatch if "microbatch" in given else None,
         train_from=train_from,
         samples=len(data),
-        targets=parse_targets(plan_summary.targets or DEFAULT_TARGETS) if plan_summary is not None
+        targets=parse_targets(plan_summary.targets or EXPERTS_ONLY) if plan_summary is not None
         else parse_targets(config.targets),
     )  # fmt: skip
     plan = plan_memory(model_facts(source.config), source.quant, target, request)

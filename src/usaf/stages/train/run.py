@@ -94,7 +94,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     """The engine over the loaded model, its deltas placed on the plan's masks."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.engine.engine import SparseEngine
-    from usaf.settings.fields import DEFAULT_TARGETS
+    from usaf.settings.fields import EXPERTS_ONLY
     from usaf.stages.engine_setup import load_for_engine
 
     config = inputs.config
@@ -104,7 +104,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     engine = SparseEngine(
         loaded,
         trainable_layers=inputs.plan.summary.trainable_layers,
-        targets=inputs.plan.summary.targets or DEFAULT_TARGETS,  # a plan from before --targets: the experts
+        targets=inputs.plan.summary.targets or EXPERTS_ONLY,  # a plan from before --targets: the experts
         train_router=config.router,
         dense_router_grad=config.dense_router_grad,
         aux_loss_coef=config.aux_loss_coef,
