@@ -3,7 +3,7 @@
 For each domain, the runs of every given results file (same evaluation sequences: their bases must agree) are pooled.
 Per arm: the chosen lr (the file's sweep winner; usaf_defaults has none: the plan's lr test), mean ± std over seeds
 of the in-domain held-out test PPL and the pretraining-domain PPL (forgetting), trainable parameters; then, paired by
-seed, each arm minus usaf_defaults. Writes one JSON and prints markdown tables for docs/BENCHMARKS.md.
+seed, each arm minus the reference (``--reference``: usaf at its defaults). Writes one JSON and prints markdown tables for docs/BENCHMARKS.md.
 
     python benchmarks/evidence_v2.py --domain torch-cpp benchmarks/results/evidence-v2-*-torch-cpp.json \
         --out benchmarks/results/evidence-v2-torch-cpp-summary.json
@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-REFERENCE = "usaf_defaults"
+REFERENCE = "usaf_defaults_attention"  # usaf at its defaults since the targets default to the experts and attention
 
 
 def same_sequences(a: dict, b: dict) -> bool:
@@ -41,7 +41,7 @@ def chosen_runs(paths: list[Path]) -> tuple[dict, dict]:
     return out, bases
 
 
-def summarize(arms: dict) -> dict:
+def summarize(arms: dict, reference: str = REFERENCE) -> dict:
     table = {}
     for arm, by_seed in arms.items():
         runs = [by_seed[s] for s in sorted(by_seed)]
@@ -54,7 +54,7 @@ def summarize(arms: dict) -> dict:
             values = [r["eval"][key]["ppl"] for r in runs]
             row[name] = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
                          "values": values}  # fmt: skip
-        ref = arms.get(REFERENCE, {})
+        ref = arms.get(reference, {})
         row["minus_defaults"] = {
             name: [by_seed[s]["eval"][key]["ppl"] - ref[s]["eval"][key]["ppl"] for s in sorted(by_seed) if s in ref]
             for key, name in (("indomain_heldout", "test"), ("pretrain_heldout", "forgetting"))
@@ -63,12 +63,12 @@ def summarize(arms: dict) -> dict:
     return table
 
 
-def print_table(domain: str, bases: dict, table: dict) -> None:
+def print_table(domain: str, bases: dict, table: dict, reference: str = REFERENCE) -> None:
     b = bases["hqq4"]
     print(f"\n{domain}: 4-bit base test {b['indomain_heldout']['ppl']:.2f}, "
           f"forgetting {b['pretrain_heldout']['ppl']:.2f}")
     print("| arm | lr | trainable | held-out test PPL | pretraining PPL (forgetting) "
-          "| − usaf defaults, by seed (test; forgetting) |")
+          f"| − {reference}, by seed (test; forgetting) |")
     print("|---|---|---|---|---|---|")
     for arm, row in sorted(table.items(), key=lambda kv: kv[1]["test"]["mean"]):
         lrs = sorted(set(row["lr"]))
@@ -77,7 +77,7 @@ def print_table(domain: str, bases: dict, table: dict) -> None:
         print(f"| {arm} | {', '.join(f'{x:g}' for x in lrs)} | {row['trainable_params']:,} | "
               f"{row['test']['mean']:.2f} ± {row['test']['std']:.2f} | "
               f"{row['forgetting']['mean']:.2f} ± {row['forgetting']['std']:.2f} | "
-              f"{diffs if arm != REFERENCE else '—'} |")  # fmt: skip
+              f"{diffs if arm != reference else '—'} |")  # fmt: skip
 
 
 def main() -> None:
@@ -85,12 +85,13 @@ def main() -> None:
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--domain", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reference", default=REFERENCE, help=f"the arm the paired differences are taken to [{REFERENCE}]")
     args = parser.parse_args()
     arms, bases = chosen_runs(args.results)
-    table = summarize(arms)
+    table = summarize(arms, args.reference)
     args.out.write_text(json.dumps({"domain": args.domain, "files": [str(p) for p in args.results], "bases": bases,
                                     "table": table}, indent=1) + "\n")  # fmt: skip
-    print_table(args.domain, bases, table)
+    print_table(args.domain, bases, table, args.reference)
 
 
 if __name__ == "__main__":
