@@ -3,7 +3,8 @@
 For each domain, the runs of every given results file (same evaluation sequences: their bases must agree) are pooled.
 Per arm: the chosen lr (the file's sweep winner; usaf_defaults has none: the plan's lr test), mean ± std over seeds
 of the in-domain held-out test PPL and the pretraining-domain PPL (forgetting), trainable parameters; then, paired by
-seed, each arm minus the reference (``--reference``: usaf at its defaults). Writes one JSON and prints markdown tables for docs/BENCHMARKS.md.
+seed, each arm minus the reference (``--reference``: usaf at its defaults). Writes one JSON and prints markdown
+tables for docs/BENCHMARKS.md.
 
     python benchmarks/evidence_v2.py --domain torch-cpp benchmarks/results/evidence-v2-*-torch-cpp.json \
         --out benchmarks/results/evidence-v2-torch-cpp-summary.json
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--domain", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--reference", default=REFERENCE, help=f"the arm the paired differences are taken to [{REFERENCE}]")
+    parser.add_argument("--reference", default=REFERENCE, help=f"the arm paired differences are taken to [{REFERENCE}]")
     args = parser.parse_args()
     arms, bases = chosen_runs(args.results)
     table = summarize(arms, args.reference)

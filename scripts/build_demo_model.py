@@ -15,6 +15,12 @@ same model. Steps:
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/build_demo_model.py          # ~20 min on one core
     PYTHONPATH=src python scripts/build_demo_model.py --steps 20 --out /tmp/m   # a quick smoke run
+
+``--size large`` builds the evidence benchmark's second model instead (issue 20: ≥ 8 layers, ≥ 32 experts, top-4,
+≥ 4x the demo's parameters): 8 layers, hidden 192, 32 experts of width 96, top-4, 16.7 M parameters, the same
+tokenizer (trained the same way on the same files) and corpus, written to ``benchmarks/models/evidence-large``:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/build_demo_model.py --size large   # ~1 h on one core
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from usaf.testing import CHATML_TEMPLATE
 from usaf.testing.tokenizer import SPECIAL_TOKENS
 
 # The model: ~3.9 M parameters (7.8 MB in bf16), ~6 k tokens/s of training on one CPU thread.
-MODEL_CONFIG: dict[str, Any] = {
+DEMO_CONFIG: dict[str, Any] = {
     "vocab_size": 4096,
     "hidden_size": 128,
     "num_hidden_layers": 4,
@@ -57,12 +63,28 @@ MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": 0,
     "pad_token_id": 0,
 }
+# The evidence benchmark's second model: 16.7 M parameters, ~3x the demo's compute per token.
+LARGE_CONFIG: dict[str, Any] = {
+    **DEMO_CONFIG,
+    "hidden_size": 192,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 96,
+    "intermediate_size": 768,
+}
+LARGE_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "evidence-large"
+SIZES = {"demo": (DEMO_CONFIG, demo_model_dir()), "large": (LARGE_CONFIG, LARGE_DIR)}
 IGNORE = -100
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=demo_model_dir(), help="model directory to write")
+    p.add_argument("--size", choices=sorted(SIZES), default="demo", help="the demo model, or the evidence's larger one")
+    p.add_argument("--out", type=Path, default=None, help="model directory to write (default: the size's own)")
     p.add_argument("--work-dir", type=Path, default=None, help="token files (default: a temporary directory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1400)
@@ -304,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="usaf-demo-build-"))
     work.mkdir(parents=True, exist_ok=True)
-    out: Path = args.out
+    model_config, default_out = SIZES[args.size]
+    out: Path = args.out or default_out
     staging = out.with_name(out.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -312,10 +335,10 @@ def main(argv: list[str] | None = None) -> int:
 
     pre_train_files, pre_held_files = domain_files(PRETRAIN_DOMAIN)
     tokenizer = train_tokenizer(
-        pre_train_files, staging, MODEL_CONFIG["vocab_size"], MODEL_CONFIG["max_position_embeddings"]
+        pre_train_files, staging, model_config["vocab_size"], model_config["max_position_embeddings"]
     )
-    assert len(tokenizer) == MODEL_CONFIG["vocab_size"], len(tokenizer)
-    assert tokenizer.eos_token_id == MODEL_CONFIG["eos_token_id"]
+    assert len(tokenizer) == model_config["vocab_size"], len(tokenizer)
+    assert tokenizer.eos_token_id == model_config["eos_token_id"]
     print(f"tokenizer: {len(tokenizer)} tokens, trained on {len(pre_train_files)} files ({time.time() - t0:.0f} s)")
 
     pre_dir, pre_summary = tokenize_domain(PRETRAIN_DOMAIN, staging, work / "pretrain-tokens", args.seq_len)
@@ -326,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     held_rows = read_sequences(pre_dir / "heldout.jsonl")
     demo_held_rows = read_sequences(demo_dir / "heldout.jsonl")
 
-    config = AutoConfig.for_model("qwen3_moe", **MODEL_CONFIG)
+    config = AutoConfig.for_model("qwen3_moe", **model_config)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
     params = sum(p.numel() for p in model.parameters())
@@ -365,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": round(time.time() - t0, 1),
         "parameters": params,
         "stored_dtype": "bfloat16",
-        "model_config": MODEL_CONFIG,
+        "model_config": model_config,
+        "size": args.size,
         "final_train_loss": final_train,
         "heldout_loss": round(held_loss, 4),
         "heldout_perplexity": round(math.exp(held_loss), 3),

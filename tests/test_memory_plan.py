@@ -237,6 +237,30 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert any(c.startswith(f"usaf train --microbatch {data['settings']['microbatch']} ") for c in data["commands"])
 
 
+def test_cli_counts_the_targets_it_is_given():
+    """--targets: the attention's deltas, state and kernel workspace are counted, and the commands carry the flag."""
+
+    def train_bytes(data: dict, name: str) -> int:
+        return next(c["device_bytes"] for c in data["stages"]["train"]["components"] if c["name"] == name)
+
+    plans = {}
+    for targets in ("experts", "experts,attention"):
+        args = ("--vram", "12GiB", "--ram", "32GiB", "--train-from", 44, "--microbatch", 1, "--frac", 0.005)
+        result = invoke("plan", QWEN3_30B, *args, "--targets", targets, "--json")
+        assert result.exit_code == 0, result.output
+        plans[targets] = json.loads(result.stdout)
+    experts, both = plans["experts"], plans["experts,attention"]
+    assert experts["settings"]["targets"] == ["experts"] and both["settings"]["targets"] == ["experts", "attention"]
+    # 4 layers x 0.005 x the attention's 2048 x (4096 + 512 + 512) + 4096 x 2048 weights, 36 bytes an entry
+    attention_entries = 4 * sum(int(0.005 * o * i) for o, i in ((4096, 2048), (512, 2048), (512, 2048), (2048, 4096)))
+    grown = train_bytes(both, "deltas + index buffers") - train_bytes(experts, "deltas + index buffers")
+    assert grown == attention_entries * 36 + 4 * 4 * 2 * 8  # + each linear target's two int64 offsets
+    assert train_bytes(both, "sparse-kernel workspace") > train_bytes(experts, "sparse-kernel workspace")
+    # the suggested score command names --targets only where it is not the default (experts + attention)
+    assert any(c.startswith("usaf score") and c.endswith("--targets experts --stream-experts") for c in experts["commands"])
+    assert not any("--targets" in c for c in both["commands"])
+
+
 def test_cli_table_names_components_and_settings():
     result = invoke("plan", QWEN3_30B, "--vram", "12GiB", "--ram", "32GiB")
     assert result.exit_code == 0, result.output
