@@ -257,7 +257,8 @@ def test_cli_counts_the_targets_it_is_given():
     assert grown == attention_entries * 36 + 4 * 4 * 2 * 8  # + each linear target's two int64 offsets
     assert train_bytes(both, "sparse-kernel workspace") > train_bytes(experts, "sparse-kernel workspace")
     # the suggested score command names --targets only where it is not the default (experts + attention)
-    assert any(c.startswith("usaf score") and c.endswith("--targets experts --stream-experts") for c in experts["commands"])
+    score = next(c for c in experts["commands"] if c.startswith("usaf score"))
+    assert score.endswith("--targets experts --stream-experts")
     assert not any("--targets" in c for c in both["commands"])
 
 
