@@ -45,7 +45,9 @@ runs already in ``--out`` (the same settings are checked) with the same results.
 Version 2 (issue 20): ``--domain torch-cpp`` fine-tunes on ``usaf.demo.CPP_DOMAIN`` instead (C++ headers: a much
 larger shift); ``--arms`` picks arms beyond the default set: ``qlora`` (the same LoRA over usaf's dequantized 4-bit
 base), ``usaf_defaults`` (no --frac, no --lr: the default share rule and the plan's lr test, not swept) and the
-budget arms; ``--lora-match`` sizes LoRA to another usaf arm (``usaf_defaults``: ~80 k on the demo model).
+budget arms; ``--lora-match`` sizes LoRA to another usaf arm (``usaf_defaults``: ~80 k on the demo model);
+``--model benchmarks/models/evidence-large`` fine-tunes the larger pretrained model (``scripts/build_demo_model.py
+--size large``: 8 layers, 32 experts top-4) instead of the demo model.
     python benchmarks/bench_evidence.py --reaggregate benchmarks/results/evidence.json   # tables only
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arm.
@@ -165,7 +167,9 @@ def domains() -> dict:
     return {d.name: d for d in (DEMO_DOMAIN, CPP_DOMAIN)}
 
 
-def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net") -> dict:
+def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net", model: Path | None = None) -> dict:
+    """Tokens, the quantized model and its dequantized base, the evaluation samples; ``model``: the pretrained model
+    fine-tuned (default: the demo model; the larger one is ``scripts/build_demo_model.py --size large``'s)."""
     from usaf.demo import PRETRAIN_DOMAIN, demo_model_dir
     from usaf.stages.export import ExportConfig
     from usaf.stages.export import run as export
@@ -174,7 +178,7 @@ def setup(work: Path, seq: int, eval_n: int, domain: str = "stdlib-net") -> dict
     from usaf.stages.tokenize import TokenizeConfig
     from usaf.stages.tokenize import run as tokenize
 
-    src = demo_model_dir()
+    src = model or demo_model_dir()
     t0 = time.perf_counter()
     demo, demo_dir = tokenize(
         TokenizeConfig(**domains()[domain].tokenize_options(), model=str(src), seq_len=seq, out=work / "tokens-demo")
@@ -647,6 +651,12 @@ def main() -> None:
         help="the arms to run, in order (usaf is always scored first: LoRA's size follows it) "
         f"[{' '.join(DEFAULT_ARMS)}]",
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the pretrained model to fine-tune [the demo model; benchmarks/models/evidence-large: the larger one]",
+    )
     parser.add_argument("--resume", action="store_true", help="reuse the runs already in --out (same settings)")
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
@@ -715,6 +725,7 @@ def main() -> None:
             "arms": {arm: ARMS[arm] for arm in arms},
             "lora_match": args.lora_match,
             "lora_alpha": LORA_ALPHA,
+            **({"model": str(args.model)} if args.model is not None else {}),  # the demo model's files omit it
         },
     }
     # --resume: runs already in --out with the same settings are reused (every run is deterministic at a fixed
@@ -745,7 +756,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="usaf-bench-evidence-") as tmp:
         work = Path(tmp)
-        env = setup(work, seq, eval_n, args.domain)
+        env = setup(work, seq, eval_n, args.domain, args.model)
         result["setup"] = env["info"]
         result["bases"] = evaluate_bases(env)
         print("[bases] " + json.dumps({k: {s: round(v["ppl"], 2) for s, v in b.items()}
