@@ -105,6 +105,8 @@ ARMS = {
     # QLoRA: the same LoRA over usaf's own 4-bit base (HQQ, dequantized by `usaf export --no-checkpoint` to fp32), the
     # fair comparison on a card that cannot hold the original weights. Not in the default run; pick it with --arms.
     "qlora": {"kind": "lora", "base": "hqq4"},
+    # LoRA on the experts only (no attention), at the same count: the adapter counterpart of usaf's experts-only arms.
+    "lora_experts": {"kind": "lora", "experts_only": True},
     # usaf as a user runs it: no --frac (the default rule for the layers' size), no --lr (the plan's lr test), no
     # sweep: lr PLAN_LR stands for "the plan's".
     "usaf_defaults": {"kind": "usaf", "frac": None, "reselect": True, "router": True},
@@ -143,6 +145,7 @@ GRIDS = {
     "usaf_top_half": [3e-3, 1e-2, 3e-2],
     "lora": [1e-3, 3e-3, 1e-2],
     "qlora": [1e-3, 3e-3, 1e-2],
+    "lora_experts": [1e-3, 3e-3, 1e-2],
     "usaf_defaults": [0.0],
     "full_finetune": [1e-4, 3e-4, 1e-3],
     "usaf_frac_0.001": [3e-3, 1e-2, 3e-2],
@@ -502,7 +505,7 @@ def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: di
         spec["router"] = a["router"]
     else:
         spec["layers"] = cfg["layers"]
-        spec["lora_ranks"] = cfg["lora_ranks"]
+        spec["lora_ranks"] = cfg["lora_experts_ranks"] if a.get("experts_only") else cfg["lora_ranks"]
     spec_file = work / "specs" / f"{arm}-lr{lr:g}-seed{seed}.json"
     spec_file.parent.mkdir(exist_ok=True)
     spec_file.write_text(json.dumps(spec))
@@ -802,6 +805,11 @@ def main() -> None:
             cfg["lora_ranks"] = list(lora_ranks(target, *per_rank))
             result["lora"] = {"layers": cfg["layers"], "ranks_experts_attention": cfg["lora_ranks"],
                               "usaf_target": target, "per_rank_experts_attention": list(per_rank)}  # fmt: skip
+        # LoRA on the experts only: the expert rank whose count is closest to the same target
+        lora = result["lora"]
+        expert_rank = max(1, round(lora["usaf_target"] / lora["per_rank_experts_attention"][0]))
+        cfg["lora_experts_ranks"] = [expert_rank, 0]
+        lora["ranks_experts_only"] = cfg["lora_experts_ranks"]
         save()
         if do_sweep:
             chosen = sweep(run, arms)

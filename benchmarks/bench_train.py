@@ -230,11 +230,13 @@ def lora_ranks(target: int, expert_per_rank: int, attention_per_rank: int) -> tu
 
 
 def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: int):
+    """LoRA on the layers' fused experts (``target_parameters``) and, unless ``attention_rank`` is 0, q/k/v/o."""
     from peft import LoraConfig, get_peft_model
 
     model = load_reference(src)
     experts = [f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("gate_up_proj", "down_proj")]
     attention = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    attention = attention if attention_rank > 0 else []
     config = LoraConfig(
         r=expert_rank,
         lora_alpha=LORA_ALPHA,
