@@ -159,3 +159,20 @@ def test_a_run_with_every_target_resumes_exactly_and_generates(prepared, tmp_pat
 
     out = invoke("generate", "hello", "--model", qdir, "--checkpoint", straight, "--max-new-tokens", 4, "--seed", 0)
     assert out.exit_code == 0, out.output
+
+
+def test_a_target_the_model_lacks_is_one_error_and_no_plan(prepared, tmp_path):
+    """qwen3_moe has no shared experts: --targets shared is refused, naming the flag, and writes nothing."""
+    from helpers import invoke
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    out = tmp_path / "plan"
+    result = invoke("score", "--model", qdir, "--data", tokens, "--targets", "experts,shared", "--calib-samples", 4,
+                    "--no-stability", "--out", out)  # fmt: skip
+    assert result.exit_code == 2
+    assert "--targets experts,shared" in result.stderr and "no shared modules" in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    # control: the same command with targets the model has succeeds
+    result = invoke("score", "--model", qdir, "--data", tokens, "--targets", "experts,attention", "--calib-samples", 4,
+                    "--no-stability", "--no-lr-test", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output

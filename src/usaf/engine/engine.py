@@ -40,6 +40,10 @@ from usaf.families.routing import dense_router_grad_refusal
 from usaf.families.targets import EXPERTS_ONLY, index_free_refusal, linear_target_modules, parse_targets
 
 
+class TargetsError(ValueError):
+    """The asked ``targets`` cannot train on this model or device (said as a ``--targets`` error by the stages)."""
+
+
 @dataclass
 class LossParts:
     loss: torch.Tensor  # what backward() is called on
@@ -117,18 +121,7 @@ class SparseEngine:
                 check_allocation(one_expert, where, what)
                 weight.make_resident(resident_device, pin=pin_resident)
                 self.weights[name] = weight
-        index_free = not all(loaded.experts[layer].index_ops for layer in self.trainable_layers)
-        if index_free and (refusal := index_free_refusal(spec, self.targets)):
-            raise ValueError(refusal)
-        for layer in self.trainable_layers:
-            index_ops = loaded.experts[layer].index_ops
-            for target in self.targets:
-                if target == "experts":
-                    continue
-                for module_name in linear_target_modules(self.model, spec, layer, target):
-                    self.weights[f"{module_name}.weight"] = attach(
-                        self.model.get_submodule(module_name), index_ops=index_ops
-                    )
+        self._attach_linear_targets()
         self.routers: dict[str, nn.Parameter] = {}
         self.router_anchors: dict[str, torch.Tensor] = {}
         if train_router:
@@ -164,6 +157,24 @@ class SparseEngine:
         self.activations = SavedTensorMeter(self._weight_storages, start_at=self.model.model.layers[0])
         returns_tuple = decoder_returns_tuple(spec)
         self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
+
+    def _attach_linear_targets(self) -> None:
+        """Every ``nn.Linear`` of the asked attention/shared targets in the trainable layers becomes a LinearTarget."""
+        spec, loaded = self.spec, self.loaded
+        index_free = not all(loaded.experts[layer].index_ops for layer in self.trainable_layers)
+        if index_free and (refusal := index_free_refusal(spec, self.targets)):
+            raise TargetsError(refusal)
+        for target in self.targets:
+            if target == "experts":
+                continue
+            found = 0
+            for layer in self.trainable_layers:
+                for module_name in linear_target_modules(self.model, spec, layer, target):
+                    module = self.model.get_submodule(module_name)
+                    self.weights[f"{module_name}.weight"] = attach(module, index_ops=loaded.experts[layer].index_ops)
+                    found += 1
+            if not found:  # asked for and absent: never a silent no-op
+                raise TargetsError(f"{spec.model_type} has no {target} modules in layers {list(self.trainable_layers)}")
 
     def _attach_dense_router_grad(self, train_router: bool) -> None:
         """Each trainable layer's router hands its logits to that layer's experts (a per-instance forward hook)."""

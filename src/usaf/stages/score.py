@@ -40,7 +40,7 @@ from usaf.config import source_of
 from usaf.data.batches import Batch, batches, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.data.tokens import scored_targets
-from usaf.engine.engine import SparseEngine
+from usaf.engine.engine import SparseEngine, TargetsError
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import UsafError
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac, parse_targets
@@ -124,7 +124,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, config.stream_experts, progress)
     layers = trainable_layers(config, loaded.spec.moe_layers)
     targets = parse_targets(config.targets)
-    engine = SparseEngine(loaded, trainable_layers=layers, targets=targets, train_router=config.router, **placement)
+    try:
+        engine = SparseEngine(loaded, trainable_layers=layers, targets=targets, train_router=config.router, **placement)
+    except TargetsError as e:
+        raise UsafError(f"--targets {config.targets}: {e}", "choose other --targets (experts: every model)") from None
     if config.cache and engine.prefix is None:
         raise UsafError(
             f"--cache: no frozen prefix to cache (the first trainable layer is {layers[0]})",

@@ -93,7 +93,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
 def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     """The engine over the loaded model, its deltas placed on the plan's masks."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
-    from usaf.engine.engine import SparseEngine
+    from usaf.engine.engine import SparseEngine, TargetsError
     from usaf.settings.fields import EXPERTS_ONLY
     from usaf.stages.engine_setup import load_for_engine
 
@@ -101,16 +101,23 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     loaded, placement = load_for_engine(inputs.model_dir, backend, compute, config.stream_experts, progress)
     masks = read_masks(inputs.plan_dir, inputs.plan)  # checked against the plan's own manifest
     check_plan_layers(inputs.plan_dir, inputs.plan, list(loaded.spec.moe_layers))
-    engine = SparseEngine(
-        loaded,
-        trainable_layers=inputs.plan.summary.trainable_layers,
-        targets=inputs.plan.summary.targets or EXPERTS_ONLY,  # a plan from before --targets: the experts
-        train_router=config.router,
-        dense_router_grad=config.dense_router_grad,
-        aux_loss_coef=config.aux_loss_coef,
-        z_loss_coef=config.z_loss_coef,
-        **placement,
-    )
+    targets = inputs.plan.summary.targets or EXPERTS_ONLY  # a plan from before --targets: the experts
+    try:
+        engine = SparseEngine(
+            loaded,
+            trainable_layers=inputs.plan.summary.trainable_layers,
+            targets=targets,
+            train_router=config.router,
+            dense_router_grad=config.dense_router_grad,
+            aux_loss_coef=config.aux_loss_coef,
+            z_loss_coef=config.z_loss_coef,
+            **placement,
+        )
+    except TargetsError as e:  # e.g. a plan scored on one device, trained on one without index ops
+        raise UsafError(
+            f"--plan {inputs.plan_dir}: its targets ({','.join(targets)}) cannot train here: {e}",
+            "re-run usaf score with other --targets",
+        ) from None
     check_masks_fit(inputs.plan_dir, inputs.plan, masks, {name: tuple(w.shape) for name, w in engine.weights.items()})
     engine.set_deltas(masks)
     return engine
