@@ -27,9 +27,17 @@ def random_selection(engine: SparseEngine, frac: float = 0.1, seed: int = 0) -> 
     return selection
 
 
+def every_target(spec) -> tuple[str, ...]:
+    """Every target the family has: experts, attention, and shared where it has shared experts."""
+    return ("experts", "attention", "shared") if spec.shared is not None else ("experts", "attention")
+
+
 def make_engine(quantized, family, **kwargs):
+    """The family's tiny engine, its top layer trainable; ``targets="all"``: :func:`every_target`."""
     loaded = load_quantized_model(quantized(family, num_layers=FAMILY_LAYERS))
     top = loaded.spec.moe_layers[-1]
+    if kwargs.get("targets") == "all":
+        kwargs["targets"] = every_target(loaded.spec)
     return SparseEngine(loaded, trainable_layers=[top], **kwargs)
 
 

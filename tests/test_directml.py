@@ -223,7 +223,7 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     """Forward, backward (deltas and, on transformers 4.x, routers) and an optimizer step with index_ops=False,
     with every op DirectML rejects made to raise at the aten level."""
     _skip_v5_router_scatter(family)
-    from helpers_engine import train_step
+    from helpers_engine import every_target, train_step
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.optim import SparseAdamW
@@ -235,7 +235,7 @@ def test_a_training_step_avoids_the_ops_directml_rejects(family, quantized):
     # DirectML configuration runs transformers 4.x, where usaf's block forward selects without one.
     # 4.x also trains the linear targets: their backward reaches the MoE block's input, whose routing (topk)
     # has a scatter backward in transformers >= 5's own router code, as above
-    targets = ("experts",) if TRANSFORMERS_V5 else ("experts", "attention", "shared")
+    targets = ("experts",) if TRANSFORMERS_V5 else every_target(loaded.spec)
     if family == "gpt_oss" and not TRANSFORMERS_V5:  # refused (its eager attention's max has a scatter backward)
         with pytest.raises(ValueError, match="drop attention from --targets"):
             SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]], targets=targets)

@@ -13,6 +13,7 @@ import torch
 
 from conftest import FAMILIES
 from helpers import invoke
+from helpers_engine import every_target
 from usaf.engine.engine import SparseEngine, budget
 from usaf.engine.loading import load_quantized_model
 from usaf.engine.optim import SparseAdamW
@@ -50,12 +51,13 @@ def _facts(qdir: Path):
 # -- the formulas against the engine ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("targets", [("experts",), ("experts", "attention", "shared")])
+@pytest.mark.parametrize("targets", ["experts", "all"])
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss", "deepseek_v3"))
 def test_weight_components_equal_the_engines_accounting(family, targets, quantized):
     """4-bit experts, resident bases, deltas, routers and optimizer state: exact; other weights within 1 %."""
     qdir = quantized(family, num_layers=4)
     facts, quant = _facts(qdir)
+    targets = ("experts",) if targets == "experts" else every_target(facts.spec)
     assert quant.source.startswith("the quantized model's manifest") and set(quant.effective.values()) == {8}
     for dtype, c in DTYPES.items():
         engine = _engine(qdir, dtype, top=2, targets=targets)
@@ -81,7 +83,7 @@ def test_weight_components_equal_the_engines_accounting(family, targets, quantiz
     assert acc.nbytes == shape[0] * w.POOL_BYTES_PER_EXPERT + pooled * w.POOL_BYTES_PER_CANDIDATE
 
 
-@pytest.mark.parametrize("targets", [("experts",), ("experts", "attention", "shared")])
+@pytest.mark.parametrize("targets", ["experts", "all"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_activation_formula_matches_the_engines_measurement(family, targets, quantized):
     """Saved-tensor bytes of a training forward: the formula against ``engine.memory()["activations"]``.
@@ -92,6 +94,7 @@ def test_activation_formula_matches_the_engines_measurement(family, targets, qua
     """
     qdir = quantized(family, num_layers=4)
     facts, _ = _facts(qdir)
+    targets = ("experts",) if targets == "experts" else every_target(facts.spec)
     exact = family not in ("deepseek_v3", "gpt_oss")  # MLA and eager attention with sinks are approximated
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 500, (2, 24), generator=g)
@@ -245,16 +248,16 @@ def test_cli_counts_the_targets_it_is_given():
 
     plans = {}
     for targets in ("experts", "experts,attention"):
-        args = ("--vram", "12GiB", "--ram", "32GiB", "--train-from", 44, "--microbatch", 1, "--frac", 0.005)
+        args = ("--vram", "12GiB", "--ram", "32GiB", "--train-from", 45, "--microbatch", 1, "--frac", 0.005)
         result = invoke("plan", QWEN3_30B, *args, "--targets", targets, "--json")
         assert result.exit_code == 0, result.output
         plans[targets] = json.loads(result.stdout)
     experts, both = plans["experts"], plans["experts,attention"]
     assert experts["settings"]["targets"] == ["experts"] and both["settings"]["targets"] == ["experts", "attention"]
-    # 4 layers x 0.005 x the attention's 2048 x (4096 + 512 + 512) + 4096 x 2048 weights, 36 bytes an entry
-    attention_entries = 4 * sum(int(0.005 * o * i) for o, i in ((4096, 2048), (512, 2048), (512, 2048), (2048, 4096)))
+    # 3 layers x 0.005 x the attention's 2048 x (4096 + 512 + 512) + 4096 x 2048 weights, 36 bytes an entry
+    attention_entries = 3 * sum(int(0.005 * o * i) for o, i in ((4096, 2048), (512, 2048), (512, 2048), (2048, 4096)))
     grown = train_bytes(both, "deltas + index buffers") - train_bytes(experts, "deltas + index buffers")
-    assert grown == attention_entries * 36 + 4 * 4 * 2 * 8  # + each linear target's two int64 offsets
+    assert grown == attention_entries * 36 + 3 * 4 * 2 * 8  # + each linear target's two int64 offsets
     assert train_bytes(both, "sparse-kernel workspace") > train_bytes(experts, "sparse-kernel workspace")
     # the suggested score command names --targets only where it is not the default (experts + attention)
     score = next(c for c in experts["commands"] if c.startswith("usaf score"))

@@ -13,8 +13,6 @@ from usaf.engine.linear_target import LinearTarget
 from usaf.families.modules import FusedView
 from usaf.families.targets import linear_target_modules, parse_targets, target_of, targets_of
 
-ALL = ("experts", "attention", "shared")
-
 
 def _dense_loss(model, ids, labels):
     from usaf.engine.engine import IGNORE_INDEX
@@ -39,7 +37,7 @@ def _stored(view: FusedView, name: str, weight, *, grad: bool = False) -> torch.
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_linear_targets_forward_and_gradients_equal_dense_autograd(family, tiny_model, quantized):
-    engine = make_engine(quantized, family, targets=ALL)
+    engine = make_engine(quantized, family, targets="all")
     linear = {n: w for n, w in engine.weights.items() if isinstance(w, LinearTarget)}
     kinds = {target_of(n, engine.spec) for n in linear}
     assert "attention" in kinds

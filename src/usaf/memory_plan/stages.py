@@ -179,6 +179,10 @@ def _dense_slice(m: ModelFacts, s: Settings) -> int:
 def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
     layers = len(s.layers)
     routers = w.router_params(m, s.layers)
+    entries = layers * w.layer_delta_entries(m, s.frac, s.targets)
+    # the lr test (on by default) trains probe runs on the chosen masks: train's deltas, gradients and state
+    lr_test = w.delta_bytes(m, layers, s.frac, s.targets) + act.FP32 * entries
+    lr_test += w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers)
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
@@ -192,6 +196,7 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(
             t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "gradient, statistic, top-k; assumed"
         ),
+        _place(t, "lr test (probe runs)", lr_test, "deltas, their gradients and optimizer state"),
         *_forward(m, t, s),
     ]
     return StagePlan("score", tuple(parts))
