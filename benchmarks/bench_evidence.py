@@ -660,6 +660,12 @@ def main() -> None:
         default=None,
         help="the pretrained model to fine-tune [the demo model; benchmarks/models/evidence-large: the larger one]",
     )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="score without --cache: each step runs the frozen prefix (cheaper than caching every training sequence "
+        "for a short run on a larger model; cached and uncached losses agree to rounding, tested)",
+    )
     parser.add_argument("--resume", action="store_true", help="reuse the runs already in --out (same settings)")
     parser.add_argument(
         "--reaggregate", type=Path, default=None, help="recompute the summary tables of a results file from its runs"
@@ -729,6 +735,7 @@ def main() -> None:
             "lora_match": args.lora_match,
             "lora_alpha": LORA_ALPHA,
             **({"model": str(args.model)} if args.model is not None else {}),  # the demo model's files omit it
+            **({"prefix_cache": False} if args.no_cache else {}),
         },
     }
     # --resume: runs already in --out with the same settings are reused (every run is deterministic at a fixed
@@ -776,7 +783,7 @@ def main() -> None:
                     seed,
                     frac,
                     train_from,
-                    cache=not quick and train_from != 0,
+                    cache=not (quick or args.no_cache) and train_from != 0,
                     calib=8 if quick else 64,
                     targets=targets,
                 )
