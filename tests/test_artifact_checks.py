@@ -180,7 +180,7 @@ def test_read_importance_refuses_a_tampered_file(plan, edit, expected):
         (lambda s: s["tensors"].append(s["tensors"][0]), "each trainable tensor once"),
         (lambda s: s["tensors"][0].__setitem__("per_expert", [307]), "per_expert must be 4 counts"),
         (lambda s: s["tensors"][0].__setitem__("shape", [4, 48]), "shape must be 3 positive sizes"),
-        (lambda s: s["tensors"][0].__setitem__("selected", 10**9), "is not between 0 and the tensor's 6144"),
+        (lambda s: s["tensors"][0].__setitem__("selected", 10**9), "is not between 1 and the tensor's 6144"),
     ],
     ids=["layers repeated", "negative layer", "tensor twice", "per_expert length", "2-D shape", "selected too many"],
 )

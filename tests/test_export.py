@@ -17,13 +17,13 @@ from safetensors import safe_open
 
 from conftest import FAMILIES, TRANSFORMERS_V5
 from helpers import invoke, leftovers
+from helpers_engine import every_target
 from helpers_trained import tokenize, train_run
 from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
 from usaf.artifacts.run import load_trained_change
-from usaf.families import read_checkpoint, resolve_family
+from usaf.families import load_model_config, read_checkpoint, resolve_family
 
 NUM_LAYERS = 3  # layer 2 trains (deepseek_v3: layer 0 dense, 1-2 MoE)
-ALL_TARGETS = "experts,attention,shared"  # every export test covers the linear targets too
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,8 @@ def trained(quantized, tiny_model, tmp_path_factory):
             qdir = quantized(family, num_layers=NUM_LAYERS, tokenizer=True)
             if not tokens:  # one tokenizer for every tiny model: tokenize once
                 tokens.append(tokenize(qdir, root / "tokens"))
-            run = train_run(qdir, tokens[0], root / family, targets=ALL_TARGETS)
+            targets = ",".join(every_target(resolve_family(load_model_config(qdir))))  # the linear targets too
+            run = train_run(qdir, tokens[0], root / family, targets=targets)
             cache[family] = (tiny_model(family, num_layers=NUM_LAYERS, tokenizer=True), qdir, run)
         return cache[family]
 

@@ -38,9 +38,11 @@ def heldout_loss(qdir, tokens, change=None, *, layers=(2,), router=True) -> floa
     from usaf.data.dataset import TokenDataset
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
+    from usaf.families.targets import targets_of
 
     loaded = load_quantized_model(qdir, device=torch.device("cpu"), compute_dtype=torch.float32)
-    engine = SparseEngine(loaded, trainable_layers=list(layers), train_router=router)
+    targets = targets_of(change.deltas, loaded.spec) if change is not None else ("experts",)
+    engine = SparseEngine(loaded, trainable_layers=list(layers), train_router=router, targets=targets)
     if change is not None:
         engine.apply_change(change)
     data = TokenDataset(tokens / "heldout.jsonl", vocab_size=512)
@@ -61,6 +63,7 @@ def test_applied_change_reproduces_the_runs_heldout_loss(finished_run):
     change = load_trained_change(run)
     reported = load_verified(run, RunManifest).summary.eval_losses[-1][1]
     assert change.trainable_layers == [2] and change.expert_entries > 0 and change.routers
+    assert any(".self_attn." in name for name in change.deltas)  # the default targets: experts and attention
     assert heldout_loss(qdir, tokens, change) == pytest.approx(reported, abs=1e-5)
     # negative control: the untouched model does not reproduce it
     assert abs(heldout_loss(qdir, tokens) - reported) > 1e-3

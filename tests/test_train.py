@@ -61,7 +61,9 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     s = manifest.summary
     losses = [m["loss"] for m in metrics(run) if "loss" in m]
     assert len(losses) == 30 and s.skipped_steps == 0
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
+    # the same two sequences every step and no dropout: a frozen model's loss would not move at all, so 0.05
+    # nats is learning (gpt-oss, whose attention trains too by default, gains the least: ~0.08 at this lr)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
     assert len(s.eval_losses) == 2 and len(s.reselections) == 2
 
 
@@ -474,7 +476,9 @@ def test_a_memory_budget_with_a_plan_sizes_the_plans_frac_not_the_default(monkey
     backend = types.SimpleNamespace(device=torch.device("cpu"), memory=lambda: memory)
     data = [types.SimpleNamespace(input_ids=[1] * 32)] * 4
     config = TrainConfig(plan=Path("plan"), ram="8GiB")  # --frac not given: its default is not the plan's
-    plan = types.SimpleNamespace(frac=0.05, trainable_layers=[3, 4])
+    plan = types.SimpleNamespace(frac=0.05, trainable_layers=[3, 4], targets=["experts"])
     with pytest.raises(Asked):
         apply_budget(config, Path("model"), backend, data, plan, NullProgress())
     assert asked[0].frac == 0.05 and asked[0].train_from == 3 and config.frac != 0.05
+    # the plan's targets, not the --targets default (experts + attention), size the run
+    assert asked[0].targets == ("experts",) and config.targets != "experts"

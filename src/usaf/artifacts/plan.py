@@ -114,7 +114,7 @@ def _summary_problem(s: PlanSummary) -> str | None:
     if not names or len(set(names)) != len(names):
         return "tensors must list each trainable tensor once"
     for t in s.tensors:
-        if problem := _tensor_problem(t, layers):
+        if problem := _tensor_problem(t, layers, shared_ranking=s.budget in ("per-layer", "global")):
             return f"tensor {t.name}: {problem}"
     entries = sum(t.selected for t in s.tensors)
     if s.expert_entries != entries:
@@ -139,15 +139,17 @@ def _lr_test_problem(t: LrTestRecord) -> str | None:
     return None
 
 
-def _tensor_problem(t: TensorSelection, layers: list[int]) -> str | None:
+def _tensor_problem(t: TensorSelection, layers: list[int], *, shared_ranking: bool) -> str | None:
     if t.layer not in layers:
         return f"layer {t.layer} is not one of trainable_layers {layers}"
     if len(t.shape) != 3 or any(d < 1 for d in t.shape):
         return f"shape must be 3 positive sizes (E, O, I), got {t.shape}"
     experts, rows, cols = t.shape
-    # 0: a shared ranking (--budget per-layer/global) gave this tensor nothing
-    if not 0 <= t.selected <= experts * rows * cols:
-        return f"selected {t.selected} is not between 0 and the tensor's {experts * rows * cols} weights"
+    # 0 only where a shared ranking (--budget per-layer/global) gave this tensor nothing; per-tensor/per-expert
+    # budgets give every tensor at least one entry
+    least = 0 if shared_ranking else 1
+    if not least <= t.selected <= experts * rows * cols:
+        return f"selected {t.selected} is not between {least} and the tensor's {experts * rows * cols} weights"
     if len(t.per_expert) != experts or min(t.per_expert) < 0 or sum(t.per_expert) != t.selected:
         return f"per_expert must be {experts} counts adding up to selected ({t.selected})"
     return None

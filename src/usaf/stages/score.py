@@ -157,10 +157,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     try:
         masks = select(accumulators, frac=frac, mode=config.budget, layer_of=layer_of)
     except SelectionError as e:
-        raise UsafError(
-            f"selection smaller than its budget: {e}",
-            "use more --calib-samples, a smaller --frac, or another --budget",
-        ) from None
+        hint = "use more --calib-samples, a smaller --frac, or another --budget"
+        if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
+            hint += " (attention's q/k learn only from positions after the first: longer sequences, or --targets experts)"
+        raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
 
     stability: dict[str, float] = {}
     if config.stability and len(lines) >= 2:
