@@ -159,7 +159,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     except SelectionError as e:
         hint = "use more --calib-samples, a smaller --frac, or another --budget"
         if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
-            hint += " (attention's q/k learn only after a sequence's first position: longer sequences, or --targets experts)"
+            hint += " (attention's q/k learn only past a sequence's first token: longer lines, or --targets experts)"
         raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
 
     stability: dict[str, float] = {}
