@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import torch
@@ -52,6 +53,8 @@ import torch
 from usaf.families import map_checkpoint, read_checkpoint
 from usaf.families.mapping import load_expert_layer
 from usaf.quant import dequantize, quantize_experts, relative_error
+from usaf.quant import tensor as quant_tensor
+from usaf.quant.packing import unpack_blocks
 from usaf.stages.quantize import QuantizeConfig, run
 from usaf.testing import build_tiny_model
 
@@ -401,19 +404,26 @@ def dequant(repeats: int) -> dict:
                 src = torch.randn(out.shape).to(dtype)
                 cases.append({"tensor": name, "label": label, "experts": experts, "dtype": dtype, "q": q, "src": src})
     deq_t: list[list[float]] = [[] for _ in cases]
+    blocks_t: list[list[float]] = [[] for _ in cases]
     copy_t: list[list[float]] = [[] for _ in cases]
     # Round robin over all cases, dequantize then copy, so a burst of load elsewhere hits every case alike.
+    # The reference dequantize unpacks 4 bits with the general block loop (usaf.quant.packing.unpack_blocks,
+    # what every 4-bit unpack ran before the nibble interleave), timed in the same rounds.
     for _ in range(repeats):
         for k, c in enumerate(cases):
             start = time.perf_counter()
             dequantize(c["q"], experts=c["experts"], dtype=c["dtype"])
             deq_t[k].append(time.perf_counter() - start)
+            with mock.patch.object(quant_tensor, "unpack_codes", unpack_blocks):
+                start = time.perf_counter()
+                dequantize(c["q"], experts=c["experts"], dtype=c["dtype"])
+                blocks_t[k].append(time.perf_counter() - start)
             start = time.perf_counter()
             torch.empty_like(c["src"]).copy_(c["src"])
             copy_t[k].append(time.perf_counter() - start)
     rows = []
     for k, c in enumerate(cases):
-        d, cp = statistics.median(deq_t[k]), statistics.median(copy_t[k])
+        d, cp, b = statistics.median(deq_t[k]), statistics.median(copy_t[k]), statistics.median(blocks_t[k])
         src, q = c["src"], c["q"]
         rows.append(
             {
@@ -425,6 +435,8 @@ def dequant(repeats: int) -> dict:
                 "dequantize_ms": d * 1e3,
                 "copy_ms": cp * 1e3,
                 "ratio_dequantize_over_copy": d / cp,
+                "dequantize_block_unpack_ms": b * 1e3,
+                "speedup_over_block_unpack": b / d,
                 "ratio_median_of_pairs": statistics.median(a / b for a, b in zip(deq_t[k], copy_t[k])),
                 "dequantize_ms_all": [t * 1e3 for t in deq_t[k]],
                 "copy_ms_all": [t * 1e3 for t in copy_t[k]],
@@ -432,7 +444,7 @@ def dequant(repeats: int) -> dict:
         )
         print(
             f"[dequant] {c['tensor']} {c['label']} -> {rows[-1]['dtype']}: {d * 1e3:.2f} ms vs copy "
-            f"{cp * 1e3:.3f} ms (x{d / cp:.1f})",
+            f"{cp * 1e3:.3f} ms (x{d / cp:.1f}); with the block unpack {b * 1e3:.2f} ms",
             flush=True,
         )
     # A whole top-8 MoE step: gate_up and down of 8 experts.
@@ -441,6 +453,7 @@ def dequant(repeats: int) -> dict:
         sel = [r for r in rows if r["experts"] == f"{TOP_K} experts" and r["dtype"] == dt]
         top[dt] = {
             "dequantize_ms": sum(r["dequantize_ms"] for r in sel),
+            "dequantize_block_unpack_ms": sum(r["dequantize_block_unpack_ms"] for r in sel),
             "copy_ms": sum(r["copy_ms"] for r in sel),
         }
     return {
@@ -525,6 +538,7 @@ def print_summary(r: dict) -> None:
             print(
                 f"  {row['tensor']:7s} {row['experts']:9s} {row['dtype']:8s} {row['dequantize_ms']:8.2f} ms"
                 f"  copy {row['copy_ms']:7.3f} ms  x{row['ratio_dequantize_over_copy']:.1f}"
+                f"  block unpack {row['dequantize_block_unpack_ms']:8.2f} ms ({row['speedup_over_block_unpack']:.2f}x)"
             )
 
 

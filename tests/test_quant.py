@@ -18,6 +18,7 @@ from usaf.quant import (
     relative_error,
     unpack_codes,
 )
+from usaf.quant.packing import unpack_blocks
 
 NE, NO, NI = 3, 24, 64  # experts, out and in features; NI < the default group size 128, so the group is 64
 NBITS = (2, 3, 4, 8)
@@ -55,6 +56,8 @@ def test_pack_round_trip_including_extreme_codes(nbits, width):
     assert packed.shape == (2, 3, packed_width(width, nbits))
     assert packed.shape[-1] == (width if nbits == 8 else -(-width // 8) * nbits)
     assert torch.equal(unpack_codes(packed, nbits, width), codes.to(torch.uint8))
+    if nbits != 8:  # 4 bits has its own fast path: the general block loop must agree with it
+        assert torch.equal(unpack_blocks(packed, nbits, width), codes.to(torch.uint8))
 
 
 @pytest.mark.parametrize("nbits", (2, 3, 4))

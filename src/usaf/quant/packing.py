@@ -92,7 +92,19 @@ def unpack_codes(packed: torch.Tensor, nbits: int, in_features: int) -> torch.Te
         raise ValueError(f"packed rows have {packed.shape[-1]} bytes, expected {width} for I={in_features}")
     if nbits == 8:
         return packed
-    *lead, _ = packed.shape
+    if nbits == 4:  # B_j = c_2j | c_2j+1 << 4: one interleave of the nibbles (docs/BENCHMARKS.md, dequantization)
+        *lead, _ = packed.shape
+        pairs = torch.stack((packed & 15, packed >> 4), dim=-1)  # (..., width, 2)
+        return pairs.reshape(*lead, width * 2)[..., :in_features]
+    return unpack_blocks(packed, nbits, in_features)
+
+
+def unpack_blocks(packed: torch.Tensor, nbits: int, in_features: int) -> torch.Tensor:
+    """:func:`unpack_codes` for any packed width, block by block: 8 strided writes per block of 8 codes.
+
+    The only way for 2 and 3 bits; 4 bits has a faster path, and the benchmark times this as its reference.
+    """
+    *lead, width = packed.shape
     blocks = packed.reshape(*lead, width // nbits, nbits)  # (..., I_pad/8, nbits)
     out = torch.empty((*lead, blocks.shape[-2], 8), dtype=torch.uint8, device=packed.device)
     mask = 2**nbits - 1

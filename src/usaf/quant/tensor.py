@@ -179,10 +179,9 @@ def dequantize(
     e = codes.shape[0]
     _, o, i = q.shape
     g = q.group_size
-    w = unpack_codes(codes.to(device), q.nbits, i).to(compute)  # (E', O, I)
-    w = w.view(e, o, i // g, g)
-    w = (w - move(zero, device, compute).unsqueeze(-1)) * move(scale, device, compute).unsqueeze(-1)
-    w = w.view(e, o, i)
+    w = unpack_codes(codes.to(device), q.nbits, i).to(compute)  # (E', O, I), a new tensor: edited in place
+    groups = w.view(e, o, i // g, g)
+    groups.sub_(move(zero, device, compute).unsqueeze(-1)).mul_(move(scale, device, compute).unsqueeze(-1))
     if q.transposed and memory_layout:
         w = w.transpose(1, 2)  # (E', I, O)
     if w.dtype == dtype and w.is_contiguous():
