@@ -46,6 +46,7 @@ Version 2 (issue 20): ``--domain torch-cpp`` fine-tunes on ``usaf.demo.CPP_DOMAI
 larger shift); ``--arms`` picks arms beyond the default set: ``qlora`` (the same LoRA over usaf's dequantized 4-bit
 base), ``usaf_defaults`` (no --frac, no --lr: the default share rule and the plan's lr test, not swept) and the
 budget arms; ``--lora-match`` sizes LoRA to another usaf arm (``usaf_defaults``: ~80 k on the demo model);
+``usaf_rule_attention`` is the defaults' selection with a swept lr (the lr test's yardstick);
 ``--model benchmarks/models/evidence-large`` fine-tunes the larger pretrained model (``scripts/build_demo_model.py
 --size large``: 8 layers, 32 experts top-4) instead of the demo model.
     python benchmarks/bench_evidence.py --reaggregate benchmarks/results/evidence.json   # tables only
@@ -131,6 +132,15 @@ ARMS = {
         "router": True,
         "targets": "experts,attention",
     },
+    # The defaults' selection (the share rule, experts + attention) with a swept lr: the lr test's yardstick on a
+    # model where no fixed frac gives the rule's count (the larger model).
+    "usaf_rule_attention": {
+        "kind": "usaf",
+        "frac": None,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention",
+    },
 }
 DEFAULT_ARMS = ("usaf", "usaf_static", "usaf_no_router", "router_only", "usaf_frac_large", "usaf_top_half", "lora",
                 "full_finetune")  # fmt: skip
@@ -154,6 +164,7 @@ GRIDS = {
     "usaf_all_layers": [3e-3, 1e-2, 3e-2],
     "usaf_attention": [3e-3, 1e-2, 3e-2],
     "usaf_defaults_attention": [0.0],
+    "usaf_rule_attention": [3e-3, 1e-2, 3e-2],
 }
 DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
 PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
