@@ -6,10 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 # usaf score's lr test (64 probe steps) would add seconds to every one of the suite's ~60 scorings; it is tested in
 # tests/test_lr_test.py (and usaf demo's tests), which turn it on explicitly. USAF_LR_TEST=true runs the suite with it.
 os.environ.setdefault("USAF_LR_TEST", "false")
+
+# One torch thread count for the whole suite, in this process and every usaf subprocess it starts: the CPU backend
+# lowers the count on a busy machine (usaf.backends.cpu.choose_threads) unless OMP_NUM_THREADS is set, and the
+# exactness tests compare runs across processes. tests/test_threads.py tests the choice itself.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # torch's own default, read before the variable
 
 # The families with their own file, plus two structural-fallback types: glm4_moe (DeepSeek-like
 # routing with shared experts) and phimoe (Mixtral-like on-disk names renamed by transformers).
@@ -54,7 +60,6 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def loaded_model(tiny_model):
     """``loaded_model(family, **build_kwargs)``: ``AutoModelForCausalLM.from_pretrained`` of the tiny model (cached)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     cache: dict[Path, torch.nn.Module] = {}

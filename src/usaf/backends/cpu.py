@@ -57,6 +57,49 @@ def probe() -> Probe:
     return Probe(name=CPU, label="CPU", available=True, devices=(info,))
 
 
+# Sampled once per process before choosing the thread count: long enough to see other processes' load,
+# short next to any stage's start-up.
+LOAD_SAMPLE_SECONDS = 0.2
+_threads_note: Note | None | bool = False  # False: not chosen yet in this process
+
+
+def threads_for_load(default: int, cores: int, busy_percent: float) -> int:
+    """Intra-op threads: torch's ``default`` less the cores other processes keep busy (``busy_percent`` of all
+    ``cores``, as psutil reports them), at least 1.
+
+    A thread team larger than the idle cores waits at every parallel region for its descheduled members: with one
+    busy process on a 2-core machine ``usaf demo --quick`` took 3.6x its idle time at 2 threads and 1.35x at 1
+    (docs/BENCHMARKS.md, "Threads under load").
+    """
+    busy = round(busy_percent / 100 * cores)
+    return max(1, min(default, cores - busy))
+
+
+def choose_threads(env: dict | None = None) -> Note | None:
+    """Once per process: lower torch's intra-op threads to the cores other processes leave idle.
+
+    Left alone where ``OMP_NUM_THREADS`` is set (the user's or torchrun's choice, and the test suite's, which
+    needs one count for exact comparisons across processes). Returns a note when it lowered the count.
+    """
+    global _threads_note
+    if _threads_note is not False:
+        return _threads_note  # type: ignore[return-value]
+    env = os.environ if env is None else env
+    _threads_note = None
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    default, cores = torch.get_num_threads(), os.cpu_count() or 1
+    chosen = threads_for_load(default, cores, psutil.cpu_percent(interval=LOAD_SAMPLE_SECONDS))
+    if chosen < default:
+        torch.set_num_threads(chosen)
+        _threads_note = Note(
+            "info",
+            f"{cores - chosen} of {cores} cores busy with other processes: {chosen} torch thread(s) instead of "
+            f"{default} (set OMP_NUM_THREADS to choose)",
+        )
+    return _threads_note
+
+
 class CpuBackend(Backend):
     """Host CPU: synchronize and empty_cache have nothing to do."""
 
@@ -66,6 +109,7 @@ class CpuBackend(Backend):
 
 def create(index: int | None, *, amp: bool | None, notes: tuple[Note, ...]) -> CpuBackend:
     del index  # the CPU has no index; parse_device_spec rejects "cpu:N"
+    threads = choose_threads()
     return CpuBackend(
         name=CPU,
         label="CPU",
@@ -73,5 +117,5 @@ def create(index: int | None, *, amp: bool | None, notes: tuple[Note, ...]) -> C
         device_name=cpu_name(),
         capabilities=capabilities(),
         amp=amp,
-        notes=notes,
+        notes=(*notes, *([threads] if threads is not None else [])),
     )

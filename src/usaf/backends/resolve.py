@@ -119,5 +119,5 @@ def resolve_backend(
         kind, index = parsed.kind, parsed.index
 
     backend = _CREATE[kind](index, amp=amp, notes=())
-    backend.notes = (*notes, *_precision_notes(backend, amp, amp_source))
+    backend.notes = (*notes, *backend.notes, *_precision_notes(backend, amp, amp_source))
     return backend
