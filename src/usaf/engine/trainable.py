@@ -8,6 +8,7 @@ Scores, masks, reselection, checkpoints and exports address both through this in
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,7 @@ from usaf.engine.sparse_linear import sparse_delta_linear
 ScoreSinkFactory = Callable[[int], Callable[[torch.Tensor, torch.Tensor], None]]
 
 
-class TrainableTensor(nn.Module):
+class TrainableTensor(nn.Module, ABC):
     """A frozen base ``(E, O, I)`` that may carry a sparse delta; subclasses say where the base lives.
 
     Subclasses implement :meth:`base` (one expert's ``(O, I)`` in the compute dtype), :attr:`home` (the device
@@ -44,14 +45,17 @@ class TrainableTensor(nn.Module):
         self.frozen_values = torch.zeros(0, dtype=torch.float32)  # (m,)
 
     @property
+    @abstractmethod
     def home(self) -> torch.device | None:
-        raise NotImplementedError
+        """The device of the base, where the delta lives; None until known."""
 
+    @abstractmethod
     def base(self, expert: int, device: torch.device) -> torch.Tensor:
-        raise NotImplementedError
+        """One expert's frozen base ``(O, I)`` in the compute dtype, on ``device``."""
 
+    @abstractmethod
     def _write_frozen(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Rewrite the base at flat ``indices`` as ``original + frozen``, rounded once."""
 
     def _check_foldable(self) -> None:
         """Raise ValueError when the base cannot take folds yet."""
