@@ -14,6 +14,7 @@ import torch
 from conftest import FAMILIES
 from helpers import invoke
 from helpers_engine import every_target
+from usaf.engine import scores
 from usaf.engine.engine import SparseEngine, budget
 from usaf.engine.loading import load_quantized_model
 from usaf.engine.optim import SparseAdamW
@@ -81,6 +82,14 @@ def test_weight_components_equal_the_engines_accounting(family, targets, quantiz
     assert acc.capacity == w.POOL_FACTOR * w.delta_entries(shape, FRAC)
     pooled = acc.ranked()[0].numel()
     assert acc.nbytes == shape[0] * w.POOL_BYTES_PER_EXPERT + pooled * w.POOL_BYTES_PER_CANDIDATE
+    # Between cuts the pool holds up to (1 + OVERFLOW) x its capacity: the planner counts it at that size.
+    assert w.POOL_OVERFLOW == scores.OVERFLOW
+    fullest = sum(
+        (1 + scores.OVERFLOW) * ScoreAccumulator(s, budget(s, FRAC), pool_factor=w.POOL_FACTOR).capacity
+        for s in (facts.gate_up_shape, facts.down_shape)
+    )
+    per_expert = 2 * shape[0] * w.POOL_BYTES_PER_EXPERT
+    assert w.pool_bytes(facts, 1, FRAC) == math.ceil(fullest) * w.POOL_BYTES_PER_CANDIDATE + per_expert
 
 
 @pytest.mark.parametrize("targets", ["experts", "all"])

@@ -11,6 +11,7 @@ from usaf.quant import (
     PACKING,
     QuantizedTensor,
     dequantize,
+    dequantize_entries,
     effective_group_size,
     pack_codes,
     packed_width,
@@ -18,7 +19,7 @@ from usaf.quant import (
     relative_error,
     unpack_codes,
 )
-from usaf.quant.packing import unpack_blocks
+from usaf.quant.packing import codes_at, unpack_blocks
 
 NE, NO, NI = 3, 24, 64  # experts, out and in features; NI < the default group size 128, so the group is 64
 NBITS = (2, 3, 4, 8)
@@ -184,6 +185,33 @@ def test_expert_selection_equals_slicing(quantized):
         dequantize(q, experts=[3])
     with pytest.raises(IndexError):
         dequantize(q, experts=torch.tensor([[0]]))
+
+
+@pytest.mark.parametrize("nbits", NBITS)
+@pytest.mark.parametrize("width", [7, 13, 64])
+def test_codes_at_reads_single_codes_like_unpacking(nbits, width):
+    g = torch.Generator().manual_seed(nbits * width)
+    codes = torch.randint(0, 2**nbits, (5, width), generator=g)
+    codes[0] = 2**nbits - 1  # every bit set: a spill that read the wrong byte would show here
+    packed = pack_codes(codes, nbits)
+    rows = torch.arange(5).repeat_interleave(width)
+    cols = torch.arange(width).repeat(5)
+    assert torch.equal(codes_at(packed, nbits, rows, cols), codes.reshape(-1).to(torch.uint8))
+
+
+@pytest.mark.parametrize("method", ("hqq", "rtn"))
+@pytest.mark.parametrize("nbits", NBITS)
+def test_dequantize_entries_is_bit_identical_to_whole_experts(quantized, weight, method, nbits):
+    q = quantized[method, nbits]
+    indices = torch.randperm(NE * NO * NI, generator=torch.Generator().manual_seed(nbits))[:500]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        whole = dequantize(q, dtype=dtype, memory_layout=False).reshape(-1)[indices]
+        assert torch.equal(dequantize_entries(q, indices, dtype=dtype), whole), dtype
+    transposed = quantize_experts(weight.transpose(1, 2).contiguous(), method=method, nbits=nbits, transposed=True)
+    stored = dequantize(transposed, memory_layout=False).reshape(-1)[indices]  # indices of the stored (E, O, I)
+    assert torch.equal(dequantize_entries(transposed, indices), stored)
+    # negative control: the in-memory (E, I, O) orientation is not what the indices address
+    assert not torch.equal(dequantize_entries(transposed, indices), dequantize(transposed).reshape(-1)[indices])
 
 
 def test_dtype_and_device_arguments(quantized, weight):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usaf.engine.scores import ScoreAccumulator, merge
+from usaf.engine.scores import OVERFLOW, ScoreAccumulator, best_by_score, merge
+from usaf.engine.selection_ops import kth_smallest, positions, positions_above
 from usaf.engine.statistics import STATISTICS, slice_statistic
 
 SHAPE = (6, 12, 20)  # (E, O, I): 1440 elements
@@ -303,8 +304,118 @@ def test_sink_adds_like_add():
     gen = torch.Generator().manual_seed(10)
     grad, weight = torch.randn(SHAPE[1:], generator=gen), torch.randn(SHAPE[1:], generator=gen)
     via_sink, via_add = (ScoreAccumulator(SHAPE, 10, "grad_x_weight") for _ in range(2))
-    via_sink.sink(2)(grad, weight)
+    kept = grad.clone()
     via_add.add(2, grad, weight)
+    assert torch.equal(grad, kept)  # add leaves the caller's gradient alone
+    via_sink.sink(2)(grad, weight)  # the engine's sink: its gradient is a scratch the sink may overwrite
     for got, want in zip(via_sink.top(), via_add.top()):
         assert torch.equal(got, want)
     assert via_sink.counts[2] == 1
+
+
+# ---------------------------------------------------------------- the per-expert pool and its selection primitives
+
+
+def test_selection_primitives_equal_torchs_own_ops():
+    gen = torch.Generator().manual_seed(11)
+    values = torch.randint(0, 50, (5000,), generator=gen).float()  # many ties, and values equal to the cut
+    for threshold in (0.0, 25.0, 49.0, 60.0):
+        want = (values > threshold).nonzero().squeeze(1)
+        assert torch.equal(positions_above(values, torch.tensor(threshold)), want)
+    mask = values > 30
+    assert torch.equal(positions(mask), mask.nonzero().squeeze(1))
+    for k in (1, 17, 2500, 5000):
+        assert kth_smallest(values, k) == values.kthvalue(k).values
+
+
+def test_best_by_score_equals_a_sort_that_breaks_ties_by_index():
+    gen = torch.Generator().manual_seed(12)
+    indices = torch.randperm(10_000, generator=gen)[:3000]
+    scores = torch.randint(0, 40, (3000,), generator=gen).float()  # ties at every cut
+    by_index = indices.argsort()
+    order = scores[by_index].sort(descending=True, stable=True).indices
+    for k in (0, 1, 100, 2999, 3000, 4000):
+        want = indices[by_index][order][:k].sort().values
+        assert torch.equal(indices[best_by_score(indices, scores, k)], want), k
+    wrong = indices[scores.sort(descending=True, stable=True).indices][:100].sort().values
+    assert not torch.equal(indices[best_by_score(indices, scores, 100)], wrong)  # ties broken otherwise differ
+
+
+def test_the_pool_overflows_by_a_bounded_margin_and_reads_at_capacity():
+    gen = torch.Generator().manual_seed(13)
+    shape = (8, 32, 64)
+    acc = ScoreAccumulator(shape, 50, "grad", pool_factor=4)  # capacity 200, slices of 2048
+    held = []
+    for _ in range(3):
+        for expert in range(shape[0]):
+            acc.add(expert, torch.randn(shape[1:], generator=gen))
+            held.append(acc._pooled)
+    assert max(held) > acc.capacity  # the deferral is real: more than P entries were held between cuts
+    assert max(held) <= (1 + OVERFLOW) * acc.capacity + shape[1] * shape[2]  # one slice's entrants at most past it
+    assert acc.ranked()[0].numel() == acc.capacity == acc._pooled  # every read sees the pool cut back to P
+
+
+def test_a_state_saved_while_the_pool_overflows_resumes_exactly(tmp_path):
+    gen = torch.Generator().manual_seed(14)
+    slices = make_slices(gen, SHAPE, 6, signal=0.5)
+    cut = next(i for i in range(1, len(slices)) if _overflowing_after(slices[:i]))
+    uninterrupted = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2)
+    stream([uninterrupted], slices)
+    before = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2)
+    stream([before], slices[:cut])
+    assert before._pooled > before.capacity  # saved mid-overflow, not cut back (saving changes nothing)
+    torch.save(before.state_dict(), tmp_path / "scores.pt")
+    resumed = ScoreAccumulator.from_state_dict(torch.load(tmp_path / "scores.pt", weights_only=True))
+    stream([resumed], slices[cut:])
+    for got, want in zip(resumed.ranked(), uninterrupted.ranked()):
+        assert torch.equal(got, want)
+    assert torch.equal(resumed.error_bound, uninterrupted.error_bound)
+
+
+def _overflowing_after(slices) -> bool:
+    acc = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2)
+    stream([acc], slices)
+    return acc._pooled > acc.capacity
+
+
+def test_a_state_from_the_flat_pool_restores():
+    """A checkpoint written before the pool was held per expert: one flat pool in any order, no floor."""
+    gen = torch.Generator().manual_seed(15)
+    slices = make_slices(gen, SHAPE, 4, signal=0.5)
+    acc = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2)
+    stream([acc], slices)
+    acc.ranked()  # cut back to capacity, as the flat pool always was
+    state = acc.state_dict()
+    shuffle = torch.randperm(state["indices"].numel(), generator=gen)
+    old = {**state, "indices": state["indices"][shuffle], "scores": state["scores"][shuffle]}
+    del old["floor"]
+    restored = ScoreAccumulator.from_state_dict(old)
+    for got, want in zip(restored.ranked(), acc.ranked()):
+        assert torch.equal(got, want)
+    # full: the floor is the pool's minimum, the flat pool's own admission rule (never above what is pooled)
+    assert restored._floor == state["scores"].min() >= acc._floor
+    stream([restored], make_slices(gen, SHAPE, 2, signal=0.5))  # and it goes on adding
+    assert restored.ranked()[0].numel() == restored.capacity
+
+
+# NaN is never above the floor (refused); inf always is (it enters); either may hit a pooled entry.
+@pytest.mark.parametrize(
+    ("where", "bad"),
+    [("pooled", float("nan")), ("pooled", float("inf")), ("entering", float("inf")), ("refused", float("nan"))],
+)
+def test_a_non_finite_slice_is_refused_wherever_it_lands_and_changes_nothing(where, bad):
+    gen = torch.Generator().manual_seed(16)
+    acc = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2)
+    stream([acc], make_slices(gen, SHAPE, 3, signal=0.5))
+    local = acc._local[2]
+    assert local.numel() and acc._floor > 0
+    grad = torch.zeros(SHAPE[1:])  # every value at 0: below the floor, so refused unless placed otherwise
+    position = {"pooled": int(local[0]), "entering": 0, "refused": 0}[where]
+    if where == "entering":
+        position = next(i for i in range(grad.numel()) if i not in set(local.tolist()))
+    grad.view(-1)[position] = bad
+    saved = acc.state_dict()
+    with pytest.raises(ValueError, match="non-finite gradient for expert 2"):
+        acc.sink(2)(grad, None)
+    for key, value in acc.state_dict().items():
+        assert torch.equal(value, saved[key]) if isinstance(value, torch.Tensor) else value == saved[key], key

@@ -25,7 +25,7 @@ from usaf.engine.trainable import TrainableTensor
 from usaf.families.modules import expert_biases
 from usaf.families.routing import dense_weights
 from usaf.families.spec import RouterSpec
-from usaf.quant import QuantizedTensor, dequantize
+from usaf.quant import QuantizedTensor, dequantize, dequantize_entries
 
 IMPLEMENTATION = "usaf"
 
@@ -65,9 +65,18 @@ class ExpertWeight(TrainableTensor):
         """``resident[i] = round(dequantize(q)[i] + frozen[i])`` for the given (unique) flat indices."""
         if self.resident is None or not indices.numel():
             return
+        if self.index_ops:
+            # Only the touched entries are dequantized (O(k), not O(O·I) per touched expert), where the codes are.
+            indices = indices.to(self.q.codes.device)
+            at = torch.searchsorted(self.frozen_indices.to(indices.device), indices)  # positions in the record
+            base = dequantize_entries(self.q, indices)  # (k,) fp32
+            total = base + self.frozen_values.to(indices.device)[at]  # fp32, one rounding to the compute dtype
+            device = self.resident.device
+            self.resident.write(indices.to(device), total.to(device))
+            return
         # Without index ops on the device, each touched expert's (O, I) slice is edited on the host and
         # copied back whole (a contiguous copy, no index_put_ on the device).
-        device = self.resident.device if self.index_ops else torch.device("cpu")
+        device = torch.device("cpu")
         indices = indices.to(device)
         at = torch.searchsorted(self.frozen_indices.to(device), indices)  # positions in the record
         frozen = self.frozen_values.to(device)[at]  # (k,)
@@ -80,12 +89,9 @@ class ExpertWeight(TrainableTensor):
             base = dequantize(self.q, experts=[expert], dtype=torch.float32, device=device, memory_layout=False)
             total = base.view(-1)[local] + frozen[mine]  # fp32, one rounding to the compute dtype below
             block = self.resident.expert(expert)  # (O, I), a view of the stored base
-            if self.index_ops:
-                block.view(-1)[local] = total.to(block.dtype)
-            else:
-                edited = block.to(device, copy=True)  # (O, I) host copy, never a view
-                edited.view(-1)[local] = total.to(edited.dtype)
-                block.copy_(edited)
+            edited = block.to(device, copy=True)  # (O, I) host copy, never a view
+            edited.view(-1)[local] = total.to(edited.dtype)
+            block.copy_(edited)
 
     def base(self, expert: int, device: torch.device) -> torch.Tensor:
         """The frozen base of one expert, ``(O, I)``, in the compute dtype on ``device``."""

@@ -45,7 +45,7 @@ import torch
 
 from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
-from usaf.engine.scores import ScoreAccumulator
+from usaf.engine.scores import ScoreAccumulator, best_by_score
 from usaf.engine.trainable import TrainableTensor
 
 __all__ = [
@@ -294,20 +294,25 @@ def _reselect_tensor(
     where = delta.indices.device if weight.index_ops else torch.device("cpu")
     old = delta.indices.to(where)  # (n,) sorted
     n = old.numel()
-    ranked, _ = scores.ranked()  # (c,) by score descending, positive scores only
-    ranked = ranked.to(old.device)
-    outside = ranked[~torch.isin(ranked, old)]  # grow candidates, still by score
+    pooled, pooled_scores = scores.pool_entries()  # (c,) unordered, positive scores only
+    pooled, pooled_scores = pooled.to(old.device), pooled_scores.to(old.device)
+    active = torch.zeros(pooled.shape, dtype=torch.bool, device=pooled.device)  # (c,) in the active set
+    if n:
+        active = old[torch.searchsorted(old, pooled).clamp(max=n - 1)] == pooled
+    outside, outside_scores = pooled[~active], pooled_scores[~active]  # grow candidates
     target = round(fraction * n)
     k = min(target, outside.numel())
     if k == 0:
         return ReselectCounts(n, target, n, 0, 0, outside.numel())
     values = delta.values.detach().to(where)  # (n,) fp32
-    # Smallest |delta| first; a stable sort breaks ties by position, so the result is deterministic.
-    by_size = torch.sort(values.abs(), stable=True).indices
-    drop_pos = by_size[:k]
-    keep_pos = by_size[k:].sort().values  # (n - k,) old positions, ascending
+    # Smallest |delta| first, ties to the earlier position (deterministic), without sorting all n.
+    positions = torch.arange(n, device=where)
+    drop_pos = best_by_score(positions, -values.abs(), k)
+    kept = torch.ones(n, dtype=torch.bool, device=where)
+    kept[drop_pos] = False
+    keep_pos = kept.nonzero().squeeze(1)  # (n - k,) old positions, ascending
     weight.fold(old[drop_pos], values[drop_pos])
-    grown = outside[:k]
+    grown = outside[best_by_score(outside, outside_scores, k)]
     new = torch.cat([old[keep_pos], grown]).sort().values  # (n,) disjoint union: unique
     keep_dst = torch.searchsorted(new, old[keep_pos])  # where each kept entry lands
     new_values = torch.zeros_like(values)  # grown entries start at 0 on top of any folded value

@@ -76,6 +76,17 @@ class ResidentBase:
         """Expert ``index``'s ``(O, I)`` base: a view, so writes reach the stored base."""
         return self.chunks[index // self.per_chunk][index % self.per_chunk]
 
+    def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """``base.view(-1)[indices] = values``: ``(n,)`` flat indices into ``(E, O, I)``, on the base's device.
+
+        One ``index_put_`` per chunk touched (needs index ops on the device).
+        """
+        per_chunk = self.per_chunk * self.shape[1] * self.shape[2]  # elements in a full chunk
+        chunk_of = indices // per_chunk
+        for c in torch.unique(chunk_of).tolist():
+            mine = chunk_of == c
+            self.chunks[c].view(-1)[indices[mine] - c * per_chunk] = values[mine].to(self.dtype)
+
     @property
     def device(self) -> torch.device:
         return self.chunks[0].device

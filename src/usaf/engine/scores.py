@@ -10,15 +10,27 @@ one Qwen3-30B-A3B layer's ``gate_up`` tensor, 128 × 1536 × 2048), allocated at
 Every result is exact (up to fp32 summation order). For tests, tiny models and machines with RAM to
 spare.
 
-The default pooled mode keeps at most ``P = pool_factor × candidates`` (index, score) pairs — 12 bytes
+The default pooled mode keeps about ``P = pool_factor × candidates`` (index, score) pairs — 12 bytes
 each — plus ``counts`` and the two halves of ``error_bound`` (16 bytes per expert): O(P + E) memory,
-independent of O·I. One ``add`` of expert ``e`` (transient memory and time O(O·I + P)):
+independent of O·I. The pool is held **per expert** (one segment of local indices and scores per expert),
+so one ``add`` of expert ``e`` (transient memory and time O(O·I + its segment)) never touches the
+rest of the pool:
 
 1. Pooled entries of expert ``e`` gather their full contribution from the slice (never truncated).
 2. Of the other entries, only those that could enter the pool are kept: positive, above the pool's
-   minimum once it is full, and at most ``P`` of them (``torch.topk`` on the flattened slice).
-3. Pool and entrants are merged and the ``P`` best by score stay. An evicted entry loses its history:
-   if it re-enters later, it starts from that later contribution.
+   *floor* (its minimum score at the last eviction, 0 until the pool first filled), and at most ``P``
+   of them (``torch.topk`` on the flattened slice).
+3. They join expert ``e``'s segment.
+
+Eviction is deferred: once the pool holds more than ``(1 + OVERFLOW) × P`` entries (and before any read,
+state save excepted), the ``P`` best by score over all experts stay, in one vectorized pass, and the floor
+becomes the new minimum. An evicted entry loses its history: if it re-enters later, it starts from that
+later contribution. Deferring keeps every guarantee below: pooled scores only grow between evictions, so
+the stale floor is at most the pool's true minimum (what an eviction at every add would have admitted is
+admitted), what is refused or evicted is counted in ``error_bound`` as before, and entries held past ``P``
+only keep more history. An add used to merge into one flat pool of ``P`` entries (a membership test and a
+top-k over the whole pool per slice): O(E·P) per step, which grew with the square of the expert count
+(docs/BENCHMARKS.md, "Reselection cost as experts grow").
 
 Zero statistics are never pooled: they carry no evidence, so an expert that was never added has no
 candidates. :func:`merge` unions pools (shared indices add) and keeps the ``P`` best the same way.
@@ -56,6 +68,7 @@ set is provably the true one (a sufficient check: ``False`` does not mean the se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,9 +77,15 @@ from torch import Tensor
 
 from usaf.backends.transfer import device_capabilities
 from usaf.engine.score_state import accumulator_state, restore_accumulator
+from usaf.engine.selection_ops import kth_smallest, positions, positions_above
 from usaf.engine.statistics import STATISTICS, slice_statistic
 
-__all__ = ["ScoreAccumulator", "merge"]
+__all__ = ["OVERFLOW", "ScoreAccumulator", "best_by_score", "merge"]
+
+# The pool is cut back to P entries once it holds more than (1 + OVERFLOW) x P (see the module docstring).
+# Each cut is one pass over the pool; a larger margin means fewer of them while the pool fills (the first
+# collecting step: about (1 / OVERFLOW) x ln(slices) cuts per tensor) and more memory held between them.
+OVERFLOW = 0.5
 
 
 class ScoreAccumulator:
@@ -80,9 +99,9 @@ class ScoreAccumulator:
         statistic: one of :data:`STATISTICS`.
         capacity: pool size ``P = min(pool_factor × candidates, E·O·I)``.
         exact: dense fp32 accumulator instead of the pool.
-        counts: ``(E,)`` int64, slices added per expert (routing frequency).
+        counts: ``(E,)`` int64, slices added per expert (routing frequency), in host memory.
         batches: number of :meth:`end_batch` calls.
-        error_bound: ``(E,)`` fp32 (property), upper bound on the score any element of each expert may
+        error_bound: ``(E,)`` fp32 in host memory (property), upper bound on the score any element of each expert may
             have lost (always 0 in exact mode).
         device: where the state lives; ``None`` until the first ``add`` adopts the gradient's device.
     """
@@ -116,28 +135,36 @@ class ScoreAccumulator:
         self.device = torch.device(device) if device is not None else None
         self.batches = 0
         where = self.device or torch.device("cpu")
-        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=where)
+        # Per-expert bookkeeping stays in host memory whatever the device: one add updates one element of
+        # each, through numpy (a torch element update costs ~10 µs, and an add happens per routed expert).
+        self.counts = torch.zeros(num_experts, dtype=torch.int64)
         # error_bound = closed epochs' losses + the running max loss of each expert's open epoch.
-        self._closed_loss = torch.zeros(num_experts, dtype=torch.float32, device=where)
-        self._epoch_loss = torch.zeros(num_experts, dtype=torch.float32, device=where)
-        self._indices = torch.zeros(0, dtype=torch.int64, device=where)  # (n <= P,) flat, unordered
-        self._scores = torch.zeros(0, dtype=torch.float32, device=where)  # (n,) aligned with _indices
+        self._closed_loss = torch.zeros(num_experts, dtype=torch.float32)
+        self._epoch_loss = torch.zeros(num_experts, dtype=torch.float32)
+        # The pool, one segment per expert: (n_e,) int64 local flat indices into (O, I), unordered, and
+        # (n_e,) fp32 scores aligned with them; sum(n_e) <= (1 + OVERFLOW) x P + one slice's entrants.
+        self._local: list[Tensor] = [torch.zeros(0, dtype=torch.int64, device=where)] * num_experts
+        self._local_scores: list[Tensor] = [torch.zeros(0, dtype=torch.float32, device=where)] * num_experts
+        self._pooled = 0  # sum(n_e)
+        self._floor = torch.zeros((), dtype=torch.float32, device=where)  # admission threshold, see the docstring
         self._dense: Tensor | None = None  # (E, O, I) fp32, exact mode only, allocated at first add
 
     # ------------------------------------------------------------------ accumulation
 
     @torch.no_grad()
-    def add(self, expert: int, grad: Tensor, weight: Tensor | None = None) -> None:
+    def add(self, expert: int, grad: Tensor, weight: Tensor | None = None, *, scratch: bool = False) -> None:
         """Add the statistic of one expert slice.
 
         Args:
             expert: expert index ``e`` in ``[0, E)``.
             grad: ``(O, I)`` dense weight gradient of that expert (any float dtype, any device).
             weight: ``(O, I)`` base weight of the slice; needed for ``grad_x_weight``.
+            scratch: ``grad`` is the caller's scratch and may be overwritten (the engine's score sink):
+                the statistic is then computed in place, one ``(O, I)`` pass and allocation less.
 
         Raises:
             ValueError: wrong shape, missing weight, or a non-finite gradient (it would poison the
-                ranking; skip such a batch before adding).
+                ranking; skip such a batch before adding). Nothing is added then.
         """
         num_experts, out_features, in_features = self.shape
         expert = int(expert)
@@ -146,22 +173,23 @@ class ScoreAccumulator:
         if tuple(grad.shape) != (out_features, in_features):
             raise ValueError(f"grad {tuple(grad.shape)} is not one ({out_features}, {in_features}) expert slice")
         self._adopt(grad.device)
-        stat = slice_statistic(self.statistic, grad, weight).to(self.device).reshape(-1)  # (O*I,) fp32, ours
-        if not bool(torch.isfinite(stat).all()):
-            raise ValueError(f"non-finite gradient for expert {expert}; skip the batch instead of scoring it")
-        self.counts[expert] += 1
+        stat = slice_statistic(self.statistic, grad, weight, in_place=scratch).to(self.device).reshape(-1)  # (O*I,)
         if self.exact:
+            # One pass, not isfinite's three: max propagates NaN, and the statistic is never negative.
+            if not bool(torch.isfinite(stat.max())):
+                raise _non_finite(expert)
             self._dense[expert].view(-1).add_(stat)
         else:
-            self._add_to_pool(expert, stat)
+            self._add_to_pool(expert, stat)  # checks finiteness on what it keeps, before it changes anything
+        self.counts.numpy()[expert] += 1
 
     def sink(self, expert: int) -> Callable[[Tensor, Tensor], None]:
-        """``sink(grad, weight)`` adding one slice of ``expert``.
+        """``sink(grad, weight)`` adding one slice of ``expert``; ``grad`` is a scratch it overwrites.
 
         ``ScoreAccumulator.sink`` itself is an ``expert -> sink`` factory, the form
         ``usaf.engine.trainable.TrainableTensor.score_sink`` takes.
         """
-        return lambda grad, weight: self.add(expert, grad, weight)
+        return lambda grad, weight: self.add(expert, grad, weight, scratch=True)
 
     def end_batch(self) -> None:
         """Mark a batch boundary; optional.
@@ -183,53 +211,96 @@ class ScoreAccumulator:
             self._dense = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
 
     def _to(self, device: torch.device) -> None:
-        self.counts = self.counts.to(device)
-        self._closed_loss = self._closed_loss.to(device)
-        self._epoch_loss = self._epoch_loss.to(device)
-        self._indices = self._indices.to(device)
-        self._scores = self._scores.to(device)
+        self._local = [t.to(device) for t in self._local]
+        self._local_scores = [t.to(device) for t in self._local_scores]
+        self._floor = self._floor.to(device)
         if self._dense is not None:
             self._dense = self._dense.to(device)
 
     def _add_to_pool(self, expert: int, stat: Tensor) -> None:
-        per_expert = self.shape[1] * self.shape[2]
-        low = expert * per_expert
-        indices, scores = self._indices, self._scores
-        # An add of this expert opens its next epoch (see the module docstring): close the last one.
-        self._closed_loss[expert] += self._epoch_loss[expert]
-        self._epoch_loss[expert] = 0
+        """``stat (O*I,)``, this call's to edit: split into pooled, entering and lost, then committed."""
         # 1. Pooled entries of this expert take their whole contribution, however small.
-        mine = ((indices >= low) & (indices < low + per_expert)).nonzero().squeeze(1)  # (m,)
-        local = indices[mine] - low
-        scores.index_add_(0, mine, stat[local])
-        stat[local] = 0  # accounted for: not an entrant
-        # 2. Entrants: only what could enter the pool (positive; above the minimum once it is full).
-        floor = scores.min() if indices.numel() >= self.capacity else stat.new_zeros(())
-        enter = (stat > floor).nonzero().squeeze(1)  # (n,) local flat indices
+        local, scores = self._local[expert], self._local_scores[expert]  # (m,), (m,)
+        # index_select / index_fill_: an advanced-indexing read or write costs several times more on CPU
+        gathered = stat.index_select(0, local)
+        stat.index_fill_(0, local, 0)  # accounted for: not an entrant
+        # 2. Entrants: only what could enter the pool (positive; above the floor once it has filled).
+        enter = positions_above(stat, self._floor)  # (n,) local flat indices
         if enter.numel() > self.capacity:
-            enter = enter[stat[enter].topk(self.capacity, sorted=False).indices]
-        entering = stat[enter]
-        stat[enter] = 0
+            enter = enter[stat.index_select(0, enter).topk(self.capacity, sorted=False).indices]
+        entering = stat.index_select(0, enter)
+        stat.index_fill_(0, enter, 0)
         lost = stat.max()  # the largest contribution that found no place (0 if none)
-        # 3. Keep the P best of pool + entrants; the rest are evicted with their history.
-        indices, scores, dropped = self._keep_best(torch.cat([indices, enter + low]), torch.cat([scores, entering]))
-        dropped[expert] = torch.maximum(dropped[expert], lost)
-        torch.maximum(self._epoch_loss, dropped, out=self._epoch_loss)
-        self._indices, self._scores = indices, scores
+        # Every non-finite value is in one of the three (NaN is never above the floor, and max keeps NaN),
+        # and a sum of non-negative values is finite only if each is: checked on what is kept, instead
+        # of in one more pass over the slice.
+        if not math.isfinite(float(lost + gathered.sum() + entering.sum())):
+            raise _non_finite(expert)
+        # 3. Commit. An add of this expert opens its next epoch (see the module docstring): the last one
+        #    closes, and the new one's first loss is `lost`. The entrants join this expert's segment; the
+        #    pool is cut back to P only once it overflows.
+        closed, epoch = self._closed_loss.numpy(), self._epoch_loss.numpy()  # fp32 views: fp32 arithmetic
+        closed[expert] += epoch[expert]
+        epoch[expert] = float(lost)
+        self._local[expert] = torch.cat([local, enter])
+        self._local_scores[expert] = torch.cat([scores + gathered, entering])
+        self._pooled += enter.numel()
+        if self._pooled > (1 + OVERFLOW) * self.capacity:
+            self._evict()
 
-    def _keep_best(self, indices: Tensor, scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The ``capacity`` best of ``(indices, scores)`` and, per expert, the largest score evicted ``(E,)``."""
-        dropped = torch.zeros(self.shape[0], dtype=torch.float32, device=scores.device)
-        excess = indices.numel() - self.capacity
-        if excess <= 0:
-            return indices, scores, dropped
-        # Evict the `excess` smallest: cheaper than a top-P when only a few entrants arrived.
-        evict = scores.topk(excess, largest=False, sorted=False).indices
-        keep = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
-        keep[evict] = False
+    def _pool(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The whole pool: ``(indices, scores, experts)``, ``(n,)`` flat int64, fp32, int64, grouped by expert."""
         per_expert = self.shape[1] * self.shape[2]
-        dropped.scatter_reduce_(0, indices[evict] // per_expert, scores[evict], reduce="amax")
-        return indices[keep], scores[keep], dropped
+        where = self.device or torch.device("cpu")
+        sizes = torch.tensor([t.numel() for t in self._local], dtype=torch.int64, device=where)  # (E,)
+        experts = torch.repeat_interleave(torch.arange(self.shape[0], device=where), sizes)  # (n,)
+        indices = torch.cat(self._local) + experts * per_expert
+        return indices, torch.cat(self._local_scores), experts
+
+    def _set_pool(self, indices: Tensor, scores: Tensor) -> None:
+        """Replace the pool by ``(indices, scores)`` ``(n,)`` flat, in any order (kept within each expert)."""
+        per_expert = self.shape[1] * self.shape[2]
+        experts = indices // per_expert
+        order = experts.argsort(stable=True)  # grouped by expert, each group in its given order
+        indices, scores, experts = indices[order], scores[order], experts[order]
+        sizes = torch.bincount(experts, minlength=self.shape[0]).tolist()
+        self._local = list((indices - experts * per_expert).split(sizes))
+        self._local_scores = list(scores.split(sizes))
+        self._pooled = indices.numel()
+
+    def _evict(self) -> None:
+        """Keep the ``capacity`` best of the pool; the largest evicted score per expert joins its open epoch.
+
+        The cut is one k-th value, not a top-k with its indices; among scores equal to the cut the
+        earlier in pool order stay. Positions map to experts through the segments' ends, so no per-entry
+        expert vector is built.
+        """
+        scores = torch.cat(self._local_scores)  # (n,) grouped by expert
+        excess = scores.numel() - self.capacity
+        if excess <= 0:
+            return
+        cut = kth_smallest(scores, excess)  # at most capacity scores lie above it
+        keep = scores > cut  # (n,)
+        short = self.capacity - int(torch.count_nonzero(keep))
+        if short > 0:
+            keep[positions(scores == cut)[:short]] = True
+        sizes = torch.tensor([t.numel() for t in self._local], device=scores.device)  # (E,)
+        evicted = positions(~keep)  # (excess,)
+        owner = torch.searchsorted(sizes.cumsum(0), evicted, right=True)  # (excess,) the expert of each
+        dropped = torch.zeros(self.shape[0], dtype=torch.float32, device=scores.device)  # (E,)
+        dropped.scatter_reduce_(0, owner, scores.index_select(0, evicted), reduce="amax")
+        torch.maximum(self._epoch_loss, dropped.cpu(), out=self._epoch_loss)
+        kept = (sizes - torch.bincount(owner, minlength=self.shape[0])).tolist()  # a mask keeps the grouping
+        stay = positions(keep)
+        local, scores = torch.cat(self._local).index_select(0, stay), scores.index_select(0, stay)
+        self._local, self._local_scores = list(local.split(kept)), list(scores.split(kept))
+        self._pooled = scores.numel()
+        self._floor = scores.min()
+
+    def _settle(self) -> None:
+        """Cut the pool back to ``capacity`` before it is read (a no-op when it already fits)."""
+        if not self.exact and self._pooled > self.capacity:
+            self._evict()
 
     # ------------------------------------------------------------------ results
 
@@ -254,12 +325,31 @@ class ScoreAccumulator:
             positive = scores > 0
             indices, scores = indices[positive], scores[positive]
         else:
-            indices, scores = self._indices, self._scores
+            self._settle()
+            indices, scores, _ = self._pool()
         by_index = indices.argsort()
         indices, scores = indices[by_index], scores[by_index]
         # Stable sort on score after ordering by index: ties come out in ascending index order.
         order = scores.sort(descending=True, stable=True).indices
         return indices[order].clone(), scores[order].clone()
+
+    @torch.no_grad()
+    def pool_entries(self) -> tuple[Tensor, Tensor]:
+        """Every pooled candidate (exact mode: the ``capacity`` best), unordered.
+
+        Returns:
+            ``(indices, scores)``: ``(n,)`` int64 flat indices and ``(n,)`` fp32 scores, ``n <= capacity``;
+            only positive scores. Cheaper than :meth:`ranked` (no sort): for callers that pick from it.
+        """
+        if self.exact:
+            if self._dense is None:
+                return self._empty()
+            scores, indices = self._dense.view(-1).topk(self.capacity, sorted=False)
+            positive = scores > 0
+            return indices[positive], scores[positive]
+        self._settle()
+        indices, scores, _ = self._pool()
+        return indices, scores
 
     @torch.no_grad()
     def top(self, k: int | None = None) -> tuple[Tensor, Tensor]:
@@ -271,7 +361,8 @@ class ScoreAccumulator:
         Returns:
             ``(indices, scores)``: ``(n,)`` int64 sorted ascending and their fp32 scores, ``n <= k``.
             ``n < k`` when fewer than ``k`` elements have a positive score: callers must check
-            (selecting fewer weights than asked should fail loudly, method §4).
+            (selecting fewer weights than asked should fail loudly, method §4). Equal scores at the
+            cut: the smaller indices, as in :meth:`ranked`.
         """
         k = self.candidates if k is None else int(k)
         if k < 0:
@@ -280,13 +371,13 @@ class ScoreAccumulator:
             scores, indices = self._dense.view(-1).topk(min(k, self.numel))
             positive = scores > 0
             indices, scores = indices[positive], scores[positive]
-        else:
-            if not self.exact and k > self.capacity:
-                raise ValueError(f"k={k} exceeds the pool of {self.capacity}; raise pool_factor")
-            indices, scores = self.ranked()
-            indices, scores = indices[:k], scores[:k]
-        order = indices.argsort()
-        return indices[order], scores[order]
+            order = indices.argsort()
+            return indices[order], scores[order]
+        if not self.exact and k > self.capacity:
+            raise ValueError(f"k={k} exceeds the pool of {self.capacity}; raise pool_factor")
+        indices, scores = self.pool_entries()
+        chosen = best_by_score(indices, scores, k)
+        return indices[chosen], scores[chosen]
 
     @torch.no_grad()
     def certified(self, k: int | None = None) -> bool:
@@ -304,26 +395,30 @@ class ScoreAccumulator:
         # With fewer than k positives, every unselected total must be provably 0.
         kth = float(scores[k - 1]) if scores.numel() >= k else 0.0
         per_expert = self.shape[1] * self.shape[2]
-        bound = self.error_bound
+        bound = self.error_bound.to(scores.device)
         rest = scores[k:] + bound[indices[k:] // per_expert]
         ceiling = max(float(bound.max()), float(rest.max()) if rest.numel() else 0.0)
         return kth >= ceiling
 
     @property
     def error_bound(self) -> Tensor:
-        """``(E,)`` fp32: what any element of each expert may have lost (see the module docstring)."""
+        """``(E,)`` fp32 in host memory: what any element of each expert may have lost (see the module docstring).
+
+        Read after cutting the pool back to ``capacity``, like every result.
+        """
+        self._settle()
         return self._closed_loss + self._epoch_loss
 
     @property
     def nbytes(self) -> int:
         """Bytes of accumulated state held now (pool, counts, bounds; the dense array in exact mode)."""
-        tensors = [self.counts, self._closed_loss, self._epoch_loss, self._indices, self._scores]
+        tensors = [self.counts, self._closed_loss, self._epoch_loss, *self._local, *self._local_scores]
         if self._dense is not None:
             tensors.append(self._dense)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _empty(self) -> tuple[Tensor, Tensor]:
-        return self._indices[:0].clone(), self._scores[:0].clone()
+        return self._local[0][:0].clone(), self._local_scores[0][:0].clone()
 
     # ------------------------------------------------------------------ persistence
 
@@ -350,6 +445,38 @@ class ScoreAccumulator:
         return acc
 
 
+def best_by_score(indices: Tensor, scores: Tensor, k: int) -> Tensor:
+    """Positions of the ``k`` largest ``scores``, equal scores to the smaller index; by index ascending.
+
+    The same set as the first ``k`` of a sort by score (descending) that breaks ties by index, in O(n)
+    plus a sort of the ties at the cut: a top-k, not a sort of the whole pool.
+
+    Args:
+        indices: ``(n,)`` int64, distinct.
+        scores: ``(n,)`` aligned with them.
+        k: how many (all ``n`` when ``k >= n``).
+
+    Returns:
+        ``(min(k, n),)`` int64 positions into ``indices``, ordered so that ``indices[positions]`` ascends.
+    """
+    n = indices.numel()
+    if k >= n:
+        chosen = torch.arange(n, device=indices.device)
+    elif k <= 0:
+        chosen = torch.zeros(0, dtype=torch.int64, device=indices.device)
+    else:
+        cut = scores.topk(k, sorted=False).values.min()  # the k-th largest score
+        above = (scores > cut).nonzero().squeeze(1)
+        tied = (scores == cut).nonzero().squeeze(1)
+        tied = tied[indices[tied].argsort()][: k - above.numel()]
+        chosen = torch.cat([above, tied])
+    return chosen[indices[chosen].argsort()]
+
+
+def _non_finite(expert: int) -> ValueError:
+    return ValueError(f"non-finite gradient for expert {expert}; skip the batch instead of scoring it")
+
+
 @torch.no_grad()
 def merge(accumulators: Iterable[ScoreAccumulator]) -> ScoreAccumulator:
     """Combine accumulators over disjoint sets of slices (e.g. data-parallel ranks) into a new one.
@@ -372,18 +499,20 @@ def merge(accumulators: Iterable[ScoreAccumulator]) -> ScoreAccumulator:
     )
     where = where or torch.device("cpu")
     out.batches = sum(p.batches for p in parts)
-    out.counts = sum((p.counts.to(where) for p in parts), out.counts)
+    out.counts = sum((p.counts.cpu() for p in parts), out.counts)  # host memory, as every accumulator's
     # Every part's losses (open epochs included) carry over; the merge's evictions open a new epoch.
-    out._closed_loss = sum((p.error_bound.to(where) for p in parts), out._closed_loss)
+    out._closed_loss = sum((p.error_bound.cpu() for p in parts), out._closed_loss)
     if first.exact:
         for part in (p for p in parts if p._dense is not None):
             # One running sum: never more than two dense arrays alive at once.
             dense = part._dense.to(where)
             out._dense = dense.clone() if out._dense is None else out._dense.add_(dense)
         return out
-    indices = torch.cat([p._indices.to(where) for p in parts])
-    scores = torch.cat([p._scores.to(where) for p in parts])
+    pools = [p._pool()[:2] for p in parts]
+    indices = torch.cat([pool[0].to(where) for pool in pools])
+    scores = torch.cat([pool[1].to(where) for pool in pools])
     unique, inverse = torch.unique(indices, return_inverse=True)
     summed = torch.zeros(unique.numel(), dtype=torch.float32, device=where).index_add_(0, inverse, scores)
-    out._indices, out._scores, out._epoch_loss = out._keep_best(unique, summed)
+    out._set_pool(unique, summed)
+    out._settle()
     return out

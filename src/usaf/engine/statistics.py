@@ -23,26 +23,30 @@ from usaf.backends.transfer import move
 STATISTICS = ("grad", "grad2", "grad_x_weight")  # |g|, g², |w·g|
 
 
-def slice_statistic(statistic: str, grad: Tensor, weight: Tensor | None = None) -> Tensor:
-    """The non-negative per-element statistic of one slice, as a new fp32 tensor of ``grad``'s shape.
+def slice_statistic(statistic: str, grad: Tensor, weight: Tensor | None = None, *, in_place: bool = False) -> Tensor:
+    """The non-negative per-element statistic of one slice, fp32, of ``grad``'s shape.
 
     Args:
         statistic: one of :data:`STATISTICS`.
         grad: dense weight gradient of one expert slice, ``(O, I)``, any float dtype.
         weight: that slice's base weight ``(O, I)``; required for ``grad_x_weight``.
+        in_place: ``grad`` may be overwritten (a scratch): an fp32 ``grad`` becomes the result.
 
     Returns:
-        ``(O, I)`` fp32; always a fresh tensor (callers may modify it in place).
+        ``(O, I)`` fp32; a fresh tensor unless ``in_place`` (callers may modify it in place either way).
     """
-    g = grad.detach().to(torch.float32)
-    if statistic == "grad":
-        return g.abs()
-    if statistic == "grad2":
-        return g * g
+    if statistic not in STATISTICS:
+        raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
     if statistic == "grad_x_weight":
         if weight is None:
             raise ValueError("statistic 'grad_x_weight' needs the slice's base weight")
         if weight.shape != grad.shape:
             raise ValueError(f"weight {tuple(weight.shape)} does not match grad {tuple(grad.shape)}")
-        return (move(weight.detach(), g.device, torch.float32) * g).abs()
-    raise ValueError(f"unknown statistic {statistic!r}; expected one of {STATISTICS}")
+    g = grad.detach().to(torch.float32)
+    if not in_place and g.data_ptr() == grad.data_ptr():
+        g = g.clone()  # an fp32 grad: to() returned it, and it is not ours to edit
+    if statistic == "grad":
+        return g.abs_()
+    if statistic == "grad2":
+        return g.square_()
+    return g.mul_(move(weight.detach(), g.device, torch.float32)).abs_()

@@ -191,7 +191,7 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
             t,
             "score pools",
             3 * w.pool_bytes(m, layers, s.frac, s.targets),
-            f"sample + two halves, {w.POOL_FACTOR} x budget candidates of 12 bytes",
+            f"sample + two halves, up to {w.POOL_FACTOR * (1 + w.POOL_OVERFLOW):g} x budget candidates of 12 bytes",
         ),
         _place(
             t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "gradient, statistic, top-k; assumed"

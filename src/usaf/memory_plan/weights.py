@@ -23,10 +23,12 @@ DELTA_BYTES_PER_ENTRY = FP32 + 4 * INT64
 # SparseAdamW: fp32 exp_avg + fp32 exp_avg_sq + int32 per-element step count (its state_bytes()).
 OPTIMIZER_BYTES_PER_PARAM = 12
 # ScoreAccumulator: a pool of pool_factor x candidates (int64 index + fp32 score), plus per expert an
-# int64 count and two fp32 halves of the error bound.
+# int64 count and two fp32 halves of the error bound. Between its cuts the pool may hold up to
+# (1 + POOL_OVERFLOW) x that many entries (usaf.engine.scores.OVERFLOW).
 POOL_BYTES_PER_CANDIDATE = INT64 + FP32
 POOL_BYTES_PER_EXPERT = INT64 + 2 * FP32
 POOL_FACTOR = 4  # usaf score's --candidates-factor default and collect_scores' pool_factor
+POOL_OVERFLOW = 0.5  # usaf.engine.scores.OVERFLOW (tests/test_memory_plan.py checks they agree)
 DEFAULT_TOP_FRACTION = 0.25  # usaf score's default trainable block (stages.score.DEFAULT_TOP_FRACTION)
 
 
@@ -83,8 +85,8 @@ def delta_bytes(m: ModelFacts, layers: int, frac: float, targets: Iterable[str] 
 
 
 def pool_bytes(m: ModelFacts, layers: int, frac: float, targets: Iterable[str] = ("experts",)) -> int:
-    """Score pools of every trainable tensor: ``POOL_FACTOR`` x its budget candidates each."""
-    candidates = layers * layer_delta_entries(m, frac, targets) * POOL_FACTOR
+    """Score pools of every trainable tensor at their fullest: ``(1 + POOL_OVERFLOW) x POOL_FACTOR x`` its budget."""
+    candidates = math.ceil(layers * layer_delta_entries(m, frac, targets) * POOL_FACTOR * (1 + POOL_OVERFLOW))
     experts = layers * sum(e for e, _, _ in target_shapes(m, targets))
     return candidates * POOL_BYTES_PER_CANDIDATE + experts * POOL_BYTES_PER_EXPERT
 

@@ -8,7 +8,14 @@ its own: ``from usaf.quant.ptfile import StreamingTorchSave``).
 
 from usaf.quant.packing import PACKING, pack_codes, packed_width, unpack_codes
 from usaf.quant.quantize import effective_group_size, quantize_experts
-from usaf.quant.tensor import QUANT_METHODS, SUPPORTED_NBITS, QuantizedTensor, dequantize, relative_error
+from usaf.quant.tensor import (
+    QUANT_METHODS,
+    SUPPORTED_NBITS,
+    QuantizedTensor,
+    dequantize,
+    dequantize_entries,
+    relative_error,
+)
 
 __all__ = [
     "PACKING",
@@ -16,6 +23,7 @@ __all__ = [
     "SUPPORTED_NBITS",
     "QuantizedTensor",
     "dequantize",
+    "dequantize_entries",
     "effective_group_size",
     "pack_codes",
     "packed_width",

@@ -99,6 +99,30 @@ def unpack_codes(packed: torch.Tensor, nbits: int, in_features: int) -> torch.Te
     return unpack_blocks(packed, nbits, in_features)
 
 
+def codes_at(packed: torch.Tensor, nbits: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The codes at ``(rows, cols)`` of a packed ``(R, packed_I)`` tensor, without unpacking whole rows.
+
+    Args:
+        packed: ``(R, packed_width(I, nbits))`` uint8.
+        nbits: 2, 3, 4 or 8.
+        rows, cols: ``(n,)`` int64 row and code (column) indices, on the device of ``packed``.
+
+    Returns:
+        ``(n,)`` uint8 codes, equal to ``unpack_codes(packed, nbits, I)[rows, cols]``.
+    """
+    if nbits == 8:
+        return packed[rows, cols]
+    _check_nbits(nbits)
+    # Code k of block b occupies bits [k*nbits, (k+1)*nbits) of the block's bytes b*nbits .. (little-endian).
+    bit = (cols % 8) * nbits  # (n,) bit offset within the block
+    byte = (cols // 8) * nbits + bit // 8  # (n,) the byte holding the code's lowest bit
+    low = packed[rows, byte].to(torch.int32)
+    # A code that spills into the next byte also reads it (never past the row: the spill stays in its block).
+    spills = bit % 8 + nbits > 8
+    high = packed[rows, torch.where(spills, byte + 1, byte)].to(torch.int32) * spills
+    return (((low | high << 8) >> (bit % 8)) & (2**nbits - 1)).to(torch.uint8)
+
+
 def unpack_blocks(packed: torch.Tensor, nbits: int, in_features: int) -> torch.Tensor:
     """:func:`unpack_codes` for any packed width, block by block: 8 strided writes per block of 8 codes.
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from usaf.backends.transfer import move
-from usaf.quant.packing import PACKING, packed_width, unpack_codes
+from usaf.quant.packing import PACKING, codes_at, packed_width, unpack_codes
 
 QUANT_METHODS = ("hqq", "rtn")
 SUPPORTED_NBITS = (2, 3, 4, 8)
@@ -187,6 +187,33 @@ def dequantize(
     if w.dtype == dtype and w.is_contiguous():
         return w
     return torch.empty(w.shape, dtype=dtype, device=device).copy_(w)  # one copy: cast and lay out at once
+
+
+def dequantize_entries(
+    q: QuantizedTensor, indices: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The weights at some flat indices of the stored ``(E, O, I)`` orientation, without whole experts.
+
+    Bit-identical to ``dequantize(q, dtype=dtype, memory_layout=False).view(-1)[indices]`` (the same fp32
+    arithmetic, element by element), in time and memory O(n): what a fold needs when it touches a few
+    entries of many experts (:meth:`usaf.engine.experts.ExpertWeight._write_frozen`).
+
+    Args:
+        q: the quantized tensor.
+        indices: ``(n,)`` int64 flat indices into ``(E, O, I)``, on the device of ``q.codes``.
+        dtype: result dtype.
+
+    Returns:
+        ``(n,)`` on the device of ``q.codes``.
+    """
+    _, o, i = q.shape
+    rows, cols = indices // i, indices % i  # rows index (E*O): codes, scale and zero viewed as 2-D
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    codes = codes_at(q.codes.view(-1, q.codes.shape[-1]), q.nbits, rows, cols).to(compute)  # (n,)
+    group = cols // q.group_size
+    zero = q.zero.view(-1, q.zero.shape[-1])[rows, group].to(compute)
+    scale = q.scale.view(-1, q.scale.shape[-1])[rows, group].to(compute)
+    return ((codes - zero) * scale).to(dtype)
 
 
 def _select(q: QuantizedTensor, experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
