@@ -187,23 +187,35 @@ def measure(qdir: Path, rounds: int) -> dict:
         times["reselect"].append(time.perf_counter() - start)
         grown.append(report.total.grown)
         print(f"  round {r}: " + "  ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
+    counts = engine.trainable_count()
+    return {
+        "seconds": times,
+        **summary(times),
+        "delta_entries": counts["delta_entries"],
+        "grown_per_reselection": grown,
+    }
+
+
+def summary(times: dict[str, list[float]]) -> dict:
+    """Medians and ratios from the per-step seconds; the first collecting step of each cycle fills the pools."""
     med = {name: statistics.median(t) for name, t in times.items()}
     plain = med["plain"]
 
     def cycle(collecting: float) -> float:
         return (SCORE_BATCHES * (collecting - plain) + med["setup"] + med["reselect"]) / (RESELECT_EVERY * plain)
 
-    counts = engine.trainable_count()
+    collecting = times["collecting"]
+    first = collecting[::SCORE_BATCHES]  # each cycle's first: the pools start empty
+    later = [t for i, t in enumerate(collecting) if i % SCORE_BATCHES]
     return {
-        "seconds": times,
         "median_seconds": med,
         "ratio_collecting_over_plain": med["collecting"] / plain,
+        "ratio_first_collecting_over_plain": statistics.median(first) / plain,
+        "ratio_later_collecting_over_plain": statistics.median(later) / plain,
         "ratio_collecting_flat_pool_over_plain": med["collecting_flat_pool"] / plain,
         "ratio_reselect_over_plain": med["reselect"] / plain,
         "cycle_overhead_at_reselect_every_50": cycle(med["collecting"]),
         "cycle_overhead_flat_pool_at_reselect_every_50": cycle(med["collecting_flat_pool"]),
-        "delta_entries": counts["delta_entries"],
-        "grown_per_reselection": grown,
     }
 
 
