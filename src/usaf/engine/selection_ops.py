@@ -14,12 +14,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from usaf.backends.transfer import is_host
+
 __all__ = ["kth_smallest", "positions", "positions_above"]
 
 
 def positions_above(values: Tensor, threshold: Tensor) -> Tensor:
     """``(m,)`` int64 positions of ``values (n,)`` (fp32) strictly above ``threshold`` (a 0-d fp32), ascending."""
-    if values.device.type == "cpu":
+    if is_host(values.device):
         # np.float32: the comparison stays in fp32 on every numpy version, exactly as torch's.
         return torch.from_numpy(np.flatnonzero(values.numpy() > np.float32(threshold.item())))
     return (values > threshold).nonzero().squeeze(1)
@@ -27,13 +29,13 @@ def positions_above(values: Tensor, threshold: Tensor) -> Tensor:
 
 def positions(mask: Tensor) -> Tensor:
     """``(m,)`` int64 positions where the bool ``mask (n,)`` is true, ascending."""
-    if mask.device.type == "cpu":
+    if is_host(mask.device):
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return mask.nonzero().squeeze(1)
 
 
 def kth_smallest(values: Tensor, k: int) -> Tensor:
     """The ``k``-th smallest of ``values (n,)`` (1-based, ``1 <= k <= n``) as a 0-d tensor on their device."""
-    if values.device.type == "cpu":
+    if is_host(values.device):
         return torch.tensor(np.partition(values.numpy(), k - 1)[k - 1])
     return values.kthvalue(k).values
