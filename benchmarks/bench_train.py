@@ -26,8 +26,11 @@ Every figure is measured side by side in this one run.
    with the score sinks installed (the ``SCORE_BATCHES`` steps before a reselection), interleaved pairs on
    the same batch, and one ``reselect(...)`` after those steps, each as a ratio to a plain step.
 
-    python benchmarks/bench_train.py [--repeats 9] [--threads 1] [--profile] [--quick]
-                                     [--out benchmarks/results/train.json]
+    python benchmarks/bench_train.py [--repeats 9] [--threads 1] [--profile] [--quick] [--experts 32|128]
+                                     [--no-rss] [--out benchmarks/results/train.json]
+
+``--experts 128``: the same depth and hidden size at Qwen3-30B-A3B's expert ratios (128 experts of width 192,
+top-8); results default to ``train-e128.json``.
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arms.
 """
@@ -707,6 +710,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/train.json]")
     parser.add_argument("--profile", action="store_true", help="also profile a plain and a collecting step")
     parser.add_argument(
+        "--experts",
+        type=int,
+        choices=(32, 128),
+        default=32,
+        help="32: the model above; 128: Qwen3-30B-A3B's expert ratios (128 experts of width 192 = 0.375 x hidden, "
+        "top-8) at the same hidden size and depth [32]",
+    )
+    parser.add_argument("--no-rss", action="store_true", help="skip figure 2 (the CLI's peak RSS)")
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -725,10 +737,14 @@ def main() -> None:
     repeats = args.repeats or (3 if args.quick else 9)
     runs = args.rss_runs or (1 if args.quick else 3)
     widths = MODEL_QUICK if args.quick else MODEL
+    if args.experts == 128:
+        widths = {**widths, "num_experts": 128, "moe_intermediate_size": 3 * widths["hidden_size"] // 8,
+                  "num_experts_per_tok": 8}  # fmt: skip
     seq = SEQ_QUICK if args.quick else SEQ
     calib = CALIB_QUICK if args.quick else CALIB
     rss_steps, rss_every = (RSS_STEPS_QUICK, RSS_RESELECT_QUICK) if args.quick else (RSS_STEPS, RSS_RESELECT)
-    out = args.out or RESULTS / ("train-quick.json" if args.quick else "train.json")
+    suffix = ("-quick" if args.quick else "") + ("-e128" if args.experts == 128 else "")
+    out = args.out or RESULTS / f"train{suffix}.json"
     torch.manual_seed(0)
     result: dict = {
         "machine": {**machine(), "peft": peft.__version__},
@@ -757,7 +773,8 @@ def main() -> None:
         del live
         gc.collect()
         out.write_text(json.dumps(result, indent=2) + "\n")
-        result["rss"] = rss(qdir, tdir, plan, work, rss_steps, rss_every, runs)
+        if not args.no_rss:
+            result["rss"] = rss(qdir, tdir, plan, work, rss_steps, rss_every, runs)
     result["total_seconds"] = time.perf_counter() - started
     result["load_average_1min"] = {"start": load_start, "end": os.getloadavg()[0]}  # other sessions share the CPUs
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -791,6 +808,8 @@ def print_summary(r: dict) -> None:
         f"(x{s['ratio_reselect_over_plain_step']:.2f} of a plain step); overhead per 50-step cycle "
         f"{s['cycle_overhead_at_reselect_every_50']:.1%}"
     )
+    if "rss" not in r:
+        return
     m = r["rss"]
     print(
         f"2. peak RSS of `usaf train` {m['peak_rss_mib']:.0f} MiB; plan {m['plan_accounted_mib']:.0f} MiB "

@@ -33,7 +33,7 @@ def accumulator_state(acc: ScoreAccumulator) -> dict[str, Any]:
         "closed_loss": _cpu_copy(acc._closed_loss),
         "epoch_loss": _cpu_copy(acc._epoch_loss),
     }
-    indices, scores, _ = acc._pool()  # exact mode: empty
+    indices, scores = acc._pool()  # exact mode: empty
     state.update(indices=_cpu_copy(indices), scores=_cpu_copy(scores), floor=_cpu_copy(acc._floor))
     if acc._dense is not None:
         state["dense"] = _cpu_copy(acc._dense)

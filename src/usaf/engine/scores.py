@@ -248,14 +248,13 @@ class ScoreAccumulator:
         if self._pooled > (1 + OVERFLOW) * self.capacity:
             self._evict()
 
-    def _pool(self) -> tuple[Tensor, Tensor, Tensor]:
-        """The whole pool: ``(indices, scores, experts)``, ``(n,)`` flat int64, fp32, int64, grouped by expert."""
+    def _pool(self) -> tuple[Tensor, Tensor]:
+        """The whole pool as it is: ``(indices, scores)``, ``(n,)`` flat int64 and fp32, grouped by expert."""
         per_expert = self.shape[1] * self.shape[2]
         where = self.device or torch.device("cpu")
         sizes = torch.tensor([t.numel() for t in self._local], dtype=torch.int64, device=where)  # (E,)
         experts = torch.repeat_interleave(torch.arange(self.shape[0], device=where), sizes)  # (n,)
-        indices = torch.cat(self._local) + experts * per_expert
-        return indices, torch.cat(self._local_scores), experts
+        return torch.cat(self._local) + experts * per_expert, torch.cat(self._local_scores)
 
     def _set_pool(self, indices: Tensor, scores: Tensor) -> None:
         """Replace the pool by ``(indices, scores)`` ``(n,)`` flat, in any order (kept within each expert)."""
@@ -326,7 +325,7 @@ class ScoreAccumulator:
             indices, scores = indices[positive], scores[positive]
         else:
             self._settle()
-            indices, scores, _ = self._pool()
+            indices, scores = self._pool()
         by_index = indices.argsort()
         indices, scores = indices[by_index], scores[by_index]
         # Stable sort on score after ordering by index: ties come out in ascending index order.
@@ -348,8 +347,7 @@ class ScoreAccumulator:
             positive = scores > 0
             return indices[positive], scores[positive]
         self._settle()
-        indices, scores, _ = self._pool()
-        return indices, scores
+        return self._pool()
 
     @torch.no_grad()
     def top(self, k: int | None = None) -> tuple[Tensor, Tensor]:
@@ -508,7 +506,7 @@ def merge(accumulators: Iterable[ScoreAccumulator]) -> ScoreAccumulator:
             dense = part._dense.to(where)
             out._dense = dense.clone() if out._dense is None else out._dense.add_(dense)
         return out
-    pools = [p._pool()[:2] for p in parts]
+    pools = [p._pool() for p in parts]
     indices = torch.cat([pool[0].to(where) for pool in pools])
     scores = torch.cat([pool[1].to(where) for pool in pools])
     unique, inverse = torch.unique(indices, return_inverse=True)
