@@ -419,3 +419,28 @@ def test_a_non_finite_slice_is_refused_wherever_it_lands_and_changes_nothing(whe
         acc.sink(2)(grad, None)
     for key, value in acc.state_dict().items():
         assert torch.equal(value, saved[key]) if isinstance(value, torch.Tensor) else value == saved[key], key
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_snapshot_restores_the_state_before_a_failed_step(exact):
+    """What the trainer does when a step runs out of memory: the attempt's partial scores are dropped."""
+    gen = torch.Generator().manual_seed(17)
+    slices = make_slices(gen, SHAPE, 6, signal=0.5)
+    first, failed, rest = slices[:20], slices[20:40], slices[40:]
+    uninterrupted = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2, exact=exact)
+    stream([uninterrupted], first + rest)
+    acc = ScoreAccumulator(SHAPE, 20, "grad", pool_factor=2, exact=exact)
+    stream([acc], first)
+    before = acc.state_dict()
+    snapshot = acc.snapshot()
+    stream([acc], failed)  # adds and, pooled, cuts the pool: the segments the snapshot holds are not edited
+    assert not torch.equal(acc.state_dict()["counts"], before["counts"])  # negative control: it did change
+    acc.restore(snapshot)
+    for key, value in acc.state_dict().items():
+        assert torch.equal(value, before[key]) if isinstance(value, torch.Tensor) else value == before[key], key
+    stream([acc], failed)
+    acc.restore(snapshot)  # a second restore of the same snapshot: the first did not hand it out to be edited
+    stream([acc], rest)
+    for got, want in zip(acc.ranked(), uninterrupted.ranked()):
+        assert torch.equal(got, want)
+    assert torch.equal(acc.error_bound, uninterrupted.error_bound) and torch.equal(acc.counts, uninterrupted.counts)

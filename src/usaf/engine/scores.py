@@ -418,6 +418,31 @@ class ScoreAccumulator:
     def _empty(self) -> tuple[Tensor, Tensor]:
         return self._local[0][:0].clone(), self._local_scores[0][:0].clone()
 
+    # ------------------------------------------------------------------ in-memory snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state as it is now, for :meth:`restore` (a training step that failed discards its partial scores).
+
+        Cheap: the pool's segments are never edited in place (an add or a cut replaces them), so they are shared,
+        not copied; only the per-expert bookkeeping (O(E)) and exact mode's dense map are. Use :meth:`state_dict`
+        for anything that leaves the process.
+        """
+        return {
+            "device": self.device,
+            "batches": self.batches,
+            "bookkeeping": (self.counts.clone(), self._closed_loss.clone(), self._epoch_loss.clone()),
+            "pool": (list(self._local), list(self._local_scores), self._pooled, self._floor),
+            "dense": None if self._dense is None else self._dense.clone(),
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Return to a :meth:`snapshot` of this accumulator (it may be restored again later)."""
+        self.device, self.batches = snapshot["device"], snapshot["batches"]
+        self.counts, self._closed_loss, self._epoch_loss = (t.clone() for t in snapshot["bookkeeping"])
+        local, local_scores, self._pooled, self._floor = snapshot["pool"]
+        self._local, self._local_scores = list(local), list(local_scores)
+        self._dense = None if snapshot["dense"] is None else snapshot["dense"].clone()
+
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict[str, Any]:

@@ -145,7 +145,7 @@ class Trainer:
         batches = self._microbatches(step)
         scored = self._scored_tokens(batches)  # over every rank: each microbatch's loss weight is its share
         while True:
-            scores = self._collector_state()
+            scores = self._collector_snapshot()
             try:
                 loss_sum = self._forward_backward(batches, scored)
                 break
@@ -253,14 +253,21 @@ class Trainer:
         return note
 
     def _collector_state(self) -> dict | None:
+        """The grow scores as state dicts (CPU copies): what a checkpoint and the ranks' gather carry."""
         if self.collector is None:
             return None
         return {name: acc.state_dict() for name, acc in self.collector.accumulators.items()}
 
-    def _restore_collector(self, state: dict | None) -> None:
-        if state is not None:
+    def _collector_snapshot(self) -> dict | None:
+        """The grow scores before a step's attempt, to drop its partial scores if it fails: O(experts), not O(pool)."""
+        if self.collector is None:
+            return None
+        return {name: acc.snapshot() for name, acc in self.collector.accumulators.items()}
+
+    def _restore_collector(self, snapshot: dict | None) -> None:
+        if snapshot is not None:
             for name, acc in self.collector.accumulators.items():
-                acc.load_state_dict(state[name])
+                acc.restore(snapshot[name])
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad()
