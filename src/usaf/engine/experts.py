@@ -65,21 +65,18 @@ class ExpertWeight(TrainableTensor):
         """``resident[i] = round(dequantize(q)[i] + frozen[i])`` for the given (unique) flat indices."""
         if self.resident is None or not indices.numel():
             return
-        if self.index_ops:
-            # Only the touched entries are dequantized (O(k), not O(O·I) per touched expert), where the codes are.
-            indices = indices.to(self.q.codes.device)
-            at = torch.searchsorted(self.frozen_indices.to(indices.device), indices)  # positions in the record
-            base = dequantize_entries(self.q, indices)  # (k,) fp32
-            total = base + self.frozen_values.to(indices.device)[at]  # fp32, one rounding to the compute dtype
-            device = self.resident.device
-            self.resident.write(indices.to(device), total.to(device))
-            return
-        # Without index ops on the device, each touched expert's (O, I) slice is edited on the host and
-        # copied back whole (a contiguous copy, no index_put_ on the device).
-        device = torch.device("cpu")
+        # With index ops, the touched entries are read where the codes are; without them, on the host.
+        device = self.q.codes.device if self.index_ops else torch.device("cpu")
         indices = indices.to(device)
         at = torch.searchsorted(self.frozen_indices.to(device), indices)  # positions in the record
         frozen = self.frozen_values.to(device)[at]  # (k,)
+        if self.index_ops:
+            # Only the touched entries are dequantized: O(k), not O(O·I) per touched expert.
+            total = dequantize_entries(self.q, indices) + frozen  # fp32, one rounding to the compute dtype
+            self.resident.write(indices.to(self.resident.device), total.to(self.resident.device))
+            return
+        # Without index ops on the device, each touched expert's (O, I) slice is edited on the host and
+        # copied back whole (a contiguous copy, no index_put_ on the device).
         per_expert = self.shape[1] * self.shape[2]
         experts = indices // per_expert
         for expert in torch.unique(experts).tolist():
