@@ -47,8 +47,9 @@ from bench_engine import MODEL, MODEL_QUICK, RESULTS, VOCAB, machine, random_pos
 from usaf.backends import resolve_backend  # noqa: E402
 from usaf.engine.engine import SparseEngine, budget  # noqa: E402
 from usaf.engine.loading import load_quantized_model  # noqa: E402
+from usaf.stages.engine_setup import make_resident  # noqa: E402
 from usaf.stages.eval.inputs import EvalSequence  # noqa: E402
-from usaf.stages.eval.passes import batch_hidden, batches_of, make_resident, run_pass, sequence_nll  # noqa: E402
+from usaf.stages.eval.passes import batch_hidden, batches_of, run_pass, sequence_nll  # noqa: E402
 from usaf.stages.progress import NullProgress  # noqa: E402
 
 SEQUENCES, SEQ, SEQ_QUICK = 32, 256, 64

@@ -11,7 +11,9 @@ Every figure is measured side by side in this one run.
 1. **throughput**: one optimizer step on the same batch in every arm, arms interleaved, medians:
    ``Trainer.step()`` built by the train stage itself (``usaf.stages.train.run`` up to its loop), with the
    prefix cache served by the plan's store (every lookup a hit), with a fresh, empty cache (every sample
-   a miss: its prefix computed first), and without the cache (all 8 layers); full fine-tuning
+   a miss: its prefix computed first; once with the frozen layers dequantized per forward, once with them
+   dequantized once, as ``usaf train`` does when some prefix must be computed and they fit), and without the
+   cache (all 8 layers); full fine-tuning
    (transformers ``from_pretrained`` of the unquantized source, fp32, ``AdamW(fused=True)`` over every
    parameter); LoRA (peft) on the same transformers model: attention projections (``target_modules``)
    and the fused experts (``target_parameters``), on the top 2 layers at the ranks whose trainable count
@@ -313,20 +315,30 @@ def interleave(arms: dict, steps: list[int], label: str) -> dict[str, list[float
 
 
 def throughput(src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeats: int) -> tuple[dict, dict]:
+    from usaf.backends import resolve_backend
     from usaf.engine.prefix import PrefixCache
+    from usaf.stages.engine_setup import make_resident
 
     hit, plan_notes = stage_trainer(qdir, tdir, plan, work / "run-hit")
     miss, _ = stage_trainer(qdir, tdir, plan, work / "run-miss")
+    miss_resident, _ = stage_trainer(qdir, tdir, plan, work / "run-miss-resident")
+    # What usaf train does when the plan has no prefix store and the frozen layers fit: dequantized once.
+    engine = miss_resident.engine
+    frozen = [layer for layer in engine.loaded.experts if layer not in engine.trainable_layers]
+    make_resident(engine.loaded, resolve_backend("cpu"), True, frozen)
     plain, _ = stage_trainer(qdir, tdir, plan, work / "run-plain")
     plain.prefix = None  # all 8 layers every step (what training from layer 0 does)
     fingerprint = miss.prefix[1]
     miss_caches = []
 
-    def miss_step(step: int) -> float:
-        # A fresh cache without the plan's store: both samples are first visits, computed one at a time.
-        miss.prefix = (PrefixCache(2**31, None), fingerprint)
-        miss_caches.append(miss.prefix[0])
-        return trainer_step(miss, step)
+    def first_visit(trainer):
+        def step_fn(step: int) -> float:
+            # A fresh cache without the plan's store: both samples are first visits, computed one at a time.
+            trainer.prefix = (PrefixCache(2**31, None), fingerprint)
+            miss_caches.append(trainer.prefix[0])
+            return trainer_step(trainer, step)
+
+        return step_fn
 
     layers = list(hit.engine.trainable_layers)
     counts = hit.engine.trainable_count()
@@ -355,7 +367,8 @@ def throughput(src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeat
     steps = list(range(WARMUP + repeats))
     arms = {
         "usaf_prefix_hit": lambda s: trainer_step(hit, s),
-        "usaf_prefix_miss": miss_step,
+        "usaf_prefix_miss": first_visit(miss),
+        "usaf_prefix_miss_frozen_resident": first_visit(miss_resident),
         "usaf_no_prefix": lambda s: trainer_step(plain, s),
         "full_finetune": lambda s: dense_step(full, full_params, full_opt, batch(s)),
         "lora_top": lambda s: dense_step(lora_top, lora_top_params, lora_top_opt, batch(s)),
@@ -369,7 +382,7 @@ def throughput(src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeat
     tps = {k: statistics.median(n / t for n, t in zip(tokens, v)) for k, v in times.items()}
     per_round = {
         f"{a}_over_{b}": [x / y for x, y in zip(times[b], times[a])]
-        for a in ("usaf_prefix_hit", "usaf_no_prefix", "usaf_prefix_miss")
+        for a in ("usaf_prefix_hit", "usaf_no_prefix", "usaf_prefix_miss", "usaf_prefix_miss_frozen_resident")
         for b in ("full_finetune", "lora_top", "lora_all_layers")
     }
     hits = {"hits": hit.prefix[0].hits, "misses": hit.prefix[0].misses}
@@ -788,9 +801,9 @@ def print_summary(r: dict) -> None:
     t = r["throughput"]
     print(f"1. one optimizer step (2 x {r['batch']['seq']}), median of {t['repeats']} interleaved rounds:")
     for k, v in t["median_seconds"].items():
-        print(f"  {k:18s} {v:7.3f} s  {t['tokens_per_s'][k]:7.0f} tokens/s")
+        print(f"  {k:32s} {v:7.3f} s  {t['tokens_per_s'][k]:7.0f} tokens/s")
     for k, v in t["speed_ratio"].items():
-        print(f"  speed {k:40s} {v:6.2f}")
+        print(f"  speed {k:56s} {v:6.2f}")
     lt = t["lora_top"]
     print(
         f"  trainable: usaf {t['usaf']['trainable_total']:,}; LoRA top (experts r={lt['expert_rank']}, attention "

@@ -14,7 +14,7 @@ import torch
 from conftest import FAMILIES
 from helpers import invoke
 from helpers_engine import every_target
-from usaf.engine import scores
+from usaf.engine import grouped, scores
 from usaf.engine.engine import SparseEngine, budget
 from usaf.engine.loading import load_quantized_model
 from usaf.engine.optim import SparseAdamW
@@ -84,6 +84,8 @@ def test_weight_components_equal_the_engines_accounting(family, targets, quantiz
     assert acc.nbytes == shape[0] * w.POOL_BYTES_PER_EXPERT + pooled * w.POOL_BYTES_PER_CANDIDATE
     # Between cuts the pool holds up to (1 + OVERFLOW) x its capacity: the planner counts it at that size.
     assert w.POOL_OVERFLOW == scores.OVERFLOW
+    assert w.FROZEN_BLOCK_BYTES_HOST == grouped.HOST_BLOCK_BYTES
+    assert w.FROZEN_BLOCK_BYTES_DEVICE == grouped.DEVICE_BLOCK_BYTES
     fullest = sum(
         (1 + scores.OVERFLOW) * ScoreAccumulator(s, budget(s, FRAC), pool_factor=w.POOL_FACTOR).capacity
         for s in (facts.gate_up_shape, facts.down_shape)
@@ -177,6 +179,22 @@ def test_cpu_plan_puts_everything_in_ram_and_sizes_the_prefix_cache():
     per_sample = 512 * 2048 * 4
     assert plan.prefix_total == 1000 * per_sample == plan.settings.prefix_ram + plan.settings.prefix_disk
     assert train.host_peak <= target.usable(64 * GIB)
+
+
+def test_frozen_layers_are_planned_resident_only_where_half_the_free_memory_holds_them():
+    """score's and train's run-time choice, as the planner models it: Qwen3-30B-A3B's 45 frozen layers take
+    ~101 GiB in fp32; a 512 GiB host holds them, a 64 GiB one does not, and a streaming GPU plan never does."""
+    facts = model_facts(json.loads((QWEN3_30B / "config.json").read_text()))
+    request = Request(train_from=45)
+    names = lambda plan: [c.name for c in plan.stages[2].components]  # noqa: E731
+    roomy = plan_memory(facts, QuantSettings(), make_target("cpu", None, None, 512 * GIB), request)
+    assert roomy.fits and roomy.settings.frozen_resident
+    frozen = next(c for c in roomy.stages[2].components if c.name == "frozen layers, dequantized once")
+    assert frozen.host == w.resident_bytes(facts, 45, 4) and "frozen-layer dequantization" not in names(roomy)
+    tight = plan_memory(facts, QuantSettings(), make_target("cpu", None, None, 64 * GIB), request)
+    assert not tight.settings.frozen_resident and "frozen-layer dequantization" in names(tight)
+    gpu = plan_memory(facts, QuantSettings(), make_target("cuda", None, 12 * GIB, 512 * GIB), request)
+    assert gpu.settings.placement == "stream" and not gpu.settings.frozen_resident
 
 
 # -- a real run's peak RSS --------------------------------------------------------------------------------------

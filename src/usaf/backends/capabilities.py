@@ -33,8 +33,9 @@ class Capabilities:
         torch_compile: ``torch.compile`` (inductor) is expected to work: Triton on CUDA >= 7.0 / ROCm,
             a C++ compiler on CPU.
         grouped_mm: torch's grouped matmul kernel runs here (transformers' ``grouped_mm`` experts
-            path): CPU with torch >= 2.9, CUDA >= 8.0 with torch >= 2.9 (Hopper only before). usaf's own
-            experts forward never calls it (a per-expert loop), so torch 2.4 needs no fallback there.
+            path): CPU with torch >= 2.9, CUDA >= 8.0 with torch >= 2.9 (Hopper only before). usaf's
+            grouped forward of frozen layers (``usaf.engine.grouped``) uses it where set, else one GEMM
+            per expert of a block, so torch 2.4 needs no fallback beyond that.
         index_ops: ``one_hot``, ``index_add_``, ``nonzero`` and scatter run on the device. DirectML
             rejects them ("partially modified dimensions"); without them the experts forward does its
             routing bookkeeping on the host and combines expert outputs by a gather (no scatter).

@@ -64,6 +64,8 @@ def setting_rows(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[tup
         ("resident bases", "on the device" if t.separate_device else "in RAM"),
     ]
     if s.train_from > 0:
+        frozen = "dequantized once (they fit)" if s.frozen_resident else "the routed ones dequantized per forward"
+        rows.append(("frozen layers' experts", f"{frozen}: score's and train's choice at run time"))
         cache = f"{gib(s.prefix_ram)} GiB in RAM (--prefix-cache-gib)"
         if plan.prefix_total is not None:
             cache += f", {gib(s.prefix_disk)} GiB on disk (of {gib(plan.prefix_total)} GiB)"
@@ -156,6 +158,7 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
             "targets": list(s.targets),
             "placement": s.placement,
             "stream_experts": s.placement == "stream",
+            "frozen_layers_resident": s.frozen_resident,
             "prefix_cache_ram_bytes": s.prefix_ram,
             "prefix_cache_disk_bytes": s.prefix_disk if plan.prefix_total is not None else None,
             "prefix_cache_total_bytes": plan.prefix_total,

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from usaf.engine import grouped
 from usaf.engine.resident import ResidentBase
 from usaf.engine.trainable import TrainableTensor
 from usaf.families.modules import expert_biases
@@ -96,6 +97,16 @@ class ExpertWeight(TrainableTensor):
             return self.resident.expert(expert).to(device, non_blocking=True)
         return dequantize(self.q, experts=[expert], dtype=self.compute_dtype, device=device, memory_layout=False)[0]
 
+    def block(self, experts: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Several experts' frozen bases, ``(e, O, I)`` in the compute dtype on ``device``.
+
+        A view of the resident base where it lives on ``device`` and ``experts`` is a run of consecutive
+        experts within one stored chunk (as :mod:`usaf.engine.grouped` asks); else dequantized in one call.
+        """
+        if self.resident is not None and self.resident.device == device:
+            return self.resident.run(int(experts[0]), int(experts[-1]) + 1)
+        return dequantize(self.q, experts=experts, dtype=self.compute_dtype, device=device, memory_layout=False)
+
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.nbytes if self.resident is not None else 0
         return {"quantized": self.q.nbytes, "resident": resident, **self.delta_nbytes()}
@@ -114,6 +125,8 @@ class LayerExperts(nn.Module):
         # False where the device lacks nonzero/index_add_/scatter (Capabilities.index_ops, DirectML):
         # the forward then routes on the host and combines by permutation gathers (:func:`_index_free_forward`).
         self.index_ops = True
+        # Capabilities.grouped_mm of the device: a grouped forward's GEMMs go through torch's grouped matmul.
+        self.grouped_mm = False
         # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
         # ``sink(layer, top_k_index (T, k))``. None costs nothing.
         self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
@@ -121,6 +134,11 @@ class LayerExperts(nn.Module):
         # family's router spec, and the router logits (T, E) its forward hook left for this layer's forward.
         self.dense_router: RouterSpec | None = None
         self.router_logits: torch.Tensor | None = None
+
+    def set_capabilities(self, caps) -> None:
+        """What the device runs (``usaf.backends.Capabilities``): index ops, torch's grouped matmul."""
+        self.set_index_ops(caps.index_ops)
+        self.grouped_mm = caps.grouped_mm
 
     def set_index_ops(self, available: bool) -> None:
         """Whether the device runs nonzero/index_add_/scatter (``Capabilities.index_ops``); False: avoid them."""
@@ -216,6 +234,8 @@ def usaf_experts_forward(
         raise RuntimeError("experts_implementation='usaf' on a module usaf did not prepare; build it with usaf.engine")
     if not state.index_ops:
         return _index_free_forward(self, state, hidden_states, top_k_index, top_k_weights)
+    if grouped.applies(state, hidden_states):  # no graph, no delta: one pass per layer (usaf.engine.grouped)
+        return grouped.grouped_forward(self, state, hidden_states, top_k_index, top_k_weights).to(hidden_states.dtype)
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
     counts = state.record_load(top_k_index)
     for expert in torch.nonzero(counts).flatten().tolist():

@@ -145,7 +145,7 @@ def load_quantized_model(
             if fused is not None:  # usaf computes instead
                 delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)
-        module.usaf_experts.set_index_ops(caps.index_ops)  # False: no nonzero/index_add_/scatter on the device
+        module.usaf_experts.set_capabilities(caps)  # index ops (nonzero/index_add_/scatter), grouped matmul
         experts[layer] = module.usaf_experts
 
     _rebuild_meta_buffers(model, device)

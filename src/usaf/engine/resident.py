@@ -76,6 +76,14 @@ class ResidentBase:
         """Expert ``index``'s ``(O, I)`` base: a view, so writes reach the stored base."""
         return self.chunks[index // self.per_chunk][index % self.per_chunk]
 
+    def run(self, first: int, stop: int) -> torch.Tensor:
+        """Experts ``[first, stop)`` as one ``(e, O, I)`` view; they must lie in one chunk."""
+        chunk = first // self.per_chunk
+        if (stop - 1) // self.per_chunk != chunk:
+            raise ValueError(f"experts {first}..{stop - 1} span two chunks of {self.per_chunk}")
+        offset = chunk * self.per_chunk
+        return self.chunks[chunk][first - offset : stop - offset]
+
     def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
         """``base.view(-1)[indices] = values``: ``(n,)`` flat indices into ``(E, O, I)``, on the base's device.
 

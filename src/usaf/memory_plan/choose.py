@@ -53,7 +53,7 @@ def plan_memory(m: ModelFacts, quant: QuantSettings, target: Target, request: Re
     candidates = list(_candidates(m, target, request))
     plans = []
     for settings in candidates:
-        settings = _with_prefix(m, quant, target, request, settings)
+        settings = _with_prefix(m, quant, target, request, _with_frozen_resident(m, quant, target, settings))
         stages = tuple(st.all_stages(m, quant, target, settings))
         short = _shortfalls(target, stages)
         plans.append((settings, stages, short))
@@ -100,6 +100,21 @@ def _prefix_total(m: ModelFacts, target: Target, request: Request) -> int | None
     if request.samples is None:
         return None
     return request.samples * request.seq_len * m.spec.hidden_size * target.c
+
+
+def _with_frozen_resident(m: ModelFacts, q: QuantSettings, t: Target, s: st.Settings) -> st.Settings:
+    """Score's and train's choice (``usaf.stages.engine_setup.frozen_layers_resident``): the frozen layers'
+    experts dequantized once when they fit in ``RESIDENT_SHARE`` of what the stages leave free where the experts
+    live; never when streaming."""
+    frozen = w.frozen_layer_count(m, s.train_from)
+    if not frozen or s.placement == "stream":
+        return s
+    on_device = t.separate_device
+    budget = t.usable(t.device_budget if on_device else t.host_budget)
+    stages = [st.score_stage(m, q, t, s), st.train_stage(m, q, t, s)]
+    used = max(p.device_peak if on_device else p.host_peak for p in stages)
+    fits = w.resident_bytes(m, frozen, t.c) <= w.RESIDENT_SHARE * (budget - used)
+    return replace(s, frozen_resident=fits)
 
 
 def _with_prefix(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.Settings) -> st.Settings:

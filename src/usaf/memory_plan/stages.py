@@ -54,6 +54,7 @@ class Settings:
     targets: tuple[str, ...] = ("experts",)  # --targets: the weights that carry deltas
     prefix_ram: int = 0  # bytes of cached prefix states kept in RAM (train's --prefix-cache-gib)
     prefix_disk: int = 0  # bytes spilled to the run's memory-mapped file
+    frozen_resident: bool = False  # the frozen MoE layers' experts dequantized once (score and train's choice)
 
     @property
     def train_from(self) -> int:
@@ -125,9 +126,13 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
         out.append(
             _place(t, "resident bases", w.resident_bytes(m, layers, t.c), f"{layers} layers dequantized to {t.dtype}")
         )
-    if s.train_from > 0:  # frozen layers run (prefix capture, score and eval forwards): one slice at a time
-        _, o, i = m.gate_up_shape
-        out.append(_place(t, "frozen-layer dequantization", (2 * act.FP32 + t.c) * o * i, "one expert slice"))
+    frozen = w.frozen_layer_count(m, s.train_from)
+    if frozen and s.frozen_resident:  # usaf.stages.engine_setup.frozen_layers_resident: when they fit
+        bases = w.resident_bytes(m, frozen, t.c)
+        out.append(_place(t, "frozen layers, dequantized once", bases, f"{frozen} layers dequantized to {t.dtype}"))
+    elif frozen:  # frozen layers run (prefix capture, score and eval forwards): a block of experts at a time
+        experts, nbytes = w.frozen_block_bytes(m, t.c, t.separate_device)
+        out.append(_place(t, "frozen-layer dequantization", nbytes, f"a block of {experts} experts"))
     return out
 
 

@@ -29,6 +29,13 @@ POOL_BYTES_PER_CANDIDATE = INT64 + FP32
 POOL_BYTES_PER_EXPERT = INT64 + 2 * FP32
 POOL_FACTOR = 4  # usaf score's --candidates-factor default and collect_scores' pool_factor
 POOL_OVERFLOW = 0.5  # usaf.engine.scores.OVERFLOW (tests/test_memory_plan.py checks they agree)
+# A frozen layer's forward dequantizes its routed experts in blocks whose fp32 transient (gate_up + down) stays
+# under these (usaf.engine.grouped.HOST_BLOCK_BYTES / DEVICE_BLOCK_BYTES; tests/test_memory_plan.py checks).
+FROZEN_BLOCK_BYTES_HOST = 4 * 2**20
+FROZEN_BLOCK_BYTES_DEVICE = 64 * 2**20
+# The share of the free memory dequantized experts may take: score's and train's frozen layers, all of usaf eval's
+# (usaf.stages.engine_setup.make_resident); the rest is for activations and the loss.
+RESIDENT_SHARE = 0.5
 DEFAULT_TOP_FRACTION = 0.25  # usaf score's default trainable block (stages.score.DEFAULT_TOP_FRACTION)
 
 
@@ -112,6 +119,24 @@ def resident_bytes(m: ModelFacts, layers: int, c: int) -> int:
     return layers * m.expert_params_per_layer * c
 
 
+def frozen_layer_count(m: ModelFacts, train_from: int) -> int:
+    """The MoE layers below the first trainable one: the frozen layers a prefix capture runs."""
+    return sum(1 for layer in m.spec.moe_layers if layer < train_from)
+
+
 def default_layer_count(m: ModelFacts) -> int:
     """``usaf score``'s default: the top quarter of the MoE layers (at least one)."""
     return max(1, math.ceil(DEFAULT_TOP_FRACTION * len(m.spec.moe_layers)))
+
+
+def frozen_block_bytes(m: ModelFacts, c: int, separate_device: bool) -> tuple[int, int]:
+    """``(experts, bytes)`` of one block of a frozen layer's grouped forward at its largest.
+
+    Both tensors' blocks in the compute dtype (``c`` bytes an element) are held together, plus one tensor's
+    fp32 dequantization transient while it is made (``usaf.engine.grouped``, ``ExpertWeight.block``).
+    """
+    (e, o1, i1), (_, o2, i2) = m.gate_up_shape, m.down_shape
+    per_expert = o1 * i1 + o2 * i2  # elements of both tensors
+    budget = FROZEN_BLOCK_BYTES_DEVICE if separate_device else FROZEN_BLOCK_BYTES_HOST
+    experts = max(1, min(e, budget // (FP32 * per_expert)))
+    return experts, experts * (per_expert * c + max(o1 * i1, o2 * i2) * FP32)

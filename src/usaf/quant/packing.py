@@ -99,6 +99,23 @@ def unpack_codes(packed: torch.Tensor, nbits: int, in_features: int) -> torch.Te
     return unpack_blocks(packed, nbits, in_features)
 
 
+def unpack_codes_as(packed: torch.Tensor, nbits: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`unpack_codes` cast to ``dtype``: ``(..., I)``, a new tensor (callers edit it in place).
+
+    4-bit codes are written straight into the ``dtype`` buffer, nibble by nibble: no uint8 intermediate and
+    no separate cast, two passes over the output fewer (dequantization is most of a frozen layer's forward
+    on CPU, docs/BENCHMARKS.md). The values are the same integers, so the result is identical.
+    """
+    if nbits != 4 or packed.shape[-1] * 2 != in_features:  # other widths, and rows with a padding nibble
+        return unpack_codes(packed, nbits, in_features).to(dtype, copy=True)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    out = torch.empty((*packed.shape, 2), dtype=dtype, device=packed.device)  # (..., I/2, 2)
+    out[..., 0] = packed & 15  # B_j = c_2j | c_2j+1 << 4
+    out[..., 1] = packed >> 4
+    return out.view(*packed.shape[:-1], in_features)
+
+
 def codes_at(packed: torch.Tensor, nbits: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The codes at ``(rows, cols)`` of a packed ``(R, packed_I)`` tensor, without unpacking whole rows.
 

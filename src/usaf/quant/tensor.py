@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from usaf.backends.transfer import move
-from usaf.quant.packing import PACKING, codes_at, packed_width, unpack_codes
+from usaf.quant.packing import PACKING, codes_at, packed_width, unpack_codes_as
 
 QUANT_METHODS = ("hqq", "rtn")
 SUPPORTED_NBITS = (2, 3, 4, 8)
@@ -179,7 +179,7 @@ def dequantize(
     e = codes.shape[0]
     _, o, i = q.shape
     g = q.group_size
-    w = unpack_codes(codes.to(device), q.nbits, i).to(compute)  # (E', O, I), a new tensor: edited in place
+    w = unpack_codes_as(codes.to(device), q.nbits, i, compute)  # (E', O, I), a new tensor: edited in place
     groups = w.view(e, o, i // g, g)
     groups.sub_(move(zero, device, compute).unsqueeze(-1)).mul_(move(scale, device, compute).unsqueeze(-1))
     if q.transposed and memory_layout:

@@ -1,14 +1,19 @@
-"""Loading a quantized model for an engine, with the experts placed as ``--stream-experts`` decides."""
+"""Loading a quantized model for an engine, with the experts placed as ``--stream-experts`` decides, and
+dequantized once where memory allows."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from usaf.artifacts.quantized import open_quantized
 from usaf.engine.loading import load_quantized_model
 from usaf.engine.streaming import choose_streaming
+from usaf.memory_plan.weights import RESIDENT_SHARE  # of free memory dequantized experts may take (usaf plan's too)
 from usaf.stages.progress import Progress
+from usaf.units import human_bytes
 
 
 def load_for_engine(
@@ -28,3 +33,53 @@ def load_for_engine(
     )
     pin = stream and backend.capabilities.pinned_memory
     return loaded, {"stream_experts": stream, "pin_experts": pin}
+
+
+def make_resident(loaded: Any, backend: Any, wanted: bool | None, layers: Any = None) -> tuple[bool, int]:
+    """Dequantize the experts of ``layers`` (default: every MoE layer) once, or keep dequantizing the routed ones
+    in every forward.
+
+    ``wanted``: ``True``/``False`` forces the choice; ``None`` dequantizes once when the full-size experts fit
+    in ``RESIDENT_SHARE`` of the device's free memory (host RAM on CPU). Both give the same numbers: the same
+    dequantization, once or in every forward (``tests/test_grouped.py``).
+
+    Returns:
+        ``(resident, bytes)``: the choice and the bytes the dequantized experts take (or would take).
+    """
+    layers = list(loaded.experts) if layers is None else list(layers)
+    weights = [w for layer in layers for w in (loaded.experts[layer].gate_up, loaded.experts[layer].down)]
+    weights = [w for w in weights if w.resident is None]  # a trainable layer's base already is
+    size = torch.empty(0, dtype=weights[0].compute_dtype).element_size() if weights else 0
+    needed = sum(w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights)
+    if wanted is None:
+        free = backend.free_memory()
+        wanted = free is not None and needed <= RESIDENT_SHARE * free
+    if wanted:
+        for weight in weights:
+            weight.make_resident(backend.device)
+    return wanted, needed
+
+
+def frozen_layers_resident(engine: Any, backend: Any, progress: Progress) -> bool:
+    """``usaf score`` and ``usaf train``: the frozen MoE layers' experts dequantized once when they fit.
+
+    A frozen layer otherwise dequantizes every routed expert in every forward it runs (a first visit's prefix
+    capture, score's calibration, the held-out loss): most of that forward's time on CPU (docs/BENCHMARKS.md,
+    "The frozen-layer forward"). Callers ask only when frozen layers will run. The rule is ``usaf eval``'s
+    default (``RESIDENT_SHARE`` of the free memory, read after the engine is built), and never with
+    ``--stream-experts``, whose point is keeping them 4-bit.
+
+    Returns:
+        Whether they were made resident.
+    """
+    frozen = [layer for layer in engine.loaded.experts if layer not in engine.trainable_layers]
+    if not frozen or engine.streamer is not None:
+        return False
+    resident, nbytes = make_resident(engine.loaded, backend, None, frozen)
+    where = f"{len(frozen)} frozen MoE layers' experts"
+    progress.note(
+        f"{where} dequantized once ({human_bytes(nbytes)})"
+        if resident
+        else f"{where} dequantized per forward ({human_bytes(nbytes)} once would exceed half the free memory)"
+    )
+    return resident

@@ -45,7 +45,7 @@ from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, sel
 from usaf.errors import UsafError
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac, parse_targets
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
-from usaf.stages.engine_setup import load_for_engine
+from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, run_lr_test
 from usaf.stages.prefix_cache import write_store
 from usaf.stages.progress import NullProgress, Progress
@@ -133,6 +133,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
             f"--cache: no frozen prefix to cache (the first trainable layer is {layers[0]})",
             "drop --cache, or train fewer layers (--train-from above 0)",
         )
+    frozen_layers_resident(engine, backend, progress)  # calibration (and --cache) run the frozen layers
     shapes = {name: w.shape for name, w in engine.weights.items()}
     layer_of = {name: loaded.spec.layer_of(name) for name in shapes}
     frac = _selected_share(config.frac, sum(numel(shape) for shape in shapes.values()), progress)

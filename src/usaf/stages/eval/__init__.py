@@ -42,13 +42,12 @@ from usaf.engine.streaming import ExpertStreamer
 from usaf.errors import UsafError
 from usaf.families.targets import targets_of
 from usaf.settings.eval import EvalConfig
-from usaf.stages.engine_setup import load_for_engine
+from usaf.stages.engine_setup import load_for_engine, make_resident
 from usaf.stages.eval import cache, passes, plots  # module attributes, read at call time (tests patch them)
 from usaf.stages.eval.inputs import HELD_OUT, sequences_fingerprint
 from usaf.stages.eval.passes import (
     batch_hidden,
     batches_of,
-    make_resident,
     max_logit_change,
     run_pass,
 )

@@ -33,32 +33,7 @@ class PassResult:
     cached: bool = False
 
 
-RESIDENT_SHARE = 0.5  # of free memory the dequantized experts may take; the rest is for activations and the loss
 PREFIX_RAM_SHARE = 0.25  # of available RAM the base pass's prefix states may take, to be reused by the tuned pass
-
-
-def make_resident(loaded, backend, wanted: bool | None) -> tuple[bool, int]:
-    """Dequantize every layer's experts once (``True``) or keep dequantizing the routed ones per forward.
-
-    ``wanted``: ``True``/``False`` forces the choice; ``None`` dequantizes once when the full-size experts fit
-    in ``RESIDENT_SHARE`` of the device's free memory (host RAM on CPU). Inference needs no memory for
-    gradients or optimizer state, so a model that trains streamed may well evaluate resident (1.4x faster on
-    the CPU benchmark model, docs/BENCHMARKS.md). Both give the same numbers: the same dequantization, once
-    or in every forward.
-
-    Returns:
-        ``(resident, bytes)``: the choice and the bytes the dequantized experts take (or would take).
-    """
-    weights = [w for state in loaded.experts.values() for w in (state.gate_up, state.down)]
-    size = torch.empty(0, dtype=weights[0].compute_dtype).element_size() if weights else 0
-    needed = sum(w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights)
-    if wanted is None:
-        free = backend.free_memory()
-        wanted = free is not None and needed <= RESIDENT_SHARE * free
-    if wanted:
-        for weight in weights:
-            weight.make_resident(backend.device)
-    return wanted, needed
 
 
 def batches_of(sequences: Sequence[EvalSequence], microbatch: int, pad_id: int) -> list[Batch]:

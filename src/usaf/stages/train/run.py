@@ -53,6 +53,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
 
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.engine.loss_scale import DynamicLossScaler
+    from usaf.stages.engine_setup import frozen_layers_resident
     from usaf.stages.train import loop
     from usaf.stages.train.trainer import Trainer
 
@@ -60,6 +61,8 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
     engine = _engine(inputs, backend, compute, progress)
     prefix = _prefix(engine, inputs, world, progress)  # its store is checked before the run directory is made
+    if prefix is not None and _computes_prefixes(prefix[0], inputs):
+        frozen_layers_resident(engine, backend, progress)
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +141,12 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[A
     if store is not None:
         progress.note(f"prefix states of {len(store):,} sequences read from the plan (usaf score --cache)")
     return cache, inputs.model.fingerprint
+
+
+def _computes_prefixes(cache: Any, inputs: Any) -> bool:
+    """Whether the run will run its frozen layers: sequences the plan's store (usaf score --cache) lacks, or
+    held-out data (whose states the store never holds)."""
+    return cache.store is None or len(cache.store) < len(inputs.data) or inputs.eval_data is not None
 
 
 def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:

@@ -1,0 +1,162 @@
+"""One pass per MoE layer for experts with no trainable delta: frozen layers and inference (issue 21, item 1).
+
+The per-expert loop (:func:`usaf.engine.experts.usaf_experts_forward`) issues for every routed expert a token
+search, a gather, a dequantization, two GEMMs, the gate and an ``index_add_``. On a GPU at 128 experts that is
+hundreds of small kernels per layer and the forward is launch-bound. Here the tokens are sorted by expert
+once, the routed experts are dequantized in a few vectorized calls (blocks of experts whose fp32 transient
+stays under a byte budget), each block's two GEMMs go through torch's grouped matmul (where the device and
+dtype have it; else one ``F.linear`` per expert of the block), and one ``index_add_`` per block combines.
+
+It runs where no autograd graph is recorded (prefix capture, score's and eval's frozen layers, generate):
+trainable layers carry sparse deltas and score sinks, whose per-expert autograd functions the loop runs, and
+torch 2.13's CPU grouped matmul backward refuses an expanded gradient. On CPU in fp32 the output is
+bit-identical to the loop's: the same per-expert products, added into each token in the same (ascending
+expert) order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from usaf.backends.transfer import is_host
+from usaf.families.modules import EXPERT_BIAS_PARAMS
+
+# The fp32 bytes one block's dequantization may hold at once. On the host a block should stay in the cache
+# (one call over all 128 experts measured 1.8x slower than per-expert calls there, docs/BENCHMARKS.md); on a
+# device, fewer and larger calls are the point, bounded so the transient stays a small share of a 12 GB card.
+HOST_BLOCK_BYTES = 4 * 2**20
+DEVICE_BLOCK_BYTES = 64 * 2**20
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped matmul accepts
+
+
+def applies(state, hidden_states: torch.Tensor) -> bool:
+    """Whether this forward of ``state`` (a ``LayerExperts``) can run grouped: no graph, no delta, no sink."""
+    if not state.index_ops or (torch.is_grad_enabled() and hidden_states.requires_grad):
+        return False
+    return all(w.delta is None and w.score_sink is None for w in (state.gate_up, state.down))
+
+
+def block_bytes(device: torch.device) -> int:
+    return HOST_BLOCK_BYTES if is_host(device) else DEVICE_BLOCK_BYTES
+
+
+def grouped_forward(
+    self: nn.Module, state, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """``(T, H) -> (T, H)`` fp32 accumulation of the routed experts' outputs, weighted (before the final cast).
+
+    Args:
+        self: the family's fused experts module (its ``_apply_gate``, biases, post-expert norm).
+        state: its ``LayerExperts``.
+        hidden_states: ``(T, H)``.
+        top_k_index: ``(T, k)`` routed experts per token.
+        top_k_weights: ``(T, k)`` their routing weights.
+    """
+    t, k = top_k_index.shape
+    counts = state.record_load(top_k_index).cpu()  # (E,) tokens per expert; one sync, as the loop's nonzero
+    flat = top_k_index.reshape(-1)  # (T*k,) token-major
+    order = torch.argsort(flat, stable=True)  # (T*k,) expert-major, each expert's rows in token order
+    rows_token = order // k  # (T*k,) the token of each expert-major row
+    x = hidden_states[rows_token]  # (T*k, H)
+    weights = top_k_weights.reshape(-1)[order, None]  # (T*k, 1)
+    out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H)
+    biases = _biases(self)
+    for experts, start, stop in _blocks(state, counts, hidden_states.device):
+        block_counts = counts[experts]  # (e,)
+        rows = slice(start, stop)
+        gate_up, down = (w.block(experts, x.device) for w in (state.gate_up, state.down))  # (e, 2I, H), (e, H, I)
+        h = _grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm)  # (n, 2I)
+        h = self._apply_gate(h)  # (n, I)
+        y = _grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm)  # (n, H)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        out.index_add_(0, rows_token[rows], (y * weights[rows]).float())
+    return out
+
+
+def _blocks(state, counts: torch.Tensor, device: torch.device) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """Runs of experts, ``(experts (e,) int64 ascending, first row, end row)`` in the expert-major rows.
+
+    Resident bases (on ``device``) are read as views: a block is a run of consecutive experts within one
+    stored chunk of each tensor (their chunks differ in size), unrouted ones included (their groups are
+    empty). Otherwise a block is a run of routed experts whose fp32 dequantization transient (both
+    tensors) fits :func:`block_bytes`.
+    """
+    ends = torch.cumsum(counts, 0).tolist()  # (E,) expert-major row where each expert's rows end
+    routed = torch.nonzero(counts).flatten().tolist()  # ascending
+
+    def rows(a: int, b: int) -> tuple[int, int]:  # the rows of experts a..b
+        return ends[a] - int(counts[a]), ends[b]
+
+    if _resident_on(state, device):
+        sizes = [w.resident.per_chunk for w in (state.gate_up, state.down)]
+        chunk = [tuple(e // size for size in sizes) for e in routed]  # the chunk of each tensor it lies in
+        first = 0
+        for j in range(1, len(routed) + 1):
+            if j == len(routed) or chunk[j] != chunk[first]:
+                a, b = routed[first], routed[j - 1]
+                yield torch.arange(a, b + 1), *rows(a, b)
+                first = j
+        return
+    per_expert = 4 * sum(w.shape[1] * w.shape[2] for w in (state.gate_up, state.down))  # fp32 bytes
+    budget = max(1, block_bytes(device) // per_expert)
+    for first in range(0, len(routed), budget):
+        block = routed[first : first + budget]
+        yield torch.tensor(block), *rows(block[0], block[-1])
+
+
+def _resident_on(state, device: torch.device) -> bool:
+    return all(w.resident is not None and w.resident.device == device for w in (state.gate_up, state.down))
+
+
+def _biases(self: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(gate_up_bias (E, 2I), down_bias (E, H))`` of a fused experts module, or ``(None, None)``."""
+    if not getattr(self, "has_bias", False):
+        return None, None
+    return tuple(getattr(self, name) for name in EXPERT_BIAS_PARAMS)
+
+
+def _grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    bias: torch.Tensor | None,
+    experts: torch.Tensor,
+    grouped_mm: bool,
+) -> torch.Tensor:
+    """``x (n, I)`` expert-major rows through ``weight (e, O, I)``, ``counts (e,)`` rows each -> ``(n, O)``.
+
+    ``grouped_mm``: the device has torch's grouped matmul (``Capabilities.grouped_mm``).
+    """
+    w = weight.to(x.dtype)
+    if grouped_mm and _grouped_mm_fits(x, w):
+        offsets = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)  # (e,) end row of each group
+        y = _grouped_mm(x, w.transpose(1, 2), offsets)  # (n, O)
+        if bias is not None:
+            y = y + bias.to(x.dtype)[experts.to(bias.device)].repeat_interleave(counts.to(bias.device), 0)
+        return y
+    parts, start = [], 0
+    for j, n in enumerate(counts.tolist()):  # the device or dtype has no grouped matmul: one GEMM per expert
+        b = None if bias is None else bias[int(experts[j])].to(x.dtype)
+        parts.append(F.linear(x[start : start + n], w[j], b))
+        start += n
+    return torch.cat(parts)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    op = getattr(torch.nn.functional, "grouped_mm", None)  # public since torch 2.10
+    return op(x, w, offs=offsets) if op is not None else torch._grouped_mm(x, w, offs=offsets)
+
+
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped matmul takes these: a supported dtype, and 16-byte aligned rows and pointers."""
+    if x.dtype not in _GROUPED_DTYPES or not x.is_contiguous() or w.stride(2) != 1:
+        return False
+    size = x.element_size()
+    strides = (x.stride(0) * size, w.stride(0) * size, w.stride(1) * size)  # w is (e, O, I), rows contiguous
+    return all(s % 16 == 0 for s in strides) and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0

@@ -1,0 +1,205 @@
+"""The grouped experts forward (``usaf.engine.grouped``) against the per-expert loop it replaces where no graph is kept.
+
+On CPU in fp32 the two add the same per-expert products into each token in the same order, so the logits must be
+bit-identical (gpt-oss's biases are added after the grouped matmul rather than inside ``F.linear``: close, not
+identical). Each check also asserts the grouped path really ran (a negative control against a silent fallback).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES, needs_v5
+from usaf.engine import grouped
+
+pytestmark = needs_v5  # the experts registry (transformers >= 5) is what dispatches to usaf's forward
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts grouped forwards; ``calls.loop()`` makes every forward take the per-expert loop instead."""
+
+    class Calls:
+        grouped = 0
+
+        def loop(self):
+            monkeypatch.setattr(grouped, "applies", lambda state, hidden: False)
+
+    counter = Calls()
+    real = grouped.grouped_forward
+
+    def counting(*args, **kwargs):
+        counter.grouped += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grouped, "grouped_forward", counting)
+    return counter
+
+
+def _logits(loaded, ids):
+    with torch.no_grad():
+        return loaded.model(input_ids=ids).logits
+
+
+def _ids(seed: int, shape=(2, 24)) -> torch.Tensor:
+    return torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _compare(family: str, ours: torch.Tensor, loop: torch.Tensor) -> None:
+    if family == "gpt_oss":  # biases added after the grouped matmul, not inside addmm
+        torch.testing.assert_close(ours, loop, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(ours, loop)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_forward_equals_the_loop_for_every_family(family, quantized, calls, monkeypatch):
+    from usaf.engine.loading import load_quantized_model
+
+    loaded = load_quantized_model(quantized(family))
+    ids = _ids(1)
+    ours = _logits(loaded, ids)
+    assert calls.grouped == len(loaded.experts)  # every MoE layer ran grouped
+    calls.loop()
+    loop = _logits(loaded, ids)
+    assert calls.grouped == len(loaded.experts)
+    _compare(family, ours, loop)
+
+
+@pytest.mark.parametrize("block_bytes", [1, None])
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_grouped_forward_at_128_experts_top_8(block_bytes, grouped_mm, tiny_model, tmp_path, calls, monkeypatch):
+    """Qwen3-30B-A3B's routing (128 experts, top-8), in one block or one expert per block, with torch's grouped
+    matmul or a GEMM per expert; and over resident bases (views, no dequantization)."""
+    from usaf.engine.loading import load_quantized_model
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+
+    source = tiny_model("qwen3_moe", num_experts=128, num_experts_per_tok=8)
+    _, qdir = quantize(QuantizeConfig(model=str(source), out=tmp_path / "q", method="rtn", group_size=8))
+    if block_bytes is not None:
+        monkeypatch.setattr(grouped, "HOST_BLOCK_BYTES", block_bytes)
+    loaded = load_quantized_model(qdir)
+    for state in loaded.experts.values():
+        state.grouped_mm = grouped_mm
+    ids = _ids(2, (2, 40))
+    ours = _logits(loaded, ids)
+    assert calls.grouped == len(loaded.experts)
+    routed = int(loaded.experts[0].tokens_per_expert.gt(0).sum())
+    assert routed > 100  # most of the 128 experts got tokens: many groups, many blocks
+    for state in loaded.experts.values():
+        state.gate_up.make_resident()
+        state.down.make_resident()
+    resident = _logits(loaded, ids)
+    calls.loop()
+    loop = _logits(loaded, ids)
+    assert torch.equal(ours, loop) and torch.equal(resident, loop)
+
+
+def test_blocks_respect_the_budget_and_resident_chunks(tiny_model, tmp_path):
+    from usaf.engine.loading import load_quantized_model
+    from usaf.engine.resident import ResidentBase
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+
+    source = tiny_model("qwen3_moe", num_experts=16, num_experts_per_tok=4)
+    _, qdir = quantize(QuantizeConfig(model=str(source), out=tmp_path / "q", method="rtn", group_size=8))
+    state = load_quantized_model(qdir).experts[0]
+    counts = torch.tensor([3, 0, 2, 5, 0, 0, 1, 4, 0, 2, 2, 0, 0, 0, 7, 1])
+    cpu = torch.device("cpu")
+    per_expert = 4 * sum(w.shape[1] * w.shape[2] for w in (state.gate_up, state.down))
+    blocks = list(grouped._blocks(state, counts, cpu))
+    assert all(len(e) * per_expert <= grouped.HOST_BLOCK_BYTES for e, _, _ in blocks)
+    assert torch.equal(torch.cat([e for e, _, _ in blocks]), torch.nonzero(counts).flatten())  # routed only
+    assert [(s, t) for _, s, t in blocks][-1][1] == int(counts.sum())
+    # rows are contiguous and each block's rows are its experts' counts
+    assert all(t - s == int(counts[e].sum()) for e, s, t in blocks)
+    # resident in chunks of 5 experts (gate_up) and 3 (down): runs of consecutive experts that cross no chunk of either
+    for weight, per_chunk in ((state.gate_up, 5), (state.down, 3)):
+        expert_bytes = 4 * weight.shape[1] * weight.shape[2]
+        weight.resident = ResidentBase.dequantized(
+            weight.q, dtype=torch.float32, device=cpu, max_bytes=per_chunk * expert_bytes
+        )
+        assert weight.resident.per_chunk == per_chunk
+    runs = [(e.tolist(), s, t) for e, s, t in grouped._blocks(state, counts, cpu)]
+    assert runs == [
+        ([0, 1, 2], 0, 5), ([3], 5, 10), ([6, 7], 10, 15), ([9], 15, 17), ([10], 17, 19), ([14], 19, 26), ([15], 26, 27)
+    ]  # fmt: skip
+
+
+def test_grouped_path_is_not_taken_with_a_graph_or_a_delta(quantized):
+    """Negative controls: training forwards (a graph), layers with a delta or a score sink keep the loop."""
+    from usaf.engine.loading import load_quantized_model
+
+    loaded = load_quantized_model(quantized("qwen3_moe"))
+    state = loaded.experts[loaded.spec.moe_layers[-1]]
+    hidden = torch.zeros(3, 32)
+    with torch.no_grad():
+        assert grouped.applies(state, hidden)
+    assert grouped.applies(state, hidden)  # grad mode on, but nothing requires grad: no graph
+    assert not grouped.applies(state, hidden.requires_grad_())
+    state.down.score_sink = lambda expert: None
+    with torch.no_grad():
+        assert not grouped.applies(state, hidden)
+    state.down.score_sink = None
+    state.set_index_ops(False)
+    with torch.no_grad():
+        assert not grouped.applies(state, hidden)  # DirectML: the index-free forward
+
+
+# -- the frozen layers dequantized once (usaf.stages.engine_setup.frozen_layers_resident) ---------------------------
+
+
+def test_train_dequantizes_the_frozen_layers_once_and_trains_exactly_as_per_forward(prepared, tmp_path, monkeypatch):
+    """usaf train computes prefixes (no store in the plan): the frozen layer is made resident, the run says so, and
+    its losses and deltas equal a run that dequantizes per forward (the control, with the choice switched off)."""
+    from test_train import final_deltas, metrics, train
+    from usaf.stages import engine_setup
+
+    qdir, tokens, plan = prepared("qwen3_moe")  # layers 0-1 frozen, layer 2 trains
+    args = ["--steps", 6, "--reselect-every", 3]
+    made = []
+    real = engine_setup.make_resident
+
+    def recording(loaded, backend, wanted, layers=None):
+        resident, nbytes = real(loaded, backend, wanted, layers)
+        made.append((sorted(layers), resident))
+        return resident, nbytes
+
+    monkeypatch.setattr(engine_setup, "make_resident", recording)
+    result = train(qdir, tokens, plan, tmp_path / "resident", *args)
+    assert result.exit_code == 0, result.output
+    assert made == [([0, 1], True)] and "2 frozen MoE layers' experts dequantized once" in result.stderr
+    monkeypatch.setattr(engine_setup, "frozen_layers_resident", lambda *args: False)
+    result = train(qdir, tokens, plan, tmp_path / "per-forward", *args)
+    assert result.exit_code == 0, result.output
+    assert "dequantized once" not in result.stderr
+    losses = [[m["loss"] for m in metrics(tmp_path / run) if "loss" in m] for run in ("resident", "per-forward")]
+    assert losses[0] == losses[1]
+    a, b = final_deltas(tmp_path / "resident"), final_deltas(tmp_path / "per-forward")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_frozen_layers_stay_4_bit_when_they_do_not_fit_or_stream(quantized, monkeypatch):
+    from usaf.backends import resolve_backend
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+    from usaf.stages.engine_setup import frozen_layers_resident
+    from usaf.stages.progress import NullProgress
+
+    backend = resolve_backend("cpu")
+
+    def engine(**placement):
+        loaded = load_quantized_model(quantized("qwen3_moe", num_layers=3, tokenizer=True))
+        return SparseEngine(loaded, trainable_layers=[2], **placement)
+
+    monkeypatch.setattr(type(backend), "free_memory", lambda self: 1000)  # far less than two layers' experts
+    e, progress = engine(), NullProgress()
+    assert not frozen_layers_resident(e, backend, progress)
+    assert e.loaded.experts[0].gate_up.resident is None and "dequantized per forward" in progress.notes[-1]
+    monkeypatch.undo()
+    e = engine(stream_experts="copy")
+    assert not frozen_layers_resident(e, backend, NullProgress()) and e.loaded.experts[0].gate_up.resident is None
+    e = engine()  # the control: with the memory, they are made resident
+    assert frozen_layers_resident(e, backend, NullProgress()) and e.loaded.experts[1].down.resident is not None
