@@ -17,7 +17,8 @@ interleaved in rotating order each round (medians of ``--rounds``):
   dequantization, transformers' default experts implementation (``grouped_mm``), plain ``model(input_ids)``.
 
 Checks per shape: grouped and loop logits are bit-identical on CPU fp32 (else the largest difference is
-recorded), and usaf's logits against transformers' (the same weights; summation order differs).
+recorded), and usaf's logits against transformers' (the same weights; summation order differs). Also timed: the
+dequantization of one layer's ``gate_up`` (all its experts) per expert, in the grouped path's blocks, in one call.
 
     python benchmarks/bench_frozen.py [--threads 1] [--rounds 7] [--experts 32 64 128] [--device cpu]
                                       [--out benchmarks/results/frozen.json]
@@ -44,6 +45,7 @@ from bench_train import git_commit  # noqa: E402
 from usaf.backends import resolve_backend  # noqa: E402
 from usaf.engine import grouped  # noqa: E402
 from usaf.engine.loading import load_quantized_model  # noqa: E402
+from usaf.quant import dequantize  # noqa: E402
 
 ARMS = ("loop_per_forward", "grouped_per_forward", "loop_resident", "grouped_resident", "transformers_grouped_mm")
 
@@ -98,6 +100,7 @@ def measure(src: Path, qdir: Path, rounds: int, device: torch.device) -> dict:
             times[name].append(time.perf_counter() - start)
         print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names), flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
+    dequantization = dequantization_by_block(per_forward.experts[0].gate_up.q, rounds, device)
     hf_time = medians["transformers_grouped_mm"]
     per_round = {
         name: [round(hf_t / t, 3) for t, hf_t in zip(times[name], times["transformers_grouped_mm"], strict=True)]
@@ -119,7 +122,31 @@ def measure(src: Path, qdir: Path, rounds: int, device: torch.device) -> dict:
         "routed_experts_layer0": int(per_forward.experts[0].tokens_per_expert.gt(0).sum()),
         "grouped_mm_used": bool(backend.capabilities.grouped_mm),
         "times": {name: [round(t, 4) for t in ts] for name, ts in times.items()},
+        "dequantize_layer0_gate_up_seconds": dequantization,
     }
+
+
+def dequantization_by_block(q, rounds: int, device: torch.device) -> dict[str, float]:
+    """Seconds to dequantize every expert of one tensor: one call per expert, in grouped.py's host-sized blocks,
+    and in one call (medians of ``rounds``, rotating order)."""
+    e, o, i = q.shape
+    per_block = max(1, grouped.block_bytes(device) // (4 * o * i))
+    ways = {
+        "per_expert": [slice(j, j + 1) for j in range(e)],
+        f"blocks_of_{per_block}": [slice(j, j + per_block) for j in range(0, e, per_block)],
+        "one_call": [slice(0, e)],
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            _sync(device)
+            start = time.perf_counter()
+            for experts in ways[name]:
+                dequantize(q, experts=experts, device=device, memory_layout=False)
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(t), 4) for name, t in times.items()}
 
 
 def main() -> None:
@@ -136,7 +163,7 @@ def main() -> None:
     shapes = {k: v for k, v in SHAPES.items() if args.experts is None or v[0] in args.experts and "train" not in k}
     results = {
         "machine": machine(),
-        "device": str(device),
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "commit": git_commit(),
         "command": " ".join(["python", *sys.argv]),
         "shapes": {},

@@ -104,6 +104,35 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_train_dequantizes_the_frozen_layers_once_and_trains_exactly_as_per_forward(prepared, tmp_path, monkeypatch):
+    """usaf train computes prefixes (no store in the plan): the frozen layer is made resident, the run says so, and
+    its losses and deltas equal a run that dequantizes per forward (the control, with the choice switched off)."""
+    from usaf.stages import engine_setup  # lazy: the test patches its module attribute
+
+    qdir, tokens, plan = prepared("qwen3_moe")  # layers 0-1 frozen, layer 2 trains
+    args = ["--steps", 6, "--reselect-every", 3]
+    made = []
+    real = engine_setup.make_resident
+
+    def recording(loaded, backend, wanted, layers=None):
+        resident, nbytes = real(loaded, backend, wanted, layers)
+        made.append((sorted(layers), resident))
+        return resident, nbytes
+
+    monkeypatch.setattr(engine_setup, "make_resident", recording)
+    result = train(qdir, tokens, plan, tmp_path / "resident", *args)
+    assert result.exit_code == 0, result.output
+    assert made == [([0, 1], True)] and "2 frozen MoE layers' experts dequantized once" in result.stderr
+    monkeypatch.setattr(engine_setup, "frozen_layers_resident", lambda *args: False)
+    result = train(qdir, tokens, plan, tmp_path / "per-forward", *args)
+    assert result.exit_code == 0, result.output
+    assert "dequantized once" not in result.stderr
+    losses = [[m["loss"] for m in metrics(tmp_path / run) if "loss" in m] for run in ("resident", "per-forward")]
+    assert losses[0] == losses[1]
+    a, b = final_deltas(tmp_path / "resident"), final_deltas(tmp_path / "per-forward")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _train_command(qdir, tokens, plan, run, steps: int) -> list[str]:
     args = ["--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--steps", steps, "--save-every", 0]
     return [sys.executable, "-m", "usaf", "train", *map(str, args)]

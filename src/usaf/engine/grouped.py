@@ -25,9 +25,10 @@ from torch.nn import functional as F
 from usaf.backends.transfer import is_host
 from usaf.families.modules import EXPERT_BIAS_PARAMS
 
-# The fp32 bytes one block's dequantization may hold at once. On the host a block should stay in the cache
-# (one call over all 128 experts measured 1.8x slower than per-expert calls there, docs/BENCHMARKS.md); on a
-# device, fewer and larger calls are the point, bounded so the transient stays a small share of a 12 GB card.
+# The fp32 bytes one block's dequantization may hold at once. On the host a block should stay in the cache (one
+# call over all 128 experts was slower than one call per expert there: docs/BENCHMARKS.md, "The frozen-layer
+# forward"); on a device, fewer and larger calls are the point, bounded so the transient stays a small share of a
+# 12 GB card (3 experts of Qwen3-30B-A3B's width).
 HOST_BLOCK_BYTES = 4 * 2**20
 DEVICE_BLOCK_BYTES = 64 * 2**20
 
@@ -57,7 +58,7 @@ def grouped_forward(
         top_k_index: ``(T, k)`` routed experts per token.
         top_k_weights: ``(T, k)`` their routing weights.
     """
-    t, k = top_k_index.shape
+    k = top_k_index.shape[1]
     counts = state.record_load(top_k_index).cpu()  # (E,) tokens per expert; one sync, as the loop's nonzero
     flat = top_k_index.reshape(-1)  # (T*k,) token-major
     order = torch.argsort(flat, stable=True)  # (T*k,) expert-major, each expert's rows in token order
