@@ -89,16 +89,8 @@ def measure(src: Path, qdir: Path, rounds: int, device: torch.device) -> dict:
         "transformers_grouped_mm": hf_arm,
     }
     logits = {name: fn().float().cpu() for name, fn in arms.items()}  # also the warm-up
-    times: dict[str, list[float]] = {name: [] for name in arms}
+    times = interleaved(arms, rounds, device, verbose=True)
     names = list(arms)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            _sync(device)
-            start = time.perf_counter()
-            arms[name]()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names), flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
     dequantization = dequantization_by_block(per_forward.experts[0].gate_up.q, rounds, device)
     hf_time = medians["transformers_grouped_mm"]
@@ -136,17 +128,32 @@ def dequantization_by_block(q, rounds: int, device: torch.device) -> dict[str, f
         f"blocks_of_{per_block}": [slice(j, j + per_block) for j in range(0, e, per_block)],
         "one_call": [slice(0, e)],
     }
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    names = list(ways)
+
+    def arm(blocks):
+        def run() -> None:
+            for experts in blocks:
+                dequantize(q, experts=experts, device=device, memory_layout=False)
+
+        return run
+
+    times = interleaved({name: arm(blocks) for name, blocks in ways.items()}, rounds, device)
+    return {name: round(statistics.median(t), 4) for name, t in times.items()}
+
+
+def interleaved(arms: dict, rounds: int, device: torch.device, *, verbose: bool = False) -> dict[str, list[float]]:
+    """Seconds of each arm per round, the arms in rotating order each round (load hits them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             _sync(device)
             start = time.perf_counter()
-            for experts in ways[name]:
-                dequantize(q, experts=experts, device=device, memory_layout=False)
+            arms[name]()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: round(statistics.median(t), 4) for name, t in times.items()}
+        if verbose:
+            print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names), flush=True)
+    return times
 
 
 def main() -> None:
