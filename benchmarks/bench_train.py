@@ -28,11 +28,11 @@ Every figure is measured side by side in this one run.
    with the score sinks installed (the ``SCORE_BATCHES`` steps before a reselection), interleaved pairs on
    the same batch, and one ``reselect(...)`` after those steps, each as a ratio to a plain step.
 
-    python benchmarks/bench_train.py [--repeats 9] [--threads 1] [--profile] [--quick] [--experts 32|128]
+    python benchmarks/bench_train.py [--repeats 9] [--threads 1] [--profile] [--quick] [--experts 32|64|128]
                                      [--no-rss] [--out benchmarks/results/train.json]
 
-``--experts 128``: the same depth and hidden size at Qwen3-30B-A3B's expert ratios (128 experts of width 192,
-top-8); results default to ``train-e128.json``.
+``--experts 64`` / ``128``: the same depth and hidden size at Qwen3-30B-A3B's expert ratios (experts of width 192,
+top-8); results default to ``train-e64.json`` / ``train-e128.json``.
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arms.
 """
@@ -725,10 +725,10 @@ def main() -> None:
     parser.add_argument(
         "--experts",
         type=int,
-        choices=(32, 128),
+        choices=(32, 64, 128),
         default=32,
-        help="32: the model above; 128: Qwen3-30B-A3B's expert ratios (128 experts of width 192 = 0.375 x hidden, "
-        "top-8) at the same hidden size and depth [32]",
+        help="32: the model above; 64 or 128: Qwen3-30B-A3B's expert ratios (experts of width 192 = 0.375 x "
+        "hidden, top-8) at the same hidden size and depth [32]",
     )
     parser.add_argument("--no-rss", action="store_true", help="skip figure 2 (the CLI's peak RSS)")
     parser.add_argument(
@@ -750,13 +750,13 @@ def main() -> None:
     repeats = args.repeats or (3 if args.quick else 9)
     runs = args.rss_runs or (1 if args.quick else 3)
     widths = MODEL_QUICK if args.quick else MODEL
-    if args.experts == 128:
-        widths = {**widths, "num_experts": 128, "moe_intermediate_size": 3 * widths["hidden_size"] // 8,
+    if args.experts != 32:
+        widths = {**widths, "num_experts": args.experts, "moe_intermediate_size": 3 * widths["hidden_size"] // 8,
                   "num_experts_per_tok": 8}  # fmt: skip
     seq = SEQ_QUICK if args.quick else SEQ
     calib = CALIB_QUICK if args.quick else CALIB
     rss_steps, rss_every = (RSS_STEPS_QUICK, RSS_RESELECT_QUICK) if args.quick else (RSS_STEPS, RSS_RESELECT)
-    suffix = ("-quick" if args.quick else "") + ("-e128" if args.experts == 128 else "")
+    suffix = ("-quick" if args.quick else "") + (f"-e{args.experts}" if args.experts != 32 else "")
     out = args.out or RESULTS / f"train{suffix}.json"
     torch.manual_seed(0)
     result: dict = {
