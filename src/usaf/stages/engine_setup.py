@@ -3,6 +3,7 @@ dequantized once where memory allows."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,9 @@ def load_for_engine(
     return loaded, {"stream_experts": stream, "pin_experts": pin}
 
 
-def make_resident(loaded: Any, backend: Any, wanted: bool | None, layers: Any = None) -> tuple[bool, int]:
+def make_resident(
+    loaded: Any, backend: Any, wanted: bool | None, layers: Iterable[int] | None = None
+) -> tuple[bool, int]:
     """Dequantize the experts of ``layers`` (default: every MoE layer) once, or keep dequantizing the routed ones
     in every forward.
 
