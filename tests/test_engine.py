@@ -96,6 +96,26 @@ def test_dense_scores_equal_the_naive_top_k(tiny_model, quantized):
     assert all(p.grad is None for p in engine.routers.values())
 
 
+def test_scores_in_halves_equal_separate_passes(quantized):
+    """One backward per batch scores the sample and the batch's half: the same (exact) sums, bit for bit, as a pass
+    over all the batches and one over each half's. The control: the halves differ from each other."""
+    engine = make_engine(quantized, "qwen3_moe")
+    tagged = [(h, *batch(seed)) for h, seed in ((0, 1), (1, 2), (0, 3))]
+    settings = {"candidates": 50, "statistic": "grad", "exact": True}
+    sample, halves = engine.dense_scores_in_halves([(h, ids, labels, None) for h, ids, labels in tagged], **settings)
+    want = engine.dense_scores([(ids, labels, None) for _, ids, labels in tagged], **settings)
+    want_halves = [
+        engine.dense_scores([(ids, labels, None) for h, ids, labels in tagged if h == half], **settings)
+        for half in (0, 1)
+    ]
+    for got, expected in ((sample, want), *zip(halves, want_halves)):
+        for name in engine.weights:
+            assert torch.equal(got[name].dense_map(), expected[name].dense_map()), name
+            assert got[name].batches == expected[name].batches
+    assert not all(torch.equal(halves[0][n].dense_map(), halves[1][n].dense_map()) for n in engine.weights), "control"
+    assert all(w.score_sink is None for w in engine.weights.values())
+
+
 def test_optimizer_steps_lower_the_loss_and_leave_the_rest_untouched(quantized):
     from usaf.engine.optim import SparseAdamW
 

@@ -89,6 +89,30 @@ def test_deterministic(quantized):
     assert results[0].losses == results[1].losses and results[0].lr == results[1].lr
 
 
+def test_given_prefix_states_replace_the_capture(quantized):
+    """States given by line number (score's calibration pass records them) are what the probes start from: no
+    capture runs, and the losses are those of the test's own capture up to rounding (its states come from other
+    microbatches). The controls: other states give other losses; a microbatch with a line missing captures its own."""
+    engine = engine_of(quantized)
+    sample, selection = lines(), random_selection(engine)
+    own = run_lr_test(engine, selection, sample, microbatch=2, pad_id=0, steps=2)
+    states = {line.line: engine.prefix_states(torch.tensor([line.input_ids]))[0] for line in sample}  # (t, H) each
+    captures = []
+    capture = engine.prefix_states
+    engine.prefix_states = lambda *args, **kwargs: captures.append(1) or capture(*args, **kwargs)
+    given = run_lr_test(engine, selection, sample, microbatch=2, pad_id=0, steps=2, states=states)
+    assert captures == [] and given.lr == own.lr
+    torch.testing.assert_close(given.losses, own.losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(given.base_loss, own.base_loss, rtol=1e-5, atol=0)
+    g = torch.Generator().manual_seed(1)
+    other = {k: torch.randn(v.shape, generator=g) for k, v in states.items()}  # a scale alone the next norm undoes
+    moved = run_lr_test(engine, selection, sample, microbatch=2, pad_id=0, steps=2, states=other)
+    assert moved.base_loss != pytest.approx(own.base_loss, rel=1e-3), "control: the given states are used"
+    del states[sample[0].line]
+    run_lr_test(engine, selection, sample, microbatch=2, pad_id=0, steps=2, states=states)
+    assert captures == [1], "control: only the microbatch with a missing line captures"
+
+
 def test_a_diverging_lr_is_not_chosen(quantized):
     """lr 1e20 overflows the trained experts' outputs (non-finite loss); the test chooses below it. The control: its
     probe really diverged (a large finite lr does not show it here: on a random tiny model the final norm bounds the
@@ -174,6 +198,23 @@ def test_steps_without_the_test_are_refused(inputs, tmp_path):
     result = invoke("score", "--model", inputs[0], "--data", inputs[1], "--no-lr-test", "--lr-test-steps", 4,
                     "--out", tmp_path / "plan")  # fmt: skip
     assert result.exit_code == 2 and "--lr-test-steps" in result.output and "--no-lr-test" in result.output
+
+
+def test_score_computes_the_samples_prefix_states_once(inputs, tmp_path, monkeypatch):
+    """The lr test starts from the states the calibration pass recorded: no prefix capture in the whole stage. The
+    control: without the recorded states the test captures its own (the counter counts)."""
+    from usaf.stages import score as score_stage
+
+    captures = []
+    capture = SparseEngine.prefix_states
+    monkeypatch.setattr(
+        SparseEngine, "prefix_states", lambda self, *a, **k: captures.append(1) or capture(self, *a, **k)
+    )
+    score(*inputs, tmp_path / "a", "--lr-test-steps", 1)
+    assert captures == []
+    monkeypatch.setattr(score_stage, "_states_by_line", lambda tap, items: None)
+    score(*inputs, tmp_path / "b", "--lr-test-steps", 1)
+    assert captures, "control: the lr test captures when it is given no states"
 
 
 def test_the_cache_is_captured_from_an_untouched_engine(inputs, tmp_path):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from helpers import invoke, leftovers, reference_model
 from usaf.artifacts import PlanManifest, load_verified
+from usaf.stages.score import calibration_batches
 from usaf.testing import stdlib_dir
 
 LAYERS = 4
@@ -83,6 +84,25 @@ def test_masks_have_exactly_the_budgeted_size(setup, tmp_path, budget):
     assert s.trainable_params == s.expert_entries + s.router_params and s.router_params > 0
 
 
+@pytest.mark.parametrize("count", [1, 5, 8])
+def test_calibration_batches_alternate_the_halves(count):
+    """Half 0 is the sample's even positions, half 1 its odd ones, each batched on its own; the pass alternates
+    them and scores every line once."""
+    from usaf.data.tokens import TokenLine
+
+    sample = [TokenLine(i, [1 + i] * (3 + i), [1 + i] * (3 + i), "f.py") for i in range(count)]
+    items = calibration_batches(sample, 2, pad=0)
+    assert [[line.line for line in item.lines] for item in items] == {
+        1: [[0]],
+        5: [[0, 2], [1, 3], [4]],
+        8: [[0, 2], [1, 3], [4, 6], [5, 7]],
+    }[count]
+    assert all(item.half == min(item.lines, key=lambda line: line.line).line % 2 for item in items)
+    assert all(
+        torch.equal(item.batch.attention_mask.sum(1), torch.tensor([3 + x.line for x in item.lines])) for item in items
+    )
+
+
 def test_selection_is_the_true_top_k_of_the_naive_statistic(setup, tmp_path):
     qdir, source, tokens = setup
     plan = tmp_path / "plan"
@@ -104,7 +124,7 @@ def test_selection_is_the_true_top_k_of_the_naive_statistic(setup, tmp_path):
     assert score(*args, "--full-maps", "--out", plan).exit_code == 0
 
     # Naive: the dense |gradient| of every microbatch, summed, from transformers' own model.
-    from usaf.data.batches import batches, sample_lines
+    from usaf.data.batches import sample_lines
     from usaf.engine.engine import IGNORE_INDEX
     from usaf.engine.loading import load_quantized_model
     from usaf.families.modules import FusedView
@@ -117,7 +137,7 @@ def test_selection_is_the_true_top_k_of_the_naive_statistic(setup, tmp_path):
         view.requires_grad_(name)
     totals = {name: torch.zeros_like(view.get(name)) for name in names}
     lines = sample_lines(tokens / "train.jsonl", 6, seed=0, vocab_size=512)
-    for batch in batches(lines, 2, pad_id=0):
+    for batch in (item.batch for item in calibration_batches(lines, 2, pad=0)):  # the stability halves' order
         reference.zero_grad()
         logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         targets = batch.labels[:, 1:]

@@ -313,6 +313,31 @@ def test_sink_adds_like_add():
     assert via_sink.counts[2] == 1
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["pooled", "exact"])
+def test_a_paired_sink_adds_to_both_like_two_adds(exact):
+    """usaf score's one pass for the sample and a stability half: each slice reaches both accumulators as two
+    separate adds would. The control: the comparison sees one slice missing."""
+    gen = torch.Generator().manual_seed(12)
+    slices = make_slices(gen, SHAPE, 3)
+    weight = torch.randn(SHAPE, generator=gen)
+    paired, half, alone_a, alone_b = (ScoreAccumulator(SHAPE, 40, "grad_x_weight", exact=exact) for _ in range(4))
+    sink = paired.sink_with(half)
+    for _, expert, grad in slices:
+        alone_a.add(expert, grad, weight[expert])
+        alone_b.add(expert, grad, weight[expert])
+        sink(expert)(grad.clone(), weight[expert])
+    for got, want in ((paired, alone_a), (half, alone_b)):
+        for a, b in zip(got.top(), want.top()):
+            assert torch.equal(a, b)
+        assert torch.equal(got.counts, want.counts)
+    short = ScoreAccumulator(SHAPE, 40, "grad_x_weight", exact=exact)
+    for _, expert, grad in slices[1:]:
+        short.add(expert, grad, weight[expert])
+    assert not all(torch.equal(a, b) for a, b in zip(short.top(), half.top())), "control: one slice less shows"
+    with pytest.raises(ValueError, match="cannot pair"):
+        paired.sink_with(ScoreAccumulator(SHAPE, 40, "grad", exact=exact))
+
+
 # ---------------------------------------------------------------- the per-expert pool and its selection primitives
 
 

@@ -31,7 +31,7 @@ from usaf.engine.deltas import SparseDelta
 from usaf.engine.head_loss import IGNORE_INDEX, HeadInput, next_token_loss  # noqa: F401 (IGNORE_INDEX: re-exported)
 from usaf.engine.linear_target import attach
 from usaf.engine.loading import LoadedModel
-from usaf.engine.prefix import PrefixCache, PrefixRunner, cache_key
+from usaf.engine.prefix import PrefixCache, PrefixRunner, PrefixTap, cache_key, padded_states
 from usaf.engine.scores import ScoreAccumulator
 from usaf.engine.streaming import ExpertStreamer
 from usaf.engine.trainable import TrainableTensor
@@ -354,6 +354,13 @@ class SparseEngine:
             raise ValueError("no frozen prefix: the first trainable layer is layer 0")
         return self.prefix.capture(self.model, input_ids, attention_mask)
 
+    def prefix_tap(self) -> PrefixTap:
+        """A tap recording the hidden states ``(B, T, H)`` entering the first trainable layer on every forward,
+        in host memory; ``close()`` it after."""
+        if self.prefix is None:
+            raise ValueError("no frozen prefix: the first trainable layer is layer 0")
+        return PrefixTap(self.model.model.layers[self.prefix.start])
+
     def prefix_key(self, tokens: torch.Tensor, model_fingerprint: str) -> str:
         """Cache key of one sample's prefix state: its unpadded ``tokens (t,)`` and all else it depends on."""
         if self.prefix is None:
@@ -388,11 +395,7 @@ class SparseEngine:
             else:
                 cache.misses += 1
                 cache.put(key, self.prefix_states(row[None])[0])  # (t, H), one sample: never skipped
-        states = [cache.get(key) for key in keys]
-        out = torch.zeros(len(rows), input_ids.shape[1], states[0].shape[-1], dtype=states[0].dtype)
-        for i, state in enumerate(states):
-            out[i, : state.shape[0]] = state
-        return out.to(input_ids.device)
+        return padded_states([cache.get(key) for key in keys], input_ids.shape[1]).to(input_ids.device)
 
     # -- dense scores ----------------------------------------------------------------------------------
 
@@ -410,17 +413,56 @@ class SparseEngine:
         Each trainable tensor's dense gradient exists one expert slice at a time inside the backward
         and is reduced immediately into a :class:`ScoreAccumulator` of ``candidates`` entries.
         """
-        accumulators = {}
-        for name, weight in self.weights.items():
-            k = candidates if isinstance(candidates, int) else candidates[name]
-            acc = ScoreAccumulator(weight.shape, k, statistic, exact=exact, pool_factor=pool_factor)
-            accumulators[name] = acc
-            weight.score_sink = acc.sink
+        settings = {"candidates": candidates, "statistic": statistic, "exact": exact, "pool_factor": pool_factor}
+        sample, _ = self._dense_scores(((None, *batch) for batch in batches), halves=False, **settings)
+        return sample
+
+    def dense_scores_in_halves(
+        self,
+        batches: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        *,
+        candidates: int | Mapping[str, int],
+        statistic: str = "grad",
+        exact: bool = False,
+        pool_factor: int = 4,
+    ) -> tuple[dict[str, ScoreAccumulator], tuple[dict[str, ScoreAccumulator], dict[str, ScoreAccumulator]]]:
+        """:meth:`dense_scores` of the whole sample and of two halves of it, from one backward per batch.
+
+        ``batches`` yield ``(half, input_ids, labels, mask)``, ``half`` 0 or 1: every batch's statistic is added
+        to the sample's accumulators and to its half's (computed once, :meth:`ScoreAccumulator.sink_with`).
+
+        Returns:
+            ``(sample, (half 0, half 1))``, each a mapping name -> :class:`ScoreAccumulator`.
+        """
+        settings = {"candidates": candidates, "statistic": statistic, "exact": exact, "pool_factor": pool_factor}
+        sample, halves = self._dense_scores(batches, halves=True, **settings)
+        return sample, (halves[0], halves[1])
+
+    def _dense_scores(
+        self, tagged: Iterable[tuple], *, halves: bool, candidates, statistic: str, exact: bool, pool_factor: int
+    ) -> tuple[dict[str, ScoreAccumulator], list[dict[str, ScoreAccumulator]]]:
+        def accumulators() -> dict[str, ScoreAccumulator]:
+            return {
+                name: ScoreAccumulator(
+                    weight.shape,
+                    candidates if isinstance(candidates, int) else candidates[name],
+                    statistic,
+                    exact=exact,
+                    pool_factor=pool_factor,
+                )
+                for name, weight in self.weights.items()
+            }
+
+        sample = accumulators()
+        parts = [accumulators(), accumulators()] if halves else []
         try:
-            for input_ids, labels, mask in batches:
+            for half, input_ids, labels, mask in tagged:
+                fed = [sample] if half is None else [sample, parts[half]]
+                for name, weight in self.weights.items():
+                    weight.score_sink = sample[name].sink if half is None else sample[name].sink_with(parts[half][name])
                 self.model.zero_grad(set_to_none=True)
                 self.loss(input_ids, labels, mask).loss.backward()
-                for acc in accumulators.values():
+                for acc in (a for accs in fed for a in accs.values()):
                     acc.end_batch()
         finally:
             for weight in self.weights.values():
@@ -428,7 +470,7 @@ class SparseEngine:
             self.model.zero_grad(set_to_none=True)
             for delta in self.deltas().values():
                 delta.values.grad = None
-        return accumulators
+        return sample, parts
 
     # -- statistics ------------------------------------------------------------------------------------
 

@@ -116,6 +116,15 @@ class PrefixTap:
         self._handle.remove()
 
 
+def padded_states(states: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Per-sample states ``(t_i, H)`` as one right-padded batch ``(B, length, H)``, zeros past each sample: a causal
+    model's real tokens never see the padding, and its positions score nothing."""
+    out = torch.zeros(len(states), length, states[0].shape[-1], dtype=states[0].dtype, device=states[0].device)
+    for i, state in enumerate(states):
+        out[i, : state.shape[0]] = state
+    return out
+
+
 def cache_key(tokens: torch.Tensor, *, model_fingerprint: str, start: int, dtype: torch.dtype) -> str:
     """Content hash of everything the cached state depends on."""
     # lazy: transformers (seconds to import) only for its version in the key; usaf.engine imports without it

@@ -166,14 +166,24 @@ class ScoreAccumulator:
             ValueError: wrong shape, missing weight, or a non-finite gradient (it would poison the
                 ranking; skip such a batch before adding). Nothing is added then.
         """
+        self._check_slice(grad)
+        self.add_statistic(expert, slice_statistic(self.statistic, grad, weight, in_place=scratch).reshape(-1))
+
+    @torch.no_grad()
+    def add_statistic(self, expert: int, stat: Tensor) -> None:
+        """Add one expert slice's statistic ``stat (O*I,)`` fp32, already computed; ``stat`` is this call's to edit.
+
+        Raises:
+            ValueError: wrong size, or a non-finite statistic (nothing is added then).
+        """
         num_experts, out_features, in_features = self.shape
         expert = int(expert)
         if not 0 <= expert < num_experts:
             raise IndexError(f"expert {expert} out of range for {num_experts} experts")
-        if tuple(grad.shape) != (out_features, in_features):
-            raise ValueError(f"grad {tuple(grad.shape)} is not one ({out_features}, {in_features}) expert slice")
-        self._adopt(grad.device)
-        stat = slice_statistic(self.statistic, grad, weight, in_place=scratch).to(self.device).reshape(-1)  # (O*I,)
+        if stat.numel() != out_features * in_features:
+            raise ValueError(f"statistic of {stat.numel()} elements is not one ({out_features}, {in_features}) slice")
+        self._adopt(stat.device)
+        stat = stat.to(self.device).reshape(-1)  # (O*I,)
         if self.exact:
             # One pass, not isfinite's three: max propagates NaN, and the statistic is never negative.
             if not bool(torch.isfinite(stat.max())):
@@ -190,6 +200,26 @@ class ScoreAccumulator:
         ``usaf.engine.trainable.TrainableTensor.score_sink`` takes.
         """
         return lambda grad, weight: self.add(expert, grad, weight, scratch=True)
+
+    def sink_with(self, other: ScoreAccumulator) -> Callable[[int], Callable[[Tensor, Tensor], None]]:
+        """Like :meth:`sink`, but every slice is added to this accumulator and to ``other`` (same shape and
+        statistic): one gradient, its statistic computed once, two sums (``usaf score``'s sample and the
+        stability half a batch belongs to)."""
+        if (other.shape, other.statistic) != (self.shape, self.statistic):
+            raise ValueError(f"cannot pair a {other.shape} {other.statistic!r} accumulator with {self.shape}")
+
+        def add_both(expert: int, grad: Tensor, weight: Tensor) -> None:
+            self._check_slice(grad)
+            stat = slice_statistic(self.statistic, grad, weight, in_place=True).reshape(-1)  # (O*I,)
+            other.add_statistic(expert, stat.clone())  # add_statistic edits what it is given
+            self.add_statistic(expert, stat)
+
+        return lambda expert: lambda grad, weight: add_both(expert, grad, weight)
+
+    def _check_slice(self, grad: Tensor) -> None:
+        _, out_features, in_features = self.shape
+        if tuple(grad.shape) != (out_features, in_features):
+            raise ValueError(f"grad {tuple(grad.shape)} is not one ({out_features}, {in_features}) expert slice")
 
     def end_batch(self) -> None:
         """Mark a batch boundary; optional.

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from usaf.data.batches import Batch, batches
+from usaf.data.batches import Batch, collate
 from usaf.engine.optim import SparseAdamW
+from usaf.engine.prefix import padded_states
 
 # Log-spaced by ~3: the evidence benchmark's grid (3e-3, 1e-2, 3e-2) and its lower extension. Not 1e-1: every sweep
 # preferred 3e-2 to 9e-2, while a 16-step probe sometimes preferred 1e-1 (a short run rewards a large lr).
@@ -69,13 +71,18 @@ def run_lr_test(
     pad_id: int,
     steps: int,
     candidates: tuple[float, ...] = CANDIDATES,
+    states: Mapping[int, torch.Tensor] | None = None,
 ) -> LrTestResult:
     """Probe ``steps`` optimizer steps at each candidate lr on the calibration ``lines`` less the held-back ones
-    (:func:`split`), score each probe on those, and choose (:func:`choose_lr`)."""
+    (:func:`split`), score each probe on those, and choose (:func:`choose_lr`).
+
+    ``states``: the lines' frozen-prefix states ``(t, H)`` by line number (``TokenLine.line``), as score's
+    calibration pass recorded them; a microbatch with a line missing there computes its own.
+    """
     start = time.perf_counter()
     train_lines, held_lines = split(lines)
-    train = _with_prefix(engine, list(batches(train_lines, microbatch, pad_id)))
-    held = _with_prefix(engine, list(batches(held_lines, microbatch, pad_id)))
+    train = _with_prefix(engine, train_lines, microbatch, pad_id, states)
+    held = _with_prefix(engine, held_lines, microbatch, pad_id, states)
     try:
         base = _heldout_loss(engine, held)
         losses = [_probe(engine, masks, train, held, lr, steps) for lr in candidates]
@@ -100,16 +107,25 @@ def split(lines: list) -> tuple[list, list]:
     return train or held, held or train
 
 
-def _with_prefix(engine: Any, items: list[Batch]) -> list[tuple[Batch, torch.Tensor | None]]:
-    """Each microbatch on the engine's device, with its frozen-prefix states ``(B, T, H)`` computed once (the
-    prefix is frozen: every probe would recompute the same states) and kept in host memory, as train's prefix
-    cache keeps them (the sample's states at a large model's width would otherwise hold device memory)."""
+def _with_prefix(
+    engine: Any, lines: list, microbatch: int, pad_id: int, states: Mapping[int, torch.Tensor] | None
+) -> list[tuple[Batch, torch.Tensor | None]]:
+    """Each microbatch of ``lines`` on the engine's device, with its frozen-prefix states ``(B, T, H)``: ``states``'
+    where it has every line of the microbatch, else computed once here (the prefix is frozen: every probe would
+    recompute the same states). They are kept in host memory, as train's prefix cache keeps them (the sample's
+    states at a large model's width would otherwise hold device memory)."""
     device = engine.device
     out = []
-    for b in items:
+    for first in range(0, len(lines), microbatch):
+        group = lines[first : first + microbatch]
+        b = collate(group, pad_id)
         b = Batch(b.input_ids.to(device), b.labels.to(device), b.attention_mask.to(device))
-        states = engine.prefix_states(b.input_ids, b.attention_mask).cpu() if engine.prefix is not None else None
-        out.append((b, states))
+        prefix = None
+        if engine.prefix is not None and states is not None and all(line.line in states for line in group):
+            prefix = padded_states([states[line.line] for line in group], b.input_ids.shape[1])
+        elif engine.prefix is not None:
+            prefix = engine.prefix_states(b.input_ids, b.attention_mask).cpu()
+        out.append((b, prefix))
     return out
 
 

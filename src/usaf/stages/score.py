@@ -8,9 +8,11 @@ same pass. Writes a ``plan`` artifact that ``usaf train`` consumes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +39,11 @@ from usaf.artifacts.plan import (
 from usaf.artifacts.workspace import resolve_data, resolve_model
 from usaf.backends import resolve_backend
 from usaf.config import source_of
-from usaf.data.batches import Batch, batches, sample_lines
+from usaf.data.batches import Batch, collate, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
-from usaf.data.tokens import scored_targets
+from usaf.data.tokens import TokenLine, scored_targets
 from usaf.engine.engine import SparseEngine, TargetsError
+from usaf.engine.prefix import PrefixTap
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import UsafError
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac, parse_targets
@@ -74,14 +77,64 @@ def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:
     return list(moe_layers[-count:])
 
 
-def _counted(items: list[Batch], progress: Progress, description: str) -> Iterator[tuple]:
+@dataclass(frozen=True)
+class CalibrationBatch:
+    half: int  # the stability half: 0 (the sample's even positions) or 1 (odd)
+    lines: list[TokenLine]
+    batch: Batch
+
+
+def calibration_batches(lines: list[TokenLine], microbatch: int, pad: int) -> list[CalibrationBatch]:
+    """The calibration sample's microbatches, each with the stability half it belongs to.
+
+    The halves are the sample's even and odd positions, batched each on its own, and the pass alternates them
+    (half 0's first batch, half 1's first, ...). So one backward per batch scores the whole sample and its half
+    at once, and duplicated data gives identical halves. The order is the same with stability off, so the plan
+    does not depend on whether it was measured.
+    """
+    halves = [[part[i : i + microbatch] for i in range(0, len(part), microbatch)] for part in (lines[::2], lines[1::2])]
+    items = []
+    for i in range(max(len(groups) for groups in halves)):
+        for half, groups in enumerate(halves):
+            if i < len(groups):
+                items.append(CalibrationBatch(half, groups[i], collate(groups[i], pad)))
+    return items
+
+
+def _counted(items: list[CalibrationBatch], progress: Progress, description: str) -> Iterator[tuple]:
+    """``(half, input_ids, labels, mask)`` of each item, counted on a progress bar."""
     progress.start(description, len(items), "batches")
     tokens = 0
-    for batch in items:
-        yield batch.input_ids, batch.labels, batch.attention_mask
-        tokens += batch.tokens
+    for item in items:
+        yield item.half, item.batch.input_ids, item.batch.labels, item.batch.attention_mask
+        tokens += item.batch.tokens
         progress.advance(1, tokens=tokens)
     progress.finish()
+
+
+@contextlib.contextmanager
+def _prefix_tap(engine: SparseEngine, wanted: bool) -> Iterator[PrefixTap | None]:
+    """A tap on the calibration pass's forwards, so the lr test need not compute the sample's prefix states again."""
+    if not wanted or engine.prefix is None:
+        yield None
+        return
+    tap = engine.prefix_tap()
+    try:
+        yield tap
+    finally:
+        tap.close()
+
+
+def _states_by_line(tap: PrefixTap | None, items: list[CalibrationBatch]) -> dict[int, torch.Tensor] | None:
+    """Each scored line's prefix state ``(t, H)`` by its line number, from the tap's one ``(B, T, H)`` per batch."""
+    if tap is None or len(tap.states) != len(items):  # not one tapped forward per batch: let the lr test compute
+        return None
+    tapped, tap.states = tap.states, []  # the padded copies go once the lines' own are cut out
+    return {
+        line.line: states[i, : len(line.input_ids)].clone()
+        for item, states in zip(items, tapped)
+        for i, line in enumerate(item.lines)
+    }
 
 
 def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanManifest, Path]:
@@ -140,19 +193,23 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     pools = pool_size(shapes, frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def score(subset: list, description: str) -> dict:
-        items = distributed.shard(list(batches(subset, config.microbatch, pad)), world)
-        mine = engine.dense_scores(
-            _counted(items, progress, description),
-            candidates=pools,
-            statistic=config.statistic,
-            exact=config.full_maps,
-            pool_factor=config.candidates_factor,
-        )
-        return distributed.merge_scores(mine, world)
-
     engine.load_stats(reset=True)
-    accumulators = score(lines, "scoring")
+    halves_wanted = config.stability and len(lines) >= 2
+    with _prefix_tap(engine, config.lr_test and not world.active) as tap:
+        items = distributed.shard(calibration_batches(lines, config.microbatch, pad), world)
+        settings = {
+            "candidates": pools,
+            "statistic": config.statistic,
+            "exact": config.full_maps,
+            "pool_factor": config.candidates_factor,
+        }
+        if halves_wanted:
+            mine, mine_halves = engine.dense_scores_in_halves(_counted(items, progress, "scoring"), **settings)
+        else:
+            scored = (b for _, *b in _counted(items, progress, "scoring"))
+            mine, mine_halves = engine.dense_scores(scored, **settings), ()
+    accumulators = distributed.merge_scores(mine, world)
+    halves = [distributed.merge_scores(half, world) for half in mine_halves]
     distributed.sum_expert_loads(engine, world)
     routing = engine.load_stats(reset=True)
     try:
@@ -164,15 +221,14 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
 
     stability: dict[str, float] = {}
-    if config.stability and len(lines) >= 2:
-        halves = [score(lines[0::2], "stability, half 1"), score(lines[1::2], "stability, half 2")]
+    if halves:
         try:
             a, b = (select(h, frac=frac, mode=config.budget, layer_of=layer_of) for h in halves)
             stability = {name: jaccard(a[name], b[name]) for name in masks}
         except SelectionError as e:
             progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
 
-    lr_record = _lr_test(config, engine, masks, lines, pad, progress)
+    lr_record = _lr_test(config, engine, masks, lines, pad, progress, _states_by_line(tap, items))
     summary = _summary(
         config,
         frac,
@@ -218,13 +274,14 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     return manifest, art.target
 
 
-def _lr_test(config, engine, masks, lines, pad, progress: Progress) -> LrTestRecord | None:
-    """The lr test on the calibration sample (``--lr-test``); the engine is left as it was."""
+def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> LrTestRecord | None:
+    """The lr test on the calibration sample (``--lr-test``); the engine is left as it was. ``states``: the
+    sample's prefix states by line number, where the calibration pass recorded them."""
     if not config.lr_test:
         return None
     steps = config.lr_test_steps or LR_TEST_STEPS
     progress.note(f"lr test: {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
-    result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps)
+    result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps, states=states)
     progress.note(f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.steps} steps)")
     return LrTestRecord(
         lr=result.lr,
