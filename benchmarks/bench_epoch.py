@@ -4,7 +4,8 @@ What a user's typical first run costs: every training step is a first visit (no 
 score before it (calibration, stability halves, the lr test) is part of the bill. Workload: ``bench_train.py``'s
 model (8 layers, hidden 512, random-init Qwen3-MoE, rtn 4-bit g128; the top 2 layers train) at 32 experts (width
 256, top-4) and at Qwen3-30B-A3B's ratios (128 experts of width 192, top-8); data: the stdlib packages ``json`` and
-``tomllib`` tokenized at 256 tokens (``bench_train.py``'s); microbatch 2, fp32, 1 thread. Each arm is timed whole,
+``tomllib`` tokenized at 256 tokens (``bench_train.py``'s; ``--packages`` for more data: score's cost is fixed,
+train's and LoRA's grow with it); microbatch 2, fp32, 1 thread. Each arm is timed whole,
 in this process:
 
 - **usaf**: ``usaf.stages.score.run`` then ``usaf.stages.train.run`` with ``epochs=1``, as the CLI calls them, at
@@ -18,7 +19,8 @@ in this process:
 Rounds alternate the order (usaf then LoRA, then LoRA then usaf); medians of ``--rounds``. Not here: QLoRA (LoRA over
 a 4-bit base; peft over dequantized weights runs as fast as LoRA, so a fair QLoRA needs a 4-bit kernel), any GPU.
 
-    python benchmarks/bench_epoch.py [--threads 1] [--rounds 2] [--experts 32 128] [--out benchmarks/results/epoch.json]
+    python benchmarks/bench_epoch.py [--threads 1] [--rounds 2] [--experts 32 128] [--packages json tomllib]
+        [--out benchmarks/results/epoch.json]
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from bench_train import (  # noqa: E402
 SHAPES = {"E32": {}, "E128": {"num_experts": 128, "moe_intermediate_size": 192, "num_experts_per_tok": 8}}
 
 
-def prepare(work: Path, widths: dict) -> tuple[Path, Path, Path]:
+def prepare(work: Path, widths: dict, packages: tuple[str, ...]) -> tuple[Path, Path, Path]:
     """The source model, its quantization and the tokens (not timed: the same for every arm)."""
     from usaf.stages.quantize import QuantizeConfig
     from usaf.stages.quantize import run as quantize
@@ -62,7 +64,7 @@ def prepare(work: Path, widths: dict) -> tuple[Path, Path, Path]:
     src = build_tiny_model("qwen3_moe", work / "src", num_layers=widths["num_layers"], tokenizer=True, **kwargs)
     _, qdir = quantize(QuantizeConfig(model=str(src), out=work / "q4", method="rtn"))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    _, tdir = tokenize(TokenizeConfig(inputs=[stdlib / p for p in PACKAGES], model=str(qdir), seq_len=SEQ,
+    _, tdir = tokenize(TokenizeConfig(inputs=[stdlib / p for p in packages], model=str(qdir), seq_len=SEQ,
                                       out=work / "tokens"))  # fmt: skip
     return src, qdir, tdir
 
@@ -124,8 +126,8 @@ def lora_epoch(src: Path, tdir: Path, layers: list[int], trainable: int) -> dict
             "expert_rank": ranks[0], "attention_rank": ranks[1]}  # fmt: skip
 
 
-def measure(name: str, widths: dict, rounds: int, work: Path) -> dict:
-    src, qdir, tdir = prepare(work, widths)
+def measure(name: str, widths: dict, rounds: int, work: Path, packages: tuple[str, ...]) -> dict:
+    src, qdir, tdir = prepare(work, widths, packages)
     layers = widths["num_layers"]
     trainable_layers = list(range(layers - TOP, layers))
     runs: dict[str, list[dict]] = {"usaf": [], "lora": []}
@@ -157,16 +159,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--experts", type=int, nargs="*", choices=(32, 128), default=[32, 128])
     parser.add_argument("--out", type=Path, default=RESULTS / "epoch.json")
+    parser.add_argument("--packages", nargs="+", default=list(PACKAGES),
+                        help="stdlib packages to tokenize (the data size: score's cost is fixed, train's grows)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"machine": machine(), "commit": git_commit(), "command": " ".join(["python", *sys.argv]), "shapes": {}}
+    packages = tuple(args.packages)
+    result = {"machine": machine(), "commit": git_commit(), "command": " ".join(["python", *sys.argv]),
+              "packages": list(packages), "shapes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="usaf-bench-epoch-") as tmp:
         for name, extra in SHAPES.items():
             if int(name[1:]) not in args.experts:
                 continue
             widths = {**MODEL, **extra}
-            result["shapes"][name] = {"model": widths, **measure(name, widths, args.rounds, Path(tmp) / name)}
+            result["shapes"][name] = {"model": widths, **measure(name, widths, args.rounds, Path(tmp) / name, packages)}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive an interrupted run
             s = result["shapes"][name]
