@@ -173,3 +173,45 @@ def test_frozen_layers_stay_4_bit_when_they_do_not_fit_or_stream(quantized, monk
     assert not frozen_layers_resident(e, backend, NullProgress()) and e.loaded.experts[0].gate_up.resident is None
     e = engine()  # the control: with the memory, they are made resident
     assert frozen_layers_resident(e, backend, NullProgress()) and e.loaded.experts[1].down.resident is not None
+
+
+def _per_expert_loop(self, state, hidden_states, top_k_index, top_k_weights):
+    """The training forward as it was: every expert searches, gathers, weights and adds back its own tokens."""
+    from usaf.engine.experts import _expert_output
+
+    out = torch.zeros_like(hidden_states, dtype=torch.float32)
+    counts = state.record_load(top_k_index)
+    for expert in torch.nonzero(counts).flatten().tolist():
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        y = _expert_output(self, state, hidden_states[token_idx], expert)
+        out.index_add_(0, token_idx, (y * top_k_weights[token_idx, k_pos, None]).float())
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_forward_sorted_once_equals_the_per_expert_loop(family, quantized, monkeypatch):
+    """A trainable layer with deltas, with a graph (the loop's path): tokens sorted by expert once give the per-expert
+    loop's loss bit for bit (the same products, added in the same order) and its gradients up to the order autograd
+    sums the gathers' backward. The control: a changed delta value moves the loss."""
+    from helpers_engine import batch, make_engine, random_selection
+    from usaf.engine import experts
+
+    engine = make_engine(quantized, family)
+    selection = random_selection(engine)
+    values = {n: torch.randn(len(s), generator=torch.Generator().manual_seed(3)) * 1e-2 for n, s in selection.items()}
+    ids, labels = batch(4)
+
+    def loss_and_grads():
+        engine.set_deltas(selection, values)
+        loss = engine.loss(ids, labels).loss
+        loss.backward()
+        return loss.detach(), {n: d.values.grad.clone() for n, d in engine.deltas().items()}
+
+    ours, our_grads = loss_and_grads()
+    monkeypatch.setattr(experts, "_sorted_loop", _per_expert_loop)
+    loop, loop_grads = loss_and_grads()
+    assert torch.equal(ours, loop)
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, loop_grads[name], rtol=1e-5, atol=1e-7)
+    values = {n: v + 1e-2 for n, v in values.items()}
+    assert not torch.equal(loss_and_grads()[0], loop), "control: the deltas are in the loss"

@@ -236,17 +236,37 @@ def usaf_experts_forward(
         return _index_free_forward(self, state, hidden_states, top_k_index, top_k_weights)
     if grouped.applies(state, hidden_states):  # no graph, no delta: one pass per layer (usaf.engine.grouped)
         return grouped.grouped_forward(self, state, hidden_states, top_k_index, top_k_weights).to(hidden_states.dtype)
-    out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
-    counts = state.record_load(top_k_index)
-    for expert in torch.nonzero(counts).flatten().tolist():
-        token_idx, k_pos = torch.where(top_k_index == expert)
-        x = hidden_states[token_idx]  # (t, H)
-        y = _expert_output(self, state, x, expert)  # (t, H)
-        y = y * top_k_weights[token_idx, k_pos, None]
-        # In place: the out-of-place index_add copies (T, H) per expert and measured 100x slower on CPU
-        # (torch 2.13); autograd is unaffected (index_add's backward saves only the index).
-        out.index_add_(0, token_idx, y.float())
+    out = _sorted_loop(self, state, hidden_states, top_k_index, top_k_weights)  # (T, H) fp32
     return _dense_router_grad(self, state, out.to(hidden_states.dtype), hidden_states, top_k_index)
+
+
+def _sorted_loop(
+    self: nn.Module, state: LayerExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
+) -> torch.Tensor:
+    """The routed experts one at a time over tokens sorted by expert once: ``(T, H) -> (T, H)`` fp32.
+
+    One gather, one weighting and one ``index_add_`` per layer, not per expert (each expert used to search its
+    tokens, gather them, weight and add them back: at 128 experts the backward alone then built 128 ``(T, H)``
+    gradients of the gathers). The products and each token's order of addition (ascending expert) are the
+    per-expert loop's, so the output is the same, bit for bit.
+    """
+    k = top_k_index.shape[1]
+    counts = state.record_load(top_k_index).tolist()  # (E,) tokens per expert
+    order = torch.argsort(top_k_index.reshape(-1), stable=True)  # (T*k,) expert-major, each expert's in token order
+    rows_token = order // k  # (T*k,) the token of each row
+    x = hidden_states[rows_token]  # (T*k, H)
+    outputs, start = [], 0
+    for expert, n in enumerate(counts):
+        if n:
+            outputs.append(_expert_output(self, state, x[start : start + n], expert))  # (n, H)
+            start += n
+    out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
+    if outputs:
+        y = torch.cat(outputs) * top_k_weights.reshape(-1)[order, None]  # (T*k, H)
+        # In place: the out-of-place index_add copies (T, H) and measured 100x slower on CPU (torch 2.13);
+        # autograd is unaffected (index_add's backward saves only the index).
+        out.index_add_(0, rows_token, y.float())
+    return out
 
 
 class _PermuteRows(torch.autograd.Function):
