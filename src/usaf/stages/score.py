@@ -2,8 +2,9 @@
 
 Runs the engine's dense-score mode over every calibration batch (each expert slice's gradient is
 reduced into a streaming top-k the moment it exists), selects masks under the budget, measures the
-selection's stability on two disjoint halves of the data, and records the routing statistics of the
-same pass. Writes a ``plan`` artifact that ``usaf train`` consumes.
+selection's stability on two disjoint halves of the data (scored by the same pass: :func:`calibration_batches`),
+records the routing statistics of the same pass, and runs the lr test from the prefix states it recorded. Writes a
+``plan`` artifact that ``usaf train`` consumes.
 """
 
 from __future__ import annotations
