@@ -51,6 +51,16 @@ def test_quantize_survives_random_kills(quantize_ref, tmp_path):
     assert trial.complete_layers == ["layer-00000", "layer-00001"] and trial.redone == []
 
 
+def test_quantize_killed_inside_safetensors_save_file_resumes_clean(quantize_ref, tmp_path):
+    """Found by CI (a time kill): safetensors' own temporary, left by the kill, must not enter the artifact."""
+    stage, reference = quantize_ref
+    shard = next(n for n, kind, path in reference.log if kind == "save_file" and "base-00001" in path)
+    trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), "event", kill_at=shard, fraction=0.5)
+    partial = tmp_path / ".quantize-000.usaf-partial"
+    assert trial.killed and trial.torn and "base-00001" in trial.event
+    assert not partial.exists() and not trial.problems, trial.problems
+
+
 def test_train_survives_random_kills(train_ref, tmp_path):
     stage, reference = train_ref
     trials = _trials(stage, reference, tmp_path, ["event", "time"], seed=5)

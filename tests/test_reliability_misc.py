@@ -103,10 +103,14 @@ def test_stale_temporaries_in_a_resumed_partial_never_enter_the_artifact(tiny_mo
     (partial / "partial-settings.json").write_text(json.dumps(settings))
     (partial / ".experts_q4.pt.usaf-tmp-999999999-0badf00d").write_bytes(b"x" * 100)
     (partial / "manifest.json.tmp").write_text("{")
+    (partial / ".tmpAQALQU").write_bytes(b"x" * 100)  # safetensors' own temporary, cut by a kill (CI found it)
+    (partial / ".tmpnotours").write_bytes(b"kept")  # not the library's pattern: negative control
     result = invoke("quantize", source, "--out", out, "--method", "rtn")
     assert result.exit_code == 0, result.output
     assert "resuming" in result.stderr  # the partial was taken up, not discarded
     names = [f["path"] for f in json.loads((out / "manifest.json").read_text())["files"]]
+    assert ".tmpnotours" in names and ".tmpAQALQU" not in names, names
+    names.remove(".tmpnotours")
     assert not [n for n in names if "usaf-tmp" in n or n.endswith(".tmp")], names
     assert not [p.name for p in out.iterdir() if "usaf-tmp" in p.name or p.name.endswith(".tmp")]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import uuid
 from datetime import datetime, timezone
@@ -53,8 +54,14 @@ def _remove_stale_temporaries(target: Path) -> None:
                 shutil.rmtree(candidate, ignore_errors=True)
 
 
+# safetensors >= 0.8 writes ``save_file``'s bytes into ``.tmpXXXXXX`` (Rust's tempfile crate, six random
+# characters) beside the target and renames it: a kill mid-write leaves that file, which names no process
+_LIBRARY_TEMPORARY = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
 def remove_stale_temporaries_inside(directory: Path) -> None:
-    """Inside a resumed partial directory: temporaries (``*.usaf-tmp-PID-*``) of processes that no longer run."""
+    """Inside a resumed partial directory: temporaries (``*.usaf-tmp-PID-*``) of processes that no longer run,
+    and the libraries' own temporaries (the caller holds the directory's lock: no writer is alive)."""
     for candidate in directory.rglob(f"*{TMP_TAG}*"):
         pid_text = candidate.name.rsplit(TMP_TAG, 1)[1].split("-", 1)[0]
         if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)):
@@ -62,6 +69,9 @@ def remove_stale_temporaries_inside(directory: Path) -> None:
                 shutil.rmtree(candidate, ignore_errors=True)
             else:
                 candidate.unlink(missing_ok=True)
+    for candidate in directory.rglob(".tmp*"):
+        if _LIBRARY_TEMPORARY.fullmatch(candidate.name) and candidate.is_file():
+            candidate.unlink(missing_ok=True)
     (directory / (MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)  # write_manifest's, cut short
 
 

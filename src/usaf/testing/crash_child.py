@@ -10,6 +10,8 @@ survives the kill). At event number ``KILL_AT`` (0: never) the process leaves th
 that moment would and sends itself SIGKILL:
 
 - a file write is done, then cut to ``FRACTION`` of its bytes (a writer killed mid-file leaves a prefix);
+  ``save_file`` also leaves that prefix in a ``.tmpXXXXXX`` sibling, as safetensors >= 0.8 does (it writes
+  through its own temporary and renames it: a kill mid-write leaves the temporary, not the target);
 - a rename or a tree removal is not done (``rmtree`` removes ``FRACTION`` of the files first);
 - the streaming writer's ``add`` is done (its temporary holds that many layers), ``close`` is not.
 
@@ -28,6 +30,7 @@ import os
 import shutil
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import safetensors.torch
@@ -74,6 +77,10 @@ def install(events_path: str, kill_at: int, fraction: float, *, disk_full: bool 
     def save_file(tensors, filename, metadata=None):
         def torn():
             real_save_file(tensors, filename, metadata=metadata)
+            if not disk_full:  # on ENOSPC the library removes its temporary itself
+                library_temporary = Path(filename).parent / f".tmp{uuid.uuid4().hex[:6]}"
+                library_temporary.write_bytes(Path(filename).read_bytes())
+                _truncate(library_temporary, fraction)
             _truncate(filename, fraction)
 
         event("save_file", filename, torn)
