@@ -215,3 +215,23 @@ def test_tokens_manifest_round_trips(tmp_path):
         (art.dir / "train.jsonl").write_text("{}\n")
         art.commit(TokensManifest, inputs=[], config={}, environment=current_environment(), summary=summary)
     assert load_verified(tmp_path / "tok", TokensManifest).summary == summary
+
+
+def test_save_tensors_gives_the_umasks_mode_where_safetensors_gives_0600(tmp_path):
+    import safetensors.torch
+    import torch
+
+    from usaf.artifacts.tensor_file import save_tensors
+
+    tensors = {"w": torch.ones(3)}
+    old = os.umask(0o027)
+    try:
+        save_tensors(tensors, tmp_path / "ours.safetensors")
+        safetensors.torch.save_file(tensors, str(tmp_path / "raw.safetensors"))
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    mode = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert mode["ours.safetensors"] == mode["plain.json"] == 0o640, mode
+    # negative control: what the library alone does (safetensors >= 0.8: its temporary's 0600)
+    assert mode["raw.safetensors"] in (0o600, 0o640), mode

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 
 import pytest
 import torch
@@ -208,6 +209,17 @@ def test_dtype_override_and_small_shards(trained, tmp_path):
     export("--model", qdir, "--checkpoint", run, "--out", onto, "--dtype", "bfloat16", "--base", source)
     verified = load_verified(onto, HfExportManifest).summary.verify
     assert verified.max_abs_diff == 0.0 and verified.change_max_abs_effect > 1e-2
+
+
+def test_tensor_files_are_as_readable_as_the_json_beside_them(trained, tmp_path):
+    """safetensors >= 0.8 made every tensor file 0600 (its temporary's mode); a team's export must be readable."""
+    _, qdir, run = trained("qwen3_moe")
+    out = tmp_path / "e"
+    export("--model", qdir, "--checkpoint", run, "--out", out)
+    for directory in (qdir, run, out):
+        expected = stat.S_IMODE((directory / "manifest.json").stat().st_mode)
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.rglob("*.safetensors")}
+        assert modes and set(modes.values()) == {expected}, (directory.name, oct(expected), modes)
 
 
 def mxfp4_gpt_oss(source, out):

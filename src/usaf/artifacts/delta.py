@@ -59,15 +59,16 @@ def write_delta_files(directory: Path, change: TrainedChange) -> None:
     """Write ``change``'s deltas and routers into ``directory`` (contiguous CPU copies)."""
     # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
-    from safetensors.torch import save_file
+
+    from usaf.artifacts.tensor_file import save_tensors  # lazy: it imports torch and safetensors
 
     tensors: dict[str, torch.Tensor] = {}
     for name, (indices, values) in sorted(change.deltas.items()):
         tensors[f"{name}.indices"] = indices.to("cpu", torch.int64).contiguous()
         tensors[f"{name}.values"] = values.to("cpu", torch.float32).contiguous()
-    save_file(tensors, str(directory / DELTA_FILE), metadata={"format": "pt"})
+    save_tensors(tensors, str(directory / DELTA_FILE), metadata={"format": "pt"})
     routers = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in sorted(change.routers.items())}
-    save_file(routers, str(directory / ROUTERS_FILE), metadata={"format": "pt"})
+    save_tensors(routers, str(directory / ROUTERS_FILE), metadata={"format": "pt"})
 
 
 def read_delta(path: Path, manifest: DeltaManifest, *, flag: str) -> TrainedChange:

@@ -185,16 +185,16 @@ def write_plan_files(
     """Write the masks, the ranked candidates (``importance[name] = (indices, scores)``), the routing statistics
     (``routing[layer]``: a LayerLoad's fields) and, with ``full_maps``, the dense statistic per tensor."""
     # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
-    from safetensors.torch import save_file
+    from usaf.artifacts.tensor_file import save_tensors
 
-    save_file({name: idx.contiguous() for name, idx in masks.items()}, str(directory / MASKS_FILE))
+    save_tensors({name: idx.contiguous() for name, idx in masks.items()}, str(directory / MASKS_FILE))
     ranked = {}
     for name, (indices, scores) in importance.items():
         ranked[f"{name}.indices"] = indices.contiguous()
         ranked[f"{name}.scores"] = scores.contiguous()
-    save_file(ranked, str(directory / IMPORTANCE_FILE))
+    save_tensors(ranked, str(directory / IMPORTANCE_FILE))
     if full_maps is not None:
-        save_file({name: m.contiguous() for name, m in full_maps.items()}, str(directory / FULL_MAPS_FILE))
+        save_tensors({name: m.contiguous() for name, m in full_maps.items()}, str(directory / FULL_MAPS_FILE))
     (directory / ROUTING_FILE).write_text(json.dumps({str(layer): load for layer, load in routing.items()}, indent=1))
 
 

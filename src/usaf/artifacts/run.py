@@ -139,7 +139,8 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
     """
     # lazy: torch and safetensors stay out of usaf.artifacts' import time (manifests are read without them)
     import torch
-    from safetensors.torch import save_file
+
+    from usaf.artifacts.tensor_file import save_tensors  # lazy: it imports torch and safetensors
 
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -158,8 +159,8 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
     check_free_space(directory, needed, flag=None, what="the checkpoint")
     with removed_on_failure(tmp, needed=needed):
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / DELTAS_FILE))
-        save_file(routers, str(tmp / ROUTERS_FILE))
+        save_tensors(tensors, str(tmp / DELTAS_FILE))
+        save_tensors(routers, str(tmp / ROUTERS_FILE))
         torch.save(extra, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
     if directory.exists():

@@ -12,9 +12,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import safetensors.torch
-
 from usaf.artifacts.hf_export import INDEX_FILE, ExportShardRecord
+from usaf.artifacts.tensor_file import save_tensors
 from usaf.stages.export_sources import ExportSource, Unit
 from usaf.stages.progress import Progress
 
@@ -55,7 +54,7 @@ def write_shards(
             progress.advance(unit.nbytes, tensors=len(tensors))
         # (tensors, bytes) of this shard; safetensors needs each tensor contiguous and owning its storage
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        safetensors.torch.save_file(tensors, str(work / file), metadata={"format": "pt"})
+        save_tensors(tensors, str(work / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         records.append(ExportShardRecord(name=file, bytes=(work / file).stat().st_size, tensors=len(tensors)))
         total += nbytes

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
 from usaf.artifacts.disk import removed_on_failure
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.quantized import BASE_INDEX_FILE, ShardRecord, SourceModelRecord
+from usaf.artifacts.tensor_file import save_tensors
 from usaf.families import TensorInfo, load_tensors
 from usaf.stages.progress import Progress
 
@@ -109,7 +108,9 @@ def write_base_shards(
             tensors = load_tensors(model_dir, shard.disk_names, infos)
             tmp = path.with_suffix(".tmp")
             with removed_on_failure(tmp):  # no torn shard left on a full disk
-                save_file({renamed[n]: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+                save_tensors(
+                    {renamed[n]: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"}
+                )
             os.replace(tmp, path)
             del tensors
         progress.advance(sum(infos[n].nbytes for n in shard.disk_names))

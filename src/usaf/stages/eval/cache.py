@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from usaf.artifacts.hashing import sha256_text
+from usaf.artifacts.tensor_file import save_tensors
 from usaf.stages.eval.passes import PassResult
 
 CACHE_SUBDIR = Path("cache") / "eval-base"
@@ -65,7 +66,7 @@ def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult) -
     try:
         tensors = {"nll": result.nll.contiguous(), "tokens": result.tokens.contiguous()}
         tensors |= {f"topk.{layer}": sets.contiguous() for layer, sets in result.routing.items()}
-        save_file(tensors, str(tmp / TENSORS_FILE))
+        save_tensors(tensors, str(tmp / TENSORS_FILE))
         meta = {"key": key, "parts": parts, "input_tokens": result.input_tokens, "seconds": result.seconds}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         if directory.exists():
