@@ -141,6 +141,16 @@ ARMS = {
         "router": True,
         "targets": "experts,attention",
     },
+    # The router lr's sweep (issue 20, item 3): usaf_defaults_attention (the plan's lr for the deltas) with the
+    # routers' lr as the swept "lr"; its 1e-4 point is usaf_defaults_attention itself (the default --router-lr).
+    "usaf_router_lr": {
+        "kind": "usaf",
+        "frac": None,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention",
+        "swept": "router_lr",
+    },
 }
 DEFAULT_ARMS = ("usaf", "usaf_static", "usaf_no_router", "router_only", "usaf_frac_large", "usaf_top_half", "lora",
                 "full_finetune")  # fmt: skip
@@ -165,6 +175,7 @@ GRIDS = {
     "usaf_attention": [3e-3, 1e-2, 3e-2],
     "usaf_defaults_attention": [0.0],
     "usaf_rule_attention": [3e-3, 1e-2, 3e-2],
+    "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
 }
 DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
 PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
@@ -372,6 +383,8 @@ def _usaf_child(spec: dict) -> dict:
 
     lr = DEFAULT_LR["usaf"] if router_only else (None if spec["lr"] == PLAN_LR else spec["lr"])
     router_lr = spec["lr"] if router_only else spec.get("router_lr", DEFAULT_LR["router_only"])
+    if spec.get("swept") == "router_lr":  # the routers' lr is the swept one; the deltas' is the plan's
+        lr, router_lr = None, spec["lr"]
     config = train_stage.TrainConfig(
         model=Path(spec["qdir"]),
         data=Path(spec["tokens"]),
@@ -514,6 +527,7 @@ def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: di
         spec["run_dir"] = str(work / "runs" / f"{arm}-lr{lr:g}-seed{seed}")
         spec["reselect_every"] = cfg["reselect_every"] if a["reselect"] else 0
         spec["router"] = a["router"]
+        spec["swept"] = a.get("swept", "lr")
     else:
         spec["layers"] = cfg["layers"]
         spec["lora_ranks"] = cfg["lora_experts_ranks"] if a.get("experts_only") else cfg["lora_ranks"]
