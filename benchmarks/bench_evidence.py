@@ -19,6 +19,8 @@ warmup, floor 0.1 x peak), gradient clipping at 1.0, no weight decay, and seeds 
 - **router only**: the same train stage and Trainer (data, prefix cache, schedule, SparseAdamW, clipping), with
   the plan's deltas removed just before the loop (``usaf train`` has no flag for "no deltas"), so only the
   layer-3 router trains; its learning rate is ``--router-lr``.
+- **usaf_router_lr** / **usaf_router_lr_1e-3**: usaf at its defaults (experts + attention, the plan's lr for the
+  deltas) with the *routers'* lr as the swept (or fixed) value: the router lr's evidence (issue 20, item 3).
 - **LoRA** (peft ``target_modules`` on layer 3's q/k/v/o projections, ``target_parameters`` on its fused
   ``mlp.experts.gate_up_proj``/``down_proj``, at the ranks whose trainable count is closest to usaf's) and
   **full fine-tuning** (every parameter, ``AdamW(fused=True)``) train the *original* bf16 weights upcast to fp32
@@ -151,6 +153,15 @@ ARMS = {
         "targets": "experts,attention",
         "swept": "router_lr",
     },
+    # The same at one router lr (run with --no-sweep): the candidate default's seeds, and the second model.
+    "usaf_router_lr_1e-3": {
+        "kind": "usaf",
+        "frac": None,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention",
+        "swept": "router_lr",
+    },
 }
 DEFAULT_ARMS = ("usaf", "usaf_static", "usaf_no_router", "router_only", "usaf_frac_large", "usaf_top_half", "lora",
                 "full_finetune")  # fmt: skip
@@ -176,6 +187,7 @@ GRIDS = {
     "usaf_defaults_attention": [0.0],
     "usaf_rule_attention": [3e-3, 1e-2, 3e-2],
     "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
+    "usaf_router_lr_1e-3": [1e-3],
 }
 DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
 PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
