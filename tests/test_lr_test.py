@@ -16,7 +16,7 @@ from usaf.artifacts import PlanManifest, RunManifest, load_verified
 from usaf.data.tokens import TokenLine
 from usaf.engine.engine import SparseEngine
 from usaf.engine.loading import load_quantized_model
-from usaf.stages.lr_test import CANDIDATES, choose_lr, run_lr_test, split
+from usaf.stages.lr_test import CANDIDATES, NEAR_TIE_NATS, choose_lr, near_tie, run_lr_test, split
 
 STEPS = 3  # per probe in the CLI tests: the recorded figures, not their quality, are under test
 
@@ -34,6 +34,18 @@ def engine_of(quantized, *, all_layers: bool = False) -> SparseEngine:
 
 
 # -- the rule -------------------------------------------------------------------------------------------------
+
+
+def test_a_near_tie_names_the_smallest_lr_within_the_margin():
+    """The second evidence model's torch-cpp seed 0 (1e-2 at 5.1024 against 3e-2 at 5.1002); controls: a gap
+    past the margin, the chosen lr being the smallest, a diverged smaller probe."""
+    candidates, losses = [1e-3, 3e-3, 1e-2, 3e-2], [5.4467, 5.2667, 5.1024, 5.1002]
+    lr, gap = near_tie(candidates, losses, choose_lr(5.6959, candidates, losses))
+    assert lr == 1e-2 and gap == pytest.approx(0.0022)
+    assert near_tie(candidates, [5.4467, 5.2667, 5.1002 + NEAR_TIE_NATS + 1e-4, 5.1002], 3e-2) is None
+    assert near_tie([1e-3, 3e-3], [3.6810, 3.6804], 3e-3) == (1e-3, pytest.approx(0.0006))  # stdlib-net seed 0
+    assert near_tie(candidates, losses, 1e-3) is None
+    assert near_tie([1e-3, 3e-3], [None, 3.6804], 3e-3) is None
 
 
 def test_rule_takes_the_lowest_heldout_loss():
@@ -160,6 +172,27 @@ def test_score_records_and_prints_the_test(plan):
     assert len(t.heldout_losses) == len(t.candidates) and math.isfinite(t.base_loss)
     assert t.lr == choose_lr(t.base_loss, t.candidates, t.heldout_losses)
     assert f"lr test: lr {t.lr:.1e}" in output
+    assert ("a near tie" in output) == (near_tie(t.candidates, t.heldout_losses, t.lr) is not None)
+
+
+def test_score_names_a_near_tie(inputs, tmp_path, monkeypatch):
+    """The probes end 0.001 nats apart at the two largest lrs: score says so and names the smaller (the recorded
+    choice stays the rule's)."""
+    import dataclasses
+
+    from usaf.stages import score as score_stage
+
+    real = score_stage.run_lr_test
+
+    def tied(*args, **kwargs):
+        r = real(*args, **kwargs)
+        losses = [r.base_loss - 0.1, r.base_loss - 0.2, r.base_loss - 0.3, r.base_loss - 0.301]
+        return dataclasses.replace(r, losses=losses, lr=choose_lr(r.base_loss, r.candidates, losses))
+
+    monkeypatch.setattr(score_stage, "run_lr_test", tied)
+    manifest, output = score(*inputs, tmp_path / "plan", "--lr-test-steps", 1)
+    assert manifest.summary.lr_test.lr == CANDIDATES[-1]
+    assert f"lr test: {CANDIDATES[-2]:g} ended within 0.0010 nats" in output and f"--lr {CANDIDATES[-2]:g}" in output
 
 
 def test_train_uses_the_plans_lr(inputs, plan, tmp_path):

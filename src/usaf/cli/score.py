@@ -6,6 +6,7 @@ from pathlib import Path
 
 from usaf.cli.stage import stage_command
 from usaf.settings.train import DEFAULT_LR
+from usaf.stages.lr_test import near_tie
 from usaf.units import human_bytes
 
 
@@ -51,6 +52,11 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"lr test: lr {t.lr:.1e} for usaf train (held-back loss {t.base_loss:.4f} untrained; {probes}; "
             f"{t.steps} steps, {t.seconds:.1f} s)"
         )
+        if (tie := near_tie(t.candidates, t.heldout_losses, t.lr)) is not None:
+            console.print(
+                f"lr test: {tie[0]:g} ended within {tie[1]:.4f} nats of it, a near tie that noise decides; "
+                f"train --lr {tie[0]:g} moves the model less for the same held-back loss"
+            )
     else:
         console.print(f"lr test: off (--no-lr-test); usaf train uses --lr, else {DEFAULT_LR:g}")
     if s.prefix_cache is not None:
