@@ -6,12 +6,13 @@ from pathlib import Path
 
 from usaf.cli.stage import stage_command
 from usaf.settings.train import DEFAULT_LR
-from usaf.stages.lr_test import near_tie
 from usaf.units import human_bytes
 
 
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
+
+    from usaf.stages.lr_test import near_tie  # lazy: it imports torch; `usaf --help` stays light
 
     s = manifest.summary
     table = Table(title=f"plan → {path}", title_justify="left")
