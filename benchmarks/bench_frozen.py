@@ -20,7 +20,7 @@ Checks per shape: grouped and loop logits are bit-identical on CPU fp32 (else th
 recorded), and usaf's logits against transformers' (the same weights; summation order differs). Also timed: the
 dequantization of one layer's ``gate_up`` (all its experts) per expert, in the grouped path's blocks, in one call.
 
-    python benchmarks/bench_frozen.py [--threads 1] [--rounds 7] [--experts 32 64 128] [--device cpu]
+    python benchmarks/bench_frozen.py [--threads 1] [--rounds 7] [--experts 32 64 128] [--device cpu] [--dtype float32]
                                       [--out benchmarks/results/frozen.json]
 """
 
@@ -55,15 +55,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(src: Path, qdir: Path, rounds: int, device: torch.device) -> dict:
+def measure(src: Path, qdir: Path, rounds: int, device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
     backend = resolve_backend(device.type)
     ids = text_batch(qdir)[0].to(device)
-    per_forward = load_quantized_model(qdir, device=device)
-    resident = load_quantized_model(qdir, device=device)
+    per_forward = load_quantized_model(qdir, device=device, compute_dtype=dtype)
+    resident = load_quantized_model(qdir, device=device, compute_dtype=dtype)
     for state in resident.experts.values():
         state.gate_up.make_resident(device)
         state.down.make_resident(device)
-    hf = reference(src, per_forward, None).to(device)
+    hf = reference(src, per_forward, None).to(device, dtype)
     real_applies = grouped.applies
 
     def usaf_arm(loaded, use_grouped: bool):
@@ -162,6 +162,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--experts", type=int, nargs="*", default=None, help="shapes by expert count (default: all)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="compute dtype of every arm (bfloat16: what a GPU trains in, and grouped_mm's fast path)")
     parser.add_argument("--out", type=Path, default=RESULTS / "frozen.json")
     args = parser.parse_args()
     if args.threads:
@@ -173,6 +175,7 @@ def main() -> None:
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "commit": git_commit(),
         "command": " ".join(["python", *sys.argv]),
+        "dtype": args.dtype,
         "shapes": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +183,7 @@ def main() -> None:
             print(f"[{name}] building and quantizing", flush=True)
             work = Path(tmp) / name.split()[0]
             qdir = build(work, experts, width, top_k)
-            result = measure(work / "model", qdir, args.rounds, device)
+            result = measure(work / "model", qdir, args.rounds, device, getattr(torch, args.dtype))
             result["shape"] = {"experts": experts, "width": width, "top_k": top_k}
             results["shapes"][name] = result
             print(f"[{name}] " + json.dumps({k: result[k] for k in ("seconds", "speed_vs_transformers")}), flush=True)

@@ -1,37 +1,62 @@
 #!/usr/bin/env bash
 # GPU check (not run in CI; run it whenever a CUDA machine is available, from the repository root).
-# Budget: under 8 minutes. Uses the CUDA build of torch already installed on the machine.
-#   1. install usaf (editable) without touching torch;
-#   2. the CUDA-marked tests (pytest -m cuda);
-#   3. the planner's GPU benchmark: predicted device peak vs torch.cuda.max_memory_allocated on a stack of
-#      random layers with Qwen3-30B-A3B's real dimensions, step times with the frozen experts streamed from
-#      pinned host memory vs on the device (and their peaks vs the planner), HQQ quantization MB/s on the GPU
-#      -> benchmarks/results/plan-gpu.json;
-#   4. the frozen-layer forward (grouped execution vs the per-expert loop vs transformers' grouped_mm) at 32 and
-#      128 experts -> benchmarks/results/frozen-gpu.json;
+# Budget: under 8 minutes. Uses the CUDA build of torch already installed on the machine; usaf runs from src/
+# (an offline machine needs no install; its other dependencies must be importable, e.g. carried as wheels).
+#   1. the CUDA-marked tests (pytest -m cuda): the engine's loss and sparse gradients on the GPU against the CPU for
+#      every family, the grouped path through torch's grouped matmul in bf16 at 128 experts, `usaf train` on the
+#      GPU learning and resuming exactly, `usaf eval` and `usaf score` on the GPU against the CPU, streaming,
+#      the backend probe, dequantization;
+#   2. the training steps at Qwen3-30B-A3B's real width (hidden 2048, 128 experts, top-8): first visit, cached,
+#      collecting, a reselection, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json;
+#   3. the frozen-layer forward (grouped execution vs the per-expert loop vs transformers' grouped_mm) at 32 and
+#      128 experts in bf16 -> benchmarks/results/frozen-gpu.json;
+#   4. the planner's GPU benchmark: predicted device peak vs torch.cuda.max_memory_allocated at the real width,
+#      step times with the frozen experts streamed from pinned host memory vs on the device, HQQ quantization MB/s
+#      on the GPU -> benchmarks/results/plan-gpu.json;
 #   5. usaf plan for Qwen3-30B-A3B on this machine's GPU (its --vram read from the device).
-# Results are also copied to $OUT when that is set.
-set -euo pipefail
+# Every step runs whatever the one before it did (each has its own time limit); the exit status is the first
+# failure's. Logs and results are also copied to $OUT when that is set, as each step ends.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python || command -v python3)}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+RESULTS=benchmarks/results
+mkdir -p "$RESULTS"
+status=0
 
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+collect() {  # copy the named files to $OUT (the device tool brings them back)
+    [ -n "${OUT:-}" ] || return 0
+    for f in "$@"; do [ -f "$f" ] && cp "$f" "$OUT"/; done
+    return 0
+}
 
-# torch>=2.6 is already satisfied, so pip keeps the installed CUDA build. Offline machines: no dependencies.
-timeout 120 python -m pip install -q -e ".[dev]" || timeout 60 python -m pip install -q --no-deps --no-build-isolation -e .
-python -c "import usaf, transformers, pytest; print('usaf', usaf.__version__, 'transformers', transformers.__version__)"
+step() {  # step NAME SECONDS COMMAND...: run, report the time and status, keep going
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "== gpu_check: $name (limit ${limit}s)"
+    start=$SECONDS
+    timeout "$limit" "$@"
+    rc=$?
+    echo "== gpu_check: $name: exit $rc after $((SECONDS - start))s"
+    [ "$rc" -eq 0 ] || [ "$status" -ne 0 ] || status=$rc
+}
 
-timeout 120 python -m pytest -q -m cuda -p no:cacheprovider
-
-mkdir -p benchmarks/results
-timeout 270 python benchmarks/bench_plan_gpu.py --streaming --out benchmarks/results/plan-gpu.json
-
-timeout 150 python benchmarks/bench_frozen.py --device cuda --experts 32 128 --rounds 5 \
-    --out benchmarks/results/frozen-gpu.json
-
-timeout 60 python -m usaf plan tests/data/qwen3-30b-a3b --device cuda --ram 32GiB --json > benchmarks/results/plan-gpu-usaf-plan.json
-
-if [ -n "${OUT:-}" ]; then
-    cp benchmarks/results/plan-gpu.json benchmarks/results/plan-gpu-usaf-plan.json benchmarks/results/frozen-gpu.json \
-        "$OUT"/
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+if ! "$PY" -c "import usaf, hqq, pydantic, typer" 2>/dev/null; then
+    timeout 120 "$PY" -m pip install -q -e ".[dev]" || timeout 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 fi
-echo "gpu_check: done"
+"$PY" -c "import usaf, transformers, pytest; print('usaf', usaf.__version__, 'transformers', transformers.__version__)" || exit 1
+
+step "CUDA tests" 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" -rfE
+step "training steps at real width vs LoRA" 120 "$PY" benchmarks/bench_steps_gpu.py --rounds 7 --out "$RESULTS/steps-gpu.json"
+collect "$RESULTS/steps-gpu.json"
+step "frozen-layer forward" 100 "$PY" benchmarks/bench_frozen.py --device cuda --dtype bfloat16 --experts 32 128 \
+    --rounds 5 --out "$RESULTS/frozen-gpu.json"
+collect "$RESULTS/frozen-gpu.json"
+step "planner and streaming" 150 "$PY" benchmarks/bench_plan_gpu.py --streaming --out "$RESULTS/plan-gpu.json"
+collect "$RESULTS/plan-gpu.json"
+step "usaf plan" 30 bash -c "\"$PY\" -m usaf plan tests/data/qwen3-30b-a3b --device cuda --ram 32GiB --json > $RESULTS/plan-gpu-usaf-plan.json"
+collect "$RESULTS/plan-gpu-usaf-plan.json"
+echo "gpu_check: done (exit $status)"
+exit "$status"

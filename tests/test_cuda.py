@@ -1,0 +1,177 @@
+"""On a CUDA GPU (skipped elsewhere; run by scripts/gpu_check.sh): the engine, the grouped expert path and the CLI
+stages on the device against the same work on the CPU, which the other tests tie to dense transformers.
+
+The CPU is the reference here: its engine equals dense autograd (test_engine.py), so a CUDA result equal to the
+CPU's, within the device's float32 summation order, is equal to dense autograd too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+from helpers import invoke
+from helpers_engine import FAMILY_LAYERS, batch, every_target, random_selection
+from usaf.engine import grouped
+from usaf.engine.engine import SparseEngine
+from usaf.engine.loading import load_quantized_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def engine_on(path, device: str, dtype: torch.dtype = torch.float32, **kwargs) -> SparseEngine:
+    loaded = load_quantized_model(path, device=device, compute_dtype=dtype)
+    if kwargs.get("targets") == "all":
+        kwargs["targets"] = every_target(loaded.spec)
+    return SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]], **kwargs)
+
+
+def loss_and_grads(engine: SparseEngine, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:
+    parts = engine.loss(ids.to(engine.device), labels.to(engine.device))
+    parts.loss.backward()
+    grads = {n: d.values.grad.detach().float().cpu() for n, d in engine.deltas().items()}
+    grads.update({n: p.grad.detach().float().cpu() for n, p in engine.routers.items()})
+    return float(parts.loss.detach()), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_loss_and_sparse_gradients_on_cuda_equal_the_cpus(family, quantized):
+    """float32, every target the family has: the frozen prefix (grouped path), the trainable layer's sparse deltas
+    (SDDMM), the routers; negative control: the gradients at shifted positions differ."""
+    path = quantized(family, num_layers=FAMILY_LAYERS)
+    cpu, gpu = engine_on(path, "cpu", targets="all"), engine_on(path, "cuda", targets="all")
+    selection = random_selection(cpu)
+    cpu.set_deltas(selection)
+    gpu.set_deltas({n: s.to(gpu.device) for n, s in selection.items()})
+    ids, labels = batch()
+    loss_cpu, grads_cpu = loss_and_grads(cpu, ids, labels)
+    loss_gpu, grads_gpu = loss_and_grads(gpu, ids, labels)
+    assert loss_gpu == pytest.approx(loss_cpu, rel=1e-5)
+    assert grads_cpu.keys() == grads_gpu.keys()
+    for name, reference in grads_cpu.items():
+        assert reference.abs().gt(0).any(), name  # the comparison is not between zeros
+        torch.testing.assert_close(grads_gpu[name], reference, rtol=1e-3, atol=1e-6, msg=name)
+        if reference.numel() > 1:
+            assert not torch.allclose(grads_gpu[name], reference.roll(1), rtol=1e-3, atol=1e-6), name
+
+
+def test_grouped_mm_runs_on_cuda_in_bfloat16_at_128_experts_and_matches_the_loop(quantized):
+    """Qwen3-30B-A3B's routing (128 experts, top-8) in bfloat16: the frozen layers' GEMMs go through torch's grouped
+    matmul (spied: the check is not vacuous), and give the per-expert loop's loss within bfloat16's precision."""
+    path = quantized("qwen3_moe", num_layers=FAMILY_LAYERS, num_experts=128, num_experts_per_tok=8)
+    engine = engine_on(path, "cuda", torch.bfloat16)
+    assert all(layer.grouped_mm for layer in engine.loaded.experts.values())
+    calls = []
+    real = grouped._grouped_mm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    ids, labels = batch(size=(2, 64))
+    grouped._grouped_mm = spy
+    try:
+        with torch.no_grad():
+            with_grouped_mm = float(engine.loss(ids.cuda(), labels.cuda()).loss)
+    finally:
+        grouped._grouped_mm = real
+    assert calls, "the frozen layers never reached torch's grouped matmul"
+    for layer in engine.loaded.experts.values():
+        layer.grouped_mm = False  # the per-expert loop: one GEMM per routed expert
+    with torch.no_grad():
+        looped = float(engine.loss(ids.cuda(), labels.cuda()).loss)
+    reference = float(engine_on(path, "cpu").loss(ids, labels).loss.detach())  # float32 on the CPU
+    assert with_grouped_mm == pytest.approx(looped, rel=1e-2)
+    assert with_grouped_mm == pytest.approx(reference, rel=2e-2)
+
+
+def train_args(qdir, tokens, plan, out, *extra):
+    return ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--lr", 0.05,
+            "--save-every", 0, "--device", "cuda", *extra)  # fmt: skip
+
+
+def losses(run) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def test_train_on_cuda_learns_and_resumes_exactly(prepared, tmp_path, monkeypatch):
+    """The device's default precision (bfloat16 on Ampere and later), reselection every 5 steps, interrupted inside
+    a scoring window and resumed: the same losses and deltas as the straight run, bit for bit."""
+    from safetensors.torch import load_file
+
+    from usaf.stages.train import trainer
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ("--steps", 20, "--reselect-every", 5, "--reselect-fraction", 0.3)
+    straight = tmp_path / "straight"
+    result = invoke(*train_args(qdir, tokens, plan, straight, *args))
+    assert result.exit_code == 0, result.output
+    real_step = trainer.Trainer.step
+
+    def interrupt(self):
+        if self.state.step == 8:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
+    resumed = tmp_path / "resumed"
+    assert invoke(*train_args(qdir, tokens, plan, resumed, *args)).exit_code == 130
+    monkeypatch.setattr(trainer.Trainer, "step", real_step)
+    result = invoke(*train_args(qdir, tokens, plan, resumed, *args))
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    first, second = losses(straight), losses(resumed)
+    assert len(first) == 20 and sum(first[-5:]) < sum(first[:5]), first
+    assert second == first
+    a = load_file(str(straight / "final" / "deltas.safetensors"))
+    b = load_file(str(resumed / "final" / "deltas.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_on_cuda_equals_the_cpus(prepared, tmp_path, monkeypatch):
+    """`usaf eval` in float32 (USE_AMP=0) on the GPU and on the CPU: the same rows within float32 summation order."""
+    monkeypatch.setenv("USE_AMP", "0")
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
+                    "--steps", 6, "--save-every", 0)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    reports = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"report-{device}"
+        result = invoke("eval", "--model", qdir, "--checkpoint", run, "--data", tokens, "--held-out", tokens,
+                        "--workspace", tmp_path / f"ws-{device}", "--out", out, "--no-plots",
+                        "--device", device)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        reports[device] = json.loads((out / "report.json").read_text())["rows"]
+    assert len(reports["cpu"]) == len(reports["cuda"]) > 0
+    for cpu_row, gpu_row in zip(reports["cpu"], reports["cuda"]):
+        for key in ("base", "tuned"):
+            assert gpu_row[key]["nll"] == pytest.approx(cpu_row[key]["nll"], rel=1e-4), (key, cpu_row, gpu_row)
+    assert any(r["tuned"]["nll"] != r["base"]["nll"] for r in reports["cuda"])  # the checkpoint changed something
+
+
+def test_score_on_cuda_selects_what_the_cpu_selects(prepared, tmp_path, monkeypatch):
+    """`usaf score` on the GPU in float32 (USE_AMP=0): the plan's masks agree with the CPU's (ties at the cut may
+    differ)."""
+    monkeypatch.setenv("USE_AMP", "0")
+    from safetensors.torch import load_file
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    masks = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"plan-{device}"
+        result = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
+                        "--train-from", 2, "--no-stability", "--no-lr-test", "--device", device,
+                        "--out", out)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        masks[device] = {p.name: load_file(str(p)) for p in out.glob("*.safetensors")}
+    assert masks["cpu"].keys() == masks["cuda"].keys() and masks["cpu"]
+    for file, tensors in masks["cpu"].items():
+        for name, cpu_tensor in tensors.items():
+            gpu_tensor = masks["cuda"][file][name]
+            if cpu_tensor.dtype in (torch.int64, torch.int32) and cpu_tensor.dim() == 1:  # selected positions
+                shared = len(set(cpu_tensor.tolist()) & set(gpu_tensor.tolist()))
+                assert shared >= 0.95 * len(cpu_tensor), (file, name, shared, len(cpu_tensor))
