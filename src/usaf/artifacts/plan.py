@@ -65,6 +65,11 @@ class LrTestRecord(Record):
     lr: float = Field(gt=0, allow_inf_nan=False, description="the chosen lr of the deltas: usaf train's unless --lr")
     candidates: list[float] = Field(description="the probes' lrs, ascending")
     heldout_losses: list[float | None] = Field(description="held-back loss after each probe (None: it diverged)")
+    heldout_gap_se: list[float | None] | None = Field(
+        None,
+        description="standard error of each probe's held-back loss minus the lowest one's, over the held-back "
+        "sequences (None in the list: not eligible; None: a plan from before the one-standard-error rule)",
+    )
     base_loss: float = Field(allow_inf_nan=False, description="held-back loss of the untrained model")
     rule: str = Field(description="how the lr was chosen from the losses")
     steps: int = Field(ge=0, description="optimizer steps over all probes")
@@ -132,6 +137,10 @@ def _lr_test_problem(t: LrTestRecord) -> str | None:
         return f"lr_test.candidates must be finite learning rates > 0, got {t.candidates}"
     if len(t.heldout_losses) != len(t.candidates):
         return f"lr_test has {len(t.heldout_losses)} heldout_losses for {len(t.candidates)} candidates"
+    if t.heldout_gap_se is not None and len(t.heldout_gap_se) != len(t.candidates):
+        return f"lr_test has {len(t.heldout_gap_se)} heldout_gap_se for {len(t.candidates)} candidates"
+    if t.heldout_gap_se is not None and not all(v is None or (math.isfinite(v) and v >= 0) for v in t.heldout_gap_se):
+        return f"lr_test.heldout_gap_se must be finite and >= 0 or null, got {t.heldout_gap_se}"
     if any(loss is not None and not math.isfinite(loss) for loss in t.heldout_losses):
         return f"lr_test.heldout_losses must be finite or null, got {t.heldout_losses}"
     if t.lr not in t.candidates:

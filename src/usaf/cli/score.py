@@ -12,7 +12,7 @@ from usaf.units import human_bytes
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
 
-    from usaf.stages.lr_test import near_tie  # lazy: it imports torch; `usaf --help` stays light
+    from usaf.stages.lr_test import choose_lr  # lazy: it imports torch; `usaf --help` stays light
 
     s = manifest.summary
     table = Table(title=f"plan → {path}", title_justify="left")
@@ -53,10 +53,13 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"lr test: lr {t.lr:.1e} for usaf train (held-back loss {t.base_loss:.4f} untrained; {probes}; "
             f"{t.steps} steps, {t.seconds:.1f} s)"
         )
-        if (tie := near_tie(t.candidates, t.heldout_losses, t.lr)) is not None:
+        lowest = choose_lr(t.base_loss, t.candidates, t.heldout_losses)
+        if lowest != t.lr and t.heldout_gap_se is not None:
+            i, j = t.candidates.index(t.lr), t.candidates.index(lowest)
             console.print(
-                f"lr test: {tie[0]:g} ended within {tie[1]:.4f} nats of it, a near tie that noise decides; "
-                f"train --lr {tie[0]:g} moves the model less for the same held-back loss"
+                f"lr test: {lowest:g} ended lowest, {t.lr:g} within one standard error of it "
+                f"({t.heldout_losses[i] - t.heldout_losses[j]:.4f} ± {t.heldout_gap_se[i]:.4f} nats over the "
+                f"held-back sequences): the smaller lr, which moves the model less (train --lr {lowest:g}: the other)"
             )
     else:
         console.print(f"lr test: off (--no-lr-test); usaf train uses --lr, else {DEFAULT_LR:g}")

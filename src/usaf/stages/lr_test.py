@@ -3,7 +3,9 @@
 No fixed lr transfers between domains (docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"): on the demo
 model the best swept lr was 3e-3 for a small shift (standard-library network modules) and 10x that for a large one
 (C++ headers). So score, which already holds the engine, the masks and a calibration sample, trains the plan's
-masks briefly at each of a few log-spaced candidate lrs and scores every probe on a held-back part of the sample.
+masks briefly at each of a few log-spaced candidate lrs and scores every probe on a held-back part of the sample,
+sequence by sequence. It takes the smallest lr whose held-back loss is within one standard error of the lowest
+(:func:`choose_lr_within_noise`): a larger lr has to be better by more than the held-back sequences disagree.
 
 Each probe is the real training machinery: the engine with the plan's masks as fresh (zero) deltas, the routers
 as train has them (restored to their pretrained weights before each probe), :class:`SparseAdamW` with train's
@@ -31,22 +33,32 @@ CANDIDATES = (1e-3, 3e-3, 1e-2, 3e-2)
 ROUTER_LR = 1e-4  # usaf train's --router-lr default: the probes train the routers as train will
 CLIP = 1.0  # usaf train's --clip default
 HOLD_BACK = 4  # every 4th source file of the calibration sample is held back to score the probes (see split)
-RULE = "lowest held-back loss, below any divergence"
-# A smaller candidate this close (nats of held-back loss) to the chosen one is a near tie that noise decides: on the
-# second evidence model two such ties (0.002 and 0.0006 nats) flipped with the calibration's batch order, and the
-# larger lr of the torch-cpp tie forgot 78 PPL instead of 58 for no in-domain gain (docs/BENCHMARKS.md, "The second
-# model"). ``usaf score`` names the smaller lr; the choice itself is unchanged (a rule needs every evidence run redone).
-NEAR_TIE_NATS = 5e-3
+RULE = "the smallest lr within one standard error of the lowest held-back loss, below any divergence"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A probe's held-back score, per held-back sequence: summed cross-entropy and scored tokens, ``(n,)`` float64."""
+
+    nll: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def loss(self) -> float:
+        """Token-weighted cross-entropy over every held-back sequence."""
+        return float(self.nll.sum() / self.tokens.sum().clamp(min=1))
 
 
 @dataclass(frozen=True)
 class LrTestResult:
     """What the test measured and chose (``losses[i]``: held-back loss after the probe at ``candidates[i]``;
-    None where the probe diverged)."""
+    ``gap_se[i]``: the standard error of its gap to the lowest; None where the probe diverged or is past a
+    divergence)."""
 
     lr: float
     candidates: list[float]
     losses: list[float | None]
+    gap_se: list[float | None]
     base_loss: float
     steps: int  # optimizer steps over all probes
     seconds: float
@@ -59,26 +71,64 @@ def choose_lr(base_loss: float, candidates: list[float], losses: list[float | No
     above the untrained model's) is eligible, even if its probe happened to end low: past a divergence the
     probes measure luck. When nothing is eligible, the smallest candidate.
     """
-    eligible: list[tuple[float, float]] = []  # (held-back loss, lr), ascending lr, up to the first divergence
-    for lr, loss in sorted(zip(candidates, losses), key=lambda pair: pair[0]):
+    eligible = _eligible(base_loss, candidates, losses)
+    return min((losses[i], candidates[i]) for i in eligible)[1] if eligible else min(candidates)
+
+
+def choose_lr_within_noise(
+    base_loss: float, candidates: list[float], heldout: list[HeldOut | None]
+) -> tuple[float, list[float | None]]:
+    """``(lr, gap_se)``: the smallest eligible candidate whose held-back loss is within one standard error of the
+    lowest one's (:func:`choose_lr`'s choice), the one-standard-error rule of model selection.
+
+    The gap's standard error is over the held-back sequences, paired (:func:`paired_gap`): the two probes scored
+    on the same sequences. Why: a larger lr that ends lower by less than the sequences' own disagreement about
+    which probe is better is a near tie that the calibration's batch order decides, and the smaller lr moves the
+    model less (on the second evidence model a 0.002-nat tie on torch-cpp flipped to 3e-2, which forgot 78 PPL of
+    the pretraining text instead of 58 for no in-domain gain: docs/BENCHMARKS.md, "The lr test's noise rule").
+    ``gap_se[i]`` is None where the probe is not eligible.
+    """
+    losses = [None if h is None else h.loss for h in heldout]
+    eligible = _eligible(base_loss, candidates, losses)
+    if not eligible:
+        return min(candidates), [None] * len(candidates)
+    lowest = min(eligible, key=lambda i: (losses[i], candidates[i]))
+    gap_se: list[float | None] = [None] * len(candidates)
+    chosen = None
+    for i in eligible:  # ascending lr
+        gap, se = paired_gap(heldout[i], heldout[lowest])
+        gap_se[i] = se
+        if chosen is None and gap <= se:
+            chosen = i
+    return candidates[chosen if chosen is not None else lowest], gap_se
+
+
+def paired_gap(a: HeldOut, b: HeldOut) -> tuple[float, float]:
+    """``(gap, se)``: ``a.loss - b.loss`` and its standard error over the sequences both scored.
+
+    The gap is a token-weighted mean of per-sequence gaps ``d_i`` (weights ``w_i``: each sequence's share of the
+    tokens); its standard error is ``sqrt(n / (n - 1) * sum(w_i^2 (d_i - gap)^2))``, 0 with fewer than two
+    sequences (no estimate: the rule then takes the lowest loss).
+    """
+    tokens = a.tokens.clamp(min=1)
+    d = (a.nll - b.nll) / tokens  # (n,) per-token gap of each sequence
+    w = tokens / tokens.sum()
+    gap = float((w * d).sum())
+    n = d.numel()
+    if n < 2:
+        return gap, 0.0
+    return gap, float(torch.sqrt(n / (n - 1) * (w.square() * (d - gap).square()).sum()))
+
+
+def _eligible(base_loss: float, candidates: list[float], losses: list[float | None]) -> list[int]:
+    """Indices of the candidates below the first divergence, by ascending lr."""
+    eligible = []
+    for i in sorted(range(len(candidates)), key=lambda i: candidates[i]):
+        loss = losses[i]
         if loss is None or not math.isfinite(loss) or loss > base_loss:
             break
-        eligible.append((loss, lr))
-    return min(eligible)[1] if eligible else min(candidates)
-
-
-def near_tie(candidates: list[float], losses: list[float | None], chosen: float) -> tuple[float, float] | None:
-    """``(lr, gap)``: the smallest candidate below ``chosen`` whose held-back loss is within ``NEAR_TIE_NATS`` of
-    the chosen one's (``gap``: how much higher, in nats), or None."""
-    by_lr = dict(zip(candidates, losses))
-    best = by_lr.get(chosen)
-    if best is None:
-        return None
-    for lr in sorted(c for c in candidates if c < chosen):
-        loss = by_lr[lr]
-        if loss is not None and math.isfinite(loss) and loss - best <= NEAR_TIE_NATS:
-            return lr, loss - best
-    return None
+        eligible.append(i)
+    return eligible
 
 
 def run_lr_test(
@@ -93,7 +143,7 @@ def run_lr_test(
     states: Mapping[int, torch.Tensor] | None = None,
 ) -> LrTestResult:
     """Probe ``steps`` optimizer steps at each candidate lr on the calibration ``lines`` less the held-back ones
-    (:func:`split`), score each probe on those, and choose (:func:`choose_lr`).
+    (:func:`split`), score each probe on those, sequence by sequence, and choose (:func:`choose_lr_within_noise`).
 
     ``states``: the lines' frozen-prefix states ``(t, H)`` by line number (``TokenLine.line``), as score's
     calibration pass recorded them; a microbatch with a line missing there computes its own.
@@ -101,14 +151,16 @@ def run_lr_test(
     start = time.perf_counter()
     train_lines, held_lines = split(lines)
     train = _with_prefix(engine, train_lines, microbatch, pad_id, states)
-    held = _with_prefix(engine, held_lines, microbatch, pad_id, states)
+    held = _with_prefix(engine, held_lines, 1, pad_id, states)  # one sequence each: the rule's per-sequence gaps
     try:
-        base = _heldout_loss(engine, held)
-        losses = [_probe(engine, masks, train, held, lr, steps) for lr in candidates]
+        base = _heldout(engine, held).loss
+        heldout = [_probe(engine, masks, train, held, lr, steps) for lr in candidates]
     finally:
         _restore(engine)
-    lr = choose_lr(base, list(candidates), losses)
-    return LrTestResult(lr, list(candidates), losses, base, steps * len(candidates), time.perf_counter() - start)
+    lr, gap_se = choose_lr_within_noise(base, list(candidates), heldout)
+    losses = [None if h is None else h.loss for h in heldout]
+    seconds = time.perf_counter() - start
+    return LrTestResult(lr, list(candidates), losses, gap_se, base, steps * len(candidates), seconds)
 
 
 def split(lines: list) -> tuple[list, list]:
@@ -148,9 +200,9 @@ def _with_prefix(
     return out
 
 
-def _probe(engine: Any, masks: dict, train: list, held: list, lr: float, steps: int) -> float | None:
+def _probe(engine: Any, masks: dict, train: list, held: list, lr: float, steps: int) -> HeldOut | None:
     """Train fresh deltas (and the routers, from their pretrained weights) ``steps`` steps at ``lr``; the
-    held-back loss after, or None when a step's loss was not finite."""
+    held-back score after, or None when a step's loss (or the held-back loss) was not finite."""
     _restore(engine)
     engine.set_deltas(masks)  # zero values: the probe starts from the base model, as a run does
     groups = engine.parameter_groups(lr=lr, router_lr=ROUTER_LR, weight_decay=0.0)
@@ -164,20 +216,20 @@ def _probe(engine: Any, masks: dict, train: list, held: list, lr: float, steps: 
             return None
         parts.loss.backward()
         optimizer.step()  # skips a step with a non-finite gradient, as train does
-    loss = _heldout_loss(engine, held)
-    return loss if math.isfinite(loss) else None
+    scored = _heldout(engine, held)
+    return scored if math.isfinite(scored.loss) else None
 
 
 @torch.no_grad()
-def _heldout_loss(engine: Any, held: list) -> float:
-    """Token-weighted cross-entropy over the held-back microbatches."""
-    total = tokens = 0.0
+def _heldout(engine: Any, held: list) -> HeldOut:
+    """The engine's cross-entropy on each held-back microbatch (one sequence each), summed over its tokens."""
+    nll, tokens = [], []
     for batch, states in held:
         states = None if states is None else states.to(batch.input_ids.device)
         parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
-        total += float(parts.ce) * parts.tokens
-        tokens += parts.tokens
-    return total / max(tokens, 1.0)
+        nll.append(float(parts.ce) * parts.tokens)
+        tokens.append(float(parts.tokens))
+    return HeldOut(torch.tensor(nll, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64))
 
 
 @torch.no_grad()

@@ -288,6 +288,7 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
         lr=result.lr,
         candidates=result.candidates,
         heldout_losses=result.losses,
+        heldout_gap_se=result.gap_se,
         base_loss=result.base_loss,
         rule=RULE,
         steps=result.steps,
