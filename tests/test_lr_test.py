@@ -319,19 +319,35 @@ def test_train_scoring_on_the_fly_runs_the_test_unless_lr_is_given(inputs, tmp_p
             assert plan.lr_test is not None and (s.lr, s.lr_source) == (plan.lr_test.lr, "the plan's lr test")
 
 
-@pytest.mark.parametrize("value", [float("nan"), -0.01, "fast", 7e-3], ids=["nan", "negative", "string", "foreign"])
-def test_a_tampered_lr_is_refused(inputs, plan, tmp_path, value):
-    """One line naming the plan's manifest; re-signed, so only the summary's own checks can catch it."""
+def tampered(plan_dir: Path, tmp_path: Path, key: str, value) -> Path:
+    """A copy of the plan with ``summary.lr_test[key]`` replaced, re-signed (sizes, hashes, fingerprint) so that only
+    the summary's own checks can catch it."""
     import shutil
 
-    from usaf.testing.hostile import _resign as resign  # the catalogue's re-signing: sizes, hashes, fingerprint
+    from usaf.testing.hostile import _resign as resign  # the hostile-input catalogue's re-signing
 
-    copy = Path(shutil.copytree(plan[0], tmp_path / "plan"))
+    copy = Path(shutil.copytree(plan_dir, tmp_path / "plan"))
     data = json.loads((copy / "manifest.json").read_text())
-    data["summary"]["lr_test"]["lr"] = value
+    data["summary"]["lr_test"][key] = value
     (copy / "manifest.json").write_text(json.dumps(data))
     resign(copy)
+    return copy
+
+
+@pytest.mark.parametrize("value", [float("nan"), -0.01, "fast", 7e-3], ids=["nan", "negative", "string", "foreign"])
+def test_a_tampered_lr_is_refused(inputs, plan, tmp_path, value):
+    """One line naming the plan's manifest."""
+    copy = tampered(plan[0], tmp_path, "lr", value)
     result = train(*inputs, copy, tmp_path / "run")
     assert result.exit_code == 2, result.output
     assert str(copy / "manifest.json") in result.output and "lr_test" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("value", [[0.01], [-0.01, 0.0, None, None], [float("nan"), 0.0, None, None]],
+                         ids=["length", "negative", "nan"])  # fmt: skip
+def test_a_tampered_standard_error_is_refused(inputs, plan, tmp_path, value):
+    """The recorded errors must match the candidates and be finite and >= 0; the control: the untouched plan trains."""
+    assert train(*inputs, plan[0], tmp_path / "control").exit_code == 0
+    result = train(*inputs, tampered(plan[0], tmp_path, "heldout_gap_se", value), tmp_path / "run")
+    assert result.exit_code == 2 and "heldout_gap_se" in result.output, result.output

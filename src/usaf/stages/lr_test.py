@@ -110,9 +110,8 @@ def paired_gap(a: HeldOut, b: HeldOut) -> tuple[float, float]:
     tokens); its standard error is ``sqrt(n / (n - 1) * sum(w_i^2 (d_i - gap)^2))``, 0 with fewer than two
     sequences (no estimate: the rule then takes the lowest loss).
     """
-    tokens = a.tokens.clamp(min=1)
-    d = (a.nll - b.nll) / tokens  # (n,) per-token gap of each sequence
-    w = tokens / tokens.sum()
+    d = (a.nll - b.nll) / a.tokens.clamp(min=1)  # (n,) per-token gap of each sequence
+    w = a.tokens / a.tokens.sum().clamp(min=1)  # a sequence with no scored token weighs nothing
     gap = float((w * d).sum())
     n = d.numel()
     if n < 2:
