@@ -1,10 +1,11 @@
 """Pareto plots of the evidence benchmark: in-domain held-out PPL against forgetting, every arm and learning rate.
 
-Reads one or more results files of ``bench_evidence.py`` for the same domain (their runs are pooled; the bases
-must agree), and draws one point per (arm, lr, seed) run, faint, plus each arm's mean over seeds at every lr
-that ran on more than one seed, bold. x: PPL on the pretraining domain's held-out sources (forgetting; left is
-better), y: PPL on the fine-tuning domain's held-out test sample (lower is better). The legend gives each arm's
-trainable parameters. The 4-bit and original bases are drawn as crosses.
+Reads one or more results files of ``bench_evidence.py`` for the same domain (their runs are pooled, a later file's
+rerun of an (arm, size, lr, seed) replacing the earlier; the bases must agree), and draws one point per (arm, lr,
+seed) run, faint, plus each arm's mean over seeds at every lr that ran on more than one seed, bold. x: PPL on the
+pretraining domain's held-out sources (forgetting; left is better), y: PPL on the fine-tuning domain's held-out test
+sample (lower is better). The legend gives each arm's trainable parameters. The 4-bit and original bases are drawn
+as crosses.
 
     python benchmarks/plot_pareto.py benchmarks/results/evidence-torch-cpp.json [more.json ...] \
         --out docs/pareto-torch-cpp.png
@@ -24,7 +25,10 @@ FORGETTING_LIMIT = 3.0  # runs forgetting beyond this multiple of the base's pre
 
 
 def load_runs(paths: list[Path]) -> tuple[list[dict], dict, str]:
-    runs, bases, domain = [], None, None
+    """The runs of every file, a later file's run of the same arm, size, lr and seed replacing an earlier one (a
+    rerun at a newer commit, e.g. usaf's defaults after a change of the lr test)."""
+    runs: dict[tuple, dict] = {}
+    bases, domain = None, None
     for path in paths:
         r = json.loads(path.read_text())
         d = r["settings"].get("domain", "stdlib-net")
@@ -35,8 +39,9 @@ def load_runs(paths: list[Path]) -> tuple[list[dict], dict, str]:
             bases = r["bases"]
         elif not same_sequences(r["bases"], bases):
             raise SystemExit(f"{path}: other evaluation sequences than the first file's (bases differ)")
-        runs.extend(r["runs"])
-    return runs, bases, domain
+        for run in r["runs"]:
+            runs[(run["arm"], run.get("trainable_params"), run["lr"], run["seed"])] = run
+    return list(runs.values()), bases, domain
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
