@@ -116,7 +116,7 @@ def plot(runs: list[dict], bases: dict, domain: str, out: Path, exclude: tuple[s
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not 4.6 x 10^1
         axis.set_major_formatter(ticker.ScalarFormatter())
-        axis.set_minor_formatter(ticker.FormatStrFormatter("%.0f"))
+        axis.set_minor_formatter(ticker.FormatStrFormatter("%.3g"))  # a narrow range has ticks between integers
     ax.set_title(f"{domain}: every arm and lr (faint: one run, bold: mean over seeds)"
                  + (f"; {off} diverged runs off the chart" if off else ""), fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3)
