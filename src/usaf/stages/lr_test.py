@@ -26,11 +26,12 @@ import torch
 from usaf.data.batches import Batch, collate
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.prefix import padded_states
+from usaf.settings.train import DEFAULT_ROUTER_LR
 
 # Log-spaced by ~3: the evidence benchmark's grid (3e-3, 1e-2, 3e-2) and its lower extension. Not 1e-1: every sweep
 # preferred 3e-2 to 9e-2, while a 16-step probe sometimes preferred 1e-1 (a short run rewards a large lr).
 CANDIDATES = (1e-3, 3e-3, 1e-2, 3e-2)
-ROUTER_LR = 1e-4  # usaf train's --router-lr default: the probes train the routers as train will
+ROUTER_LR = DEFAULT_ROUTER_LR  # usaf train's --router-lr default: the probes train the routers as train will
 CLIP = 1.0  # usaf train's --clip default
 HOLD_BACK = 4  # every 4th source file of the calibration sample is held back to score the probes (see split)
 RULE = "the smallest lr within one standard error of the lowest held-back loss, below any divergence"
