@@ -12,10 +12,11 @@ warmup, floor 0.1 x peak), gradient clipping at 1.0, no weight decay, and seeds 
 - **usaf** arms go through the stage functions as a user runs them: ``usaf.stages.tokenize.run`` once,
   ``usaf.stages.quantize.run`` once (HQQ 4-bit, group 128: the defaults), ``usaf.stages.score.run`` per seed
   (and per frac) with ``--cache`` as ``usaf demo`` does, ``usaf.stages.train.run`` per seed; everything else
-  at ``usaf train``'s defaults (top quarter of the layers = layer 3, per-tensor budget, router lr 1e-4), except
-  ``--save-every 0`` (no checkpoint I/O inside the timed loop). Arms: default (frac 0.005, RigL every
-  ``RESELECT_EVERY`` steps, routers on), static mask (``--reselect-every 0``), routers frozen (``--no-router``),
-  a larger budget (frac ``FRAC_LARGE``) and two trainable layers (``--train-from TRAIN_FROM_HALF``).
+  at ``usaf train``'s defaults (top quarter of the layers = layer 3, per-tensor budget, router lr: usaf's default,
+  1e-4 until 3a6d538, 1e-3 since), except ``--save-every 0`` (no checkpoint I/O inside the timed loop). Arms:
+  default (frac 0.005, RigL every ``RESELECT_EVERY`` steps, routers on), static mask (``--reselect-every 0``),
+  routers frozen (``--no-router``), a larger budget (frac ``FRAC_LARGE``) and two trainable layers
+  (``--train-from TRAIN_FROM_HALF``).
 - **router only**: the same train stage and Trainer (data, prefix cache, schedule, SparseAdamW, clipping), with
   the plan's deltas removed just before the loop (``usaf train`` has no flag for "no deltas"), so only the
   layer-3 router trains; its learning rate is ``--router-lr``.
@@ -77,6 +78,9 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import RESULTS, adamw_state_bytes, current_rss, load_reference, machine, tensor_bytes  # noqa: E402
 from bench_train import git_commit, lora_counts_per_rank, lora_model, lora_ranks, wrapped  # noqa: E402
+
+from usaf.settings.train import DEFAULT_LR as TRAIN_DEFAULT_LR  # noqa: E402
+from usaf.settings.train import DEFAULT_ROUTER_LR  # noqa: E402
 
 SEQ, SEQ_QUICK = 256, 64
 MICROBATCH = 2  # usaf train's default
@@ -144,7 +148,7 @@ ARMS = {
         "targets": "experts,attention",
     },
     # The router lr's sweep (issue 20, item 3): usaf_defaults_attention (the plan's lr for the deltas) with the
-    # routers' lr as the swept "lr"; its 1e-4 point is usaf_defaults_attention itself (the default --router-lr).
+    # routers' lr as the swept "lr"; its point at the default --router-lr is usaf_defaults_attention itself.
     "usaf_router_lr": {
         "kind": "usaf",
         "frac": None,
@@ -189,7 +193,9 @@ GRIDS = {
     "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
     "usaf_router_lr_1e-3": [1e-3],
 }
-DEFAULT_LR = {"usaf": 3e-3, "router_only": 1e-4}  # usaf train's --lr and --router-lr defaults
+# usaf train's --lr (without a plan's lr test) and --router-lr defaults, read from usaf: the arms run its defaults
+# (the router lr was 1e-4 until 3a6d538; the files before it ran that)
+DEFAULT_LR = {"usaf": TRAIN_DEFAULT_LR, "router_only": DEFAULT_ROUTER_LR}
 PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
 LORA_ALPHA = 16
 
