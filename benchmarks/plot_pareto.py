@@ -118,7 +118,8 @@ def plot(runs: list[dict], bases: dict, domain: str, out: Path, exclude: tuple[s
         axis.set_major_formatter(ticker.ScalarFormatter())
         axis.set_minor_formatter(ticker.FormatStrFormatter("%.3g"))  # a narrow range has ticks between integers
     ax.set_title(f"{domain}: every arm and lr (faint: one run, bold: mean over seeds)"
-                 + (f"; {off} diverged runs off the chart" if off else ""), fontsize=10)  # fmt: skip
+                 + (f"; {off} runs off the chart (worse than the base in-domain, or forgetting > {FORGETTING_LIMIT:g}x)"
+                    if off else ""), fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
