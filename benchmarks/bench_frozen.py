@@ -140,8 +140,11 @@ def dequantization_by_block(q, rounds: int, device: torch.device) -> dict[str, f
     return {name: round(statistics.median(t), 4) for name, t in times.items()}
 
 
-def interleaved(arms: dict, rounds: int, device: torch.device, *, verbose: bool = False) -> dict[str, list[float]]:
-    """Seconds of each arm per round, the arms in rotating order each round (load hits them alike)."""
+def interleaved(
+    arms: dict, rounds: int, device: torch.device, *, verbose: bool = False, between=None
+) -> dict[str, list[float]]:
+    """Seconds of each arm per round, the arms in rotating order each round (load hits them alike);
+    ``between(round)`` runs after each round, outside the timing."""
     times: dict[str, list[float]] = {name: [] for name in arms}
     names = list(arms)
     for r in range(rounds):
@@ -151,6 +154,8 @@ def interleaved(arms: dict, rounds: int, device: torch.device, *, verbose: bool 
             arms[name]()
             _sync(device)
             times[name].append(time.perf_counter() - start)
+        if between is not None:
+            between(r)
         if verbose:
             print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names), flush=True)
     return times

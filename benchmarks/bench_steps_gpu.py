@@ -40,17 +40,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import token_loss  # noqa: E402
+from bench_frozen import _sync, interleaved  # noqa: E402
 from bench_plan_gpu import FRAC, RESULTS, build_loaded, model_config, random_positions  # noqa: E402
 from bench_train import LORA_ALPHA, git_commit, lora_ranks  # noqa: E402
 
 MICROBATCH, SEQ_LEN = 2, 512
 LR = 1e-4
 RESELECT_EVERY = 50  # the default --reselect-every
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def usaf_arms(config: dict, device: torch.device, trainable: int, ids: torch.Tensor) -> tuple[dict, dict]:
@@ -144,23 +140,6 @@ def lora_arm(config: dict, device: torch.device, layers: list[int], target: int,
     return step, info
 
 
-def interleaved(arms: dict, rounds: int, device: torch.device, between=None) -> dict[str, list[float]]:
-    """Seconds per arm per round, arms in rotating order; ``between(round)`` after each round, outside the timing."""
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    names = list(arms)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            _sync(device)
-            start = time.perf_counter()
-            arms[name]()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-        if between is not None:
-            between(r)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.4f}s" for n in names), flush=True)
-    return times
-
-
 def peak_above_resident(fn, device: torch.device) -> int | None:
     """Allocator bytes one call of ``fn`` takes above what was allocated before it (CUDA only)."""
     if device.type != "cuda":
@@ -210,7 +189,7 @@ def main() -> None:
         _sync(device)
         reselect_seconds.append(time.perf_counter() - start)
 
-    times = interleaved(arms, args.rounds, device, between=timed_reselect)
+    times = interleaved(arms, args.rounds, device, verbose=True, between=timed_reselect)
     med = {name: statistics.median(t) for name, t in times.items()}
     med["usaf_reselect"] = statistics.median(reselect_seconds)
     cached = med["usaf_cached"]
