@@ -112,55 +112,38 @@ def quantized(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def prepared(quantized, tmp_path_factory):
-    """``prepared(family) -> (qdir, tokens, plan)``: a 3-layer model, tokens and a plan (frac 0.3: a random
-    model needs many trainable weights to show learning within a few steps)."""
-    cache = {}
+    """``prepared(family) -> (qdir, tokens, plan)``: a 3-layer model, tokens and a plan (frac 0.05, scored on the
+    CPU, so that tests of other stages on another device do not depend on scoring there). A failure is kept: every
+    later request fails with the first one's message instead of tripping over what it half made."""
+    cache: dict[str, tuple[Path, Path, Path] | str] = {}
     root = tmp_path_factory.mktemp("train")
 
     def get(family: str):
         if family not in cache:
-            qdir = quantized(family, num_layers=3, tokenizer=True)
-            tokens, plan = root / f"{family}-tokens", root / f"{family}-plan"
-            from helpers import invoke
-            from usaf.testing import stdlib_dir
-
-            result = invoke(
-                "tokenize",
-                stdlib_dir() / "textwrap.py",
-                stdlib_dir() / "shlex.py",
-                "--model",
-                qdir,
-                "--seq-len",
-                32,
-                "--source-depth",
-                0,
-                "--held-out",
-                "shlex.py",
-                "--out",
-                tokens,
-            )
-            assert result.exit_code == 0, result.output
-            result = invoke(
-                "score",
-                "--model",
-                qdir,
-                "--data",
-                tokens,
-                "--frac",
-                0.05,
-                "--calib-samples",
-                8,
-                "--train-from",
-                2,
-                "--no-stability",
-                "--out",
-                plan,
-            )
-            assert result.exit_code == 0, result.output
-            cache[family] = (qdir, tokens, plan)
+            try:
+                cache[family] = _prepare(family, quantized, root)
+            except AssertionError as e:
+                cache[family] = f"preparing {family} failed: {e}"
+        if isinstance(cache[family], str):
+            pytest.fail(cache[family])
         return cache[family]
 
     return get
+
+
+def _prepare(family: str, quantized, root: Path) -> tuple[Path, Path, Path]:
+    from helpers import explain, invoke
+    from usaf.testing import stdlib_dir
+
+    qdir = quantized(family, num_layers=3, tokenizer=True)
+    tokens, plan = root / f"{family}-tokens", root / f"{family}-plan"
+    result = invoke("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir,
+                    "--seq-len", 32, "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens)  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    result = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
+                    "--train-from", 2, "--no-stability", "--device", "cpu", "--out", plan)  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    return qdir, tokens, plan
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +20,33 @@ runner = CliRunner()
 def invoke(*args: str, env: dict[str, str] | None = None):
     """Run the real CLI in-process; returns click's Result (exit_code, stdout, stderr)."""
     return runner.invoke(app, [str(a) for a in args], env=env)
+
+
+@contextlib.contextmanager
+def ctrl_c_at_step(step: int) -> Iterator[None]:
+    """Within the block, ``usaf train`` is interrupted as by Ctrl-C when it is about to run step ``step + 1``."""
+    from usaf.stages.train import trainer
+
+    real_step = trainer.Trainer.step
+
+    def interrupt(self):
+        if self.state.step == step:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    trainer.Trainer.step = interrupt
+    try:
+        yield
+    finally:
+        trainer.Trainer.step = real_step
+
+
+def explain(result) -> str:
+    """A failed run's output and, for a crash (not a usaf error's exit), its traceback: an assertion message that
+    points at the line, where ``result.output`` alone names only the exception."""
+    if result.exc_info is None or isinstance(result.exception, SystemExit):
+        return result.output
+    return result.output + "".join(traceback.format_exception(*result.exc_info))
 
 
 def read_jsonl(path: Path) -> list[dict]:
