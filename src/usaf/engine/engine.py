@@ -461,6 +461,9 @@ class SparseEngine:
                 for name, weight in self.weights.items():
                     weight.score_sink = sample[name].sink if half is None else sample[name].sink_with(parts[half][name])
                 self.model.zero_grad(set_to_none=True)
+                # batches come from the host (usaf score's calibration batches): the model's device takes them
+                input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+                mask = None if mask is None else mask.to(self.device)
                 self.loss(input_ids, labels, mask).loss.backward()
                 for acc in (a for accs in fed for a in accs.values()):
                     acc.end_batch()
