@@ -72,6 +72,11 @@ class TrainConfig(StageConfig):
     eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = only at the end.")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps.")
     seed: int = Field(0, description="Seed of the data order.")
+    deterministic: bool = Field(
+        False,
+        description="Bit-reproducible on a GPU: torch's deterministic kernels (slower), so equal runs, and a resumed "
+        "run and the straight one, give the same bytes. The CPU's kernels always are.",
+    )
     device: str = f.device()
     dtype: ComputeDtype = Field(
         "auto", description="auto | float32 | bfloat16 | float16 (with dynamic loss scaling); auto: bf16 where "

@@ -297,7 +297,8 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
         "vram",
         "ram",
         "prefix_cache_gib",
-    }  # where things live and how a batch is split: not the result
+        "deterministic",
+    }  # where things live, how a batch is split and in which order a GPU sums: not the result
     keep = config.model_dump(mode="json", exclude=skip)
     if not config.dense_router_grad:  # recorded when on: a run directory from before the option still resumes
         del keep["dense_router_grad"]

@@ -27,6 +27,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf import distributed
     from usaf.backends import resolve_backend
+    from usaf.backends.determinism import deterministic_kernels
     from usaf.stages.train.inputs import resolved_inputs
 
     start = time.perf_counter()
@@ -42,6 +43,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     with (
         resolved_inputs(config, backend, world, progress) as inputs,
         guarded_write(inputs.run_dir, flag="--out", resumable=True),
+        deterministic_kernels(config.deterministic),
     ):
         return _train(inputs, backend, world, progress, start)
 
