@@ -245,7 +245,8 @@ class _AllocationRecorder(TorchDispatchMode):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_dense_gradient_without_sink(strategy):
-    """No matmul yields an (O, I) tensor unless a sink asks for dW; "gather" allocates no (O, I) at all."""
+    """No matmul yields an (O, I) tensor unless a sink asks for dW or "dense" reads dvalues from one; "gather"
+    allocates no (O, I) at all."""
     t, o, i = 16, 7, 9
     x, weight, b, rows, cols, values = make_case(t, o, i, 20)
     probe = torch.ones(t, o, dtype=torch.float64)
@@ -257,6 +258,11 @@ def test_no_dense_gradient_without_sink(strategy):
             (y * probe).sum().backward()
         dense = [op for op, shape in recorder.allocations if shape == (o, i)]
         products = [op for op in dense if op in ("mm", "addmm", "bmm", "matmul")]
+        if strategy == "dense":  # dy^T x for dvalues (fp64 here, the sink's is fp32); D, in forward and for dx
+            formed = [op for op, shape in recorder.allocations if shape == (o * i,)]  # D, made flat
+            assert len(products) == 1 + expected and len(dense) == len(products), recorder.allocations
+            assert formed == ["zeros", "zeros"], recorder.allocations
+            continue
         assert len(products) == expected, recorder.allocations
         if strategy == "gather":
             assert len(dense) == expected, recorder.allocations
@@ -276,22 +282,27 @@ def test_unsorted_entries():
 
 
 def test_auto_strategy_choice():
-    """ "auto" merges only in fp32/fp64 and only when the sparse terms outweigh an (O, I) merge."""
-    from usaf.engine.sparse_linear import _MERGE_SHARE, _use_merge
+    """ "auto": dense on a GPU; on the CPU merge only in fp32/fp64 and only when the sparse terms outweigh an (O, I)
+    merge; gather wherever the device lacks index ops, whatever was asked."""
+    from usaf.engine.sparse_linear import _MERGE_SHARE, _resolve
 
     weight = torch.zeros(32, 64)
     n = 64
     t_min = math.ceil(_MERGE_SHARE * weight.numel() / n)  # smallest T that merges
     for dtype, t, expected in [
-        (torch.float32, t_min, True),
-        (torch.float32, t_min - 1, False),
-        (torch.float64, t_min, True),
-        (torch.bfloat16, 100 * t_min, False),
-        (torch.float16, 100 * t_min, False),
+        (torch.float32, t_min, "merge"),
+        (torch.float32, t_min - 1, "gather"),
+        (torch.float64, t_min, "merge"),
+        (torch.bfloat16, 100 * t_min, "gather"),
+        (torch.float16, 100 * t_min, "gather"),
     ]:
-        assert _use_merge("auto", torch.zeros(t, 64, dtype=dtype), weight, n) is expected
-    assert _use_merge("merge", torch.zeros(1, 64, dtype=torch.bfloat16), weight, 1)
-    assert not _use_merge("gather", torch.zeros(1000, 64), weight, 2048)
+        assert _resolve("auto", torch.zeros(t, 64, dtype=dtype), weight, n, True) == expected
+    on_a_gpu = torch.zeros(1, 64, dtype=torch.bfloat16, device="meta")  # any device but the CPU
+    assert _resolve("auto", on_a_gpu, weight, 1, True) == "dense"
+    assert _resolve("merge", torch.zeros(1, 64, dtype=torch.bfloat16), weight, 1, True) == "merge"
+    assert _resolve("gather", torch.zeros(1000, 64), weight, 2048, True) == "gather"
+    for strategy in STRATEGIES:  # DirectML: no index_put_ to form W + D or D
+        assert _resolve(strategy, on_a_gpu, weight, 1, False) == "gather"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -340,4 +351,39 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError):
         sparse_delta_linear(x, weight, rows, cols, values, chunk_tokens=0)
     with pytest.raises(ValueError):
-        sparse_delta_linear(x, weight, rows, cols, values, strategy="dense")
+        sparse_delta_linear(x, weight, rows, cols, values, strategy="sparse")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_the_gpus_dense_path_through_the_engine_equals_the_cpus(family, quantized, monkeypatch):
+    """ "auto" picks "dense" on a GPU only: forced here on the CPU through a whole engine (every target the family
+    has, routers, float32), its loss and sparse gradients equal the CPU's own path's; negative control: gradients
+    at shifted positions differ."""
+    from helpers_engine import FAMILY_LAYERS, batch, every_target, random_selection
+    from usaf.engine import sparse_linear
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+
+    loaded = load_quantized_model(quantized(family, num_layers=FAMILY_LAYERS))
+    engine = SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]], targets=every_target(loaded.spec))
+    engine.set_deltas(random_selection(engine))
+    ids, labels = batch()
+    runs = {}
+    real = sparse_linear._resolve
+    forced = []  # the dense path ran (the comparison is not of the CPU's path with itself)
+    for name, resolve in (("cpu", real), ("dense", lambda *a: forced.append(a) or "dense")):
+        monkeypatch.setattr(sparse_linear, "_resolve", resolve)
+        engine.model.zero_grad(set_to_none=True)
+        for delta in engine.deltas().values():
+            delta.values.grad = None
+        loss = engine.loss(ids, labels).loss
+        loss.backward()
+        grads = {n: d.values.grad.clone() for n, d in engine.deltas().items()}
+        runs[name] = float(loss.detach()), grads | {n: p.grad.clone() for n, p in engine.routers.items()}
+    assert forced
+    assert runs["dense"][0] == pytest.approx(runs["cpu"][0], rel=1e-6)
+    for name, reference in runs["cpu"][1].items():
+        assert reference.abs().gt(0).any(), name
+        torch.testing.assert_close(runs["dense"][1][name], reference, rtol=1e-4, atol=1e-7, msg=name)
+        if reference.numel() > 1:
+            assert not torch.allclose(runs["dense"][1][name], reference.roll(1), rtol=1e-4, atol=1e-7), name

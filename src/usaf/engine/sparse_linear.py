@@ -5,15 +5,22 @@ Backward returns ``dx = dy @ (W + D)`` and ``dvalues`` as a sampled dense–dens
 only the ``n`` delta positions. No dense ``(O, I)`` gradient is formed unless a ``score_sink`` asks
 for it (dense-score mode).
 
-Two strategies compute the same thing (see :data:`STRATEGIES`): ``"gather"`` is the literal
+Three strategies compute the same thing (see :data:`STRATEGIES`): ``"gather"`` is the literal
 arithmetic — dense ``x @ W^T`` plus gather–multiply–scatter terms, in token chunks so temporaries
 are ``O(chunk_tokens × n)`` — and works for every dtype and device; ``"merge"`` forms the
 trained weight ``W + D`` for this one expert (one ``(O, I)`` temporary, like a dtype cast of ``W``)
-and uses one GEMM for ``y`` and one for ``dx``. Except under ``"gather"``, ``dvalues`` comes from
-``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (its kernel refuses bf16/fp16; other devices are
-untested here, so they gather). ``"auto"`` merges in fp32/fp64 when the sparse terms would cost more than the merge; it
-never merges in bf16/fp16, where rounding ``W + D`` to the weight's precision would erase deltas
-smaller than half an ulp of the base weight.
+and uses one GEMM for ``y`` and one for ``dx``; ``"dense"`` forms ``D`` alone, in at least fp32, as one
+``(O, I)`` temporary, and turns every sparse term into a GEMM: ``y = x W^T + x D^T``, ``dx = dy W + dy D``,
+``dvalues = (dy^T x)[rows, cols]``. Except under ``"gather"`` and ``"dense"``, ``dvalues`` comes from
+``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (its kernel refuses bf16/fp16; elsewhere it is gathered).
+
+``"auto"``: on a GPU (any device but the CPU that has index ops), ``"dense"``: its scatters are atomics that
+collide on the few output columns an expert's tokens share, and its gathers move ``T × n`` elements where a
+GEMM of the same ``T`` tokens costs little; the profile of a training step at Qwen3-30B-A3B's width on an
+H200 spent 82 % of the device's time in the gather path's ``index_add_``/``index_select``/casts
+(docs/BENCHMARKS.md). On the CPU it merges in fp32/fp64 when the sparse terms would cost more than the
+merge, else gathers; it never merges in bf16/fp16, where rounding ``W + D`` to the weight's precision would
+erase deltas smaller than half an ulp of the base weight (``"dense"`` keeps ``D`` apart, so it loses nothing).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from usaf.backends.transfer import sampled_addmm_supported
 ScoreSink = Callable[[torch.Tensor, torch.Tensor], None]
 """``sink(grad_w (O, I) fp32, weight (O, I)) -> None``; must reduce ``grad_w`` at once, not keep it."""
 
-STRATEGIES = ("auto", "gather", "merge")
+STRATEGIES = ("auto", "gather", "merge", "dense")
 """``sparse_delta_linear(strategy=...)`` choices; all give the same result up to rounding."""
 
 # "auto" merges once the sparse terms' T * n elements reach this share of the merge's O * I. Measured
@@ -215,12 +222,29 @@ def _sampled_product_csr(dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, 
     return torch.empty_like(sampled).index_copy_(0, order, sampled)
 
 
-def _use_merge(strategy: str, x: torch.Tensor, weight: torch.Tensor, n: int) -> bool:
+def _resolve(strategy: str, x: torch.Tensor, weight: torch.Tensor, n: int, index_ops: bool) -> str:
+    """The strategy that runs: ``"gather"``, ``"merge"`` or ``"dense"`` (see the module docstring)."""
+    if not index_ops:
+        return "gather"  # merge and dense write D with index_put_ (a scatter); the gather is index-free there
     if strategy != "auto":
-        return strategy == "merge"
+        return strategy
+    if x.device.type != "cpu":
+        return "dense"
     if x.dtype not in (torch.float32, torch.float64):
-        return False  # see the module docstring: merging in low precision loses small deltas
-    return x.shape[0] * n >= _MERGE_SHARE * weight.shape[0] * weight.shape[1]
+        return "gather"  # see the module docstring: merging in low precision loses small deltas
+    return "merge" if x.shape[0] * n >= _MERGE_SHARE * weight.shape[0] * weight.shape[1] else "gather"
+
+
+def _flat_positions(rows: torch.Tensor, cols: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``(n,)`` positions of the entries in a flattened ``(O, I)``: 1-D indexing is one kernel each way, where
+    2-D advanced indexing adds bounds checks, wrap-arounds and (accumulating) a sort, launched per expert."""
+    return rows * in_features + cols
+
+
+def _dense_delta(shape: torch.Size, flat: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``D`` as a fresh dense ``(O, I)`` tensor in ``dtype`` (at least fp32: the delta is never rounded to bf16)."""
+    d = torch.zeros(shape[0] * shape[1], dtype=dtype, device=values.device)  # (O * I,)
+    return d.index_add_(0, flat, values.detach().to(dtype)).view(shape)  # duplicates add, as in the other strategies
 
 
 class _SparseDeltaLinear(torch.autograd.Function):
@@ -229,21 +253,28 @@ class _SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, rows, cols, values, bias, score_sink, chunk_tokens, strategy, index_ops):
         active = bool(rows.numel() and x.shape[0])  # False: the delta contributes nothing
-        # merging writes W + D with index_put_ (a scatter): only where the device has index ops
-        merge = active and index_ops and _use_merge(strategy, x, weight, rows.numel())
-        add = _add_gathered_product if index_ops else _add_gathered_product_index_free
+        resolved = _resolve(strategy, x, weight, rows.numel(), index_ops) if active else "gather"
+        merge = resolved == "merge"
         with _no_autocast(x.device):
             w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
             y = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))  # (T, O)
             del w
-            if active and not merge:
+            flat = _flat_positions(rows, cols, weight.shape[1]) if resolved == "dense" else None  # (n,)
+            if resolved == "dense":
+                acc = _accumulate_dtype(x.dtype)
+                d = _dense_delta(weight.shape, flat, values, acc)  # (O, I)
+                y = torch.addmm(y.to(acc), x.to(acc), d.t()).to(x.dtype)  # (T, O), one rounding, as the gather's
+                del d
+            elif active and not merge:
+                add = _add_gathered_product if index_ops else _add_gathered_product_index_free
                 add(y, x, cols, rows, values, chunk_tokens)
         # The original weight, not its cast: saving a cast copy would hold an extra (O, I) per expert
         # until backward, defeating "one dense expert slice at a time".
         ctx.save_for_backward(x, weight, rows, cols, values)
         ctx.score_sink = score_sink
         ctx.chunk_tokens = chunk_tokens
-        ctx.merge = merge
+        ctx.resolved = resolved
+        ctx.flat = flat  # int64 positions, not part of the graph: kept for backward's D and dvalues
         ctx.strategy = strategy
         ctx.index_ops = index_ops
         return y
@@ -252,32 +283,45 @@ class _SparseDeltaLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight, rows, cols, values = ctx.saved_tensors
-        chunk_tokens, merge = ctx.chunk_tokens, ctx.merge
+        chunk_tokens, resolved = ctx.chunk_tokens, ctx.resolved
         active = bool(rows.numel() and x.shape[0])
         need_dx, need_dvalues = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         dx = dvalues = None
+        acc = _accumulate_dtype(x.dtype)
         with _no_autocast(x.device):
             dy = dy.to(x.dtype)  # (T, O)
             if need_dx:
                 # Merged again rather than saved from forward: holding W + D until backward would keep
-                # one extra (O, I) per expert alive across the whole layer.
+                # one extra (O, I) per expert alive across the whole layer. So is D for "dense".
+                merge = resolved == "merge"
                 w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
                 dx = dy @ w  # (T, I)
                 del w
-                if active and not merge:
+                if resolved == "dense":
+                    d = _dense_delta(weight.shape, ctx.flat, values, acc)  # (O, I)
+                    dx = torch.addmm(dx.to(acc), dy.to(acc), d).to(x.dtype)  # (T, I)
+                    del d
+                elif active and not merge:
                     add = _add_gathered_product if ctx.index_ops else _add_gathered_product_index_free
                     add(dx, dy, rows, cols, values, chunk_tokens)
+            # The dense weight gradient dy^T x (O, I) for the score sink, in fp32: scores are summed over many
+            # batches and compared across experts. With no tokens it is identically zero: no call.
+            grad_w = None
+            if ctx.score_sink is not None and x.shape[0]:
+                grad_w = dy.to(torch.float32).t() @ x.to(torch.float32)  # (O, I)
             if need_dvalues:
                 if not active:
                     dvalues = torch.zeros_like(values)
+                elif resolved == "dense":  # the entries of dy^T x (O, I), the sink's where that is precise enough
+                    dense_grad = grad_w if grad_w is not None and acc == torch.float32 else dy.to(acc).t() @ x.to(acc)
+                    # (n,), read before the sink overwrites grad_w
+                    dvalues = dense_grad.view(-1).index_select(0, ctx.flat).to(values.dtype)
+                    del dense_grad
                 elif ctx.strategy != "gather" and ctx.index_ops and _sampled_addmm_supported(x):
                     dvalues = _sampled_product_csr(dy, x, rows, cols).to(values.dtype)  # (n,)
                 else:
                     dvalues = _sampled_product(dy, x, rows, cols, chunk_tokens).to(values.dtype)  # (n,)
-            # With no tokens dW is identically zero: skip the (O, I) allocation and the call.
-            if ctx.score_sink is not None and x.shape[0]:
-                # fp32 operands: scores are summed over many batches and compared across experts.
-                grad_w = dy.to(torch.float32).t() @ x.to(torch.float32)  # (O, I)
+            if grad_w is not None:
                 ctx.score_sink(grad_w, weight)
                 del grad_w
         return dx, None, None, None, dvalues, None, None, None, None, None
@@ -320,14 +364,15 @@ def sparse_delta_linear(
         chunk_tokens: tokens per chunk of the gathered sparse terms; bounds their temporaries to
             ``chunk_tokens × n`` elements.
         strategy: ``"gather"`` (sparse terms by gather/scatter), ``"merge"`` (GEMMs with ``W + D``
-            formed for this expert, one ``(O, I)`` temporary at a time) or ``"auto"`` (merge
-            only in fp32/fp64 and when ``T * n >= O * I / 2``). An explicit ``"merge"`` in bf16/fp16
-            rounds ``W + D`` to that precision. Except with ``"gather"``, ``dvalues`` comes from
-            ``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (gathered in chunks elsewhere).
-            See the module docstring.
+            formed for this expert, one ``(O, I)`` temporary at a time), ``"dense"`` (GEMMs with ``D``
+            formed apart in at least fp32, one ``(O, I)`` temporary at a time) or ``"auto"`` (dense on
+            a GPU; on the CPU merge only in fp32/fp64 and when ``T * n >= O * I / 2``). An explicit
+            ``"merge"`` in bf16/fp16 rounds ``W + D`` to that precision. Under ``"merge"`` and ``"auto"``,
+            ``dvalues`` comes from ``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (gathered in chunks
+            elsewhere). See the module docstring.
         index_ops: the device runs ``index_add_``/``index_put_`` (``Capabilities.index_ops``). False
             (DirectML): the sparse terms are summed through a padded gather table instead, and
-            ``"merge"`` is not used.
+            ``"merge"`` and ``"dense"`` are not used.
 
     Returns:
         ``(T, O)`` tensor in ``x.dtype``.
