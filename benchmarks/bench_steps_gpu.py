@@ -20,8 +20,13 @@ After each round's collecting steps, one ``reselect`` is timed; the RigL cycle's
 ``--reselect-every 50`` is ``(SCORE_BATCHES x (collecting - cached) + reselect) / (50 x cached)``. Then each arm
 once more alone for the allocator's peak above what its model holds.
 
-    python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7]
-                                         [--out benchmarks/results/steps-gpu.json]
+``--deterministic``: every arm under torch's deterministic algorithms (``usaf train --deterministic``'s setting),
+to price bit-reproducibility. ``--profile FILE``: after the timing, two more steps of the cached arm and of
+LoRA under torch's profiler; FILE gets each one's operators by device time and by host time (where a step's
+time goes: the GPU's kernels or the host launching them).
+
+    python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7] [--deterministic]
+                                         [--profile FILE] [--out benchmarks/results/steps-gpu.json]
     python benchmarks/bench_steps_gpu.py --device cpu --quick     # a smoke test of this script without a GPU
 """
 
@@ -159,8 +164,39 @@ def main() -> None:
     parser.add_argument("--trainable", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="small widths and seq 64 (a smoke test, e.g. on CPU)")
+    parser.add_argument("--deterministic", action="store_true", help="torch's deterministic algorithms throughout")
+    parser.add_argument("--profile", type=Path, default=None, help="write the cached and LoRA steps' profiles here")
     parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/steps-gpu.json]")
     args = parser.parse_args()
+    from usaf.backends.determinism import deterministic_kernels
+
+    with deterministic_kernels(args.deterministic):
+        run(args)
+
+
+def profile(arms: dict, names: tuple[str, ...], device: torch.device, path: Path) -> None:
+    """Two steps of each named arm under torch's profiler: operator tables by device time and by host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sections = []
+    for name in (n for n in names if n in arms):
+        _sync(device)
+        with torch_profile(activities=activities) as prof:
+            for _ in range(2):
+                arms[name]()
+            _sync(device)
+        table = prof.key_averages()
+        for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+            rows = table.table(sort_by=key, row_limit=30, max_name_column_width=60)
+            sections.append(f"== {name}: 2 steps, by {key}\n{rows}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(sections) + "\n")
+    print(f"wrote {path}")
+
+
+def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     config = model_config(args.layers, args.quick)
     seq_len = SEQ_LEN // 8 if args.quick else SEQ_LEN
@@ -201,6 +237,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "deterministic": args.deterministic,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": {
@@ -226,6 +263,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"wrote {out}")
+    if args.profile is not None:
+        profile(arms, ("usaf_cached", "lora"), device, args.profile)
 
 
 if __name__ == "__main__":

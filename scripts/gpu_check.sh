@@ -7,7 +7,8 @@
 #      GPU learning and resuming exactly, `usaf eval` and `usaf score` on the GPU against the CPU, streaming,
 #      the backend probe, dequantization;
 #   2. the training steps at Qwen3-30B-A3B's real width (hidden 2048, 128 experts, top-8): first visit, cached,
-#      collecting, a reselection, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json;
+#      collecting, a reselection, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json,
+#      with both steps' profiles (steps-gpu-profile.txt), and again under --deterministic (steps-gpu-deterministic.json);
 #   3. the frozen-layer forward (grouped execution vs the per-expert loop vs transformers' grouped_mm) at 32 and
 #      128 experts in bf16 -> benchmarks/results/frozen-gpu.json;
 #   4. the planner's GPU benchmark: predicted device peak vs torch.cuda.max_memory_allocated at the real width,
@@ -49,8 +50,12 @@ fi
 "$PY" -c "import usaf, transformers, pytest; print('usaf', usaf.__version__, 'transformers', transformers.__version__)" || exit 1
 
 step "CUDA tests" 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" -rfE
-step "training steps at real width vs LoRA" 120 "$PY" benchmarks/bench_steps_gpu.py --rounds 7 --out "$RESULTS/steps-gpu.json"
-collect "$RESULTS/steps-gpu.json"
+step "training steps at real width vs LoRA" 120 "$PY" benchmarks/bench_steps_gpu.py --rounds 7 --out "$RESULTS/steps-gpu.json" \
+    --profile "$RESULTS/steps-gpu-profile.txt"
+collect "$RESULTS/steps-gpu.json" "$RESULTS/steps-gpu-profile.txt"
+step "training steps with --deterministic" 100 "$PY" benchmarks/bench_steps_gpu.py --rounds 5 --deterministic \
+    --out "$RESULTS/steps-gpu-deterministic.json"
+collect "$RESULTS/steps-gpu-deterministic.json"
 step "frozen-layer forward" 100 "$PY" benchmarks/bench_frozen.py --device cuda --dtype bfloat16 --experts 32 128 \
     --rounds 5 --out "$RESULTS/frozen-gpu.json"
 collect "$RESULTS/frozen-gpu.json"

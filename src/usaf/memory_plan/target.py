@@ -21,10 +21,12 @@ GIB = 2**30
 # modelling stack, tokenizers, safetensors and the CLI make up the rest. A CUDA build of torch maps more.
 FRAMEWORK_HOST = 418 * MIB
 # What a CUDA context costs on the device (driver, kernels, cuBLAS workspace): about 500 MiB on current
-# NVIDIA cards. Not measured here (no GPU); scripts/gpu_check.sh measures it.
+# NVIDIA cards. Measured once, on an H200 (132 SMs; torch 2.11, CUDA 13.0, with a cuBLAS handle): 685 MiB,
+# above this figure; consumer cards' contexts are smaller (fewer SMs), none measured yet, so it stays, and the
+# 5 % reserve (600 MiB of a 12 GiB card) covers the difference (docs/BENCHMARKS.md, "On a GPU").
 CUDA_CONTEXT = 500 * MIB
-# Host memory the CUDA runtime maps once initialised (its libraries, cuBLAS/cuDNN handles): an assumption
-# of 1 GiB until scripts/gpu_check.sh measures it.
+# Host memory the CUDA runtime maps once initialised (its libraries, cuBLAS/cuDNN handles): 1 GiB, assumed;
+# the H200 run measured 262 MiB more RSS after CUDA and cuBLAS initialised (cuDNN and NCCL were not loaded).
 CUDA_HOST_RUNTIME = 1 * GIB
 # A plan must leave this share of each budget free: allocator fragmentation and caching (PyTorch's CUDA
 # allocator reserves more than it allocates), and what the prediction does not see.
