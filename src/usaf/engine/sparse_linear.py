@@ -259,8 +259,9 @@ class _SparseDeltaLinear(torch.autograd.Function):
             w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
             y = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))  # (T, O)
             del w
-            flat = _flat_positions(rows, cols, weight.shape[1]) if resolved == "dense" else None  # (n,)
+            flat = None
             if resolved == "dense":
+                flat = _flat_positions(rows, cols, weight.shape[1])  # (n,)
                 acc = _accumulate_dtype(x.dtype)
                 d = _dense_delta(weight.shape, flat, values, acc)  # (O, I)
                 y = torch.addmm(y.to(acc), x.to(acc), d.t()).to(x.dtype)  # (T, O), one rounding, as the gather's
