@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU check (not run in CI; run it whenever a CUDA machine is available, from the repository root).
-# Budget: under 8 minutes. Uses the CUDA build of torch already installed on the machine; usaf runs from src/
+# Budget: under 8 minutes (about 4 on an H200, 2026-12-04). Uses the CUDA build of torch already installed on the
+# machine; usaf runs from src/
 # (an offline machine needs no install; its other dependencies must be importable, e.g. carried as wheels).
 #   1. the CUDA-marked tests (pytest -m cuda): the engine's loss and sparse gradients on the GPU against the CPU for
 #      every family, the grouped path through torch's grouped matmul in bf16 at 128 experts, `usaf train` on the
-#      GPU learning and resuming exactly, `usaf eval` and `usaf score` on the GPU against the CPU, streaming,
-#      the backend probe, dequantization;
+#      GPU learning and resuming exactly with --deterministic (within the run-to-run noise without it), `usaf eval`
+#      and `usaf score` (with its lr test) on the GPU against the CPU, streaming, the backend probe, dequantization;
 #   2. the training steps at Qwen3-30B-A3B's real width (hidden 2048, 128 experts, top-8): first visit, cached,
 #      collecting, a reselection, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json,
 #      with both steps' profiles (steps-gpu-profile.txt), and again under --deterministic (steps-gpu-deterministic.json);
