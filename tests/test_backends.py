@@ -170,6 +170,8 @@ def test_cuda_compute_capability_8_0_gets_bf16(monkeypatch: pytest.MonkeyPatch) 
     simulate_cuda(monkeypatch, capability=(8, 0), total_memory=40 * 2**30, free_memory=30 * 2**30)
     backend = resolve_backend("cuda", env={})
     assert backend.capabilities.bf16 and backend.capabilities.memory_stats
+    assert backend.capabilities.dense_delta_terms  # the sparse terms as GEMMs (measured on an H200)
+    assert not resolve_backend("cpu", env={}).capabilities.dense_delta_terms  # the CPU's gathers are cheaper
     assert backend.policy.compute == torch.bfloat16 and backend.policy.autocast == torch.bfloat16
     assert not backend.policy.loss_scaling
     memory = backend.memory()

@@ -281,9 +281,14 @@ def test_unsorted_entries():
         torch.testing.assert_close(dv, dd_ref[rows[perm], cols[perm]], rtol=1e-12, atol=1e-12)
 
 
-def test_auto_strategy_choice():
-    """ "auto": dense on a GPU; on the CPU merge only in fp32/fp64 and only when the sparse terms outweigh an (O, I)
-    merge; gather wherever the device lacks index ops, whatever was asked."""
+def test_auto_strategy_choice(monkeypatch):
+    """ "auto": dense where the backend declares dense_delta_terms (CUDA); elsewhere merge only in fp32/fp64 and
+    only when the sparse terms outweigh an (O, I) merge; gather wherever the device lacks index ops, whatever was
+    asked."""
+    import dataclasses
+
+    from usaf.backends import cpu
+    from usaf.engine import sparse_linear
     from usaf.engine.sparse_linear import _MERGE_SHARE, _resolve
 
     weight = torch.zeros(32, 64)
@@ -297,12 +302,16 @@ def test_auto_strategy_choice():
         (torch.float16, 100 * t_min, "gather"),
     ]:
         assert _resolve("auto", torch.zeros(t, 64, dtype=dtype), weight, n, True) == expected
-    on_a_gpu = torch.zeros(1, 64, dtype=torch.bfloat16, device="meta")  # any device but the CPU
-    assert _resolve("auto", on_a_gpu, weight, 1, True) == "dense"
     assert _resolve("merge", torch.zeros(1, 64, dtype=torch.bfloat16), weight, 1, True) == "merge"
     assert _resolve("gather", torch.zeros(1000, 64), weight, 2048, True) == "gather"
+    # a device whose backend declares dense_delta_terms, simulated on the CPU
+    dense_caps = dataclasses.replace(cpu.capabilities(), dense_delta_terms=True)
+    monkeypatch.setattr(sparse_linear, "device_capabilities", lambda device: dense_caps)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert _resolve("auto", x, weight, 1, True) == "dense"
+    assert _resolve("gather", x, weight, 1, True) == "gather"  # an explicit choice stands
     for strategy in STRATEGIES:  # DirectML: no index_put_ to form W + D or D
-        assert _resolve(strategy, on_a_gpu, weight, 1, False) == "gather"
+        assert _resolve(strategy, x, weight, 1, False) == "gather"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

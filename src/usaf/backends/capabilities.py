@@ -44,6 +44,11 @@ class Capabilities:
         to_device_and_dtype: ``tensor.to(device, dtype)`` honours both in one call. torch-directml
             ignores the dtype then, so :func:`usaf.backends.move` makes two calls.
         direct_load: safetensors can read a file straight onto this device; else read on the host, then move.
+        dense_delta_terms: a sparse delta's terms run faster as GEMMs over the delta formed dense, one expert's
+            ``(O, I)`` at a time, than as gathers and scatters (``usaf.engine.sparse_linear``'s ``"dense"``): on
+            CUDA, where the scatters are colliding atomics and a GEMM of the same tokens is cheap (an H200's
+            training step: 3.3× less device time). Not on the CPU (its fp32 GEMMs cost more than the gathers),
+            not measured on ROCm's or MPS's kernels (ROCm shares CUDA's backend, so it follows CUDA).
     """
 
     bf16: bool
@@ -60,6 +65,7 @@ class Capabilities:
     max_allocation_bytes: int | None = None
     to_device_and_dtype: bool = True
     direct_load: bool = True
+    dense_delta_terms: bool = False
 
     def as_dict(self) -> dict[str, bool | int | None]:
         return asdict(self)

@@ -101,6 +101,7 @@ def capabilities(index: int) -> Capabilities:
         torch_compile=has_triton() and (rocm or cc >= (7, 0)),  # Triton needs compute capability >= 7.0
         # Same rule transformers applies: SM80+ with torch >= 2.9, Hopper only before.
         grouped_mm=has_grouped_mm_op() and (cc >= (8, 0) if torch_at_least("2.9") else cc[0] == 9),
+        dense_delta_terms=True,  # measured on an H200 (docs/BENCHMARKS.md, "On a GPU")
     )
 
 

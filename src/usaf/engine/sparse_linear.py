@@ -14,13 +14,14 @@ and uses one GEMM for ``y`` and one for ``dx``; ``"dense"`` forms ``D`` alone, i
 ``dvalues = (dy^T x)[rows, cols]``. Except under ``"gather"`` and ``"dense"``, ``dvalues`` comes from
 ``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (its kernel refuses bf16/fp16; elsewhere it is gathered).
 
-``"auto"``: on a GPU (any device but the CPU that has index ops), ``"dense"``: its scatters are atomics that
-collide on the few output columns an expert's tokens share, and its gathers move ``T × n`` elements where a
-GEMM of the same ``T`` tokens costs little; the profile of a training step at Qwen3-30B-A3B's width on an
-H200 spent 82 % of the device's time in the gather path's ``index_add_``/``index_select``/casts
-(docs/BENCHMARKS.md). On the CPU it merges in fp32/fp64 when the sparse terms would cost more than the
-merge, else gathers; it never merges in bf16/fp16, where rounding ``W + D`` to the weight's precision would
-erase deltas smaller than half an ulp of the base weight (``"dense"`` keeps ``D`` apart, so it loses nothing).
+``"auto"``: ``"dense"`` where the backend declares ``Capabilities.dense_delta_terms`` (CUDA): there the
+gather's scatters are atomics that collide on the few output columns an expert's tokens share, and its gathers
+move ``T × n`` elements where a GEMM of the same ``T`` tokens costs little; the profile of a training step at
+Qwen3-30B-A3B's width on an H200 spent 82 % of the device's time in the gather path's
+``index_add_``/``index_select``/casts (docs/BENCHMARKS.md). Elsewhere it merges in fp32/fp64 when the sparse
+terms would cost more than the merge, else gathers; it never merges in bf16/fp16, where rounding ``W + D`` to
+the weight's precision would erase deltas smaller than half an ulp of the base weight (``"dense"`` keeps ``D``
+apart, so it loses nothing).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from usaf.backends.transfer import sampled_addmm_supported
+from usaf.backends.transfer import device_capabilities, sampled_addmm_supported
 
 ScoreSink = Callable[[torch.Tensor, torch.Tensor], None]
 """``sink(grad_w (O, I) fp32, weight (O, I)) -> None``; must reduce ``grad_w`` at once, not keep it."""
@@ -228,7 +229,7 @@ def _resolve(strategy: str, x: torch.Tensor, weight: torch.Tensor, n: int, index
         return "gather"  # merge and dense write D with index_put_ (a scatter); the gather is index-free there
     if strategy != "auto":
         return strategy
-    if x.device.type != "cpu":
+    if device_capabilities(x.device).dense_delta_terms:
         return "dense"
     if x.dtype not in (torch.float32, torch.float64):
         return "gather"  # see the module docstring: merging in low precision loses small deltas
@@ -366,8 +367,9 @@ def sparse_delta_linear(
             ``chunk_tokens × n`` elements.
         strategy: ``"gather"`` (sparse terms by gather/scatter), ``"merge"`` (GEMMs with ``W + D``
             formed for this expert, one ``(O, I)`` temporary at a time), ``"dense"`` (GEMMs with ``D``
-            formed apart in at least fp32, one ``(O, I)`` temporary at a time) or ``"auto"`` (dense on
-            a GPU; on the CPU merge only in fp32/fp64 and when ``T * n >= O * I / 2``). An explicit
+            formed apart in at least fp32, one ``(O, I)`` temporary at a time) or ``"auto"`` (dense where
+            ``Capabilities.dense_delta_terms``, CUDA; elsewhere merge only in fp32/fp64 and when
+            ``T * n >= O * I / 2``). An explicit
             ``"merge"`` in bf16/fp16 rounds ``W + D`` to that precision. Under ``"merge"`` and ``"auto"``,
             ``dvalues`` comes from ``torch.sparse.sampled_addmm`` on CPU fp32/fp64 (gathered in chunks
             elsewhere). See the module docstring.
