@@ -37,6 +37,21 @@ needs_v5 = pytest.mark.skipif(
 V5_ONLY_TYPES = FALLBACK_TYPES  # the structural fallback reads v5's fused experts
 
 
+# Written by the tools, not by usaf: a test's output belongs in its tmp_path, never in the directory pytest runs in.
+_RUN_DIRECTORY_LITTER_OK = {".pytest_cache", ".hypothesis", "__pycache__", ".ruff_cache"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_where_pytest_runs():
+    """Fails the session's last test if the suite left something new in the working directory (a command run
+    without --out or --workspace writes into the default workspace, "."; one did: test_outputs.py's eval's cache)."""
+    here = Path.cwd()
+    before = {p.name for p in here.iterdir()}
+    yield
+    new = sorted(p.name for p in here.iterdir() if p.name not in before and p.name not in _RUN_DIRECTORY_LITTER_OK)
+    assert not new, f"the tests wrote {new} into {here}: give the command an --out or --workspace under tmp_path"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """``tiny_model(family, **build_kwargs) -> Path``: built on first request, then cached."""

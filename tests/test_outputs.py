@@ -317,7 +317,7 @@ def test_eval_and_export_read_a_run_being_written(ws, tmp_path):
     (run / "manifest.json").unlink()  # as while training: checkpoints on disk, the run not finished
     with OutputLock(run):
         report = invoke("eval", "--model", ws["model"], "--checkpoint", run, "--data", ws["tokens"],
-                        "--out", tmp_path / "report", "--no-plots")  # fmt: skip
+                        "--out", tmp_path / "report", "--workspace", tmp_path, "--no-plots")  # fmt: skip
         assert report.exit_code == 0, report.output
         export = invoke("export", "--model", ws["model"], "--checkpoint", run, "--format", "delta",
                         "--out", tmp_path / "delta")  # fmt: skip
