@@ -68,3 +68,22 @@ def test_an_op_without_a_deterministic_kernel_is_one_error_line(prepared, tmp_pa
         assert "error: --deterministic: index_foo_cuda does not have a deterministic implementation" in result.output
         assert "run without --deterministic" in result.output
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_a_resume_on_a_device_that_is_not_reproducible_says_so(prepared, tmp_path, monkeypatch, reproducible):
+    """A resumed run on a device whose sums' order varies (a GPU, simulated on the CPU) notes that it matches only
+    within that noise unless --deterministic; the CPU (reproducible) says nothing."""
+    import dataclasses
+
+    from usaf.backends import cpu
+
+    caps = dataclasses.replace(cpu.capabilities(), reproducible=reproducible)
+    monkeypatch.setattr(cpu, "capabilities", lambda: caps)
+    with ctrl_c_at_step(4):
+        assert train(prepared, tmp_path / "run").exit_code == 130
+    for extra, noted in (((), not reproducible), (("--deterministic",), False)):
+        with ctrl_c_at_step(5):  # interrupted again, so the second resume has a checkpoint to resume from
+            result = train(prepared, tmp_path / "run", *extra)
+        assert "resuming from" in result.stderr, explain(result)
+        assert ("only within the device's run-to-run noise" in result.stderr) is noted, result.stderr

@@ -44,6 +44,9 @@ class Capabilities:
         to_device_and_dtype: ``tensor.to(device, dtype)`` honours both in one call. torch-directml
             ignores the dtype then, so :func:`usaf.backends.move` makes two calls.
         direct_load: safetensors can read a file straight onto this device; else read on the host, then move.
+        reproducible: equal runs give equal bytes with torch's default kernels (the CPU's, at a fixed thread
+            count). A GPU's scatter-adds sum in the order their atomics land: there only ``usaf train
+            --deterministic`` makes a resumed run equal the straight one bit for bit (measured on an H200).
         dense_delta_terms: a sparse delta's terms run faster as GEMMs over the delta formed dense, one expert's
             ``(O, I)`` at a time, than as gathers and scatters (``usaf.engine.sparse_linear``'s ``"dense"``): on
             CUDA, where the scatters are colliding atomics and a GEMM of the same tokens is cheap (an H200's
@@ -65,6 +68,7 @@ class Capabilities:
     max_allocation_bytes: int | None = None
     to_device_and_dtype: bool = True
     direct_load: bool = True
+    reproducible: bool = False
     dense_delta_terms: bool = False
 
     def as_dict(self) -> dict[str, bool | int | None]:

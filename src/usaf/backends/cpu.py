@@ -38,6 +38,7 @@ def capabilities() -> Capabilities:
         torch_compile=has_cxx_compiler(),
         # torch <= 2.8 has no CPU kernel for grouped matmul (pytorch#172440).
         grouped_mm=has_grouped_mm_op() and torch_at_least("2.9"),
+        reproducible=True,  # tests/test_determinism.py: byte-identical runs across processes
     )
 
 

@@ -81,6 +81,9 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     if inputs.resume_from is not None:
         trainer.load_checkpoint(inputs.resume_from)
         progress.note(f"resuming from {inputs.resume_from} (step {trainer.state.step} of {inputs.steps})")
+        if not (config.deterministic or backend.capabilities.reproducible):
+            progress.note(f"on {backend.name} without --deterministic the resumed run equals an uninterrupted one "
+                          "only within the device's run-to-run noise (its sums' order varies)")  # fmt: skip
     if world.is_main:
         trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint (or all, from 0) are logged again
     per_step = inputs.per_step
