@@ -6,11 +6,16 @@ each run in a fresh child, evaluated as ``usaf generate``/``export`` apply a run
 held-out test sample and on ``PRETRAIN_DOMAIN``'s held-out sources (forgetting), the same sequences for every run.
 
 Arms, side by side per seed (arm order alternating across seeds): usaf's defaults (lr 3e-3, RigL every 40 steps,
-routers on) with and without ``--dense-router-grad``, at router lr 1e-4 (the default) and 1e-3. Same data order,
+routers on) with and without ``--dense-router-grad``, at router lr 1e-4 (the old default) and 1e-3. Same data order,
 same plan per seed. The step-time ratio is dense / default of the median step time, per seed and router lr.
 
     python benchmarks/bench_router_grad.py [--threads 1] [--steps 250] [--seeds 0 1 2]
                                            [--out benchmarks/results/router_grad.json]
+
+``--domain torch-cpp`` fine-tunes on the evidence's large-shift domain instead, ``--model`` the larger evidence
+model (``bench_evidence.py``'s options), ``--router-lrs`` the router lrs compared (default: both above).
+``--defaults``: both arms at usaf's defaults instead (``bench_evidence``'s ``usaf_defaults_attention``: the default
+targets and share rule, the lr the plan's lr test chose), so the comparison is the flag's effect as a user gets it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from bench_evidence import (  # noqa: E402
     FRAC,
     LAST_N,
     MICROBATCH,
+    PLAN_LR,
     RESELECT_EVERY,
     SEQ,
     STEPS,
@@ -43,16 +49,19 @@ from bench_evidence import (  # noqa: E402
 )
 from bench_train import git_commit, wrapped  # noqa: E402
 
+from usaf.settings.fields import DEFAULT_TARGETS  # noqa: E402
+
 LR = 3e-3  # usaf train's --lr default
-ROUTER_LRS = (1e-4, 1e-3)  # the default, and 10x
+ROUTER_LRS = (1e-4, 1e-3)  # the default before 3a6d538, and the default since
 ARMS = {"default": False, "dense_router_grad": True}
 
 
-def run_one(env: dict, plan: Path, work: Path, *, arm: str, router_lr: float, seed: int, steps: int) -> dict:
+def run_one(env: dict, plan: Path, work: Path, *, arm: str, router_lr: float, seed: int, steps: int, lr) -> dict:
+    """One arm at one router lr and seed, in a fresh child; ``lr``: the deltas' (``PLAN_LR``: the plan's)."""
     name = f"{arm}-rlr{router_lr:g}-seed{seed}"
     spec = {
         "kind": "usaf",
-        "lr": LR,
+        "lr": lr,
         "router_lr": router_lr,
         "dense_router_grad": ARMS[arm],
         "seed": seed,
@@ -97,10 +106,10 @@ def run_one(env: dict, plan: Path, work: Path, *, arm: str, router_lr: float, se
     return result
 
 
-def compare(runs: list[dict], seeds: list[int]) -> dict:
+def compare(runs: list[dict], seeds: list[int], router_lrs) -> dict:
     """Per router lr: each seed's dense - default differences, and whether dense wins on every seed."""
     table = {}
-    for router_lr in ROUTER_LRS:
+    for router_lr in router_lrs:
         by = {(r["arm"], r["seed"]): r for r in runs if r["router_lr"] == router_lr}
         rows = []
         for seed in seeds:
@@ -130,6 +139,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps per run [{STEPS}]")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1, help="torch threads here and in the children [1]")
+    parser.add_argument("--domain", default="stdlib-net", choices=("stdlib-net", "torch-cpp"))
+    parser.add_argument("--model", type=Path, default=None, help="the pretrained model [the demo model]")
+    parser.add_argument("--router-lrs", type=float, nargs="+", default=list(ROUTER_LRS))
+    parser.add_argument("--defaults", action="store_true", help="usaf's default targets, share and lr test")
     parser.add_argument("--out", type=Path, default=RESULTS / "router_grad.json")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -147,8 +160,11 @@ def main() -> None:
         "settings": {
             "steps": args.steps,
             "seeds": args.seeds,
-            "lr": LR,
-            "router_lrs": ROUTER_LRS,
+            "lr": "the plan's lr test" if args.defaults else LR,
+            "targets": ",".join(DEFAULT_TARGETS) if args.defaults else "experts",
+            "router_lrs": args.router_lrs,
+            "domain": args.domain,
+            "model": str(args.model) if args.model else "the demo model",
             "frac": FRAC,
             "reselect_every": RESELECT_EVERY,
             "seq_len": SEQ,
@@ -166,18 +182,32 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="usaf-bench-router-grad-") as tmp:
         work = Path(tmp)
-        env = setup(work, SEQ, EVAL_SEQUENCES)
+        env = setup(work, SEQ, EVAL_SEQUENCES, args.domain, args.model)
         result["setup"] = env["info"]
         for i, seed in enumerate(args.seeds):
-            plan, _ = make_plan(env, work, seed, FRAC, None, cache=True, calib=64)
+            if args.defaults:
+                targets = ",".join(DEFAULT_TARGETS)
+                plan, info = make_plan(env, work, seed, None, None, cache=True, calib=64, targets=targets)
+                result.setdefault("plans", []).append(info)
+            else:
+                plan, _ = make_plan(env, work, seed, FRAC, None, cache=True, calib=64)
             order = list(ARMS) if i % 2 == 0 else list(reversed(ARMS))  # alternate which arm runs first
-            for router_lr in ROUTER_LRS:
+            for router_lr in args.router_lrs:
                 for arm in order:
                     result["runs"].append(
-                        run_one(env, plan, work, arm=arm, router_lr=router_lr, seed=seed, steps=args.steps)
+                        run_one(
+                            env,
+                            plan,
+                            work,
+                            arm=arm,
+                            router_lr=router_lr,
+                            seed=seed,
+                            steps=args.steps,
+                            lr=PLAN_LR if args.defaults else LR,
+                        )
                     )
                     save()
-    result["table"] = compare(result["runs"], args.seeds)
+    result["table"] = compare(result["runs"], args.seeds, args.router_lrs)
     result["total_seconds"] = time.perf_counter() - started
     result["load_average_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
     save()
