@@ -189,7 +189,7 @@ class _Captured(Exception):
     pass
 
 
-def stage_trainer(qdir: Path, tdir: Path, plan: Path, run_dir: Path):
+def stage_trainer(qdir: Path, tdir: Path, plan: Path, run_dir: Path, dense_router_grad: bool = False):
     """The Trainer exactly as ``usaf.stages.train.run`` builds it (the stage is stopped at its loop)."""
     from usaf.stages import train as train_stage
     from usaf.stages.progress import NullProgress
@@ -213,6 +213,7 @@ def stage_trainer(qdir: Path, tdir: Path, plan: Path, run_dir: Path):
         save_every=0,
         device="cpu",
         dtype="float32",
+        dense_router_grad=dense_router_grad,
     )
     with mock.patch.object(train_loop, "run_loop", capture), contextlib.suppress(_Captured):
         train_stage.run(config, progress=progress)
@@ -314,7 +315,10 @@ def interleave(arms: dict, steps: list[int], label: str) -> dict[str, list[float
     return times
 
 
-def throughput(src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeats: int) -> tuple[dict, dict]:
+def throughput(
+    src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeats: int, dense_router_grad: bool = False
+) -> tuple[dict, dict]:
+    """Figure 1; ``dense_router_grad``: also a prefix-hit step with ``--dense-router-grad`` (its cost)."""
     from usaf.backends import resolve_backend
     from usaf.engine.prefix import PrefixCache
     from usaf.stages.engine_setup import make_resident
@@ -374,6 +378,9 @@ def throughput(src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeat
         "lora_top": lambda s: dense_step(lora_top, lora_top_params, lora_top_opt, batch(s)),
         "lora_all_layers": lambda s: dense_step(lora_all, lora_all_params, lora_all_opt, batch(s)),
     }
+    if dense_router_grad:
+        hit_dense, _ = stage_trainer(qdir, tdir, plan, work / "run-hit-dense", dense_router_grad=True)
+        arms["usaf_prefix_hit_dense_router_grad"] = lambda s: trainer_step(hit_dense, s)
     times = interleave(arms, steps, "step")
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = [batch(s).tokens for s in steps[WARMUP:]]
@@ -732,6 +739,9 @@ def main() -> None:
     )
     parser.add_argument("--no-rss", action="store_true", help="skip figure 2 (the CLI's peak RSS)")
     parser.add_argument(
+        "--dense-router-grad-arm", action="store_true", help="figure 1 also times a prefix-hit step with it"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -776,7 +786,7 @@ def main() -> None:
         work = Path(tmp)
         packages = PACKAGES_QUICK if args.quick else PACKAGES
         src, qdir, tdir, plan, result["setup"] = build(work, widths, seq, calib, packages)
-        result["throughput"], live = throughput(src, qdir, tdir, plan, work, repeats)
+        result["throughput"], live = throughput(src, qdir, tdir, plan, work, repeats, args.dense_router_grad_arm)
         out.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive an interrupted run
         first = WARMUP + repeats
         result["reselection"] = reselection(live["trainer"], repeats, first, args.profile)
