@@ -292,6 +292,8 @@ class _SparseDeltaLinear(torch.autograd.Function):
         acc = _accumulate_dtype(x.dtype)
         with _no_autocast(x.device):
             dy = dy.to(x.dtype)  # (T, O)
+            # "dense" reads dy in the accumulation dtype twice (dx's sparse term, dvalues): cast once
+            dy_acc = dy.to(acc) if resolved == "dense" else None  # (T, O)
             if need_dx:
                 # Merged again rather than saved from forward: holding W + D until backward would keep
                 # one extra (O, I) per expert alive across the whole layer. So is D for "dense".
@@ -301,7 +303,7 @@ class _SparseDeltaLinear(torch.autograd.Function):
                 del w
                 if resolved == "dense":
                     d = _dense_delta(weight.shape, ctx.flat, values, acc)  # (O, I)
-                    dx = torch.addmm(dx.to(acc), dy.to(acc), d).to(x.dtype)  # (T, I)
+                    dx = torch.addmm(dx.to(acc), dy_acc, d).to(x.dtype)  # (T, I)
                     del d
                 elif active and not merge:
                     add = _add_gathered_product if ctx.index_ops else _add_gathered_product_index_free
@@ -315,7 +317,7 @@ class _SparseDeltaLinear(torch.autograd.Function):
                 if not active:
                     dvalues = torch.zeros_like(values)
                 elif resolved == "dense":  # the entries of dy^T x (O, I), the sink's where that is precise enough
-                    dense_grad = grad_w if grad_w is not None and acc == torch.float32 else dy.to(acc).t() @ x.to(acc)
+                    dense_grad = grad_w if grad_w is not None and acc == torch.float32 else dy_acc.t() @ x.to(acc)
                     # (n,), read before the sink overwrites grad_w
                     dvalues = dense_grad.view(-1).index_select(0, ctx.flat).to(values.dtype)
                     del dense_grad
