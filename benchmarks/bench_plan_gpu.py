@@ -92,6 +92,7 @@ def build_loaded(config: dict, device: torch.device, dtype: torch.dtype, experts
     (the 4-bit experts on ``experts_device``, default ``device``: ``"cpu"`` for streaming)."""
     from transformers import AutoModelForCausalLM
 
+    from usaf.backends.transfer import device_capabilities
     from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
     from usaf.engine.loading import LoadedModel
     from usaf.families import resolve_family
@@ -115,6 +116,9 @@ def build_loaded(config: dict, device: torch.device, dtype: torch.dtype, experts
             weights.append(ExpertWeight(q, compute_dtype=dtype, device=experts_device or device))
             delattr(module, attr)  # the meta fused parameter: usaf computes instead
         module.usaf_experts = LayerExperts(layer, *weights)
+        # as loading does: the device's grouped matmul, index ops and grouped deltas (this was
+        # missing, so the GPU check's step and planner figures of 2026-12-04 ran every GEMM one expert at a time)
+        module.usaf_experts.set_capabilities(device_capabilities(device))
         experts[layer] = module.usaf_experts
     for name, param in list(model.named_parameters()):
         owner_name, _, attr = name.rpartition(".")

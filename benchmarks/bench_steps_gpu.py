@@ -14,6 +14,9 @@ Arms, interleaved in rotating order each round, CUDA-synchronised, medians of ``
 - **cached**: the same with the prefix states given (a prefix-cache hit);
 - **collecting**: a cached step with RigL's score sinks installed (the ``SCORE_BATCHES`` steps before a
   reselection);
+- **cached, per expert**: the cached step with the trainable layers' experts one at a time
+  (``LayerExperts.grouped_deltas`` off), where the device runs them grouped (``usaf.engine.grouped_deltas``; CUDA,
+  or any device with ``--grouped on``); absent where both would be the loop;
 - **LoRA**: forward through every layer + backward + ``AdamW(fused)`` step, gradient clipping at 1.0 in both.
 
 After each round's collecting steps, one ``reselect`` is timed; the RigL cycle's overhead at the default
@@ -21,13 +24,17 @@ After each round's collecting steps, one ``reselect`` is timed; the RigL cycle's
 once more alone for the allocator's peak above what its model holds.
 
 ``--deterministic``: every arm under torch's deterministic algorithms (``usaf train --deterministic``'s setting),
-to price bit-reproducibility. ``--profile FILE``: after the timing, two more steps of the cached arm and of
+to price bit-reproducibility. ``ops_per_step``: the aten operators one step dispatches (counted by a dispatch mode,
+forward, backward and optimizer), a device's kernel launches give or take views and fused fallbacks: what a
+launch-bound step pays for. ``--profile FILE``: after the timing, two more steps of the cached arm and of
 LoRA under torch's profiler; FILE gets each one's operators by device time and by host time (where a step's
 time goes: the GPU's kernels or the host launching them).
 
     python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7] [--deterministic]
                                          [--profile FILE] [--out benchmarks/results/steps-gpu.json]
     python benchmarks/bench_steps_gpu.py --device cpu --quick     # a smoke test of this script without a GPU
+    python benchmarks/bench_steps_gpu.py --device cpu --quick --experts 128 --grouped on --threads 1   # grouped vs
+        # per expert on the CPU at 128 experts, narrow: where per-op overhead, as on a GPU, is most of a step
 """
 
 from __future__ import annotations
@@ -54,24 +61,38 @@ LR = 1e-4
 RESELECT_EVERY = 50  # the default --reselect-every
 
 
-def usaf_arms(config: dict, device: torch.device, trainable: int, ids: torch.Tensor) -> tuple[dict, dict]:
-    """The engine at usaf's default targets on the top layers; its step functions and a description."""
+def usaf_arms(
+    config: dict,
+    device: torch.device,
+    trainable: int,
+    ids: torch.Tensor,
+    grouped: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[dict, dict]:
+    """The engine at usaf's default targets on the top layers; its step functions and a description.
+
+    ``grouped``: ``"auto"`` (the device's choice) or ``"on"`` (the trainable layers' experts grouped on any device).
+    """
     from usaf.engine.engine import SparseEngine, budget
     from usaf.engine.optim import SparseAdamW
     from usaf.engine.reselect import collect_scores, reselect, update_fraction
     from usaf.settings.fields import DEFAULT_TARGETS
     from usaf.stages.train.loop import SCORE_BATCHES
 
-    loaded = build_loaded(config, device, torch.bfloat16)
+    loaded = build_loaded(config, device, dtype)
     layers = list(loaded.spec.moe_layers[-trainable:])
     engine = SparseEngine(loaded, trainable_layers=layers, targets=DEFAULT_TARGETS)
+    trained = [loaded.experts[layer] for layer in layers]
+    if grouped == "on":
+        for state in trained:
+            state.grouped_deltas = True
     g = torch.Generator().manual_seed(0)
     engine.set_deltas({n: random_positions(math.prod(w.shape), budget(w.shape, FRAC), g).to(device)
                        for n, w in engine.weights.items()})  # fmt: skip
     optimizer = SparseAdamW(engine.parameter_groups(lr=LR, router_lr=LR, weight_decay=0.0), max_grad_norm=1.0)
     labels = ids.clone()
     with torch.no_grad():
-        states = engine.prefix_states(ids)
+        prefix_states = engine.prefix_states(ids)
     scores = collect_scores(engine)
     sinks = {name: engine.weights[name].score_sink for name in scores}
     scores.close()  # installed per collecting step below
@@ -90,7 +111,7 @@ def usaf_arms(config: dict, device: torch.device, trainable: int, ids: torch.Ten
         for name, sink in sinks.items():
             engine.weights[name].score_sink = sink
         try:
-            step(states)
+            step(prefix_states)
             scores.end_batch()
         finally:
             for name in sinks:
@@ -101,14 +122,25 @@ def usaf_arms(config: dict, device: torch.device, trainable: int, ids: torch.Ten
     def reselection() -> None:
         reselect(engine, optimizer, scores, fraction)
 
+    def cached_per_expert() -> None:
+        for state in trained:
+            state.grouped_deltas = False
+        try:
+            step(prefix_states)
+        finally:
+            for state in trained:
+                state.grouped_deltas = True
+
     count = sum(d.nnz for d in engine.deltas().values()) + sum(p.numel() for p in engine.routers.values())
-    arms = {"usaf_first_visit": first_visit, "usaf_cached": lambda: step(states), "usaf_collecting": collecting}
+    arms = {"usaf_first_visit": first_visit, "usaf_cached": lambda: step(prefix_states), "usaf_collecting": collecting}
+    if all(state.grouped_deltas for state in trained):
+        arms["usaf_cached_per_expert"] = cached_per_expert
     info = {"layers": layers, "targets": list(DEFAULT_TARGETS), "trainable_params": count,
             "score_batches": SCORE_BATCHES, "reselect_fraction": fraction, "reselect": reselection}  # fmt: skip
     return arms, info
 
 
-def lora_arm(config: dict, device: torch.device, layers: list[int], target: int, ids: torch.Tensor):
+def lora_arm(config: dict, device: torch.device, layers: list[int], target: int, ids: torch.Tensor, dtype: torch.dtype):
     """peft LoRA on transformers' model of ``config``: the layers' q/k/v/o and fused experts, count near ``target``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -116,7 +148,7 @@ def lora_arm(config: dict, device: torch.device, layers: list[int], target: int,
     from usaf.families.meta import build_config
 
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(build_config(config), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(build_config(config), dtype=dtype)
     h, i, e = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
     q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
     per_expert_rank = (e * (h + 2 * i) + e * (i + h)) * len(layers)  # lora_A (r E, in) + lora_B (out, r E)
@@ -157,6 +189,22 @@ def peak_above_resident(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def dispatched_ops(fn) -> int:
+    """The aten operators one call of ``fn`` dispatches (forward, backward, optimizer), views included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        fn()
+    return counter.ops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -164,6 +212,15 @@ def main() -> None:
     parser.add_argument("--trainable", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="small widths and seq 64 (a smoke test, e.g. on CPU)")
+    parser.add_argument("--experts", type=int, default=None, help="experts per layer (default: the config's)")
+    parser.add_argument(
+        "--grouped",
+        choices=("auto", "on"),
+        default="auto",
+        help="the trainable layers' experts grouped: the device's choice, or on any device",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype, every arm")
     parser.add_argument("--deterministic", action="store_true", help="torch's deterministic algorithms throughout")
     parser.add_argument("--profile", type=Path, default=None, help="write the cached and LoRA steps' profiles here")
     parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/steps-gpu.json]")
@@ -198,17 +255,23 @@ def profile(arms: dict, names: tuple[str, ...], device: torch.device, path: Path
 
 def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = model_config(args.layers, args.quick)
+    if args.experts:
+        config["num_experts"] = args.experts
     seq_len = SEQ_LEN // 8 if args.quick else SEQ_LEN
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, config["vocab_size"], (MICROBATCH, seq_len), generator=g).to(device)
 
     allocated = lambda: torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # noqa: E731
-    arms, usaf = usaf_arms(config, device, args.trainable, ids)
+    arms, usaf = usaf_arms(config, device, args.trainable, ids, args.grouped, getattr(torch, args.dtype))
     usaf["model_bytes"] = allocated()
     reselect_fn = usaf.pop("reselect")
     try:  # peft without target_parameters (< 0.17) cannot wrap fused experts: usaf's arms are still timed
-        lora_step, lora = lora_arm(config, device, usaf["layers"], usaf["trainable_params"], ids)
+        lora_step, lora = lora_arm(
+            config, device, usaf["layers"], usaf["trainable_params"], ids, getattr(torch, args.dtype)
+        )
         lora["model_bytes"] = None if device.type != "cuda" else allocated() - usaf["model_bytes"]
         arms["lora"] = lora_step
     except Exception as e:  # noqa: BLE001
@@ -243,6 +306,11 @@ def run(args: argparse.Namespace) -> None:
         "model": {
             "base": "Qwen3-30B-A3B config" + (" (quick widths)" if args.quick else ""),
             "layers": args.layers,
+            "experts": config["num_experts"],
+            "hidden": config["hidden_size"],
+            "expert_width": config["moe_intermediate_size"],
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
             "microbatch": MICROBATCH,
             "seq_len": seq_len,
         },  # fmt: skip
@@ -256,9 +324,10 @@ def run(args: argparse.Namespace) -> None:
         "reselect_over_cached": round(med["usaf_reselect"] / cached, 3),
         f"rigl_cycle_overhead_at_reselect_every_{RESELECT_EVERY}": round(extra / (RESELECT_EVERY * cached), 4),
         "peak_bytes_above_resident": {name: peak_above_resident(fn, device) for name, fn in arms.items()},
+        "ops_per_step": {name: dispatched_ops(fn) for name, fn in arms.items()},
     }
     print(json.dumps({k: results[k] for k in ("median_seconds", "speed_vs_lora", "collecting_over_cached",
-                                               "reselect_over_cached")}), flush=True)  # fmt: skip
+                                               "reselect_over_cached", "ops_per_step")}), flush=True)  # fmt: skip
     out = args.out or RESULTS / ("steps-gpu-quick.json" if args.quick else "steps-gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")

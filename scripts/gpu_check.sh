@@ -4,11 +4,12 @@
 # machine; usaf runs from src/
 # (an offline machine needs no install; its other dependencies must be importable, e.g. carried as wheels).
 #   1. the CUDA-marked tests (pytest -m cuda): the engine's loss and sparse gradients on the GPU against the CPU for
-#      every family, the grouped path through torch's grouped matmul in bf16 at 128 experts, `usaf train` on the
+#      every family, the grouped paths (frozen and trainable layers) in bf16 at 128 experts against the loop, `usaf train` on the
 #      GPU learning and resuming exactly with --deterministic (within the run-to-run noise without it), `usaf eval`
 #      and `usaf score` (with its lr test) on the GPU against the CPU, streaming, the backend probe, dequantization;
-#   2. the training steps at Qwen3-30B-A3B's real width (hidden 2048, 128 experts, top-8): first visit, cached,
-#      collecting, a reselection, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json,
+#   2. the training steps at Qwen3-30B-A3B's real width (hidden 2048, 128 experts, top-8): first visit, cached (the
+#      trainable experts grouped, usaf.engine.grouped_deltas), cached one expert at a time, collecting, a reselection,
+#      and operators dispatched per step, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json,
 #      with both steps' profiles (steps-gpu-profile.txt), and again under --deterministic (steps-gpu-deterministic.json);
 #   3. the frozen-layer forward (grouped execution vs the per-expert loop vs transformers' grouped_mm) at 32 and
 #      128 experts in bf16 -> benchmarks/results/frozen-gpu.json;

@@ -6,6 +6,7 @@ import torch
 
 from usaf.engine.engine import IGNORE_INDEX, SparseEngine
 from usaf.engine.loading import load_quantized_model
+from usaf.families.modules import FusedView
 
 FAMILY_LAYERS = 3  # a frozen prefix below the trainable top layer for every family (deepseek: layer 0 dense)
 
@@ -49,3 +50,58 @@ def train_step(engine, optimizer, ids, labels) -> float:
     parts.loss.backward()
     assert optimizer.step().applied
     return parts.loss.item()
+
+
+def reference_loss(model, ids, labels):
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    tokens = (targets != IGNORE_INDEX).sum()
+    return (
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        / tokens
+    )
+
+
+def view_of(reference, engine: SparseEngine) -> FusedView:
+    """usaf's names on the reference model (transformers 4.x: per-expert weights seen fused)."""
+    return FusedView(reference, engine.spec)
+
+
+def stored_grad(view: FusedView, name: str, transposed: bool) -> torch.Tensor:
+    """The dense gradient of a fused expert parameter in usaf's stored (E, O, I) orientation, flattened."""
+    grad = view.get(name, grad=True)
+    return (grad.transpose(1, 2) if transposed else grad).reshape(-1)
+
+
+def assert_gradients_equal_dense_autograd(engine: SparseEngine, selection, source, ids, labels) -> None:
+    """The delta values' and routers' gradients (after ``engine``'s backward on ``ids``) equal dense autograd's on
+    transformers' model of ``source`` at the selected entries. Negative control: one column over does not match."""
+    from helpers import reference_model
+
+    reference = reference_model(source, engine.loaded)
+    view = view_of(reference, engine)
+    for name in engine.weights:
+        view.requires_grad_(name)
+    reference_loss(reference, ids, labels).backward()
+    for name, weight in engine.weights.items():
+        dense = stored_grad(view, name, weight.q.transposed)
+        got = weight.delta.values.grad
+        torch.testing.assert_close(got, dense[selection[name]], rtol=1e-4, atol=1e-6)
+        shifted = (selection[name] + 1) % dense.numel()
+        assert not torch.allclose(got, dense[shifted], rtol=1e-3, atol=1e-6), name
+    assert engine.routers, "routers must be trainable"
+    for name, master in engine.routers.items():
+        torch.testing.assert_close(master.grad, view.get(name, grad=True), rtol=1e-4, atol=1e-6)
+
+
+def loss_and_grads(engine: SparseEngine, ids, labels) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One loss and backward from cleared gradients: the loss and every delta's and router's gradient."""
+    engine.model.zero_grad(set_to_none=True)
+    for delta in engine.deltas().values():
+        delta.values.grad = None
+    loss = engine.loss(ids, labels).loss
+    loss.backward()
+    grads = {n: d.values.grad.clone() for n, d in engine.deltas().items()}
+    return loss.detach(), grads | {n: p.grad.clone() for n, p in engine.routers.items()}

@@ -285,11 +285,41 @@ def test_cli_counts_the_targets_it_is_given():
     attention_entries = 3 * sum(int(0.005 * o * i) for o, i in ((4096, 2048), (512, 2048), (512, 2048), (2048, 4096)))
     grown = train_bytes(both, "deltas + index buffers") - train_bytes(experts, "deltas + index buffers")
     assert grown == attention_entries * 36 + 3 * 4 * 2 * 8  # + each linear target's two int64 offsets
-    assert train_bytes(both, "sparse-kernel workspace") > train_bytes(experts, "sparse-kernel workspace")
+    # on CUDA the experts' grouped blocks set the workspace (the larger term); the attention's counts where they do not
+    assert train_bytes(both, "sparse-kernel workspace") >= train_bytes(experts, "sparse-kernel workspace")
+    on_cpu = {}
+    for targets in ("experts", "experts,attention"):
+        args = ("--device", "cpu", "--ram", "64GiB", "--train-from", 45, "--microbatch", 1, "--frac", 0.005)
+        result = invoke("plan", QWEN3_30B, *args, "--targets", targets, "--json")
+        assert result.exit_code == 0, result.output
+        components = json.loads(result.stdout)["stages"]["train"]["components"]
+        on_cpu[targets] = next(c["host_bytes"] for c in components if c["name"] == "sparse-kernel workspace")
+    assert on_cpu["experts,attention"] > on_cpu["experts"]
     # the suggested score command names --targets only where it is not the default (experts + attention)
     score = next(c for c in experts["commands"] if c.startswith("usaf score"))
     assert score.endswith("--targets experts --stream-experts")
     assert not any("--targets" in c for c in both["commands"])
+
+
+def test_grouped_experts_workspace_is_planned_on_cuda_only():
+    """CUDA runs a trainable layer's experts grouped (usaf.engine.grouped_deltas): two fp32 blocks of the delta and
+    the rows in fp32 are planned there; the CPU's loop keeps the gathered entries' estimate (a quarter of it or less).
+    """
+    from usaf.engine import grouped_deltas
+    from usaf.memory_plan import activations
+
+    assert activations.DELTA_BLOCK_BYTES == grouped_deltas.DELTA_BLOCK_BYTES
+
+    def workspace(*args) -> dict:
+        result = invoke("plan", QWEN3_30B, *args, "--train-from", 46, "--microbatch", 1, "--json")
+        assert result.exit_code == 0, result.output
+        return next(c for c in json.loads(result.stdout)["stages"]["train"]["components"]
+                    if c["name"] == "sparse-kernel workspace")  # fmt: skip
+
+    cuda = workspace("--device", "cuda", "--vram", "12GiB", "--ram", "32GiB")
+    cpu = workspace("--device", "cpu", "--ram", "64GiB")
+    assert cuda["basis"].startswith("a grouped block") and cuda["device_bytes"] >= 2 * activations.DELTA_BLOCK_BYTES
+    assert cpu["basis"] == "one expert's gathered entries" and cpu["host_bytes"] < cuda["device_bytes"] // 4
 
 
 def test_cli_table_names_components_and_settings():

@@ -368,7 +368,7 @@ def test_the_gpus_dense_path_through_the_engine_equals_the_cpus(family, quantize
     """ "auto" picks "dense" on a GPU only: forced here on the CPU through a whole engine (every target the family
     has, routers, float32), its loss and sparse gradients equal the CPU's own path's; negative control: gradients
     at shifted positions differ."""
-    from helpers_engine import FAMILY_LAYERS, batch, every_target, random_selection
+    from helpers_engine import FAMILY_LAYERS, batch, every_target, loss_and_grads, random_selection
     from usaf.engine import sparse_linear
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
@@ -382,13 +382,8 @@ def test_the_gpus_dense_path_through_the_engine_equals_the_cpus(family, quantize
     forced = []  # the dense path ran (the comparison is not of the CPU's path with itself)
     for name, resolve in (("cpu", real), ("dense", lambda *a: forced.append(a) or "dense")):
         monkeypatch.setattr(sparse_linear, "_resolve", resolve)
-        engine.model.zero_grad(set_to_none=True)
-        for delta in engine.deltas().values():
-            delta.values.grad = None
-        loss = engine.loss(ids, labels).loss
-        loss.backward()
-        grads = {n: d.values.grad.clone() for n, d in engine.deltas().items()}
-        runs[name] = float(loss.detach()), grads | {n: p.grad.clone() for n, p in engine.routers.items()}
+        loss, grads = loss_and_grads(engine, ids, labels)
+        runs[name] = float(loss), grads
     assert forced
     assert runs["dense"][0] == pytest.approx(runs["cpu"][0], rel=1e-6)
     for name, reference in runs["cpu"][1].items():

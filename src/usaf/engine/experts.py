@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from usaf.engine import grouped
+from usaf.engine import grouped, grouped_deltas
 from usaf.engine.resident import ResidentBase
 from usaf.engine.trainable import TrainableTensor
 from usaf.families.modules import expert_biases
@@ -127,6 +127,9 @@ class LayerExperts(nn.Module):
         self.index_ops = True
         # Capabilities.grouped_mm of the device: a grouped forward's GEMMs go through torch's grouped matmul.
         self.grouped_mm = False
+        # Capabilities.dense_delta_terms of the device: a forward under a graph or with deltas runs each tensor over
+        # all its routed experts at once (usaf.engine.grouped_deltas), not expert by expert.
+        self.grouped_deltas = False
         # Optional observer of every forward's routing decisions (``usaf.engine.routing.RoutingCapture``):
         # ``sink(layer, top_k_index (T, k))``. None costs nothing.
         self.routing_sink: Callable[[int, torch.Tensor], None] | None = None
@@ -136,9 +139,10 @@ class LayerExperts(nn.Module):
         self.router_logits: torch.Tensor | None = None
 
     def set_capabilities(self, caps) -> None:
-        """What the device runs (``usaf.backends.Capabilities``): index ops, torch's grouped matmul."""
+        """What the device runs (``usaf.backends.Capabilities``): index ops, torch's grouped matmul, grouped deltas."""
         self.set_index_ops(caps.index_ops)
         self.grouped_mm = caps.grouped_mm
+        self.grouped_deltas = caps.dense_delta_terms
 
     def set_index_ops(self, available: bool) -> None:
         """Whether the device runs nonzero/index_add_/scatter (``Capabilities.index_ops``); False: avoid them."""
@@ -243,12 +247,13 @@ def usaf_experts_forward(
 def _sorted_loop(
     self: nn.Module, state: LayerExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
 ) -> torch.Tensor:
-    """The routed experts one at a time over tokens sorted by expert once: ``(T, H) -> (T, H)`` fp32.
+    """The routed experts over tokens sorted by expert once: ``(T, H) -> (T, H)`` fp32.
 
     One gather, one weighting and one ``index_add_`` per layer, not per expert (each expert used to search its
     tokens, gather them, weight and add them back: at 128 experts the backward alone then built 128 ``(T, H)``
-    gradients of the gathers). The products and each token's order of addition (ascending expert) are the
-    per-expert loop's, so the output is the same, bit for bit.
+    gradients of the gathers). In between, the experts run grouped where the device asks for it
+    (:mod:`usaf.engine.grouped_deltas`), else one at a time; the per-expert products and each token's order of
+    addition (ascending expert) are then the per-expert loop's, so the output is the same, bit for bit.
     """
     k = top_k_index.shape[1]
     counts = state.record_load(top_k_index).tolist()  # (E,) tokens per expert
@@ -256,17 +261,21 @@ def _sorted_loop(
     rows_token = order // k  # (T*k,) the token of each row
     # index_select, not x[index]: its backward is an index_add_, where advanced indexing's is a slower index_put_
     x = hidden_states.index_select(0, rows_token)  # (T*k, H)
-    routed = [expert for expert, n in enumerate(counts) if n]
-    # One split, not a slice per expert: a slice's backward writes its gradient into a zero (T*k, H) of its own,
-    # a split's concatenates them all once.
-    chunks = x.split([counts[expert] for expert in routed])  # (n_e, H) each
-    outputs = [_expert_output(self, state, chunk, expert) for expert, chunk in zip(routed, chunks)]  # (n_e, H) each
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H), fp32 accumulation
-    if outputs:
-        y = torch.cat(outputs) * top_k_weights.reshape(-1).index_select(0, order)[:, None]  # (T*k, H)
-        # In place: the out-of-place index_add copies (T, H) and measured 100x slower on CPU (torch 2.13);
-        # autograd is unaffected (index_add's backward saves only the index).
-        out.index_add_(0, rows_token, y.float())
+    if not x.shape[0]:
+        return out
+    if grouped_deltas.applies(state, hidden_states):
+        y = grouped_deltas.run_experts(self, state, x, counts)  # (T*k, H)
+    else:
+        routed = [expert for expert, n in enumerate(counts) if n]
+        # One split, not a slice per expert: a slice's backward writes its gradient into a zero (T*k, H) of its
+        # own, a split's concatenates them all once.
+        chunks = x.split([counts[expert] for expert in routed])  # (n_e, H) each
+        y = torch.cat([_expert_output(self, state, chunk, expert) for expert, chunk in zip(routed, chunks)])
+    y = y * top_k_weights.reshape(-1).index_select(0, order)[:, None]  # (T*k, H)
+    # In place: the out-of-place index_add copies (T, H) and measured 100x slower on CPU (torch 2.13);
+    # autograd is unaffected (index_add's backward saves only the index).
+    out.index_add_(0, rows_token, y.float())
     return out
 
 

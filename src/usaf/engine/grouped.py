@@ -8,8 +8,9 @@ stays under a byte budget), each block's two GEMMs go through torch's grouped ma
 dtype have it; else one ``F.linear`` per expert of the block), and one ``index_add_`` per block combines.
 
 It runs where no autograd graph is recorded (prefix capture, score's and eval's frozen layers, generate):
-trainable layers carry sparse deltas and score sinks, whose per-expert autograd functions the loop runs, and
-torch 2.13's CPU grouped matmul backward refuses an expanded gradient. On CPU in fp32 the output is
+under a graph, or with sparse deltas, a layer's experts run through :mod:`usaf.engine.grouped_deltas` (its own
+autograd function per tensor; torch 2.13's CPU grouped matmul backward refuses an expanded gradient) where the
+device asks for it, else the per-expert loop. On CPU in fp32 the output is
 bit-identical to the loop's: the same per-expert products, added into each token in the same (ascending
 expert) order.
 """
@@ -66,14 +67,14 @@ def grouped_forward(
     x = hidden_states[rows_token]  # (T*k, H)
     weights = top_k_weights.reshape(-1)[order, None]  # (T*k, 1)
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H)
-    biases = _biases(self)
+    biases = module_biases(self)
     for experts, start, stop in _blocks(state, counts, hidden_states.device):
         block_counts = counts[experts]  # (e,)
         rows = slice(start, stop)
         gate_up, down = (w.block(experts, x.device) for w in (state.gate_up, state.down))  # (e, 2I, H), (e, H, I)
-        h = _grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm)  # (n, 2I)
+        h = grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm)  # (n, 2I)
         h = self._apply_gate(h)  # (n, I)
-        y = _grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm)  # (n, H)
+        y = grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm)  # (n, H)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         out.index_add_(0, rows_token[rows], (y * weights[rows]).float())
@@ -115,14 +116,14 @@ def _resident_on(state, device: torch.device) -> bool:
     return all(w.resident is not None and w.resident.device == device for w in (state.gate_up, state.down))
 
 
-def _biases(self: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def module_biases(self: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(gate_up_bias (E, 2I), down_bias (E, H))`` of a fused experts module, or ``(None, None)``."""
     if not getattr(self, "has_bias", False):
         return None, None
     return tuple(getattr(self, name) for name in EXPERT_BIAS_PARAMS)
 
 
-def _grouped_linear(
+def grouped_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     counts: torch.Tensor,
@@ -149,15 +150,46 @@ def _grouped_linear(
     return torch.cat(parts)
 
 
+def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
+    """Each expert's weight gradient ``dy_e^T x_e``: ``dy (n, O)``, ``x (n, I)`` expert-major rows -> ``(e, O, I)``.
+
+    ``counts (e,)`` rows each, on the host; an expert with no rows gets zeros.
+    """
+    if grouped_mm and _grouped_mm_fits(dy.t(), x):  # both operands 2-D: the rows are the groups
+        offsets = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)  # (e,) end row of each group
+        return _grouped_mm(dy.t(), x, offsets)
+    out = x.new_empty(len(counts), dy.shape[1], x.shape[1])  # (e, O, I)
+    start = 0
+    for j, n in enumerate(counts.tolist()):  # no grouped matmul for this device or dtype: one GEMM per expert
+        torch.mm(dy[start : start + n].t(), x[start : start + n], out=out[j])
+        start += n
+    return out
+
+
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     op = getattr(torch.nn.functional, "grouped_mm", None)  # public since torch 2.10
     return op(x, w, offs=offsets) if op is not None else torch._grouped_mm(x, w, offs=offsets)
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped matmul takes these: a supported dtype, and 16-byte aligned rows and pointers."""
-    if x.dtype not in _GROUPED_DTYPES or not x.is_contiguous() or w.stride(2) != 1:
+    """torch's grouped matmul takes ``x (n, I)`` with ``w (e, O, I)`` (or, both 2-D, ``(O, n)`` with ``(I, n)``,
+    for a weight gradient): a supported dtype, and 16-byte aligned leading strides and pointers, either operand
+    row- or column-major in its last two dimensions."""
+    if x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
         return False
     size = x.element_size()
-    strides = (x.stride(0) * size, w.stride(0) * size, w.stride(1) * size)  # w is (e, O, I), rows contiguous
+    leads = [_leading_stride(x), _leading_stride(w)]
+    if None in leads:
+        return False
+    strides = [lead * size for lead in leads] + ([w.stride(0) * size] if w.dim() == 3 else [])
     return all(s % 16 == 0 for s in strides) and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def _leading_stride(t: torch.Tensor) -> int | None:
+    """The stride between rows (row-major) or columns (column-major) of ``t``'s last two dimensions, else None."""
+    rows, cols = t.stride(-2), t.stride(-1)
+    if cols == 1 and rows >= max(1, t.shape[-1]):
+        return rows
+    if rows == 1 and cols >= max(1, t.shape[-2]):
+        return cols
+    return None

@@ -49,12 +49,12 @@ _MERGE_SHARE = 1 / 2
 __all__ = ["STRATEGIES", "ScoreSink", "sparse_delta_linear"]
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least fp32: bf16/fp16 products and sums of many terms lose the small delta contributions."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _no_autocast(device: torch.device):
+def no_autocast(device: torch.device):
     """Autocast off inside the kernel: the contract is "compute in the dtype of x", whatever the caller's context."""
     if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
@@ -83,7 +83,7 @@ def _add_gathered_product(
         values: ``(n,)`` delta values.
         chunk_tokens: tokens per chunk.
     """
-    acc_dtype = _accumulate_dtype(out.dtype)
+    acc_dtype = accumulate_dtype(out.dtype)
     vals = values.to(acc_dtype)  # (n,)
     for start in range(0, src.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, src.shape[0])
@@ -135,7 +135,7 @@ def _add_gathered_product_index_free(
     ``(chunk, A, L)`` with ``L`` the most entries one column receives; chunks shrink to keep them
     within ``_SEGMENT_BUDGET`` elements.
     """
-    acc_dtype = _accumulate_dtype(out.dtype)
+    acc_dtype = accumulate_dtype(out.dtype)
     width = out.shape[1]
     table, longest = _segment_table(scatter, width)
     if longest == 0:
@@ -164,9 +164,9 @@ def _sampled_product(
         chunk_tokens: tokens per chunk; temporaries are ``(chunk, n)``.
 
     Returns:
-        ``(n,)`` tensor in ``_accumulate_dtype(x.dtype)``.
+        ``(n,)`` tensor in ``accumulate_dtype(x.dtype)``.
     """
-    acc_dtype = _accumulate_dtype(x.dtype)
+    acc_dtype = accumulate_dtype(x.dtype)
     out = torch.zeros(rows.shape[0], dtype=acc_dtype, device=x.device)  # (n,)
     for start in range(0, x.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, x.shape[0])
@@ -242,7 +242,7 @@ def _flat_positions(rows: torch.Tensor, cols: torch.Tensor, in_features: int) ->
     return rows * in_features + cols
 
 
-def _dense_delta(shape: torch.Size, flat: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dense_delta(shape: torch.Size, flat: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``D`` as a fresh dense ``(O, I)`` tensor in ``dtype`` (at least fp32: the delta is never rounded to bf16)."""
     d = torch.zeros(shape[0] * shape[1], dtype=dtype, device=values.device)  # (O * I,)
     return d.index_add_(0, flat, values.detach().to(dtype)).view(shape)  # duplicates add, as in the other strategies
@@ -256,15 +256,15 @@ class _SparseDeltaLinear(torch.autograd.Function):
         active = bool(rows.numel() and x.shape[0])  # False: the delta contributes nothing
         resolved = _resolve(strategy, x, weight, rows.numel(), index_ops) if active else "gather"
         merge = resolved == "merge"
-        with _no_autocast(x.device):
+        with no_autocast(x.device):
             w = _merged_weight(weight, rows, cols, values, x.dtype) if merge else weight.to(x.dtype)  # (O, I)
             y = torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))  # (T, O)
             del w
             flat = None
             if resolved == "dense":
                 flat = _flat_positions(rows, cols, weight.shape[1])  # (n,)
-                acc = _accumulate_dtype(x.dtype)
-                d = _dense_delta(weight.shape, flat, values, acc)  # (O, I)
+                acc = accumulate_dtype(x.dtype)
+                d = dense_delta(weight.shape, flat, values, acc)  # (O, I)
                 y = torch.addmm(y.to(acc), x.to(acc), d.t()).to(x.dtype)  # (T, O), one rounding, as the gather's
                 del d
             elif active and not merge:
@@ -289,8 +289,8 @@ class _SparseDeltaLinear(torch.autograd.Function):
         active = bool(rows.numel() and x.shape[0])
         need_dx, need_dvalues = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         dx = dvalues = None
-        acc = _accumulate_dtype(x.dtype)
-        with _no_autocast(x.device):
+        acc = accumulate_dtype(x.dtype)
+        with no_autocast(x.device):
             dy = dy.to(x.dtype)  # (T, O)
             # "dense" reads dy in the accumulation dtype twice (dx's sparse term, dvalues): cast once
             dy_acc = dy.to(acc) if resolved == "dense" else None  # (T, O)
@@ -302,7 +302,7 @@ class _SparseDeltaLinear(torch.autograd.Function):
                 dx = dy @ w  # (T, I)
                 del w
                 if resolved == "dense":
-                    d = _dense_delta(weight.shape, ctx.flat, values, acc)  # (O, I)
+                    d = dense_delta(weight.shape, ctx.flat, values, acc)  # (O, I)
                     dx = torch.addmm(dx.to(acc), dy_acc, d).to(x.dtype)  # (T, I)
                     del d
                 elif active and not merge:

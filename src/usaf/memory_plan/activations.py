@@ -49,6 +49,9 @@ CHUNK_LOGIT_BYTES = 64 * 2**20
 # Sparse-delta kernels gather (tokens × entries) fp32 temporaries, one expert at a time, in chunks of at
 # most this many tokens (usaf.engine.sparse_linear's default chunk_tokens).
 CHUNK_TOKENS = 1024
+# usaf.engine.grouped_deltas.DELTA_BLOCK_BYTES (not imported: the planner does not import torch): one block's fp32
+# dense delta where a trainable layer's experts run grouped (CUDA)
+DELTA_BLOCK_BYTES = 256 * 2**20
 # Routing is uneven: the busiest expert is taken to receive this multiple of the mean load when sizing
 # the per-expert temporaries (a random-init router measured about 2x; trained routers are more even).
 BUSIEST_EXPERT_LOAD = 2
@@ -220,6 +223,17 @@ def sparse_kernel_workspace(
         for o, i in m.linear_targets.get(kind, ()):
             largest = max(largest, blocks * FP32 * tokens * max(1, int(frac * o * i)) + FP32 * tokens * o)
     return largest
+
+
+def grouped_delta_workspace(m: ModelFacts, batch: Batch, targets: tuple[str, ...] = ("experts",)) -> int:
+    """The transients of a trainable layer's experts run grouped (``usaf.engine.grouped_deltas``, CUDA): at its
+    backward's peak, one block's dense delta and its gradient (fp32, at most ``DELTA_BLOCK_BYTES`` each) and the
+    block's rows of ``x`` and ``dy`` cast to fp32 (every routed row, at most)."""
+    if "experts" not in targets:
+        return 0
+    e, o, i = m.gate_up_shape  # the larger of the two tensors per expert
+    rows = batch.tokens * m.spec.top_k
+    return 2 * min(DELTA_BLOCK_BYTES, FP32 * e * o * i) + FP32 * rows * (o + i)
 
 
 def forward_workspace(m: ModelFacts, batch: Batch) -> int:

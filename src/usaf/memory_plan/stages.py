@@ -213,6 +213,11 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
     routers = w.router_params(m, s.layers)
     batch = act.Batch(s.microbatch, s.seq_len)
     kernel = act.sparse_kernel_workspace(m, batch, s.frac, t.c, cpu=not t.separate_device, targets=s.targets)
+    kernel_basis = "one expert's gathered entries"
+    if t.kind == "cuda":  # the experts run grouped there (Capabilities.dense_delta_terms); RigL's steps run the loop
+        grouped = act.grouped_delta_workspace(m, batch, s.targets)
+        if grouped > kernel:
+            kernel, kernel_basis = grouped, "a grouped block's fp32 delta and its gradient"
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
@@ -223,7 +228,7 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(t, "grow-score pools (RigL)", w.pool_bytes(m, layers, s.frac, s.targets), "RigL's last 4 steps"),
         _place(t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "RigL's scoring steps; assumed"),
         *_forward(m, t, s),
-        _place(t, "sparse-kernel workspace", kernel, "one expert's gathered entries"),
+        _place(t, "sparse-kernel workspace", kernel, kernel_basis),
     ]
     if s.train_from > 0:
         states = batch.tokens * m.spec.hidden_size * t.c

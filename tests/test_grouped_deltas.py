@@ -1,0 +1,220 @@
+"""A trainable layer's experts run grouped (``usaf.engine.grouped_deltas``) against dense autograd and the loop.
+
+The grouped path is what a CUDA device runs (``Capabilities.dense_delta_terms``); here it is switched on for the CPU
+per layer (``LayerExperts.grouped_deltas``), with torch's grouped matmul (the CPU has one) and without it (one GEMM
+per expert). Every check also asserts the grouped path really ran, and the per-expert path did not: a control
+against a silent fallback that would make the comparisons vacuous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+from helpers_engine import (
+    FAMILY_LAYERS,
+    assert_gradients_equal_dense_autograd,
+    batch,
+    loss_and_grads,
+    make_engine,
+    random_selection,
+    train_step,
+)
+from usaf.backends import resolve_backend
+from usaf.engine import experts, grouped_deltas
+from usaf.engine.engine import SparseEngine
+from usaf.engine.loading import load_quantized_model
+from usaf.engine.optim import SparseAdamW
+
+WIDE = {"num_experts": 128, "num_experts_per_tok": 8}  # Qwen3-30B-A3B's routing
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Counts grouped tensor passes and per-expert linears; ``ran.grouped(engine, on)`` switches the path."""
+
+    class Ran:
+        tensors = 0
+        experts = 0
+
+        @staticmethod
+        def grouped(engine: SparseEngine, on: bool = True, use_grouped_mm: bool | None = None) -> None:
+            for state in engine.loaded.experts.values():
+                state.grouped_deltas = on
+                if use_grouped_mm is not None:
+                    state.grouped_mm = use_grouped_mm
+
+    counter = Ran()
+    real_apply, real_output = grouped_deltas._GroupedDeltaLinear.apply, experts._expert_output
+
+    def counting_apply(*args):
+        counter.tensors += 1
+        return real_apply(*args)
+
+    def counting_output(*args, **kwargs):
+        counter.experts += 1
+        return real_output(*args, **kwargs)
+
+    monkeypatch.setattr(grouped_deltas._GroupedDeltaLinear, "apply", counting_apply)
+    monkeypatch.setattr(experts, "_expert_output", counting_output)
+    return counter
+
+
+def _values(selection: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {n: torch.randn(len(s), generator=g) * 1e-2 for n, s in selection.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_gradients_equal_dense_autograd_for_every_family(family, tiny_model, quantized, ran):
+    """Every target the family has (experts, attention, shared): the grouped experts' value gradients are dense
+    autograd's at the selected entries, and the routers' too. Control: one column over does not match."""
+    engine = make_engine(quantized, family)
+    ran.grouped(engine)
+    selection = random_selection(engine)
+    engine.set_deltas(selection)
+    ids, labels = batch()
+    engine.loss(ids, labels).loss.backward()
+    assert ran.tensors == 2 and ran.experts == 0  # gate_up and down of the one trainable layer, no expert loop
+    assert_gradients_equal_dense_autograd(engine, selection, tiny_model(family, num_layers=FAMILY_LAYERS), ids, labels)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_equals_the_per_expert_loop_with_nonzero_deltas(family, quantized, ran):
+    """Deltas with values (the D terms in the forward and in dx): loss and every gradient as the loop's.
+    Control: a changed delta value moves the grouped loss."""
+    engine = make_engine(quantized, family, targets="all")
+    selection = random_selection(engine)
+    values = _values(selection)
+    engine.set_deltas(selection, values)
+    ids, labels = batch(4)
+    loop_loss, loop_grads = loss_and_grads(engine, ids, labels)
+    assert ran.tensors == 0 and ran.experts > 0
+    ran.grouped(engine)
+    ran.experts = 0
+    loss, grads = loss_and_grads(engine, ids, labels)
+    assert ran.tensors == 2 and ran.experts == 0
+    torch.testing.assert_close(loss, loop_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in loop_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    engine.set_deltas(selection, {n: v + 1e-2 for n, v in values.items()})
+    assert not torch.allclose(loss_and_grads(engine, ids, labels)[0], loss, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_grouped_at_128_experts_in_many_blocks_and_chunks(use_grouped_mm, quantized, ran, monkeypatch):
+    """Qwen3-30B-A3B's routing (many small groups, some experts with none), the resident base in chunks of 24
+    experts and a delta budget of 5 experts a block: blocks are cut at both, and the result is the loop's."""
+    from usaf.engine import resident
+
+    real = resident.ResidentBase.dequantized.__func__
+
+    def chunked(cls, q, **kwargs):
+        return real(cls, q, **{**kwargs, "max_bytes": 24 * q.shape[1] * q.shape[2] * 4})
+
+    monkeypatch.setattr(resident.ResidentBase, "dequantized", classmethod(chunked))
+    loaded = load_quantized_model(quantized("qwen3_moe", num_layers=FAMILY_LAYERS, **WIDE))
+    engine = SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]])
+    state = loaded.experts[engine.trainable_layers[0]]
+    assert len(state.gate_up.resident.chunks) == 6  # 128 experts in chunks of 24
+    selection = random_selection(engine, frac=0.02)
+    engine.set_deltas(selection, _values(selection))
+    ids, labels = batch(size=(2, 40))
+    loop_loss, loop_grads = loss_and_grads(engine, ids, labels)
+
+    _, o, i = state.gate_up.shape
+    monkeypatch.setattr(grouped_deltas, "DELTA_BLOCK_BYTES", 5 * o * i * 4)
+    counts = state.tokens_per_expert.tolist()  # this forward's load (reset by nothing since)
+    plan = grouped_deltas.blocks(state.gate_up, counts, grouped_deltas.DELTA_BLOCK_BYTES)
+    assert all(b.stop - b.first <= 5 and b.first // 24 == (b.stop - 1) // 24 for b in plan)
+    covered = [e for b in plan for e in range(b.first, b.stop)]
+    assert len(covered) == len(set(covered)) and {e for e, n in enumerate(counts) if n} <= set(covered)
+    assert any(b.unrouted.numel() for b in plan), "an unrouted expert inside a block: its gradient must be zero"
+
+    real_grad = grouped_deltas.grouped_weight_grad
+
+    def unwritten_empty_groups(dy, x, counts, use):  # a kernel may leave an empty group's output as it found it
+        grad = real_grad(dy, x, counts, use)
+        grad[counts == 0] = float("nan")
+        return grad
+
+    monkeypatch.setattr(grouped_deltas, "grouped_weight_grad", unwritten_empty_groups)
+    ran.grouped(engine, use_grouped_mm=use_grouped_mm)
+    loss, grads = loss_and_grads(engine, ids, labels)
+    assert ran.tensors == 2
+    torch.testing.assert_close(loss, loop_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in loop_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        if name in selection:  # the entries of unrouted experts get no gradient, as in the loop
+            assert grad.ne(0).any()
+
+
+def test_blocks_cover_routed_runs_and_their_entries(quantized):
+    loaded = load_quantized_model(quantized("qwen3_moe", num_layers=FAMILY_LAYERS, **WIDE))
+    engine = SparseEngine(loaded, trainable_layers=[loaded.spec.moe_layers[-1]])
+    weight = next(iter(engine.weights.values()))  # a fused (E, O, I) expert tensor
+    e, o, i = weight.shape
+    engine.set_deltas(random_selection(engine, frac=0.05))
+    counts = [3, 0, 2, 5] + [1] * (e - 4)
+    plan = grouped_deltas.blocks(weight, counts, budget=2 * o * i * 4)
+    assert [(b.first, b.stop) for b in plan][:3] == [(0, 1), (2, 4), (4, 6)]
+    assert plan[0].rows == slice(0, 3) and plan[1].rows == slice(3, 10) and plan[1].counts.tolist() == [2, 5]
+    bounds = weight.delta._bounds
+    assert plan[1].entries == slice(bounds[2], bounds[4])
+    assert plan[-1].stop == e and plan[-1].rows.stop == sum(counts)
+    # A larger budget keeps the unrouted expert 1 inside the first run, as an empty group.
+    plan = grouped_deltas.blocks(weight, counts, budget=4 * o * i * 4)
+    assert (plan[0].first, plan[0].stop, plan[0].rows) == (0, 4, slice(0, 10)) and plan[0].unrouted.tolist() == [1]
+    assert plan[0].counts.tolist() == [3, 0, 2, 5] and plan[1].unrouted.numel() == 0
+    # Unrouted experts at the ends are left out; an expert never spans two resident chunks.
+    plan = grouped_deltas.blocks(weight, [0, 0, 4] + [0] * (e - 4) + [1])
+    assert [(b.first, b.stop) for b in plan] == [(2, e)] and plan[0].rows == slice(0, 5)
+
+
+def test_collecting_steps_and_host_bases_take_the_loop(quantized, ran):
+    """A score sink (RigL's collecting steps, usaf score) needs each expert's dense gradient: the loop runs. A base
+    not resident on the compute device neither. Control: without either, the grouped path runs."""
+    engine = make_engine(quantized, "qwen3_moe")
+    ran.grouped(engine)
+    engine.set_deltas(random_selection(engine))
+    ids, labels = batch()
+    engine.dense_scores([(ids, labels, None)], candidates=10, statistic="grad")
+    assert ran.tensors == 0 and ran.experts > 0
+    state = engine.loaded.experts[engine.trainable_layers[0]]
+    hidden = torch.zeros(1, state.gate_up.shape[2])
+    assert grouped_deltas.applies(state, hidden)
+    state.gate_up.resident.chunks = [c.to("meta") for c in state.gate_up.resident.chunks]  # another device
+    assert not grouped_deltas.applies(state, hidden)
+
+
+def test_training_steps_follow_the_loop(quantized, ran):
+    """Five optimizer steps with the grouped path follow the loop's losses and values (up to summation order)."""
+
+    def run(grouped: bool):
+        engine = make_engine(quantized, "mixtral")
+        ran.grouped(engine, grouped)
+        engine.set_deltas(random_selection(engine))
+        optimizer = SparseAdamW(engine.parameter_groups(lr=1e-2, router_lr=1e-2, weight_decay=0.0), max_grad_norm=1.0)
+        losses = [train_step(engine, optimizer, *batch(seed)) for seed in range(5)]
+        return losses, {n: d.values.detach().clone() for n, d in engine.deltas().items()}
+
+    grouped_losses, grouped_values = run(True)
+    assert ran.tensors == 10
+    loop_losses, loop_values = run(False)
+    torch.testing.assert_close(torch.tensor(grouped_losses), torch.tensor(loop_losses), rtol=1e-5, atol=1e-5)
+    for name, values in loop_values.items():
+        assert values.abs().gt(0).any()  # the steps moved them
+        torch.testing.assert_close(grouped_values[name], values, rtol=1e-4, atol=1e-6)
+
+
+def test_the_device_capability_switches_it(quantized):
+    """Loading sets it from ``Capabilities.dense_delta_terms``: off on the CPU (the loop), on where a backend asks."""
+    engine = make_engine(quantized, "qwen3_moe")
+    assert not any(s.grouped_deltas for s in engine.loaded.experts.values())  # the CPU keeps the loop
+    caps = resolve_backend("cpu", env={}).capabilities
+    state = next(iter(engine.loaded.experts.values()))
+    state.set_capabilities(dataclasses.replace(caps, dense_delta_terms=True))
+    assert state.grouped_deltas
