@@ -174,20 +174,74 @@ def test_blocks_cover_routed_runs_and_their_entries(quantized):
     assert [(b.first, b.stop) for b in plan] == [(2, e)] and plan[0].rows == slice(0, 5)
 
 
-def test_collecting_steps_and_host_bases_take_the_loop(quantized, ran):
-    """A score sink (RigL's collecting steps, usaf score) needs each expert's dense gradient: the loop runs. A base
-    not resident on the compute device neither. Control: without either, the grouped path runs."""
-    engine = make_engine(quantized, "qwen3_moe")
-    ran.grouped(engine)
-    engine.set_deltas(random_selection(engine))
-    ids, labels = batch()
-    engine.dense_scores([(ids, labels, None)], candidates=10, statistic="grad")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no-delta"])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled"])
+def test_dense_scores_run_grouped_and_equal_the_loops(family, with_delta, exact, quantized, ran):
+    """``usaf score``'s dense scores (each routed expert's slice gradient to its sink), with a delta and without one
+    (the plan's first scoring), exact and pooled: the grouped path's candidates and scores are the loop's.
+    Control: the scores of another batch differ."""
+    engine = make_engine(quantized, family)
+    if with_delta:
+        selection = random_selection(engine)
+        engine.set_deltas(selection, _values(selection))
+    batches = [(*batch(seed), None) for seed in (1, 2)]
+    settings = {"candidates": 40, "statistic": "grad", "exact": exact}
+
+    def tops(grouped: bool, data=batches) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        ran.grouped(engine, grouped)
+        return {name: acc.top() for name, acc in engine.dense_scores(data, **settings).items()}
+
+    loop = tops(False)
     assert ran.tensors == 0 and ran.experts > 0
+    ran.experts = 0
+    ours = tops(True)
+    assert ran.tensors == 2 * len(batches) and ran.experts == 0  # both tensors each batch, no expert loop
+    assert ours.keys() == loop.keys() and ours
+    for name, (indices, scores) in loop.items():
+        assert torch.equal(ours[name][0], indices), name
+        torch.testing.assert_close(ours[name][1], scores, rtol=1e-5, atol=1e-8)
+    other = tops(True, [(*batch(7), None)])
+    assert any(not torch.equal(other[n][0], loop[n][0]) for n in loop)
+
+
+def test_a_rigl_cycle_reselects_the_same_entries_grouped(quantized, ran):
+    """Collecting steps then a reselection (``usaf train --reselect-every``), grouped and looped: the same new masks."""
+    from usaf.engine.reselect import collect_scores, reselect
+
+    def cycle(grouped: bool) -> dict[str, torch.Tensor]:
+        engine = make_engine(quantized, "qwen3_moe", targets="all")
+        ran.grouped(engine, grouped)
+        engine.set_deltas(random_selection(engine))
+        optimizer = SparseAdamW(engine.parameter_groups(lr=1e-2, router_lr=1e-2, weight_decay=0.0))
+        with collect_scores(engine) as scores:
+            for seed in range(3):
+                train_step(engine, optimizer, *batch(seed))
+                scores.end_batch()
+        reselect(engine, optimizer, scores, 0.3)
+        return {n: d.indices.clone() for n, d in engine.deltas().items()}
+
+    ours = cycle(True)
+    assert ran.tensors == 6
+    loop = cycle(False)
+    for name, indices in loop.items():
+        assert torch.equal(ours[name], indices), name
+    before = random_selection(make_engine(quantized, "qwen3_moe", targets="all"))
+    assert any(not torch.equal(before[n], loop[n]) for n in loop)  # control: the reselection moved entries
+
+
+def test_host_bases_take_the_loop(quantized):
+    """A base not resident on the compute device (a pinned host base, copied one expert at a time) runs the loop.
+    Control: resident where the forward runs, the grouped path applies."""
+    engine = make_engine(quantized, "qwen3_moe")
     state = engine.loaded.experts[engine.trainable_layers[0]]
+    state.grouped_deltas = True
     hidden = torch.zeros(1, state.gate_up.shape[2])
     assert grouped_deltas.applies(state, hidden)
     state.gate_up.resident.chunks = [c.to("meta") for c in state.gate_up.resident.chunks]  # another device
     assert not grouped_deltas.applies(state, hidden)
+    state.grouped_deltas = False
+    assert not grouped_deltas.applies(state, torch.zeros(1, state.gate_up.shape[2], device="meta"))
 
 
 def test_training_steps_follow_the_loop(quantized, ran):

@@ -17,9 +17,12 @@ Chosen where the backend declares ``Capabilities.dense_delta_terms`` (CUDA), the
 on the CPU the gathered terms cost about ``frac`` of a GEMM and the per-expert overhead is small, so the loop
 stays there.
 
-Not taken (the per-expert loop runs): score-collecting steps and ``usaf score``'s dense scores (each expert
-slice's dense gradient goes to that expert's sink), bases not resident on the compute device (a pinned host
-base is copied one expert at a time), devices without index ops (DirectML: the loop's index-free path).
+Score-collecting steps (RigL) and ``usaf score``'s dense scores run here too: the block's ``dy^T x`` is each
+routed expert's dense slice gradient, which goes to that expert's sink (``TrainableTensor.score_sink``) in the
+order the loop's backward calls them (descending expert), after the delta's gradient has been read from it.
+
+Not taken (the per-expert loop runs): bases not resident on the compute device (a pinned host base is copied one
+expert at a time), devices without index ops (DirectML: the loop's index-free path).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 
 from usaf.engine.grouped import grouped_linear, grouped_weight_grad, module_biases
 from usaf.engine.sparse_linear import accumulate_dtype, dense_delta, no_autocast
+from usaf.engine.trainable import EMPTY_VALUES
 
 # The fp32 bytes of one block's dense delta; the backward holds two (D and its gradient). A block of Qwen3-30B-A3B's
 # gate_up (1536 x 2048 an expert) is then 20 experts: about 7 blocks a tensor at 128 experts, where the loop
@@ -42,14 +46,12 @@ DELTA_BLOCK_BYTES = 256 * 2**20
 def applies(state, hidden_states: torch.Tensor) -> bool:
     """Whether this forward of ``state`` (a ``LayerExperts``) runs grouped over its deltas.
 
-    The device asks for it (``state.grouped_deltas``), has index ops, no score sink is set, and both tensors'
-    bases are resident on the compute device.
+    The device asks for it (``state.grouped_deltas``), has index ops, and both tensors' bases are resident on the
+    compute device.
     """
     if not (state.grouped_deltas and state.index_ops):
         return False
     weights = (state.gate_up, state.down)
-    if any(w.score_sink is not None for w in weights):
-        return False
     return all(w.resident is not None and w.resident.device == hidden_states.device for w in weights)
 
 
@@ -119,9 +121,12 @@ def _linear(
 ) -> torch.Tensor:
     """``x (N, I) -> (N, O)`` through every routed expert's base + delta of ``weight``."""
     delta = weight.delta
-    # Without a delta (an attention-only target, a frozen layer under a graph) a zero-size stand-in keeps one
-    # signature; it never requires grad, so its gradient is never formed.
-    values = delta.values if delta is not None else x.new_zeros(0, dtype=torch.float32)
+    if delta is not None:
+        values = delta.values
+    elif weight.score_sink is not None:  # scoring with no delta: a stand-in that requires grad, so backward runs
+        values = EMPTY_VALUES.get(x.device)
+    else:  # no delta (an attention-only target, a frozen layer under a graph): its gradient is never formed
+        values = x.new_zeros(0, dtype=torch.float32)
     plan = blocks(weight, counts)
     return _GroupedDeltaLinear.apply(x, values, weight, plan, bias, use_grouped_mm)
 
@@ -146,37 +151,53 @@ class _GroupedDeltaLinear(torch.autograd.Function):
                 out[block.rows] = y.to(x.dtype)
         ctx.save_for_backward(x, values)
         ctx.weight, ctx.plan, ctx.use_grouped_mm = weight, plan, use_grouped_mm
+        ctx.score_sink = weight.score_sink  # as set for this forward (a collecting step's), expert -> sink
         return out
 
     @staticmethod
     def backward(ctx, dy):
         x, values = ctx.saved_tensors
-        weight, plan, use_grouped_mm = ctx.weight, ctx.plan, ctx.use_grouped_mm
+        weight, plan, use_grouped_mm, score_sink = ctx.weight, ctx.plan, ctx.use_grouped_mm, ctx.score_sink
         need_dx, need_dvalues = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = accumulate_dtype(x.dtype)
         dx = torch.empty_like(x) if need_dx else None  # (N, I)
         dvalues = torch.zeros_like(values) if need_dvalues else None  # (n,); unrouted experts' entries stay 0
         dy = dy.to(x.dtype).contiguous()  # (N, O)
         with no_autocast(x.device):
-            for block in plan:
+            # Descending, as the loop's backward reaches its experts: a pooled accumulator's floor sees the same order.
+            for block in reversed(plan):
                 experts = torch.arange(block.first, block.stop)
                 dyb = dy[block.rows]  # (n, O)
                 d = _block_delta(weight, block, values, acc)  # (e, O, I) or None: formed again, not kept
-                dy_acc = dyb.to(acc) if d is not None else None  # (n, O), cast once for both uses
                 if need_dx:
                     base = weight.resident.run(block.first, block.stop)  # (e, O, I)
                     dxb = grouped_linear(dyb, base.transpose(1, 2), block.counts, None, experts, use_grouped_mm)
                     if d is not None:  # dy W + dy D, one rounding
                         t = d.transpose(1, 2)  # (e, I, O)
-                        dxb = dxb.to(acc) + grouped_linear(dy_acc, t, block.counts, None, experts, use_grouped_mm)
+                        dxb = dxb.to(acc) + grouped_linear(dyb.to(acc), t, block.counts, None, experts, use_grouped_mm)
                     dx[block.rows] = dxb.to(x.dtype)
-                if need_dvalues and d is not None:
-                    grad = grouped_weight_grad(dy_acc, x[block.rows].to(acc), block.counts, use_grouped_mm)
-                    if block.unrouted.numel():  # an empty group's output is not promised to be written
-                        grad.index_fill_(0, block.unrouted.to(grad.device), 0.0)
+                del d
+                want_values = need_dvalues and block.entries.stop > block.entries.start
+                if not (want_values or score_sink is not None):
+                    continue
+                grad = grouped_weight_grad(dyb.to(acc), x[block.rows].to(acc), block.counts, use_grouped_mm)
+                if block.unrouted.numel():  # an empty group's output is not promised to be written
+                    grad.index_fill_(0, block.unrouted.to(grad.device), 0.0)
+                if want_values:  # read before the sinks, which overwrite their slices
                     local = _local_positions(weight, block)  # (m,)
                     dvalues[block.entries] = grad.view(-1).index_select(0, local).to(values.dtype)
+                if score_sink is not None:
+                    _feed_sinks(score_sink, weight, block, grad)
         return dx, dvalues, None, None, None, None
+
+
+def _feed_sinks(score_sink, weight, block: Block, grad: torch.Tensor) -> None:
+    """Each routed expert's dense slice gradient ``grad[j] (O, I)`` to its sink, as fp32, with its base slice."""
+    grad = grad.to(torch.float32)  # the loop's sinks get fp32 (a copy only for fp64 compute)
+    base = weight.resident.run(block.first, block.stop)  # (e, O, I)
+    for j in reversed(range(block.stop - block.first)):
+        if block.counts[j]:  # the loop calls no sink for an expert without tokens
+            score_sink(block.first + j)(grad[j], base[j])
 
 
 def _local_positions(weight, block: Block) -> torch.Tensor:

@@ -108,7 +108,7 @@ class TrainableTensor(nn.Module, ABC):
             rows, cols, values = self.delta.expert_entries(expert)
         else:  # score mode without a delta: an empty trainable set still routes the backward here
             rows = cols = torch.zeros(0, dtype=torch.int64, device=x.device)
-            values = _EMPTY_VALUES.get(x.device)
+            values = EMPTY_VALUES.get(x.device)
         return sparse_delta_linear(x, weight, rows, cols, values, bias, score_sink=sink, index_ops=self.index_ops)
 
     def delta_nbytes(self) -> dict[str, int]:
@@ -131,4 +131,4 @@ class _EmptyValues:
         return self._by_device[device]
 
 
-_EMPTY_VALUES = _EmptyValues()
+EMPTY_VALUES = _EmptyValues()
