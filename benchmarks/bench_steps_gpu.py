@@ -14,7 +14,7 @@ Arms, interleaved in rotating order each round, CUDA-synchronised, medians of ``
 - **cached**: the same with the prefix states given (a prefix-cache hit);
 - **collecting**: a cached step with RigL's score sinks installed (the ``SCORE_BATCHES`` steps before a
   reselection);
-- **cached, per expert**: the cached step with the trainable layers' experts one at a time
+- **cached, per expert** and **collecting, per expert**: those steps with the trainable layers' experts one at a time
   (``LayerExperts.grouped_deltas`` off), where the device runs them grouped (``usaf.engine.grouped_deltas``; CUDA,
   or any device with ``--grouped on``); absent where both would be the loop;
 - **LoRA**: forward through every layer + backward + ``AdamW(fused)`` step, gradient clipping at 1.0 in both.
@@ -122,19 +122,23 @@ def usaf_arms(
     def reselection() -> None:
         reselect(engine, optimizer, scores, fraction)
 
-    def cached_per_expert() -> None:
-        for state in trained:
-            state.grouped_deltas = False
-        try:
-            step(prefix_states)
-        finally:
+    def per_expert(arm):
+        def run() -> None:
             for state in trained:
-                state.grouped_deltas = True
+                state.grouped_deltas = False
+            try:
+                arm()
+            finally:
+                for state in trained:
+                    state.grouped_deltas = True
+
+        return run
 
     count = sum(d.nnz for d in engine.deltas().values()) + sum(p.numel() for p in engine.routers.values())
     arms = {"usaf_first_visit": first_visit, "usaf_cached": lambda: step(prefix_states), "usaf_collecting": collecting}
     if all(state.grouped_deltas for state in trained):
-        arms["usaf_cached_per_expert"] = cached_per_expert
+        arms["usaf_cached_per_expert"] = per_expert(arms["usaf_cached"])
+        arms["usaf_collecting_per_expert"] = per_expert(collecting)
     info = {"layers": layers, "targets": list(DEFAULT_TARGETS), "trainable_params": count,
             "score_batches": SCORE_BATCHES, "reselect_fraction": fraction, "reselect": reselection}  # fmt: skip
     return arms, info
