@@ -147,6 +147,19 @@ ARMS = {
         "router": True,
         "targets": "experts,attention",
     },
+    # Budgets at the defaults (issue 20, item 2): usaf_defaults_attention (experts + attention, the plan's lr test)
+    # at a fixed frac instead of the share rule's, on the second model (whose rule gives 0.027).
+    **{
+        f"usaf_defaults_frac_{frac}": {
+            "kind": "usaf",
+            "frac": frac,
+            "reselect": True,
+            "router": True,
+            "targets": "experts,attention",
+            "lr_test": True,
+        }
+        for frac in (0.01, 0.05, 0.1)
+    },
     # The router lr's sweep (issue 20, item 3): usaf_defaults_attention (the plan's lr for the deltas) with the
     # routers' lr as the swept "lr"; its point at the default --router-lr is usaf_defaults_attention itself.
     "usaf_router_lr": {
@@ -169,6 +182,7 @@ ARMS = {
 }
 DEFAULT_ARMS = ("usaf", "usaf_static", "usaf_no_router", "router_only", "usaf_frac_large", "usaf_top_half", "lora",
                 "full_finetune")  # fmt: skip
+PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
 # Learning-rate grids (log-spaced by ~3), each holding usaf's default where it has one; the middle value is the
 # one used with --no-sweep / --quick.
 GRIDS = {
@@ -181,22 +195,22 @@ GRIDS = {
     "lora": [1e-3, 3e-3, 1e-2],
     "qlora": [1e-3, 3e-3, 1e-2],
     "lora_experts": [1e-3, 3e-3, 1e-2],
-    "usaf_defaults": [0.0],
+    "usaf_defaults": [PLAN_LR],
     "full_finetune": [1e-4, 3e-4, 1e-3],
     "usaf_frac_0.001": [3e-3, 1e-2, 3e-2],
     "usaf_frac_0.05": [3e-3, 1e-2, 3e-2],
     "usaf_frac_0.1": [3e-3, 1e-2, 3e-2],
     "usaf_all_layers": [3e-3, 1e-2, 3e-2],
     "usaf_attention": [3e-3, 1e-2, 3e-2],
-    "usaf_defaults_attention": [0.0],
+    "usaf_defaults_attention": [PLAN_LR],
     "usaf_rule_attention": [3e-3, 1e-2, 3e-2],
     "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
     "usaf_router_lr_1e-3": [1e-3],
+    **{f"usaf_defaults_frac_{frac}": [PLAN_LR] for frac in (0.01, 0.05, 0.1)},
 }
 # usaf train's --lr (without a plan's lr test) and --router-lr defaults, read from usaf: the arms run its defaults
 # (the router lr was 1e-4 until 3a6d538; the files before it ran that)
 DEFAULT_LR = {"usaf": TRAIN_DEFAULT_LR, "router_only": DEFAULT_ROUTER_LR}
-PLAN_LR = 0.0  # the "lr" of an arm that is not swept: usaf train takes the plan's (usaf score's lr test)
 LORA_ALPHA = 16
 
 
@@ -280,10 +294,14 @@ def _sample(lines: list[dict], n: int) -> list[dict]:
     return random.Random(EVAL_SEED).sample(lines, min(n, len(lines)))
 
 
-def plan_label(seed: int, frac: float | None, train_from: int | None, targets: str = "experts") -> str:
-    """The plan's key in a results file (and its directory's name); the experts alone keep their old label."""
+def plan_label(
+    seed: int, frac: float | None, train_from: int | None, targets: str = "experts", lr_test: bool = False
+) -> str:
+    """The plan's key in a results file (and its directory's name); the experts alone keep their old label, and a
+    plan with the lr test at a fixed frac says so (without a frac the lr test always runs)."""
     label = f"seed{seed}-frac{frac}-from{train_from}"
-    return label if targets == "experts" else f"{label}-{targets.replace(',', '+')}"
+    label = label if targets == "experts" else f"{label}-{targets.replace(',', '+')}"
+    return f"{label}-lrtest" if lr_test and frac is not None else label
 
 
 def make_plan(
@@ -295,17 +313,19 @@ def make_plan(
     cache: bool,
     calib: int,
     targets: str = "experts",
+    lr_test: bool = False,
 ) -> tuple[Path, dict]:
-    """``usaf score`` for one seed, budget and layer choice, as ``usaf demo`` runs it (``--cache``)."""
+    """``usaf score`` for one seed, budget and layer choice, as ``usaf demo`` runs it (``--cache``); ``lr_test``:
+    with the lr test (where train takes the plan's lr)."""
     from usaf.stages.score import ScoreConfig
     from usaf.stages.score import run as score
 
     start = time.perf_counter()
-    out = work / f"plan-{plan_label(seed, frac, train_from, targets)}"
+    out = work / f"plan-{plan_label(seed, frac, train_from, targets, lr_test)}"
     manifest, plan = score(
         ScoreConfig(model=env["qdir"], data=env["tokens"], out=out, frac=frac, seed=seed, cache=cache,
                     calib_samples=calib, train_from=train_from, device="cpu", targets=targets,
-                    lr_test=frac is None)  # the lr test only where train takes the plan's lr: usaf_defaults
+                    lr_test=lr_test)  # the lr test only where train takes the plan's lr
     )  # fmt: skip
     s = manifest.summary
     info = {
@@ -524,7 +544,11 @@ def _dense_child(spec: dict) -> dict:
 
 
 def plan_key(arm: str, seed: int) -> tuple:
-    return seed, ARMS[arm]["frac"], ARMS[arm].get("train_from"), ARMS[arm].get("targets", "experts")
+    """``(seed, frac, train_from, targets, lr_test)``: arms with equal keys share a plan. The lr test runs where the
+    deltas take the plan's lr: no frac (the defaults' rule), or an arm that asks (``"lr_test"``)."""
+    a = ARMS[arm]
+    lr_test = a["frac"] is None or a.get("lr_test", False)
+    return seed, a["frac"], a.get("train_from"), a.get("targets", "experts"), lr_test
 
 
 def run_arm(env: dict, arm: str, lr: float, seed: int, plan, work: Path, cfg: dict) -> dict:
@@ -819,7 +843,7 @@ def main() -> None:
 
         def plan(key: tuple) -> Path:  # scored when first needed
             if key not in plans:
-                seed, frac, train_from, targets = key
+                seed, frac, train_from, targets, lr_test = key
                 plans[key], result["plans"][plan_label(*key)] = make_plan(
                     env,
                     work,
@@ -829,6 +853,7 @@ def main() -> None:
                     cache=not (quick or args.no_cache) and train_from != 0,
                     calib=8 if quick else 64,
                     targets=targets,
+                    lr_test=lr_test,
                 )
             return plans[key]
 
