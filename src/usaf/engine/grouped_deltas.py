@@ -4,9 +4,9 @@ The per-expert path (:func:`usaf.engine.experts._sorted_loop` calling ``Trainabl
 :func:`usaf.engine.sparse_linear.sparse_delta_linear` once per routed expert and tensor) runs about thirty small
 ops and two autograd nodes per routed expert. On an H200 at Qwen3-30B-A3B's width a training step made about
 7,900 kernel launches and was launch-bound: 0.245 s a step against 54 ms of device time (docs/BENCHMARKS.md, "On a
-GPU"). Here each fused tensor of a layer is one autograd node over all its routed experts. Per block of
-consecutive routed experts (one resident chunk's run, its fp32 delta within :data:`DELTA_BLOCK_BYTES`) the delta
-``D`` is formed dense in fp32 by one scatter, and
+GPU"). Here each fused tensor of a layer is one autograd node over all its routed experts. Per block (a run of
+consecutive experts from a routed one to a routed one, within one resident chunk, its fp32 delta within
+:data:`DELTA_BLOCK_BYTES`; see :func:`blocks`) the delta ``D`` is formed dense in fp32 by one scatter, and
 
     y       = x W^T + x D^T             two grouped GEMMs (the second in fp32)
     dx      = dy W + dy D               two grouped GEMMs
