@@ -26,9 +26,9 @@ once more alone for the allocator's peak above what its model holds.
 ``--deterministic``: every arm under torch's deterministic algorithms (``usaf train --deterministic``'s setting),
 to price bit-reproducibility. ``ops_per_step``: the aten operators one step dispatches (counted by a dispatch mode,
 forward, backward and optimizer), a device's kernel launches give or take views and fused fallbacks: what a
-launch-bound step pays for. ``--profile FILE``: after the timing, two more steps of the cached arm and of
-LoRA under torch's profiler; FILE gets each one's operators by device time and by host time (where a step's
-time goes: the GPU's kernels or the host launching them).
+launch-bound step pays for. ``--profile FILE``: after the timing, two more steps of the cached arm (grouped and,
+where both run, per expert) and of LoRA under torch's profiler; FILE gets each one's operators by device time and
+by host time (where a step's time goes: the GPU's kernels or the host launching them).
 
     python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7] [--deterministic]
                                          [--profile FILE] [--out benchmarks/results/steps-gpu.json]
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> None:
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     if args.profile is not None:
-        profile(arms, ("usaf_cached", "lora"), device, args.profile)
+        profile(arms, ("usaf_cached", "usaf_cached_per_expert", "lora"), device, args.profile)
 
 
 if __name__ == "__main__":
