@@ -252,8 +252,8 @@ def _sorted_loop(
     One gather, one weighting and one ``index_add_`` per layer, not per expert (each expert used to search its
     tokens, gather them, weight and add them back: at 128 experts the backward alone then built 128 ``(T, H)``
     gradients of the gathers). In between, the experts run grouped where the device asks for it
-    (:mod:`usaf.engine.grouped_deltas`), else one at a time; the per-expert products and each token's order of
-    addition (ascending expert) are then the per-expert loop's, so the output is the same, bit for bit.
+    (:mod:`usaf.engine.grouped_deltas`: equal to the loop within rounding), else one at a time, where the products
+    and each token's order of addition (ascending expert) are the per-expert loop's: the same output, bit for bit.
     """
     k = top_k_index.shape[1]
     counts = state.record_load(top_k_index).tolist()  # (E,) tokens per expert
