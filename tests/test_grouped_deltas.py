@@ -9,6 +9,7 @@ against a silent fallback that would make the comparisons vacuous.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -179,18 +180,22 @@ def test_blocks_cover_routed_runs_and_their_entries(quantized):
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled"])
 def test_dense_scores_run_grouped_and_equal_the_loops(family, with_delta, exact, quantized, ran):
     """``usaf score``'s dense scores (each routed expert's slice gradient to its sink), with a delta and without one
-    (the plan's first scoring), exact and pooled: the grouped path's candidates and scores are the loop's.
-    Control: the scores of another batch differ."""
+    (the plan's first scoring), exact and pooled with a pool that loses nothing: the grouped path's candidates and
+    scores are the loop's. Control: the scores of another batch differ."""
     engine = make_engine(quantized, family)
     if with_delta:
         selection = random_selection(engine)
         engine.set_deltas(selection, _values(selection))
     batches = [(*batch(seed), None) for seed in (1, 2)]
-    settings = {"candidates": 40, "statistic": "grad", "exact": exact}
+    # Pooled: a capacity of the whole tensor (4 x a quarter), so no block's shared floor or cut can differ.
+    lossless = {name: math.prod(w.shape) // 4 for name, w in engine.weights.items()}
+    settings = {"candidates": 40 if exact else lossless, "statistic": "grad", "exact": exact}
 
     def tops(grouped: bool, data=batches) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         ran.grouped(engine, grouped)
-        return {name: acc.top() for name, acc in engine.dense_scores(data, **settings).items()}
+        accumulators = engine.dense_scores(data, **settings)
+        assert all(float(acc.error_bound.max()) == 0 for acc in accumulators.values())
+        return {name: acc.top(40) for name, acc in accumulators.items()}
 
     loop = tops(False)
     assert ran.tensors == 0 and ran.experts > 0
@@ -205,6 +210,36 @@ def test_dense_scores_run_grouped_and_equal_the_loops(family, with_delta, exact,
     assert any(not torch.equal(other[n][0], loop[n][0]) for n in loop)
 
 
+def test_a_small_pool_fed_by_blocks_keeps_its_bounds(quantized, ran):
+    """A pool far smaller than the scores' support, fed a block at a time: every pooled score is a lower bound of the
+    exact total and within ``error_bound`` of it, unpooled totals are within it too, and the pool finds as much of the
+    exact top as one fed one expert at a time (28 and 25 of 40 for both when written). Control: the regime is lossy
+    (a positive bound, pooled scores below some totals), so the bounds are not vacuous."""
+    engine = make_engine(quantized, "qwen3_moe")
+    batches = [(*batch(seed), None) for seed in (1, 2, 3)]
+    ran.grouped(engine, False)
+    looped = engine.dense_scores(batches, candidates=40, statistic="grad", exact=False)
+    ran.grouped(engine, True)
+    exact = engine.dense_scores(batches, candidates=40, statistic="grad", exact=True)
+    pooled = engine.dense_scores(batches, candidates=40, statistic="grad", exact=False)
+    assert ran.tensors == 2 * 2 * len(batches)
+    for name, acc in pooled.items():
+        e, o, i = acc.shape
+        true = exact[name].dense_map().view(-1)  # (E*O*I,)
+        indices, scores = acc.pool_entries()
+        bound = acc.error_bound  # (E,)
+        assert float(bound.max()) > 0, name  # the regime this test is for: entries were refused or cut
+        assert (scores <= true[indices] * (1 + 1e-5)).all(), name
+        assert (true[indices] <= (scores + bound[indices // (o * i)]) * (1 + 1e-5)).all(), name
+        assert not torch.allclose(scores, true[indices]), name  # some history was lost, and it shows
+        unpooled = torch.ones_like(true, dtype=torch.bool)
+        unpooled[indices] = False
+        assert (true[unpooled] <= bound.repeat_interleave(o * i)[unpooled] * (1 + 1e-5)).all(), name
+        best = set(true.topk(40).indices.tolist())
+        found, found_looped = (len(set(a.top(40)[0].tolist()) & best) for a in (acc, looped[name]))
+        assert found >= found_looped - 2 and found >= 20, (name, found, found_looped)
+
+
 def test_a_rigl_cycle_reselects_the_same_entries_grouped(quantized, ran):
     """Collecting steps then a reselection (``usaf train --reselect-every``), grouped and looped: the same new masks."""
     from usaf.engine.reselect import collect_scores, reselect
@@ -214,7 +249,8 @@ def test_a_rigl_cycle_reselects_the_same_entries_grouped(quantized, ran):
         ran.grouped(engine, grouped)
         engine.set_deltas(random_selection(engine))
         optimizer = SparseAdamW(engine.parameter_groups(lr=1e-2, router_lr=1e-2, weight_decay=0.0))
-        with collect_scores(engine) as scores:
+        # A pool of the whole tensor: blocks then share no floor or cut that one add per expert would not.
+        with collect_scores(engine, pool_factor=10**6) as scores:
             for seed in range(3):
                 train_step(engine, optimizer, *batch(seed))
                 scores.end_batch()

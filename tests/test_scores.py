@@ -469,3 +469,128 @@ def test_a_snapshot_restores_the_state_before_a_failed_step(exact):
     for got, want in zip(acc.ranked(), uninterrupted.ranked()):
         assert torch.equal(got, want)
     assert torch.equal(acc.error_bound, uninterrupted.error_bound) and torch.equal(acc.counts, uninterrupted.counts)
+
+
+# ---------------------------------------------------------------- blocks of experts at once (the grouped engine)
+
+
+def block_rounds(gen, shape, rounds, *, signal=0.5, support=None):
+    """``(first, grads (e, O, I), routed (e,))`` per block: every round cuts the experts into blocks of 1 to 4, some
+    experts unrouted (their rows hold noise that must not be seen), as the grouped engine's backward hands them."""
+    num_experts, out_features, in_features = shape
+    mu = torch.randn(shape, generator=gen) * signal
+    out = []
+    for _ in range(rounds):
+        first = 0
+        while first < num_experts:
+            e = min(int(torch.randint(1, 5, (), generator=gen)), num_experts - first)
+            grads = mu[first : first + e] + torch.randn(e, out_features, in_features, generator=gen)
+            if support is not None:
+                grads = grads * support[first : first + e]
+            routed = torch.rand(e, generator=gen) < 0.75
+            out.append((first, grads, routed))
+            first += e
+    return out
+
+
+def feed(acc: ScoreAccumulator, blocks, *, as_blocks: bool) -> None:
+    """Each block to ``acc``, whole or one routed expert at a time (descending, as the loop's backward)."""
+    for first, grads, routed in blocks:
+        if as_blocks:
+            acc.sink.add_block(first, grads.clone(), None, routed)
+            continue
+        for j in reversed(range(grads.shape[0])):
+            if routed[j]:
+                acc.sink(first + j)(grads[j].clone(), None)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled-lossless"])
+def test_a_block_adds_like_its_slices_one_by_one(exact):
+    """Without a refusal or a cut, a block is exactly its routed rows added one by one: pool order, scores, counts and
+    bounds. Unrouted rows are not seen (NaN there changes nothing). Control: counting an unrouted row shows."""
+    gen = torch.Generator().manual_seed(20)
+    shape = (10, 6, 8)
+    support = torch.rand(shape, generator=gen) < 0.3
+    blocks = block_rounds(gen, shape, 3, support=support)
+    first, grads, routed = next(b for b in blocks if not b[2].all())
+    grads[positions(~routed)[0]] = float("nan")  # an unrouted row: never read
+    capacity = int(support.sum())  # every entry with a non-zero statistic fits: nothing refused or cut
+    one_by_one, whole = (ScoreAccumulator(shape, capacity, "grad", pool_factor=1, exact=exact) for _ in range(2))
+    feed(one_by_one, blocks, as_blocks=False)
+    feed(whole, blocks, as_blocks=True)
+    got, want = whole.state_dict(), one_by_one.state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
+    assert float(whole.error_bound.max()) == 0
+    miscounted = ScoreAccumulator(shape, capacity, "grad", pool_factor=1, exact=exact)
+    feed(miscounted, [(f, g.nan_to_num(), torch.ones_like(r)) for f, g, r in blocks], as_blocks=True)
+    assert not torch.equal(miscounted.counts, whole.counts)
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_blocks_into_a_small_pool_keep_every_bound(statistic):
+    """A pool far smaller than the support, fed by blocks: pooled scores are lower bounds of the exact totals and
+    within ``error_bound`` of them, unpooled totals within it too, the pool never holds more than one slice's
+    worth past its overflow margin, and ``certified`` is never wrong. Control: the regime is lossy."""
+    gen = torch.Generator().manual_seed(21)
+    shape = (8, 16, 24)
+    blocks = block_rounds(gen, shape, 6)
+    weight = torch.randn(shape, generator=gen)
+    acc = ScoreAccumulator(shape, 30, statistic, pool_factor=2)
+    exact = ScoreAccumulator(shape, 30, statistic, exact=True)
+    held = []
+    for first, grads, routed in blocks:
+        base = weight[first : first + grads.shape[0]]
+        acc.sink.add_block(first, grads.clone(), base, routed)
+        exact.sink.add_block(first, grads.clone(), base, routed)
+        held.append(acc._pooled)
+    assert max(held) <= (1 + OVERFLOW) * acc.capacity + acc.capacity
+    true = exact.dense_map().view(-1)
+    indices, scores = acc.pool_entries()
+    per_expert = shape[1] * shape[2]
+    bound = acc.error_bound
+    assert float(bound.max()) > 0 and not torch.allclose(scores, true[indices])  # lossy
+    assert (scores <= true[indices] * (1 + 1e-5)).all()
+    assert (true[indices] <= (scores + bound[indices // per_expert]) * (1 + 1e-5)).all()
+    unpooled = torch.ones_like(true, dtype=torch.bool)
+    unpooled[indices] = False
+    assert (true[unpooled] <= bound.repeat_interleave(per_expert)[unpooled] * (1 + 1e-5)).all()
+    for k in (1, 5, 30):
+        if acc.certified(k):
+            assert set(acc.top(k)[0].tolist()) == set(true.topk(k).indices.tolist())
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled"])
+def test_a_non_finite_block_is_refused_naming_its_expert_and_changes_nothing(exact):
+    gen = torch.Generator().manual_seed(22)
+    shape = (8, 6, 8)
+    acc = ScoreAccumulator(shape, 10, "grad", pool_factor=2, exact=exact)
+    feed(acc, block_rounds(gen, shape, 2), as_blocks=True)
+    saved = acc.state_dict()
+    grads = torch.randn(3, 6, 8, generator=gen)
+    grads[1, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="non-finite gradient for expert 5"):
+        acc.sink.add_block(4, grads, None, torch.ones(3, dtype=torch.bool))
+    for key, value in acc.state_dict().items():
+        assert torch.equal(value, saved[key]) if isinstance(value, torch.Tensor) else value == saved[key], key
+    with pytest.raises(IndexError, match="out of 8"):
+        acc.add_block(6, torch.zeros(3, 48), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not rows of"):
+        acc.add_block(0, torch.zeros(3, 47), torch.ones(3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled"])
+def test_a_paired_sink_adds_a_block_to_both(exact):
+    """usaf score's sample and stability half, fed by blocks: each equals an accumulator fed alone."""
+    gen = torch.Generator().manual_seed(23)
+    shape = (8, 6, 8)
+    blocks = block_rounds(gen, shape, 3)
+    paired, half, alone = (ScoreAccumulator(shape, 10, "grad", pool_factor=2, exact=exact) for _ in range(3))
+    sink = paired.sink_with(half)
+    for first, grads, routed in blocks:
+        sink.add_block(first, grads.clone(), None, routed)
+    feed(alone, blocks, as_blocks=True)
+    for acc in (paired, half):
+        for got, want in zip(acc.ranked(), alone.ranked()):
+            assert torch.equal(got, want)
+        assert torch.equal(acc.counts, alone.counts)

@@ -19,7 +19,9 @@ stays there.
 
 Score-collecting steps (RigL) and ``usaf score``'s dense scores run here too: the block's ``dy^T x`` is each
 routed expert's dense slice gradient, which goes to that expert's sink (``TrainableTensor.score_sink``) in the
-order the loop's backward calls them (descending expert), after the delta's gradient has been read from it.
+order the loop's backward calls them (descending expert), after the delta's gradient has been read from it. An
+accumulator's sink takes a whole block at once (``ScoreAccumulator.add_block``): the step's pool work is then a
+fixed number of ops per block too, where the loop ran about 23 ops and a host sync per routed expert and tensor.
 
 Not taken (the per-expert loop runs): bases not resident on the compute device (a pinned host base is copied one
 expert at a time), devices without index ops (DirectML: the loop's index-free path).
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from usaf.engine.grouped import grouped_linear, grouped_weight_grad, module_biases
+from usaf.engine.score_sinks import ScoreSink
 from usaf.engine.sparse_linear import accumulate_dtype, dense_delta, no_autocast
 from usaf.engine.trainable import EMPTY_VALUES
 
@@ -192,9 +195,16 @@ class _GroupedDeltaLinear(torch.autograd.Function):
 
 
 def _feed_sinks(score_sink, weight, block: Block, grad: torch.Tensor) -> None:
-    """Each routed expert's dense slice gradient ``grad[j] (O, I)`` to its sink, as fp32, with its base slice."""
+    """The block's dense slice gradients ``grad (e, O, I)`` (a scratch) to the sink, as fp32, with their base slices.
+
+    A :class:`~usaf.engine.score_sinks.ScoreSink` takes the whole block at once (a fixed number of ops); any other
+    ``expert -> sink`` factory gets each routed expert's slice, descending, as the loop's backward calls it.
+    """
     grad = grad.to(torch.float32)  # the loop's sinks get fp32 (a copy only for fp64 compute)
     base = weight.resident.run(block.first, block.stop)  # (e, O, I)
+    if isinstance(score_sink, ScoreSink):
+        score_sink.add_block(block.first, grad, base, block.counts > 0)
+        return
     for j in reversed(range(block.stop - block.first)):
         if block.counts[j]:  # the loop calls no sink for an expert without tokens
             score_sink(block.first + j)(grad[j], base[j])

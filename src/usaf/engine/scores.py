@@ -32,6 +32,16 @@ only keep more history. An add used to merge into one flat pool of ``P`` entries
 top-k over the whole pool per slice): O(E·P) per step, which grew with the square of the expert count
 (docs/BENCHMARKS.md, "Reselection cost as experts grow").
 
+Blocks. The grouped engine (:mod:`usaf.engine.grouped_deltas`) hands over consecutive experts at once
+(:meth:`ScoreAccumulator.add_block`): the block's pooled entries gather, its entrants are found and its experts'
+epochs turn over in one pass, a fixed number of ops per block where one add per expert cost about 23 ops and a
+host sync. Two things differ from one add per expert, both within the guarantees below: the block's adds share
+the floor as it stood before the block (a cut after one expert's add may have raised it for the next; a stale
+floor is allowed, as above), and the block's entrants are held to ``P`` together, as one slice's are (entrants
+beyond the block's ``P`` best could not all survive the next cut; one add per expert might keep some of them
+until then). What is refused counts in ``error_bound`` like any refusal. When nothing is refused or cut, a
+block is exactly its adds one by one.
+
 Zero statistics are never pooled: they carry no evidence, so an expert that was never added has no
 candidates. :func:`merge` unions pools (shared indices add) and keeps the ``P`` best the same way.
 
@@ -69,13 +79,14 @@ set is provably the true one (a sufficient check: ``False`` does not mean the se
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from usaf.backends.transfer import device_capabilities
+from usaf.engine.score_sinks import ScoreSink
 from usaf.engine.score_state import accumulator_state, restore_accumulator
 from usaf.engine.selection_ops import kth_smallest, positions, positions_above
 from usaf.engine.statistics import STATISTICS, slice_statistic
@@ -193,28 +204,55 @@ class ScoreAccumulator:
             self._add_to_pool(expert, stat)  # checks finiteness on what it keeps, before it changes anything
         self.counts.numpy()[expert] += 1
 
-    def sink(self, expert: int) -> Callable[[Tensor, Tensor], None]:
-        """``sink(grad, weight)`` adding one slice of ``expert``; ``grad`` is a scratch it overwrites.
+    @torch.no_grad()
+    def add_block(self, first: int, stats: Tensor, routed: Tensor) -> None:
+        """Add the statistics of experts ``first .. first + e - 1`` at once, in a fixed number of ops.
 
-        ``ScoreAccumulator.sink`` itself is an ``expert -> sink`` factory, the form
-        ``usaf.engine.trainable.TrainableTensor.score_sink`` takes.
+        Args:
+            first: the block's first expert.
+            stats: ``(e, O*I)`` fp32, this call's to edit: row ``j`` is expert ``first + j``'s statistic.
+            routed: ``(e,)`` bool on the host: the rows that are slices. The others are not added (their experts
+                had no tokens: no count, no epoch), whatever they hold.
+
+        The same as one :meth:`add_statistic` per routed row, except that the block's adds share one admission
+        floor and one cut (see the module docstring's "Blocks"). Raises like :meth:`add_statistic`, naming the
+        first expert whose statistic is not finite; nothing is added then.
         """
-        return lambda grad, weight: self.add(expert, grad, weight, scratch=True)
+        num_experts, out_features, in_features = self.shape
+        e = stats.shape[0]
+        if stats.dim() != 2 or stats.shape[1] != out_features * in_features:
+            raise ValueError(f"statistics {tuple(stats.shape)} are not rows of ({out_features}, {in_features}) slices")
+        if not 0 <= first <= num_experts - e or tuple(routed.shape) != (e,):
+            raise IndexError(f"a block of {e} experts from {first} ({tuple(routed.shape)} routed) out of {num_experts}")
+        rows = positions(routed.cpu())  # (r,) on the host
+        if not rows.numel():
+            return
+        self._adopt(stats.device)
+        stats = stats.to(self.device)
+        if rows.numel() < e:  # not slices: nothing of theirs is seen (not even a non-finite value)
+            stats.index_fill_(0, positions(~routed.cpu()).to(self.device), 0.0)
+        if self.exact:
+            if not bool(torch.isfinite(stats.max())):  # max propagates NaN; the statistic is never negative
+                raise _non_finite(first + _first_non_finite_row(stats))
+            self._dense[first : first + e].view(e, -1).add_(stats)
+        else:
+            self._add_block_to_pool(first, stats, rows)
+        self.counts.numpy()[first + rows.numpy()] += 1
 
-    def sink_with(self, other: ScoreAccumulator) -> Callable[[int], Callable[[Tensor, Tensor], None]]:
-        """Like :meth:`sink`, but every slice is added to this accumulator and to ``other`` (same shape and
+    @property
+    def sink(self) -> ScoreSink:
+        """This accumulator's :class:`~usaf.engine.score_sinks.ScoreSink`: ``sink(expert)(grad, weight)`` adds one
+        slice (``grad`` a scratch it overwrites), ``sink.add_block`` a block of experts.
+
+        It is what ``usaf.engine.trainable.TrainableTensor.score_sink`` takes.
+        """
+        return ScoreSink(self)
+
+    def sink_with(self, other: ScoreAccumulator) -> ScoreSink:
+        """Like :attr:`sink`, but every slice is added to this accumulator and to ``other`` (same shape and
         statistic): one gradient, its statistic computed once, two sums (``usaf score``'s sample and the
         stability half a batch belongs to)."""
-        if (other.shape, other.statistic) != (self.shape, self.statistic):
-            raise ValueError(f"cannot pair a {other.shape} {other.statistic!r} accumulator with {self.shape}")
-
-        def add_both(expert: int, grad: Tensor, weight: Tensor) -> None:
-            self._check_slice(grad)
-            stat = slice_statistic(self.statistic, grad, weight, in_place=True).reshape(-1)  # (O*I,)
-            other.add_statistic(expert, stat.clone())  # add_statistic edits what it is given
-            self.add_statistic(expert, stat)
-
-        return lambda expert: lambda grad, weight: add_both(expert, grad, weight)
+        return ScoreSink(self, other)
 
     def _check_slice(self, grad: Tensor) -> None:
         _, out_features, in_features = self.shape
@@ -274,6 +312,48 @@ class ScoreAccumulator:
         epoch[expert] = float(lost)
         self._local[expert] = torch.cat([local, enter])
         self._local_scores[expert] = torch.cat([scores + gathered, entering])
+        self._pooled += enter.numel()
+        if self._pooled > (1 + OVERFLOW) * self.capacity:
+            self._evict()
+
+    def _add_block_to_pool(self, first: int, stats: Tensor, rows: Tensor) -> None:
+        """:meth:`_add_to_pool` for a block: ``stats (e, O*I)``, ``rows (r,)`` its routed rows (host int64)."""
+        e, per_expert = stats.shape
+        flat = stats.view(-1)  # (e*O*I,) block positions j*O*I + local
+        # 1. Pooled entries of the block's experts take their whole contribution (unrouted ones' rows are 0).
+        sizes = torch.tensor([t.numel() for t in self._local[first : first + e]])  # (e,) host
+        owner = torch.repeat_interleave(torch.arange(e), sizes).to(stats.device)  # (m,)
+        pooled = torch.cat(self._local[first : first + e]) + owner * per_expert  # (m,) block positions
+        gathered = flat.index_select(0, pooled)
+        flat.index_fill_(0, pooled, 0)
+        # 2. Entrants, over the whole block: at most `capacity` of them, as for one slice. More could not all stay
+        #    at the next cut; the loop would have let a few stay until then.
+        enter = positions_above(flat, self._floor)  # (n,) ascending: grouped by expert
+        if enter.numel() > self.capacity:
+            best = flat.index_select(0, enter).topk(self.capacity, sorted=False).indices
+            enter = enter.index_select(0, best.sort().values)
+        entering = flat.index_select(0, enter)
+        flat.index_fill_(0, enter, 0)
+        lost = stats.amax(dim=1)  # (e,) each expert's largest contribution that found no place
+        if not math.isfinite(float(lost.sum() + gathered.sum() + entering.sum())):  # as in _add_to_pool
+            bad = ~torch.isfinite(lost)
+            bad[owner[~torch.isfinite(gathered)]] = True
+            bad[enter[~torch.isfinite(entering)] // per_expert] = True
+            raise _non_finite(first + int(positions(bad.cpu())[0]))
+        # 3. Commit: each routed expert's epoch turns over; every segment of the block is rebuilt as its old
+        #    entries (with what they gathered) then its entrants, the order one add per expert gives.
+        closed, epoch = self._closed_loss.numpy(), self._epoch_loss.numpy()
+        experts = first + rows.numpy()
+        closed[experts] += epoch[experts]
+        epoch[experts] = lost.cpu().numpy()[rows.numpy()]
+        entrant_owner = enter // per_expert  # (n,)
+        order = torch.cat([owner, entrant_owner]).argsort(stable=True)  # (m + n,)
+        local = torch.cat([pooled, enter]).index_select(0, order).remainder_(per_expert)  # back to (O, I) positions
+        old_scores = torch.cat(self._local_scores[first : first + e])
+        scores = torch.cat([old_scores + gathered, entering]).index_select(0, order)
+        new_sizes = (sizes + torch.bincount(entrant_owner, minlength=e).cpu()).tolist()
+        self._local[first : first + e] = list(local.split(new_sizes))
+        self._local_scores[first : first + e] = list(scores.split(new_sizes))
         self._pooled += enter.numel()
         if self._pooled > (1 + OVERFLOW) * self.capacity:
             self._evict()
@@ -524,6 +604,11 @@ def best_by_score(indices: Tensor, scores: Tensor, k: int) -> Tensor:
         tied = tied[indices[tied].argsort()][: k - above.numel()]
         chosen = torch.cat([above, tied])
     return chosen[indices[chosen].argsort()]
+
+
+def _first_non_finite_row(stats: Tensor) -> int:
+    """The first row of ``stats (e, n)`` holding a non-finite value (an error path: its cost does not matter)."""
+    return int(positions((~torch.isfinite(stats)).any(dim=1).cpu())[0])
 
 
 def _non_finite(expert: int) -> ValueError:
