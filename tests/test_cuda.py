@@ -126,6 +126,50 @@ def test_trainable_experts_run_grouped_on_cuda_in_bfloat16_at_128_experts_and_ma
             assert not torch.allclose(grouped_grads[name], reference.roll(1), rtol=2e-2, atol=2e-2 * scale), name
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled"])
+def test_dense_scores_run_grouped_on_cuda_and_match_the_loop(exact, quantized):
+    """usaf score's dense scores on CUDA at 128 experts top-8: the grouped path feeds each block to its accumulators at
+    once (``ScoreAccumulator.add_block``, the pool on the device), and the scores equal the per-expert loop's within
+    fp32 rounding, exact and with a pool that loses nothing. Control: another batch's scores differ."""
+    import math
+
+    from usaf.engine import grouped_deltas
+
+    path = quantized("qwen3_moe", num_layers=FAMILY_LAYERS, num_experts=128, num_experts_per_tok=8)
+    engine = engine_on(path, "cuda")
+    batches = [(*batch(seed, size=(2, 64)), None) for seed in (1, 2)]
+    lossless = {name: math.prod(w.shape) // 4 for name, w in engine.weights.items()}
+    settings = {"candidates": 40 if exact else lossless, "statistic": "grad", "exact": exact}
+    calls = []
+    real = grouped_deltas._GroupedDeltaLinear.apply
+
+    def scores(grouped: bool, data=batches) -> dict[str, torch.Tensor]:
+        for layer in engine.loaded.experts.values():
+            layer.grouped_deltas = grouped
+        out = {}
+        for name, acc in engine.dense_scores(data, **settings).items():
+            assert acc.device.type == "cuda" and float(acc.error_bound.max()) == 0
+            if exact:
+                out[name] = acc.dense_map().view(-1).cpu()  # (E*O*I,)
+                continue
+            indices, values = acc.pool_entries()
+            out[name] = torch.zeros(math.prod(acc.shape)).index_put_((indices.cpu(),), values.cpu())
+        return out
+
+    grouped_deltas._GroupedDeltaLinear.apply = lambda *args: calls.append(1) or real(*args)
+    try:
+        ours = scores(True)
+    finally:
+        grouped_deltas._GroupedDeltaLinear.apply = real
+    assert len(calls) == 2 * len(batches), "the trainable layer's experts did not run grouped"
+    loop = scores(False)
+    for name, reference in loop.items():
+        assert reference.gt(0).any(), name
+        torch.testing.assert_close(ours[name], reference, rtol=1e-4, atol=1e-4 * float(reference.max()), msg=name)
+    other = scores(True, [(*batch(7, size=(2, 64)), None)])
+    assert any(not torch.allclose(other[n], loop[n], rtol=1e-2, atol=1e-2 * float(loop[n].max())) for n in loop)
+
+
 def train_args(qdir, tokens, plan, out, *extra):
     return ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--lr", 0.05,
             "--save-every", 0, "--device", "cuda", *extra)  # fmt: skip
