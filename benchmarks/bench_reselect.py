@@ -16,7 +16,11 @@ reference). Reported per shape: median seconds, the ratios to a plain step, and 
 ``--reselect-every 50``: ``(4 x (collecting - plain) + setup + reselect) / (50 x plain)``.
 
     python benchmarks/bench_reselect.py [--threads 1] [--rounds 5] [--experts 32 64 128]
-                                        [--out benchmarks/results/reselect.json]
+                                        [--grouped {auto,on}] [--out benchmarks/results/reselect.json]
+
+``--grouped on`` runs the trainable layers' experts grouped (``usaf.engine.grouped_deltas``, CUDA's path) on any
+device, plain and collecting steps alike, the collecting steps' sinks then fed a block of experts at a time; ``auto``
+is the device's choice (the per-expert loop on the CPU).
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ def text_batch(qdir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids.clone()
 
 
-def make_engine(qdir: Path, batch):
+def make_engine(qdir: Path, batch, grouped: str = "auto"):
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.optim import SparseAdamW
@@ -126,6 +130,9 @@ def make_engine(qdir: Path, batch):
     engine = SparseEngine(
         loaded, trainable_layers=loaded.spec.moe_layers[-TRAINABLE:], targets=("experts", "attention")
     )
+    if grouped == "on":
+        for layer in engine.trainable_layers:
+            loaded.experts[layer].grouped_deltas = True
     g = torch.Generator().manual_seed(0)
     engine.set_deltas(
         {
@@ -151,11 +158,11 @@ def with_sinks(engine, accumulators, step):
             weight.score_sink = None
 
 
-def measure(qdir: Path, rounds: int) -> dict:
+def measure(qdir: Path, rounds: int, grouped: str = "auto") -> dict:
     from usaf.engine.reselect import collect_scores, reselect
 
     batch = text_batch(qdir)
-    engine, optimizer, states = make_engine(qdir, batch)
+    engine, optimizer, states = make_engine(qdir, batch, grouped)
     step = lambda: engine_step(engine, optimizer, batch, states)  # noqa: E731
     for _ in range(2):  # warm-up
         step()
@@ -225,6 +232,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="RigL cycles per shape")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
                         help=f"of {list(SHAPES)} [all]")  # fmt: skip
+    parser.add_argument("--grouped", choices=("auto", "on"), default="auto",
+                        help="trainable experts grouped: the device's choice, or on any device")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "reselect.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -245,6 +254,7 @@ def main() -> None:
             "fraction": FRACTION,
             "threads": args.threads,
             "rounds": args.rounds,
+            "grouped": args.grouped,
         },  # fmt: skip
         "shapes": {},
     }
@@ -254,7 +264,7 @@ def main() -> None:
         print(f"[{name}] {experts} experts of width {width}, top-{top_k}", flush=True)
         with tempfile.TemporaryDirectory(prefix="usaf-bench-reselect-") as tmp:
             qdir = build(Path(tmp), experts, width, top_k)
-            shape = {"experts": experts, "width": width, "top_k": top_k, **measure(qdir, args.rounds)}
+            shape = {"experts": experts, "width": width, "top_k": top_k, **measure(qdir, args.rounds, args.grouped)}
         result["shapes"][name] = shape
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # partial results survive an interrupted run
         plain = shape["median_seconds"]["plain"]
