@@ -75,6 +75,35 @@ def stored_grad(view: FusedView, name: str, transposed: bool) -> torch.Tensor:
     return (grad.transpose(1, 2) if transposed else grad).reshape(-1)
 
 
+def backward_with_random_deltas(engine: SparseEngine):
+    """Random masks (``random_selection``) with random values 0.05 × N(0, 1) installed, then one loss and backward
+    on :func:`batch`: ``(selection, values, ids, labels, loss)``."""
+    selection = random_selection(engine)
+    g = torch.Generator().manual_seed(5)
+    values = {n: 0.05 * torch.randn(i.numel(), generator=g) for n, i in selection.items()}
+    engine.set_deltas(selection, values)
+    ids, labels = batch()
+    loss = engine.loss(ids, labels).loss
+    loss.backward()
+    return selection, values, ids, labels, loss
+
+
+def hold_deltas(view: FusedView, engine: SparseEngine, selection, values) -> None:
+    """Write every trainable tensor's base + delta into the reference model seen through ``view`` as plain dense
+    weights, and make them require grad (fused experts in their in-memory orientation, linear targets as they are)."""
+    from usaf.engine.linear_target import LinearTarget
+
+    with torch.no_grad():
+        for name, weight in engine.weights.items():
+            transposed = not isinstance(weight, LinearTarget) and weight.q.transposed
+            dense = view.get(name).detach().float()
+            stored = (dense.transpose(1, 2) if transposed else dense).contiguous()  # (E, O, I) or (O, I)
+            stored.view(-1)[selection[name]] += values[name]
+            view.set(name, stored.transpose(1, 2) if transposed else stored)
+    for name in engine.weights:
+        view.requires_grad_(name)
+
+
 def assert_gradients_equal_dense_autograd(engine: SparseEngine, selection, source, ids, labels) -> None:
     """The delta values' and routers' gradients (after ``engine``'s backward on ``ids``) equal dense autograd's on
     transformers' model of ``source`` at the selected entries. Negative control: one column over does not match."""

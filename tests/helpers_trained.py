@@ -32,3 +32,29 @@ def train_run(
         result = invoke(*args)
         assert result.exit_code == 0, result.output
     return run
+
+
+def straight_and_resumed(qdir: Path, tokens: Path, plan: Path, root: Path, monkeypatch) -> tuple[Path, Path]:
+    """A 12-step RigL run (``--reselect-every 4``) made straight, and again interrupted by Ctrl-C at step 7 (inside
+    the scoring window of the reselection at step 8) then resumed by the same command: ``(straight, resumed)``."""
+    from usaf.stages.train import trainer
+
+    def train(out):
+        return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--lr", 0.05,
+                      "--steps", 12, "--reselect-every", 4, "--reselect-fraction", 0.3, "--save-every", 0)  # fmt: skip
+
+    straight, resumed = root / "straight", root / "resumed"
+    assert train(straight).exit_code == 0
+    real_step = trainer.Trainer.step
+
+    def interrupt(self):
+        if self.state.step == 7:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
+    assert train(resumed).exit_code == 130
+    monkeypatch.setattr(trainer.Trainer, "step", real_step)
+    result = train(resumed)
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    return straight, resumed

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from conftest import FAMILIES, TRANSFORMERS_V5
 from helpers import invoke, leftovers
 from helpers_engine import every_target
+from helpers_export import engine_logits, export, hf_logits, ids_for
 from helpers_trained import tokenize, train_run
 from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
 from usaf.artifacts.run import load_trained_change
@@ -47,20 +48,6 @@ def trained(quantized, tiny_model, tmp_path_factory):
     return get
 
 
-def export(*args):
-    result = invoke("export", *args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-def hf_logits(path, ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
 def hf_state(path):
     """transformers' own loading of ``path``, as a state dict in usaf's names (4.x: experts seen fused)."""
     from transformers import AutoModelForCausalLM
@@ -72,13 +59,6 @@ def hf_state(path):
     return usaf_state_dict(model, resolve_family(load_model_config(path)))
 
 
-def engine_logits(qdir, change, ids):
-    from usaf.stages.change import model_with_change
-
-    with torch.no_grad():
-        return model_with_change(qdir, change, device=torch.device("cpu"))(input_ids=ids).logits
-
-
 def raw_tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
     """Every tensor of a checkpoint as (dtype, shape, raw bytes)."""
     out = {}
@@ -87,10 +67,6 @@ def raw_tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
             t = f.get_tensor(name)
         out[name] = (info.dtype, list(info.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
     return out
-
-
-def ids_for(qdir, n=3, t=20):
-    return torch.randint(0, 512, (n, t), generator=torch.Generator().manual_seed(7))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

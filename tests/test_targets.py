@@ -8,7 +8,7 @@ import torch
 
 from conftest import FAMILIES
 from helpers import reference_model
-from helpers_engine import FAMILY_LAYERS, batch, make_engine, random_selection
+from helpers_engine import FAMILY_LAYERS, backward_with_random_deltas, hold_deltas, make_engine
 from usaf.engine.linear_target import LinearTarget
 from usaf.families.modules import FusedView
 from usaf.families.targets import linear_target_modules, parse_targets, target_of, targets_of
@@ -42,25 +42,11 @@ def test_linear_targets_forward_and_gradients_equal_dense_autograd(family, tiny_
     kinds = {target_of(n, engine.spec) for n in linear}
     assert "attention" in kinds
     assert ("shared" in kinds) == (engine.spec.shared is not None)
-    selection = random_selection(engine)
-    g = torch.Generator().manual_seed(5)
-    values = {n: 0.05 * torch.randn(i.numel(), generator=g) for n, i in selection.items()}
-    engine.set_deltas(selection, values)
-    ids, labels = batch()
-    loss = engine.loss(ids, labels).loss
-    loss.backward()
+    selection, values, ids, labels, loss = backward_with_random_deltas(engine)
 
     reference = reference_model(tiny_model(family, num_layers=FAMILY_LAYERS), engine.loaded)
     view = FusedView(reference, engine.spec)
-    with torch.no_grad():  # the reference holds base + delta as plain dense weights
-        for name, weight in engine.weights.items():
-            transposed = not isinstance(weight, LinearTarget) and weight.q.transposed
-            dense = view.get(name).detach().float()
-            stored = (dense.transpose(1, 2) if transposed else dense).contiguous()  # (E, O, I) or (O, I)
-            stored.view(-1)[selection[name]] += values[name]
-            view.set(name, stored.transpose(1, 2) if transposed else stored)
-    for name in engine.weights:
-        view.requires_grad_(name)
+    hold_deltas(view, engine, selection, values)  # the reference holds base + delta as plain dense weights
     expected = _dense_loss(reference, ids, labels)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     expected.backward()
@@ -114,9 +100,9 @@ def test_a_run_with_every_target_resumes_exactly_and_generates(prepared, tmp_pat
     """Through the CLI: score --targets experts,attention,shared, a RigL run interrupted inside a scoring window and
     resumed equals the straight run (losses, deltas, frozen records); generate and eval apply it."""
     from helpers import invoke
+    from helpers_trained import straight_and_resumed
     from usaf.artifacts import PlanManifest, load_verified
     from usaf.artifacts.run import load_trained_change
-    from usaf.stages.train import trainer
 
     qdir, tokens, _ = prepared("qwen2_moe")
     plan = tmp_path / "plan"
@@ -128,24 +114,7 @@ def test_a_run_with_every_target_resumes_exactly_and_generates(prepared, tmp_pat
     kinds = {name.split(".")[3] for name in (t.name for t in summary.tensors)}
     assert kinds == {"self_attn", "mlp"} and any("shared_expert" in t.name for t in summary.tensors)
 
-    def train(out):
-        return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--lr", 0.05,
-                      "--steps", 12, "--reselect-every", 4, "--reselect-fraction", 0.3, "--save-every", 0)  # fmt: skip
-
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert train(straight).exit_code == 0
-    real_step = trainer.Trainer.step
-
-    def interrupt(self):
-        if self.state.step == 7:  # inside the scoring window of the reselection at step 8
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
-    assert train(resumed).exit_code == 130
-    monkeypatch.setattr(trainer.Trainer, "step", real_step)
-    result = train(resumed)
-    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    straight, resumed = straight_and_resumed(qdir, tokens, plan, tmp_path, monkeypatch)
     a, b = load_trained_change(straight), load_trained_change(resumed)
     linear = [n for n in a.deltas if ".self_attn." in n or "shared_expert" in n]
     assert linear and a.deltas.keys() == b.deltas.keys()

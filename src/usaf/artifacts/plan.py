@@ -79,13 +79,13 @@ class LrTestRecord(Record):
 class PlanSummary(Record):
     model_fingerprint: str
     tokens_fingerprint: str
-    trainable_layers: list[int]
+    trainable_layers: list[int] = Field(description="the layers that train: MoE, and dense with --targets dense")
     frac: float = Field(description="the share selected: --frac, or the default for the layers' size")
     frac_given: bool | None = Field(None, description="--frac was given (None: a plan from before the default rule)")
     budget: Literal["per-tensor", "per-layer", "global", "per-expert"]
     statistic: Literal["grad", "grad2", "grad_x_weight"]
     router: bool
-    targets: list[Literal["experts", "attention", "shared"]] | None = Field(
+    targets: list[Literal["experts", "attention", "shared", "dense"]] | None = Field(
         None, description="the weights that carry deltas (--targets; None: a plan from before targets, experts)"
     )
     calib_samples: int
@@ -256,13 +256,24 @@ def read_importance(
     return ranked
 
 
-def check_plan_layers(directory: Path, plan: PlanManifest, moe_layers: list[int], *, flag: str = "--plan") -> None:
-    """Refuse a plan that trains a layer the model has no experts in (``moe_layers``: the model's MoE layers)."""
-    foreign = sorted(set(plan.summary.trainable_layers) - set(moe_layers))
+def check_plan_layers(
+    directory: Path, plan: PlanManifest, moe_layers: list[int], dense_layers: list[int] = (), *, flag: str = "--plan"
+) -> None:
+    """Refuse a plan that trains a layer the model lacks (``moe_layers``, ``dense_layers``: the model's): a layer
+    the model has no experts in, unless it is a dense layer and the plan has the dense target."""
+    dense = "dense" in (plan.summary.targets or ())
+    allowed = set(moe_layers) | (set(dense_layers) if dense else set())
+    foreign = sorted(set(plan.summary.trainable_layers) - allowed)
     if foreign:
+        what = "MoE or dense" if dense else "MoE"
         raise UsafError(
-            f"{flag} {Path(directory) / 'manifest.json'}: trains layer {foreign[0]}, which is no MoE layer of "
+            f"{flag} {Path(directory) / 'manifest.json'}: trains layer {foreign[0]}, which is no {what} layer of "
             f"the model (its MoE layers: {list(moe_layers)})",
+            "re-run usaf score for this model",
+        )
+    if not set(plan.summary.trainable_layers) & set(moe_layers):
+        raise UsafError(
+            f"{flag} {Path(directory) / 'manifest.json'}: trains no MoE layer of the model ({list(moe_layers)})",
             "re-run usaf score for this model",
         )
 

@@ -57,7 +57,8 @@ def setting_rows(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[tup
         (
             "trainable layers",
             f"--train-from {s.train_from}: {len(s.layers)} of {len(moe)} MoE layers "
-            f"({s.layers[0]}-{s.layers[-1]}), frac {s.frac:g}",
+            f"({s.layers[0]}-{s.layers[-1]})" + (f" and dense layers {list(s.dense_layers)}" if s.dense_layers else "")
+            + f", frac {s.frac:g}",
         ),
         ("batch", f"--microbatch {s.microbatch} x --grad-accum {s.grad_accum}, --seq-len {s.seq_len}"),
         ("placement", f"{s.placement}: {PLACEMENTS[s.placement]}"),
@@ -150,7 +151,7 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
         },
         "settings": {
             "train_from": s.train_from,
-            "trainable_layers": list(s.layers),
+            "trainable_layers": sorted(s.layers + s.dense_layers),
             "microbatch": s.microbatch,
             "grad_accum": s.grad_accum,
             "seq_len": s.seq_len,

@@ -58,10 +58,14 @@ class SparseEngine:
 
     Args:
         loaded: the model from :func:`usaf.engine.loading.load_quantized_model`.
-        trainable_layers: MoE layers whose deltas (and routers) train.
+        trainable_layers: the layers whose deltas (and routers) train: MoE layers, at least one, and with the
+            ``dense`` target dense (non-MoE) layers too, which carry their MLP's ``nn.Linear`` modules (and their
+            attention's with the ``attention`` target), no experts and no router. Kept apart as
+            :attr:`trainable_layers` (the MoE ones) and :attr:`dense_layers`.
         targets: which weights of those layers carry sparse deltas (:mod:`usaf.families.targets`):
-            ``experts`` (the fused routed experts, over resident dequantized bases), ``attention`` and
-            ``shared`` (every ``nn.Linear`` of the attention / shared experts, over their own weights).
+            ``experts`` (the fused routed experts, over resident dequantized bases), ``attention``, ``shared``
+            and ``dense`` (every ``nn.Linear`` of the attention / shared experts / a dense layer's MLP, over their
+            own weights).
         train_router: also train those layers' router weights (dense, fp32).
         aux_loss_coef: weight of the load-balancing loss in :meth:`loss` (the family's own, per trainable layer).
         z_loss_coef: weight of the router z-loss (mean squared logsumexp of router logits).
@@ -93,18 +97,24 @@ class SparseEngine:
         dense_router_grad: bool = False,
     ) -> None:
         spec = loaded.spec
-        bad = sorted(set(trainable_layers) - set(spec.moe_layers))
-        if bad or not trainable_layers:
+        targets = parse_targets(targets)
+        dense = set(spec.dense_layers) if "dense" in targets else set()
+        bad = sorted(set(trainable_layers) - set(spec.moe_layers) - dense)
+        moe = sorted(set(trainable_layers) & set(spec.moe_layers))
+        if bad or not moe:
+            kinds = "MoE layers (and, with the dense target, dense layers)" if dense else "MoE layers"
             raise ValueError(
-                f"trainable layers must be MoE layers {list(spec.moe_layers)}; got {list(trainable_layers)}"
+                f"trainable layers must be {kinds} {list(spec.moe_layers)}, one MoE layer at least; "
+                f"got {list(trainable_layers)}"
             )
         self.loaded = loaded
         self.model = loaded.model
         self.spec = spec
-        self.trainable_layers = tuple(sorted(trainable_layers))
+        self.trainable_layers = tuple(moe)  # the MoE layers: experts, routers
+        self.dense_layers = tuple(sorted(set(trainable_layers) & dense))  # linear targets only
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
-        self.targets = parse_targets(targets)
+        self.targets = targets
         self.weights: dict[str, TrainableTensor] = {}  # in-memory name -> trainable tensor, (E, O, I)
         device = self.device
         if resident_device is None and not pin_resident:
@@ -153,28 +163,31 @@ class SparseEngine:
                 copy=stream_experts == "copy",
             )  # fmt: skip
         self.head = HeadInput.of(self.model.get_output_embeddings())
-        first = self.trainable_layers[0]
+        first = self.layers[0]
         self.activations = SavedTensorMeter(self._weight_storages, start_at=self.model.model.layers[0])
         returns_tuple = decoder_returns_tuple(spec)
         self.prefix = PrefixRunner(self.model.model.layers, first, returns_tuple=returns_tuple) if first > 0 else None
 
     def _attach_linear_targets(self) -> None:
-        """Every ``nn.Linear`` of the asked attention/shared targets in the trainable layers becomes a LinearTarget."""
+        """Every ``nn.Linear`` of the asked attention/shared/dense targets in the trainable layers (MoE and dense)
+        becomes a LinearTarget."""
         spec, loaded = self.spec, self.loaded
-        index_free = not all(loaded.experts[layer].index_ops for layer in self.trainable_layers)
-        if index_free and (refusal := index_free_refusal(spec, self.targets)):
+        index_ops = all(loaded.experts[layer].index_ops for layer in self.trainable_layers)  # one compute device
+        if not index_ops and (refusal := index_free_refusal(spec, self.targets)):
             raise TargetsError(refusal)
+        layers = list(self.layers)
         for target in self.targets:
             if target == "experts":
                 continue
             found = 0
-            for layer in self.trainable_layers:
+            for layer in layers:
                 for module_name in linear_target_modules(self.model, spec, layer, target):
                     module = self.model.get_submodule(module_name)
-                    self.weights[f"{module_name}.weight"] = attach(module, index_ops=loaded.experts[layer].index_ops)
+                    self.weights[f"{module_name}.weight"] = attach(module, index_ops=index_ops)
                     found += 1
             if not found:  # asked for and absent: never a silent no-op
-                raise TargetsError(f"{spec.model_type} has no {target} modules in layers {list(self.trainable_layers)}")
+                hint = _dense_hint(spec, target)
+                raise TargetsError(f"{spec.model_type} has no {target} modules in layers {layers}{hint}")
 
     def _attach_dense_router_grad(self, train_router: bool) -> None:
         """Each trainable layer's router hands its logits to that layer's experts (a per-instance forward hook)."""
@@ -188,6 +201,11 @@ class SparseEngine:
             state.dense_router = self.spec.router
             router = self.model.get_submodule(self.spec.router_prefix(layer))
             router.register_forward_hook(functools.partial(_keep_router_logits, state))
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Every layer that trains, MoE and dense, ascending (what artifacts record as ``trainable_layers``)."""
+        return tuple(sorted(self.trainable_layers + self.dense_layers))
 
     @property
     def device(self) -> torch.device:
@@ -217,8 +235,8 @@ class SparseEngine:
         routers are copied into the model. The engine must train exactly the change's layers; its
         routers must be trainable when the change has routers.
         """
-        if tuple(sorted(change.trainable_layers)) != self.trainable_layers:
-            raise ValueError(f"change trains layers {change.trainable_layers}, engine {list(self.trainable_layers)}")
+        if tuple(sorted(change.trainable_layers)) != self.layers:
+            raise ValueError(f"change trains layers {change.trainable_layers}, engine {list(self.layers)}")
         unknown = set(change.deltas) - set(self.weights)
         if unknown:
             raise KeyError(f"change has deltas for tensors this model does not have: {sorted(unknown)[:3]}")
@@ -512,3 +530,12 @@ class _CastTo(nn.Module):
 
     def forward(self, master: torch.Tensor) -> torch.Tensor:
         return master.to(self.dtype)
+
+
+def _dense_hint(spec, target: str) -> str:
+    """Where the dense target's modules are, when asked for and absent from the trainable layers."""
+    if target != "dense":
+        return ""
+    if not spec.dense_layers:
+        return " (every layer of this model is a MoE layer)"
+    return f" (its dense layers are {list(spec.dense_layers)}: train from the lowest of them, --train-from)"

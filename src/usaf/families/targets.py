@@ -5,13 +5,15 @@
 * ``attention``: every ``nn.Linear`` of the layer's attention module (q/k/v/o, DeepSeek-V3's MLA
   projections ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``, gpt-oss's with their biases);
 * ``shared``: every ``nn.Linear`` of the layer's shared expert(s) and shared-expert gate (Qwen2-MoE,
-  DeepSeek-V3); a family without shared experts has none.
+  DeepSeek-V3); a family without shared experts has none;
+* ``dense``: every ``nn.Linear`` of the MLP of a *dense* layer (DeepSeek-V3's first layers, Qwen's
+  ``mlp_only_layers``). Dense layers have no experts or router: with this target, the dense layers at or above
+  the first trainable layer (``--train-from``) train too, carrying the targets they have (``dense``, and
+  ``attention`` when asked); a family or a layer range without dense layers has none.
 
 The non-expert targets' frozen base is the weight as the quantized directory stores it (``base-*.safetensors``,
 unquantized). Each is handled as a one-"expert" tensor ``(1, O, I)`` in ``nn.Linear``'s own ``(out, in)``
 orientation, so masks, scores, reselection, checkpoints and exports address all targets alike.
-
-The dense MLPs of dense layers (DeepSeek-V3's first layers) are not a target: trainable layers are MoE layers.
 
 Importing this module imports neither torch nor transformers.
 """
@@ -29,6 +31,7 @@ __all__ = [
     "EXPERTS_ONLY",
     "TARGETS",
     "attention_prefix",
+    "dense_mlp_prefix",
     "index_free_refusal",
     "linear_target_modules",
     "parse_targets",
@@ -43,19 +46,27 @@ def attention_prefix(spec: FamilySpec, layer: int) -> str:
     return f"{spec.layer_prefix(layer)}.{ATTENTION_MODULE}"
 
 
-def linear_target_modules(model: Any, spec: FamilySpec, layer: int, target: str) -> list[str]:
-    """In-memory names of the ``nn.Linear`` modules of ``target`` (``attention`` or ``shared``) in ``layer``.
+def dense_mlp_prefix(spec: FamilySpec, layer: int) -> str:
+    """The MLP of a dense layer: the attribute the MoE block has in a MoE layer (``model.layers.{i}.mlp``)."""
+    return f"{spec.layer_prefix(layer)}.{spec.moe_module}"
 
-    Read off the model's modules (any device, meta included), in module order.
+
+def linear_target_modules(model: Any, spec: FamilySpec, layer: int, target: str) -> list[str]:
+    """In-memory names of the ``nn.Linear`` modules of ``target`` (``attention``, ``shared`` or ``dense``) in ``layer``.
+
+    Read off the model's modules (any device, meta included), in module order. ``shared`` exists in MoE layers
+    only, ``dense`` in dense layers only.
     """
     import torch  # lazy: importing usaf.families stays free of torch
 
     if target == "attention":
         prefixes = (attention_prefix(spec, layer),)
     elif target == "shared":
-        prefixes = spec.shared_prefixes(layer)
+        prefixes = spec.shared_prefixes(layer) if spec.is_moe(layer) else ()
+    elif target == "dense":
+        prefixes = (dense_mlp_prefix(spec, layer),) if layer in spec.dense_layers else ()
     else:
-        raise ValueError(f"{target!r} is not a linear target (attention, shared)")
+        raise ValueError(f"{target!r} is not a linear target (attention, shared, dense)")
     names = []
     for prefix in prefixes:
         try:
@@ -91,6 +102,8 @@ def target_of(name: str, spec: FamilySpec) -> str:
         ValueError: the name is none of a MoE layer's targets.
     """
     layer = spec.layer_of(name)
+    if layer in spec.dense_layers and name.startswith(dense_mlp_prefix(spec, layer) + "."):
+        return "dense"
     if name in (spec.gate_up_name(layer), spec.down_name(layer)):
         return "experts"
     if name.startswith(attention_prefix(spec, layer) + "."):
@@ -100,7 +113,13 @@ def target_of(name: str, spec: FamilySpec) -> str:
     raise ValueError(f"{name!r} is not a sparse-delta target ({', '.join(TARGETS)})")
 
 
-def targets_of(names: Iterable[str], spec: FamilySpec) -> tuple[str, ...]:
-    """The target kinds present among delta names, in :data:`TARGETS` order (``experts`` when there are none)."""
+def targets_of(names: Iterable[str], spec: FamilySpec, layers: Iterable[int] = ()) -> tuple[str, ...]:
+    """The target kinds present among delta names, in :data:`TARGETS` order (``experts`` when there are none).
+
+    ``layers``: the layers a change trains; a dense one among them means the dense target, whatever its MLP's
+    deltas hold (a shared ranking may give a tensor no entry).
+    """
     found = {target_of(name, spec) for name in names}
+    if set(layers) & set(spec.dense_layers):
+        found.add("dense")
     return tuple(t for t in TARGETS if t in found) or EXPERTS_ONLY

@@ -86,14 +86,27 @@ def _candidates(m: ModelFacts, target: Target, request: Request):
             for mb in microbatches:
                 accum = 1 if fixed else math.ceil(DEFAULT_MICROBATCH / mb)
                 frac = _frac(m, request, layers)
-                yield st.Settings(layers, mb, accum, request.seq_len, frac, placement, targets=request.targets)
+                dense = _dense_layers(m, request, layers)
+                yield st.Settings(
+                    layers, mb, accum, request.seq_len, frac, placement, targets=request.targets, dense_layers=dense
+                )
+
+
+def _dense_layers(m: ModelFacts, request: Request, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The dense layers that train with MoE ``layers`` (``--targets dense``): those at or above the first one, as
+    ``usaf score`` chooses them."""
+    if "dense" not in request.targets:
+        return ()
+    first = request.train_from if request.train_from is not None else layers[0]
+    return tuple(layer for layer in m.spec.dense_layers if layer >= first)
 
 
 def _frac(m: ModelFacts, request: Request, layers: tuple[int, ...]) -> float:
     """The share usaf score selects on these layers: ``--frac`` as given, else its default for their size."""
     if request.frac is not None:
         return request.frac
-    return default_frac(len(layers) * w.layer_target_numel(m, request.targets))
+    shapes = w.trained_shapes(m, layers + _dense_layers(m, request, layers), request.targets)
+    return default_frac(sum(w.numel(shape) for shape in shapes))
 
 
 def _prefix_total(m: ModelFacts, target: Target, request: Request) -> int | None:
@@ -185,7 +198,10 @@ def _stream_alternative(m: ModelFacts, q: QuantSettings, t: Target, request: Req
         if len(layers) <= have:
             return None
         frac = _frac(m, request, layers)
-        settings = st.Settings(layers, 1, DEFAULT_MICROBATCH, request.seq_len, frac, "stream", targets=request.targets)
+        dense = _dense_layers(m, request, layers)
+        settings = st.Settings(
+            layers, 1, DEFAULT_MICROBATCH, request.seq_len, frac, "stream", targets=request.targets, dense_layers=dense
+        )
         settings = _with_prefix(m, q, t, request, settings)
         if not _shortfalls(t, tuple(st.all_stages(m, q, t, settings))):
             return len(layers)

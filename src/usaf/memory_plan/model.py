@@ -111,9 +111,14 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
 
 
 def _linear_target_shapes(model: Any, spec: FamilySpec) -> dict[str, tuple[tuple[int, int], ...]]:
-    """The (O, I) weights of the top MoE layer's attention and shared-expert ``nn.Linear`` modules."""
+    """The (O, I) weights of the top MoE layer's attention and shared-expert ``nn.Linear`` modules, and of the
+    first dense layer's MLP (``dense``; none without dense layers)."""
     top = spec.moe_layers[-1]
-    return {
-        kind: tuple(tuple(model.get_submodule(n).weight.shape) for n in linear_target_modules(model, spec, top, kind))
-        for kind in ("attention", "shared")
-    }
+
+    def shapes(layer: int, kind: str) -> tuple[tuple[int, int], ...]:
+        names = linear_target_modules(model, spec, layer, kind)
+        return tuple(tuple(model.get_submodule(n).weight.shape) for n in names)
+
+    out = {kind: shapes(top, kind) for kind in ("attention", "shared")}
+    out["dense"] = shapes(spec.dense_layers[0], "dense") if spec.dense_layers else ()
+    return out

@@ -55,10 +55,12 @@ class Settings:
     prefix_ram: int = 0  # bytes of cached prefix states kept in RAM (train's --prefix-cache-gib)
     prefix_disk: int = 0  # bytes spilled to the run's memory-mapped file
     frozen_resident: bool = False  # the frozen MoE layers' experts dequantized once (score and train's choice)
+    dense_layers: tuple[int, ...] = ()  # trainable dense layers (--targets dense): their MLP's and attention's linears
 
     @property
     def train_from(self) -> int:
-        return self.layers[0]
+        return min(self.layers + self.dense_layers)
+
 
 
 @dataclass(frozen=True)
@@ -176,17 +178,22 @@ def quantize_stage(m: ModelFacts, q: QuantSettings, t: Target) -> StagePlan:
     return StagePlan("quantize", tuple(parts))
 
 
+def _shapes(m: ModelFacts, s: Settings) -> list[tuple[int, int, int]]:
+    """Every trainable tensor of the settings' MoE and dense layers as ``(E, O, I)``."""
+    return w.trained_shapes(m, s.layers + s.dense_layers, s.targets)
+
+
 def _dense_slice(m: ModelFacts, s: Settings) -> int:
     """Elements of the largest dense gradient a scoring backward forms at once: an expert slice or a linear target."""
-    return max(o * i for _, o, i in w.target_shapes(m, s.targets))
+    return max(o * i for _, o, i in _shapes(m, s))
 
 
 def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
-    layers = len(s.layers)
+    shapes = _shapes(m, s)
     routers = w.router_params(m, s.layers)
-    entries = layers * w.layer_delta_entries(m, s.frac, s.targets)
+    entries = w.shapes_delta_entries(shapes, s.frac)
     # the lr test (on by default) trains probe runs on the chosen masks: train's deltas, gradients and state
-    lr_test = w.delta_bytes(m, layers, s.frac, s.targets) + act.FP32 * entries
+    lr_test = w.shapes_delta_bytes(shapes, s.frac) + act.FP32 * entries
     lr_test += w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers)
     parts = [
         *_framework(t),
@@ -195,7 +202,7 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(
             t,
             "score pools",
-            3 * w.pool_bytes(m, layers, s.frac, s.targets),
+            3 * w.shapes_pool_bytes(shapes, s.frac),
             f"sample + two halves, up to {w.POOL_FACTOR * (1 + w.POOL_OVERFLOW):g} x budget candidates of 12 bytes",
         ),
         _place(
@@ -208,8 +215,8 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
 
 
 def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
-    layers = len(s.layers)
-    entries = layers * w.layer_delta_entries(m, s.frac, s.targets)
+    shapes = _shapes(m, s)
+    entries = w.shapes_delta_entries(shapes, s.frac)
     routers = w.router_params(m, s.layers)
     batch = act.Batch(s.microbatch, s.seq_len)
     kernel = act.sparse_kernel_workspace(m, batch, s.frac, t.c, cpu=not t.separate_device, targets=s.targets)
@@ -221,11 +228,11 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
-        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac, s.targets), f"{entries:,} entries"),
+        _place(t, "deltas + index buffers", w.shapes_delta_bytes(shapes, s.frac), f"{entries:,} entries"),
         _place(t, "delta gradients", act.FP32 * entries, "fp32"),
         _place(t, "routers (fp32)", 3 * act.FP32 * routers, f"{routers:,} weights: masters, anchors, gradients"),
         _place(t, "optimizer state", w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers), "2 fp32 moments + int32 step"),
-        _place(t, "grow-score pools (RigL)", w.pool_bytes(m, layers, s.frac, s.targets), "RigL's last 4 steps"),
+        _place(t, "grow-score pools (RigL)", w.shapes_pool_bytes(shapes, s.frac), "RigL's last 4 steps"),
         _place(t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "RigL's scoring steps; assumed"),
         *_forward(m, t, s),
         _place(t, "sparse-kernel workspace", kernel, kernel_basis),
@@ -243,13 +250,12 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
 
 def eval_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
     """The held-out forward of a trained change (``SparseEngine.apply_change``; no gradients)."""
-    layers = len(s.layers)
     routers = w.router_params(m, s.layers)
     batch = act.Batch(s.microbatch, s.seq_len)
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
-        _place(t, "deltas + index buffers", w.delta_bytes(m, layers, s.frac, s.targets), "applied change"),
+        _place(t, "deltas + index buffers", w.shapes_delta_bytes(_shapes(m, s), s.frac), "applied change"),
         _place(t, "routers (fp32)", 2 * act.FP32 * routers, "masters, anchors"),
         _place(t, "forward working memory", act.forward_workspace(m, batch), "loss chunk, hidden states"),
     ]

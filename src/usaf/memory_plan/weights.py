@@ -39,6 +39,9 @@ RESIDENT_SHARE = 0.5
 DEFAULT_TOP_FRACTION = 0.25  # usaf score's default trainable block (stages.score.DEFAULT_TOP_FRACTION)
 
 
+MOE_LAYER_LINEAR_TARGETS = ("attention", "shared")  # a dense layer's MLP (the dense target) is in dense layers only
+
+
 def quantized_bytes(shape: tuple[int, int, int], nbits: int, group_size: int) -> int:
     """codes ``(E, O, packed I)`` uint8 + scale and zero ``(E, O, I / group)`` fp16."""
     # lazy: usaf.quant imports torch; `usaf plan` (and `usaf --help`) stay free of it
@@ -71,9 +74,40 @@ def target_shapes(m: ModelFacts, targets: Iterable[str] = ("experts",)) -> list[
     """One MoE layer's trainable tensors as ``(E, O, I)``: the fused experts, each linear target ``(1, O, I)``."""
     targets = tuple(targets)
     shapes = [m.gate_up_shape, m.down_shape] if "experts" in targets else []
-    for kind in targets:
+    for kind in (k for k in targets if k in MOE_LAYER_LINEAR_TARGETS):
         shapes += [(1, o, i) for o, i in m.linear_targets.get(kind, ())]
     return shapes
+
+
+def dense_layer_shapes(m: ModelFacts, targets: Iterable[str]) -> list[tuple[int, int, int]]:
+    """One trainable dense layer's tensors (``--targets dense``): its MLP's linears, and its attention's when asked."""
+    kinds = [k for k in ("attention", "dense") if k in tuple(targets)]
+    return [(1, o, i) for kind in kinds for o, i in m.linear_targets.get(kind, ())]
+
+
+def trained_shapes(m: ModelFacts, layers: Iterable[int], targets: Iterable[str]) -> list[tuple[int, int, int]]:
+    """Every trainable tensor of ``layers`` (MoE and dense) as ``(E, O, I)``."""
+    targets = tuple(targets)
+    moe = set(m.spec.moe_layers)
+    per_moe, per_dense = target_shapes(m, targets), dense_layer_shapes(m, targets)
+    return [shape for layer in layers for shape in (per_moe if layer in moe else per_dense)]
+
+
+def shapes_delta_entries(shapes: Iterable[tuple[int, int, int]], frac: float) -> int:
+    return sum(delta_entries(shape, frac) for shape in shapes)
+
+
+def shapes_delta_bytes(shapes: Iterable[tuple[int, int, int]], frac: float) -> int:
+    """Values, index buffers and the ``(E + 1)`` int64 offsets of the tensors ``shapes``."""
+    shapes = list(shapes)
+    return shapes_delta_entries(shapes, frac) * DELTA_BYTES_PER_ENTRY + sum(e + 1 for e, _, _ in shapes) * INT64
+
+
+def shapes_pool_bytes(shapes: Iterable[tuple[int, int, int]], frac: float) -> int:
+    """Score pools of the tensors ``shapes`` at their fullest: ``(1 + POOL_OVERFLOW) x POOL_FACTOR x`` their budget."""
+    shapes = list(shapes)
+    candidates = math.ceil(shapes_delta_entries(shapes, frac) * POOL_FACTOR * (1 + POOL_OVERFLOW))
+    return candidates * POOL_BYTES_PER_CANDIDATE + sum(e for e, _, _ in shapes) * POOL_BYTES_PER_EXPERT
 
 
 def layer_target_numel(m: ModelFacts, targets: Iterable[str] = ("experts",)) -> int:
@@ -82,20 +116,17 @@ def layer_target_numel(m: ModelFacts, targets: Iterable[str] = ("experts",)) -> 
 
 
 def layer_delta_entries(m: ModelFacts, frac: float, targets: Iterable[str] = ("experts",)) -> int:
-    return sum(delta_entries(shape, frac) for shape in target_shapes(m, targets))
+    return shapes_delta_entries(target_shapes(m, targets), frac)
 
 
 def delta_bytes(m: ModelFacts, layers: int, frac: float, targets: Iterable[str] = ("experts",)) -> int:
-    """Values, index buffers and the ``(E + 1)`` int64 offsets of every trainable tensor."""
-    offsets = layers * sum(e + 1 for e, _, _ in target_shapes(m, targets)) * INT64
-    return layers * layer_delta_entries(m, frac, targets) * DELTA_BYTES_PER_ENTRY + offsets
+    """Values, index buffers and the ``(E + 1)`` int64 offsets of every trainable tensor of ``layers`` MoE layers."""
+    return shapes_delta_bytes(layers * target_shapes(m, targets), frac)
 
 
 def pool_bytes(m: ModelFacts, layers: int, frac: float, targets: Iterable[str] = ("experts",)) -> int:
-    """Score pools of every trainable tensor at their fullest: ``(1 + POOL_OVERFLOW) x POOL_FACTOR x`` its budget."""
-    candidates = math.ceil(layers * layer_delta_entries(m, frac, targets) * POOL_FACTOR * (1 + POOL_OVERFLOW))
-    experts = layers * sum(e for e, _, _ in target_shapes(m, targets))
-    return candidates * POOL_BYTES_PER_CANDIDATE + experts * POOL_BYTES_PER_EXPERT
+    """Score pools of every trainable tensor of ``layers`` MoE layers at their fullest."""
+    return shapes_pool_bytes(layers * target_shapes(m, targets), frac)
 
 
 def router_params(m: ModelFacts, layers: Iterable[int]) -> int:

@@ -34,7 +34,7 @@ FLOOR_FRAC_CAP = 0.1
 SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic", "budget", "targets")
 
 # The weights of a trainable layer that may carry a sparse delta (usaf.families.targets spells their modules).
-TARGETS = ("experts", "attention", "shared")
+TARGETS = ("experts", "attention", "shared", "dense")
 DEFAULT_TARGETS = ("experts", "attention")  # docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"
 EXPERTS_ONLY = ("experts",)  # what a plan or change from before --targets trained; the engine's library default
 
@@ -168,8 +168,8 @@ def statistic() -> Any:
 
 def targets() -> Any:
     return Field(",".join(DEFAULT_TARGETS), json_schema_extra=_DECIDED,
-                 description=f"Weights that get sparse deltas, comma-separated: {', '.join(TARGETS)} (the routers: "
-                 "--router).")  # fmt: skip
+                 description=f"Weights that get sparse deltas, comma-separated: {', '.join(TARGETS)} (dense: the "
+                 "MLPs of dense layers at or above --train-from; the routers: --router).")  # fmt: skip
 
 
 def budget() -> Any:

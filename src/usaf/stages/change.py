@@ -84,10 +84,13 @@ def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model:
     if any(name not in numel for name in change.deltas):  # attention / shared targets: the stored base weights
         numel.update(_linear_target_sizes(change, model))
     layers = set(manifest.summary.moe_layers)
+    if set(change.trainable_layers) - layers:  # dense layers train with the dense target
+        layers |= set(resolve_family(load_model_config(model)).dense_layers)
     bad_layers = sorted(set(change.trainable_layers) - layers)
     if bad_layers:
         raise UsafError(
-            f"--checkpoint {change.source}: trains layers {bad_layers}, which are not MoE layers of --model {model}",
+            f"--checkpoint {change.source}: trains layers {bad_layers}, which are not MoE or dense layers of "
+            f"--model {model}",
             "pass the --model the run was trained on",
         )
     for name, (indices, _) in change.deltas.items():
@@ -119,7 +122,7 @@ def stored_base_headers(model: Path) -> dict:
 
 
 def _linear_target_sizes(change: TrainedChange, model: Path) -> dict[str, int]:
-    """Sizes of the stored weights that are linear targets (attention, shared) of the change's layers."""
+    """Sizes of the stored weights that are linear targets (attention, shared, dense) of the change's layers."""
     spec = resolve_family(load_model_config(model))
     sizes = {}
     for name, info in stored_base_headers(model).items():
@@ -165,7 +168,7 @@ def model_with_change(
             engine = SparseEngine(
                 loaded,
                 trainable_layers=change.trainable_layers,
-                targets=targets_of(change.deltas, loaded.spec),
+                targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
                 train_router=bool(change.routers),
             )
             engine.apply_change(change)

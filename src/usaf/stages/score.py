@@ -58,13 +58,21 @@ DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the M
 LEGACY_ENV = {"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"}  # the original tool's
 
 
-def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:
-    """``--layers``, else every MoE layer from ``--train-from``, else the top quarter (at least one)."""
+def trainable_layers(config: Any, spec: Any) -> list[int]:
+    """``--layers``, else every MoE layer from ``--train-from``, else the top quarter of them (at least one).
+
+    With the dense target, dense layers train too: those ``--layers`` names, else every dense layer at or above
+    ``--train-from`` (or the first chosen MoE layer).
+    """
+    moe_layers = spec.moe_layers
+    dense = spec.dense_layers if "dense" in parse_targets(config.targets) else ()
     if config.layers is not None:
-        bad = sorted(set(config.layers) - set(moe_layers))
-        if bad or not config.layers:
+        bad = sorted(set(config.layers) - set(moe_layers) - set(dense))
+        if bad or not set(config.layers) & set(moe_layers):
+            kinds = "MoE or dense" if dense else "MoE"
             raise UsafError(
-                f"--layers {config.layers}: not MoE layers of this model", f"choose from {list(moe_layers)}"
+                f"--layers {config.layers}: not {kinds} layers of this model, or no MoE layer among them",
+                f"choose from {list(moe_layers)}" + (f" (MoE) and {list(dense)} (dense)" if dense else ""),
             )
         return sorted(set(config.layers))
     if config.train_from is not None:
@@ -73,9 +81,11 @@ def trainable_layers(config: Any, moe_layers: tuple[int, ...]) -> list[int]:
             raise UsafError(
                 f"--train-from {config.train_from}: no MoE layer at or above it", f"MoE layers: {list(moe_layers)}"
             )
-        return chosen
-    count = max(1, math.ceil(DEFAULT_TOP_FRACTION * len(moe_layers)))
-    return list(moe_layers[-count:])
+        first = config.train_from
+    else:
+        chosen = list(moe_layers[-max(1, math.ceil(DEFAULT_TOP_FRACTION * len(moe_layers))) :])
+        first = chosen[0]
+    return sorted(chosen + [i for i in dense if i >= first])
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
 
     loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, config.stream_experts, progress)
-    layers = trainable_layers(config, loaded.spec.moe_layers)
+    layers = trainable_layers(config, loaded.spec)
     targets = parse_targets(config.targets)
     try:
         engine = SparseEngine(loaded, trainable_layers=layers, targets=targets, train_router=config.router, **placement)

@@ -231,7 +231,7 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
         engine = SparseEngine(
             loaded,
             trainable_layers=change.trainable_layers,
-            targets=targets_of(change.deltas, loaded.spec),
+            targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
             train_router=bool(change.routers),
             **placement,
         )

@@ -108,7 +108,7 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     config = inputs.config
     loaded, placement = load_for_engine(inputs.model_dir, backend, compute, config.stream_experts, progress)
     masks = read_masks(inputs.plan_dir, inputs.plan)  # checked against the plan's own manifest
-    check_plan_layers(inputs.plan_dir, inputs.plan, list(loaded.spec.moe_layers))
+    check_plan_layers(inputs.plan_dir, inputs.plan, list(loaded.spec.moe_layers), list(loaded.spec.dense_layers))
     targets = inputs.plan.summary.targets or EXPERTS_ONLY  # a plan from before --targets: the experts
     try:
         engine = SparseEngine(
@@ -163,7 +163,7 @@ def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
     return (
         f"training {counts['delta_entries']:,} weights of the {'/'.join(engine.targets)} + "
         f"{counts['router_params']:,} router weights "
-        f"in layers {list(engine.trainable_layers)} for {steps} steps of {per_step} sequences; "
+        f"in layers {list(engine.layers)} for {steps} steps of {per_step} sequences; "
         f"memory: {memory_parts(memory)}"
     )
 
@@ -189,7 +189,7 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         model_fingerprint=model_fp,
         plan_fingerprint=inputs.plan.fingerprint,
         data_fingerprint=inputs.data_fingerprint,
-        trainable_layers=list(trainer.engine.trainable_layers),
+        trainable_layers=list(trainer.engine.layers),
         steps=state.step,
         tokens=state.tokens,
         skipped_steps=state.skipped,
