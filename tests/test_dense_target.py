@@ -25,8 +25,6 @@ from usaf.engine.loading import load_quantized_model
 from usaf.families.modules import FusedView
 from usaf.families.targets import linear_target_modules, target_of
 
-pytestmark = pytest.mark.skipif(not TRANSFORMERS_V5, reason="the dense target is tested on transformers >= 5")
-
 # family -> a tiny model with dense layers: deepseek_v3's layer 0; Qwen's every other layer (MoE 1 and 3, dense 0
 # and 2), so that a dense layer trains above a frozen prefix and below a MoE layer
 DENSE = {
@@ -199,7 +197,8 @@ def test_the_planner_counts_a_dense_layers_targets_as_the_engine_holds_them(targ
     engine.loss(ids, ids, prefix_states=engine.prefix_states(ids))
     predicted = sum(saved_activations(facts, 2, Batch(2, 24), 4, targets).values())
     measured = engine.memory()["activations"]
-    assert measured <= predicted <= 1.07 * measured  # an upper estimate: +1.7 % and +6.1 % when written
+    if TRANSFORMERS_V5:  # the planner models transformers 5's modules (4.x's forward keeps more)
+        assert measured <= predicted <= 1.07 * measured  # an upper estimate: +1.7 % and +6.1 % when written
     # usaf plan: --train-from 2 trains the dense layer 2 with the MoE layer 3, and counts its tensors
     target = make_target("cpu", "float32", vram=None, ram=64 * 2**30)
     with_dense = plan_memory(facts, source.quant, target, Request(train_from=2, frac=frac, targets=targets))
