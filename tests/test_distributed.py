@@ -25,39 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import invoke
+from helpers_distributed import assert_same_deltas, deltas, finished, losses, torchrun
 from usaf.artifacts import PlanManifest, RunManifest, load_verified
 
 STEPS = 10
 RIGL = ("--steps", STEPS, "--reselect-every", 5, "--lr", 0.05, "--seed", 3)
-
-
-def torchrun(*args, nproc: int = 2, **popen) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "usaf", *map(str, args)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
-
-
-def finished(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    stdout, stderr = proc.communicate(timeout=timeout)
-    return proc.returncode, stdout, stderr
-
-
-def losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-
-
-def deltas(run: Path, name: str = "final") -> dict[str, torch.Tensor]:
-    return load_file(str(run / name / "deltas.safetensors"))
-
-
-def assert_same_deltas(a: dict, b: dict, atol: float = 0.0) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        if a[key].dtype == torch.int64:
-            assert torch.equal(a[key], b[key]), key
-        else:
-            assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
 def files(run: Path) -> list[str]:
