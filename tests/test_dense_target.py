@@ -211,6 +211,11 @@ def test_the_planner_counts_a_dense_layers_targets_as_the_engine_holds_them(targ
         return next(c.host + c.device for c in train.components if c.name == "deltas + index buffers")
 
     assert deltas(with_dense) == w.shapes_delta_bytes(shapes, frac) > deltas(without)
+    assert not any("--targets dense" in note for note in with_dense.notes)
+    above = plan_memory(facts, source.quant, target, Request(train_from=3, frac=frac, targets=targets))
+    assert above.settings.dense_layers == () and any(
+        "--targets dense: no dense layer at or above layer 3 (the dense layers are [0, 2])" in n for n in above.notes
+    )  # score would refuse it: the plan says so instead of counting nothing in silence
 
 
 def test_dense_targets_take_the_index_free_path_where_the_device_has_no_index_ops(quantized):

@@ -174,6 +174,12 @@ def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.S
             f"{len(s.layers)} trainable layers instead of usaf score's default {default} (the top quarter): "
             "more do not fit"
         )
+    if "dense" in request.targets and not s.dense_layers:
+        where = f"the dense layers are {list(m.spec.dense_layers)}" if m.spec.dense_layers else "the model has none"
+        notes.append(
+            f"--targets dense: no dense layer at or above layer {s.train_from} ({where}); usaf score refuses it "
+            "there: train from the lowest dense layer (--train-from), or drop dense from --targets"
+        )
     if s.placement == "stream":
         notes.append(
             "this plan keeps the 4-bit experts in host memory and streams the frozen layers' to the device one "
