@@ -110,11 +110,6 @@ def shapes_pool_bytes(shapes: Iterable[tuple[int, int, int]], frac: float) -> in
     return candidates * POOL_BYTES_PER_CANDIDATE + sum(e for e, _, _ in shapes) * POOL_BYTES_PER_EXPERT
 
 
-def layer_target_numel(m: ModelFacts, targets: Iterable[str] = ("experts",)) -> int:
-    """Weights of one MoE layer's targets (what the default share is a share of)."""
-    return sum(numel(shape) for shape in target_shapes(m, targets))
-
-
 def layer_delta_entries(m: ModelFacts, frac: float, targets: Iterable[str] = ("experts",)) -> int:
     return shapes_delta_entries(target_shapes(m, targets), frac)
 
