@@ -51,7 +51,9 @@ base), ``usaf_defaults`` (no --frac, no --lr: the default share rule and the pla
 budget arms; ``--lora-match`` sizes LoRA to another usaf arm (``usaf_defaults``: ~80 k on the demo model);
 ``usaf_rule_attention`` is the defaults' selection with a swept lr (the lr test's yardstick);
 ``--model benchmarks/models/evidence-large`` fine-tunes the larger pretrained model (``scripts/build_demo_model.py
---size large``: 8 layers, 32 experts top-4) instead of the demo model.
+--size large``: 8 layers, 32 experts top-4) instead of the demo model; ``--model benchmarks/models/evidence-shared``
+(``--size shared``: a Qwen2-MoE with a shared expert in every MoE layer and a dense layer 0) is the one the
+``usaf_shared``, ``usaf_all_attention`` and ``usaf_all_dense`` arms are sized for (the shared and dense targets).
     python benchmarks/bench_evidence.py --reaggregate benchmarks/results/evidence.json   # tables only
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arm.
@@ -92,6 +94,8 @@ FRAC = 0.005
 FRAC_LARGE = 0.02  # the demo model is tiny: 0.005 of one layer's experts is 3,931 weights
 # experts + attention of layer 3 (786,432 + 49,152 weights) at the count of 0.1 of its experts (78,643)
 FRAC_ATTENTION = 0.0941
+# The third model's equal-count fracs (usaf_shared, usaf_all_attention, usaf_all_dense: see ARMS)
+SHARED_FRAC, ALL_FRAC, ALL_DENSE_FRAC = 0.0944, 0.03, 0.02833
 TRAIN_FROM_HALF = 2  # layers 2 and 3 (the default trains the top quarter: layer 3 alone)
 EVAL_SEQUENCES, EVAL_SEQUENCES_QUICK = 64, 4
 EVAL_SEED = 1234  # the evaluated samples are fixed: the same sequences for every arm and seed
@@ -160,6 +164,35 @@ ARMS = {
         }
         for frac in (0.01, 0.05, 0.1)
     },
+    # The shared and dense targets (issue 20, item 1), on the third model (benchmarks/models/evidence-shared: a shared
+    # expert in every MoE layer, layer 0 dense), each at the count of the arm it adds to, lr swept. usaf_shared: the
+    # defaults' layer with the shared expert too, at usaf_rule_attention's count (the rule's 0.1 of the experts' and
+    # attention's 835,584 weights = 83,556 entries; 0.0944 of 884,864 with the shared expert's = 83,526).
+    "usaf_shared": {
+        "kind": "usaf",
+        "frac": SHARED_FRAC,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention,shared",
+    },
+    # Every layer (--train-from 0), the experts and attention (0.03 of 3,342,336 weights = 100,256 entries), and
+    # with the dense layer's MLP and attention too (0.02833 of 3,539,968 = 100,252).
+    "usaf_all_attention": {
+        "kind": "usaf",
+        "frac": ALL_FRAC,
+        "reselect": True,
+        "router": True,
+        "train_from": 0,
+        "targets": "experts,attention",
+    },
+    "usaf_all_dense": {
+        "kind": "usaf",
+        "frac": ALL_DENSE_FRAC,
+        "reselect": True,
+        "router": True,
+        "train_from": 0,
+        "targets": "experts,attention,dense",
+    },
     # The router lr's sweep (issue 20, item 3): usaf_defaults_attention (the plan's lr for the deltas) with the
     # routers' lr as the swept "lr"; its point at the default --router-lr is usaf_defaults_attention itself.
     "usaf_router_lr": {
@@ -206,6 +239,9 @@ GRIDS = {
     "usaf_rule_attention": [3e-3, 1e-2, 3e-2],
     "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
     "usaf_router_lr_1e-3": [1e-3],
+    "usaf_shared": [3e-3, 1e-2, 3e-2],
+    "usaf_all_attention": [3e-3, 1e-2, 3e-2],
+    "usaf_all_dense": [3e-3, 1e-2, 3e-2],
     **{f"usaf_defaults_frac_{frac}": [PLAN_LR] for frac in (0.01, 0.05, 0.1)},
 }
 # usaf train's --lr (without a plan's lr test) and --router-lr defaults, read from usaf: the arms run its defaults

@@ -76,8 +76,28 @@ LARGE_CONFIG: dict[str, Any] = {
     "moe_intermediate_size": 96,
     "intermediate_size": 768,
 }
-LARGE_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "evidence-large"
-SIZES = {"demo": (DEMO_CONFIG, demo_model_dir()), "large": (LARGE_CONFIG, LARGE_DIR)}
+# The evidence's third model (issue 20: the shared and dense targets need a model that has them): a Qwen2-MoE of the
+# demo's width with a shared expert (DeepSeek's width: one routed expert's; Qwen2-MoE's sigmoid gate) in every MoE
+# layer and a dense first layer (DeepSeek-V3's `first_k_dense_replace`, here `mlp_only_layers`), whose MLP is as wide
+# as the MoE layers' active MLP (top-2 + shared: 3 x 128).
+SHARED_CONFIG: dict[str, Any] = {
+    **DEMO_CONFIG,
+    "num_hidden_layers": 5,
+    "shared_expert_intermediate_size": 128,
+    "intermediate_size": 384,
+    "mlp_only_layers": [0],
+    "decoder_sparse_step": 1,
+    "qkv_bias": True,
+}
+MODELS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "models"
+LARGE_DIR = MODELS_DIR / "evidence-large"
+SHARED_DIR = MODELS_DIR / "evidence-shared"
+# size -> (transformers model type, config, directory written)
+SIZES = {
+    "demo": ("qwen3_moe", DEMO_CONFIG, demo_model_dir()),
+    "large": ("qwen3_moe", LARGE_CONFIG, LARGE_DIR),
+    "shared": ("qwen2_moe", SHARED_CONFIG, SHARED_DIR),
+}
 IGNORE = -100
 
 
@@ -200,7 +220,7 @@ def balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_
     transformers' ``load_balancing_loss_func`` pools the counts of all layers before the product, which
     balances the sum over layers and tolerates a layer whose experts are unused; per layer it cannot.
     """
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # qwen2_moe's is the same
 
     losses = [load_balancing_loss_func((layer,), num_experts, top_k) for layer in router_logits]
     return torch.stack(losses).mean()
@@ -222,21 +242,22 @@ def evaluate(model: Any, rows: list, pad_id: int, batch: int = 8) -> float:
 
 @torch.no_grad()
 def expert_load(model: Any, rows: list, pad_id: int, batch: int = 8) -> list[dict[str, Any]]:
-    """Per layer: tokens routed to each expert (top-k), normalised entropy, max share, dead experts."""
+    """Per MoE layer: tokens routed to each expert (top-k), normalised entropy, max share, dead experts."""
     cfg = model.config
-    counts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts)
+    moe_layers = moe_layer_indices(model)
+    counts = torch.zeros(len(moe_layers), cfg.num_experts)
     model.eval()
     for start in range(0, len(rows), batch):
         ids, labels = collate(rows[start : start + batch], pad_id)
         keep = (ids != pad_id) | (labels != IGNORE)
         out = model(input_ids=ids, output_router_logits=True)
-        for layer, logits in enumerate(out.router_logits):  # (B*T, E)
+        for layer, logits in enumerate(out.router_logits):  # (B*T, E), one per MoE layer in order
             chosen = logits.topk(cfg.num_experts_per_tok, dim=-1).indices[keep.reshape(-1)]
             counts[layer] += torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts).float()
     model.train()
     report = []
-    for layer in range(cfg.num_hidden_layers):
-        share = counts[layer] / counts[layer].sum()
+    for row, layer in enumerate(moe_layers):
+        share = counts[row] / counts[row].sum()
         entropy = float(-(share[share > 0] * share[share > 0].log()).sum() / math.log(cfg.num_experts))
         report.append(
             {
@@ -244,10 +265,15 @@ def expert_load(model: Any, rows: list, pad_id: int, batch: int = 8) -> list[dic
                 "entropy_normalised": round(entropy, 4),
                 "max_share": round(float(share.max()), 4),
                 "min_share": round(float(share.min()), 4),
-                "dead_experts": int((counts[layer] == 0).sum()),
+                "dead_experts": int((counts[row] == 0).sum()),
             }
         )
     return report
+
+
+def moe_layer_indices(model: Any) -> list[int]:
+    """The decoder layers with routed experts (a dense layer records no router logits)."""
+    return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -326,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="usaf-demo-build-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_config, default_out = SIZES[args.size]
+    model_type, model_config, default_out = SIZES[args.size]
     out: Path = args.out or default_out
     staging = out.with_name(out.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
@@ -349,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     held_rows = read_sequences(pre_dir / "heldout.jsonl")
     demo_held_rows = read_sequences(demo_dir / "heldout.jsonl")
 
-    config = AutoConfig.for_model("qwen3_moe", **model_config)
+    config = AutoConfig.for_model(model_type, **model_config)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
     params = sum(p.numel() for p in model.parameters())
@@ -382,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": args.warmup,
         "weight_decay": args.weight_decay,
         "aux_loss": f"per-layer load_balancing_loss_func (qwen3_moe), coefficient {args.aux_coef}",
+        "model_type": model_type,
         "threads": args.threads,
         "tokens_seen": run["tokens_seen"],
         "pretrain_seconds": run["seconds"],
