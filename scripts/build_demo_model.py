@@ -21,6 +21,12 @@ same model. Steps:
 tokenizer (trained the same way on the same files) and corpus, written to ``benchmarks/models/evidence-large``:
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/build_demo_model.py --size large   # ~1 h on one core
+
+``--size shared`` builds its third model (the shared and dense targets need a model that has them): a Qwen2-MoE of
+the demo's width, 5 layers, a dense layer 0 and a shared expert in each of the 4 MoE layers, 4.3 M parameters,
+written to ``benchmarks/models/evidence-shared``:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/build_demo_model.py --size shared  # ~27 min on one core
 """
 
 from __future__ import annotations
