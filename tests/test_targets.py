@@ -143,3 +143,27 @@ def test_a_target_the_model_lacks_is_one_error_and_no_plan(prepared, tmp_path):
     result = invoke("score", "--model", qdir, "--data", tokens, "--targets", "experts,attention", "--calib-samples", 4,
                     "--no-stability", "--no-lr-test", "--out", out)  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [("qwen2_moe", ["experts", "attention", "shared"]), ("qwen3_moe", ["experts", "attention"])],
+)
+def test_without_targets_the_default_follows_the_model(family, expected, prepared, tmp_path):
+    """No --targets: the experts and attention, and the shared experts where the model has them (qwen3_moe has
+    none: the default adapts where a named target is refused); the plan records what was resolved."""
+    from helpers import invoke
+    from usaf.artifacts import PlanManifest, load_verified
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.targets import default_targets, resolve_targets
+
+    qdir, tokens, _ = prepared(family)
+    spec = resolve_family(load_model_config(qdir))
+    assert list(default_targets(spec)) == expected and resolve_targets("experts", spec) == ("experts",)
+    plan = tmp_path / "plan"
+    result = invoke("score", "--model", qdir, "--data", tokens, "--calib-samples", 4, "--no-stability",
+                    "--no-lr-test", "--out", plan)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = load_verified(plan, PlanManifest).summary
+    assert summary.targets == expected
+    assert any("shared_expert" in t.name for t in summary.tensors) == ("shared" in expected)

@@ -36,8 +36,8 @@ command = settings_command(
 def _run(settings: Any, json_output: bool) -> None:
     from usaf.cli.console import note, out, print_json
     from usaf.cli.plan_render import plan_json, render
+    from usaf.families.targets import resolve_targets
     from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
-    from usaf.settings.fields import parse_targets
 
     kind = _device_kind(settings.device, settings.vram)
     source = read_model(settings.model, nbits=settings.nbits, group_size=settings.group_size)
@@ -46,7 +46,7 @@ def _run(settings: Any, json_output: bool) -> None:
     target = make_target(kind, settings.dtype, vram, ram)
     facts = model_facts(source.config)
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)}  # a subset of PlanConfig
-    request = Request(**{**fields, "targets": parse_targets(settings.targets)})
+    request = Request(**{**fields, "targets": resolve_targets(settings.targets, facts.spec)})
     plan = plan_memory(facts, source.quant, target, request)
     if json_output:
         print_json(plan_json(plan, facts, source))

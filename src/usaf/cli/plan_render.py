@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from usaf.families.targets import default_targets
 from usaf.memory_plan import PLACEMENTS, ModelFacts, ModelSource, Plan
 from usaf.memory_plan.sizes import gib
 from usaf.memory_plan.target import RESERVE
-from usaf.settings.fields import DEFAULT_TARGETS
 
 
-def commands(plan: Plan, source: ModelSource) -> list[str]:
+def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
     """The usaf commands that run with the chosen settings."""
     s, t = plan.settings, plan.target
     device = "" if t.kind == "cpu" else f" --device {t.kind}"
@@ -24,7 +24,7 @@ def commands(plan: Plan, source: ModelSource) -> list[str]:
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
     model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
     score = f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}"
-    if s.targets != DEFAULT_TARGETS:
+    if s.targets != default_targets(facts.spec):
         score += f" --targets {','.join(s.targets)}"
     score += placement
     out.append(score)
@@ -126,7 +126,7 @@ def _render_settings(console: Any, plan: Plan, facts: ModelFacts, source: ModelS
         console.print(f"note: {line}", markup=False)
     if plan.fits:
         console.print("commands:")
-        for line in commands(plan, source):
+        for line in commands(plan, facts, source):
             console.print(f"  {line}", markup=False)
 
 
@@ -177,5 +177,5 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
             for stage in plan.stages
         },
         "notes": list(plan.notes),
-        "commands": commands(plan, source) if plan.fits else [],
+        "commands": commands(plan, facts, source) if plan.fits else [],
     }

@@ -11,6 +11,10 @@
   the first trainable layer (``--train-from``) train too, carrying the targets they have (``dense``, and
   ``attention`` when asked); a family or a layer range without dense layers has none.
 
+Without ``--targets`` the targets are :func:`default_targets`: the experts and the attention, and the shared
+experts where the model has them (docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"); a target asked
+for by name that the model lacks is refused, never dropped.
+
 The non-expert targets' frozen base is the weight as the quantized directory stores it (``base-*.safetensors``,
 unquantized). Each is handled as a one-"expert" tensor ``(1, O, I)`` in ``nn.Linear``'s own ``(out, in)``
 orientation, so masks, scores, reselection, checkpoints and exports address all targets alike.
@@ -31,15 +35,29 @@ __all__ = [
     "EXPERTS_ONLY",
     "TARGETS",
     "attention_prefix",
+    "default_targets",
     "dense_mlp_prefix",
     "index_free_refusal",
     "linear_target_modules",
     "parse_targets",
+    "resolve_targets",
     "target_of",
     "targets_of",
 ]
 
 ATTENTION_MODULE = "self_attn"  # the attention module's attribute on a decoder layer, in every supported family
+
+
+def default_targets(spec: FamilySpec) -> tuple[str, ...]:
+    """The targets without ``--targets``: :data:`DEFAULT_TARGETS`, and ``shared`` where the family has shared
+    experts (at an equal count they helped in-domain on every seed of both domains; BENCHMARKS.md, "The third
+    model")."""
+    return parse_targets(DEFAULT_TARGETS + (("shared",) if spec.shared is not None else ()))
+
+
+def resolve_targets(text: str | None, spec: FamilySpec) -> tuple[str, ...]:
+    """``--targets`` as given (parsed), or the model's :func:`default_targets` where it was not given (``None``)."""
+    return default_targets(spec) if text is None else parse_targets(text)
 
 
 def attention_prefix(spec: FamilySpec, layer: int) -> str:

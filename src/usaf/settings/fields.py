@@ -35,7 +35,10 @@ SELECTION_FIELDS = ("frac", "train_from", "layers", "calib_samples", "statistic"
 
 # The weights of a trainable layer that may carry a sparse delta (usaf.families.targets spells their modules).
 TARGETS = ("experts", "attention", "shared", "dense")
-DEFAULT_TARGETS = ("experts", "attention")  # docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"
+# Without --targets: these, and the shared experts where the model has them (usaf.families.targets.default_targets;
+# docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark").
+DEFAULT_TARGETS = ("experts", "attention")
+DEFAULT_TARGETS_TEXT = "experts,attention, and shared where the model has shared experts"
 EXPERTS_ONLY = ("experts",)  # what a plan or change from before --targets trained; the engine's library default
 
 
@@ -57,7 +60,7 @@ def parse_targets(text: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in names)
 
 
-Targets = Annotated[str, AfterValidator(lambda text: ",".join(parse_targets(text)))]
+Targets = Annotated[str, AfterValidator(lambda text: ",".join(parse_targets(text)))]  # None: the model's default
 
 
 def default_frac(weights: int) -> float:
@@ -167,7 +170,8 @@ def statistic() -> Any:
 
 
 def targets() -> Any:
-    return Field(",".join(DEFAULT_TARGETS), json_schema_extra=_DECIDED,
+    """``None``: the model's default targets (:data:`DEFAULT_TARGETS_TEXT`), decided by usaf score."""
+    return Field(None, json_schema_extra=cli(**{**_DECIDED["cli"], "default_text": DEFAULT_TARGETS_TEXT}),
                  description=f"Weights that get sparse deltas, comma-separated: {', '.join(TARGETS)} (dense: the "
                  "MLPs of dense layers at or above --train-from; the routers: --router).")  # fmt: skip
 

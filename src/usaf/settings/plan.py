@@ -35,7 +35,7 @@ class PlanConfig(StageConfig):
         json_schema_extra=cli(default_text="the largest of 2, 1 that fits"),
     )  # fmt: skip
     frac: float | None = f.frac()
-    targets: Targets = f.targets()
+    targets: Targets | None = f.targets()
     train_from: int | None = Field(
         None, ge=0, description="First trainable layer.",
         json_schema_extra=cli(default_text="the most layers that fit, up to the top quarter"),

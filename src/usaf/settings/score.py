@@ -29,7 +29,7 @@ class ScoreConfig(StageConfig):
     calib_samples: int = f.calib_samples()
     statistic: Statistic = f.statistic()
     budget: Budget = f.budget()
-    targets: Targets = f.targets()
+    targets: Targets | None = f.targets()
     router: bool = Field(True, description="Train the routers too (counted in the plan).")
     device: str = f.device()
     microbatch: int = Field(4, ge=1, description="Sequences per backward.")

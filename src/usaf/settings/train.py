@@ -37,7 +37,7 @@ class TrainConfig(StageConfig):
     layers: list[int] | None = f.layers()
     statistic: Statistic = f.statistic()
     budget: Budget = f.budget()
-    targets: Targets = f.targets()
+    targets: Targets | None = f.targets()
     steps: int | None = Field(None, ge=1, description="Optimizer steps (or --epochs).")
     epochs: float | None = Field(
         None, gt=0, description="Passes over the data.", json_schema_extra=cli(default_text="1")

@@ -47,7 +47,8 @@ from usaf.engine.engine import SparseEngine, TargetsError
 from usaf.engine.prefix import PrefixTap
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import UsafError
-from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac, parse_targets
+from usaf.families.targets import resolve_targets
+from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
 from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, run_lr_test
@@ -65,7 +66,7 @@ def trainable_layers(config: Any, spec: Any) -> list[int]:
     ``--train-from`` (or the first chosen MoE layer).
     """
     moe_layers = spec.moe_layers
-    dense = spec.dense_layers if "dense" in parse_targets(config.targets) else ()
+    dense = spec.dense_layers if "dense" in resolve_targets(config.targets, spec) else ()
     if config.layers is not None:
         bad = sorted(set(config.layers) - set(moe_layers) - set(dense))
         if bad or not set(config.layers) & set(moe_layers):
@@ -187,11 +188,12 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
 
     loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, config.stream_experts, progress)
     layers = trainable_layers(config, loaded.spec)
-    targets = parse_targets(config.targets)
+    targets = resolve_targets(config.targets, loaded.spec)
     try:
         engine = SparseEngine(loaded, trainable_layers=layers, targets=targets, train_router=config.router, **placement)
     except TargetsError as e:
-        raise UsafError(f"--targets {config.targets}: {e}", "choose other --targets (experts: every model)") from None
+        asked = ",".join(targets)
+        raise UsafError(f"--targets {asked}: {e}", "choose other --targets (experts: every model)") from None
     if config.cache and engine.prefix is None:
         raise UsafError(
             f"--cache: no frozen prefix to cache (the first trainable layer is {layers[0]})",

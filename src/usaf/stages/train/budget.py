@@ -14,6 +14,7 @@ from typing import Any
 
 from usaf.config import source_of
 from usaf.errors import UsafError
+from usaf.families.targets import resolve_targets
 from usaf.settings.fields import EXPERTS_ONLY, parse_targets
 from usaf.stages.progress import Progress
 
@@ -54,6 +55,7 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
     train_from = first_layer
     if train_from is None:
         train_from = min(config.layers) if config.layers else config.train_from
+    facts = model_facts(source.config)
     request = Request(
         seq_len=config.seq_len or max(len(data[i].input_ids) for i in range(min(len(data), SEQ_LEN_SAMPLE))),
         frac=plan_summary.frac if plan_summary is not None else config.frac,  # a plan's masks are already this size
@@ -61,9 +63,9 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
         train_from=train_from,
         samples=len(data),
         targets=parse_targets(plan_summary.targets or EXPERTS_ONLY) if plan_summary is not None
-        else parse_targets(config.targets),
+        else resolve_targets(config.targets, facts.spec),
     )  # fmt: skip
-    plan = plan_memory(model_facts(source.config), source.quant, target, request)
+    plan = plan_memory(facts, source.quant, target, request)
     # The model is already quantized and eval is another command: only train (and scoring on the fly) count.
     relevant = ("train", "score") if first_layer is None else ("train",)
     short = [line for line in plan.shortfalls if line.split(" ", 1)[0] in relevant]
