@@ -175,6 +175,14 @@ ARMS = {
         "router": True,
         "targets": "experts,attention,shared",
     },
+    # usaf at its defaults on that model since the shared experts joined them (no --targets resolves to these there)
+    "usaf_defaults_shared": {
+        "kind": "usaf",
+        "frac": None,
+        "reselect": True,
+        "router": True,
+        "targets": "experts,attention,shared",
+    },
     # Every layer (--train-from 0), the experts and attention (0.03 of 3,342,336 weights = 100,256 entries), and
     # with the dense layer's MLP and attention too (0.02833 of 3,539,968 = 100,252).
     "usaf_all_attention": {
@@ -240,6 +248,7 @@ GRIDS = {
     "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
     "usaf_router_lr_1e-3": [1e-3],
     "usaf_shared": [3e-3, 1e-2, 3e-2],
+    "usaf_defaults_shared": [PLAN_LR],
     "usaf_all_attention": [3e-3, 1e-2, 3e-2],
     "usaf_all_dense": [3e-3, 1e-2, 3e-2],
     **{f"usaf_defaults_frac_{frac}": [PLAN_LR] for frac in (0.01, 0.05, 0.1)},
