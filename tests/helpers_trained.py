@@ -37,7 +37,6 @@ def train_run(
 def straight_and_resumed(qdir: Path, tokens: Path, plan: Path, root: Path, monkeypatch) -> tuple[Path, Path]:
     """A 12-step RigL run (``--reselect-every 4``) made straight, and again interrupted by Ctrl-C at step 7 (inside
     the scoring window of the reselection at step 8) then resumed by the same command: ``(straight, resumed)``."""
-    from usaf.stages.train import trainer
 
     def train(out):
         return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--lr", 0.05,
@@ -45,16 +44,25 @@ def straight_and_resumed(qdir: Path, tokens: Path, plan: Path, root: Path, monke
 
     straight, resumed = root / "straight", root / "resumed"
     assert train(straight).exit_code == 0
+    interrupt_at(7, lambda: train(resumed), monkeypatch)
+    result = train(resumed)
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    return straight, resumed
+
+
+def interrupt_at(step: int, run, monkeypatch) -> None:
+    """``run()`` (a train command) with Ctrl-C at global step ``step``: it must exit with 130 (saved)."""
+    from usaf.stages.train import trainer
+
     real_step = trainer.Trainer.step
 
     def interrupt(self):
-        if self.state.step == 7:
+        if self.state.step == step:
             raise KeyboardInterrupt
         return real_step(self)
 
     monkeypatch.setattr(trainer.Trainer, "step", interrupt)
-    assert train(resumed).exit_code == 130
-    monkeypatch.setattr(trainer.Trainer, "step", real_step)
-    result = train(resumed)
-    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
-    return straight, resumed
+    try:
+        assert run().exit_code == 130
+    finally:
+        monkeypatch.setattr(trainer.Trainer, "step", real_step)

@@ -167,3 +167,31 @@ def test_without_targets_the_default_follows_the_model(family, expected, prepare
     summary = load_verified(plan, PlanManifest).summary
     assert summary.targets == expected
     assert any("shared_expert" in t.name for t in summary.tensors) == ("shared" in expected)
+
+
+def test_a_run_without_targets_records_them_as_before_the_default_followed_the_model(prepared, tmp_path, monkeypatch):
+    """run-settings.json keeps "targets": "experts,attention" where --targets is not given (the plan's fingerprint
+    pins what trains), as every run recorded before the default followed the model: an interrupted one resumes."""
+    import json
+
+    from helpers import invoke
+    from helpers_trained import interrupt_at
+
+    qdir, tokens, plan = prepared("qwen2_moe")  # its plan trains the shared expert too (the default here)
+
+    def interrupted(out):
+        interrupt_at(2, lambda: train(out), monkeypatch)
+        return json.loads((out / "run-settings.json").read_text())
+
+    def train(out):
+        return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--steps", 4,
+                      "--lr", 1e-2, "--save-every", 1)  # fmt: skip
+
+    settings = interrupted(tmp_path / "a")
+    assert settings["targets"] == "experts,attention"
+    result = train(tmp_path / "a")
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    interrupted(tmp_path / "b")  # control: a record with other targets is another run's
+    (tmp_path / "b" / "run-settings.json").write_text(json.dumps({**settings, "targets": "experts"}))
+    result = train(tmp_path / "b")
+    assert result.exit_code != 0 and "holds another run" in result.stderr, result.output

@@ -33,6 +33,7 @@ from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.routing import dense_router_grad_refusal
 from usaf.settings import SELECTION_FIELDS
+from usaf.settings.fields import DEFAULT_TARGETS
 from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
 from usaf.stages.progress import Progress
@@ -108,7 +109,7 @@ def resolve_inputs(
         budgeted = apply_budget(config, model_dir, backend, data, plan.summary, progress)  # a plan from the workspace
         steps, reselect_every = _length(budgeted, len(data), world, progress)
     config, lr_source = with_lr(budgeted, plan)
-    record = _settings_fingerprint(config, model_manifest.fingerprint, plan.fingerprint, data_fp, world)
+    record = _settings_fingerprint(config, model_manifest.fingerprint, plan, data_fp, world)
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
     return TrainInputs(
         config=config,
@@ -278,7 +279,9 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
     return path, manifest
 
 
-def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data_fp: str, world: World) -> dict:
+def _settings_fingerprint(
+    config: TrainConfig, model_fp: str, plan: PlanManifest, data_fp: str, world: World
+) -> dict:
     """What a resumed run must share with the interrupted one.
 
     The split of a step's sequences into processes and microbatches is left out: only the global batch
@@ -302,8 +305,10 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan_fp: str, data
     keep = config.model_dump(mode="json", exclude=skip)
     if not config.dense_router_grad:  # recorded when on: a run directory from before the option still resumes
         del keep["dense_router_grad"]
+    if keep["targets"] is None:  # not given: spelled as the fixed default was before it followed the model (the plan's
+        keep["targets"] = ",".join(DEFAULT_TARGETS)  # fingerprint pins what trains), so a run from then still resumes
     global_batch = config.microbatch * config.grad_accum * world.size
-    return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan_fp,
+    return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan.fingerprint,
             "data_fingerprint": data_fp}  # fmt: skip
 
 
