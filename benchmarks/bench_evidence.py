@@ -164,6 +164,9 @@ ARMS = {
         }
         for frac in (0.01, 0.05, 0.1)
     },
+    # The experts alone at the share rule's count, lr swept: the target set before the attention joined the defaults,
+    # on the second model (where the rule's count is the same with or without the attention: its floor).
+    "usaf_rule_experts": {"kind": "usaf", "frac": None, "reselect": True, "router": True, "targets": "experts"},
     # The shared and dense targets (issue 20, item 1), on the third model (benchmarks/models/evidence-shared: a shared
     # expert in every MoE layer, layer 0 dense), each at the count of the arm it adds to, lr swept. usaf_shared: the
     # defaults' layer with the shared expert too, at usaf_rule_attention's count (the rule's 0.1 of the experts' and
@@ -247,6 +250,7 @@ GRIDS = {
     "usaf_rule_attention": [3e-3, 1e-2, 3e-2],
     "usaf_router_lr": [3e-5, 1e-4, 3e-4, 1e-3],
     "usaf_router_lr_1e-3": [1e-3],
+    "usaf_rule_experts": [3e-3, 1e-2, 3e-2],
     "usaf_shared": [3e-3, 1e-2, 3e-2],
     "usaf_defaults_shared": [PLAN_LR],
     "usaf_all_attention": [3e-3, 1e-2, 3e-2],
