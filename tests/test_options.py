@@ -31,6 +31,8 @@ DEFAULT = re.compile(r"\[default: ([^\]]*)\]")
 def _expected_type(annotation: Any) -> Any:
     """The command-line type a field's annotation calls for (written here, not taken from usaf.cli.flags)."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # inside "| None" pydantic keeps it (--targets): the value is its first argument
+        return _expected_type(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         return _expected_type(inner)

@@ -20,8 +20,11 @@ def flag_of(name: str) -> str:
 
 
 def cli_type(annotation: Any) -> Any:
-    """The command-line type of a field's annotation: ``X | None`` → X, ``Literal["a", "b"]`` → str."""
+    """The command-line type of a field's annotation: ``X | None`` → X, ``Literal["a", "b"]`` → str,
+    ``Annotated[X, ...]`` → X (pydantic strips it from a field's own annotation, not from inside ``| None``)."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return cli_type(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         return cli_type(args[0]) if len(args) == 1 else str
