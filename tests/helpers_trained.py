@@ -50,8 +50,8 @@ def straight_and_resumed(qdir: Path, tokens: Path, plan: Path, root: Path, monke
     return straight, resumed
 
 
-def interrupt_at(step: int, run, monkeypatch) -> None:
-    """``run()`` (a train command) with Ctrl-C at global step ``step``: it must exit with 130 (saved)."""
+def interrupt_at(step: int, run, monkeypatch):
+    """``run()`` (a train command) with Ctrl-C at global step ``step``: it must exit with 130 (saved); its result."""
     from usaf.stages.train import trainer
 
     real_step = trainer.Trainer.step
@@ -63,6 +63,8 @@ def interrupt_at(step: int, run, monkeypatch) -> None:
 
     monkeypatch.setattr(trainer.Trainer, "step", interrupt)
     try:
-        assert run().exit_code == 130
+        result = run()
+        assert result.exit_code == 130, result.output
+        return result
     finally:
         monkeypatch.setattr(trainer.Trainer, "step", real_step)

@@ -75,26 +75,17 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     ],
 )
 def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
-    from usaf.stages.train import trainer
+    from helpers_trained import interrupt_at as ctrl_c_at
 
     qdir, tokens, plan = prepared("qwen3_moe")
     args = ["--steps", 20, "--reselect-every", 5, "--reselect-fraction", 0.3]
     straight = tmp_path / "straight"
     assert train(qdir, tokens, plan, straight, *args).exit_code == 0
 
-    real_step = trainer.Trainer.step
-
-    def interrupt(self):
-        if self.state.step == interrupt_at:
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(trainer.Trainer, "step", interrupt)
     resumed = tmp_path / "resumed"
-    result = train(qdir, tokens, plan, resumed, *args)
+    result = ctrl_c_at(interrupt_at, lambda: train(qdir, tokens, plan, resumed, *args), monkeypatch)
     assert result.exit_code == 130 and "run the same command to resume" in result.stderr
     assert (resumed / "checkpoints" / f"step-{interrupt_at:07d}").is_dir() and not (resumed / "manifest.json").exists()
-    monkeypatch.setattr(trainer.Trainer, "step", real_step)
     result = train(qdir, tokens, plan, resumed, *args)
     assert result.exit_code == 0, result.output
     assert "resuming from" in result.stderr
