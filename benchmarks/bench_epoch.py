@@ -15,9 +15,11 @@ in this process:
   2 layers' fused experts and attention at the ranks whose count is closest to usaf's trainable count
   (``bench_train.lora_ranks``), ``AdamW(fused=True)``, clipping 1.0, one epoch over the same sequences in
   microbatches of 2 (shuffled, seed 0); model loading and wrapping included.
+- **QLoRA**: the same LoRA over the same model with every decoder weight held as 4-bit codes (usaf's format, rtn
+  group 128) and dequantized on every forward (``qlora_base.py``), checked against a copy holding the dequantized
+  weights; quantizing the base and that check are not timed (nor is usaf's quantization).
 
-Rounds alternate the order (usaf then LoRA, then LoRA then usaf); medians of ``--rounds``. Not here: QLoRA (LoRA over
-a 4-bit base; peft over dequantized weights runs as fast as LoRA, so a fair QLoRA needs a 4-bit kernel), any GPU.
+Rounds rotate the order (each arm first in turn); medians of ``--rounds``. Not here: any GPU.
 
     python benchmarks/bench_epoch.py [--threads 1] [--rounds 2] [--experts 32 128] [--packages json tomllib]
         [--out benchmarks/results/epoch.json]
@@ -108,13 +110,14 @@ def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int) -> dict:
     }
 
 
-def lora_epoch(src: Path, tdir: Path, layers: list[int], trainable: int) -> dict:
+def lora_epoch(src: Path, tdir: Path, layers: list[int], trainable: int, four_bit: bool = False) -> dict:
+    """LoRA's epoch, or QLoRA's (``four_bit``: the same LoRA over a base quantized as it loads, which is timed)."""
     from usaf.data.batches import collate
     from usaf.data.dataset import TokenDataset
 
     start = time.perf_counter()
     ranks = lora_ranks(trainable, *lora_counts_per_rank(src, layers))
-    model, params, info = lora_model(src, layers, *ranks)
+    model, params, info = lora_model(src, layers, *ranks, four_bit=four_bit)
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
     data = TokenDataset(tdir / "train.jsonl", vocab_size=model.config.vocab_size)
     order = data.order(0, 0).tolist()
@@ -122,23 +125,25 @@ def lora_epoch(src: Path, tdir: Path, layers: list[int], trainable: int) -> dict
     for first in range(0, len(order), MICROBATCH):
         dense_step(model, params, optimizer, collate([data[i] for i in order[first : first + MICROBATCH]]))
         steps += 1
-    return {"seconds": time.perf_counter() - start, "steps": steps, "trainable": info["trainable_params"],
-            "expert_rank": ranks[0], "attention_rank": ranks[1]}  # fmt: skip
+    setup = info["base"]["setup_seconds"] if four_bit else 0.0  # quantizing and checking the base: not timed
+    return {"seconds": time.perf_counter() - start - setup, "steps": steps, "trainable": info["trainable_params"],
+            "expert_rank": ranks[0], "attention_rank": ranks[1], "base": info.get("base")}  # fmt: skip
 
 
 def measure(name: str, widths: dict, rounds: int, work: Path, packages: tuple[str, ...]) -> dict:
     src, qdir, tdir = prepare(work, widths, packages)
     layers = widths["num_layers"]
     trainable_layers = list(range(layers - TOP, layers))
-    runs: dict[str, list[dict]] = {"usaf": [], "lora": []}
+    arms = ("usaf", "lora", "qlora")
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     for r in range(rounds):
-        order = ("usaf", "lora") if r % 2 == 0 else ("lora", "usaf")
+        order = arms[r % 3 :] + arms[: r % 3]  # each arm first in turn
         for arm in order:
             if arm == "usaf":
                 runs[arm].append(usaf_epoch(qdir, tdir, work / f"usaf-{r}", layers))
             else:
                 trainable = (runs["usaf"] or [usaf_epoch(qdir, tdir, work / "usaf-count", layers)])[0]["trainable"]
-                runs[arm].append(lora_epoch(src, tdir, trainable_layers, trainable))
+                runs[arm].append(lora_epoch(src, tdir, trainable_layers, trainable, four_bit=arm == "qlora"))
             print(f"[{name}] round {r + 1}: {arm} {runs[arm][-1]['seconds']:.1f}s", flush=True)
     med = {arm: statistics.median(x["seconds"] for x in v) for arm, v in runs.items()}
     score = statistics.median(x["score_seconds"] for x in runs["usaf"])
@@ -149,6 +154,8 @@ def measure(name: str, widths: dict, rounds: int, work: Path, packages: tuple[st
         "usaf_train_median_seconds": train,
         "lora_over_usaf_end_to_end": med["lora"] / med["usaf"],  # > 1: usaf's whole run is faster
         "lora_over_usaf_train_only": med["lora"] / train,
+        "qlora_over_usaf_end_to_end": med["qlora"] / med["usaf"],
+        "qlora_over_usaf_train_only": med["qlora"] / train,
         "runs": runs,
     }
 
@@ -177,8 +184,9 @@ def main() -> None:
             args.out.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive an interrupted run
             s = result["shapes"][name]
             print(f"[{name}] usaf {s['median_seconds']['usaf']:.1f}s (score {s['usaf_score_median_seconds']:.1f}s, "
-                  f"train {s['usaf_train_median_seconds']:.1f}s), LoRA {s['median_seconds']['lora']:.1f}s: "
-                  f"LoRA / usaf {s['lora_over_usaf_end_to_end']:.2f}", flush=True)  # fmt: skip
+                  f"train {s['usaf_train_median_seconds']:.1f}s), LoRA {s['median_seconds']['lora']:.1f}s, QLoRA "
+                  f"{s['median_seconds']['qlora']:.1f}s: LoRA / usaf {s['lora_over_usaf_end_to_end']:.2f}, QLoRA / "
+                  f"usaf {s['qlora_over_usaf_end_to_end']:.2f}", flush=True)  # fmt: skip
     print(f"wrote {args.out}")
 
 

@@ -17,7 +17,9 @@ Every figure is measured side by side in this one run.
    (transformers ``from_pretrained`` of the unquantized source, fp32, ``AdamW(fused=True)`` over every
    parameter); LoRA (peft) on the same transformers model: attention projections (``target_modules``)
    and the fused experts (``target_parameters``), on the top 2 layers at the ranks whose trainable count
-   is closest to usaf's (expert entries + router weights), and on all 8 layers at the same ranks.
+   is closest to usaf's (expert entries + router weights), and on all 8 layers at the same ranks; QLoRA: the
+   top-2 LoRA over the same model with every decoder weight held as 4-bit codes and dequantized on every
+   forward (``qlora_base.py``: usaf's format, rtn group 128; checked against a dequantized copy).
    Gradient clipping at 1.0 everywhere. Trainable + optimizer-state bytes are read from the live objects.
 2. **rss**: peak RSS of the real CLI, ``python -m usaf train ... --steps N --reselect-every K``, in a fresh
    child started by a small wrapper process (see ``bench_engine.py`` for why), versus (a) the memory plan
@@ -72,6 +74,7 @@ from bench_engine import (  # noqa: E402
     tensor_bytes,
     token_loss,
 )
+from qlora_base import check_base, quantize_base  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ, SEQ_QUICK = 256, 64
@@ -85,6 +88,7 @@ RSS_STEPS, RSS_RESELECT = 30, 10  # the CLI run: reselections at steps 10 and 20
 RSS_STEPS_QUICK, RSS_RESELECT_QUICK = 12, 6
 RESELECT_AT, RESELECT_OF = 50, 1000  # figure 3's fraction: update_fraction(50, 1000, 0.2), the default cycle
 LORA_ALPHA = 16  # does not change timing or bytes
+QLORA_GROUP = 128  # the QLoRA arm's base: usaf's artifact format (rtn 4-bit, group 128), so the arms differ in method
 # The CLI's imports in a fresh process: the RSS baseline of the accounting.
 BASELINE_CHILD = (
     "import usaf.cli.app, usaf.cli.train, usaf.stages.train, usaf.stages.train.trainer, usaf.stages.score\n"
@@ -235,11 +239,26 @@ def lora_ranks(target: int, expert_per_rank: int, attention_per_rank: int) -> tu
     return best[1]
 
 
-def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: int):
-    """LoRA on the layers' fused experts (``target_parameters``) and, unless ``attention_rank`` is 0, q/k/v/o."""
+def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: int, *, four_bit: bool = False):
+    """LoRA on the layers' fused experts (``target_parameters``) and, unless ``attention_rank`` is 0, q/k/v/o.
+
+    ``four_bit``: QLoRA: the same LoRA over a base whose decoder weights are 4-bit codes dequantized on every
+    forward (``qlora_base``; usaf's artifact format, rtn group 128), checked against the source and against a
+    copy holding the dequantized weights.
+    """
     from peft import LoraConfig, get_peft_model
 
     model = load_reference(src)
+    base_check = None
+    if four_bit:
+        start = time.perf_counter()
+        quantize_base(model, group_size=QLORA_GROUP)
+        quantized = time.perf_counter()
+        probe = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+        base_check = check_base(model, load_reference(src), probe)
+        # not a cost of QLoRA's training (usaf's quantization and checks are not timed either): callers subtract it
+        base_check["setup_seconds"] = time.perf_counter() - start
+        base_check["quantize_seconds"] = quantized - start
     experts = [f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("gate_up_proj", "down_proj")]
     attention = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
     attention = attention if attention_rank > 0 else []
@@ -264,6 +283,9 @@ def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: i
         "trainable_expert_params": expert_params,
         "trainable_attention_params": sum(p.numel() for p in params) - expert_params,
     }
+    if base_check is not None:
+        info["base"] = {"kind": "4-bit codes dequantized per forward (qlora_base.py)", "method": "rtn",
+                        "group_size": QLORA_GROUP, **base_check}  # fmt: skip
     return peft_model, params, info
 
 
@@ -350,6 +372,7 @@ def throughput(
     per_rank = lora_counts_per_rank(src, layers)
     expert_rank, attention_rank = lora_ranks(usaf_trainable, *per_rank)
     lora_top, lora_top_params, lora_top_info = lora_model(src, layers, expert_rank, attention_rank)
+    qlora_top, qlora_top_params, qlora_top_info = lora_model(src, layers, expert_rank, attention_rank, four_bit=True)
     all_layers = list(hit.engine.spec.moe_layers)
     lora_all, lora_all_params, lora_all_info = lora_model(src, all_layers, expert_rank, attention_rank)
     if lora_top_info["trainable_params"] != per_rank[0] * expert_rank + per_rank[1] * attention_rank:
@@ -360,6 +383,7 @@ def throughput(
     # fused=True is torch's fastest CPU AdamW (bench_engine.py: 1.65 times faster here): the stronger baseline.
     full_opt = torch.optim.AdamW(full_params, lr=1e-4, fused=True)
     lora_top_opt = torch.optim.AdamW(lora_top_params, lr=1e-4, fused=True)
+    qlora_top_opt = torch.optim.AdamW(qlora_top_params, lr=1e-4, fused=True)
     lora_all_opt = torch.optim.AdamW(lora_all_params, lr=1e-4, fused=True)
     batches = {}
 
@@ -376,6 +400,7 @@ def throughput(
         "usaf_no_prefix": lambda s: trainer_step(plain, s),
         "full_finetune": lambda s: dense_step(full, full_params, full_opt, batch(s)),
         "lora_top": lambda s: dense_step(lora_top, lora_top_params, lora_top_opt, batch(s)),
+        "qlora_top": lambda s: dense_step(qlora_top, qlora_top_params, qlora_top_opt, batch(s)),
         "lora_all_layers": lambda s: dense_step(lora_all, lora_all_params, lora_all_opt, batch(s)),
     }
     if dense_router_grad:
@@ -390,7 +415,7 @@ def throughput(
     per_round = {
         f"{a}_over_{b}": [x / y for x, y in zip(times[b], times[a])]
         for a in ("usaf_prefix_hit", "usaf_no_prefix", "usaf_prefix_miss", "usaf_prefix_miss_frozen_resident")
-        for b in ("full_finetune", "lora_top", "lora_all_layers")
+        for b in ("full_finetune", "lora_top", "qlora_top", "lora_all_layers")
     }
     hits = {"hits": hit.prefix[0].hits, "misses": hit.prefix[0].misses}
     if hits["misses"]:
@@ -414,6 +439,7 @@ def throughput(
             "experts_implementation": full.config._experts_implementation,
         },
         "lora_top": lora_top_info,
+        "qlora_top": qlora_top_info,
         "lora_all_layers": lora_all_info,
         "usaf": {
             "trainable_layers": layers,
