@@ -17,7 +17,7 @@ in this process:
   microbatches of 2 (shuffled, seed 0); model loading and wrapping included.
 - **QLoRA**: the same LoRA over the same model with every decoder weight held as 4-bit codes (usaf's format, rtn
   group 128) and dequantized on every forward (``qlora_base.py``), checked against a copy holding the dequantized
-  weights; quantizing the base and that check are not timed (nor is usaf's quantization).
+  weights; quantizing the base and the checks are not timed (nor is usaf's quantization; ``lora_model``).
 
 Rounds rotate the order (each arm first in turn); medians of ``--rounds``. Not here: any GPU.
 
@@ -111,7 +111,7 @@ def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int) -> dict:
 
 
 def lora_epoch(src: Path, tdir: Path, layers: list[int], trainable: int, four_bit: bool = False) -> dict:
-    """LoRA's epoch, or QLoRA's (``four_bit``: the same LoRA over a base quantized as it loads, which is timed)."""
+    """LoRA's epoch, or QLoRA's (``four_bit``: the same LoRA over a 4-bit base; quantizing it is not timed)."""
     from usaf.data.batches import collate
     from usaf.data.dataset import TokenDataset
 
@@ -125,9 +125,9 @@ def lora_epoch(src: Path, tdir: Path, layers: list[int], trainable: int, four_bi
     for first in range(0, len(order), MICROBATCH):
         dense_step(model, params, optimizer, collate([data[i] for i in order[first : first + MICROBATCH]]))
         steps += 1
-    setup = info["base"]["setup_seconds"] if four_bit else 0.0  # quantizing and checking the base: not timed
-    return {"seconds": time.perf_counter() - start - setup, "steps": steps, "trainable": info["trainable_params"],
-            "expert_rank": ranks[0], "attention_rank": ranks[1], "base": info.get("base")}  # fmt: skip
+    seconds = time.perf_counter() - start - info["setup_seconds"]  # quantizing the base, the checks: not timed
+    return {"seconds": seconds, "steps": steps, "trainable": info["trainable_params"], "expert_rank": ranks[0],
+            "attention_rank": ranks[1], "base": info.get("base")}  # fmt: skip
 
 
 def measure(name: str, widths: dict, rounds: int, work: Path, packages: tuple[str, ...]) -> dict:

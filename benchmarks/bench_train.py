@@ -74,7 +74,7 @@ from bench_engine import (  # noqa: E402
     tensor_bytes,
     token_loss,
 )
-from qlora_base import check_base, quantize_base  # noqa: E402
+from qlora_base import check_adapters, check_base, quantize_base  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ, SEQ_QUICK = 256, 64
@@ -249,16 +249,14 @@ def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: i
     from peft import LoraConfig, get_peft_model
 
     model = load_reference(src)
+    probe = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     base_check = None
+    start = time.perf_counter()
     if four_bit:
-        start = time.perf_counter()
         quantize_base(model, group_size=QLORA_GROUP)
-        quantized = time.perf_counter()
-        probe = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
-        base_check = check_base(model, load_reference(src), probe)
-        # not a cost of QLoRA's training (usaf's quantization and checks are not timed either): callers subtract it
-        base_check["setup_seconds"] = time.perf_counter() - start
-        base_check["quantize_seconds"] = quantized - start
+        base_check = {"quantize_seconds": time.perf_counter() - start}
+        base_check.update(check_base(model, load_reference(src), probe))
+    setup = time.perf_counter() - start
     experts = [f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("gate_up_proj", "down_proj")]
     attention = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
     attention = attention if attention_rank > 0 else []
@@ -271,6 +269,9 @@ def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: i
     )
     peft_model = get_peft_model(model, config)
     peft_model.train()
+    start = time.perf_counter()
+    check_adapters(peft_model, probe)
+    setup += time.perf_counter() - start
     params = [p for p in peft_model.parameters() if p.requires_grad]
     expert_params = sum(p.numel() for n, p in peft_model.named_parameters() if p.requires_grad and ".experts." in n)
     info = {
@@ -282,6 +283,9 @@ def lora_model(src: Path, layers: list[int], expert_rank: int, attention_rank: i
         "trainable_params": sum(p.numel() for p in params),
         "trainable_expert_params": expert_params,
         "trainable_attention_params": sum(p.numel() for p in params) - expert_params,
+        # quantizing the base and the checks: not a cost of training (usaf's are not timed either); callers
+        # that time the whole arm subtract it
+        "setup_seconds": setup,
     }
     if base_check is not None:
         info["base"] = {"kind": "4-bit codes dequantized per forward (qlora_base.py)", "method": "rtn",
@@ -309,6 +313,33 @@ def dense_step(model, params, optimizer, batch) -> float:
     torch.nn.utils.clip_grad_norm_(params, 1.0)  # as SparseAdamW(max_grad_norm=1.0)
     optimizer.step()
     return time.perf_counter() - start
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """``aten._grouped_mm``, which torch's counter lacks: 2 x rows x inner x columns over all groups."""
+    if len(a_shape) == 3 and len(b_shape) == 3:  # (G, M, K) x (G, K, N): a batched matmul
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 3:  # (M, K) x (G, K, N), rows split by offsets
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (K, M) x (M, N) -> (G, K, N), M split: a weight gradient
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * b_shape[0] * b_shape[1] * a_shape[1]  # (G, M, K) x (K_total, N)
+
+
+def step_flops(arms: dict, step: int) -> dict[str, float]:
+    """GEMM and attention GFLOP of one more step of each arm (torch's FLOP counter; not timed): what each arm
+    computes, so a speed ratio can be read against the arithmetic. Gathers, scatters and elementwise work are not
+    counted (usaf's sparse delta terms and its SDDMM among them)."""
+    from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+    with contextlib.suppress(RuntimeError):  # already registered (a second call in one process)
+        register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+    result = {}
+    for name, fn in arms.items():
+        with FlopCounterMode(display=False) as counter:
+            fn(step)
+        result[name] = counter.get_total_flops() / 1e9
+    return result
 
 
 def trainer_step(trainer, step: int) -> float:
@@ -407,6 +438,7 @@ def throughput(
         hit_dense, _ = stage_trainer(qdir, tdir, plan, work / "run-hit-dense", dense_router_grad=True)
         arms["usaf_prefix_hit_dense_router_grad"] = lambda s: trainer_step(hit_dense, s)
     times = interleave(arms, steps, "step")
+    gflop = step_flops(arms, steps[-1])
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = [batch(s).tokens for s in steps[WARMUP:]]
     tokens_med = statistics.median(tokens)
@@ -432,6 +464,8 @@ def throughput(
         # speed ratios (>1: usaf faster) = time ratios inverted, from the medians and per round
         "speed_ratio": {k: statistics.median(v) for k, v in per_round.items()},
         "speed_ratio_per_round": per_round,
+        "gflop_per_step": gflop,  # GEMMs and attention only (step_flops)
+        "gflop_per_second": {k: gflop[k] / med[k] for k in gflop},
         "prefix_store_lookups": hits,
         "prefix_miss_lookups": {"hits": sum(c.hits for c in miss_caches), "misses": sum(c.misses for c in miss_caches)},
         "full_finetune": {
@@ -838,6 +872,8 @@ def print_summary(r: dict) -> None:
     print(f"1. one optimizer step (2 x {r['batch']['seq']}), median of {t['repeats']} interleaved rounds:")
     for k, v in t["median_seconds"].items():
         print(f"  {k:32s} {v:7.3f} s  {t['tokens_per_s'][k]:7.0f} tokens/s")
+    for k, v in t.get("gflop_per_step", {}).items():
+        print(f"  {k:32s} {v:7.2f} GFLOP a step (GEMMs, attention)  {t['gflop_per_second'][k]:6.1f} GFLOP/s")
     for k, v in t["speed_ratio"].items():
         print(f"  speed {k:56s} {v:6.2f}")
     lt = t["lora_top"]

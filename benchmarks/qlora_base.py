@@ -15,6 +15,8 @@ as in QLoRA.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -56,25 +58,38 @@ class Dequantized(nn.Module):
         return w[0] if self.flat else w
 
 
-def _patch_peft_cleanup() -> None:
-    """peft 0.21 removes its fused-expert proxy after each forward only when it is the parameter's sole
-    parametrization; over :class:`Dequantized` it stays, and every forward stacks one more LoRA term. Remove it
-    as peft does in the one-parametrization case (idempotent)."""
+def _patch_peft() -> None:
+    """Two fixes to peft 0.21's fused-expert adapters over a weight that is already parametrized (idempotent).
+
+    1. Each adapter reads its weight (``get_param``) before adding its LoRA term, inside the outer adapter's
+       ``parametrize.cached()`` (an experts module with two adapted tensors nests two wrappers): the read caches
+       the weight without the term, and the forward then used it, so the inner adapter got no gradient. The
+       entry is dropped once the term is registered.
+    2. peft removes its term after the forward only when it is the weight's sole parametrization; over
+       :class:`Dequantized` it stayed, and every forward stacked one more. It is removed as peft does otherwise.
+    """
     from peft.tuners.lora import layer
 
-    original = layer.ParamWrapper._remove_parametrizations
-    if getattr(original, "usaf_patched", False):
+    wrapper = layer.ParamWrapper
+    if getattr(wrapper, "usaf_patched", False):
         return
+    activate, remove = wrapper._activate_lora, wrapper._remove_parametrizations
 
-    def remove(self) -> None:
+    @contextlib.contextmanager
+    def activate_uncached(self, active_adapters):
+        with activate(self, active_adapters):
+            parametrize._cache.pop((id(self.get_base_layer()), self.parameter_name), None)
+            yield
+
+    def remove_own(self) -> None:
         stack = self.get_base_layer().parametrizations[self.parameter_name]
         if len(stack) > 1 and isinstance(stack[-1], layer._LoraFactorsProxy):
             del stack[-1]
             return
-        original(self)
+        remove(self)
 
-    remove.usaf_patched = True
-    layer.ParamWrapper._remove_parametrizations = remove
+    wrapper._activate_lora, wrapper._remove_parametrizations = activate_uncached, remove_own
+    wrapper.usaf_patched = True
 
 
 def quantize_base(model: nn.Module, *, nbits: int = 4, group_size: int = 64, method: str = "rtn") -> int:
@@ -82,7 +97,7 @@ def quantize_base(model: nn.Module, *, nbits: int = 4, group_size: int = 64, met
 
     The routers (``mlp.gate``) and norms stay fp32, as QLoRA keeps them; so do the embedding and the LM head.
     """
-    _patch_peft_cleanup()
+    _patch_peft()
     count = 0
     for layer in model.model.layers:
         for path, module in layer.named_modules():
@@ -122,3 +137,20 @@ def check_base(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor) 
     if result["max_abs_logit_diff_to_dequantized_copy"] > 1e-4:
         raise RuntimeError(f"the QLoRA base does not compute with its dequantized weights: {result}")
     return result
+
+
+def check_adapters(model: nn.Module, input_ids: torch.Tensor) -> int:
+    """One forward and backward on ``input_ids``: every trainable parameter must get a gradient (an adapter that
+    the forward skipped gets none) and no LoRA term may stay registered afterwards; returns how many were checked.
+    The gradients are cleared again."""
+    model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trained if p.grad is None]
+    if missing:
+        raise RuntimeError(f"LoRA parameters outside the forward: {missing}")
+    for module in model.modules():
+        for name, stack in getattr(module, "parametrizations", {}).items():
+            if len(stack) != 1:
+                raise RuntimeError(f"{name}: {len(stack)} parametrizations stayed after a forward: {list(stack)}")
+    model.zero_grad(set_to_none=True)
+    return len(trained)
