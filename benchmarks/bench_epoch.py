@@ -1,7 +1,8 @@
 """Benchmark: one epoch end to end, ``usaf score`` + ``usaf train --epochs 1``, against LoRA on the same layers.
 
-What a user's typical first run costs: every training step is a first visit (no ``usaf score --cache``), and the
-score before it (calibration, stability halves, the lr test) is part of the bill. Workload: ``bench_train.py``'s
+What a user's typical first run costs: every training step is a first visit (no ``usaf score --cache``) except
+those of the calibration sample, whose prefix states score's own pass computed and keeps in the plan by default, and
+the score before it (calibration, stability halves, the lr test) is part of the bill. Workload: ``bench_train.py``'s
 model (8 layers, hidden 512, random-init Qwen3-MoE, rtn 4-bit g128; the top 2 layers train) at 32 experts (width
 256, top-4) and at Qwen3-30B-A3B's ratios (128 experts of width 192, top-8); data: the stdlib packages ``json`` and
 ``tomllib`` tokenized at 256 tokens (``bench_train.py``'s; ``--packages`` for more data: score's cost is fixed,
@@ -103,6 +104,7 @@ def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int) -> dict:
         "steps": r.steps,
         "reselections": len(r.reselections),
         "prefix_cache_hits_misses": [r.prefix_cache_hits, r.prefix_cache_misses],
+        "plan_prefix_states": p.prefix_cache.samples if p.prefix_cache is not None else 0,
         "trainable": r.expert_entries + r.router_params,
         "first_loss": r.first_loss,
         "final_loss": r.final_loss,

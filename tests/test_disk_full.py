@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import invoke, leftovers
-from usaf.artifacts import QuantizedModelManifest, RunManifest, load_manifest
+from usaf.artifacts import PlanManifest, QuantizedModelManifest, RunManifest, load_manifest, load_verified
 from usaf.artifacts.disk import NO_PERMISSION, NO_SPACE, READ_ONLY, cause_of, disk_error
 from usaf.errors import UsafError
 from usaf.testing import crash, faults
@@ -225,6 +225,21 @@ def test_a_prefix_cache_without_room_is_refused_before_it_is_written(setup, tmp_
     assert not out.exists() and leftovers(tmp_path) == []
     monkeypatch.undo()  # negative control: with room, the same command writes its store
     assert invoke(*args).exit_code == 0 and (out / "prefix_states.bin").is_file()
+
+
+def test_without_room_for_the_samples_prefix_states_score_still_writes_its_plan(setup, tmp_path, monkeypatch):
+    """The calibration sample's states are kept by default, unasked: no room for them is a note, not a failure."""
+    out = tmp_path / "plan"
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    args = ["score", "--model", setup.quantized, "--data", setup.tokens, "--out", out, "--frac", "0.05",
+            "--calib-samples", 4, "--no-stability", "--train-from", 1]  # fmt: skip
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "prefix states not kept in the plan" in result.output and "1,000 bytes" in result.output
+    assert load_verified(out, PlanManifest).summary.prefix_cache is None and not (out / "prefix_states.bin").exists()
+    monkeypatch.undo()  # negative control: with room, the same command keeps them
+    assert invoke(*args, "--overwrite").exit_code == 0
+    assert load_verified(out, PlanManifest).summary.prefix_cache.samples > 0
 
 
 # -- read-only and forbidden outputs ------------------------------------------------------------------

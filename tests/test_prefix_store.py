@@ -1,4 +1,5 @@
-"""`usaf score --cache` stores the frozen-prefix states of the training data; `usaf train` reads them."""
+"""`usaf score` keeps the frozen-prefix states its scoring pass computed (the calibration sample's; `--cache`: every
+training sequence's) in the plan's store; `usaf train` reads them."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def score(qdir, tokens, out, *extra):
                   "--train-from", 2, "--no-stability", "--out", out, *extra)  # fmt: skip
 
 
-def train(qdir, tokens, plan, out):
-    return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, "--steps", 6,
+def train(qdir, tokens, plan, out, *extra):
+    length = extra or ("--steps", 6)
+    return invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", out, *length,
                   "--reselect-every", 0, "--save-every", 0, "--lr", 0.05)  # fmt: skip
 
 
@@ -42,7 +44,7 @@ def test_train_reads_every_prefix_state_from_the_plan_and_learns_the_same(setup,
     record = plan.summary.prefix_cache
     assert record.samples == distinct and record.start == 2 and record.dtype == "float32"
     assert record.tokens == sum(len(json.loads(line)["input_ids"]) for line in set(lines))
-    assert result.exit_code == 0 and score(qdir, tokens, tmp_path / "plain").exit_code == 0
+    assert result.exit_code == 0 and score(qdir, tokens, tmp_path / "plain", "--no-cache").exit_code == 0
 
     result = train(qdir, tokens, tmp_path / "cached", tmp_path / "run-cached")
     assert result.exit_code == 0, result.output
@@ -54,6 +56,67 @@ def test_train_reads_every_prefix_state_from_the_plan_and_learns_the_same(setup,
     plain = load_verified(tmp_path / "run-plain", RunManifest).summary
     assert plain.prefix_cache_misses > 0  # negative control: without the store, states are computed
     assert cached.final_loss == pytest.approx(plain.final_loss, abs=1e-5)
+
+
+def test_by_default_the_plan_keeps_the_calibration_samples_states_and_train_reads_them(setup, tmp_path):
+    """No flag: the store holds exactly the sample's states, each the sequence's own (computed alone) to rounding;
+    a one-epoch run reads those and computes the rest, and learns what a run without the store learns."""
+    from usaf.artifacts.prefix_store import PrefixStore
+    from usaf.engine.engine import SparseEngine
+    from usaf.engine.loading import load_quantized_model
+
+    qdir, tokens = setup
+    result = score(qdir, tokens, tmp_path / "plan")
+    assert result.exit_code == 0, result.output
+    assert "the calibration sample's; --cache: all" in result.output
+    plan = load_verified(tmp_path / "plan", PlanManifest).summary
+    record, fingerprint = plan.prefix_cache, plan.model_fingerprint
+    assert (record.scope, record.samples, record.start) == ("calibration", 8, 2)
+
+    engine = SparseEngine(load_quantized_model(qdir), trainable_layers=[2])
+    store = PrefixStore(tmp_path / "plan" / "prefix_states.bin", tmp_path / "plan" / "prefix_index.json")
+    lines = (tokens / "train.jsonl").read_text().splitlines()
+    rows = {json.dumps(json.loads(line)["input_ids"]) for line in lines}
+    found = 0
+    for row in rows:
+        ids = torch.tensor(json.loads(row))
+        stored = store.get(engine.prefix_key(ids, fingerprint))
+        if stored is not None:
+            found += 1
+            torch.testing.assert_close(stored, engine.prefix_states(ids[None])[0], rtol=0, atol=1e-5)
+    assert found == 8 < len(rows)  # the sample, not the data
+
+    result = train(qdir, tokens, tmp_path / "plan", tmp_path / "run", "--epochs", 1)
+    assert result.exit_code == 0, result.output
+    assert "read from the plan (the calibration sample)" in result.output
+    kept = load_verified(tmp_path / "run", RunManifest).summary
+    assert kept.prefix_cache_misses == len(rows) - 8  # every sequence at least once; the sample's from the store
+    assert kept.prefix_cache_hits + kept.prefix_cache_misses == 2 * kept.steps  # microbatch 2
+    assert score(qdir, tokens, tmp_path / "none", "--no-cache").exit_code == 0
+    assert load_verified(tmp_path / "none", PlanManifest).summary.prefix_cache is None
+    assert not (tmp_path / "none" / "prefix_states.bin").exists()
+    result = train(qdir, tokens, tmp_path / "none", tmp_path / "run-none", "--epochs", 1)
+    assert result.exit_code == 0, result.output
+    none = load_verified(tmp_path / "run-none", RunManifest).summary
+    assert none.prefix_cache_misses == len(rows)  # control: nothing kept
+    assert kept.final_loss == pytest.approx(none.final_loss, abs=1e-5)
+
+
+def test_cache_stores_the_samples_states_as_scored_and_computes_the_others(setup, tmp_path, monkeypatch):
+    """--cache takes the calibration pass's states for the sample instead of running the frozen layers again."""
+    from usaf.engine.engine import SparseEngine
+
+    qdir, tokens = setup
+    captured = []
+    capture = SparseEngine.prefix_states
+    monkeypatch.setattr(SparseEngine, "prefix_states",
+                        lambda self, ids, *a, **k: captured.append(len(ids)) or capture(self, ids, *a, **k))  # fmt: skip
+    assert score(qdir, tokens, tmp_path / "all", "--cache").exit_code == 0
+    record = load_verified(tmp_path / "all", PlanManifest).summary.prefix_cache
+    assert record.scope == "data" and sum(captured) == record.samples - 8
+    captured.clear()
+    assert score(qdir, tokens, tmp_path / "all-again", "--cache", "--calib-samples", 2).exit_code == 0
+    assert sum(captured) == record.samples - 2  # control: the count follows the sample
 
 
 def test_a_store_is_consulted_and_its_states_are_what_the_forward_uses(setup, tmp_path):

@@ -52,6 +52,11 @@ class LayerRouting(Record):
 
 
 class PrefixCacheRecord(Record):
+    scope: Literal["calibration", "data"] = Field(
+        "data",
+        description="which sequences: the calibration sample's (usaf score's default: its scoring pass computed "
+        "them) or every training sequence (--cache)",
+    )
     samples: int = Field(description="distinct training sequences whose prefix state is stored")
     tokens: int
     bytes: int
@@ -96,7 +101,9 @@ class PlanSummary(Record):
     trainable_params: int = Field(description="delta entries + router parameters")
     stability_mean: float | None
     routing: list[LayerRouting]
-    prefix_cache: PrefixCacheRecord | None = Field(None, description="states stored by --cache, for usaf train")
+    prefix_cache: PrefixCacheRecord | None = Field(
+        None, description="frozen-prefix states stored for usaf train (the calibration sample's, or --cache: all)"
+    )
     lr_test: LrTestRecord | None = Field(None, description="the lr test (None: --no-lr-test, or an older plan)")
     seconds: float
 

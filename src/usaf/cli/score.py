@@ -65,9 +65,10 @@ def _print_summary(console, manifest, path: Path) -> None:
         console.print(f"lr test: off (--no-lr-test); usaf train uses --lr, else {DEFAULT_LR:g}")
     if s.prefix_cache is not None:
         c = s.prefix_cache
+        whose = "every training sequence" if c.scope == "data" else "the calibration sample's; --cache: all"
         console.print(
             f"prefix cache: {c.samples:,} sequences / {c.tokens:,} tokens entering layer {c.start} "
-            f"({human_bytes(c.bytes)}, {c.dtype})"
+            f"({human_bytes(c.bytes)}, {c.dtype}; {whose})"
         )
 
 

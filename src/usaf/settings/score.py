@@ -41,10 +41,11 @@ class ScoreConfig(StageConfig):
     )  # fmt: skip
     full_maps: bool = Field(False, description="Exact, full-size importance maps (memory: 4 bytes per weight).")
     stability: bool = Field(True, description="Measure mask overlap of two data halves.")
-    cache: bool = Field(
-        False,
-        description="Store every training sequence's frozen-prefix state in the plan, so train starts at once.",
-        json_schema_extra=cli(flag="--cache/--no-cache"),
+    cache: bool | None = Field(
+        None,
+        description="Frozen-prefix states stored in the plan, which usaf train then reads instead of running the "
+        "frozen layers: every training sequence's (--cache), none (--no-cache).",
+        json_schema_extra=cli(flag="--cache/--no-cache", default_text="the calibration sample's, computed anyway"),
     )
     lr_test: bool = Field(
         True,

@@ -1,5 +1,9 @@
-"""The frozen-prefix states ``usaf score --cache`` computes into its plan's store (the store's files are
+"""The frozen-prefix states ``usaf score`` keeps in its plan's store (the store's files are
 :mod:`usaf.artifacts.prefix_store`'s); ``usaf train`` opens that store and keeps a per-run cache for the rest.
+
+By default the store holds the calibration sample's states, which the scoring pass computed anyway
+(:func:`write_sample_store`); with ``--cache``, every training sequence's (:func:`write_store`, which takes the
+sample's states as they are and computes the others).
 
 A store is only a speed-up: keys are content hashes (tokens, model fingerprint, first trainable layer,
 dtype, library versions), so a store made on another device/dtype or for other data simply misses,
@@ -15,7 +19,8 @@ import torch
 from usaf.artifacts import prefix_store
 from usaf.artifacts.disk import check_free_space
 from usaf.data.batches import collate
-from usaf.data.tokens import iter_token_file
+from usaf.data.tokens import TokenLine, iter_token_file
+from usaf.errors import UsafError
 from usaf.stages.progress import Progress
 
 
@@ -29,16 +34,24 @@ def write_store(
     pad_id: int,
     microbatch: int,
     progress: Progress,
+    known: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, int]:
-    """Compute the prefix state of every sequence of ``data_file`` (batched) into ``out_dir``'s store."""
+    """Compute the prefix state of every sequence of ``data_file`` (batched) into ``out_dir``'s store; a sequence
+    whose key ``known`` holds (the calibration sample's states, by key) is stored as it is there."""
     lengths = [len(line.input_ids) for line in iter_token_file(data_file, vocab_size=vocab_size)]
     total = len(lengths)
     device = next(engine.model.parameters()).device
+    known = known or {}
 
     def states():
         progress.start("prefix cache", total, "sequences")
         pending = []
         for line in iter_token_file(data_file, vocab_size=vocab_size):
+            key = engine.prefix_key(torch.tensor(line.input_ids), model_fingerprint) if known else None
+            if key in known:
+                yield key, known[key]
+                progress.advance(1)
+                continue
             pending.append(line)
             if len(pending) == microbatch:
                 yield from _batch_states(engine, pending, pad_id, device, model_fingerprint)
@@ -51,6 +64,32 @@ def write_store(
 
     meta = {"model_fingerprint": model_fingerprint, "start": engine.prefix.start}
     return prefix_store.write_store(out_dir, _room_checked(states(), out_dir, sum(lengths)), meta=meta)
+
+
+def sample_states_by_key(engine, lines: list[TokenLine], states: dict[int, torch.Tensor], model_fingerprint: str):
+    """The calibration sample's prefix states ``(t, H)`` (``states``: by line number) by their cache key."""
+    return {
+        engine.prefix_key(torch.tensor(line.input_ids), model_fingerprint): states[line.line]
+        for line in lines
+        if line.line in states
+    }
+
+
+def write_sample_store(
+    engine, by_key: dict[str, torch.Tensor], out_dir: Path, *, model_fingerprint: str, progress: Progress
+) -> dict[str, int] | None:
+    """``by_key`` (the calibration sample's states) as ``out_dir``'s store; None, with a note, when the disk has
+    no room for them: the states are a speed-up nobody asked for by name, not worth failing the plan."""
+    if not by_key:
+        return None
+    needed = sum(state.numel() * state.element_size() for state in by_key.values())
+    try:
+        check_free_space(out_dir, needed, flag=None, what="the calibration sample's prefix states")
+    except UsafError as e:
+        progress.note(f"prefix states not kept in the plan: {e.message}")
+        return None
+    meta = {"model_fingerprint": model_fingerprint, "start": engine.prefix.start}
+    return prefix_store.write_store(out_dir, by_key.items(), meta=meta)
 
 
 def _room_checked(items, out_dir: Path, tokens: int):

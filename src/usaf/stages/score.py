@@ -4,7 +4,8 @@ Runs the engine's dense-score mode over every calibration batch (each expert sli
 reduced into a streaming top-k the moment it exists), selects masks under the budget, measures the
 selection's stability on two disjoint halves of the data (scored by the same pass: :func:`calibration_batches`),
 records the routing statistics of the same pass, and runs the lr test from the prefix states it recorded. Writes a
-``plan`` artifact that ``usaf train`` consumes.
+``plan`` artifact that ``usaf train`` consumes, with those prefix states in its store (every training sequence's
+with ``--cache``; none with ``--no-cache``) so that train's first visits to the sample need not compute them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
 from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, run_lr_test
-from usaf.stages.prefix_cache import write_store
+from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -208,7 +209,9 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
 
     engine.load_stats(reset=True)
     halves_wanted = config.stability and len(lines) >= 2
-    with _prefix_tap(engine, config.lr_test and not world.active) as tap:
+    # the lr test and the plan's prefix store use the states the scoring pass computes (one process: under torchrun
+    # each rank would hold its own share of them)
+    with _prefix_tap(engine, (config.lr_test or config.cache is not False) and not world.active) as tap:
         items = distributed.shard(calibration_batches(lines, config.microbatch, pad), world)
         settings = {
             "candidates": pools,
@@ -241,7 +244,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         except SelectionError as e:
             progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
 
-    lr_record = _lr_test(config, engine, masks, lines, pad, progress, _states_by_line(tap, items))
+    sample_states = _states_by_line(tap, items)
+    lr_record = _lr_test(config, engine, masks, lines, pad, progress, sample_states)
     summary = _summary(
         config,
         frac,
@@ -263,9 +267,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         return load_verified(out, PlanManifest, flag="--out"), out
     with writer as art:
         _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
-        if config.cache:
-            summary = _with_prefix_store(summary, engine, data_file, art.dir, model_manifest.fingerprint, tokenizer,
-                                         pad, config.microbatch, progress)  # fmt: skip
+        if config.cache is not False and engine.prefix is not None:
+            by_key = sample_states_by_key(engine, lines, sample_states or {}, model_manifest.fingerprint)
+            summary = _with_prefix_store(summary, config, engine, by_key, data_file, art.dir,
+                                         model_manifest.fingerprint, tokenizer, pad, progress)  # fmt: skip
         manifest = art.commit(
             PlanManifest,
             inputs=[
@@ -308,19 +313,29 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
     )
 
 
-def _with_prefix_store(summary, engine, data_file, work, model_fingerprint, tokenizer, pad, microbatch, progress):
-    stored = write_store(
-        engine,
-        data_file,
-        work,
-        model_fingerprint=model_fingerprint,
-        vocab_size=len(tokenizer),
-        pad_id=pad,
-        microbatch=microbatch,
-        progress=progress,
-    )
+def _with_prefix_store(summary, config, engine, by_key, data_file, work, model_fingerprint, tokenizer, pad, progress):
+    """The summary with the prefix store written into the plan: every training sequence's (``--cache``, the
+    sample's ``by_key`` reused), else the calibration sample's alone (``by_key``; none when it is empty or the disk
+    has no room for it)."""
+    if config.cache:
+        stored = write_store(
+            engine,
+            data_file,
+            work,
+            model_fingerprint=model_fingerprint,
+            vocab_size=len(tokenizer),
+            pad_id=pad,
+            microbatch=config.microbatch,
+            progress=progress,
+            known=by_key,
+        )
+    else:
+        stored = write_sample_store(engine, by_key, work, model_fingerprint=model_fingerprint, progress=progress)
+        if not stored:
+            return summary
     dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-    record = PrefixCacheRecord(**stored, start=engine.prefix.start, dtype=dtype)
+    scope = "data" if config.cache else "calibration"
+    record = PrefixCacheRecord(**stored, scope=scope, start=engine.prefix.start, dtype=dtype)
     return summary.model_copy(update={"prefix_cache": record})
 
 

@@ -140,11 +140,13 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[A
     if engine.prefix is None:
         return None
     hidden = engine.model.get_input_embeddings().embedding_dim  # the width of every stored state
-    store = open_store(inputs.plan_dir, inputs.plan.summary.prefix_cache, hidden_size=hidden)  # usaf score --cache
+    record = inputs.plan.summary.prefix_cache
+    store = open_store(inputs.plan_dir, record, hidden_size=hidden)  # what usaf score kept
     spill = inputs.run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
     cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
     if store is not None:
-        progress.note(f"prefix states of {len(store):,} sequences read from the plan (usaf score --cache)")
+        whose = "every training sequence: usaf score --cache" if record.scope == "data" else "the calibration sample"
+        progress.note(f"prefix states of {len(store):,} sequences read from the plan ({whose})")
     return cache, inputs.model.fingerprint
 
 
