@@ -109,8 +109,12 @@ def test_cache_stores_the_samples_states_as_scored_and_computes_the_others(setup
     qdir, tokens = setup
     captured = []
     capture = SparseEngine.prefix_states
-    monkeypatch.setattr(SparseEngine, "prefix_states",
-                        lambda self, ids, *a, **k: captured.append(len(ids)) or capture(self, ids, *a, **k))  # fmt: skip
+
+    def counted(self, ids, *args, **kwargs):
+        captured.append(len(ids))  # sequences whose frozen layers run
+        return capture(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(SparseEngine, "prefix_states", counted)
     assert score(qdir, tokens, tmp_path / "all", "--cache").exit_code == 0
     record = load_verified(tmp_path / "all", PlanManifest).summary.prefix_cache
     assert record.scope == "data" and sum(captured) == record.samples - 8

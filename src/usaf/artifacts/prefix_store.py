@@ -1,4 +1,5 @@
-"""The prefix store a plan may hold (``usaf score --cache``): every training sequence's frozen-prefix state.
+"""The prefix store a plan may hold: frozen-prefix states of training sequences (``usaf score``: the calibration
+sample's by default, every sequence's with ``--cache``).
 
 Two files in the plan directory: ``prefix_states.bin``, the raw tensors one after another, and
 ``prefix_index.json``, ``key -> [offset, shape, dtype]`` plus the meta (model fingerprint, first trainable
@@ -93,7 +94,7 @@ def open_store(
     plan_dir: Path, record: PrefixCacheRecord | None, *, hidden_size: int | None = None, flag: str = "--plan"
 ) -> PrefixStore | None:
     """The plan's prefix store, checked against its manifest's ``record`` and the model's ``hidden_size``; None
-    when the plan records none (``usaf score`` without ``--cache``)."""
+    when the plan records none (``usaf score --no-cache``, or a usaf before the default store)."""
     if record is None:
         return None
     states, index = Path(plan_dir) / STATES_FILE, Path(plan_dir) / INDEX_FILE
@@ -169,7 +170,7 @@ def _check_against(
 
 
 def _refuse(flag: str, path: Path, problem: str) -> NoReturn:
-    raise UsafError(f"{flag} {path}: {problem}", "the prefix store is damaged or was edited; re-run usaf score --cache")
+    raise UsafError(f"{flag} {path}: {problem}", "the prefix store is damaged or was edited; re-run usaf score")
 
 
 def write_store(plan_dir: Path, items, *, meta: dict) -> dict[str, int]:

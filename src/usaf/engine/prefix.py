@@ -11,7 +11,7 @@ layer ``start`` records its input and stops the forward there.
 :class:`PrefixCache` keeps states in RAM up to a budget and spills the rest to a memory-mapped file.
 Keys are content hashes (token ids, model fingerprint, ``start``, dtype, library versions), so a
 changed model or setting never reuses a stale state. A cache is handed an opened, read-only
-:class:`~usaf.artifacts.prefix_store.PrefixStore` (``usaf score --cache`` writes one into its plan) and
+:class:`~usaf.artifacts.prefix_store.PrefixStore` (``usaf score`` writes one into its plan) and
 consults it before computing; the store's files are :mod:`usaf.artifacts.prefix_store`'s.
 """
 

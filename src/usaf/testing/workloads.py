@@ -67,6 +67,9 @@ def build_workload(
         calib_samples=min(samples, 8),
         microbatch=2,
         stability=False,
+        # no prefix states kept: train computes every one, as a run on more data than the sample does (the run usaf
+        # plan sizes; with every state in the plan, train would never dequantize its frozen layers)
+        cache=False,
         device="cpu",
     )
     _, plan = score.run(settings)

@@ -151,7 +151,7 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[A
 
 
 def _computes_prefixes(cache: Any, inputs: Any) -> bool:
-    """Whether the run will run its frozen layers: sequences the plan's store (usaf score --cache) lacks, or
+    """Whether the run will run its frozen layers: sequences the plan's store lacks (all but usaf score --cache's), or
     held-out data (whose states the store never holds)."""
     return cache.store is None or len(cache.store) < len(inputs.data) or inputs.eval_data is not None
 
