@@ -72,7 +72,8 @@ def prepare(work: Path, widths: dict, packages: tuple[str, ...]) -> tuple[Path, 
     return src, qdir, tdir
 
 
-def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int) -> dict:
+def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int, cache: bool | None = None) -> dict:
+    """``usaf score`` + ``usaf train --epochs 1``; ``cache``: score's ``--cache``/``--no-cache`` (None: its default)."""
     from usaf.stages.progress import NullProgress
     from usaf.stages.score import ScoreConfig
     from usaf.stages.score import run as score
@@ -84,7 +85,7 @@ def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int) -> dict:
     progress = NullProgress()
     plan_manifest, plan = score(
         ScoreConfig(model=qdir, data=tdir, out=out / "plan", microbatch=MICROBATCH, train_from=layers - TOP,
-                    device="cpu"),
+                    device="cpu", cache=cache),
         progress=progress,
     )  # fmt: skip
     scored = time.perf_counter()

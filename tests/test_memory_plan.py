@@ -25,6 +25,7 @@ from usaf.memory_plan import weights as w
 from usaf.memory_plan.activations import Batch, saved_activations
 from usaf.memory_plan.source import QuantSettings
 from usaf.memory_plan.target import GIB, MIB
+from usaf.settings.score import ScoreConfig
 
 QWEN3_30B = Path(__file__).parent / "data" / "qwen3-30b-a3b"
 FRAC = 0.05  # large enough that every tiny expert slice holds entries
@@ -84,6 +85,7 @@ def test_weight_components_equal_the_engines_accounting(family, targets, quantiz
     assert acc.nbytes == shape[0] * w.POOL_BYTES_PER_EXPERT + pooled * w.POOL_BYTES_PER_CANDIDATE
     # Between cuts the pool holds up to (1 + OVERFLOW) x its capacity: the planner counts it at that size.
     assert w.POOL_OVERFLOW == scores.OVERFLOW
+    assert ScoreConfig.model_fields["calib_samples"].default == w.CALIB_SAMPLES  # the states score's pass keeps
     assert w.FROZEN_BLOCK_BYTES_HOST == grouped.HOST_BLOCK_BYTES
     assert w.FROZEN_BLOCK_BYTES_DEVICE == grouped.DEVICE_BLOCK_BYTES
     fullest = sum(

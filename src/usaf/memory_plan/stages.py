@@ -211,6 +211,10 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(t, "lr test (probe runs)", lr_test, "deltas, their gradients and optimizer state"),
         *_forward(m, t, s),
     ]
+    if s.train_from > 0:  # the scoring pass's prefix states: the lr test's input, then the plan's store
+        states = w.CALIB_SAMPLES * s.seq_len * m.spec.hidden_size * t.c
+        basis = f"{w.CALIB_SAMPLES} calibration sequences x {s.seq_len} tokens x hidden size, compute dtype"
+        parts.append(Component("calibration prefix states", host=states, basis=basis))
     return StagePlan("score", tuple(parts))
 
 

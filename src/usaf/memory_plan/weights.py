@@ -29,6 +29,7 @@ POOL_BYTES_PER_CANDIDATE = INT64 + FP32
 POOL_BYTES_PER_EXPERT = INT64 + 2 * FP32
 POOL_FACTOR = 4  # usaf score's --candidates-factor default and collect_scores' pool_factor
 POOL_OVERFLOW = 0.5  # usaf.engine.scores.OVERFLOW (tests/test_memory_plan.py checks they agree)
+CALIB_SAMPLES = 64  # usaf score's --calib-samples default (tests/test_memory_plan.py checks they agree)
 # A frozen layer's forward dequantizes its routed experts in blocks whose fp32 transient (gate_up + down) stays
 # under these (usaf.engine.grouped.HOST_BLOCK_BYTES / DEVICE_BLOCK_BYTES; tests/test_memory_plan.py checks).
 FROZEN_BLOCK_BYTES_HOST = 4 * 2**20
