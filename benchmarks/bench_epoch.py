@@ -72,8 +72,12 @@ def prepare(work: Path, widths: dict, packages: tuple[str, ...]) -> tuple[Path, 
     return src, qdir, tdir
 
 
-def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int, cache: bool | None = None) -> dict:
-    """``usaf score`` + ``usaf train --epochs 1``; ``cache``: score's ``--cache``/``--no-cache`` (None: its default)."""
+def usaf_epoch(
+    qdir: Path, tdir: Path, out: Path, layers: int, cache: bool | None = None, reselect_every: int | None = None
+) -> dict:
+    """``usaf score`` + ``usaf train --epochs 1``; ``cache``: score's ``--cache``/``--no-cache``, ``reselect_every``:
+    train's (None: their defaults)."""
+    cadence = {} if reselect_every is None else {"reselect_every": reselect_every}
     from usaf.stages.progress import NullProgress
     from usaf.stages.score import ScoreConfig
     from usaf.stages.score import run as score
@@ -89,9 +93,9 @@ def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int, cache: bool | Non
         progress=progress,
     )  # fmt: skip
     scored = time.perf_counter()
-    run_manifest, _ = train(
+    run_manifest, run_dir = train(
         TrainConfig(model=qdir, data=tdir, plan=plan, out=out / "run", epochs=1.0, microbatch=MICROBATCH,
-                    device="cpu", dtype="float32"),
+                    device="cpu", dtype="float32", **cadence),
         progress=progress,
     )  # fmt: skip
     end = time.perf_counter()
@@ -110,6 +114,8 @@ def usaf_epoch(qdir: Path, tdir: Path, out: Path, layers: int, cache: bool | Non
         "first_loss": r.first_loss,
         "final_loss": r.final_loss,
         "frozen_note": next((n for n in progress.notes if "frozen MoE layers" in n), None),
+        "losses": [row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                   if "loss" in row],  # fmt: skip
     }
 
 

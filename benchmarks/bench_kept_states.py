@@ -6,8 +6,11 @@ computed in the plan, and score with ``--no-cache``, which keeps none; rounds al
 the same sequences in the same order; the losses agree to rounding (the kept states come from the calibration's
 batches of 2, a first visit computes each sequence alone).
 
+Also recorded: where the two runs' per-step losses part (the first step differing by more than 1e-4, the largest
+difference); ``--reselect-every 0`` takes RigL out of that comparison.
+
     python benchmarks/bench_kept_states.py [--threads 1] [--rounds 2] [--experts 32 128] [--packages json tomllib]
-        [--out benchmarks/results/kept-states.json]
+        [--reselect-every N] [--out benchmarks/results/kept-states.json]
 """
 
 from __future__ import annotations
@@ -29,12 +32,21 @@ from bench_train import PACKAGES, git_commit  # noqa: E402
 ARMS = {"kept": None, "none": False}  # score's cache setting: its default, --no-cache
 
 
-def measure(widths: dict, rounds: int, work: Path, packages: tuple[str, ...]) -> dict:
+def parting(a: list[float], b: list[float]) -> dict:
+    """Where two runs' per-step losses part: the first step (1-based) differing by more than 1e-4, the largest
+    difference, and the final losses."""
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    first = next((i + 1 for i, d in enumerate(diffs) if d > 1e-4), None)
+    return {"first_step_over_1e-4": first, "max_difference": max(diffs), "final": [a[-1], b[-1]]}
+
+
+def measure(widths: dict, rounds: int, work: Path, packages: tuple[str, ...], reselect_every: int | None) -> dict:
     _, qdir, tdir = prepare(work, widths, packages)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for r in range(rounds):
         for arm in list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]:
-            result = usaf_epoch(qdir, tdir, work / f"{arm}-{r}", widths["num_layers"], cache=ARMS[arm])
+            result = usaf_epoch(qdir, tdir, work / f"{arm}-{r}", widths["num_layers"], cache=ARMS[arm],
+                                reselect_every=reselect_every)  # fmt: skip
             runs[arm].append(result)
             hits, misses = result["prefix_cache_hits_misses"]
             print(f"  round {r + 1}: {arm} train {result['train_seconds']:.1f}s ({hits} hits, {misses} misses), "
@@ -45,6 +57,7 @@ def measure(widths: dict, rounds: int, work: Path, packages: tuple[str, ...]) ->
         "median": median,
         "train_none_over_kept": median["none"]["train_seconds"] / median["kept"]["train_seconds"],
         "whole_none_over_kept": median["none"]["seconds"] / median["kept"]["seconds"],
+        "losses_part": parting(runs["kept"][0]["losses"], runs["none"][0]["losses"]),
         "runs": runs,
     }
 
@@ -55,6 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--experts", type=int, nargs="*", choices=(32, 128), default=[32, 128])
     parser.add_argument("--packages", nargs="+", default=list(PACKAGES))
+    parser.add_argument("--reselect-every", type=int, default=None, help="train's (default: its own)")
     parser.add_argument("--out", type=Path, default=RESULTS / "kept-states.json")
     args = parser.parse_args()
     if args.threads:
@@ -67,13 +81,14 @@ def main() -> None:
                 continue
             widths = {**MODEL, **extra}
             print(f"[{name}]", flush=True)
-            s = measure(widths, args.rounds, Path(tmp) / name, tuple(args.packages))
+            s = measure(widths, args.rounds, Path(tmp) / name, tuple(args.packages), args.reselect_every)
             result["shapes"][name] = {"model": widths, **s}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
             print(f"[{name}] train {s['median']['kept']['train_seconds']:.1f}s kept, "
                   f"{s['median']['none']['train_seconds']:.1f}s none ({s['train_none_over_kept']:.2f}x); whole "
-                  f"{s['median']['kept']['seconds']:.1f}s against {s['median']['none']['seconds']:.1f}s", flush=True)
+                  f"{s['median']['kept']['seconds']:.1f}s against {s['median']['none']['seconds']:.1f}s; losses "
+                  f"{s['losses_part']}", flush=True)
     print(f"wrote {args.out}")
 
 
