@@ -3,15 +3,20 @@
 Workload: the packaged demo model (``usaf.demo.demo_model_dir()``), quantized once (HQQ 4-bit, the defaults), and
 both evidence domains tokenized as ``bench_evidence.py`` does (``stdlib-net``: the demo's network/mail modules;
 ``torch-cpp``: torch's C++ headers, a much larger shift). For each domain and seeds 0, 1, 2: ``usaf score`` through
-its stage function as ``bench_evidence.py`` runs it (frac 0.005, or ``--fracs``; 64 calibration sequences,
-``--cache``), with the lr test on (its defaults). Recorded per run: the chosen lr, the probes' held-back losses, the
-test's seconds and steps, score's total seconds; and the ratio of the chosen lr to that domain's best swept lr
-(seed 0, validation PPL, 250 steps, the evidence arm of that frac: ``benchmarks/results/evidence.json`` for
+its stage function as ``bench_evidence.py`` runs it (frac 0.005, or ``--fracs``; 64 calibration sequences; the
+prefix store at score's default, ``--cache`` before the lr test's length was measured: the test reads the same
+states either way), with the lr test on (its defaults). Recorded per run: the chosen lr, the probes' held-back
+losses, the test's seconds and steps, score's total seconds; and the ratio of the chosen lr to that domain's best
+swept lr (seed 0, validation PPL, 250 steps, the evidence arm of that frac: ``benchmarks/results/evidence.json`` for
 stdlib-net, ``evidence-torch-cpp.json`` for torch-cpp, read from ``--cpp-results`` or, while that sweep runs, its
 log ``--cpp-log``).
 
-    python benchmarks/bench_lr_test.py [--seeds 0 1 2] [--fracs 0.005] [--threads 1]
-                                       [--out benchmarks/results/lr_test.json]
+``--defaults`` runs score as the evidence benchmark's ``usaf_defaults_attention`` arm does instead (the share rule's
+frac, experts + attention, no swept reference); ``--model`` another source model (``benchmarks/models/evidence-large``,
+``evidence-shared``); ``--lr-test-steps`` other probe lengths than score's default (what a shorter test would choose).
+
+    python benchmarks/bench_lr_test.py [--seeds 0 1 2] [--fracs 0.005] [--defaults] [--model DIR]
+                                       [--lr-test-steps N] [--threads 1] [--out benchmarks/results/lr_test.json]
 """
 
 from __future__ import annotations
@@ -36,15 +41,15 @@ CALIB = 64  # the evidence benchmark's calibration sample
 EVIDENCE = {"stdlib-net": RESULTS / "evidence.json", "torch-cpp": RESULTS / "evidence-torch-cpp.json"}
 
 
-def setup(work: Path) -> dict:
-    """Both domains tokenized for the demo model, the model quantized once."""
+def setup(work: Path, model: Path | None = None) -> dict:
+    """Both domains tokenized for ``model`` (default: the demo model), the model quantized once."""
     from usaf.demo import demo_model_dir
     from usaf.stages.quantize import QuantizeConfig
     from usaf.stages.quantize import run as quantize
     from usaf.stages.tokenize import TokenizeConfig
     from usaf.stages.tokenize import run as tokenize
 
-    src = demo_model_dir()
+    src = model or demo_model_dir()
     tokens = {}
     for name, domain in domains().items():
         _, tokens[name] = tokenize(
@@ -54,14 +59,17 @@ def setup(work: Path) -> dict:
     return {"qdir": qdir, "tokens": tokens}
 
 
-def score_once(env: dict, work: Path, domain: str, seed: int, frac: float) -> dict:
+def score_once(
+    env: dict, work: Path, domain: str, seed: int, frac: float | None, steps: int | None, targets: str | None
+) -> dict:
+    """``usaf score`` with its lr test; ``frac`` None: the share rule; ``steps`` None: the test's default length."""
     from usaf.stages.score import ScoreConfig
     from usaf.stages.score import run as score
 
     start = time.perf_counter()
     manifest, _ = score(
         ScoreConfig(model=env["qdir"], data=env["tokens"][domain], out=work / f"plan-{domain}-{seed}-{frac}", frac=frac,
-                    seed=seed, cache=True, calib_samples=CALIB, device="cpu")
+                    seed=seed, calib_samples=CALIB, device="cpu", targets=targets, lr_test_steps=steps)
     )  # fmt: skip
     wall = time.perf_counter() - start
     t = manifest.summary.lr_test
@@ -96,19 +104,28 @@ def main() -> None:
     parser.add_argument("--fracs", type=float, nargs="+", default=[0.005], choices=list(ARMS))
     parser.add_argument("--cpp-results", type=Path, default=EVIDENCE["torch-cpp"])
     parser.add_argument("--cpp-log", type=Path, default=Path("/tmp/bench/cpp.log"))
+    parser.add_argument("--defaults", action="store_true", help="the share rule's frac, experts + attention")
+    parser.add_argument("--model", type=Path, help="the source model (default: the demo model)")
+    parser.add_argument("--lr-test-steps", type=int, help="steps per probe (default: score's)")
     parser.add_argument("--out", type=Path, default=RESULTS / "lr_test.json")
     args = parser.parse_args()
+    fracs, targets = ([None], "experts,attention") if args.defaults else (args.fracs, None)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        env = setup(work)
-        runs = [score_once(env, work, d, s, f) for f in args.fracs for d in args.domains for s in args.seeds]
+        env = setup(work, args.model)
+        runs = [
+            score_once(env, work, d, s, f, args.lr_test_steps, targets)
+            for f in fracs
+            for d in args.domains
+            for s in args.seeds
+        ]
     summary = {}
-    for domain, frac in ((d, f) for f in args.fracs for d in args.domains):
-        best = best_swept(domain, frac, args.cpp_results, args.cpp_log)
+    for domain, frac in ((d, f) for f in fracs for d in args.domains):
+        best = None if frac is None else best_swept(domain, frac, args.cpp_results, args.cpp_log)
         mine = [r for r in runs if r["domain"] == domain and r["frac"] == frac]
-        key = domain if frac == 0.005 else f"{domain} frac {frac:g}"
+        key = domain if frac in (0.005, None) else f"{domain} frac {frac:g}"
         summary[key] = {
             "best_swept": best,
             "chosen": {r["seed"]: r["lr"] for r in mine},
@@ -122,7 +139,15 @@ def main() -> None:
         "usaf_commit": git_commit(),
         "command": "python benchmarks/bench_lr_test.py " + " ".join(sys.argv[1:]),
         "threads": args.threads,
-        "settings": {"fracs": args.fracs, "calib_samples": CALIB, "seq_len": SEQ, "cache": True},
+        "settings": {
+            "fracs": fracs,
+            "targets": targets,
+            "model": str(args.model or "demo"),
+            "lr_test_steps": args.lr_test_steps,
+            "calib_samples": CALIB,
+            "seq_len": SEQ,
+            "cache": "the sample's (score's default; --cache before this commit)",
+        },
         "runs": runs,
         "summary": summary,
         "total_seconds": time.perf_counter() - start,

@@ -31,10 +31,13 @@ Every figure is measured side by side in this one run.
    the same batch, and one ``reselect(...)`` after those steps, each as a ratio to a plain step.
 
     python benchmarks/bench_train.py [--repeats 9] [--threads 1] [--profile] [--quick] [--experts 32|64|128]
-                                     [--no-rss] [--out benchmarks/results/train.json]
+                                     [--microbatch 2] [--top 2] [--no-rss] [--out benchmarks/results/train.json]
 
 ``--experts 64`` / ``128``: the same depth and hidden size at Qwen3-30B-A3B's expert ratios (experts of width 192,
-top-8); results default to ``train-e64.json`` / ``train-e128.json``.
+top-8); results default to ``train-e64.json`` / ``train-e128.json``. ``--microbatch`` (sequences of 256 tokens per
+step) and ``--top`` (trainable layers) change the workload for every arm (how the ratios grow with the tokens per
+step and the trained depth; LoRA's ranks are matched to usaf's count again); results default to ``train-mb4.json``,
+``train-e128-top4.json`` and so on.
 
 Needs peft (``pip install 'usaf[bench]'``) for the LoRA arms.
 """
@@ -162,7 +165,7 @@ def build(
         frac=FRAC,
         calib_samples=calib,
         microbatch=MICROBATCH,
-        train_from=widths["num_layers"] - TOP,  # the top 2 layers (the stage's default is the top quarter)
+        train_from=widths["num_layers"] - TOP,  # the top TOP layers (the stage's default is the top quarter)
         stability=False,
         cache=True,
         device="cpu",
@@ -783,6 +786,8 @@ def rss(qdir: Path, tdir: Path, plan: Path, work: Path, steps: int, every: int, 
 
 
 def main() -> None:
+    # Every figure's helpers read these two module constants (bench_epoch.py imports their defaults): set once below.
+    global MICROBATCH, TOP
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per figure [9; 3 with --quick]")
     parser.add_argument("--rss-runs", type=int, default=None, help="CLI runs for the peak RSS [3; 1 with --quick]")
@@ -797,6 +802,8 @@ def main() -> None:
         help="32: the model above; 64 or 128: Qwen3-30B-A3B's expert ratios (experts of width 192 = 0.375 x "
         "hidden, top-8) at the same hidden size and depth [32]",
     )
+    parser.add_argument("--microbatch", type=int, default=MICROBATCH, help=f"sequences per step [{MICROBATCH}]")
+    parser.add_argument("--top", type=int, default=TOP, help=f"trainable layers, the model's top ones [{TOP}]")
     parser.add_argument("--no-rss", action="store_true", help="skip figure 2 (the CLI's peak RSS)")
     parser.add_argument(
         "--dense-router-grad-arm", action="store_true", help="figure 1 also times a prefix-hit step with it"
@@ -815,6 +822,7 @@ def main() -> None:
         print(json.dumps(replica_child(Path(q), Path(t), Path(p), Path(o), int(n), int(k))))
         return
     peft = require_peft()
+    MICROBATCH, TOP = args.microbatch, args.top
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 9)
@@ -827,6 +835,7 @@ def main() -> None:
     calib = CALIB_QUICK if args.quick else CALIB
     rss_steps, rss_every = (RSS_STEPS_QUICK, RSS_RESELECT_QUICK) if args.quick else (RSS_STEPS, RSS_RESELECT)
     suffix = ("-quick" if args.quick else "") + (f"-e{args.experts}" if args.experts != 32 else "")
+    suffix += (f"-mb{MICROBATCH}" if MICROBATCH != 2 else "") + (f"-top{TOP}" if TOP != 2 else "")
     out = args.out or RESULTS / f"train{suffix}.json"
     torch.manual_seed(0)
     result: dict = {
