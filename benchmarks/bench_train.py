@@ -357,8 +357,14 @@ def trainer_step(trainer, step: int) -> float:
     return seconds
 
 
-def interleave(arms: dict, steps: list[int], label: str) -> dict[str, list[float]]:
-    """``WARMUP`` untimed steps per arm (steps[:WARMUP]), then rounds over the rest, arms in turn."""
+def interleave(arms: dict, steps: list[int], label: str, settle: bool = True) -> dict[str, list[float]]:
+    """``WARMUP`` untimed steps per arm (steps[:WARMUP]), then rounds over the rest, arms in turn.
+
+    ``settle``: each timed step follows an untimed step of the same arm on the same batch, so an arm is timed as a
+    run of it goes, one step after another, not right after another arm's. Without it the LoRA arms at 128 experts
+    took 1.5-2.8× longer in the rounds where they followed full fine-tuning than where they followed QLoRA, and a
+    median of 5 took a slow round (BENCHMARKS.md, "How the step ratios grow").
+    """
     for fn in arms.values():
         for s in steps[:WARMUP]:
             fn(s)
@@ -366,15 +372,25 @@ def interleave(arms: dict, steps: list[int], label: str) -> dict[str, list[float
     for i, s in enumerate(steps[WARMUP:]):
         order = list(arms) if i % 2 == 0 else list(reversed(arms))  # A B C, then C B A
         for key in order:
+            if settle:
+                arms[key](s)
             times[key].append(arms[key](s))
         print(f"[{label}] round {i}: " + "  ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
     return times
 
 
 def throughput(
-    src: Path, qdir: Path, tdir: Path, plan: Path, work: Path, repeats: int, dense_router_grad: bool = False
+    src: Path,
+    qdir: Path,
+    tdir: Path,
+    plan: Path,
+    work: Path,
+    repeats: int,
+    dense_router_grad: bool = False,
+    settle: bool = True,
 ) -> tuple[dict, dict]:
-    """Figure 1; ``dense_router_grad``: also a prefix-hit step with ``--dense-router-grad`` (its cost)."""
+    """Figure 1; ``dense_router_grad``: also a prefix-hit step with ``--dense-router-grad`` (its cost); ``settle``:
+    :func:`interleave`'s."""
     from usaf.backends import resolve_backend
     from usaf.engine.prefix import PrefixCache
     from usaf.stages.engine_setup import make_resident
@@ -440,7 +456,7 @@ def throughput(
     if dense_router_grad:
         hit_dense, _ = stage_trainer(qdir, tdir, plan, work / "run-hit-dense", dense_router_grad=True)
         arms["usaf_prefix_hit_dense_router_grad"] = lambda s: trainer_step(hit_dense, s)
-    times = interleave(arms, steps, "step")
+    times = interleave(arms, steps, "step", settle)
     gflop = step_flops(arms, steps[-1])
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = [batch(s).tokens for s in steps[WARMUP:]]
@@ -806,6 +822,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=TOP, help=f"trainable layers, the model's top ones [{TOP}]")
     parser.add_argument("--no-rss", action="store_true", help="skip figure 2 (the CLI's peak RSS)")
     parser.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="time each arm's step right after the other arms' steps, as this benchmark did until the settle step was "
+        "added (no untimed step of the same arm first)",
+    )
+    parser.add_argument(
         "--dense-router-grad-arm", action="store_true", help="figure 1 also times a prefix-hit step with it"
     )
     parser.add_argument(
@@ -847,6 +869,7 @@ def main() -> None:
         "batch": {"microbatch": MICROBATCH, "seq": seq},
         "frac": FRAC,
         "top_layers": TOP,
+        "settle": not args.no_settle,  # an untimed step of the same arm before each timed one (interleave)
     }
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
@@ -855,7 +878,9 @@ def main() -> None:
         work = Path(tmp)
         packages = PACKAGES_QUICK if args.quick else PACKAGES
         src, qdir, tdir, plan, result["setup"] = build(work, widths, seq, calib, packages)
-        result["throughput"], live = throughput(src, qdir, tdir, plan, work, repeats, args.dense_router_grad_arm)
+        result["throughput"], live = throughput(
+            src, qdir, tdir, plan, work, repeats, args.dense_router_grad_arm, settle=not args.no_settle
+        )
         out.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive an interrupted run
         first = WARMUP + repeats
         result["reselection"] = reselection(live["trainer"], repeats, first, args.profile)
