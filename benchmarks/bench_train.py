@@ -734,7 +734,8 @@ def rss(qdir: Path, tdir: Path, plan: Path, work: Path, steps: int, every: int, 
         out = work / f"rss-run-{i}"
         r = wrapped(cli_command(qdir, tdir, plan, out, steps, every))
         lines = [line.strip() for line in r["stderr"].splitlines()]
-        plan_line = next((line for line in lines if "expert weights" in line and "memory:" in line), None)
+        # the stage's plan line: "training N weights of the <targets> + ... ; memory: ..."
+        plan_line = next((line for line in lines if line.startswith("training ") and "memory:" in line), None)
         manifest = json.loads((out / "manifest.json").read_text())["summary"]
         cli_runs.append(
             {
@@ -754,7 +755,7 @@ def rss(qdir: Path, tdir: Path, plan: Path, work: Path, steps: int, every: int, 
         raise RuntimeError("could not find the plan line in the CLI's output:\n" + r["stderr"][-3000:])
     replica_out = work / "rss-replica"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--replica-child", str(qdir), str(tdir), str(plan)]
-    cmd += [str(replica_out), str(steps), str(every)]
+    cmd += [str(replica_out), str(steps), str(every), "--microbatch", str(MICROBATCH)]  # as the CLI trained
     rep = wrapped(cmd)
     replica = json.loads(rep["stdout"].strip().splitlines()[-1])
     replica["wrapper_rusage_children_maxrss_mib"] = rep["maxrss_kib"] / 1024
@@ -839,12 +840,12 @@ def main() -> None:
     )
     parser.add_argument("--replica-child", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    MICROBATCH, TOP = args.microbatch, args.top
     if args.replica_child is not None:
         q, t, p, o, n, k = args.replica_child
         print(json.dumps(replica_child(Path(q), Path(t), Path(p), Path(o), int(n), int(k))))
         return
     peft = require_peft()
-    MICROBATCH, TOP = args.microbatch, args.top
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 9)
