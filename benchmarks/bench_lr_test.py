@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--domains", nargs="+", default=list(EVIDENCE))
-    parser.add_argument("--fracs", type=float, nargs="+", default=[0.005], choices=list(ARMS))
+    parser.add_argument("--fracs", type=float, nargs="+", choices=list(ARMS), help="[0.005]; not with --defaults")
     parser.add_argument("--cpp-results", type=Path, default=EVIDENCE["torch-cpp"])
     parser.add_argument("--cpp-log", type=Path, default=Path("/tmp/bench/cpp.log"))
     parser.add_argument("--defaults", action="store_true", help="the share rule's frac, experts + attention")
@@ -109,7 +109,9 @@ def main() -> None:
     parser.add_argument("--lr-test-steps", type=int, help="steps per probe (default: score's)")
     parser.add_argument("--out", type=Path, default=RESULTS / "lr_test.json")
     args = parser.parse_args()
-    fracs, targets = ([None], "experts,attention") if args.defaults else (args.fracs, None)
+    if args.defaults and args.fracs:
+        parser.error("--defaults scores at the share rule's frac: drop --fracs")
+    fracs, targets = ([None], "experts,attention") if args.defaults else (args.fracs or [0.005], None)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
