@@ -8,7 +8,8 @@ Python standard-library packages, tokenized by ``usaf.stages.tokenize.run`` at s
 every training sequence's frozen-prefix state, as ``usaf score --cache`` writes it. Microbatch 2 x 256.
 Every figure is measured side by side in this one run.
 
-1. **throughput**: one optimizer step on the same batch in every arm, arms interleaved, medians:
+1. **throughput**: one optimizer step on the same batch in every arm, arms interleaved (each timed step after an
+   untimed one of the same arm, so no arm is timed right after another's; ``--no-settle``: without it), medians:
    ``Trainer.step()`` built by the train stage itself (``usaf.stages.train.run`` up to its loop), with the
    prefix cache served by the plan's store (every lookup a hit), with a fresh, empty cache (every sample
    a miss: its prefix computed first; once with the frozen layers dequantized per forward, once with them
