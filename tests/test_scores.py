@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -351,6 +354,30 @@ def test_selection_primitives_equal_torchs_own_ops():
     assert torch.equal(positions(mask), mask.nonzero().squeeze(1))
     for k in (1, 17, 2500, 5000):
         assert kth_smallest(values, k) == values.kthvalue(k).values
+
+
+def test_kth_smallest_of_a_pool_sized_array_partitions_one_bin_and_equals_kthvalue(monkeypatch):
+    """The host's radix select (a pool's cut): the same value as torch's kthvalue, for every kind of fp32 array."""
+    gen = torch.Generator().manual_seed(14)
+    n = 200_000  # above the radix select's minimum
+    arrays = {
+        "uniform": torch.rand(n, generator=gen),
+        "heavy-tailed scores": torch.rand(n, generator=gen).pow(8) * 1e-4,
+        "ties at every cut": torch.randint(0, 40, (n,), generator=gen).float(),
+        "zeros and +inf": torch.cat([torch.zeros(n // 2), torch.rand(n, generator=gen), torch.full((3,), math.inf)]),
+        "subnormal": torch.rand(n, generator=gen) * 1e-40,
+        "negative values (bit order is not value order)": torch.randn(n, generator=gen),
+        "-0.0": torch.cat([torch.rand(n, generator=gen), torch.tensor([-0.0])]),
+    }
+    sizes = []
+    real_partition = np.partition
+    monkeypatch.setattr(np, "partition", lambda a, kth: sizes.append(a.size) or real_partition(a, kth))
+    for name, values in arrays.items():
+        for k in (1, 2, values.numel() // 3, values.numel() - 1, values.numel()):
+            assert kth_smallest(values, k) == values.kthvalue(k).values, (name, k)
+    # the non-negative arrays partitioned one bin each time, the others the whole array (control: the spy sees both)
+    assert min(sizes) < n // 10 and max(sizes) >= n
+    assert kth_smallest(torch.tensor([3.0, -1.0, 2.0]), 1) == -1.0  # small arrays: a plain partition
 
 
 def test_best_by_score_equals_a_sort_that_breaks_ties_by_index():
