@@ -9,9 +9,10 @@ on other devices they are torch's own ops. Both paths give identical results.
 
 The k-th smallest of a large fp32 array on the host is a radix select: non-negative floats order as their bit
 patterns, so one histogram of the top 16 bits (sign, exponent, 7 mantissa bits) finds the bin that holds it, and
-only that bin is partitioned. At a pool's cut (the 252,000-th of 756,224) that took 1.2-1.4 ms against
-``np.partition``'s 4.1-5.5 ms on this machine (uniform, heavy-tailed and tied scores), and the first collecting
-step of a RigL window at 128 experts cuts its pools about 22 times (docs/BENCHMARKS.md, "Cutting the pool").
+only that bin is partitioned. At a 128-expert ``gate_up`` pool's cut (the 251,756-th of 755,072 scores spread
+over the experts' segments) that took 1.7-1.8 ms against ``np.partition``'s 4.8-5.2 ms (uniform, heavy-tailed and
+tied scores; the 1.1 ms above was another array), and the first collecting step of a RigL window at 128 experts
+cuts its pools 16-26 times (docs/BENCHMARKS.md, "Cutting the pool").
 Arrays holding a negative value or -0.0 (whose patterns do not order) go to ``np.partition``; the value is the same.
 """
 
