@@ -12,8 +12,8 @@ patterns, so one histogram of the top 16 bits (sign, exponent, 7 mantissa bits) 
 only that bin is partitioned. At a 128-expert ``gate_up`` pool's cut (the 251,756-th of 755,072 scores spread
 over the experts' segments) that took 1.7-1.8 ms against ``np.partition``'s 4.8-5.2 ms (uniform, heavy-tailed and
 tied scores; the 1.1 ms above was another array), and the first collecting step of a RigL window at 128 experts
-cuts its pools 16-26 times (docs/BENCHMARKS.md, "Cutting the pool").
-Arrays holding a negative value or -0.0 (whose patterns do not order) go to ``np.partition``; the value is the same.
+cuts its pools 16-26 times (docs/BENCHMARKS.md, "Cutting the pool"). Arrays holding a negative value or -0.0
+(whose patterns do not order) go to ``np.partition``; the value is the same.
 """
 
 from __future__ import annotations
