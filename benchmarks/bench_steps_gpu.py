@@ -23,12 +23,14 @@ After each round's collecting steps, one ``reselect`` is timed; the RigL cycle's
 ``--reselect-every 50`` is ``(SCORE_BATCHES x (collecting - cached) + reselect) / (50 x cached)``. Then each arm
 once more alone for the allocator's peak above what its model holds.
 
-``--deterministic``: every arm under torch's deterministic algorithms (``usaf train --deterministic``'s setting),
-to price bit-reproducibility. ``ops_per_step``: the aten operators one step dispatches (counted by a dispatch mode,
+``--deterministic``: every arm under torch's deterministic algorithms (``usaf train --deterministic``'s setting), to
+price bit-reproducibility. ``ops_per_step``: the aten operators one step dispatches (counted by a dispatch mode,
 forward, backward and optimizer), a device's kernel launches give or take views and fused fallbacks: what a
-launch-bound step pays for. ``--profile FILE``: after the timing, two more steps of the cached arm (grouped and,
-where both run, per expert) and of LoRA under torch's profiler; FILE gets each one's operators by device time and
-by host time (where a step's time goes: the GPU's kernels or the host launching them).
+launch-bound step pays for; ``device_syncs_per_step``: those of them that make the host wait for the device (scalar
+reads, copies to the host, outputs sized by the data; none on a CPU). ``--profile FILE``: after the timing, two more
+steps of the cached arm (grouped and, where both run, per expert) and of LoRA under torch's profiler; FILE gets each
+one's operators by device time and by host time (where a step's time goes: the GPU's kernels or the host launching
+them).
 
     python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7] [--deterministic]
                                          [--profile FILE] [--out benchmarks/results/steps-gpu.json]
@@ -193,20 +195,35 @@ def peak_above_resident(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def dispatched_ops(fn) -> int:
-    """The aten operators one call of ``fn`` dispatches (forward, backward, optimizer), views included."""
+def dispatched_ops(fn) -> dict[str, int]:
+    """What one call of ``fn`` dispatches (forward, backward, optimizer): ``ops``, every aten operator, views
+    included; ``device_syncs``, those that wait for a device (not the host) to finish: a scalar read, a copy to the
+    host, an output sized by the data (``nonzero``, ``unique``, ...). A sync stops the host from queueing kernels
+    ahead of the device, so a launch-bound step pays its whole launch time again after each."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    data_sized = ("nonzero", "unique", "masked_select", "repeat_interleave")
+
+    def on_device(x) -> bool:
+        return isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "meta")
+
     class Count(TorchDispatchMode):
-        ops = 0
+        ops = syncs = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             self.ops += 1
-            return func(*args, **(kwargs or {}))
+            name = func.__name__
+            out = func(*args, **kwargs)
+            if any(on_device(a) for a in args):
+                to_host = isinstance(out, torch.Tensor) and out.device.type == "cpu"  # _to_copy, copy_ into the host
+                if name.startswith("_local_scalar_dense") or to_host or name.startswith(data_sized):
+                    self.syncs += 1
+            return out
 
     with Count() as counter:
         fn()
-    return counter.ops
+    return {"ops": counter.ops, "device_syncs": counter.syncs}
 
 
 def main() -> None:
@@ -255,6 +272,13 @@ def profile(arms: dict, names: tuple[str, ...], device: torch.device, path: Path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(sections) + "\n")
     print(f"wrote {path}")
+
+
+def _per_step(arms: dict) -> dict:
+    """``ops_per_step`` and ``device_syncs_per_step`` of every arm (:func:`dispatched_ops`)."""
+    counted = {name: dispatched_ops(fn) for name, fn in arms.items()}
+    return {"ops_per_step": {name: c["ops"] for name, c in counted.items()},
+            "device_syncs_per_step": {name: c["device_syncs"] for name, c in counted.items()}}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -328,10 +352,11 @@ def run(args: argparse.Namespace) -> None:
         "reselect_over_cached": round(med["usaf_reselect"] / cached, 3),
         f"rigl_cycle_overhead_at_reselect_every_{RESELECT_EVERY}": round(extra / (RESELECT_EVERY * cached), 4),
         "peak_bytes_above_resident": {name: peak_above_resident(fn, device) for name, fn in arms.items()},
-        "ops_per_step": {name: dispatched_ops(fn) for name, fn in arms.items()},
+        **_per_step(arms),
     }
     print(json.dumps({k: results[k] for k in ("median_seconds", "speed_vs_lora", "collecting_over_cached",
-                                               "reselect_over_cached", "ops_per_step")}), flush=True)  # fmt: skip
+                                               "reselect_over_cached", "ops_per_step", "device_syncs_per_step")}),
+                     flush=True)  # fmt: skip
     out = args.out or RESULTS / ("steps-gpu-quick.json" if args.quick else "steps-gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")

@@ -20,6 +20,7 @@ from usaf.quant import (
     unpack_codes,
 )
 from usaf.quant.packing import codes_at, unpack_blocks
+from usaf.quant.tensor import _select
 
 NE, NO, NI = 3, 24, 64  # experts, out and in features; NI < the default group size 128, so the group is 64
 NBITS = (2, 3, 4, 8)
@@ -185,6 +186,21 @@ def test_expert_selection_equals_slicing(quantized):
         dequantize(q, experts=[3])
     with pytest.raises(IndexError):
         dequantize(q, experts=torch.tensor([[0]]))
+
+
+def test_a_host_selection_is_checked_on_the_host(quantized):
+    """The grouped forward dequantizes blocks of routed experts named on the host; over codes on a GPU, checking
+    the selection there read its bounds back from the device, two syncs a block. Meta tensors stand in for a
+    device here: any read of one raises."""
+    meta = quantized["rtn", 4].to("meta")
+    for sel in ([2, 0], torch.tensor([1]), torch.tensor([True, False, True]), [-1]):
+        codes, scale, zero = _select(meta, sel)
+        assert codes.device.type == "meta" and codes.shape[0] == len(dequantize(quantized["rtn", 4], experts=sel))
+    with pytest.raises(IndexError, match="out of range"):
+        _select(meta, [3])
+    # negative control: a selection on the device is checked there, which reads it back
+    with pytest.raises(RuntimeError, match="meta"):
+        _select(meta, torch.tensor([0], device="meta"))
 
 
 @pytest.mark.parametrize("nbits", NBITS)

@@ -150,8 +150,10 @@ class LayerExperts(nn.Module):
         self.gate_up.index_ops = self.down.index_ops = available
 
     def record_load(self, top_k_index: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]
-        self.tokens_per_expert += counts.cpu()
+        """``(E,)`` tokens per expert of this forward, in host memory (one copy back from a device: every caller
+        reads them there), added to the load statistics."""
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts].cpu()
+        self.tokens_per_expert += counts
         if self.routing_sink is not None:
             self.routing_sink(self.layer, top_k_index)
         return counts

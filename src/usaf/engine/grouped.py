@@ -60,7 +60,7 @@ def grouped_forward(
         top_k_weights: ``(T, k)`` their routing weights.
     """
     k = top_k_index.shape[1]
-    counts = state.record_load(top_k_index).cpu()  # (E,) tokens per expert; one sync, as the loop's nonzero
+    counts = state.record_load(top_k_index)  # (E,) tokens per expert, on the host; one sync, as the loop's nonzero
     flat = top_k_index.reshape(-1)  # (T*k,) token-major
     order = torch.argsort(flat, stable=True)  # (T*k,) expert-major, each expert's rows in token order
     rows_token = order // k  # (T*k,) the token of each expert-major row

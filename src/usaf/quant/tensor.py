@@ -223,7 +223,9 @@ def _select(q: QuantizedTensor, experts) -> tuple[torch.Tensor, torch.Tensor, to
     if isinstance(experts, slice):
         return q.codes[experts], q.scale[experts], q.zero[experts]
     n = q.shape[0]
-    idx = torch.as_tensor(experts, device=q.codes.device)
+    # Checked where the selection lives and moved after: a host selection (the grouped forward's blocks) over
+    # codes on a GPU would otherwise read its min and max back from the device, two syncs per block.
+    idx = torch.as_tensor(experts)
     if idx.dtype == torch.bool:
         if idx.shape != (n,):
             raise IndexError(f"boolean expert mask has shape {tuple(idx.shape)}, expected ({n},)")
@@ -234,6 +236,7 @@ def _select(q: QuantizedTensor, experts) -> tuple[torch.Tensor, torch.Tensor, to
     idx = torch.where(idx < 0, idx + n, idx)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise IndexError(f"expert index out of range for {n} experts: {experts!r}")
+    idx = idx.to(q.codes.device)
     return q.codes.index_select(0, idx), q.scale.index_select(0, idx), q.zero.index_select(0, idx)
 
 
