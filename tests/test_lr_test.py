@@ -22,7 +22,9 @@ from usaf.stages.lr_test import (
     choose_lr,
     choose_lr_within_noise,
     paired_gap,
+    probes_run,
     run_lr_test,
+    run_probes,
     split,
 )
 
@@ -124,7 +126,7 @@ def test_engine_is_left_as_it_was(quantized, all_layers):
     before = float(engine.loss(ids, labels).loss.detach())
     routers = {n: p.detach().clone() for n, p in engine.routers.items()}
     result = run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2)
-    assert result.steps == 2 * len(CANDIDATES) and result.seconds > 0
+    assert result.steps == 2 * result.probes_run and result.seconds > 0
     assert any(loss is not None and loss != result.base_loss for loss in result.losses), "the probes trained"
     assert engine.deltas() == {}
     assert all(torch.equal(p, routers[n]) and p.grad is None for n, p in engine.routers.items())
@@ -174,6 +176,52 @@ def test_a_diverging_lr_is_not_chosen(quantized):
     assert result.lr < 1e20
 
 
+def test_the_probes_stop_at_the_first_divergence():
+    """Past a divergence nothing is eligible, so those probes are not run: the same choice, fewer steps. Candidates
+    given out of order still run by ascending lr; the control: with no divergence every probe runs."""
+    base = 5.0
+    outcome = {1e-3: 4.9, 3e-3: 4.8, 1e-2: 5.1, 3e-2: 4.0}  # 1e-2 ends above the untrained loss: a divergence
+    probed = []
+
+    def probe(lr):
+        probed.append(lr)
+        return held([outcome[lr]])
+
+    heldout = run_probes(base, (3e-2, 1e-3, 1e-2, 3e-3), probe)
+    assert probed == [1e-3, 3e-3, 1e-2], "ascending, and 3e-2 is not run"
+    assert heldout[0] is None and [h.loss for h in heldout[1:]] == pytest.approx([4.9, 5.1, 4.8])
+    everything = [held([outcome[lr]]) for lr in (3e-2, 1e-3, 1e-2, 3e-3)]  # what running every probe gave
+    assert choose_lr_within_noise(base, [3e-2, 1e-3, 1e-2, 3e-3], heldout)[0] == 3e-3
+    assert choose_lr_within_noise(base, [3e-2, 1e-3, 1e-2, 3e-3], everything)[0] == 3e-3, "the same choice"
+    probed.clear()
+    outcome[1e-2] = 4.7
+    assert None not in run_probes(base, (3e-2, 1e-3, 1e-2, 3e-3), probe) and len(probed) == 4, "control: all run"
+    probed.clear()
+    assert run_probes(base, (1e-3, 3e-3), lambda lr: probed.append(lr)) == [None, None] and probed == [1e-3]
+
+
+def test_a_run_records_the_probes_it_ran(quantized, monkeypatch):
+    """On the engine: the probes not run are not called, their losses are None, and the steps count the rest."""
+    from usaf.stages import lr_test
+
+    probed = []
+    probe = lr_test._probe
+    monkeypatch.setattr(lr_test, "_probe", lambda *args: probed.append(args[4]) or probe(*args))
+    engine = engine_of(quantized)
+    result = run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2,
+                         candidates=(1e20, 1e-3, 1e19, 1e-2))  # fmt: skip
+    assert probed == sorted(probed) and result.probes_run == len(probed) and result.steps == 2 * len(probed)
+    assert 1e20 not in probed, "1e19 or a smaller lr diverged first"
+    assert all(loss is None for lr, loss in zip(result.candidates, result.losses) if lr not in probed)
+
+
+def test_probes_run_counts_up_to_the_first_divergence():
+    assert probes_run(5.0, [1e-3, 1e-2, 3e-2], [4.9, 5.1, None]) == 2  # above the base: a divergence
+    assert probes_run(5.0, [1e-3, 1e-2, 3e-2], [None, None, None]) == 1
+    assert probes_run(5.0, [1e-3, 1e-2, 3e-2], [4.9, 4.8, 4.7]) == 3
+    assert probes_run(5.0, [3e-2, 1e-3], [None, 4.9]) == 2  # by ascending lr, whatever the order given
+
+
 # -- through the CLI: score records it, train uses it -----------------------------------------------------------
 
 
@@ -206,7 +254,7 @@ def plan(inputs, tmp_path_factory):
 def test_score_records_and_prints_the_test(plan):
     _, manifest, output = plan
     t = manifest.summary.lr_test
-    assert t is not None and t.lr in t.candidates and t.steps == STEPS * len(CANDIDATES)
+    assert t is not None and t.lr in t.candidates and t.probes_run is not None and t.steps == STEPS * t.probes_run
     assert len(t.heldout_losses) == len(t.candidates) and math.isfinite(t.base_loss)
     assert t.heldout_gap_se is not None and len(t.heldout_gap_se) == len(t.candidates)
     lowest = t.candidates.index(choose_lr(t.base_loss, t.candidates, t.heldout_losses))
@@ -239,6 +287,28 @@ def test_score_takes_and_names_a_smaller_lr_within_noise(inputs, tmp_path, monke
     assert manifest.summary.lr_test.lr == CANDIDATES[-2]
     assert f"lr test: {CANDIDATES[-1]:g} ended lowest, {CANDIDATES[-2]:g} within one standard error" in output
     assert f"train --lr {CANDIDATES[-1]:g}" in output
+
+
+def test_score_names_the_probes_not_run(inputs, tmp_path, monkeypatch):
+    """The second probe diverged, so the test stopped: the plan records two probes run and score prints the others
+    as not run, not as diverged (the control: the one that did diverge is printed so)."""
+    import dataclasses
+
+    from usaf.stages import score as score_stage
+
+    real = score_stage.run_lr_test
+
+    def stopped(*args, **kwargs):
+        r = real(*args, **kwargs)
+        losses = [r.base_loss - 0.1, None, None, None]
+        return dataclasses.replace(r, losses=losses, gap_se=[0.0, None, None, None], lr=CANDIDATES[0], probes_run=2)
+
+    monkeypatch.setattr(score_stage, "run_lr_test", stopped)
+    manifest, output = score(*inputs, tmp_path / "plan", "--lr-test-steps", 1)
+    assert manifest.summary.lr_test.probes_run == 2
+    flat = " ".join(output.split())  # the console wraps long lines
+    assert f"{CANDIDATES[1]:g}: diverged" in flat
+    assert all(f"{lr:g}: not run (a smaller lr diverged)" in flat for lr in CANDIDATES[2:])
 
 
 def test_train_uses_the_plans_lr(inputs, plan, tmp_path):
@@ -352,3 +422,11 @@ def test_a_tampered_standard_error_is_refused(inputs, plan, tmp_path, value):
     assert train(*inputs, plan[0], tmp_path / "control").exit_code == 0
     result = train(*inputs, tampered(plan[0], tmp_path, "heldout_gap_se", value), tmp_path / "run")
     assert result.exit_code == 2 and "heldout_gap_se" in result.output, result.output
+
+
+@pytest.mark.parametrize("value", [5, 0, "two"], ids=["more than the candidates", "zero", "string"])
+def test_a_tampered_probes_run_is_refused(inputs, plan, tmp_path, value):
+    """At least one probe ran, and no more than there are candidates: anything else is one line naming the field."""
+    result = train(*inputs, tampered(plan[0], tmp_path, "probes_run", value), tmp_path / "run")
+    assert result.exit_code == 2 and "probes_run" in result.output, result.output
+    assert "Traceback" not in result.output

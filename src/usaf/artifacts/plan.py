@@ -69,7 +69,9 @@ class LrTestRecord(Record):
 
     lr: float = Field(gt=0, allow_inf_nan=False, description="the chosen lr of the deltas: usaf train's unless --lr")
     candidates: list[float] = Field(description="the probes' lrs, ascending")
-    heldout_losses: list[float | None] = Field(description="held-back loss after each probe (None: it diverged)")
+    heldout_losses: list[float | None] = Field(
+        description="held-back loss after each probe (None: it diverged, or was not run: see probes_run)"
+    )
     heldout_gap_se: list[float | None] | None = Field(
         None,
         description="standard error of each probe's held-back loss minus the lowest one's, over the held-back "
@@ -77,8 +79,14 @@ class LrTestRecord(Record):
     )
     base_loss: float = Field(allow_inf_nan=False, description="held-back loss of the untrained model")
     rule: str = Field(description="how the lr was chosen from the losses")
-    steps: int = Field(ge=0, description="optimizer steps over all probes")
+    steps: int = Field(ge=0, description="optimizer steps over the probes that ran")
     seconds: float = Field(ge=0, allow_inf_nan=False)
+    probes_run: int | None = Field(
+        None,
+        ge=1,
+        description="probes run, by ascending lr: the test stops at the first that diverges, as no larger lr is "
+        "eligible (None: a plan from before, where every probe ran)",
+    )
 
 
 class PlanSummary(Record):
@@ -152,6 +160,8 @@ def _lr_test_problem(t: LrTestRecord) -> str | None:
         return f"lr_test.heldout_losses must be finite or null, got {t.heldout_losses}"
     if t.lr not in t.candidates:
         return f"lr_test.lr {t.lr} is none of its candidates {t.candidates}"
+    if t.probes_run is not None and t.probes_run > len(t.candidates):
+        return f"lr_test.probes_run {t.probes_run} is more than its {len(t.candidates)} candidates"
     return None
 
 

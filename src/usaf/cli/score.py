@@ -47,7 +47,9 @@ def _print_summary(console, manifest, path: Path) -> None:
     console.print("hottest experts: " + "; ".join(hottest))
     if s.lr_test is not None:
         t = s.lr_test
-        probes = ", ".join(f"{lr:g}: " + ("diverged" if loss is None else f"{loss:.4f}")
+        ran = sorted(t.candidates)[: t.probes_run if t.probes_run is not None else len(t.candidates)]
+        probes = ", ".join(f"{lr:g}: " + ("not run (a smaller lr diverged)" if lr not in ran else
+                                          "diverged" if loss is None else f"{loss:.4f}")
                            for lr, loss in zip(t.candidates, t.heldout_losses))  # fmt: skip
         console.print(
             f"lr test: lr {t.lr:.1e} for usaf train (held-back loss {t.base_loss:.4f} untrained; {probes}; "

@@ -310,6 +310,7 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
         rule=RULE,
         steps=result.steps,
         seconds=result.seconds,
+        probes_run=result.probes_run,
     )
 
 
