@@ -309,6 +309,7 @@ def test_score_names_the_probes_not_run(inputs, tmp_path, monkeypatch):
     flat = " ".join(output.split())  # the console wraps long lines
     assert f"{CANDIDATES[1]:g}: diverged" in flat
     assert all(f"{lr:g}: not run (a smaller lr diverged)" in flat for lr in CANDIDATES[2:])
+    assert f"2 of {len(CANDIDATES)} probes" in flat and "a smaller one diverged" in flat
 
 
 def test_train_uses_the_plans_lr(inputs, plan, tmp_path):

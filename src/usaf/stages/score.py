@@ -298,9 +298,13 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
     if not config.lr_test:
         return None
     steps = config.lr_test_steps or LR_TEST_STEPS
-    progress.note(f"lr test: {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
+    progress.note(f"lr test: up to {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
     result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps, states=states)
-    progress.note(f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.steps} steps)")
+    stopped = "" if result.probes_run == len(CANDIDATES) else ", the larger lrs not run: a smaller one diverged"
+    progress.note(
+        f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.probes_run} of {len(CANDIDATES)} probes, "
+        f"{result.steps} steps{stopped})"
+    )
     return LrTestRecord(
         lr=result.lr,
         candidates=result.candidates,
