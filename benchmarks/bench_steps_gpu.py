@@ -26,11 +26,11 @@ once more alone for the allocator's peak above what its model holds.
 ``--deterministic``: every arm under torch's deterministic algorithms (``usaf train --deterministic``'s setting), to
 price bit-reproducibility. ``ops_per_step``: the aten operators one step dispatches (counted by a dispatch mode,
 forward, backward and optimizer), a device's kernel launches give or take views and fused fallbacks: what a
-launch-bound step pays for; ``device_syncs_per_step``: those of them that make the host wait for the device (scalar
-reads, copies to the host, outputs sized by the data; none on a CPU). ``--profile FILE``: after the timing, two more
-steps of the cached arm (grouped and, where both run, per expert) and of LoRA under torch's profiler; FILE gets each
-one's operators by device time and by host time (where a step's time goes: the GPU's kernels or the host launching
-them).
+launch-bound step pays for; ``device_syncs_per_step``: those of them that make the host wait for the device
+(``usaf.testing.dispatch``: scalar reads, outputs sized by the data, blocking copies between host and device; none on
+a CPU). ``--profile FILE``: after the timing, two more steps of the cached arm (grouped and, where both run, per
+expert) and of LoRA under torch's profiler; FILE gets each one's operators by device time and by host time (where a
+step's time goes: the GPU's kernels or the host launching them).
 
     python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7] [--deterministic]
                                          [--profile FILE] [--out benchmarks/results/steps-gpu.json]
@@ -197,33 +197,13 @@ def peak_above_resident(fn, device: torch.device) -> int | None:
 
 def dispatched_ops(fn) -> dict[str, int]:
     """What one call of ``fn`` dispatches (forward, backward, optimizer): ``ops``, every aten operator, views
-    included; ``device_syncs``, those that wait for a device (not the host) to finish: a scalar read, a copy to the
-    host, an output sized by the data (``nonzero``, ``unique``, ...). A sync stops the host from queueing kernels
-    ahead of the device, so a launch-bound step pays its whole launch time again after each."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    included; ``device_syncs``, those that wait for the device to finish (``usaf.testing.dispatch``: a scalar read,
+    an output sized by the data, a blocking copy between host and device). A sync stops the host from queueing
+    kernels ahead of the device, so a launch-bound step pays its whole launch time again after each."""
+    from usaf.testing.dispatch import count_dispatch
 
-    data_sized = ("nonzero", "unique", "masked_select", "repeat_interleave")
-
-    def on_device(x) -> bool:
-        return isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "meta")
-
-    class Count(TorchDispatchMode):
-        ops = syncs = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            self.ops += 1
-            name = func.__name__
-            out = func(*args, **kwargs)
-            if any(on_device(a) for a in args):
-                to_host = isinstance(out, torch.Tensor) and out.device.type == "cpu"  # _to_copy, copy_ into the host
-                if name.startswith("_local_scalar_dense") or to_host or name.startswith(data_sized):
-                    self.syncs += 1
-            return out
-
-    with Count() as counter:
-        fn()
-    return {"ops": counter.ops, "device_syncs": counter.syncs}
+    counted = count_dispatch(fn)
+    return {"ops": counted.ops, "device_syncs": counted.syncs}
 
 
 def main() -> None:

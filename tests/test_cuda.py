@@ -126,6 +126,49 @@ def test_trainable_experts_run_grouped_on_cuda_in_bfloat16_at_128_experts_and_ma
             assert not torch.allclose(grouped_grads[name], reference.roll(1), rtol=2e-2, atol=2e-2 * scale), name
 
 
+def test_upload_reaches_the_device_without_waiting_for_it():
+    from usaf.backends.transfer import upload
+    from usaf.testing.dispatch import count_dispatch
+
+    host = torch.arange(1000)
+    count = count_dispatch(lambda: upload(host, "cuda"))
+    assert count.syncs == 0, count.waiting
+    assert count_dispatch(lambda: host.to("cuda")).waiting == {"copy to the device": 1}  # control: the plain copy
+    moved = upload(host, "cuda")
+    host.zero_()  # the copy went through a pinned buffer of its own: the host tensor is free at once
+    assert torch.equal(moved.cpu(), torch.arange(1000))
+
+
+def test_a_grouped_training_step_on_cuda_copies_nothing_to_the_device_that_it_waits_for(quantized):
+    """A training step at Qwen3-30B-A3B's routing (128 experts, top-8; frozen layer, grouped trainable experts,
+    attention, routers, clipped SparseAdamW) uploads its group offsets, unrouted experts, step tables and clip
+    factor through pinned memory: a blocking copy would make the host wait for the device at each (counted by
+    usaf.testing.dispatch, whose control is in test_upload_reaches_the_device_without_waiting_for_it). What still
+    waits is reading results back: the routing counts, the token count and the gradient norm."""
+    from usaf.engine.optim import SparseAdamW
+    from usaf.settings.fields import DEFAULT_TARGETS
+    from usaf.testing.dispatch import count_dispatch
+
+    path = quantized("qwen3_moe", num_layers=FAMILY_LAYERS, num_experts=128, num_experts_per_tok=8)
+    engine = engine_on(path, "cuda", torch.bfloat16, targets=DEFAULT_TARGETS)
+    assert all(layer.grouped_deltas for layer in engine.loaded.experts.values())
+    engine.set_deltas({n: s.cuda() for n, s in random_selection(engine, frac=0.02).items()})
+    optimizer = SparseAdamW(engine.parameter_groups(lr=1e-3, router_lr=1e-3, weight_decay=0.01), max_grad_norm=1e-6)
+    ids, labels = (t.cuda() for t in batch(size=(2, 64)))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        engine.loss(ids, labels).loss.backward()
+        assert optimizer.step().clipped
+
+    step()
+    count = count_dispatch(step)
+    print(f"ops {count.ops}, waits {dict(count.waiting)}")
+    assert count.ops > 100
+    assert "copy to the device" not in count.waiting, count.waiting
+    assert count.syncs <= 4 * len(engine.loaded.experts) + 4, count.waiting
+
+
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "pooled"])
 def test_dense_scores_run_grouped_on_cuda_and_match_the_loop(exact, quantized):
     """usaf score's dense scores on CUDA at 128 experts top-8: the grouped path feeds each block to its accumulators at

@@ -75,6 +75,7 @@ LAYERS: dict[str, int] = {
     "usaf.engine": 5,
     "usaf.memory_plan": 5,
     "usaf.testing.faults": 5,  # patches the writers of usaf.quant and the libraries; the harnesses use it
+    "usaf.testing.dispatch": 4,  # tells host from device through usaf.backends
     "usaf.data": 4,
     "usaf.families": 4,
     "usaf.quant": 4,

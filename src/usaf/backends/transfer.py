@@ -59,6 +59,20 @@ def move(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | 
     return tensor.to(dtype=dtype).to(device)  # cast where the tensor is, then transfer
 
 
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (indices, group offsets, a scalar) on ``device``, without making the host wait for it.
+
+    On CUDA a copy from pageable host memory waits for every kernel queued before it (``memcpy_and_sync``): a step
+    that uploads a few indices per block would stop launching ahead of the device at each. Where the device has
+    pinned memory the tensor goes through a pinned buffer instead, asynchronously (torch's host allocator keeps the
+    buffer until the copy is done, so ``host`` may change or go at once). Elsewhere a plain ``.to(device)``.
+    """
+    device = torch.device(device)
+    if host.device.type != "cpu" or device.type in ("cpu", "meta") or not device_capabilities(device).pinned_memory:
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def check_allocation(nbytes: int, device: torch.device | str, what: str) -> None:
     """Raise when one tensor of ``nbytes`` exceeds the device's per-allocation limit."""
     limit = device_capabilities(device).max_allocation_bytes

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from usaf.backends.transfer import is_host
+from usaf.backends.transfer import is_host, upload
 from usaf.families.modules import EXPERT_BIAS_PARAMS
 
 # The fp32 bytes one block's dequantization may hold at once. On the host a block should stay in the cache (one
@@ -137,10 +137,10 @@ def grouped_linear(
     """
     w = weight.to(x.dtype)
     if grouped_mm and _grouped_mm_fits(x, w):
-        offsets = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)  # (e,) end row of each group
-        y = _grouped_mm(x, w.transpose(1, 2), offsets)  # (n, O)
+        y = _grouped_mm(x, w.transpose(1, 2), _group_ends(counts, x.device))  # (n, O)
         if bias is not None:
-            y = y + bias.to(x.dtype)[experts.to(bias.device)].repeat_interleave(counts.to(bias.device), 0)
+            row_experts = upload(torch.repeat_interleave(experts.cpu(), counts.cpu()), bias.device)  # (n,)
+            y = y + bias.to(x.dtype).index_select(0, row_experts)
         return y
     parts, start = [], 0
     for j, n in enumerate(counts.tolist()):  # the device or dtype has no grouped matmul: one GEMM per expert
@@ -150,14 +150,18 @@ def grouped_linear(
     return torch.cat(parts)
 
 
+def _group_ends(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``(e,)`` int32 on ``device``: the end row of each group, from its row ``counts (e,)`` (on the host)."""
+    return upload(torch.cumsum(counts, 0).to(torch.int32), device)
+
+
 def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
     """Each expert's weight gradient ``dy_e^T x_e``: ``dy (n, O)``, ``x (n, I)`` expert-major rows -> ``(e, O, I)``.
 
     ``counts (e,)`` rows each, on the host; an expert with no rows gets zeros.
     """
     if grouped_mm and _grouped_mm_fits(dy.t(), x):  # both operands 2-D: the rows are the groups
-        offsets = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)  # (e,) end row of each group
-        return _grouped_mm(dy.t(), x, offsets)
+        return _grouped_mm(dy.t(), x, _group_ends(counts, x.device))
     out = x.new_empty(len(counts), dy.shape[1], x.shape[1])  # (e, O, I)
     start = 0
     for j, n in enumerate(counts.tolist()):  # no grouped matmul for this device or dtype: one GEMM per expert

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from usaf.backends.transfer import upload
 from usaf.engine.grouped import grouped_linear, grouped_weight_grad, module_biases
 from usaf.engine.score_sinks import ScoreSink
 from usaf.engine.sparse_linear import accumulate_dtype, dense_delta, no_autocast
@@ -185,7 +186,7 @@ class _GroupedDeltaLinear(torch.autograd.Function):
                     continue
                 grad = grouped_weight_grad(dyb.to(acc), x[block.rows].to(acc), block.counts, use_grouped_mm)
                 if block.unrouted.numel():  # an empty group's output is not promised to be written
-                    grad.index_fill_(0, block.unrouted.to(grad.device), 0.0)
+                    grad.index_fill_(0, upload(block.unrouted, grad.device), 0.0)
                 if want_values:  # read before the sinks, which overwrite their slices
                     local = _local_positions(weight, block)  # (m,)
                     dvalues[block.entries] = grad.view(-1).index_select(0, local).to(values.dtype)

@@ -85,7 +85,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from usaf.backends.transfer import device_capabilities
+from usaf.backends.transfer import device_capabilities, upload
 from usaf.engine.score_sinks import ScoreSink
 from usaf.engine.score_state import accumulator_state, restore_accumulator
 from usaf.engine.selection_ops import kth_smallest, positions, positions_above
@@ -230,7 +230,7 @@ class ScoreAccumulator:
         self._adopt(stats.device)
         stats = stats.to(self.device)
         if rows.numel() < e:  # not slices: nothing of theirs is seen (not even a non-finite value)
-            stats.index_fill_(0, positions(~routed.cpu()).to(self.device), 0.0)
+            stats.index_fill_(0, upload(positions(~routed.cpu()), self.device), 0.0)
         if self.exact:
             if not bool(torch.isfinite(stats.max())):  # max propagates NaN; the statistic is never negative
                 raise _non_finite(first + _first_non_finite_row(stats))
@@ -322,7 +322,7 @@ class ScoreAccumulator:
         flat = stats.view(-1)  # (e*O*I,) block positions j*O*I + local
         # 1. Pooled entries of the block's experts take their whole contribution (unrouted ones' rows are 0).
         sizes = torch.tensor([t.numel() for t in self._local[first : first + e]])  # (e,) host
-        owner = torch.repeat_interleave(torch.arange(e), sizes).to(stats.device)  # (m,)
+        owner = upload(torch.repeat_interleave(torch.arange(e), sizes), stats.device)  # (m,)
         pooled = torch.cat(self._local[first : first + e]) + owner * per_expert  # (m,) block positions
         gathered = flat.index_select(0, pooled)
         flat.index_fill_(0, pooled, 0)

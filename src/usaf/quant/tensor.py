@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from usaf.backends.transfer import move
+from usaf.backends.transfer import move, upload
 from usaf.quant.packing import PACKING, codes_at, packed_width, unpack_codes_as
 
 QUANT_METHODS = ("hqq", "rtn")
@@ -236,7 +236,7 @@ def _select(q: QuantizedTensor, experts) -> tuple[torch.Tensor, torch.Tensor, to
     idx = torch.where(idx < 0, idx + n, idx)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise IndexError(f"expert index out of range for {n} experts: {experts!r}")
-    idx = idx.to(q.codes.device)
+    idx = upload(idx, q.codes.device)
     return q.codes.index_select(0, idx), q.scale.index_select(0, idx), q.zero.index_select(0, idx)
 
 
