@@ -135,17 +135,38 @@ def test_grouped_at_128_experts_in_many_blocks_and_chunks(use_grouped_mm, quanti
     assert len(covered) == len(set(covered)) and {e for e, n in enumerate(counts) if n} <= set(covered)
     assert any(b.unrouted.numel() for b in plan), "an unrouted expert inside a block: its gradient must be zero"
 
-    real_grad = grouped_deltas.grouped_weight_grad
+    # Each block's group ends go to the device once, not once per grouped product (five a block; on a GPU each an
+    # upload): counted where blocks are planned, and every product of the tensors must be handed them.
+    uploads = {"per block": 0, "products without them": 0}
+    real_grad, real_linear, real_ends = (
+        grouped_deltas.grouped_weight_grad, grouped_deltas.grouped_linear, grouped_deltas.group_ends
+    )  # fmt: skip
 
-    def unwritten_empty_groups(dy, x, counts, use):  # a kernel may leave an empty group's output as it found it
-        grad = real_grad(dy, x, counts, use)
+    def unwritten_empty_groups(dy, x, counts, use, ends=None):  # a kernel may leave an empty group's output as is
+        uploads["products without them"] += ends is None
+        grad = real_grad(dy, x, counts, use, ends)
         grad[counts == 0] = float("nan")
         return grad
 
+    def linear(*args):
+        uploads["products without them"] += args[6] is None
+        return real_linear(*args)
+
+    def ends(*args):
+        uploads["per block"] += 1
+        return real_ends(*args)
+
     monkeypatch.setattr(grouped_deltas, "grouped_weight_grad", unwritten_empty_groups)
+    monkeypatch.setattr(grouped_deltas, "grouped_linear", linear)
+    monkeypatch.setattr(grouped_deltas, "group_ends", ends)
     ran.grouped(engine, use_grouped_mm=use_grouped_mm)
     loss, grads = loss_and_grads(engine, ids, labels)
     assert ran.tensors == 2
+    if use_grouped_mm:
+        planned = len(plan) + len(grouped_deltas.blocks(state.down, counts, grouped_deltas.DELTA_BLOCK_BYTES))
+        assert uploads == {"per block": planned, "products without them": 0}
+    else:
+        assert uploads["per block"] == 0
     torch.testing.assert_close(loss, loop_loss, rtol=1e-6, atol=1e-6)
     for name, grad in loop_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

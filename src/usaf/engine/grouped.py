@@ -72,9 +72,10 @@ def grouped_forward(
         block_counts = counts[experts]  # (e,)
         rows = slice(start, stop)
         gate_up, down = (w.block(experts, x.device) for w in (state.gate_up, state.down))  # (e, 2I, H), (e, H, I)
-        h = grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm)  # (n, 2I)
+        ends = group_ends(block_counts, x.device) if state.grouped_mm else None  # both tensors' groups
+        h = grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm, ends)  # (n, 2I)
         h = self._apply_gate(h)  # (n, I)
-        y = grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm)  # (n, H)
+        y = grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm, ends)  # (n, H)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         out.index_add_(0, rows_token[rows], (y * weights[rows]).float())
@@ -130,14 +131,16 @@ def grouped_linear(
     bias: torch.Tensor | None,
     experts: torch.Tensor,
     grouped_mm: bool,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x (n, I)`` expert-major rows through ``weight (e, O, I)``, ``counts (e,)`` rows each -> ``(n, O)``.
 
-    ``grouped_mm``: the device has torch's grouped matmul (``Capabilities.grouped_mm``).
+    ``grouped_mm``: the device has torch's grouped matmul (``Capabilities.grouped_mm``). ``ends``: the groups' end
+    rows on the device (:func:`group_ends`), where a caller passes the same groups more than once.
     """
     w = weight.to(x.dtype)
     if grouped_mm and _grouped_mm_fits(x, w):
-        y = _grouped_mm(x, w.transpose(1, 2), _group_ends(counts, x.device))  # (n, O)
+        y = _grouped_mm(x, w.transpose(1, 2), group_ends(counts, x.device) if ends is None else ends)  # (n, O)
         if bias is not None:
             row_experts = upload(torch.repeat_interleave(experts.cpu(), counts.cpu()), bias.device)  # (n,)
             y = y + bias.to(x.dtype).index_select(0, row_experts)
@@ -150,18 +153,20 @@ def grouped_linear(
     return torch.cat(parts)
 
 
-def _group_ends(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+def group_ends(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``(e,)`` int32 on ``device``: the end row of each group, from its row ``counts (e,)`` (on the host)."""
     return upload(torch.cumsum(counts, 0).to(torch.int32), device)
 
 
-def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
+def grouped_weight_grad(
+    dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, grouped_mm: bool, ends: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each expert's weight gradient ``dy_e^T x_e``: ``dy (n, O)``, ``x (n, I)`` expert-major rows -> ``(e, O, I)``.
 
-    ``counts (e,)`` rows each, on the host; an expert with no rows gets zeros.
+    ``counts (e,)`` rows each, on the host; an expert with no rows gets zeros. ``ends`` as in :func:`grouped_linear`.
     """
     if grouped_mm and _grouped_mm_fits(dy.t(), x):  # both operands 2-D: the rows are the groups
-        return _grouped_mm(dy.t(), x, _group_ends(counts, x.device))
+        return _grouped_mm(dy.t(), x, group_ends(counts, x.device) if ends is None else ends)
     out = x.new_empty(len(counts), dy.shape[1], x.shape[1])  # (e, O, I)
     start = 0
     for j, n in enumerate(counts.tolist()):  # no grouped matmul for this device or dtype: one GEMM per expert

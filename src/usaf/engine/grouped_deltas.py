@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from usaf.backends.transfer import upload
-from usaf.engine.grouped import grouped_linear, grouped_weight_grad, module_biases
+from usaf.engine.grouped import group_ends, grouped_linear, grouped_weight_grad, module_biases
 from usaf.engine.score_sinks import ScoreSink
 from usaf.engine.sparse_linear import accumulate_dtype, dense_delta, no_autocast
 from usaf.engine.trainable import EMPTY_VALUES
@@ -87,17 +87,25 @@ class Block:
     counts: torch.Tensor  # (e,) int64 on the host, rows per expert (0 for an unrouted one inside the run)
     entries: slice  # their segment of the delta's values (empty without a delta)
     unrouted: torch.Tensor  # (u,) int64 on the host: positions in the block of experts with no rows
+    ends: torch.Tensor | None = None  # (e,) int32 on the device: the groups' end rows, for torch's grouped matmul
 
 
-def blocks(weight, counts: Sequence[int], budget: int = DELTA_BLOCK_BYTES) -> list[Block]:
+def blocks(
+    weight, counts: Sequence[int], budget: int | None = None, device: torch.device | None = None
+) -> list[Block]:
     """Runs of consecutive experts of ``weight`` (an ``ExpertWeight``) from a routed one to a routed one, cut at its
-    resident chunks' edges and to at most ``budget`` bytes of fp32 delta each (at least one expert).
+    resident chunks' edges and to at most ``budget`` bytes of fp32 delta each (default :data:`DELTA_BLOCK_BYTES`; at
+    least one expert).
+
+    ``device``: where the grouped matmul runs, given when it does: each block's group ends are sent there once (one
+    upload a block, where each of its five grouped products made its own).
 
     Unrouted experts inside a run stay in it as empty groups: cutting there would multiply the blocks where
     routing is uneven (83 of 128 experts routed made 31 runs instead of 1), and a block's ops cost the same for
     any number of experts. Their entries' gradients are set to zero (:attr:`Block.unrouted`).
     """
     _, o, i = weight.shape
+    budget = DELTA_BLOCK_BYTES if budget is None else budget  # read when called: tests set the module's
     per_block = max(1, budget // (4 * o * i))
     per_chunk = weight.resident.per_chunk
     bounds = weight.delta._bounds if weight.delta is not None else None
@@ -115,7 +123,9 @@ def blocks(weight, counts: Sequence[int], budget: int = DELTA_BLOCK_BYTES) -> li
         stop = routed[j] + 1
         span = torch.tensor(counts[first:stop], dtype=torch.int64)  # (e,)
         entries = slice(bounds[first], bounds[stop]) if bounds is not None else slice(0, 0)
-        out.append(Block(first, stop, slice(ends[first], ends[stop]), span, entries, torch.nonzero(span == 0)[:, 0]))
+        unrouted = torch.nonzero(span == 0)[:, 0]
+        group = None if device is None else group_ends(span, device)
+        out.append(Block(first, stop, slice(ends[first], ends[stop]), span, entries, unrouted, group))
         j += 1
     return out
 
@@ -131,7 +141,7 @@ def _linear(
         values = EMPTY_VALUES.get(x.device)
     else:  # no delta (an attention-only target, a frozen layer under a graph): its gradient is never formed
         values = x.new_zeros(0, dtype=torch.float32)
-    plan = blocks(weight, counts)
+    plan = blocks(weight, counts, device=x.device if use_grouped_mm else None)
     return _GroupedDeltaLinear.apply(x, values, weight, plan, bias, use_grouped_mm)
 
 
@@ -145,13 +155,12 @@ class _GroupedDeltaLinear(torch.autograd.Function):
         out = x.new_empty(x.shape[0], weight.shape[1])  # (N, O); every row is some block's
         with no_autocast(x.device):
             for block in plan:
-                experts = torch.arange(block.first, block.stop)  # (e,)
                 base = weight.resident.run(block.first, block.stop)  # (e, O, I), a view
                 xb = x[block.rows]  # (n, I)
-                y = grouped_linear(xb, base, block.counts, bias, experts, use_grouped_mm)  # (n, O)
+                y = _through(block, xb, base, bias, use_grouped_mm)  # (n, O)
                 d = _block_delta(weight, block, values, acc)
                 if d is not None:  # one rounding to the compute dtype, as sparse_delta_linear's "dense"
-                    y = y.to(acc) + grouped_linear(xb.to(acc), d, block.counts, None, experts, use_grouped_mm)
+                    y = y.to(acc) + _through(block, xb.to(acc), d, None, use_grouped_mm)
                 out[block.rows] = y.to(x.dtype)
         ctx.save_for_backward(x, values)
         ctx.weight, ctx.plan, ctx.use_grouped_mm = weight, plan, use_grouped_mm
@@ -170,21 +179,19 @@ class _GroupedDeltaLinear(torch.autograd.Function):
         with no_autocast(x.device):
             # Descending, as the loop's backward reaches its experts: a pooled accumulator's floor sees the same order.
             for block in reversed(plan):
-                experts = torch.arange(block.first, block.stop)
                 dyb = dy[block.rows]  # (n, O)
                 d = _block_delta(weight, block, values, acc)  # (e, O, I) or None: formed again, not kept
                 if need_dx:
                     base = weight.resident.run(block.first, block.stop)  # (e, O, I)
-                    dxb = grouped_linear(dyb, base.transpose(1, 2), block.counts, None, experts, use_grouped_mm)
+                    dxb = _through(block, dyb, base.transpose(1, 2), None, use_grouped_mm)  # (n, I)
                     if d is not None:  # dy W + dy D, one rounding
-                        t = d.transpose(1, 2)  # (e, I, O)
-                        dxb = dxb.to(acc) + grouped_linear(dyb.to(acc), t, block.counts, None, experts, use_grouped_mm)
+                        dxb = dxb.to(acc) + _through(block, dyb.to(acc), d.transpose(1, 2), None, use_grouped_mm)
                     dx[block.rows] = dxb.to(x.dtype)
                 del d
                 want_values = need_dvalues and block.entries.stop > block.entries.start
                 if not (want_values or score_sink is not None):
                     continue
-                grad = grouped_weight_grad(dyb.to(acc), x[block.rows].to(acc), block.counts, use_grouped_mm)
+                grad = grouped_weight_grad(dyb.to(acc), x[block.rows].to(acc), block.counts, use_grouped_mm, block.ends)
                 if block.unrouted.numel():  # an empty group's output is not promised to be written
                     grad.index_fill_(0, upload(block.unrouted, grad.device), 0.0)
                 if want_values:  # read before the sinks, which overwrite their slices
@@ -193,6 +200,12 @@ class _GroupedDeltaLinear(torch.autograd.Function):
                 if score_sink is not None:
                     _feed_sinks(score_sink, weight, block, grad)
         return dx, dvalues, None, None, None, None
+
+
+def _through(block: Block, x: torch.Tensor, weight: torch.Tensor, bias, use_grouped_mm: bool) -> torch.Tensor:
+    """The block's rows ``x (n, I)`` through ``weight (e, O, I)`` (its base or delta, or a transpose) -> ``(n, O)``."""
+    experts = torch.arange(block.first, block.stop)  # (e,) for the biases
+    return grouped_linear(x, weight, block.counts, bias, experts, use_grouped_mm, block.ends)
 
 
 def _feed_sinks(score_sink, weight, block: Block, grad: torch.Tensor) -> None:
