@@ -42,6 +42,8 @@ step's time goes: the GPU's kernels or the host launching them).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -73,7 +75,8 @@ def usaf_arms(
 ) -> tuple[dict, dict]:
     """The engine at usaf's default targets on the top layers; its step functions and a description.
 
-    ``grouped``: ``"auto"`` (the device's choice) or ``"on"`` (the trainable layers' experts grouped on any device).
+    ``grouped``: ``"auto"`` (the device's choice), ``"on"`` (the trainable layers' experts grouped on any device) or
+    ``"cuda-path"`` (the same, run under :func:`cuda_path`).
     """
     from usaf.engine.engine import SparseEngine, budget
     from usaf.engine.optim import SparseAdamW
@@ -85,7 +88,7 @@ def usaf_arms(
     layers = list(loaded.spec.moe_layers[-trainable:])
     engine = SparseEngine(loaded, trainable_layers=layers, targets=DEFAULT_TARGETS)
     trained = [loaded.experts[layer] for layer in layers]
-    if grouped == "on":
+    if grouped in ("on", "cuda-path"):
         for state in trained:
             state.grouped_deltas = True
     g = torch.Generator().manual_seed(0)
@@ -216,9 +219,10 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=None, help="experts per layer (default: the config's)")
     parser.add_argument(
         "--grouped",
-        choices=("auto", "on"),
+        choices=("auto", "on", "cuda-path"),
         default="auto",
-        help="the trainable layers' experts grouped: the device's choice, or on any device",
+        help="the trainable layers' experts grouped: the device's choice, or on any device; cuda-path: also every "
+        "sparse linear's delta terms dense, CUDA's two choices on this device (operator counts as a GPU step's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype, every arm")
@@ -228,8 +232,26 @@ def main() -> None:
     args = parser.parse_args()
     from usaf.backends.determinism import deterministic_kernels
 
-    with deterministic_kernels(args.deterministic):
+    with deterministic_kernels(args.deterministic), cuda_path(args.grouped == "cuda-path"):
         run(args)
+
+
+@contextlib.contextmanager
+def cuda_path(on: bool):
+    """Inside, every device declares ``Capabilities.dense_delta_terms`` (CUDA's): the attention's delta terms run
+    dense and the trainable experts grouped, so a CPU run dispatches what a GPU step would (its times are the CPU's).
+    """
+    if not on:
+        yield
+        return
+    from usaf.backends import transfer
+
+    own = transfer._capabilities
+    transfer._capabilities = lambda kind, index: dataclasses.replace(own(kind, index), dense_delta_terms=True)
+    try:
+        yield
+    finally:
+        transfer._capabilities = own
 
 
 def profile(arms: dict, names: tuple[str, ...], device: torch.device, path: Path) -> None:
@@ -309,6 +331,7 @@ def run(args: argparse.Namespace) -> None:
         "commit": git_commit(),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "deterministic": args.deterministic,
+        "grouped": args.grouped,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": {
