@@ -27,10 +27,10 @@ once more alone for the allocator's peak above what its model holds.
 price bit-reproducibility. ``ops_per_step``: the aten operators one step dispatches (counted by a dispatch mode,
 forward, backward and optimizer), a device's kernel launches give or take views and fused fallbacks: what a
 launch-bound step pays for; ``device_syncs_per_step``: those of them that make the host wait for the device
-(``usaf.testing.dispatch``: scalar reads, outputs sized by the data, blocking copies between host and device; none on
-a CPU). ``--profile FILE``: after the timing, two more steps of the cached arm (grouped and, where both run, per
-expert) and of LoRA under torch's profiler; FILE gets each one's operators by device time and by host time (where a
-step's time goes: the GPU's kernels or the host launching them).
+(``usaf.testing.dispatch``: scalar reads, outputs sized by the data, copies between host and device not through
+pinned memory; none on a CPU). ``--profile FILE``: after the timing, two more steps of the cached arm (grouped and,
+where both run, per expert) and of LoRA under torch's profiler; FILE gets each one's operators by device time and by
+host time (where a step's time goes: the GPU's kernels or the host launching them).
 
     python benchmarks/bench_steps_gpu.py [--layers 4] [--trainable 2] [--rounds 7] [--deterministic]
                                          [--profile FILE] [--out benchmarks/results/steps-gpu.json]
@@ -201,8 +201,8 @@ def peak_above_resident(fn, device: torch.device) -> int | None:
 def dispatched_ops(fn) -> dict[str, int]:
     """What one call of ``fn`` dispatches (forward, backward, optimizer): ``ops``, every aten operator, views
     included; ``device_syncs``, those that wait for the device to finish (``usaf.testing.dispatch``: a scalar read,
-    an output sized by the data, a blocking copy between host and device). A sync stops the host from queueing
-    kernels ahead of the device, so a launch-bound step pays its whole launch time again after each."""
+    an output sized by the data, a copy between host and device not through pinned memory). A sync stops the host
+    from queueing kernels ahead of the device, so a launch-bound step pays its whole launch time again after each."""
     from usaf.testing.dispatch import count_dispatch
 
     counted = count_dispatch(fn)

@@ -2,7 +2,8 @@
 
 A GPU step is launched from the host one operator at a time; while the host runs ahead of the device the two
 overlap. An operator that waits for the device (a scalar read, an output whose size depends on the data, a
-blocking copy between host and device memory: torch synchronizes the stream after it, ``memcpy_and_sync``)
+copy between host and device memory, unless non-blocking from or into pinned memory: torch synchronizes the
+stream after a blocking one, ``memcpy_and_sync``)
 stops that, so the step pays its launch time and its device time one after the other from there. The tests and
 ``benchmarks/bench_steps_gpu.py`` count both. On a CPU nothing waits (host and device are one).
 """
@@ -26,9 +27,10 @@ def _on_device(x) -> bool:
 
 
 def _blocking_copy(name: str, args: tuple, kwargs: dict, out) -> str | None:
-    """``"copy to the device"`` or ``"copy to the host"`` for a copy between host and device memory that is not
-    non-blocking (from pinned memory, one that is does not wait; from pageable memory torch waits either way,
-    which ``usaf.backends.transfer.upload`` avoids), else None."""
+    """``"copy to the device"`` or ``"copy to the host"`` for a copy between host and device memory that waits,
+    else None. Only a non-blocking copy whose host side is pinned does not: torch synchronizes the stream after a
+    blocking one, and CUDA makes one from or into pageable memory synchronous (``usaf.backends.transfer.upload``
+    goes through pinned memory for that)."""
     if name.startswith("_to_copy"):
         src, dst, non_blocking = args[0], out, kwargs.get("non_blocking", False)
     elif name.startswith("copy_"):
@@ -36,9 +38,10 @@ def _blocking_copy(name: str, args: tuple, kwargs: dict, out) -> str | None:
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     else:
         return None
-    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)) or non_blocking:
+    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)) or _on_device(src) == _on_device(dst):
         return None
-    if _on_device(src) == _on_device(dst):
+    host = dst if _on_device(src) else src
+    if non_blocking and host.is_pinned():
         return None
     return "copy to the device" if _on_device(dst) else "copy to the host"
 
