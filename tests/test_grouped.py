@@ -215,3 +215,24 @@ def test_training_forward_sorted_once_equals_the_per_expert_loop(family, quantiz
         torch.testing.assert_close(grad, loop_grads[name], rtol=1e-5, atol=1e-7)
     values = {n: v + 1e-2 for n, v in values.items()}
     assert not torch.equal(loss_and_grads()[0], loop), "control: the deltas are in the loss"
+
+
+def test_a_block_of_consecutive_experts_reads_views_of_the_codes(tiny_model, tmp_path):
+    """``ExpertWeight.block`` dequantizes a run of consecutive experts from views (no gather of codes, scales and
+    zeros, no upload of the selection on a device); a selection with a gap gathers (the control). Same values."""
+    from usaf.engine.loading import load_quantized_model
+    from usaf.quant import dequantize
+    from usaf.stages.quantize import QuantizeConfig
+    from usaf.stages.quantize import run as quantize
+    from usaf.testing.dispatch import DispatchCount
+
+    source = tiny_model("qwen3_moe", num_experts=16, num_experts_per_tok=4)
+    _, qdir = quantize(QuantizeConfig(model=str(source), out=tmp_path / "q", method="rtn", group_size=8))
+    weight = load_quantized_model(qdir).experts[0].gate_up
+    cpu = torch.device("cpu")
+    for experts, gathers in (([4, 5, 6, 7], 0), ([4, 5, 7], 3)):
+        with DispatchCount() as count:
+            block = weight.block(torch.tensor(experts), cpu)
+        assert sum(n for name, n in count.names.items() if name.startswith("index_select")) == gathers
+        expected = dequantize(weight.q, experts=experts, dtype=weight.compute_dtype, memory_layout=False)
+        assert torch.equal(block, expected)

@@ -102,10 +102,15 @@ class ExpertWeight(TrainableTensor):
 
         A view of the resident base where it lives on ``device`` and ``experts`` is a run of consecutive
         experts within one stored chunk (as :mod:`usaf.engine.grouped` asks); else dequantized in one call.
+        ``experts``: ``(e,)`` ascending, on the host.
         """
+        first, stop = int(experts[0]), int(experts[-1]) + 1
         if self.resident is not None and self.resident.device == device:
-            return self.resident.run(int(experts[0]), int(experts[-1]) + 1)
-        return dequantize(self.q, experts=experts, dtype=self.compute_dtype, device=device, memory_layout=False)
+            return self.resident.run(first, stop)
+        # A run of consecutive experts (every block where all are routed) is read as a view of the codes: no gather
+        # of codes, scales and zeros, and on a device no upload of the selection.
+        selection = slice(first, stop) if stop - first == len(experts) else experts
+        return dequantize(self.q, experts=selection, dtype=self.compute_dtype, device=device, memory_layout=False)
 
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.nbytes if self.resident is not None else 0

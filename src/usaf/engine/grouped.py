@@ -26,11 +26,13 @@ from torch.nn import functional as F
 from usaf.backends.transfer import is_host, upload
 from usaf.families.modules import EXPERT_BIAS_PARAMS
 
-# The fp32 bytes one block's dequantization may hold at once. On the host a block should stay in the cache (one
-# call over all 128 experts was slower than one call per expert there: docs/BENCHMARKS.md, "The frozen-layer
-# forward"); on a device, fewer and larger calls are the point, bounded so the transient stays a small share of a
-# 12 GB card (3 experts of Qwen3-30B-A3B's width).
-HOST_BLOCK_BYTES = 4 * 2**20
+# The fp32 bytes of one block's experts (both tensors; each tensor is dequantized just before its GEMM, so one
+# tensor's transient is held at a time). On the host a block should stay in the cache (one call over all 128
+# experts was slower than one call per expert there), yet hold a few experts: of 2 to 32 MiB, 8 MiB ran the whole
+# forward fastest or within 1.5 % of it (docs/BENCHMARKS.md, "The frozen-layer forward"). On a device, fewer and
+# larger calls are the point, bounded so the transient stays a small share of a 12 GB card (3 experts of
+# Qwen3-30B-A3B's width).
+HOST_BLOCK_BYTES = 8 * 2**20
 DEVICE_BLOCK_BYTES = 64 * 2**20
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped matmul accepts
@@ -71,11 +73,16 @@ def grouped_forward(
     for experts, start, stop in _blocks(state, counts, hidden_states.device):
         block_counts = counts[experts]  # (e,)
         rows = slice(start, stop)
-        gate_up, down = (w.block(experts, x.device) for w in (state.gate_up, state.down))  # (e, 2I, H), (e, H, I)
         ends = group_ends(block_counts, x.device) if state.grouped_mm else None  # both tensors' groups
+        # Each tensor dequantized right before its GEMM (and dropped after): its fresh values are still in the
+        # cache when they are read, and only one tensor's transient is held at a time.
+        gate_up = state.gate_up.block(experts, x.device)  # (e, 2I, H)
         h = grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm, ends)  # (n, 2I)
+        del gate_up
         h = self._apply_gate(h)  # (n, I)
+        down = state.down.block(experts, x.device)  # (e, H, I)
         y = grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm, ends)  # (n, H)
+        del down
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         out.index_add_(0, rows_token[rows], (y * weights[rows]).float())

@@ -30,9 +30,9 @@ POOL_BYTES_PER_EXPERT = INT64 + 2 * FP32
 POOL_FACTOR = 4  # usaf score's --candidates-factor default and collect_scores' pool_factor
 POOL_OVERFLOW = 0.5  # usaf.engine.scores.OVERFLOW (tests/test_memory_plan.py checks they agree)
 CALIB_SAMPLES = 64  # usaf score's --calib-samples default (tests/test_memory_plan.py checks they agree)
-# A frozen layer's forward dequantizes its routed experts in blocks whose fp32 transient (gate_up + down) stays
+# A frozen layer's forward dequantizes its routed experts in blocks whose fp32 size (gate_up + down) stays
 # under these (usaf.engine.grouped.HOST_BLOCK_BYTES / DEVICE_BLOCK_BYTES; tests/test_memory_plan.py checks).
-FROZEN_BLOCK_BYTES_HOST = 4 * 2**20
+FROZEN_BLOCK_BYTES_HOST = 8 * 2**20
 FROZEN_BLOCK_BYTES_DEVICE = 64 * 2**20
 # The share of the free memory dequantized experts may take: score's and train's frozen layers, all of usaf eval's
 # (usaf.stages.engine_setup.make_resident); the rest is for activations and the loss.
@@ -159,11 +159,12 @@ def default_layer_count(m: ModelFacts) -> int:
 def frozen_block_bytes(m: ModelFacts, c: int, separate_device: bool) -> tuple[int, int]:
     """``(experts, bytes)`` of one block of a frozen layer's grouped forward at its largest.
 
-    Both tensors' blocks in the compute dtype (``c`` bytes an element) are held together, plus one tensor's
-    fp32 dequantization transient while it is made (``usaf.engine.grouped``, ``ExpertWeight.block``).
+    The block's experts are counted by both tensors' fp32 size; one tensor is held at a time (each is dequantized
+    right before its GEMM and dropped after: ``usaf.engine.grouped``), in the compute dtype (``c`` bytes an
+    element) plus its fp32 dequantization transient while it is made (``ExpertWeight.block``).
     """
     (e, o1, i1), (_, o2, i2) = m.gate_up_shape, m.down_shape
     per_expert = o1 * i1 + o2 * i2  # elements of both tensors
     budget = FROZEN_BLOCK_BYTES_DEVICE if separate_device else FROZEN_BLOCK_BYTES_HOST
     experts = max(1, min(e, budget // (FP32 * per_expert)))
-    return experts, experts * (per_expert * c + max(o1 * i1, o2 * i2) * FP32)
+    return experts, experts * max(o1 * i1, o2 * i2) * (c + FP32)

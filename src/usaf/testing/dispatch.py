@@ -61,18 +61,21 @@ def waits_for_device(name: str, args: tuple, kwargs: dict, out) -> str | None:
 
 class DispatchCount(TorchDispatchMode):
     """Inside ``with DispatchCount() as count:``, ``count.ops`` operators ran (views included) and
-    ``count.syncs`` of them waited for the device; ``count.waiting`` counts those by why (:func:`waits_for_device`)."""
+    ``count.syncs`` of them waited for the device; ``count.waiting`` counts those by why (:func:`waits_for_device`),
+    ``count.names`` every operator by its name (``"index_select.default"``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.syncs = 0
         self.waiting: Counter[str] = Counter()
+        self.names: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops += 1
+        self.names[func.__name__] += 1
         why = waits_for_device(func.__name__, args, kwargs, out)
         if why is not None:
             self.syncs += 1
