@@ -14,14 +14,16 @@ interleaved in rotating order each round (medians of ``--rounds``):
 - **loop, resident** / **grouped, resident**: the same with every expert dequantized once beforehand
   (``ExpertWeight.make_resident``, as ``usaf eval`` does when memory allows);
 - **transformers grouped_mm**: ``AutoModelForCausalLM`` of the source with every expert tensor replaced by its
-  dequantization, transformers' default experts implementation (``grouped_mm``), plain ``model(input_ids)``.
+  dequantization, transformers' default experts implementation (``grouped_mm``), plain ``model(input_ids)``;
+- with ``--block-sweep``, **grouped, dequantized per forward, at n MiB**: the same arm at other block budgets (the
+  fp32 size of a block's experts, ``usaf.engine.grouped.HOST_BLOCK_BYTES`` / ``DEVICE_BLOCK_BYTES``).
 
 Checks per shape: grouped and loop logits are bit-identical on CPU fp32 (else the largest difference is
 recorded), and usaf's logits against transformers' (the same weights; summation order differs). Also timed: the
 dequantization of one layer's ``gate_up`` (all its experts) per expert, in the grouped path's blocks, in one call.
 
     python benchmarks/bench_frozen.py [--threads 1] [--rounds 7] [--experts 32 64 128] [--device cpu] [--dtype float32]
-                                      [--out benchmarks/results/frozen.json]
+                                      [--block-sweep 4 8 16] [--out benchmarks/results/frozen.json]
 """
 
 from __future__ import annotations
@@ -55,7 +57,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(src: Path, qdir: Path, rounds: int, device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
+def measure(
+    src: Path, qdir: Path, rounds: int, device: torch.device, dtype: torch.dtype = torch.float32, block_sweep=()
+) -> dict:
+    """``block_sweep``: block budgets in MiB (``grouped.block_bytes`` of the device) at which the grouped per-forward
+    arm is also timed, as arms ``grouped_per_forward_{n}MiB``."""
     backend = resolve_backend(device.type)
     ids = text_batch(qdir)[0].to(device)
     per_forward = load_quantized_model(qdir, device=device, compute_dtype=dtype)
@@ -66,14 +72,19 @@ def measure(src: Path, qdir: Path, rounds: int, device: torch.device, dtype: tor
     hf = reference(src, per_forward, None).to(device, dtype)
     real_applies = grouped.applies
 
-    def usaf_arm(loaded, use_grouped: bool):
+    budget_name = "HOST_BLOCK_BYTES" if device.type == "cpu" else "DEVICE_BLOCK_BYTES"  # what block_bytes reads
+    default_budget = getattr(grouped, budget_name)
+
+    def usaf_arm(loaded, use_grouped: bool, budget: int = default_budget):
         def run() -> torch.Tensor:
             grouped.applies = real_applies if use_grouped else (lambda state, hidden: False)
+            setattr(grouped, budget_name, budget)
             try:
                 with torch.no_grad():
                     return loaded.model(input_ids=ids).logits
             finally:
                 grouped.applies = real_applies
+                setattr(grouped, budget_name, default_budget)
 
         return run
 
@@ -86,8 +97,9 @@ def measure(src: Path, qdir: Path, rounds: int, device: torch.device, dtype: tor
         "grouped_per_forward": usaf_arm(per_forward, True),
         "loop_resident": usaf_arm(resident, False),
         "grouped_resident": usaf_arm(resident, True),
-        "transformers_grouped_mm": hf_arm,
     }
+    swept = {f"grouped_per_forward_{mib:g}MiB": usaf_arm(per_forward, True, int(mib * 2**20)) for mib in block_sweep}
+    arms = {**arms, **swept, "transformers_grouped_mm": hf_arm}  # the reference last (names[:-1] below)
     logits = {name: fn().float().cpu() for name, fn in arms.items()}  # also the warm-up
     times = interleaved(arms, rounds, device, verbose=True)
     names = list(arms)
@@ -107,7 +119,9 @@ def measure(src: Path, qdir: Path, rounds: int, device: torch.device, dtype: tor
         "grouped_equals_loop": {
             "per_forward": torch.equal(logits["grouped_per_forward"], logits["loop_per_forward"]),
             "resident": torch.equal(logits["grouped_resident"], logits["loop_resident"]),
+            **{name: torch.equal(logits[name], logits["loop_per_forward"]) for name in swept},
         },
+        "block_budget_default_mib": default_budget / 2**20,
         "max_abs_diff_vs_transformers": float(
             (logits["grouped_per_forward"] - logits["transformers_grouped_mm"]).abs().max()
         ),
@@ -169,6 +183,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype of every arm (bfloat16: what a GPU trains in, and grouped_mm's fast path)")
+    parser.add_argument("--block-sweep", type=float, nargs="*", default=[], metavar="MIB",
+                        help="also time the grouped per-forward arm at these dequantization block budgets (MiB)")
     parser.add_argument("--out", type=Path, default=RESULTS / "frozen.json")
     args = parser.parse_args()
     if args.threads:
@@ -188,7 +204,7 @@ def main() -> None:
             print(f"[{name}] building and quantizing", flush=True)
             work = Path(tmp) / name.split()[0]
             qdir = build(work, experts, width, top_k)
-            result = measure(work / "model", qdir, args.rounds, device, getattr(torch, args.dtype))
+            result = measure(work / "model", qdir, args.rounds, device, getattr(torch, args.dtype), args.block_sweep)
             result["shape"] = {"experts": experts, "width": width, "top_k": top_k}
             results["shapes"][name] = result
             print(f"[{name}] " + json.dumps({k: result[k] for k in ("seconds", "speed_vs_transformers")}), flush=True)

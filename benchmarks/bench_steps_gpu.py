@@ -198,6 +198,20 @@ def peak_above_resident(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def model_record(config: dict, args: argparse.Namespace, **extra) -> dict:
+    """The benchmarked stack, for a result file: ``args`` has ``quick``, ``layers`` and ``dtype``."""
+    return {
+        "base": "Qwen3-30B-A3B config" + (" (quick widths)" if args.quick else ""),
+        "layers": args.layers,
+        "experts": config["num_experts"],
+        "hidden": config["hidden_size"],
+        "expert_width": config["moe_intermediate_size"],
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        **extra,
+    }
+
+
 def dispatched_ops(fn) -> dict[str, int]:
     """What one call of ``fn`` dispatches (forward, backward, optimizer): ``ops``, every aten operator, views
     included; ``device_syncs``, those that wait for the device to finish (``usaf.testing.dispatch``: a scalar read,
@@ -334,17 +348,7 @@ def run(args: argparse.Namespace) -> None:
         "grouped": args.grouped,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "model": {
-            "base": "Qwen3-30B-A3B config" + (" (quick widths)" if args.quick else ""),
-            "layers": args.layers,
-            "experts": config["num_experts"],
-            "hidden": config["hidden_size"],
-            "expert_width": config["moe_intermediate_size"],
-            "dtype": args.dtype,
-            "threads": torch.get_num_threads(),
-            "microbatch": MICROBATCH,
-            "seq_len": seq_len,
-        },  # fmt: skip
+        "model": model_record(config, args, microbatch=MICROBATCH, seq_len=seq_len),
         "usaf": usaf,
         "lora": lora,
         "seconds": {name: [round(t, 5) for t in ts] for name, ts in times.items()}

@@ -12,7 +12,9 @@
 #      and operators dispatched per step, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json,
 #      with both steps' profiles (steps-gpu-profile.txt), and again under --deterministic (steps-gpu-deterministic.json);
 #   3. the frozen-layer forward (grouped execution vs the per-expert loop vs transformers' grouped_mm) at 32 and
-#      128 experts in bf16 -> benchmarks/results/frozen-gpu.json;
+#      128 experts in bf16, also at dequantization blocks of 16 and 256 MiB -> benchmarks/results/frozen-gpu.json;
+#      and at the real width, per forward at blocks of 16 MiB to 1 GiB against resident experts, with operators
+#      and device syncs per forward -> benchmarks/results/frozen-gpu-real-width.json;
 #   4. the planner's GPU benchmark: predicted device peak vs torch.cuda.max_memory_allocated at the real width,
 #      step times with the frozen experts streamed from pinned host memory vs on the device, HQQ quantization MB/s
 #      on the GPU -> benchmarks/results/plan-gpu.json;
@@ -58,9 +60,12 @@ collect "$RESULTS/steps-gpu.json" "$RESULTS/steps-gpu-profile.txt"
 step "training steps with --deterministic" 100 "$PY" benchmarks/bench_steps_gpu.py --rounds 5 --deterministic \
     --out "$RESULTS/steps-gpu-deterministic.json"
 collect "$RESULTS/steps-gpu-deterministic.json"
-step "frozen-layer forward" 100 "$PY" benchmarks/bench_frozen.py --device cuda --dtype bfloat16 --experts 32 128 \
-    --rounds 5 --out "$RESULTS/frozen-gpu.json"
+step "frozen-layer forward" 120 "$PY" benchmarks/bench_frozen.py --device cuda --dtype bfloat16 --experts 32 128 \
+    --rounds 5 --block-sweep 16 256 --out "$RESULTS/frozen-gpu.json"
 collect "$RESULTS/frozen-gpu.json"
+step "frozen-layer forward at real width" 90 "$PY" benchmarks/bench_frozen_gpu.py --rounds 7 \
+    --out "$RESULTS/frozen-gpu-real-width.json"
+collect "$RESULTS/frozen-gpu-real-width.json"
 step "planner and streaming" 150 "$PY" benchmarks/bench_plan_gpu.py --streaming --out "$RESULTS/plan-gpu.json"
 collect "$RESULTS/plan-gpu.json"
 step "usaf plan" 30 bash -c "\"$PY\" -m usaf plan tests/data/qwen3-30b-a3b --device cuda --ram 32GiB --json > $RESULTS/plan-gpu-usaf-plan.json"
