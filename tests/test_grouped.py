@@ -97,7 +97,7 @@ def test_grouped_forward_at_128_experts_top_8(block_bytes, grouped_mm, tiny_mode
     assert torch.equal(ours, loop) and torch.equal(resident, loop)
 
 
-def test_blocks_respect_the_budget_and_resident_chunks(tiny_model, tmp_path):
+def test_blocks_respect_the_budget_and_resident_chunks(tiny_model, tmp_path, monkeypatch):
     from usaf.engine.loading import load_quantized_model
     from usaf.engine.resident import ResidentBase
     from usaf.stages.quantize import QuantizeConfig
@@ -109,12 +109,19 @@ def test_blocks_respect_the_budget_and_resident_chunks(tiny_model, tmp_path):
     counts = torch.tensor([3, 0, 2, 5, 0, 0, 1, 4, 0, 2, 2, 0, 0, 0, 7, 1])
     cpu = torch.device("cpu")
     per_expert = 4 * sum(w.shape[1] * w.shape[2] for w in (state.gate_up, state.down))
+    monkeypatch.setattr(grouped, "HOST_BLOCK_BYTES", 2 * per_expert)
     blocks = list(grouped._blocks(state, counts, cpu))
-    assert all(len(e) * per_expert <= grouped.HOST_BLOCK_BYTES for e, _, _ in blocks)
-    assert torch.equal(torch.cat([e for e, _, _ in blocks]), torch.nonzero(counts).flatten())  # routed only
-    assert [(s, t) for _, s, t in blocks][-1][1] == int(counts.sum())
+    assert [len(b.ids) for b in blocks] == [2, 2, 2, 2, 1]  # 9 routed experts, two a block
+    assert all(len(b.ids) * per_expert <= grouped.HOST_BLOCK_BYTES for b in blocks)
+    assert torch.equal(torch.cat([b.ids for b in blocks]), torch.nonzero(counts).flatten())  # routed only
+    assert blocks[0].rows.start == 0 and blocks[-1].rows.stop == int(counts.sum())
     # rows are contiguous and each block's rows are its experts' counts
-    assert all(t - s == int(counts[e].sum()) for e, s, t in blocks)
+    assert all(a.rows.stop == b.rows.start for a, b in zip(blocks, blocks[1:], strict=False))
+    assert all(torch.equal(b.counts, counts[b.ids]) for b in blocks)
+    assert all(b.rows.stop - b.rows.start == int(b.counts.sum()) for b in blocks)
+    # a run of consecutive experts is read as a slice (views of the codes), a selection with gaps as indices
+    assert all(isinstance(b.experts, slice) == (int(b.ids[-1]) - int(b.ids[0]) + 1 == len(b.ids)) for b in blocks)
+    assert {isinstance(b.experts, slice) for b in blocks} == {True, False}  # both kinds occur here: not vacuous
     # resident in chunks of 5 experts (gate_up) and 3 (down): runs of consecutive experts that cross no chunk of either
     for weight, per_chunk in ((state.gate_up, 5), (state.down, 3)):
         expert_bytes = 4 * weight.shape[1] * weight.shape[2]
@@ -122,7 +129,8 @@ def test_blocks_respect_the_budget_and_resident_chunks(tiny_model, tmp_path):
             weight.q, dtype=torch.float32, device=cpu, max_bytes=per_chunk * expert_bytes
         )
         assert weight.resident.per_chunk == per_chunk
-    runs = [(e.tolist(), s, t) for e, s, t in grouped._blocks(state, counts, cpu)]
+    runs = [(b.ids.tolist(), b.rows.start, b.rows.stop) for b in grouped._blocks(state, counts, cpu)]
+    assert all(isinstance(b.experts, slice) for b in grouped._blocks(state, counts, cpu))  # views of the resident
     assert runs == [
         ([0, 1, 2], 0, 5), ([3], 5, 10), ([6, 7], 10, 15), ([9], 15, 17), ([10], 17, 19), ([14], 19, 26), ([15], 26, 27)
     ]  # fmt: skip
@@ -218,8 +226,9 @@ def test_training_forward_sorted_once_equals_the_per_expert_loop(family, quantiz
 
 
 def test_a_block_of_consecutive_experts_reads_views_of_the_codes(tiny_model, tmp_path):
-    """``ExpertWeight.block`` dequantizes a run of consecutive experts from views (no gather of codes, scales and
-    zeros, no upload of the selection on a device); a selection with a gap gathers (the control). Same values."""
+    """``ExpertWeight.block`` dequantizes a run of consecutive experts, given as a slice, from views (no gather of
+    codes, scales and zeros, no upload of the selection on a device); a selection with a gap gathers (the control).
+    The same values as :func:`dequantize` of those experts."""
     from usaf.engine.loading import load_quantized_model
     from usaf.quant import dequantize
     from usaf.stages.quantize import QuantizeConfig
@@ -230,9 +239,9 @@ def test_a_block_of_consecutive_experts_reads_views_of_the_codes(tiny_model, tmp
     _, qdir = quantize(QuantizeConfig(model=str(source), out=tmp_path / "q", method="rtn", group_size=8))
     weight = load_quantized_model(qdir).experts[0].gate_up
     cpu = torch.device("cpu")
-    for experts, gathers in (([4, 5, 6, 7], 0), ([4, 5, 7], 3)):
+    for experts, selection, gathers in (([4, 5, 6, 7], slice(4, 8), 0), ([4, 5, 7], torch.tensor([4, 5, 7]), 3)):
         with DispatchCount() as count:
-            block = weight.block(torch.tensor(experts), cpu)
+            block = weight.block(selection, cpu)
         assert sum(n for name, n in count.names.items() if name.startswith("index_select")) == gathers
         expected = dequantize(weight.q, experts=experts, dtype=weight.compute_dtype, memory_layout=False)
         assert torch.equal(block, expected)

@@ -97,20 +97,22 @@ class ExpertWeight(TrainableTensor):
             return self.resident.expert(expert).to(device, non_blocking=True)
         return dequantize(self.q, experts=[expert], dtype=self.compute_dtype, device=device, memory_layout=False)[0]
 
-    def block(self, experts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def block(self, experts: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
         """Several experts' frozen bases, ``(e, O, I)`` in the compute dtype on ``device``.
 
         A view of the resident base where it lives on ``device`` and ``experts`` is a run of consecutive
         experts within one stored chunk (as :mod:`usaf.engine.grouped` asks); else dequantized in one call.
-        ``experts``: ``(e,)`` ascending, on the host.
+
+        Args:
+            experts: a run of consecutive experts as a slice (dequantized from views of the codes: no gather of codes,
+                scales and zeros, and on a device no upload of the selection), or ``(e,)`` int64 ascending on the host.
+            device: where the result lives.
         """
-        first, stop = int(experts[0]), int(experts[-1]) + 1
         if self.resident is not None and self.resident.device == device:
-            return self.resident.run(first, stop)
-        # A run of consecutive experts (every block where all are routed) is read as a view of the codes: no gather
-        # of codes, scales and zeros, and on a device no upload of the selection.
-        selection = slice(first, stop) if stop - first == len(experts) else experts
-        return dequantize(self.q, experts=selection, dtype=self.compute_dtype, device=device, memory_layout=False)
+            if not isinstance(experts, slice):
+                raise ValueError("a resident base is read by runs of consecutive experts (a slice)")
+            return self.resident.run(experts.start, experts.stop)
+        return dequantize(self.q, experts=experts, dtype=self.compute_dtype, device=device, memory_layout=False)
 
     def nbytes(self) -> dict[str, int]:
         resident = self.resident.nbytes if self.resident is not None else 0

@@ -17,7 +17,9 @@ expert) order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -70,18 +72,17 @@ def grouped_forward(
     weights = top_k_weights.reshape(-1)[order, None]  # (T*k, 1)
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # (T, H)
     biases = module_biases(self)
-    for experts, start, stop in _blocks(state, counts, hidden_states.device):
-        block_counts = counts[experts]  # (e,)
-        rows = slice(start, stop)
-        ends = group_ends(block_counts, x.device) if state.grouped_mm else None  # both tensors' groups
+    for block in _blocks(state, counts, hidden_states.device):
+        rows = block.rows
+        ends = group_ends(block.counts, x.device) if state.grouped_mm else None  # both tensors' groups
         # Each tensor dequantized right before its GEMM (and dropped after): its fresh values are still in the
         # cache when they are read, and only one tensor's transient is held at a time.
-        gate_up = state.gate_up.block(experts, x.device)  # (e, 2I, H)
-        h = grouped_linear(x[rows], gate_up, block_counts, biases[0], experts, state.grouped_mm, ends)  # (n, 2I)
+        gate_up = state.gate_up.block(block.experts, x.device)  # (e, 2I, H)
+        h = grouped_linear(x[rows], gate_up, block.counts, biases[0], block.ids, state.grouped_mm, ends)  # (n, 2I)
         del gate_up
         h = self._apply_gate(h)  # (n, I)
-        down = state.down.block(experts, x.device)  # (e, H, I)
-        y = grouped_linear(h, down, block_counts, biases[1], experts, state.grouped_mm, ends)  # (n, H)
+        down = state.down.block(block.experts, x.device)  # (e, H, I)
+        y = grouped_linear(h, down, block.counts, biases[1], block.ids, state.grouped_mm, ends)  # (n, H)
         del down
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
@@ -89,35 +90,48 @@ def grouped_forward(
     return out
 
 
-def _blocks(state, counts: torch.Tensor, device: torch.device) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """Runs of experts, ``(experts (e,) int64 ascending, first row, end row)`` in the expert-major rows.
+class FrozenBlock(NamedTuple):
+    """Experts of one frozen layer run together, and what the forward needs of them, all known on the host."""
+
+    experts: slice | torch.Tensor  # what to read: a run of consecutive experts, else (e,) int64 ascending
+    ids: torch.Tensor  # (e,) int64: the experts (for their biases)
+    counts: torch.Tensor  # (e,) int64: rows per expert
+    rows: slice  # their expert-major rows
+
+
+def _blocks(state, counts: torch.Tensor, device: torch.device) -> Iterator[FrozenBlock]:
+    """Runs of routed experts, in ascending order, over consecutive expert-major rows.
 
     Resident bases (on ``device``) are read as views: a block is a run of consecutive experts within one
     stored chunk of each tensor (their chunks differ in size), unrouted ones included (their groups are
     empty). Otherwise a block is a run of routed experts whose fp32 dequantization transient (both
-    tensors) fits :func:`block_bytes`.
+    tensors) fits :func:`block_bytes`; where they are consecutive (every block when all experts are routed) they
+    are read as a slice, from views of the codes.
     """
-    ends = torch.cumsum(counts, 0).tolist()  # (E,) expert-major row where each expert's rows end
-    routed = torch.nonzero(counts).flatten().tolist()  # ascending
+    sizes = counts.tolist()  # (E,) on the host: python ints, so no block reads a tensor element back
+    ends = list(itertools.accumulate(sizes))  # expert-major row where each expert's rows end
+    routed = [e for e, n in enumerate(sizes) if n]  # ascending
 
-    def rows(a: int, b: int) -> tuple[int, int]:  # the rows of experts a..b
-        return ends[a] - int(counts[a]), ends[b]
+    def make(chosen: list[int]) -> FrozenBlock:  # routed experts, ascending
+        first, last = chosen[0], chosen[-1]
+        run = last - first + 1 == len(chosen)
+        experts = slice(first, last + 1) if run else torch.tensor(chosen)
+        ids = torch.arange(first, last + 1) if run else experts
+        return FrozenBlock(experts, ids, counts[experts], slice(ends[first] - sizes[first], ends[last]))
 
     if _resident_on(state, device):
-        sizes = [w.resident.per_chunk for w in (state.gate_up, state.down)]
-        chunk = [tuple(e // size for size in sizes) for e in routed]  # the chunk of each tensor it lies in
+        per_chunk = [w.resident.per_chunk for w in (state.gate_up, state.down)]
+        chunk = [tuple(e // size for size in per_chunk) for e in routed]  # the chunk of each tensor it lies in
         first = 0
         for j in range(1, len(routed) + 1):
             if j == len(routed) or chunk[j] != chunk[first]:
-                a, b = routed[first], routed[j - 1]
-                yield torch.arange(a, b + 1), *rows(a, b)
+                yield make(list(range(routed[first], routed[j - 1] + 1)))
                 first = j
         return
     per_expert = 4 * sum(w.shape[1] * w.shape[2] for w in (state.gate_up, state.down))  # fp32 bytes
     budget = max(1, block_bytes(device) // per_expert)
     for first in range(0, len(routed), budget):
-        block = routed[first : first + budget]
-        yield torch.tensor(block), *rows(block[0], block[-1])
+        yield make(routed[first : first + budget])
 
 
 def _resident_on(state, device: torch.device) -> bool:
