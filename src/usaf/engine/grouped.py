@@ -31,7 +31,7 @@ from usaf.families.modules import EXPERT_BIAS_PARAMS
 # The fp32 bytes of one block's experts (both tensors; each tensor is dequantized just before its GEMM, so one
 # tensor's transient is held at a time). On the host a block should stay in the cache (one call over all 128
 # experts was slower than one call per expert there), yet hold a few experts: of 2 to 32 MiB, 8 MiB ran the whole
-# forward fastest or within 1.5 % of it (docs/BENCHMARKS.md, "The frozen-layer forward"). On a device, fewer and
+# forward fastest or within 2 % of it (docs/BENCHMARKS.md, "The frozen-layer forward"). On a device, fewer and
 # larger calls are the point, bounded so the transient stays a small share of a 12 GB card (3 experts of
 # Qwen3-30B-A3B's width).
 HOST_BLOCK_BYTES = 8 * 2**20
