@@ -66,19 +66,23 @@ class DispatchCount(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
-        self.syncs = 0
         self.waiting: Counter[str] = Counter()
         self.names: Counter[str] = Counter()
+
+    @property
+    def ops(self) -> int:
+        return sum(self.names.values())
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.waiting.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops += 1
         self.names[func.__name__] += 1
         why = waits_for_device(func.__name__, args, kwargs, out)
         if why is not None:
-            self.syncs += 1
             self.waiting[why] += 1
         return out
 
