@@ -15,11 +15,12 @@ from usaf.quant import (
     effective_group_size,
     pack_codes,
     packed_width,
+    packing,
     quantize_experts,
     relative_error,
     unpack_codes,
 )
-from usaf.quant.packing import codes_at, unpack_blocks
+from usaf.quant.packing import codes_at, unpack_blocks, unpack_codes_as
 from usaf.quant.tensor import _select
 
 NE, NO, NI = 3, 24, 64  # experts, out and in features; NI < the default group size 128, so the group is 64
@@ -60,6 +61,26 @@ def test_pack_round_trip_including_extreme_codes(nbits, width):
     assert torch.equal(unpack_codes(packed, nbits, width), codes.to(torch.uint8))
     if nbits != 8:  # 4 bits has its own fast path: the general block loop must agree with it
         assert torch.equal(unpack_blocks(packed, nbits, width), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16))
+def test_host_unpack_in_chunks_equals_the_nibble_by_nibble_form(dtype, monkeypatch):
+    # Every byte value, in rows of 12 bytes (24 codes); a chunk of 7 bytes splits rows and leaves a partial
+    # last chunk; [::2] makes the input a strided view.
+    packed = torch.arange(256, dtype=torch.uint8).repeat(3)[: 64 * 12].view(4, 16, 12)[:, ::2]  # (4, 8, 12)
+    expected = unpack_codes(packed, 4, 24).to(dtype)  # (4, 8, 24)
+    calls, host = [], packing._unpack_nibbles_host
+    monkeypatch.setattr(packing, "_HOST_UNPACK_CHUNK", 7)
+    monkeypatch.setattr(packing, "_unpack_nibbles_host", lambda *a: calls.append(1) or host(*a))
+    got = unpack_codes_as(packed, 4, 24, dtype)
+    assert calls, "the host path did not run"
+    assert got.dtype == dtype and got.shape == (4, 8, 24) and got.is_contiguous()
+    assert torch.equal(got, expected)
+    swapped = expected.view(4, 8, 12, 2).flip(-1).reshape(4, 8, 24)  # the codes of each byte in the wrong order
+    assert not torch.equal(got, swapped)  # the negative control: the data tells the two orders apart
+    monkeypatch.setattr(packing.sys, "byteorder", "big")  # the device form, which does not reinterpret bytes
+    assert torch.equal(unpack_codes_as(packed, 4, 24, dtype), expected)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("nbits", (2, 3, 4))
