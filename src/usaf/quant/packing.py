@@ -106,9 +106,9 @@ def unpack_codes_as(packed: torch.Tensor, nbits: int, in_features: int, dtype: t
 
     4-bit codes: on a device, written straight into the ``dtype`` buffer, nibble by nibble (no uint8
     intermediate and no separate cast, two passes over the output fewer, four operators); on the host, a chunk
-    at a time through an int16 scratch and one contiguous cast (:func:`_unpack_nibbles_host`, 1.4-1.9x faster
-    there; dequantization is most of a frozen layer's forward on CPU, docs/BENCHMARKS.md). The values are the
-    same integers either way, so the result is identical.
+    at a time through an int16 scratch and one contiguous cast (:func:`_unpack_nibbles_host`, 1.6x faster on a
+    frozen block there; dequantization is most of a frozen layer's per-forward cost on CPU, docs/BENCHMARKS.md).
+    The values are the same integers either way, so the result is identical.
     """
     if nbits != 4 or packed.shape[-1] * 2 != in_features:  # other widths, and rows with a padding nibble
         return unpack_codes(packed, nbits, in_features).to(dtype, copy=True)
@@ -123,7 +123,7 @@ def unpack_codes_as(packed: torch.Tensor, nbits: int, in_features: int, dtype: t
 
 
 # Packed bytes unpacked at a time on the host: the chunk's int16 scratch (2 MiB) stays in cache. 1 MiB was the
-# fastest of 64 KiB to 1 GiB for a frozen block of 10 experts and for a whole 128-expert tensor (docs/BENCHMARKS.md).
+# fastest, or within 4 % of it, of 64 KiB to one chunk for the whole tensor, at every shape of bench_unpack.py.
 _HOST_UNPACK_CHUNK = 2**20
 
 
