@@ -172,6 +172,8 @@ def test_cuda_compute_capability_8_0_gets_bf16(monkeypatch: pytest.MonkeyPatch) 
     assert backend.capabilities.bf16 and backend.capabilities.memory_stats
     assert backend.capabilities.dense_delta_terms  # the sparse terms as GEMMs (measured on an H200)
     assert not resolve_backend("cpu", env={}).capabilities.dense_delta_terms  # the CPU's gathers are cheaper
+    assert resolve_backend("cpu", env={}).capabilities.unpack_via_int16  # measured on the CPU alone
+    assert not backend.capabilities.unpack_via_int16  # a device keeps the nibble form (fewer operators)
     assert backend.policy.compute == torch.bfloat16 and backend.policy.autocast == torch.bfloat16
     assert not backend.policy.loss_scaling
     memory = backend.memory()

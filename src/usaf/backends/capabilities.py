@@ -52,6 +52,11 @@ class Capabilities:
             CUDA, where the scatters are colliding atomics and a GEMM of the same tokens is cheap (an H200's
             training step: 3.3× less device time). Not on the CPU (its fp32 GEMMs cost more than the gathers),
             not measured on ROCm's or MPS's kernels (ROCm shares CUDA's backend, so it follows CUDA).
+        unpack_via_int16: 4-bit codes unpack faster through an int16 scratch, 1 MiB of codes at a time, and one
+            contiguous cast than by writing each nibble into the output, a strided write
+            (``usaf.quant.packing``): on the CPU, 1.6x on a frozen block of experts (docs/BENCHMARKS.md, "The 4-bit
+            codes unpacked through an int16 scratch"). Devices keep the nibble form, four operators where the
+            int16 form takes six per chunk; not measured there.
     """
 
     bf16: bool
@@ -70,6 +75,7 @@ class Capabilities:
     direct_load: bool = True
     reproducible: bool = False
     dense_delta_terms: bool = False
+    unpack_via_int16: bool = False
 
     def as_dict(self) -> dict[str, bool | int | None]:
         return asdict(self)

@@ -39,6 +39,7 @@ def capabilities() -> Capabilities:
         # torch <= 2.8 has no CPU kernel for grouped matmul (pytorch#172440).
         grouped_mm=has_grouped_mm_op() and torch_at_least("2.9"),
         reproducible=True,  # tests/test_determinism.py: byte-identical runs across processes
+        unpack_via_int16=True,  # docs/BENCHMARKS.md, "The 4-bit codes unpacked through an int16 scratch"
     )
 
 

@@ -14,7 +14,8 @@ would not be a contiguous slice of a stacked tensor. This layout packs each row 
   ``B2 = c5 >> 1 | c6 << 2 | c7 << 5``. The padding codes are 0 and are dropped on unpacking; the
   padding is implied by ``I`` (which the caller records), so it is not stored separately.
 
-Only shifts, masks and ORs on ``uint8`` are used, so unpacking runs on any torch device.
+Only shifts, masks and ORs on integers are used, so unpacking runs on any torch device (the host's 4-bit
+path also reads an int16 scratch as its bytes, little-endian: :func:`_unpack_nibbles_host`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from usaf.backends.transfer import device_capabilities
 
 PACKING = "usaf-lsb-v1"
 PACKED_NBITS = (2, 3, 4)  # bit widths that are packed 8 codes -> nbits bytes; 8 bits is stored as is
@@ -105,16 +108,17 @@ def unpack_codes_as(packed: torch.Tensor, nbits: int, in_features: int, dtype: t
     """:func:`unpack_codes` cast to ``dtype``: ``(..., I)``, a new tensor (callers edit it in place).
 
     4-bit codes: on a device, written straight into the ``dtype`` buffer, nibble by nibble (no uint8
-    intermediate and no separate cast, two passes over the output fewer, four operators); on the host, a chunk
-    at a time through an int16 scratch and one contiguous cast (:func:`_unpack_nibbles_host`, 1.6x faster on a
-    frozen block there; dequantization is most of a frozen layer's per-forward cost on CPU, docs/BENCHMARKS.md).
-    The values are the same integers either way, so the result is identical.
+    intermediate and no separate cast, two passes over the output fewer, four operators); where the backend
+    declares ``Capabilities.unpack_via_int16`` (the CPU), a chunk at a time through an int16 scratch and one
+    contiguous cast (:func:`_unpack_nibbles_host`, 1.6x faster on a frozen block there; dequantization is most
+    of a frozen layer's per-forward cost on CPU, docs/BENCHMARKS.md). The values are the same integers either
+    way, so the result is identical.
     """
     if nbits != 4 or packed.shape[-1] * 2 != in_features:  # other widths, and rows with a padding nibble
         return unpack_codes(packed, nbits, in_features).to(dtype, copy=True)
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
-    if packed.device.type == "cpu" and sys.byteorder == "little":
+    if sys.byteorder == "little" and device_capabilities(packed.device).unpack_via_int16:
         return _unpack_nibbles_host(packed, dtype)
     out = torch.empty((*packed.shape, 2), dtype=dtype, device=packed.device)  # (..., I/2, 2)
     out[..., 0] = packed & 15  # B_j = c_2j | c_2j+1 << 4
