@@ -7,11 +7,13 @@ one. This measures what batching would gain on the frozen layers, and whether it
 
 Workload, one model per shape (``bench_reselect.SHAPES``: 4 layers, hidden 512, the top 2 trainable, so 2 frozen
 MoE layers with their experts dequantized once, as ``usaf train`` does when they fit): 16 sequences of 256 tokens
-of standard-library text (``json``). Arms, interleaved in rotating order each round (medians of ``--rounds``):
+of standard-library text (``json``); ``--per-forward``: the frozen experts dequantized on every forward instead (the
+mode of a model whose frozen layers do not fit in half the free memory, where batching also shares each
+dequantization between the batch's sequences). Arms, interleaved in rotating order each round (medians of ``--rounds``):
 the 16 captured one at a time, and in batches of 2, 4, 8 and 16 (``SparseEngine.prefix_states``). Checks: each
 batched state against the one-at-a-time state (bit for bit, else the largest difference).
 
-    python benchmarks/bench_capture.py [--threads 1] [--rounds 5] [--experts 32 128]
+    python benchmarks/bench_capture.py [--threads 1] [--rounds 5] [--experts 32 128] [--per-forward]
                                        [--out benchmarks/results/capture.json]
 """
 
@@ -47,7 +49,7 @@ def sequences(qdir: Path) -> torch.Tensor:
     return torch.tensor(ids).view(SEQUENCES, SEQ)
 
 
-def measure(qdir: Path, rounds: int) -> dict:
+def measure(qdir: Path, rounds: int, per_forward: bool) -> dict:
     from usaf.backends import resolve_backend
     from usaf.engine.engine import SparseEngine
     from usaf.engine.loading import load_quantized_model
@@ -56,7 +58,8 @@ def measure(qdir: Path, rounds: int) -> dict:
     loaded = load_quantized_model(qdir)
     engine = SparseEngine(loaded, trainable_layers=loaded.spec.moe_layers[-TRAINABLE:])
     frozen = [layer for layer in loaded.experts if layer not in engine.trainable_layers]
-    make_resident(loaded, resolve_backend("cpu"), True, frozen)
+    if not per_forward:
+        make_resident(loaded, resolve_backend("cpu"), True, frozen)
     ids = sequences(qdir)
 
     def capture(batch: int) -> list[torch.Tensor]:
@@ -86,17 +89,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--experts", type=int, nargs="*", default=[32, 128], help="shapes by expert count")
+    parser.add_argument(
+        "--per-forward", action="store_true", help="the frozen experts dequantized every forward (not once)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "capture.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = {k: v for k, v in SHAPES.items() if v[0] in args.experts}
-    results = {"machine": machine(), "commit": git_commit(), "command": " ".join(["python", *sys.argv]), "shapes": {}}
+    results = {"machine": machine(), "commit": git_commit(), "command": " ".join(["python", *sys.argv]),
+               "frozen_experts": "per forward" if args.per_forward else "dequantized once", "shapes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for name, (experts, width, top_k) in shapes.items():
             print(f"[{name}] building and quantizing", flush=True)
             qdir = build(Path(tmp) / name, experts, width, top_k)
-            result = measure(qdir, args.rounds)
+            result = measure(qdir, args.rounds, args.per_forward)
             result["shape"] = {"experts": experts, "width": width, "top_k": top_k}
             results["shapes"][name] = result
             print(f"[{name}] " + json.dumps({k: result[k] for k in ("speed_vs_one_at_a_time", "checks")}), flush=True)
