@@ -7,15 +7,23 @@ unpacking the codes was most of that dequantization. Shapes: one host block of `
 tensor (what "dequantized once" unpacks). Arms alternate within each round; every arm's result is checked equal to
 :func:`usaf.quant.packing.unpack_codes` cast to fp32.
 
-    python benchmarks/bench_unpack.py [--threads 1] [--rounds 7] [--out benchmarks/results/unpack.json]
+``--steps``: a first-visit training step with the frozen layers dequantized per forward (``bench_train.py``'s
+``usaf_prefix_miss`` arm: its model, 2 x 256 tokens, a fresh prefix cache each step), the host unpack against the
+nibble form (``Capabilities.unpack_via_int16`` switched off), alternating in one process, each timed step after an
+untimed one of the same arm.
+
+    python benchmarks/bench_unpack.py [--threads 1] [--rounds 7] [--steps] [--experts 128]
+        [--out benchmarks/results/unpack.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import RESULTS, machine  # noqa: E402
-from bench_train import git_commit  # noqa: E402
+from bench_train import CALIB, MODEL, PACKAGES, SEQ, build, git_commit, stage_trainer, trainer_step  # noqa: E402
 
 SHAPES = {  # packed (E, O, I / 2)
     "block of 10, gate_up 384 x 512": (10, 384, 256),
@@ -63,12 +71,58 @@ def seconds(fn, packed: torch.Tensor, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def first_visit_steps(experts: int, rounds: int) -> dict:
+    """Median first-visit step (frozen layers per forward) with the host unpack and with the nibble form."""
+    from usaf.engine.prefix import PrefixCache
+    from usaf.quant import packing
+
+    widths = MODEL if experts == 32 else {**MODEL, "num_experts": experts, "num_experts_per_tok": 8,
+                                          "moe_intermediate_size": 3 * MODEL["hidden_size"] // 8}  # fmt: skip
+    host = packing.device_capabilities
+
+    def nibble(device):
+        return dataclasses.replace(host(device), unpack_via_int16=False)
+
+    with tempfile.TemporaryDirectory(prefix="usaf-bench-unpack-") as tmp:
+        work = Path(tmp)
+        _, qdir, tdir, plan, _ = build(work, widths, SEQ, CALIB, PACKAGES)
+        trainer, _ = stage_trainer(qdir, tdir, plan, work / "run")
+        fingerprint = trainer.prefix[1]
+
+        def step(index: int) -> float:
+            trainer.prefix = (PrefixCache(2**31, None), fingerprint)  # no store: both sequences are first visits
+            return trainer_step(trainer, index)
+
+        times = {"int16": [], "nibble_by_nibble": []}
+        try:
+            for r in range(rounds):
+                for arm in list(times) if r % 2 == 0 else list(times)[::-1]:
+                    packing.device_capabilities = host if arm == "int16" else nibble
+                    step(r)  # untimed: the same arm's settle step
+                    times[arm].append(step(r))
+        finally:
+            packing.device_capabilities = host
+    medians = {arm: statistics.median(t) for arm, t in times.items()}
+    per_round = [n / i for i, n in zip(times["int16"], times["nibble_by_nibble"])]
+    print(f"[first visit, {experts} experts] int16 {medians['int16']:.3f} s, nibble by nibble "
+          f"{medians['nibble_by_nibble']:.3f} s", flush=True)  # fmt: skip
+    return {
+        "experts": experts,
+        "median_seconds": medians,
+        "speed_int16_over_nibble": medians["nibble_by_nibble"] / medians["int16"],
+        "per_round_speed": per_round,
+        "rounds": times,
+    }
+
+
 def main() -> None:
     from usaf.quant import unpack_codes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", action="store_true", help="also time first-visit steps, host unpack vs nibbles")
+    parser.add_argument("--experts", type=int, choices=(32, 64, 128), default=128, help="--steps' model [128]")
     parser.add_argument("--out", type=Path, default=RESULTS / "unpack.json")
     args = parser.parse_args()
     if args.threads is not None:
@@ -97,6 +151,8 @@ def main() -> None:
             "per_round_ms": {arm: [round(t * 1e3, 4) for t in ts] for arm, ts in times.items()},
         }
         print(f"[{name}] " + "  ".join(f"{arm} {m * 1e3:.3f} ms" for arm, m in medians.items()), flush=True)
+    if args.steps:
+        result["first_visit_steps"] = first_visit_steps(args.experts, args.rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
