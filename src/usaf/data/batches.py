@@ -18,6 +18,7 @@ class Batch:
     input_ids: torch.Tensor  # (B, T) int64, right-padded
     labels: torch.Tensor  # (B, T) int64, -100 on padding
     attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens
+    rows: tuple[int, ...] | None = None  # each row's index in its TokenDataset, where it came from one (training)
 
     @property
     def tokens(self) -> int:
@@ -41,8 +42,8 @@ def sample_lines(path: Path, count: int, *, seed: int, vocab_size: int, context:
     return sorted(reservoir, key=lambda line: line.line)
 
 
-def collate(lines: list[TokenLine], pad_id: int = 0) -> Batch:
-    """Right-pad to the longest line; padding is masked out of attention and loss."""
+def collate(lines: list[TokenLine], pad_id: int = 0, *, rows: tuple[int, ...] | None = None) -> Batch:
+    """Right-pad to the longest line; padding is masked out of attention and loss. ``rows``: see :class:`Batch`."""
     length = max(len(line.input_ids) for line in lines)
     ids = torch.full((len(lines), length), pad_id, dtype=torch.int64)
     labels = torch.full((len(lines), length), IGNORE_INDEX, dtype=torch.int64)
@@ -52,7 +53,7 @@ def collate(lines: list[TokenLine], pad_id: int = 0) -> Batch:
         ids[i, :n] = torch.tensor(line.input_ids)
         labels[i, :n] = torch.tensor(line.labels)
         mask[i, :n] = 1
-    return Batch(ids, labels, mask)
+    return Batch(ids, labels, mask, rows)
 
 
 def batches(lines: list[TokenLine], microbatch: int, pad_id: int = 0) -> Iterator[Batch]:

@@ -49,8 +49,12 @@ class TokenDataset:
 
     def samples_for_step(self, step: int, per_step: int, seed: int) -> list[TokenLine]:
         """The ``per_step`` sequences of global step ``step`` in the endless sequence of shuffled epochs."""
+        return [self[i] for i in self.indices_for_step(step, per_step, seed)]
+
+    def indices_for_step(self, step: int, per_step: int, seed: int) -> list[int]:
+        """The dataset indices of :meth:`samples_for_step`'s sequences, in its order."""
         out = []
         for k in range(step * per_step, (step + 1) * per_step):
             epoch, position = divmod(k, len(self))
-            out.append(self[int(self.order(epoch, seed)[position])])
+            out.append(int(self.order(epoch, seed)[position]))
         return out

@@ -43,6 +43,7 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
 from usaf.errors import UsafError
+from usaf.stages.train.companies import FirstEpochCompanies, company_prefix_states
 from usaf.stages.train.config import TrainConfig
 
 ROUTING_WINDOW = 10  # steps whose expert loads are pooled before checking a trainable layer for collapse
@@ -91,6 +92,8 @@ class Trainer:
         self.run_dir = run_dir
         self.pad_id = pad_id
         self.prefix = prefix  # (PrefixCache, model fingerprint) or None
+        # whom each training sequence's prefix state is computed with (usaf.stages.train.companies)
+        self.companies = FirstEpochCompanies(data, seed=config.seed, microbatch=config.microbatch)
         self.optimizer = self._new_optimizer()
         self.schedule = WarmupCosine(int(config.warmup * steps), steps)
         self.state = TrainState()
@@ -107,12 +110,18 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------------------
 
-    def _microbatches(self, step: int) -> list:
+    def _microbatches(self, step: int) -> list[Batch]:
         """This rank's microbatches of the step: its contiguous share of the step's global sequences."""
         share, size = self.microbatch * self.grad_accum, self.microbatch
-        lines = self.data.samples_for_step(step, share * self.world.size, self.config.seed)
-        lines = self._cut(lines[self.world.rank * share : (self.world.rank + 1) * share])
-        return [collate(lines[i : i + size], self.pad_id) for i in range(0, len(lines), size)]
+        rows = self.data.indices_for_step(step, share * self.world.size, self.config.seed)
+        rows = rows[self.world.rank * share : (self.world.rank + 1) * share]
+        lines = self._lines(rows)
+        return [collate(lines[i : i + size], self.pad_id, rows=tuple(rows[i : i + size]))
+                for i in range(0, len(lines), size)]  # fmt: skip
+
+    def _lines(self, rows) -> list:
+        """The training sequences at dataset indices ``rows``, cut to ``--seq-len``."""
+        return self._cut([self.data[i] for i in rows])
 
     def _cut(self, lines: list) -> list:
         n = self.config.seq_len
@@ -120,11 +129,18 @@ class Trainer:
             return lines
         return [replace(line, input_ids=line.input_ids[:n], labels=line.labels[:n]) for line in lines]
 
-    def _loss(self, batch) -> Any:
+    def _loss(self, batch: Batch) -> Any:
         device = next(self.engine.model.parameters()).device
+        rows = batch.rows
         batch = Batch(batch.input_ids.to(device), batch.labels.to(device), batch.attention_mask.to(device))
         states = None
-        if self.prefix is not None:
+        if self.prefix is not None and rows is not None:  # a training microbatch: missing states by company
+            cache, fingerprint = self.prefix
+            states = company_prefix_states(
+                self.engine, batch, rows, cache, model_fingerprint=fingerprint, companies=self.companies,
+                load=self._lines, pad_id=self.pad_id, chunk=self.microbatch,
+            )  # fmt: skip
+        elif self.prefix is not None:  # held-out data: each missing state alone
             cache, fingerprint = self.prefix
             states = self.engine.cached_prefix_states(
                 batch.input_ids, cache, model_fingerprint=fingerprint, attention_mask=batch.attention_mask
