@@ -1,9 +1,10 @@
 """Benchmark: a first visit's frozen-prefix capture, one sequence at a time (what ``usaf train`` does) or batched.
 
 Issue 21, item 3 asks whether capturing the prefix states of many sequences in one no-grad pass would make a
-one-epoch run faster. ``usaf train`` computes each missing state alone (``SparseEngine.cached_prefix_states``),
-which makes a state independent of the batch it came in: what keeps a resumed run bit-identical to a straight
-one. This measures what batching would gain on the frozen layers, and whether it changes the bits.
+one-epoch run faster. ``usaf train`` computed each missing state alone (``SparseEngine.cached_prefix_states``),
+which made a state independent of the batch it came in: what kept a resumed run bit-identical to a straight one.
+This measures what batching gains on the frozen layers, and whether it changes the bits. (Since 2026-12-05 train
+captures each first-epoch microbatch at once, its company: ``usaf.stages.train.companies``.)
 
 Workload, one model per shape (``bench_reselect.SHAPES``: 4 layers, hidden 512, the top 2 trainable, so 2 frozen
 MoE layers with their experts dequantized once, as ``usaf train`` does when they fit): 16 sequences of 256 tokens

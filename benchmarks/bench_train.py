@@ -410,7 +410,8 @@ def throughput(
 
     def first_visit(trainer):
         def step_fn(step: int) -> float:
-            # A fresh cache without the plan's store: both samples are first visits, computed one at a time.
+            # A fresh cache without the plan's store: both samples are first visits, computed together (their
+            # first-epoch company, usaf.stages.train.companies; one at a time before 2026-12-05).
             trainer.prefix = (PrefixCache(2**31, None), fingerprint)
             miss_caches.append(trainer.prefix[0])
             return trainer_step(trainer, step)
