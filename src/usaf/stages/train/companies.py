@@ -2,7 +2,7 @@
 
 A first visit runs the frozen layers below the first trainable one and caches their output. Computed for a whole
 microbatch at once, the frozen layers' GEMMs are larger and, where the experts are dequantized on every forward,
-each routed expert's dequantization is shared by the microbatch's sequences: 1.2× (2 sequences) to 1.6× faster
+each routed expert's dequantization is shared by the microbatch's sequences: 1.1-1.2× (2 sequences) to 1.6× faster
 captures on the benchmarks' models, more at Qwen3-30B-A3B's ratios (docs/BENCHMARKS.md, "A first visit's prefix
 capture"). But a state computed in a batch differs from one computed alone in the last bits, and a resumed run
 recomputes states the straight run had cached (a revisit in a later epoch), so it must compute each with exactly
