@@ -80,17 +80,17 @@ def company_prefix_states(
         chunk: the most sequences one capture runs (the training microbatch: smaller after an out-of-memory retry).
     """
     lengths = batch.attention_mask.sum(dim=1).tolist()
-    keys = []
+    keys = []  # (cache key, company) per row
     for i, (row, n) in enumerate(zip(rows, lengths)):
-        key = engine.prefix_key(batch.input_ids[i, : int(n)], model_fingerprint)
+        key, company = engine.prefix_key(batch.input_ids[i, : int(n)], model_fingerprint), companies.of(row)
         stored = cache.store is not None and key in cache.store
-        keys.append((key if stored else company_key(key, companies.of(row)), row))
+        keys.append((key if stored else company_key(key, company), company))
     missing = [key not in cache for key, _ in keys]
     cache.misses += sum(missing)
     cache.hits += len(missing) - sum(missing)
-    for (key, row), miss in zip(keys, missing):
+    for (key, company), miss in zip(keys, missing):
         if miss and key not in cache:  # not computed with an earlier row's company
-            _compute(engine, cache, model_fingerprint, companies.of(row), load, pad_id, chunk)
+            _compute(engine, cache, model_fingerprint, company, load, pad_id, chunk)
     states = [cache.get(key) for key, _ in keys]
     return padded_states(states, batch.input_ids.shape[1]).to(batch.input_ids.device)
 
