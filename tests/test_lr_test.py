@@ -165,6 +165,41 @@ def test_given_prefix_states_replace_the_capture(quantized):
     assert captures == [1], "control: only the microbatch with a missing line captures"
 
 
+@pytest.mark.parametrize("all_layers", [False, True], ids=["frozen-prefix", "train-from-0"])
+def test_the_probes_share_their_first_step_bit_for_bit(quantized, all_layers):
+    """Every probe's first forward and backward is the same, so only the first probe runs it (``FirstStep``): the
+    held-back scores equal, bit for bit, those of probes that each ran it, and the test runs one loss fewer per
+    later probe. The controls: a first step shared from other gradients changes the scores; a shared non-finite
+    first loss ends the probe without a forward."""
+    from usaf.stages import lr_test
+
+    engine = engine_of(quantized, all_layers=all_layers)
+    masks, (train_lines, held_lines) = random_selection(engine), split(lines())
+    train = lr_test._with_prefix(engine, train_lines, 2, 0, None)
+    held_back = lr_test._with_prefix(engine, held_lines, 1, 0, None)
+    calls = []
+    loss = engine.loss
+    engine.loss = lambda *args, **kwargs: calls.append(torch.is_grad_enabled()) or loss(*args, **kwargs)
+    alone = [lr_test._probe(engine, masks, train, held_back, lr, 3) for lr in lr_test.CANDIDATES]
+    trained_alone = calls.count(True)
+    calls.clear()
+    first = lr_test.FirstStep()
+    shared = [lr_test._probe(engine, masks, train, held_back, lr, 3, first) for lr in lr_test.CANDIDATES]
+    lr_test._restore(engine)
+    assert trained_alone == 3 * len(lr_test.CANDIDATES) and calls.count(True) == trained_alone - 3
+    assert len({float(h.loss) for h in alone}) == len(alone), "the probes differ: each lr is trained"
+    for a, b in zip(alone, shared, strict=True):
+        assert torch.equal(a.nll, b.nll) and torch.equal(a.tokens, b.tokens)
+    # moved one place (a scale would not do: Adam's first step and the clipping undo it)
+    first.grads = [None if g is None else g.roll(1) for g in first.grads]
+    changed = lr_test._probe(engine, masks, train, held_back, lr_test.CANDIDATES[0], 3, first)
+    assert not torch.equal(changed.nll, alone[0].nll), "control: the shared gradients are what the probe steps on"
+    calls.clear()
+    assert lr_test._probe(engine, masks, train, held_back, 1e-3, 3, lr_test.FirstStep(taken=True, finite=False)) is None
+    assert calls == [], "control: a non-finite first step is not run again"
+    lr_test._restore(engine)
+
+
 def test_a_diverging_lr_is_not_chosen(quantized):
     """lr 1e20 overflows the trained experts' outputs (non-finite loss); the test chooses below it. The control: its
     probe really diverged (a large finite lr does not show it here: on a random tiny model the final norm bounds the

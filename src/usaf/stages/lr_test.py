@@ -11,6 +11,10 @@ Each probe is the real training machinery: the engine with the plan's masks as f
 as train has them (restored to their pretrained weights before each probe), :class:`SparseAdamW` with train's
 clipping and router lr, the engine's loss, one microbatch per step. Nothing is left on the engine: the deltas are
 removed, the routers restored, the gradients and expert-load counters cleared.
+
+Every probe's first step is the same forward and backward (the base model, the routers' pretrained weights, the same
+microbatch), so it runs once: the later probes start from a copy of its gradients and differ from there on, in their
+optimizer step. The same bits as running it again (:class:`FirstStep`), a step fewer per probe after the first.
 """
 
 from __future__ import annotations
@@ -154,9 +158,10 @@ def run_lr_test(
     train_lines, held_lines = split(lines)
     train = _with_prefix(engine, train_lines, microbatch, pad_id, states)
     held = _with_prefix(engine, held_lines, 1, pad_id, states)  # one sequence each: the rule's per-sequence gaps
+    first = FirstStep()
     try:
         base = _heldout(engine, held).loss
-        heldout = run_probes(base, candidates, lambda lr: _probe(engine, masks, train, held, lr, steps))
+        heldout = run_probes(base, candidates, lambda lr: _probe(engine, masks, train, held, lr, steps, first))
     finally:
         _restore(engine)
     lr, gap_se = choose_lr_within_noise(base, list(candidates), heldout)
@@ -225,21 +230,53 @@ def _with_prefix(
     return out
 
 
-def _probe(engine: Any, masks: dict, train: list, held: list, lr: float, steps: int) -> HeldOut | None:
+@dataclass
+class FirstStep:
+    """The probes' common first step: its gradients by parameter (the order of ``engine.parameter_groups``), once
+    a probe has computed them, and whether its loss was finite.
+
+    Why sharing is exact: a probe starts from the state :func:`_restore` leaves (no deltas, the routers' pretrained
+    weights, no gradients, no load counts) plus zero deltas on the same masks, and takes the same first microbatch,
+    so its first forward and backward give every probe the same gradients. Nothing of the step but the gradients
+    reaches the optimizer, and the optimizer does not write into them (clipping scales copies); they are copied in
+    all the same.
+    """
+
+    taken: bool = False  # a probe has run the step
+    finite: bool = True
+    grads: list[torch.Tensor | None] | None = None  # None where the loss was not finite
+
+
+def _probe(
+    engine: Any, masks: dict, train: list, held: list, lr: float, steps: int, first: FirstStep | None = None
+) -> HeldOut | None:
     """Train fresh deltas (and the routers, from their pretrained weights) ``steps`` steps at ``lr``; the
-    held-back score after, or None when a step's loss (or the held-back loss) was not finite."""
+    held-back score after, or None when a step's loss (or the held-back loss) was not finite. ``first``: the
+    first step's gradients, shared between the probes of one test (filled by the first probe that runs)."""
     _restore(engine)
     engine.set_deltas(masks)  # zero values: the probe starts from the base model, as a run does
     groups = engine.parameter_groups(lr=lr, router_lr=ROUTER_LR, weight_decay=0.0)
+    params = [p for group in groups for p in group["params"]]
     optimizer = SparseAdamW(groups, max_grad_norm=CLIP)
     for step in range(steps):
-        batch, states = train[step % len(train)]
         optimizer.zero_grad()
-        states = None if states is None else states.to(batch.input_ids.device)
-        parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
-        if not bool(torch.isfinite(parts.loss.detach())):
-            return None
-        parts.loss.backward()
+        if step == 0 and first is not None and first.taken:
+            if not first.finite:
+                return None
+            for p, grad in zip(params, first.grads, strict=True):
+                p.grad = None if grad is None else grad.clone()
+        else:
+            batch, states = train[step % len(train)]
+            states = None if states is None else states.to(batch.input_ids.device)
+            parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
+            finite = bool(torch.isfinite(parts.loss.detach()))
+            if step == 0 and first is not None:
+                first.taken, first.finite = True, finite
+            if not finite:
+                return None
+            parts.loss.backward()
+            if step == 0 and first is not None:
+                first.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         optimizer.step()  # skips a step with a non-finite gradient, as train does
     scored = _heldout(engine, held)
     return scored if math.isfinite(scored.loss) else None
