@@ -6,10 +6,12 @@ top-8, or 32 of width 256 top-4; 146 sequences of 256 tokens of stdlib ``json`` 
 defaults once (its plan keeps the 64 calibration sequences' states, as by default), then ``usaf train --epochs 1``
 at microbatch 2, fp32, in two modes: the frozen layers dequantized once (what the stage chooses here) and per
 forward (what it chooses for a model whose frozen layers do not fit in half the free memory). The arms alternate
-within each round; each run's train time, final loss and prefix hits and misses are recorded.
+within each round; each run's train time, final loss and prefix hits and misses are recorded. ``--microbatch``: score's
+and train's (a first-epoch company is a microbatch less the plan's states: larger ones batch more of the capture);
+``--modes``: the frozen layers' modes to run.
 
-    python benchmarks/bench_first_visits.py [--threads 1] [--rounds 2] [--experts 128]
-        [--out benchmarks/results/first-visits.json]
+    python benchmarks/bench_first_visits.py [--threads 1] [--rounds 2] [--experts 128] [--microbatch 2]
+        [--modes once per-forward] [--out benchmarks/results/first-visits.json]
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from bench_epoch import SHAPES, prepare  # noqa: E402
 from bench_train import MICROBATCH, PACKAGES, git_commit  # noqa: E402
 
 ARMS = ("company", "alone")
-MODES = ("dequantized once", "per forward")
+MODES = {"once": "dequantized once", "per-forward": "per forward"}  # --modes: the frozen layers'
 
 
-def one_epoch(qdir: Path, tdir: Path, plan: Path, out: Path, arm: str, mode: str) -> dict:
+def one_epoch(qdir: Path, tdir: Path, plan: Path, out: Path, arm: str, mode: str, microbatch: int) -> dict:
     from usaf.stages import engine_setup
     from usaf.stages.progress import NullProgress
     from usaf.stages.train import TrainConfig, companies
@@ -53,7 +55,7 @@ def one_epoch(qdir: Path, tdir: Path, plan: Path, out: Path, arm: str, mode: str
     start = time.perf_counter()
     with patches:
         manifest, run_dir = train(
-            TrainConfig(model=qdir, data=tdir, plan=plan, out=out, epochs=1.0, microbatch=MICROBATCH, device="cpu",
+            TrainConfig(model=qdir, data=tdir, plan=plan, out=out, epochs=1.0, microbatch=microbatch, device="cpu",
                         dtype="float32"),
             progress=NullProgress(),
         )  # fmt: skip
@@ -71,25 +73,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--experts", type=int, choices=(32, 128), default=128)
+    parser.add_argument("--microbatch", type=int, default=MICROBATCH, help="score's and train's")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--out", type=Path, default=RESULTS / "first-visits.json")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     widths = {**MODEL, **SHAPES["E128" if args.experts == 128 else "E32"]}
     result = {"machine": machine(), "commit": git_commit(), "command": " ".join(["python", *sys.argv]),
-              "model": widths, "microbatch": MICROBATCH, "modes": {}}  # fmt: skip
+              "model": widths, "microbatch": args.microbatch, "modes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="usaf-bench-first-visits-") as tmp:
         work = Path(tmp)
         _, qdir, tdir = prepare(work, widths, PACKAGES)
-        settings = ScoreConfig(model=qdir, data=tdir, out=work / "plan", microbatch=MICROBATCH,
+        settings = ScoreConfig(model=qdir, data=tdir, out=work / "plan", microbatch=args.microbatch,
                                train_from=widths["num_layers"] - TOP, device="cpu")  # fmt: skip
         _, plan = score(settings, progress=NullProgress())
-        for mode in MODES:
+        for mode in (MODES[flag] for flag in args.modes):
             runs = {arm: [] for arm in ARMS}
             for r in range(args.rounds):
                 for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
                     out = work / f"run-{mode.replace(' ', '-')}-{arm}-{r}"
-                    runs[arm].append(one_epoch(qdir, tdir, plan, out, arm, mode))
+                    runs[arm].append(one_epoch(qdir, tdir, plan, out, arm, mode, args.microbatch))
                     print(f"[{mode}] round {r}: {arm} {runs[arm][-1]}", flush=True)
             medians = {arm: statistics.median(x["seconds"] for x in runs[arm]) for arm in ARMS}
             result["modes"][mode] = {
