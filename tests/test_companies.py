@@ -1,5 +1,6 @@
 """Batched first visits (usaf.stages.train.companies): each training sequence's prefix state is computed with its
-first-epoch microbatch, once, and a resumed run that recomputes it gets the straight run's bits."""
+first-epoch company (whole microbatches of epoch 0's order), once, and a resumed run that recomputes it gets the
+straight run's bits."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from usaf.data.batches import collate
 from usaf.data.dataset import TokenDataset
 from usaf.engine.engine import SparseEngine
 from usaf.engine.prefix import PrefixCache
+from usaf.settings import train as train_settings
+from usaf.settings.train import company_size
 from usaf.stages.train.companies import FirstEpochCompanies, company_prefix_states
 
 VOCAB = 64
@@ -30,24 +33,37 @@ def rows_of(n: int, length: int = 12, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, VOCAB, (length - (i % 3),), generator=g).tolist() for i in range(n)]  # uneven lengths
 
 
-def test_companies_are_the_first_epochs_microbatches(tmp_path):
+def test_companies_are_runs_of_whole_first_epoch_microbatches(tmp_path):
     data = token_file(tmp_path / "t.jsonl", rows_of(7))
-    companies = FirstEpochCompanies(data, seed=3, microbatch=2)
+    companies = FirstEpochCompanies(data, seed=3, size=4)  # two microbatches of 2
     order = data.indices_for_step(0, 7, 3)  # epoch 0, one "step" of every sequence
-    expected = [tuple(order[i : i + 2]) for i in range(0, 7, 2)]  # (a, b), (c, d), (e, f), (g,)
+    expected = [tuple(order[:4]), tuple(order[4:])]  # (a, b, c, d), (e, f, g)
     assert sorted({companies.of(r).rows for r in range(7)}) == sorted(expected)
     for r in range(7):
         assert r in companies.of(r).rows
-    assert len({companies.of(r).tag for r in range(7)}) == 4
-    # the training microbatches of the first epoch are exactly the companies
+    assert len({companies.of(r).tag for r in range(7)}) == 2
+    # each training microbatch of the first epoch lies in one company, the first ones of each company first
     first_epoch = [tuple(data.indices_for_step(s, 2, 3)) for s in range(3)]
-    assert first_epoch == expected[:3]
+    assert [companies.of(mb[0]).rows for mb in first_epoch] == [expected[0], expected[0], expected[1]]
+    assert all(set(mb) <= set(companies.of(mb[0]).rows) for mb in first_epoch)
+    control = FirstEpochCompanies(data, seed=3, size=2)  # other companies: other tags, so other cache keys
+    assert {control.of(r).tag for r in range(7)}.isdisjoint({companies.of(r).tag for r in range(7)})
+
+
+def test_a_company_is_whole_microbatches_within_its_token_budget():
+    tokens = train_settings.COMPANY_TOKENS
+    assert company_size(2, 256, 1) == 2 * (tokens // 512)  # 4: two microbatches of two 256-token sequences
+    assert company_size(1, 256, 1) == tokens // 256
+    assert company_size(3, 256, 1) == 3 * max(1, tokens // 768)  # whole microbatches only
+    assert company_size(1, 4 * tokens, 1) == 1 and company_size(8, 256, 1) == 8, "at least the microbatch"
+    assert company_size(2, 256, 2) == 2, "data parallel: one microbatch (other ranks' sequences otherwise)"
+    assert company_size(2, 1, 1) % 2 == 0 and company_size(2, 1, 1) <= tokens
 
 
 def test_a_company_is_computed_once_together_and_served_after(quantized, tmp_path, monkeypatch):
     engine = make_engine(quantized, "qwen3_moe")
     data = token_file(tmp_path / "t.jsonl", rows_of(5))
-    companies = FirstEpochCompanies(data, seed=0, microbatch=2)
+    companies = FirstEpochCompanies(data, seed=0, size=2)
     calls = []
     real = engine.prefix_states
     monkeypatch.setattr(engine, "prefix_states", lambda x, m=None: calls.append(tuple(x.shape)) or real(x, m))
@@ -61,8 +77,10 @@ def test_a_company_is_computed_once_together_and_served_after(quantized, tmp_pat
     a, b = companies.of(0).rows if len(companies.of(0).rows) == 2 else companies.of(1).rows
     first = states([a])  # a revisit-like miss: a alone asks, its whole company is computed
     assert len(calls) == 1 and calls[0][0] == 2 and (cache.misses, cache.hits) == (1, 0)
-    both = states([b, a])  # b was computed with a: hits, nothing computed
-    assert len(calls) == 1 and (cache.misses, cache.hits) == (1, 2)
+    both = states([b, a])  # b was computed with a: nothing computed; b's first visit still counts as a miss
+    assert len(calls) == 1 and (cache.misses, cache.hits) == (2, 1)
+    states([b])
+    assert len(calls) == 1 and (cache.misses, cache.hits) == (2, 2), "a revisit is a hit"
     assert torch.equal(both[1, : len(data[a].input_ids)], first[0, : len(data[a].input_ids)])
     # the states are the sequences' own (within a batch's rounding), not a neighbour's
     for i, r in enumerate((b, a)):
@@ -77,7 +95,7 @@ def test_a_company_is_computed_once_together_and_served_after(quantized, tmp_pat
 def test_a_company_leaves_out_the_states_the_plans_store_holds(quantized, tmp_path, monkeypatch):
     engine = make_engine(quantized, "qwen3_moe")
     data = token_file(tmp_path / "t.jsonl", rows_of(4))
-    companies = FirstEpochCompanies(data, seed=0, microbatch=4)  # one company of all four
+    companies = FirstEpochCompanies(data, seed=0, size=4)  # one company of all four
     stored_row = companies.of(0).rows[1]
     stored_key = engine.prefix_key(torch.tensor(data[stored_row].input_ids), "m")
 
@@ -108,11 +126,14 @@ def _losses(run) -> list[float]:
 
 
 def test_a_resumed_run_recomputes_a_revisits_state_with_its_company(prepared, tmp_path, monkeypatch):
-    """Six sequences, microbatch 2, nine steps: epochs of three steps. Interrupted at step 4 (the second epoch), the
-    resumed run has no cache and recomputes the states the straight run kept from the first epoch: the same losses
-    and deltas, bit for bit. The control moves every state the resumed run computes by one ulp, as a batch of other
-    company does at larger widths (docs/BENCHMARKS.md: up to 2.4e-7; this tiny model's GEMMs happen not to): the
-    deltas then differ, so the check sees the recomputed states (the losses, rounded to fp32 sums, do not)."""
+    """Six sequences, microbatch 2, nine steps: epochs of three steps; companies of 4 (two microbatches: the token
+    budget lowered for these 32-token lines). Interrupted at step 4 (the second epoch), the resumed run has no cache
+    and recomputes the states the straight run kept from the first epoch: the same losses and deltas, bit for bit,
+    with the checkpoint's company size even where the rule now gives another. The controls: every state the resumed
+    run computes moved by one ulp, as a batch of other company does at larger widths (docs/BENCHMARKS.md: up to
+    2.4e-7; this tiny model's GEMMs happen not to), changes the deltas, so the check sees the recomputed states (the
+    losses, rounded to fp32 sums, do not); a checkpoint without a company size (written before companies had one)
+    resumes with the microbatch's; a size of 0 is refused."""
     qdir, tokens, _ = prepared("qwen3_moe")
     data = tmp_path / "six.jsonl"
     data.write_text("".join((tokens / "train.jsonl").read_text().splitlines(keepends=True)[:6]))
@@ -120,6 +141,7 @@ def test_a_resumed_run_recomputes_a_revisits_state_with_its_company(prepared, tm
     result = invoke("score", "--model", qdir, "--data", data, "--frac", 0.05, "--calib-samples", 4, "--train-from", 2,
                     "--no-stability", "--no-cache", "--no-lr-test", "--device", "cpu", "--out", plan)  # fmt: skip
     assert result.exit_code == 0, result.output
+    monkeypatch.setattr(train_settings, "COMPANY_TOKENS", 128)  # 2 × 32-token sequences × 2 microbatches
     straight = tmp_path / "straight"
     real = SparseEngine.prefix_states
     captured = []
@@ -130,19 +152,26 @@ def test_a_resumed_run_recomputes_a_revisits_state_with_its_company(prepared, tm
 
     monkeypatch.setattr(SparseEngine, "prefix_states", counting)
     assert _train(qdir, data, plan, straight).exit_code == 0
-    assert captured == [2, 2, 2]  # the first epoch's three microbatches, each captured at once; later epochs hit
+    assert captured == [4, 2]  # step 1 captures its company (steps 1-2), step 3 its own; later steps hit
     monkeypatch.setattr(SparseEngine, "prefix_states", real)
 
-    def resumed(name: str, patch=None):
+    def resumed(name: str, patch=None, edit=None):
         run = tmp_path / name
         interrupt_at(4, lambda: _train(qdir, data, plan, run), monkeypatch)
-        if patch is not None:
-            monkeypatch.setattr(SparseEngine, "prefix_states", patch)
+        monkeypatch.setattr(train_settings, "COMPANY_TOKENS", 1024)  # the rule would now make one company of six
+        if edit is not None:
+            (state_file,) = run.glob("checkpoints/*/state.json")
+            state_file.write_text(json.dumps(edit(json.loads(state_file.read_text()))))
+        captured.clear()
+        monkeypatch.setattr(SparseEngine, "prefix_states", patch or counting)
         result = _train(qdir, data, plan, run)
-        assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
-        return run
+        monkeypatch.setattr(train_settings, "COMPANY_TOKENS", 128)
+        monkeypatch.setattr(SparseEngine, "prefix_states", real)
+        return run, result
 
-    same = resumed("resumed")
+    same, result = resumed("resumed")
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    assert sorted(captured) == [2, 4], "the checkpoint's companies, recomputed once each"
     assert _losses(same) == _losses(straight)
     a, b = (load_file(str(run / "final" / "deltas.safetensors")) for run in (straight, same))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -151,6 +180,12 @@ def test_a_resumed_run_recomputes_a_revisits_state_with_its_company(prepared, tm
         states = real(self, input_ids, attention_mask)
         return torch.nextafter(states, torch.full_like(states, float("inf")))
 
-    control = resumed("control", one_ulp_off)
+    control, result = resumed("control", one_ulp_off)
+    assert result.exit_code == 0, result.output
     c = load_file(str(control / "final" / "deltas.safetensors"))
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+    _, result = resumed("older", edit=lambda state: {k: v for k, v in state.items() if k != "company_size"})
+    assert result.exit_code == 0 and captured == [2, 2, 2], "an older checkpoint: microbatch companies"
+    _, result = resumed("zero", edit=lambda state: {**state, "company_size": 0})
+    assert result.exit_code == 2 and "company_size 0" in result.stderr, result.output

@@ -324,6 +324,36 @@ def test_grouped_experts_workspace_is_planned_on_cuda_only():
     assert cpu["basis"] == "one expert's gathered entries" and cpu["host_bytes"] < cuda["device_bytes"] // 4
 
 
+def test_a_first_visits_capture_of_its_company_is_planned():
+    """A first visit captures its company's prefix states at once (usaf.stages.train.companies): up to
+    COMPANY_TOKENS tokens of short sequences, more than the microbatch. Its working memory is never held with the
+    loss's or the backward's, so the largest of the three counts; at Qwen3-30B-A3B's width it is the capture's (a
+    whole layer's forward transients against the loss's chunk), counted at the company's size: 64 sequences of 16
+    tokens, one of 4,096. The control: with no frozen layer there is no capture to plan."""
+    from usaf.memory_plan import activations
+    from usaf.settings.train import COMPANY_TOKENS, company_size
+
+    facts = model_facts(json.loads((QWEN3_30B / "config.json").read_text()))
+    target = make_target("cuda", None, 80 * GIB, 256 * GIB)
+
+    def working(seq_len: int, train_from: int) -> dict:
+        request = Request(seq_len=seq_len, microbatch=1, train_from=train_from)
+        plan = plan_memory(facts, QuantSettings(), target, request)
+        train = next(stage for stage in plan.stages if stage.stage == "train")
+        return {c.name: c.device for c in train.components if c.name.endswith("working memory")}
+
+    short = working(16, 46)
+    company = activations.Batch(company_size(1, 16, 1), 16)
+    assert company.tokens == COMPANY_TOKENS
+    assert short == {"prefix capture working memory": activations.capture_workspace(facts, company, 2)}
+    assert short["prefix capture working memory"] > activations.loss_workspace(facts, activations.Batch(1, 16))
+    long = activations.Batch(company_size(1, 4096, 1), 4096)
+    assert long.size == 1 and working(4096, 46) == {
+        "prefix capture working memory": activations.capture_workspace(facts, long, 2)
+    }
+    assert set(working(16, 0)) <= {"loss working memory", "backward working memory"}, "control: nothing frozen"
+
+
 def test_cli_table_names_components_and_settings():
     result = invoke("plan", QWEN3_30B, "--vram", "12GiB", "--ram", "32GiB")
     assert result.exit_code == 0, result.output

@@ -254,3 +254,12 @@ def forward_workspace(m: ModelFacts, batch: Batch) -> int:
     """
     n = batch.tokens
     return loss_workspace(m, Batch(1, batch.seq_len)) + 8 * FP32 * n * m.spec.hidden_size
+
+
+def capture_workspace(m: ModelFacts, batch: Batch, c: int) -> int:
+    """A first visit's no-grad prefix capture of ``batch`` (a company: ``usaf.stages.train.companies``): one frozen
+    layer's transients at a time, taken as what a training forward saves for that layer's attention and MoE block
+    plus eight (N, H) fp32 tensors (residual, norm, attention and MoE outputs, as :func:`forward_workspace` assumes;
+    an assumption, not a measurement). The dequantized experts are counted apart (``memory_plan.stages``)."""
+    n = batch.tokens
+    return attention(m, batch, c) + moe_block(m, n, c) + 8 * FP32 * n * m.spec.hidden_size

@@ -24,6 +24,7 @@ from usaf.memory_plan import weights as w
 from usaf.memory_plan.model import ModelFacts
 from usaf.memory_plan.source import QuantSettings
 from usaf.memory_plan.target import Target
+from usaf.settings.train import company_size
 
 PLACEMENTS = {
     "device": "every 4-bit expert on the device",
@@ -139,22 +140,30 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
 
 
 def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
-    """One training forward's saved activations, and the working memory of the loss or of the backward.
+    """One training forward's saved activations, and the working memory of the loss, of the backward or of a first
+    visit's prefix capture.
 
-    The two working memories are never held together: the chunked loss frees its last chunk before the
-    forward returns, and the backward's gradients of intermediates come after. The larger one counts.
+    The working memories are never held together: the chunked loss frees its last chunk before the forward
+    returns, and the backward's gradients of intermediates come after; a capture runs before the step's forward,
+    over its company (a few microbatches of short sequences: ``usaf.settings.train.company_size``, one process). The
+    largest one counts.
     """
     batch = act.Batch(s.microbatch, s.seq_len)
     saved = act.saved_activations(m, s.train_from, batch, t.c, s.targets)
-    loss = act.loss_workspace(m, batch)
-    backward = act.backward_workspace(m, s.train_from, batch, t.c, s.targets)
-    if loss >= backward:
-        working = ("loss working memory", loss, "one chunk of logits and its softmax (the backward's is smaller)")
-    else:
-        working = ("backward working memory", backward, "one layer's activation gradients (the loss's is smaller)")
+    workings = [
+        ("loss working memory", act.loss_workspace(m, batch), "one chunk of logits and its softmax"),
+        ("backward working memory", act.backward_workspace(m, s.train_from, batch, t.c, s.targets),
+         "one layer's activation gradients"),
+    ]  # fmt: skip
+    if s.train_from > 0:  # frozen layers below: first visits capture their states
+        company = act.Batch(company_size(s.microbatch, s.seq_len, 1), s.seq_len)
+        workings.append(("prefix capture working memory", act.capture_workspace(m, company, t.c),
+                         f"one frozen layer's forward over {company.size} sequences (a company)"))  # fmt: skip
+    name, nbytes, basis = max(workings, key=lambda w: w[1])
+    smaller = " and ".join(other.removesuffix(" working memory") for other, _, _ in workings if other != name)
     return [
         _place(t, "activations (saved)", sum(saved.values()), f"formula, microbatch {s.microbatch} x {s.seq_len}"),
-        _place(t, *working),
+        _place(t, name, nbytes, f"{basis} (the {smaller}'s smaller)"),
     ]
 
 

@@ -15,6 +15,24 @@ DEFAULT_LR = 3e-3  # the deltas' lr when neither --lr nor the plan's lr test giv
 # more forgetting (docs/ARCHITECTURE.md, "Defaults set by the evidence benchmark"; BENCHMARKS.md, "The router lr").
 DEFAULT_ROUTER_LR = 1e-3
 
+# A first visit computes the frozen-prefix states of its company at once (usaf.stages.train.companies): as many whole
+# microbatches as fit in this many tokens (at least one microbatch). Of captures of 1 to
+# 16 sequences of 256 tokens on CPU (docs/BENCHMARKS.md, "A first visit's prefix capture"), 4 ran fastest or within
+# 6 % of the fastest at the three shapes measured with the experts dequantized once (the mode train chooses where
+# they fit), and within 10 % per forward, where 8-16 were fastest at 128 experts; at 32 experts 8 and more lost to 4,
+# the working set leaving the cache. The memory plan counts the capture's transients at this size
+# (usaf.memory_plan.activations.capture_workspace).
+COMPANY_TOKENS = 1024
+
+
+def company_size(microbatch: int, seq_len: int, world_size: int) -> int:
+    """Sequences per company: the most whole microbatches within :data:`COMPANY_TOKENS` of ``seq_len`` tokens each,
+    at least one. Under data parallel one microbatch: a company of several would hold other ranks' sequences (a
+    step's positions are dealt to the ranks in contiguous shares), computed by a rank that never trains them."""
+    if world_size > 1:
+        return microbatch
+    return microbatch * max(1, COMPANY_TOKENS // max(1, seq_len * microbatch))
+
 
 class TrainConfig(StageConfig):
     """Settings of ``usaf train`` (each also ``USAF_<NAME>`` and a ``[train]`` TOML key)."""

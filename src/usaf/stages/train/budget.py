@@ -22,6 +22,12 @@ _KINDS = {"cpu": "cpu", "cuda": "cuda", "privateuseone": "directml"}  # torch de
 SEQ_LEN_SAMPLE = 256  # lines read to find the data's sequence length when --seq-len is not given
 
 
+def data_seq_len(config: Any, data: Any) -> int:
+    """The run's tokens per sequence: ``--seq-len``, else the longest of the data's first :data:`SEQ_LEN_SAMPLE`
+    lines (tokenize cuts every line to one length, so the first ones tell)."""
+    return config.seq_len or max(len(data[i].input_ids) for i in range(min(len(data), SEQ_LEN_SAMPLE)))
+
+
 def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_summary: Any, progress: Progress) -> Any:
     """``config`` with the planner's settings where the user gave none; unchanged without --vram/--ram.
 
@@ -57,7 +63,7 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
         train_from = min(config.layers) if config.layers else config.train_from
     facts = model_facts(source.config)
     request = Request(
-        seq_len=config.seq_len or max(len(data[i].input_ids) for i in range(min(len(data), SEQ_LEN_SAMPLE))),
+        seq_len=data_seq_len(config, data),
         frac=plan_summary.frac if plan_summary is not None else config.frac,  # a plan's masks are already this size
         microbatch=config.microbatch if "microbatch" in given else None,
         train_from=train_from,

@@ -143,11 +143,13 @@ def _train_state(state: Any, path: Path) -> TrainState:
     unknown = sorted(set(state) - {f.name for f in dataclasses.fields(TrainState)})
     if unknown:
         raise UsafError(f"--resume {path}: not the state usaf writes (unknown keys {unknown})", _HINT)
-    for key in ("step", "tokens", "skipped", "world_size", "microbatch", "grad_accum"):
+    for key in ("step", "tokens", "skipped", "world_size", "microbatch", "grad_accum", "company_size"):
         value = state.get(key, 0)
-        optional = key in ("microbatch", "grad_accum") and value is None
+        optional = key in ("microbatch", "grad_accum", "company_size") and value is None
         if not optional and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise UsafError(f"--resume {path}: {key} {value!r} is not a count (a whole number from 0)", _HINT)
+    if state.get("company_size") == 0:  # sequences per company (usaf.stages.train.companies): at least one
+        raise UsafError(f"--resume {path}: company_size 0 is not a number of sequences (1 or more)", _HINT)
     return TrainState(**state)
 
 

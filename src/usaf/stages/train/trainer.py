@@ -43,6 +43,8 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
 from usaf.errors import UsafError
+from usaf.settings.train import company_size
+from usaf.stages.train.budget import data_seq_len
 from usaf.stages.train.companies import FirstEpochCompanies, company_prefix_states
 from usaf.stages.train.config import TrainConfig
 
@@ -63,6 +65,9 @@ class TrainState:
     microbatch: int | None = None  # set when an out-of-memory retry changed it (kept on resume)
     grad_accum: int | None = None
     world_size: int = 1  # processes of the run that wrote this state (data parallel)
+    # sequences per first-epoch company (usaf.stages.train.companies), chosen when the run starts and kept on resume;
+    # None in a state from before companies had their own size: they were the run's --microbatch
+    company_size: int | None = None
 
 
 class Trainer:
@@ -92,16 +97,24 @@ class Trainer:
         self.run_dir = run_dir
         self.pad_id = pad_id
         self.prefix = prefix  # (PrefixCache, model fingerprint) or None
-        # whom each training sequence's prefix state is computed with (usaf.stages.train.companies)
-        self.companies = FirstEpochCompanies(data, seed=config.seed, microbatch=config.microbatch)
         self.optimizer = self._new_optimizer()
         self.schedule = WarmupCosine(int(config.warmup * steps), steps)
-        self.state = TrainState()
         self.collector: Any = None  # grow scores being collected for the next reselection (checkpointed)
         self.scaler = loss_scaler  # DynamicLossScaler under fp16 compute, else None
         self.world = world or World()
         self.backend = backend
-        self.state.world_size = self.world.size
+        size = company_size(config.microbatch, data_seq_len(config, data), self.world.size)
+        self.state = TrainState(world_size=self.world.size, company_size=size)  # a resume replaces it
+        self._companies: FirstEpochCompanies | None = None
+
+    @property
+    def companies(self) -> FirstEpochCompanies:
+        """Whom each training sequence's prefix state is computed with (usaf.stages.train.companies): the state's
+        company size, which a resumed run takes from its checkpoint."""
+        size = self.state.company_size or self.config.microbatch
+        if self._companies is None or self._companies.size != size:
+            self._companies = FirstEpochCompanies(self.data, seed=self.config.seed, size=size)
+        return self._companies
 
     def _new_optimizer(self) -> SparseAdamW:
         c = self.config
@@ -138,7 +151,7 @@ class Trainer:
             cache, fingerprint = self.prefix
             states = company_prefix_states(
                 self.engine, batch, rows, cache, model_fingerprint=fingerprint, companies=self.companies,
-                load=self._lines, pad_id=self.pad_id, chunk=self.microbatch,
+                load=self._lines, pad_id=self.pad_id, chunk=self._capture_chunk(),
             )  # fmt: skip
         elif self.prefix is not None:  # held-out data: each missing state alone
             cache, fingerprint = self.prefix
@@ -146,6 +159,12 @@ class Trainer:
                 batch.input_ids, cache, model_fingerprint=fingerprint, attention_mask=batch.attention_mask
             )
         return self.engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
+
+    def _capture_chunk(self) -> int:
+        """The most sequences one prefix capture runs: a whole company, or the training microbatch once an
+        out-of-memory retry has made it smaller than the run's (the companies stay; their capture is cut)."""
+        companies = self.companies
+        return companies.size if self.microbatch >= self.config.microbatch else min(self.microbatch, companies.size)
 
     def step(self) -> dict[str, Any]:
         """Run the next optimizer step; returns its metrics record.
