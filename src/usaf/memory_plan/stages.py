@@ -139,14 +139,14 @@ def _model_weights(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> l
     return out
 
 
-def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
-    """One training forward's saved activations, and the working memory of the loss, of the backward or of a first
-    visit's prefix capture.
+def _forward(m: ModelFacts, t: Target, s: Settings, capture: int) -> list[Component]:
+    """One training forward's saved activations, and the working memory of the loss, of the backward or of a
+    prefix capture.
 
     The working memories are never held together: the chunked loss frees its last chunk before the forward
-    returns, and the backward's gradients of intermediates come after; a capture runs before the step's forward,
-    over its company (a few microbatches of short sequences: ``usaf.settings.train.company_size``, one process). The
-    largest one counts.
+    returns, and the backward's gradients of intermediates come after; a prefix capture of ``capture`` sequences
+    runs before the forward (score's calibration batch; train's first-visit company, a few microbatches of short
+    sequences: ``usaf.settings.train.company_size``). The largest one counts.
     """
     batch = act.Batch(s.microbatch, s.seq_len)
     saved = act.saved_activations(m, s.train_from, batch, t.c, s.targets)
@@ -155,10 +155,10 @@ def _forward(m: ModelFacts, t: Target, s: Settings) -> list[Component]:
         ("backward working memory", act.backward_workspace(m, s.train_from, batch, t.c, s.targets),
          "one layer's activation gradients"),
     ]  # fmt: skip
-    if s.train_from > 0:  # frozen layers below: first visits capture their states
-        company = act.Batch(company_size(s.microbatch, s.seq_len, 1), s.seq_len)
-        workings.append(("prefix capture working memory", act.capture_workspace(m, company, t.c),
-                         f"one frozen layer's forward over {company.size} sequences (a company)"))  # fmt: skip
+    if s.train_from > 0:  # frozen layers below: a capture runs them
+        captured = act.Batch(capture, s.seq_len)
+        workings.append(("prefix capture working memory", act.capture_workspace(m, captured, t.c),
+                         f"one frozen layer's forward over {capture} sequences"))  # fmt: skip
     name, nbytes, basis = max(workings, key=lambda w: w[1])
     smaller = " and ".join(other.removesuffix(" working memory") for other, _, _ in workings if other != name)
     return [
@@ -218,7 +218,7 @@ def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
             t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "gradient, statistic, top-k; assumed"
         ),
         _place(t, "lr test (probe runs)", lr_test, "deltas, their gradients and optimizer state"),
-        *_forward(m, t, s),
+        *_forward(m, t, s, capture=s.microbatch),  # the calibration batch
     ]
     if s.train_from > 0:  # the scoring pass's prefix states: the lr test's input, then the plan's store
         states = w.CALIB_SAMPLES * s.seq_len * m.spec.hidden_size * t.c
@@ -247,7 +247,7 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
         _place(t, "optimizer state", w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers), "2 fp32 moments + int32 step"),
         _place(t, "grow-score pools (RigL)", w.shapes_pool_bytes(shapes, s.frac), "RigL's last 4 steps"),
         _place(t, "dense expert-slice gradient", 3 * act.FP32 * _dense_slice(m, s), "RigL's scoring steps; assumed"),
-        *_forward(m, t, s),
+        *_forward(m, t, s, capture=company_size(s.microbatch, s.seq_len, 1)),  # a first visit's company
         _place(t, "sparse-kernel workspace", kernel, kernel_basis),
     ]
     if s.train_from > 0:
