@@ -359,6 +359,8 @@ def checkpoint_cases() -> list[Case]:
         ("state.json step 'abc' (train --resume)", _set_step("abc"), _resumed, STATE),
         ("state.json step 1 in step-0000002 (train --resume)", _set_step(1), _resumed, "step-0000002"),
         ("state.json with an unknown key (train --resume)", _state(lambda s: s.__setitem__("lr", 1)), _resumed, STATE),
+        ("state.json company_size 0 (train --resume)", _state(lambda s: s.__setitem__("company_size", 0)), _resumed,
+         STATE),
         *[(f"optimizer.pt {what}", _optimizer(write), _resumed, OPTIMIZER) for what, write in _optimizer_files()],
     ]  # fmt: skip
     runs_code = [  # pickles that would create the case's marker if they ran
