@@ -11,10 +11,11 @@ Every figure is measured side by side in this one run.
 1. **throughput**: one optimizer step on the same batch in every arm, arms interleaved (each timed step after an
    untimed one of the same arm, so no arm is timed right after another's; ``--no-settle``: without it), medians:
    ``Trainer.step()`` built by the train stage itself (``usaf.stages.train.run`` up to its loop), with the
-   prefix cache served by the plan's store (every lookup a hit), with a fresh, empty cache (every sample
-   a miss: its prefix computed first; once with the frozen layers dequantized per forward, once with them
-   dequantized once, as ``usaf train`` does when some prefix must be computed and they fit), and without the
-   cache (all 8 layers); full fine-tuning
+   prefix cache served by the plan's store (every lookup a hit), as a first epoch without that store runs (a fresh,
+   empty cache, then the steps of one first-epoch company, the first computing the company's prefix states, their
+   mean per step; once with the frozen layers dequantized per forward, once with them dequantized once, as
+   ``usaf train`` does when some prefix must be computed and they fit), and without the cache (all 8 layers); full
+   fine-tuning
    (transformers ``from_pretrained`` of the unquantized source, fp32, ``AdamW(fused=True)`` over every
    parameter); LoRA (peft) on the same transformers model: attention projections (``target_modules``)
    and the fused experts (``target_parameters``), on the top 2 layers at the ranks whose trainable count
@@ -342,7 +343,7 @@ def step_flops(arms: dict, step: int) -> dict[str, float]:
     for name, fn in arms.items():
         with FlopCounterMode(display=False) as counter:
             fn(step)
-        result[name] = counter.get_total_flops() / 1e9
+        result[name] = counter.get_total_flops() / 1e9 / getattr(fn, "steps_per_call", 1)
     return result
 
 
@@ -408,14 +409,21 @@ def throughput(
     fingerprint = miss.prefix[1]
     miss_caches = []
 
-    def first_visit(trainer):
+    def first_epoch(trainer):
+        """A first-epoch step as ``usaf train`` runs it without the plan's store, per step: a fresh cache, then
+        every step of the company of ``step``'s microbatch (usaf.stages.train.companies, 4 sequences of 256 at
+        microbatch 2), the first computing the whole company's prefix states and the others reading them; their
+        mean. (Until 2026-12-05 a company was one microbatch and this arm timed that one step, every sample a miss;
+        a step that computes its company's states alone would now count the next step's prefix work in its time.)"""
+        per_company = max(1, trainer.companies.size // MICROBATCH)  # steps whose microbatches form one company
+
         def step_fn(step: int) -> float:
-            # A fresh cache without the plan's store: both samples are first visits, computed together (their
-            # first-epoch company, usaf.stages.train.companies; one at a time before 2026-12-05).
             trainer.prefix = (PrefixCache(2**31, None), fingerprint)
             miss_caches.append(trainer.prefix[0])
-            return trainer_step(trainer, step)
+            first = step - step % per_company
+            return statistics.fmean(trainer_step(trainer, s) for s in range(first, first + per_company))
 
+        step_fn.steps_per_call = per_company  # step_flops: FLOPs per step, not per call
         return step_fn
 
     layers = list(hit.engine.trainable_layers)
@@ -447,8 +455,8 @@ def throughput(
     steps = list(range(WARMUP + repeats))
     arms = {
         "usaf_prefix_hit": lambda s: trainer_step(hit, s),
-        "usaf_prefix_miss": first_visit(miss),
-        "usaf_prefix_miss_frozen_resident": first_visit(miss_resident),
+        "usaf_first_epoch": first_epoch(miss),
+        "usaf_first_epoch_frozen_resident": first_epoch(miss_resident),
         "usaf_no_prefix": lambda s: trainer_step(plain, s),
         "full_finetune": lambda s: dense_step(full, full_params, full_opt, batch(s)),
         "lora_top": lambda s: dense_step(lora_top, lora_top_params, lora_top_opt, batch(s)),
@@ -467,7 +475,7 @@ def throughput(
     tps = {k: statistics.median(n / t for n, t in zip(tokens, v)) for k, v in times.items()}
     per_round = {
         f"{a}_over_{b}": [x / y for x, y in zip(times[b], times[a])]
-        for a in ("usaf_prefix_hit", "usaf_no_prefix", "usaf_prefix_miss", "usaf_prefix_miss_frozen_resident")
+        for a in ("usaf_prefix_hit", "usaf_no_prefix", "usaf_first_epoch", "usaf_first_epoch_frozen_resident")
         for b in ("full_finetune", "lora_top", "qlora_top", "lora_all_layers")
     }
     hits = {"hits": hit.prefix[0].hits, "misses": hit.prefix[0].misses}
@@ -488,7 +496,7 @@ def throughput(
         "gflop_per_step": gflop,  # GEMMs and attention only (step_flops)
         "gflop_per_second": {k: gflop[k] / med[k] for k in gflop},
         "prefix_store_lookups": hits,
-        "prefix_miss_lookups": {"hits": sum(c.hits for c in miss_caches), "misses": sum(c.misses for c in miss_caches)},
+        "first_epoch_lookups": {"hits": sum(c.hits for c in miss_caches), "misses": sum(c.misses for c in miss_caches)},
         "full_finetune": {
             "optimizer": "torch.optim.AdamW(fused=True), clip_grad_norm_ 1.0",
             "experts_implementation": full.config._experts_implementation,

@@ -8,9 +8,9 @@ tensor (what "dequantized once" unpacks). Arms alternate within each round; ever
 :func:`usaf.quant.packing.unpack_codes` cast to fp32.
 
 ``--steps``: a first-visit training step with the frozen layers dequantized per forward (``bench_train.py``'s
-``usaf_prefix_miss`` arm: its model, 2 x 256 tokens, a fresh prefix cache each step), the host unpack against the
-nibble form (``Capabilities.unpack_via_int16`` switched off), alternating in one process, each timed step after an
-untimed one of the same arm.
+model, 2 x 256 tokens, a fresh prefix cache each step: since 2026-12-05 the step computes its whole first-epoch
+company's states, 4 sequences), the host unpack against the nibble form (``Capabilities.unpack_via_int16``
+switched off), alternating in one process, each timed step after an untimed one of the same arm.
 
     python benchmarks/bench_unpack.py [--threads 1] [--rounds 7] [--steps] [--experts 128]
         [--out benchmarks/results/unpack.json]
