@@ -356,3 +356,27 @@ def test_bootstrap_is_seeded_ratio_of_sums_and_paired():
     assert a.delta_ci[1] - a.delta_ci[0] < 0.1 * (a.base_ci[1] - a.base_ci[0])
     single = bootstrap_row(base[:1], tuned[:1], tokens[:1], samples=1000, seed=3)
     assert single.base_ci is None and single.delta_ci is None and single.delta_nll < 0
+
+
+def test_workspace_tokens_without_a_held_out_split_are_named_as_training_text(trained, tmp_path):
+    """No --data/--held-out: tokens with a held-out split give both sets; tokens without one give the training set
+    and a note saying the figures measure the fit to it (negative control: the split's tokens get no such note)."""
+    from usaf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from usaf.stages.eval.resolve import default_tokens
+    from usaf.stages.progress import NullProgress
+
+    fingerprint = tokenizer_fingerprint(load_tokenizer(str(trained["q"]), flag="--model"))
+    with_split = tmp_path / "with-split"
+    shutil.copytree(trained["tokens"], with_split / "tokens")
+    progress = NullProgress()
+    assert default_tokens(with_split, None, fingerprint, progress) == ([with_split / "tokens"],) * 2
+    assert not any("no held-out split" in n for n in progress.notes)
+
+    without = tmp_path / "without-split"
+    result = invoke("tokenize", stdlib_dir() / "textwrap.py", "--model", trained["q"], "--seq-len", 32,
+                    "--out", without / "tokens")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    progress = NullProgress()
+    assert default_tokens(without, None, fingerprint, progress) == ([without / "tokens"], [])
+    (note,) = progress.notes
+    assert "no held-out split" in note and "--held-out-frac" in note

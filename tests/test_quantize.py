@@ -125,6 +125,15 @@ def test_group_size_adjusted_to_divide_the_input_width(tiny_model, tmp_path):
     assert groups == {"gate_up_proj": 32, "down_proj": 24}
     assert len(s.group_sizes_adjusted) == s.tensors_quantized
     assert "group size adjusted" in result.stdout
+    assert "more" not in result.stdout  # 4 tensors: every one named
+
+
+def test_more_adjusted_group_sizes_than_the_line_names_are_counted(tiny_model, tmp_path):
+    source = tiny_model("qwen3_moe", num_layers=3)  # 6 expert tensors, each adjusted
+    result = quantize(source, "--out", tmp_path / "q", "--method", "rtn")
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.stdout.splitlines() if "group size adjusted" in x)
+    assert line.count("proj:") == 4 and "and 2 more" in line, line
 
 
 def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, monkeypatch):

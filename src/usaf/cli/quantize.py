@@ -37,8 +37,10 @@ def _print_summary(console, manifest, path: Path) -> None:
         f"(×{s.compression_ratio:.2f}); relative error mean {s.mean_rel_error:.4f}, max {s.max_rel_error:.4f}; "
         f"{s.tensors_kept} other tensors kept ({human_bytes(s.base_bytes)})"
     )
-    if s.group_sizes_adjusted:
-        console.print(f"group size adjusted to divide the input width: {', '.join(s.group_sizes_adjusted[:4])}")
+    adjusted = s.group_sizes_adjusted
+    if adjusted:
+        more = f" and {len(adjusted) - 4} more (the table gives each)" if len(adjusted) > 4 else ""
+        console.print(f"group size adjusted to divide the input width: {', '.join(adjusted[:4])}{more}")
 
 
 command = stage_command(

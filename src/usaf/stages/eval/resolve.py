@@ -120,5 +120,11 @@ def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> 
         accept=lambda m: m.summary.tokenizer.fingerprint == tok_fp and run_data in (None, m.fingerprint),
         wanted=" the run trained on" if run_data else " made with this model's tokenizer",
     )
-    progress.note(f"using the tokens {found.path} (train.jsonl as --data, heldout.jsonl as --held-out)")
-    return [found.path], [found.path] if found.manifest.summary.heldout_sequences else []
+    if found.manifest.summary.heldout_sequences:
+        progress.note(f"using the tokens {found.path} (train.jsonl as --data, heldout.jsonl as --held-out)")
+        return [found.path], [found.path]
+    progress.note(
+        f"using the tokens {found.path} (train.jsonl as --data); they have no held-out split, so this measures the "
+        "fit to the training text, not generalization (tokenize with --held-out or --held-out-frac for one)"
+    )
+    return [found.path], []
