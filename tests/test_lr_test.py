@@ -250,6 +250,54 @@ def test_a_run_records_the_probes_it_ran(quantized, monkeypatch):
     assert all(loss is None for lr, loss in zip(result.candidates, result.losses) if lr not in probed)
 
 
+def test_every_probe_step_is_reported_in_order(quantized):
+    """``on_step(lr)`` once per optimizer step of every probe that runs, by ascending lr: what score's progress bar
+    counts. Control: the probes past a divergence report nothing."""
+    engine = engine_of(quantized)
+    seen = []
+    result = run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2,
+                         on_step=seen.append)  # fmt: skip
+    assert len(seen) == result.steps == 2 * result.probes_run
+    assert seen == sorted(seen) and set(seen) == set(result.candidates[: result.probes_run])
+    seen.clear()
+    diverged = run_lr_test(engine, random_selection(engine), lines(), microbatch=2, pad_id=0, steps=2,
+                           candidates=(1e20, 1e19), on_step=seen.append)  # fmt: skip
+    assert diverged.probes_run == 1 and seen and set(seen) == {1e19}, "1e19 diverges: 1e20 is not run"
+
+
+def test_score_shows_the_test_as_a_phase_of_steps(inputs, tmp_path):
+    """The stage's progress: an "lr test" phase of up to 4 probes' steps, advanced once per step with the probe's lr,
+    and finished; the steps advanced are the steps the plan records."""
+    from usaf.stages.progress import NullProgress
+    from usaf.stages.score import ScoreConfig
+    from usaf.stages.score import run as score_run
+
+    class Recorder(NullProgress):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def start(self, description, total, unit):
+            self.events.append(("start", description, total, unit))
+
+        def advance(self, amount, **counters):
+            self.events.append(("advance", amount, counters))
+
+        def finish(self):
+            self.events.append(("finish",))
+
+    progress = Recorder()
+    manifest, _ = score_run(ScoreConfig(model=inputs[0], data=inputs[1], out=tmp_path / "plan", frac=0.05,
+                                        calib_samples=8, train_from=2, stability=False, lr_test=True,
+                                        lr_test_steps=STEPS), progress=progress)  # fmt: skip
+    begin = progress.events.index(("start", "lr test", 4 * STEPS, "steps"))
+    end = progress.events.index(("finish",), begin)
+    steps = progress.events[begin + 1 : end]
+    assert all(kind == "advance" and amount == 1 for kind, amount, _ in steps)
+    assert len(steps) == manifest.summary.lr_test.steps
+    assert [c["lr"] for _, _, c in steps][::STEPS] == manifest.summary.lr_test.candidates[: len(steps) // STEPS]
+
+
 def test_probes_run_counts_up_to_the_first_divergence():
     assert probes_run(5.0, [1e-3, 1e-2, 3e-2], [4.9, 5.1, None]) == 2  # above the base: a divergence
     assert probes_run(5.0, [1e-3, 1e-2, 3e-2], [None, None, None]) == 1

@@ -146,13 +146,15 @@ def run_lr_test(
     steps: int,
     candidates: tuple[float, ...] = CANDIDATES,
     states: Mapping[int, torch.Tensor] | None = None,
+    on_step: Callable[[float], None] | None = None,
 ) -> LrTestResult:
     """Probe ``steps`` optimizer steps at each candidate lr on the calibration ``lines`` less the held-back ones
     (:func:`split`), score each probe on those, sequence by sequence, and choose (:func:`choose_lr_within_noise`).
     The probes run by ascending lr and stop at the first that diverges (:func:`run_probes`).
 
     ``states``: the lines' frozen-prefix states ``(t, H)`` by line number (``TokenLine.line``), as score's
-    calibration pass recorded them; a microbatch with a line missing there computes its own.
+    calibration pass recorded them; a microbatch with a line missing there computes its own. ``on_step(lr)``:
+    called after each probe step (score's progress bar).
     """
     start = time.perf_counter()
     train_lines, held_lines = split(lines)
@@ -161,7 +163,7 @@ def run_lr_test(
     first = FirstStep()
     try:
         base = _heldout(engine, held).loss
-        heldout = run_probes(base, candidates, lambda lr: _probe(engine, masks, train, held, lr, steps, first))
+        heldout = run_probes(base, candidates, lambda lr: _probe(engine, masks, train, held, lr, steps, first, on_step))
     finally:
         _restore(engine)
     lr, gap_se = choose_lr_within_noise(base, list(candidates), heldout)
@@ -248,7 +250,14 @@ class FirstStep:
 
 
 def _probe(
-    engine: Any, masks: dict, train: list, held: list, lr: float, steps: int, first: FirstStep | None = None
+    engine: Any,
+    masks: dict,
+    train: list,
+    held: list,
+    lr: float,
+    steps: int,
+    first: FirstStep | None = None,
+    on_step: Callable[[float], None] | None = None,
 ) -> HeldOut | None:
     """Train fresh deltas (and the routers, from their pretrained weights) ``steps`` steps at ``lr``; the
     held-back score after, or None when a step's loss (or the held-back loss) was not finite. ``first``: the
@@ -278,6 +287,8 @@ def _probe(
             if step == 0 and first is not None:
                 first.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         optimizer.step()  # skips a step with a non-finite gradient, as train does
+        if on_step is not None:
+            on_step(lr)
     scored = _heldout(engine, held)
     return scored if math.isfinite(scored.loss) else None
 

@@ -299,7 +299,12 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
         return None
     steps = config.lr_test_steps or LR_TEST_STEPS
     progress.note(f"lr test: up to {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
-    result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps, states=states)
+    progress.start("lr test", len(CANDIDATES) * steps, "steps")  # fewer where a probe diverges: the rest not run
+    try:
+        result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps,
+                             states=states, on_step=lambda lr: progress.advance(1, lr=lr))  # fmt: skip
+    finally:
+        progress.finish()
     stopped = "" if result.probes_run == len(CANDIDATES) else ", the larger lrs not run: a smaller one diverged"
     progress.note(
         f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.probes_run} of {len(CANDIDATES)} probes, "
