@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from usaf.cli.app import app
+from usaf.stages.progress import NullProgress
 
 runner = CliRunner()
 
@@ -96,3 +97,21 @@ class LargestAllocation(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
         return out
+
+
+class RecordingProgress(NullProgress):
+    """A stage's progress calls in order: ``(description, total, unit)`` for a start, ``(amount, counters)`` for an
+    advance, ``"finish"``; notes as :class:`NullProgress` keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list = []
+
+    def start(self, description: str, total: int | None, unit: str) -> None:
+        self.events.append((description, total, unit))
+
+    def advance(self, amount: int, **counters: float) -> None:
+        self.events.append((amount, counters))
+
+    def finish(self) -> None:
+        self.events.append("finish")

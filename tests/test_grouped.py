@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES
+from helpers import RecordingProgress
 from usaf.engine import grouped
 
 
@@ -181,6 +182,24 @@ def test_frozen_layers_stay_4_bit_when_they_do_not_fit_or_stream(quantized, monk
     assert not frozen_layers_resident(e, backend, NullProgress()) and e.loaded.experts[0].gate_up.resident is None
     e = engine()  # the control: with the memory, they are made resident
     assert frozen_layers_resident(e, backend, NullProgress()) and e.loaded.experts[1].down.resident is not None
+
+
+def test_dequantizing_once_is_a_progress_phase_of_its_bytes(quantized):
+    """Dequantizing the frozen layers once shows as a phase of bytes, advanced per tensor to the bytes it reports;
+    per forward (nothing dequantized now) there is no phase."""
+    from usaf.backends import resolve_backend
+    from usaf.engine.loading import load_quantized_model
+    from usaf.stages.engine_setup import make_resident
+
+    backend = resolve_backend("cpu")
+    loaded = load_quantized_model(quantized("qwen3_moe", num_layers=3, tokenizer=True))
+    progress = RecordingProgress()
+    assert make_resident(loaded, backend, False, [0, 1], progress)[0] is False and progress.events == []
+    resident, nbytes = make_resident(loaded, backend, True, [0, 1], progress)
+    assert resident and nbytes > 0
+    assert progress.events[0] == ("dequantizing experts once", nbytes, "bytes") and progress.events[-1] == "finish"
+    steps = progress.events[1:-1]
+    assert len(steps) == 4 and sum(amount for amount, _ in steps) == nbytes  # gate_up and down of 2 layers
 
 
 def _per_expert_loop(self, state, hidden_states, top_k_index, top_k_weights):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import invoke
+from helpers import RecordingProgress, invoke
 from helpers_engine import FAMILY_LAYERS, batch, random_selection
 from usaf.artifacts import PlanManifest, RunManifest, load_verified
 from usaf.data.tokens import TokenLine
@@ -268,34 +268,19 @@ def test_every_probe_step_is_reported_in_order(quantized):
 def test_score_shows_the_test_as_a_phase_of_steps(inputs, tmp_path):
     """The stage's progress: an "lr test" phase of up to 4 probes' steps, advanced once per step with the probe's lr,
     and finished; the steps advanced are the steps the plan records."""
-    from usaf.stages.progress import NullProgress
     from usaf.stages.score import ScoreConfig
     from usaf.stages.score import run as score_run
 
-    class Recorder(NullProgress):
-        def __init__(self):
-            super().__init__()
-            self.events = []
-
-        def start(self, description, total, unit):
-            self.events.append(("start", description, total, unit))
-
-        def advance(self, amount, **counters):
-            self.events.append(("advance", amount, counters))
-
-        def finish(self):
-            self.events.append(("finish",))
-
-    progress = Recorder()
+    progress = RecordingProgress()
     manifest, _ = score_run(ScoreConfig(model=inputs[0], data=inputs[1], out=tmp_path / "plan", frac=0.05,
                                         calib_samples=8, train_from=2, stability=False, lr_test=True,
                                         lr_test_steps=STEPS), progress=progress)  # fmt: skip
-    begin = progress.events.index(("start", "lr test", 4 * STEPS, "steps"))
-    end = progress.events.index(("finish",), begin)
+    begin = progress.events.index(("lr test", 4 * STEPS, "steps"))
+    end = progress.events.index("finish", begin)
     steps = progress.events[begin + 1 : end]
-    assert all(kind == "advance" and amount == 1 for kind, amount, _ in steps)
+    assert all(amount == 1 for amount, _ in steps)
     assert len(steps) == manifest.summary.lr_test.steps
-    assert [c["lr"] for _, _, c in steps][::STEPS] == manifest.summary.lr_test.candidates[: len(steps) // STEPS]
+    assert [c["lr"] for _, c in steps][::STEPS] == manifest.summary.lr_test.candidates[: len(steps) // STEPS]
 
 
 def test_probes_run_counts_up_to_the_first_divergence():

@@ -105,8 +105,8 @@ def test_train_dequantizes_the_frozen_layers_once_and_trains_exactly_as_per_forw
     made = []
     real = engine_setup.make_resident
 
-    def recording(loaded, backend, wanted, layers=None):
-        resident, nbytes = real(loaded, backend, wanted, layers)
+    def recording(loaded, backend, wanted, layers=None, progress=None):
+        resident, nbytes = real(loaded, backend, wanted, layers, progress)
         made.append((sorted(layers), resident))
         return resident, nbytes
 

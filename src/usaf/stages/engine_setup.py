@@ -37,14 +37,19 @@ def load_for_engine(
 
 
 def make_resident(
-    loaded: Any, backend: Any, wanted: bool | None, layers: Iterable[int] | None = None
+    loaded: Any,
+    backend: Any,
+    wanted: bool | None,
+    layers: Iterable[int] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[bool, int]:
     """Dequantize the experts of ``layers`` (default: every MoE layer) once, or keep dequantizing the routed ones
     in every forward.
 
     ``wanted``: ``True``/``False`` forces the choice; ``None`` dequantizes once when the full-size experts fit
     in ``RESIDENT_SHARE`` of the device's free memory (host RAM on CPU). Both give the same numbers: the same
-    dequantization, once or in every forward (``tests/test_grouped.py``).
+    dequantization, once or in every forward (``tests/test_grouped.py``). ``progress``: the dequantization as a
+    phase of bytes (at Qwen3-30B-A3B's size tens of GB, a minute or more on a CPU).
 
     Returns:
         ``(resident, bytes)``: the choice and the bytes the dequantized experts take (or would take).
@@ -53,13 +58,22 @@ def make_resident(
     weights = [w for layer in layers for w in (loaded.experts[layer].gate_up, loaded.experts[layer].down)]
     weights = [w for w in weights if w.resident is None]  # a trainable layer's base already is
     size = torch.empty(0, dtype=weights[0].compute_dtype).element_size() if weights else 0
-    needed = sum(w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights)
+    nbytes = [w.shape[0] * w.shape[1] * w.shape[2] * size for w in weights]
+    needed = sum(nbytes)
     if wanted is None:
         free = backend.free_memory()
         wanted = free is not None and needed <= RESIDENT_SHARE * free
-    if wanted:
-        for weight in weights:
-            weight.make_resident(backend.device)
+    if wanted and weights:
+        if progress is not None:
+            progress.start("dequantizing experts once", needed, "bytes")
+        try:
+            for weight, n in zip(weights, nbytes):
+                weight.make_resident(backend.device)
+                if progress is not None:
+                    progress.advance(n)
+        finally:
+            if progress is not None:
+                progress.finish()
     return wanted, needed
 
 
@@ -78,7 +92,7 @@ def frozen_layers_resident(engine: Any, backend: Any, progress: Progress) -> boo
     frozen = [layer for layer in engine.loaded.experts if layer not in engine.trainable_layers]
     if not frozen or engine.streamer is not None:
         return False
-    resident, nbytes = make_resident(engine.loaded, backend, None, frozen)
+    resident, nbytes = make_resident(engine.loaded, backend, None, frozen, progress)
     where = f"{len(frozen)} frozen MoE layers' experts"
     progress.note(
         f"{where} dequantized once ({human_bytes(nbytes)})"

@@ -119,7 +119,8 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     base = cache.load(entry, key, sequences=len(sequences), input_tokens=input_tokens) if entry else None
     resident = False
     if base is None or change is not None:  # a pass will run
-        resident, nbytes = make_resident(loaded, backend, False if placement["stream_experts"] else config.resident)
+        wanted = False if placement["stream_experts"] else config.resident
+        resident, nbytes = make_resident(loaded, backend, wanted, progress=progress)
         size = human_bytes(nbytes)
         progress.note(
             f"experts dequantized once ({size})" if resident else f"experts dequantized per forward (all: {size})"
