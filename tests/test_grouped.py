@@ -264,3 +264,20 @@ def test_a_block_of_consecutive_experts_reads_views_of_the_codes(tiny_model, tmp
         assert sum(n for name, n in count.names.items() if name.startswith("index_select")) == gathers
         expected = dequantize(weight.q, experts=experts, dtype=weight.compute_dtype, memory_layout=False)
         assert torch.equal(block, expected)
+
+
+def test_loading_is_a_progress_phase_of_every_tensor(quantized):
+    """``load_for_engine`` shows the load as a phase counting every base tensor of the shards and both expert
+    tensors of every MoE layer, advanced once per tensor, to the end."""
+    from safetensors import safe_open
+
+    from usaf.backends import resolve_backend
+    from usaf.stages.engine_setup import load_for_engine
+
+    qdir = quantized("qwen3_moe", num_layers=3, tokenizer=True)
+    base = sum(len(safe_open(str(f), "pt").keys()) for f in qdir.glob("*.safetensors"))
+    progress = RecordingProgress()
+    load_for_engine(qdir, resolve_backend("cpu"), torch.float32, False, progress)
+    expected = base + 2 * 3  # gate_up and down of the 3 MoE layers
+    assert progress.events[0] == ("loading the model", expected, "tensors")
+    assert progress.events[1:] == [(1, {})] * expected + ["finish"]

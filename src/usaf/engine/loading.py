@@ -11,6 +11,7 @@ from ``experts_q4.pt``). Nothing is allocated at the full size of the experts. T
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,12 @@ def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[key] = fresh._buffers[key]
 
 
+def tensor_count(files: QuantizedFiles) -> int:
+    """How many times :func:`load_quantized_model` calls its ``on_tensor``: the base tensors and two expert tensors
+    per MoE layer."""
+    return len(files.weight_map) + 2 * len(resolve_family(load_model_config(files.path)).moe_layers)
+
+
 def load_quantized_model(
     source: QuantizedFiles | Path,
     *,
@@ -70,6 +77,7 @@ def load_quantized_model(
     compute_dtype: torch.dtype = torch.float32,
     flag: str = "--model",
     experts_device: torch.device | str | None = None,
+    on_tensor: Callable[[], None] | None = None,
 ) -> LoadedModel:
     """Build the model of a ``usaf quantize`` output on ``device``.
 
@@ -80,6 +88,8 @@ def load_quantized_model(
         experts_device: where the 4-bit expert codes live instead (``"cpu"`` for streaming them).
         compute_dtype: dtype of non-expert weights and of dequantized expert bases.
         flag: the flag ``path`` came from, for messages.
+        on_tensor: called as each tensor is in place: every base tensor, then each layer's two expert tensors
+            (:func:`tensor_count` of them; a stage's progress, as a large model takes a minute onto a GPU).
     """
     # lazy: transformers (seconds to import) only when a model is built; usaf.engine imports without it
     from transformers import AutoModelForCausalLM
@@ -111,6 +121,8 @@ def load_quantized_model(
             tensor = f.get_tensor(name)
             check_allocation(tensor.numel() * current.element_size(), device, f"{where}: {name}")
             _set_tensor(model, name, move(tensor, device, target_dtype))
+            if on_tensor is not None:
+                on_tensor()
 
     raw = files.experts()
     recorded = {t.name: list(t.shape) for t in manifest.summary.tensors}  # in-memory shapes, as quantized
@@ -142,6 +154,8 @@ def load_quantized_model(
             where = experts_device or device
             check_allocation(q.nbytes, where, f"{path / EXPERTS_FILE}: {name}")
             weights.append(ExpertWeight(q, compute_dtype=compute_dtype, device=where))
+            if on_tensor is not None:
+                on_tensor()
             if fused is not None:  # usaf computes instead
                 delattr(module, attr)
         module.usaf_experts = LayerExperts(layer, *weights)

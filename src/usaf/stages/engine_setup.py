@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from usaf.artifacts.quantized import open_quantized
-from usaf.engine.loading import load_quantized_model
+from usaf.engine.loading import load_quantized_model, tensor_count
 from usaf.engine.streaming import choose_streaming
 from usaf.memory_plan.weights import RESIDENT_SHARE  # of free memory dequantized experts may take (usaf plan's too)
 from usaf.stages.progress import Progress
@@ -29,9 +29,13 @@ def load_for_engine(
     stream, note = choose_streaming(stream, backend, files.experts_bytes)
     if note:
         progress.note(note)
-    loaded = load_quantized_model(
-        files, device=backend.device, compute_dtype=compute, experts_device="cpu" if stream else None
-    )
+    progress.start("loading the model", tensor_count(files), "tensors")
+    try:
+        loaded = load_quantized_model(files, device=backend.device, compute_dtype=compute,
+                                      experts_device="cpu" if stream else None,
+                                      on_tensor=lambda: progress.advance(1))  # fmt: skip
+    finally:
+        progress.finish()
     pin = stream and backend.capabilities.pinned_memory
     return loaded, {"stream_experts": stream, "pin_experts": pin}
 
