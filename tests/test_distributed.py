@@ -257,3 +257,43 @@ def test_world_helpers_in_one_process():
     assert w.sum_gradients([t]) == 0 and torch.equal(t.grad, torch.full((3,), 2.0))  # no-op in one process
     assert _without_option(["train", "--nproc", "2", "--steps", "3", "--nproc=4"], "--nproc") == [
         "train", "--steps", "3"]  # fmt: skip
+
+
+def test_a_clean_end_meets_the_other_ranks_before_leaving_and_an_error_does_not(monkeypatch):
+    """``shutdown``: after a command that ended cleanly every rank meets at a barrier before destroying the process
+    group (gloo aborted a rank whose peer left first); after an error it leaves at once (the others may never come:
+    the control). A peer already gone at the barrier still leaves."""
+    from usaf import distributed
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    for clean, expected in ((True, ["barrier", "destroy"]), (False, ["destroy"])):
+        calls.clear()
+        monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=1, size=2, backend="gloo"))
+        distributed.shutdown(clean=clean)
+        assert calls == expected and not distributed.world().active, clean
+
+    def lost():
+        raise RuntimeError("Connection closed by peer")
+
+    calls.clear()
+    monkeypatch.setattr(torch.distributed, "barrier", lost)
+    monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=1, size=2, backend="gloo"))
+    distributed.shutdown()
+    assert calls == ["destroy"] and not distributed.world().active
+
+
+def test_a_command_that_fails_leaves_without_waiting(monkeypatch):
+    """The CLI's process-group context: a clean end asks for the barrier, an exception (an error, Ctrl-C) does not."""
+    from usaf import distributed
+    from usaf.cli.stage import _process_group
+
+    seen = []
+    monkeypatch.setattr(distributed, "shutdown", lambda *, clean: seen.append(clean))
+    with _process_group():
+        pass
+    with pytest.raises(KeyboardInterrupt), _process_group():
+        raise KeyboardInterrupt
+    assert seen == [True, False]

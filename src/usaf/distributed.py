@@ -13,6 +13,7 @@ methods either way. ``torch.distributed`` is initialised only when ``WORLD_SIZE`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -193,10 +194,20 @@ def init(backend: str | None, device: torch.device, env: Mapping[str, str] | Non
     return _WORLD
 
 
-def shutdown() -> None:
-    """Leave the process group (end of a command); a no-op in a single process."""
+def shutdown(*, clean: bool = True) -> None:
+    """Leave the process group (end of a command); a no-op in a single process.
+
+    ``clean``: the command ended without an error here, so every rank meets at a barrier before any tears its
+    transport down. Without it a rank could leave while another was still finishing its last exchange, and gloo
+    aborts that one ("terminate called without an active exception", exit -6, after a run that had finished; seen
+    in tests/test_distributed.py). Not after an error: the others may never arrive (torchrun stops them when this
+    rank exits).
+    """
     global _WORLD
     if _WORLD.active and torch.distributed.is_initialized():
+        if clean:
+            with contextlib.suppress(PeerLost):  # a peer gone at the very end: nothing left to wait for
+                _WORLD.barrier("the end of the command")
         torch.distributed.destroy_process_group()
     _WORLD = World()
 

@@ -77,13 +77,16 @@ def run_stage(
 
 @contextlib.contextmanager
 def _process_group() -> Iterator[None]:
-    """Leave torch.distributed's process group when the command ends (a no-op in one process)."""
+    """Leave torch.distributed's process group when the command ends (a no-op in one process); after an error
+    without waiting for the other ranks (:func:`usaf.distributed.shutdown`)."""
+    clean = False
     try:
         yield
+        clean = True
     finally:
         from usaf.distributed import shutdown
 
-        shutdown()
+        shutdown(clean=clean)
 
 
 def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
