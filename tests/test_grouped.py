@@ -272,6 +272,7 @@ def test_loading_is_a_progress_phase_of_every_tensor(quantized):
     from safetensors import safe_open
 
     from usaf.backends import resolve_backend
+    from usaf.stages.change import model_with_change
     from usaf.stages.engine_setup import load_for_engine
 
     qdir = quantized("qwen3_moe", num_layers=3, tokenizer=True)
@@ -281,3 +282,6 @@ def test_loading_is_a_progress_phase_of_every_tensor(quantized):
     expected = base + 2 * 3  # gate_up and down of the 3 MoE layers
     assert progress.events[0] == ("loading the model", expected, "tensors")
     assert progress.events[1:] == [(1, {})] * expected + ["finish"]
+    progress = RecordingProgress()  # generate's load (the model with a change, here none)
+    model_with_change(qdir, None, device=torch.device("cpu"), progress=progress)
+    assert progress.events == [("loading the model", expected, "tensors"), *[(1, {})] * expected, "finish"]

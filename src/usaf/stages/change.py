@@ -18,12 +18,12 @@ from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, p
 from usaf.artifacts.quantized import open_quantized, read_base_index
 from usaf.artifacts.run import TrainedChange, load_trained_change
 from usaf.engine.engine import SparseEngine
-from usaf.engine.loading import load_quantized_model
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.checkpoint import read_header
 from usaf.families.targets import target_of, targets_of
-from usaf.stages.progress import Progress
+from usaf.stages.engine_setup import load_model
+from usaf.stages.progress import NullProgress, Progress
 
 
 def resolve_model_and_change(
@@ -156,13 +156,20 @@ def _check_routers(change: TrainedChange, model: Path) -> None:
 
 
 def model_with_change(
-    model_dir: Path, change: TrainedChange | None, *, device: torch.device, dtype: Any = None
+    model_dir: Path,
+    change: TrainedChange | None,
+    *,
+    device: torch.device,
+    dtype: Any = None,
+    progress: Progress | None = None,
 ) -> nn.Module:
     """The quantized model as the engine runs it, with ``change`` applied (or none), in eval mode.
 
-    ``dtype``: compute dtype of non-expert weights and dequantized bases (default fp32).
+    ``dtype``: compute dtype of non-expert weights and dequantized bases (default fp32); ``progress``: the load as
+    a phase (none inside another phase, as export's verification).
     """
-    loaded = load_quantized_model(open_quantized(model_dir), device=device, compute_dtype=dtype or torch.float32)
+    files = open_quantized(model_dir)
+    loaded = load_model(files, progress or NullProgress(), device=device, compute_dtype=dtype or torch.float32)
     if change is not None:
         try:
             engine = SparseEngine(

@@ -9,12 +9,22 @@ from typing import Any
 
 import torch
 
-from usaf.artifacts.quantized import open_quantized
-from usaf.engine.loading import load_quantized_model, tensor_count
+from usaf.artifacts.quantized import QuantizedFiles, open_quantized
+from usaf.engine.loading import LoadedModel, load_quantized_model, tensor_count
 from usaf.engine.streaming import choose_streaming
 from usaf.memory_plan.weights import RESIDENT_SHARE  # of free memory dequantized experts may take (usaf plan's too)
 from usaf.stages.progress import Progress
 from usaf.units import human_bytes
+
+
+def load_model(files: QuantizedFiles, progress: Progress, **placement: Any) -> LoadedModel:
+    """:func:`~usaf.engine.loading.load_quantized_model` as a progress phase, a tick per tensor (at Qwen3-30B-A3B's
+    size ~17 GB of experts onto a GPU: a minute or more); ``placement``: its device and dtype arguments."""
+    progress.start("loading the model", tensor_count(files), "tensors")
+    try:
+        return load_quantized_model(files, on_tensor=lambda: progress.advance(1), **placement)
+    finally:
+        progress.finish()
 
 
 def load_for_engine(
@@ -29,13 +39,9 @@ def load_for_engine(
     stream, note = choose_streaming(stream, backend, files.experts_bytes)
     if note:
         progress.note(note)
-    progress.start("loading the model", tensor_count(files), "tensors")
-    try:
-        loaded = load_quantized_model(files, device=backend.device, compute_dtype=compute,
-                                      experts_device="cpu" if stream else None,
-                                      on_tensor=lambda: progress.advance(1))  # fmt: skip
-    finally:
-        progress.finish()
+    loaded = load_model(
+        files, progress, device=backend.device, compute_dtype=compute, experts_device="cpu" if stream else None
+    )
     pin = stream and backend.capabilities.pinned_memory
     return loaded, {"stream_experts": stream, "pin_experts": pin}
 

@@ -95,7 +95,7 @@ def run(
     rendered, ids, templated = render_prompt(tokenizer, config.prompt, chat=config.chat)
     if config.chat and not templated:
         progress.note("the tokenizer has no chat template: the prompt is used as it is")
-    model = model_with_change(model_dir, change, device=backend.device)
+    model = model_with_change(model_dir, change, device=backend.device, progress=progress)
     input_ids = torch.tensor([ids], device=backend.device)  # (1, T)
     streamer = _streamer(tokenizer, on_text) if on_text is not None else None
     torch.manual_seed(config.seed)  # sampling draws from torch's global generator: same seed, same text
