@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import pytest
 import torch
 
 from helpers import invoke, leftovers
+from usaf.artifacts.eval_report import ResultRow
 from usaf.testing import stdlib_dir
 
 
@@ -145,6 +147,8 @@ def test_the_fine_tuned_pass_starts_from_the_base_passs_prefix_states(trained, r
 
     _, result, reused = report  # the module's first eval: a fresh base pass, so the states were kept
     assert "fine-tuned pass: starts at layer 1 from the base pass's states" in result.stderr
+    # its rate is of layers 1 up, and says so (the demo's fine-tuned pass looked twice as fast as the base model)
+    assert "fine-tuned pass from layer 1 (below it, the base pass's states):" in " ".join(result.stdout.split())
     monkeypatch.setattr(passes, "PREFIX_RAM_SHARE", 0.0)
     out = tmp_path / "every-layer"
     result = invoke(
@@ -153,7 +157,9 @@ def test_the_fine_tuned_pass_starts_from_the_base_passs_prefix_states(trained, r
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "fine-tuned pass: runs every layer" in result.stderr and "starts at layer" not in result.stderr
+    assert "; fine-tuned pass: " in result.stdout and "from layer" not in result.stdout
     full = json.loads((out / "report.json").read_text())
+    assert (full["tuned_pass"]["first_layer"], reused["tuned_pass"]["first_layer"]) == (0, 1)
     for key in ("rows", "routing", "max_logit_change"):
         assert full[key] == reused[key], key
 
@@ -260,10 +266,29 @@ def test_each_held_out_input_gets_its_own_total(trained, report, tmp_path):
     held, memorised, pooled = (totals[k]["tuned"]["nll"] for k in totals)
     assert held - memorised > 0.01 and memorised < pooled < held
     assert totals[None]["tokens"] == sum(r["tokens"] for r in alone.values())
+    # each input here has one source, whose row its total repeats: report.json keeps the totals (above), the
+    # tables leave them out and show the sources and the pooled row
+    assert Counter(r["input"] for r in rows if not r["overall"]) == {str(trained["tokens"]): 1, str(python): 1}
     printed = " ".join(result.stdout.split())
-    assert f"all: {trained['tokens'].name}" in printed and "all inputs" in printed  # the table names inputs short
+    assert python.name in printed and "all inputs" in printed and "all: " not in printed
     md = (both / "report.md").read_text()
-    assert f"| held-out | **all: {python}** |" in md and "| held-out | **all inputs** |" in md
+    assert f"| held-out | {python.name} |" in md and "| held-out | **all inputs** |" in md and "**all: " not in md
+
+
+def test_tables_show_an_input_total_only_where_the_input_has_several_sources():
+    from usaf.artifacts.eval_report import Estimate
+    from usaf.stages.eval.report import row_label, shown_rows
+
+    def row(source, path, overall=False):
+        estimate = Estimate(nll=1.0, ppl=2.7, nll_ci=None, ppl_ci=None)
+        return ResultRow(set="held-out", source=source, overall=overall, input=path, sequences=2, tokens=10,
+                         base=estimate, tuned=None, delta=None)  # fmt: skip
+
+    rows = [row("a.py", "one"), row("all", "one", True), row("b", "two"), row("c", "two"), row("all", "two", True),
+            row("all", None, True)]  # fmt: skip
+    shown = shown_rows(rows)
+    assert [row_label(r, rows) for r in shown] == ["a.py", "b", "c", "all: two", "all inputs"]
+    assert shown_rows(shown[1:]) == shown[1:]  # negative control: nothing more to drop
 
 
 def test_plots_need_matplotlib(trained, report, tmp_path, monkeypatch):

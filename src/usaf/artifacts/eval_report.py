@@ -76,6 +76,10 @@ class PassSummary(Record):
     seconds: float
     tokens_per_s: float
     cached: bool = Field(description="read from the base cache instead of computed")
+    first_layer: int = Field(
+        0, description="the first decoder layer the pass ran (the fine-tuned pass starts at the first trainable layer "
+        "from the base pass's states), so its tokens/s is not the whole model's"
+    )
 
 
 class EvalSummary(Record):

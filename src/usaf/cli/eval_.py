@@ -11,7 +11,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from usaf.stages.eval.report import fmt_ci, row_label
+    from usaf.stages.eval.report import fmt_ci, row_label, shown_rows
 
     s = manifest.summary
     tuned = s.checkpoint is not None
@@ -21,7 +21,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     columns += ["tuned PPL", f"Δ PPL [{round(100 * s.confidence)} % CI]"] if tuned else ["95 % CI"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("set", "source") else "right")
-    for r in s.rows:
+    for r in shown_rows(s.rows):
         label = escape(row_label(r, s.rows, short=True))  # a source, or a total: of one input, of the set
         cells = [r.set, label, f"{r.sequences:,}", f"{r.tokens:,}", f"{r.base.ppl:.2f}"]
         if tuned:
@@ -53,7 +53,10 @@ def _print_summary(console, manifest, path: Path) -> None:
     cached = f"reused from the cache {s.base_cache}" if s.base_cached else f"{base.tokens_per_s:,.0f} tokens/s"
     line = f"base pass: {cached}"
     if s.tuned_pass is not None:
-        line += f"; fine-tuned pass: {s.tuned_pass.tokens_per_s:,.0f} tokens/s (max |Δ logit| {s.max_logit_change:.3g})"
+        first = s.tuned_pass.first_layer  # from a later layer its rate is not the whole model's: say so
+        scope = f" from layer {first} (below it, the base pass's states)" if first else ""
+        line += f"; fine-tuned pass{scope}: {s.tuned_pass.tokens_per_s:,.0f} tokens/s"
+        line += f" (max |Δ logit| {s.max_logit_change:.3g})"
     console.print(line, markup=False)
     if s.plots:
         console.print("plots: " + ", ".join(str(path / p) for p in s.plots), markup=False)

@@ -264,6 +264,7 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
                          description="fine-tuned model",
                          around=lambda i: engine.injected(prefix[i].to(backend.device)))  # fmt: skip
     tuned.routing = {layer: base.routing[layer] if layer < first else tuned.routing[layer] for layer in loaded.experts}
+    tuned.first_layer = first
     return tuned, moved
 
 
@@ -385,4 +386,5 @@ def _pass_summary(result, sequences: int) -> PassSummary:
         seconds=result.seconds,
         tokens_per_s=result.input_tokens / max(result.seconds, 1e-9),
         cached=result.cached,
+        first_layer=result.first_layer,
     )

@@ -31,6 +31,7 @@ class PassResult:
     input_tokens: int  # real (unpadded) tokens run through the model
     seconds: float
     cached: bool = False
+    first_layer: int = 0  # the first decoder layer run; those below gave their states from the base pass
 
 
 PREFIX_RAM_SHARE = 0.25  # of available RAM the base pass's prefix states may take, to be reused by the tuned pass

@@ -79,6 +79,13 @@ def _row(key, about, indices: list[int], base: PassResult, tuned: PassResult | N
     )
 
 
+def shown_rows(rows: Sequence[ResultRow]) -> list[ResultRow]:
+    """The rows a table shows: an input's total is left out where the input has one source, whose row it repeats
+    (the same sequences, so the same numbers and interval); ``report.json`` keeps it for scripts."""
+    sources = Counter((r.set, r.input) for r in rows if not r.overall)
+    return [r for r in rows if not (r.overall and r.input is not None and sources[(r.set, r.input)] == 1)]
+
+
 def row_label(row: ResultRow, rows: Sequence[ResultRow], *, short: bool = False) -> str:
     """What a row is about: its source, an input's total (``all: PATH``), or its set's (``all`` / ``all inputs``).
 
@@ -170,7 +177,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
     lines += ["", "## Perplexity", ""]
     if s.checkpoint is None:
         lines += ["| set | source | sequences | tokens | base PPL | 95 % CI |", "|---|---|---:|---:|---:|---|"]
-        for r in s.rows:
+        for r in shown_rows(s.rows):
             lines.append(
                 f"| {r.set} | {_source(r, s.rows)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
                 f"{_plain_ci(r.base.ppl_ci)} |"
@@ -180,7 +187,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
             f"| set | source | sequences | tokens | base PPL | tuned PPL | Δ PPL [{pct} % CI] | Δ NLL [{pct} % CI] |",
             "|---|---|---:|---:|---:|---:|---|---|",
         ]
-        for r in s.rows:
+        for r in shown_rows(s.rows):
             d = r.delta
             lines.append(
                 f"| {r.set} | {_source(r, s.rows)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
