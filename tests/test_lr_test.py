@@ -357,9 +357,12 @@ def test_score_takes_and_names_a_smaller_lr_within_noise(inputs, tmp_path, monke
     assert f"train --lr {CANDIDATES[-1]:g}" in output
 
 
-def test_score_names_the_probes_not_run(inputs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("second", ["nan", "above"])
+def test_score_names_the_probes_not_run(inputs, tmp_path, monkeypatch, second):
     """The second probe diverged, so the test stopped: the plan records two probes run and score prints the others
-    as not run, not as diverged (the control: the one that did diverge is printed so)."""
+    as not run, not as diverged, and why it stopped in the test's terms (a loss a little above the untrained one
+    counts: "diverged" alone read as a blow-up next to a loss 0.008 above it). The control: the one that did
+    diverge is printed with its loss, or as diverged where it had none."""
     import dataclasses
 
     from usaf.stages import score as score_stage
@@ -368,16 +371,21 @@ def test_score_names_the_probes_not_run(inputs, tmp_path, monkeypatch):
 
     def stopped(*args, **kwargs):
         r = real(*args, **kwargs)
-        losses = [r.base_loss - 0.1, None, None, None]
+        losses = [r.base_loss - 0.1, None if second == "nan" else r.base_loss + 0.01, None, None]
         return dataclasses.replace(r, losses=losses, gap_se=[0.0, None, None, None], lr=CANDIDATES[0], probes_run=2)
 
     monkeypatch.setattr(score_stage, "run_lr_test", stopped)
     manifest, output = score(*inputs, tmp_path / "plan", "--lr-test-steps", 1)
-    assert manifest.summary.lr_test.probes_run == 2
+    t = manifest.summary.lr_test
+    assert t.probes_run == 2
     flat = " ".join(output.split())  # the console wraps long lines
-    assert f"{CANDIDATES[1]:g}: diverged" in flat
-    assert all(f"{lr:g}: not run (a smaller lr diverged)" in flat for lr in CANDIDATES[2:])
-    assert f"2 of {len(CANDIDATES)} probes" in flat and "a smaller one diverged" in flat
+    how = "its loss was not finite" if second == "nan" else "it ended above the untrained held-back loss"
+    shown = "diverged" if second == "nan" else f"{t.base_loss + 0.01:.4f}"
+    assert f"{CANDIDATES[1]:g}: {shown}," in flat
+    assert all(f"{lr:g}: not run" in flat for lr in CANDIDATES[2:])
+    assert f"(the larger lrs not run, past {CANDIDATES[1]:g}: {how})" in flat  # the summary
+    note = f"2 of {len(CANDIDATES)} probes, {t.steps} steps; the larger lrs not run, past {CANDIDATES[1]:g}: {how})"
+    assert note in flat
 
 
 def test_train_uses_the_plans_lr(inputs, plan, tmp_path):

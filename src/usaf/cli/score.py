@@ -12,7 +12,7 @@ from usaf.units import human_bytes
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
 
-    from usaf.stages.lr_test import choose_lr  # lazy: it imports torch; `usaf --help` stays light
+    from usaf.stages.lr_test import choose_lr, first_divergence  # lazy: it imports torch; `usaf --help` stays light
 
     s = manifest.summary
     table = Table(title=f"plan → {path}", title_justify="left")
@@ -48,9 +48,10 @@ def _print_summary(console, manifest, path: Path) -> None:
     if s.lr_test is not None:
         t = s.lr_test
         ran = sorted(t.candidates)[: t.probes_run if t.probes_run is not None else len(t.candidates)]
-        probes = ", ".join(f"{lr:g}: " + ("not run (a smaller lr diverged)" if lr not in ran else
-                                          "diverged" if loss is None else f"{loss:.4f}")
+        probes = ", ".join(f"{lr:g}: " + ("not run" if lr not in ran else "diverged" if loss is None else f"{loss:.4f}")
                            for lr, loss in zip(t.candidates, t.heldout_losses))  # fmt: skip
+        if len(ran) < len(t.candidates):  # say why, in the test's terms: a divergence may be a small rise
+            probes += f" (the larger lrs not run, past {first_divergence(t.base_loss, t.candidates, t.heldout_losses)})"
         console.print(
             f"lr test: lr {t.lr:.1e} for usaf train (held-back loss {t.base_loss:.4f} untrained; {probes}; "
             f"{t.steps} steps, {t.seconds:.1f} s)"

@@ -129,11 +129,30 @@ def _eligible(base_loss: float, candidates: list[float], losses: list[float | No
     """Indices of the candidates below the first divergence, by ascending lr."""
     eligible = []
     for i in sorted(range(len(candidates)), key=lambda i: candidates[i]):
-        loss = losses[i]
-        if loss is None or not math.isfinite(loss) or loss > base_loss:
+        if divergence(base_loss, losses[i]) is not None:
             break
         eligible.append(i)
     return eligible
+
+
+def divergence(base_loss: float, loss: float | None) -> str | None:
+    """How a probe that ran with held-back ``loss`` diverged, in words, or None where it did not."""
+    if loss is None or not math.isfinite(loss):
+        return "its loss was not finite"
+    if loss > base_loss:
+        return "it ended above the untrained held-back loss"
+    return None
+
+
+def first_divergence(base_loss: float, candidates: list[float], losses: list[float | None]) -> str | None:
+    """The smallest lr whose probe diverged and how (``"3e-3: it ended above ..."``), or None: why the test did
+    not run the larger ones, in the words a user reads (a loss a little above the untrained one is a divergence by
+    this test's rule, not a blow-up)."""
+    for i in sorted(range(len(candidates)), key=lambda i: candidates[i]):
+        how = divergence(base_loss, losses[i])
+        if how is not None:
+            return f"{candidates[i]:g}: {how}"
+    return None
 
 
 def run_lr_test(
@@ -185,7 +204,7 @@ def run_probes(
     heldout: list[HeldOut | None] = [None] * len(candidates)
     for i in sorted(range(len(candidates)), key=lambda i: candidates[i]):
         heldout[i] = probe(candidates[i])
-        if heldout[i] is None or heldout[i].loss > base_loss:
+        if divergence(base_loss, None if heldout[i] is None else heldout[i].loss) is not None:
             break
     return heldout
 

@@ -52,7 +52,7 @@ from usaf.families.targets import resolve_targets
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
 from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
-from usaf.stages.lr_test import CANDIDATES, RULE, run_lr_test
+from usaf.stages.lr_test import CANDIDATES, RULE, first_divergence, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
 
@@ -305,7 +305,10 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
                              states=states, on_step=lambda lr: progress.advance(1, lr=lr))  # fmt: skip
     finally:
         progress.finish()
-    stopped = "" if result.probes_run == len(CANDIDATES) else ", the larger lrs not run: a smaller one diverged"
+    stopped = ""
+    if result.probes_run < len(CANDIDATES):
+        past = first_divergence(result.base_loss, result.candidates, result.losses)
+        stopped = f"; the larger lrs not run, past {past}"
     progress.note(
         f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.probes_run} of {len(CANDIDATES)} probes, "
         f"{result.steps} steps{stopped})"
