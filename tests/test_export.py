@@ -120,6 +120,7 @@ def test_export_onto_the_original_changes_exactly_the_trained_entries(family, tr
     routers = {spec.disk.to_disk(n) for n in change.routers}
     linear = {spec.disk.to_disk(n) for n in change.deltas if n.endswith(".weight")}  # attention / shared targets
     assert linear, "the fixture trains linear targets too"
+    assert summary.expert_tensors_changed == len(change.deltas) > len(linear)  # counts every target's tensors
     touched = [n for n in original if original[n][2] != written[n][2]]
     assert set(linear) <= set(touched)
     assert all(n in routers | linear or spec.disk.to_memory(n).startswith(trained_prefixes) for n in touched)

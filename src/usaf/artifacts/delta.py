@@ -41,7 +41,7 @@ class DeltaSummary(Record):
     change_fingerprint: str = Field(description="identity of the change (the run's manifest fingerprint)")
     trainable_layers: list[int]
     tensors: list[DeltaTensorRecord]
-    expert_entries: int
+    expert_entries: int  # over every target (experts, attention, shared, dense), as the plan's
     router_tensors: int
     router_params: int
 

@@ -77,7 +77,10 @@ class HfExportSummary(Record):
     shards: list[ExportShardRecord]
     tensors: int
     bytes: int
-    expert_tensors_changed: int = Field(description="fused in-memory expert tensors that received a delta")
+    expert_tensors_changed: int = Field(
+        description="tensors that received a delta: fused experts, and attention/shared/dense weights where trained "
+        "(named from when only experts trained)"
+    )
     expert_entries: int = Field(description="delta entries applied")
     router_tensors: int = Field(description="router tensors replaced by their trained values")
     tensors_copied: int = Field(description="tensors written as they were (byte-identical to their source)")

@@ -38,7 +38,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     s = manifest.summary
     if manifest.kind == "delta":
         console.print(
-            f"delta → {path}: {s.expert_entries:,} expert entries in {len(s.tensors)} tensors + "
+            f"delta → {path}: {s.expert_entries:,} delta entries in {len(s.tensors)} tensors + "
             f"{s.router_tensors} router tensors ({s.router_params:,} weights), layers {s.trainable_layers}; "
             f"apply it with usaf export --checkpoint {path}"
         )
@@ -48,7 +48,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         applied = "the dequantized 4-bit base alone (--no-checkpoint)"
     else:
         applied = (
-            f"{s.expert_entries:,} delta entries applied to {s.expert_tensors_changed} expert tensors, "
+            f"{s.expert_entries:,} delta entries applied to {s.expert_tensors_changed} tensors, "  # experts, attention
             f"{s.router_tensors} routers replaced, {s.tensors_copied:,} tensors copied as they were ({base})"
         )
     console.print(
