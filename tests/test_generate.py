@@ -43,6 +43,9 @@ def test_streams_text_and_is_deterministic_with_a_seed(workspace):
     assert other.stdout != first.stdout
     # the defaults: the workspace's model and the newest run trained on it, said on stderr
     assert str(run) in first.stderr and "24 tokens" in first.stderr
+    assert "chat template applied (--no-chat: continue the prompt as plain text)" in " ".join(first.stderr.split())
+    plain = generate(PROMPT, "--max-new-tokens", 4, "--no-chat", workspace=root)
+    assert "chat template" not in plain.stderr  # the control
 
 
 def test_json_reports_the_change_and_the_chat_template(workspace):
