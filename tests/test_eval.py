@@ -239,6 +239,25 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert "**base model only**" in (out / "report.md").read_text()
 
 
+def test_a_text_directory_skips_hidden_files_as_tokenize_does(trained, tmp_path):
+    """A directory of raw text: a hidden file is left out and said so (as usaf tokenize); --all-files reads it."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    shutil.copy(stdlib_dir() / "shlex.py", texts / "shlex.py")
+    shutil.copy(stdlib_dir() / "textwrap.py", texts / ".textwrap.py")
+    sources = {}
+    for extra in ((), ("--all-files",)):
+        out = tmp_path / f"report{len(extra)}"
+        result = invoke("eval", "--model", trained["q"], "--held-out", texts, "--seq-len", 64, "--no-plots",
+                        "--workspace", tmp_path / "ws", "--out", out, *extra)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        rows = json.loads((out / "report.json").read_text())["rows"]
+        sources[extra] = {r["source"] for r in rows if not r["overall"]}
+        said = "skipped under the directory inputs: 1 hidden (.textwrap.py)" in " ".join(result.stderr.split())
+        assert said == (not extra)
+    assert sources[()] == {"texts/shlex.py"} and sources[("--all-files",)] == {"texts/shlex.py", "texts/.textwrap.py"}
+
+
 def test_each_held_out_input_gets_its_own_total(trained, report, tmp_path):
     """--held-out A --held-out B: one total per input, each equal to evaluating that input alone."""
     python = stdlib_dir() / "textwrap.py"  # raw text, the module the run memorised (its held-out one is shlex.py)
@@ -342,6 +361,7 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
         (("--data", stdlib_dir() / "shlex.py", "--seq-len", 1000), ["--seq-len 1000", "context of 512"]),
         (("--held-out", tmp_path / "missing"), [f"--held-out {tmp_path / 'missing'}", "no such file"]),
         (("--held-out", tokens, "--seq-len", 64, "--text-field", "body"), ["--seq-len, --text-field", "raw-text"]),
+        (("--held-out", tokens, "--all-files"), ["--all-files", "raw-text"]),
     ]
     for args, expected in cases:
         out = tmp_path / "out"

@@ -44,6 +44,11 @@ class TokensSummary(Record):
     documents: int
     input_bytes: int
     skipped_binary_files: int
+    skipped_by_default: dict[str, int] = Field(
+        default_factory=dict,
+        description="paths a directory input skipped by default (--all-files reads them), by reason: hidden, "
+        "environment, gitignore; a directory counts once",
+    )
     skipped_empty_documents: int
     relabelled_shifted_lines: int = Field(description="pre-tokenized lines whose pre-shifted labels were unshifted")
     heldout_sources: list[str]

@@ -27,6 +27,8 @@ def _print_summary(console, manifest, path: Path) -> None:
     extras = [f"{s.documents:,} documents", f"{s.input_bytes:,} bytes", f"seq_len {s.seq_len}"]
     if s.skipped_binary_files:
         extras.append(f"{s.skipped_binary_files} binary files skipped")
+    if s.skipped_by_default:
+        extras.append(f"{sum(s.skipped_by_default.values())} paths skipped by default (--all-files)")
     if s.skipped_empty_documents:
         extras.append(f"{s.skipped_empty_documents} empty documents skipped")
     if s.relabelled_shifted_lines:

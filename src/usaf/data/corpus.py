@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from usaf.data.ignore import default_skip, git_rules, is_repository_root
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.errors import UsafError
 
@@ -39,6 +40,8 @@ class Corpus:
     skipped_binary: list[Path]
     skipped_links: list[Path] = field(default_factory=list)  # symbolic links not followed (--no-follow-symlinks)
     broken_links: list[Path] = field(default_factory=list)  # symbolic links to nothing
+    # skipped by default (--all-files reads them), by reason (usaf.data.ignore): hidden, environment, gitignore
+    skipped_default: dict[str, list[Path]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -76,11 +79,13 @@ class _Walk:
     of the same tree is the duplicate, not the original.
     """
 
-    def __init__(self, *, follow_symlinks: bool) -> None:
+    def __init__(self, *, follow_symlinks: bool, all_files: bool = False) -> None:
         self.follow = follow_symlinks
+        self.all_files = all_files  # False: skip what usaf.data.ignore names (hidden, environments, git's ignores)
         self.seen: set[tuple[int, int]] = set()  # (device, inode) of every directory and file read
         self.skipped_links: list[Path] = []  # not followed (--no-follow-symlinks)
         self.broken_links: list[Path] = []  # pointing at nothing
+        self.skipped_default: dict[str, list[Path]] = {}  # reason -> paths (a directory once, not its files)
 
     def first_visit(self, path: Path | str) -> bool:
         """True the first time ``path``'s real file or directory is met; False after, or when it cannot be read."""
@@ -112,18 +117,34 @@ class _Walk:
         self, top: Path, base: str, exclude: list[str], queue: list[tuple[Path, str]], linked: list[tuple[Path, str]]
     ) -> Iterator[tuple[Path, str]]:
         """The real files under ``top`` (``base`` + their path under it); links met are queued or counted."""
+        rules = [] if self.all_files else [r for r in [git_rules(top, "")] if r is not None]
         for dirpath, dirnames, filenames in os.walk(top):
             if not self.first_visit(dirpath):  # a loop, or a directory another link or input already gave
                 dirnames[:] = []
                 continue
             rel_dir = os.path.relpath(dirpath, top).replace(os.sep, "/")
-            prefix = base + ("" if rel_dir == "." else rel_dir + "/")
+            local = "" if rel_dir == "." else rel_dir + "/"  # under top
+            prefix = base + local  # under the input
+            if local and not self.all_files and is_repository_root(Path(dirpath)):  # a nested repository's rules
+                rules += [r for r in [git_rules(Path(dirpath), local)] if r is not None]
             kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _matches(f"{prefix}{d}/\0", exclude))
+            kept = [d for d in kept if not self._skipped_by_default(Path(dirpath, d), f"{local}{d}/", rules, True)]
             dirnames[:] = [d for d in kept if not self._is_link(Path(dirpath, d), queue, f"{prefix}{d}/")]
             for name in sorted(filenames):
                 path = Path(dirpath, name)
+                if self._skipped_by_default(path, local + name, rules, False):
+                    continue
                 if not self._is_link(path, linked, prefix + name) and self.first_visit(path):
                     yield path, prefix + name
+
+    def _skipped_by_default(self, path: Path, rel: str, rules: list, is_dir: bool) -> bool:
+        """Whether ``path`` (``rel`` under the walked tree) is one :mod:`usaf.data.ignore` skips; recorded if so."""
+        if self.all_files:
+            return False
+        reason = default_skip(path, rel, is_dir=is_dir, rules=rules)
+        if reason is not None:
+            self.skipped_default.setdefault(reason, []).append(path)
+        return reason is not None
 
     def _is_link(self, path: Path, follow_later: list[tuple[Path, str]], rel: str) -> bool:
         """Whether ``path`` is a symbolic link; one to follow is queued, the others are counted."""
@@ -139,19 +160,27 @@ class _Walk:
 
 
 def discover(
-    inputs: list[Path], *, include: list[str], exclude: list[str], source_depth: int, follow_symlinks: bool = True
+    inputs: list[Path],
+    *,
+    include: list[str],
+    exclude: list[str],
+    source_depth: int,
+    follow_symlinks: bool = True,
+    all_files: bool = False,
 ) -> Corpus:
     """List the corpus files, sorted so that each source's files are contiguous.
 
     Symbolic links under a directory input are followed unless ``follow_symlinks`` is False (then counted in
-    :attr:`Corpus.skipped_links`); inputs given by name are always read.
+    :attr:`Corpus.skipped_links`); inputs given by name are always read. Under a directory input, hidden files
+    and directories, environments and what git ignores are skipped unless ``all_files`` (:mod:`usaf.data.ignore`;
+    counted in :attr:`Corpus.skipped_default`).
 
     Raises:
         UsafError: a path that does not exist.
     """
     files: list[CorpusFile] = []
     skipped: list[Path] = []
-    walk = _Walk(follow_symlinks=follow_symlinks)
+    walk = _Walk(follow_symlinks=follow_symlinks, all_files=all_files)
     for given in inputs:
         if not given.exists():
             raise UsafError(f"{given}: no such file or directory", "check the input paths")
@@ -177,7 +206,7 @@ def discover(
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
-    return Corpus(files, skipped, walk.skipped_links, walk.broken_links)
+    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default)
 
 
 def read_text_document(file: CorpusFile, *, decode_errors: str) -> Document | None:

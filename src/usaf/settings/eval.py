@@ -51,6 +51,11 @@ class EvalConfig(StageConfig):
         None, min_length=1, description="JSONL of text: the field naming the source, else repo.",
         json_schema_extra=cli(default_text="source"),
     )  # fmt: skip
+    all_files: bool = Field(
+        False,
+        description="Raw text directories: also read hidden files and directories, environments and what git ignores "
+        "(as usaf tokenize --all-files).",
+    )
     bootstrap: int = Field(1000, ge=100, description="Bootstrap resamples per interval.")
     seed: int = Field(0, description="Seed of the bootstrap and of --max-sequences.")
     base_cache: bool = Field(True, description="Reuse/store the base pass in WORKSPACE/cache.")

@@ -39,6 +39,11 @@ class TokenizeConfig(StageConfig):
         description="Follow symbolic links under directory inputs (each real directory and file is read once); "
         "--no-follow-symlinks skips them and says how many.",
     )
+    all_files: bool = Field(
+        False,
+        description="Also read what directory inputs skip by default: hidden files and directories, environments "
+        "(pyvenv.cfg, conda-meta, node_modules) and what git ignores (.gitignore).",
+    )
     held_out: list[str] = Field(
         default_factory=list,
         description="Hold out this source (glob; repeatable): its sequences go to heldout.jsonl.",

@@ -22,6 +22,7 @@ from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, SourceCount, TokensManifest, TokensSummary
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents
+from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
 from usaf.data.packing import Sequence, SourcePacker
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_record
@@ -197,6 +198,23 @@ def _report_links(corpus: Corpus, progress: Progress) -> None:
         progress.note(f"{broken} skipped, e.g. {corpus.broken_links[0]}")
 
 
+_REASONS = {HIDDEN: "hidden", ENVIRONMENT: "environment", GITIGNORE: "ignored by git"}
+
+
+def report_skipped_by_default(corpus: Corpus, progress: Progress) -> None:
+    """Say what the walk left out by default and how to read it (a repository's .venv read as the user's code
+    would dwarf it; left out in silence, a file the user wanted would look lost)."""
+    if not corpus.skipped_default:
+        return
+    parts = []
+    for reason, label in _REASONS.items():
+        paths = corpus.skipped_default.get(reason, [])
+        if paths:
+            shown = ", ".join(p.name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+            parts.append(f"{len(paths)} {label} ({shown})")
+    progress.note(f"skipped under the directory inputs: {'; '.join(parts)}; --all-files reads them")
+
+
 def _refuse_nothing_to_score(config: TokenizeConfig, totals: _Totals) -> None:
     """A split of sequences without one position to score is refused: train would run at loss 0 on it, eval
     would report nothing. Sequences without targets among others are fine (a chat's user-only turns)."""
@@ -228,8 +246,10 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
         exclude=config.exclude,
         source_depth=config.source_depth,
         follow_symlinks=config.follow_symlinks,
+        all_files=config.all_files,
     )
     _report_links(corpus, progress)
+    report_skipped_by_default(corpus, progress)
     if not corpus.files:
         raise UsafError(
             f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{_skipped_note(corpus)}",
@@ -403,6 +423,7 @@ def _summary(
         documents=totals.documents,
         input_bytes=totals.input_bytes,
         skipped_binary_files=len(corpus.skipped_binary),
+        skipped_by_default={reason: len(paths) for reason, paths in corpus.skipped_default.items()},
         skipped_empty_documents=totals.skipped_empty,
         relabelled_shifted_lines=totals.relabelled,
         heldout_sources=sorted(heldout),

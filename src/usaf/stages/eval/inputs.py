@@ -26,7 +26,7 @@ from usaf.data.packing import IGNORE_INDEX
 from usaf.data.tokens import iter_token_file
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
-from usaf.stages.tokenize import TokenizeConfig, pack_corpus
+from usaf.stages.tokenize import TokenizeConfig, pack_corpus, report_skipped_by_default
 
 DATA, HELD_OUT = "data", "held-out"  # the two sets, named after their flags
 FLAGS = {DATA: "--data", HELD_OUT: "--held-out"}
@@ -67,6 +67,7 @@ class TextSettings:
     source_depth: int
     text_field: str
     source_field: str
+    all_files: bool = False  # directories: read what they skip by default too (usaf.data.ignore)
 
 
 def read_input(
@@ -134,7 +135,8 @@ def _token_lines(file: Path, set_name: str, vocab: int, context: int | None) -> 
 
 def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, progress: Progress) -> list[EvalSequence]:
     flag = FLAGS[set_name]
-    corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth)
+    corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth, all_files=text.all_files)
+    report_skipped_by_default(corpus, progress)
     if not corpus.files:
         raise UsafError(f"{flag} {path}: no text or JSONL files (binary files are skipped)", "check the path")
     config = TokenizeConfig(

@@ -81,6 +81,7 @@ def read_inputs(
         source_depth=1 if config.source_depth is None else config.source_depth,
         text_field=config.text_field or "text",
         source_field=config.source_field or "source",
+        all_files=config.all_files,
     )
     inputs = []
     for set_name, paths in ((DATA, data), (HELD_OUT, held_out)):
@@ -99,6 +100,7 @@ def read_inputs(
                 )
             )
     given = [name for name in TEXT_FLAGS if getattr(config, name) is not None]
+    given += ["all_files"] if config.all_files else []  # a switch: off is its default, not "not given"
     if given and not any(item.kind == "text" for item in inputs):
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UsafError(
