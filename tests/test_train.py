@@ -65,6 +65,21 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     # nats is learning (gpt-oss, whose attention trains too by default, gains the least: ~0.08 at this lr)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
     assert len(s.eval_losses) == 2 and len(s.reselections) == 2
+    # the summary's ends: means of a quarter of the steps (7 of 30), from the metrics, shown on the console
+    assert s.loss_window == 7 and s.first_losses_mean == pytest.approx(sum(losses[:7]) / 7)
+    assert s.last_losses_mean == pytest.approx(sum(losses[-7:]) / 7) and s.last_losses_mean < s.first_losses_mean
+    shown = f"train loss, mean of the first → last 7 steps │ {s.first_losses_mean:.4f} → {s.last_losses_mean:.4f}"
+    assert shown in " ".join(result.stdout.split())
+
+
+def test_loss_ends_average_a_quarter_of_the_steps_at_most_50():
+    from usaf.stages.train.run import loss_ends
+
+    assert loss_ends([]) == (None, None, None)
+    assert loss_ends([3.0, 1.0, 2.0]) == (1, 3.0, 2.0)  # fewer than 4 steps: one at each end
+    assert loss_ends([1.0] * 4 + [2.0] * 4) == (2, 1.0, 2.0)
+    window, first, last = loss_ends([float(i) for i in range(400)])
+    assert (window, first, last) == (50, 24.5, 374.5)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +106,9 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
     assert "resuming from" in result.stderr
     losses = lambda run: [m["loss"] for m in metrics(run) if "loss" in m]  # noqa: E731
     assert losses(resumed) == losses(straight), str([losses(straight), losses(resumed)])
+    ends = [load_verified(run, RunManifest).summary for run in (straight, resumed)]
+    assert [(e.loss_window, e.first_losses_mean, e.last_losses_mean) for e in ends] == [(5, *ends[0].model_dump(
+        include={"first_losses_mean", "last_losses_mean"}).values())] * 2  # fmt: skip
     a, b = final_deltas(straight), final_deltas(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -249,7 +267,10 @@ def test_a_non_finite_step_is_skipped_and_counted(prepared, tmp_path, monkeypatc
     assert train(qdir, tokens, plan, run, "--steps", 5, "--reselect-every", 0).exit_code == 0
     records = [m for m in metrics(run) if "loss" in m]
     assert [m["skipped"] for m in records] == [False, False, True, False, False]
-    assert load_verified(run, RunManifest).summary.skipped_steps == 1
+    summary = load_verified(run, RunManifest).summary
+    assert summary.skipped_steps == 1
+    finite = [m["loss"] for m in records if not m["skipped"]]  # the skipped step's NaN is left out of the means
+    assert (summary.loss_window, summary.first_losses_mean, summary.last_losses_mean) == (1, finite[0], finite[-1])
     deltas = final_deltas(run)
     assert all(torch.isfinite(v).all() for k, v in deltas.items() if k.endswith("values"))
 

@@ -64,8 +64,14 @@ class RunSummary(Record):
     steps: int
     tokens: int
     skipped_steps: int = Field(description="steps skipped for a non-finite loss or gradient")
-    first_loss: float
-    final_loss: float
+    first_loss: float = Field(description="the first finite step's training loss (one microbatch: noisy)")
+    final_loss: float = Field(description="the last finite step's training loss (one microbatch: noisy)")
+    loss_window: int | None = Field(
+        None, description="steps averaged at each end of the run for the two means below: a quarter of the steps, "
+        "at most 50 (None: a run of an older usaf)"
+    )
+    first_losses_mean: float | None = Field(None, description="mean training loss of the first loss_window steps")
+    last_losses_mean: float | None = Field(None, description="mean training loss of the last loss_window steps")
     eval_losses: list[list[float]] = Field(description="[step, held-out loss] pairs")
     expert_entries: int
     router_params: int
@@ -384,6 +390,27 @@ def _read_checkpoint(
     if layers is None:
         layers = sorted({int(m.group(1)) for n in deltas if (m := re.search(r"layers\.(\d+)\.", n))})
     return TrainedChange(source, fingerprint, model_fingerprint, list(layers), deltas, checkpoint.routers)
+
+
+def read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """``(step, loss)`` of training steps and ``(step, eval_loss)`` from a run's ``metrics.jsonl``.
+
+    Lines that are not step or eval records (reselections) or not JSON (a line cut by a crash) are skipped:
+    the plot shows what the run logged.
+    """
+    train, held = [], []
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or "step" not in record:
+            continue
+        if "eval_loss" in record and record["eval_loss"] is not None:
+            held.append((int(record["step"]), float(record["eval_loss"])))
+        elif "loss" in record and not record.get("skipped", False):
+            train.append((int(record["step"]), float(record["loss"])))
+    return train, held
 
 
 def trim_metrics(run_dir: Path, step: int) -> int:

@@ -41,8 +41,12 @@ def _print_summary(console, manifest, path: Path) -> None:
         ("steps (skipped)", f"{s.steps} ({s.skipped_steps})"),
         ("tokens", f"{s.tokens:,}"),
         ("wall time (with loading and scoring)", f"{s.seconds:,.0f} s ({rate:,.0f} tokens/s)"),
-        ("train loss first → last", f"{s.first_loss:.4f} → {s.final_loss:.4f}"),
     ]
+    if s.loss_window is not None:  # one step's loss is one microbatch's: the ends' means say where training went
+        rows.append((f"train loss, mean of the first → last {s.loss_window} steps",
+                     f"{s.first_losses_mean:.4f} → {s.last_losses_mean:.4f}"))  # fmt: skip
+    else:
+        rows.append(("train loss first → last", f"{s.first_loss:.4f} → {s.final_loss:.4f}"))
     if s.eval_losses:
         rows.append(("held-out loss first → last", f"{s.eval_losses[0][1]:.4f} → {s.eval_losses[-1][1]:.4f}"))
     rows += [

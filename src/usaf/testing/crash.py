@@ -207,7 +207,8 @@ class TrainStage(Stage):
         problems += _same_files(out, reference, [f.path for f in ref.files])
         if mine.fingerprint != ref.fingerprint:
             problems.append("fingerprint (final deltas, routers, optimizer, state) differs from the uninterrupted run")
-        keys = ("steps", "tokens", "skipped_steps", "first_loss", "final_loss", "eval_losses", "reselections")
+        keys = ("steps", "tokens", "skipped_steps", "first_loss", "final_loss", "loss_window", "first_losses_mean",
+                "last_losses_mean", "eval_losses", "reselections")
         a, b = mine.summary.model_dump(), ref.summary.model_dump()
         problems += [f"summary {k}: {a[k]} != {b[k]}" for k in keys if a[k] != b[k]]
         metrics, ref_metrics = _step_losses(out), _step_losses(reference)

@@ -7,12 +7,12 @@ display needed, nothing opens a window).
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import torch
 
 from usaf.artifacts.eval_report import LayerDrift
+from usaf.artifacts.run import read_metrics
 
 CURVES_FILE = "training_curves.png"
 LOAD_FILE = "expert_load.png"
@@ -32,27 +32,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """``(step, loss)`` of training steps and ``(step, eval_loss)`` from a run's ``metrics.jsonl``.
-
-    Lines that are not step or eval records (reselections) or not JSON (a line cut by a crash) are skipped:
-    the plot shows what the run logged.
-    """
-    train, held = [], []
-    for raw in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or "step" not in record:
-            continue
-        if "eval_loss" in record and record["eval_loss"] is not None:
-            held.append((int(record["step"]), float(record["eval_loss"])))
-        elif "loss" in record and not record.get("skipped", False):
-            train.append((int(record["step"]), float(record["loss"])))
-    return train, held
 
 
 def plot_curves(metrics: Path, out: Path, *, base_heldout: float | None = None) -> bool:

@@ -14,7 +14,15 @@ from typing import Any
 from usaf.artifacts import InputRecord, RunManifest, current_environment, load_verified
 from usaf.artifacts.disk import guarded_write
 from usaf.artifacts.plan import check_masks_fit, check_plan_layers, read_masks
-from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, ReselectionRecord, RunSummary, trim_metrics
+from usaf.artifacts.run import (
+    FINAL_DIR,
+    METRICS_FILE,
+    SETTINGS_FILE,
+    ReselectionRecord,
+    RunSummary,
+    read_metrics,
+    trim_metrics,
+)
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
 from usaf.config import source_of
 from usaf.errors import UsafError
@@ -170,6 +178,19 @@ def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
     )
 
 
+LOSS_WINDOW_MAX = 50  # steps averaged at each end of a run, at most
+
+
+def loss_ends(losses: list[float]) -> tuple[int | None, float | None, float | None]:
+    """``(window, mean of the first window losses, mean of the last window)``: a quarter of the steps, at most
+    :data:`LOSS_WINDOW_MAX` (all None without a loss). One step's loss is one microbatch's, as noisy as the
+    data: a 30-step run on the demo model went 4.62 -> 4.89, its first and last 7 steps 4.75 -> 4.58."""
+    if not losses:
+        return None, None, None
+    window = max(1, min(LOSS_WINDOW_MAX, len(losses) // 4))
+    return window, sum(losses[:window]) / window, sum(losses[-window:]) / window
+
+
 def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[RunManifest, Path]:
     """The held-out loss of the final weights, ``final/``, and (rank 0) the run's manifest."""
     state, run_dir = trainer.state, inputs.run_dir
@@ -187,6 +208,7 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         return load_verified(run_dir, RunManifest, flag="--out"), run_dir
     counts = trainer.engine.trainable_count()
     model_fp = inputs.model.fingerprint
+    window, first_mean, last_mean = loss_ends([loss for _, loss in read_metrics(run_dir / METRICS_FILE)[0]])
     summary = RunSummary(
         model_fingerprint=model_fp,
         plan_fingerprint=inputs.plan.fingerprint,
@@ -197,6 +219,9 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         skipped_steps=state.skipped,
         first_loss=state.first_loss,
         final_loss=state.last_loss,
+        loss_window=window,
+        first_losses_mean=first_mean,
+        last_losses_mean=last_mean,
         eval_losses=state.eval_losses,
         expert_entries=counts["delta_entries"],
         router_params=counts["router_params"],
