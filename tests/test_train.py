@@ -72,6 +72,26 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     assert shown in " ".join(result.stdout.split())
 
 
+def test_the_progress_bar_shows_the_mean_loss_of_the_last_20_steps(prepared, tmp_path):
+    """One step's loss is one microbatch's: the bar shows the mean of the last 20 steps, skipped ones left out."""
+    from helpers import RecordingProgress
+    from usaf.stages.train import TrainConfig
+    from usaf.stages.train import run as train_run
+    from usaf.stages.train.loop import SHOWN_LOSS
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    progress = RecordingProgress()
+    train_run(TrainConfig(model=qdir, data=tokens, plan=plan, out=tmp_path / "run", steps=25, reselect_every=0,
+                          device="cpu"), progress=progress)  # fmt: skip
+    begin = progress.events.index(("training", 25, "steps"))
+    end = progress.events.index("finish", begin)
+    shown = [counters[SHOWN_LOSS] for amount, counters in progress.events[begin + 1 : end] if amount == 1]
+    losses = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert len(shown) == len(losses) == 25
+    assert shown[2] == pytest.approx(sum(losses[:3]) / 3) and shown[-1] == pytest.approx(sum(losses[-20:]) / 20)
+    assert shown[-1] != pytest.approx(losses[-1])  # the control: not the last step's own
+
+
 def test_loss_ends_average_a_quarter_of_the_steps_at_most_50():
     from usaf.stages.train.run import loss_ends
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections import deque
 from typing import Any
 
 from usaf.distributed import PeerLost, World, merge_scores
@@ -47,8 +48,13 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
         progress.finish()
 
 
+SHOWN_LOSS_STEPS = 20  # the progress bar's loss: the mean of the last this many steps' (one step's is noisy)
+SHOWN_LOSS = f"loss ({SHOWN_LOSS_STEPS}-step mean)"
+
+
 def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> None:
     first = trainer.state.step
+    recent: deque[float] = deque(maxlen=SHOWN_LOSS_STEPS)  # since this start: display only, not resumed
     while trainer.state.step < steps:
         stop.check()
         step, every, config = trainer.state.step, trainer.reselect_every, trainer.config
@@ -68,7 +74,10 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
                 trainer.log({"step": done, "eval_loss": loss})
         if config.save_every and done % config.save_every == 0:
             trainer.save_checkpoint(trainer.checkpoint_dir())
-        progress.advance(1, tokens=trainer.state.tokens, loss=record["loss"])
+        if not record.get("skipped", False):
+            recent.append(record["loss"])
+        shown = {SHOWN_LOSS: sum(recent) / len(recent)} if recent else {}
+        progress.advance(1, tokens=trainer.state.tokens, **shown)
 
 
 def collecting(step: int, every: int, steps: int) -> bool:
