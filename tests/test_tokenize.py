@@ -203,7 +203,7 @@ def test_binary_files_are_skipped_and_counted_and_globs_filter(tmp_path, tok_dir
     summary = load_verified(out, TokensManifest).summary
     assert summary.skipped_binary_files == 1 and summary.documents == 1
     assert [c.source for c in summary.sources] == ["corpus/pkg"]
-    assert "1 binary files skipped" in result.stdout
+    assert "1 binary file skipped" in result.stdout  # one, not "1 binary files"
     out2 = tmp_path / "out2"
     assert tokenize(corpus, "--model", tok_dir, "--include", "*.md", "--out", out2).exit_code == 0
     assert load_verified(out2, TokensManifest).summary.documents == 1

@@ -10,3 +10,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(n: int, thing: str) -> str:
+    """``counted(1, "file") -> '1 file'``, ``counted(3, "file") -> '3 files'``."""
+    return f"{n:,} {thing}" if n == 1 else f"{n:,} {thing}s"

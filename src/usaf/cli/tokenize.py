@@ -10,6 +10,8 @@ from usaf.cli.stage import stage_command
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
 
+    from usaf.units import counted
+
     s = manifest.summary
     table = Table(title=f"tokens → {path}", title_justify="left")
     for column in ("split", "sources", "sequences", "tokens", "loss tokens"):
@@ -26,13 +28,13 @@ def _print_summary(console, manifest, path: Path) -> None:
     console.print(table)
     extras = [f"{s.documents:,} documents", f"{s.input_bytes:,} bytes", f"seq_len {s.seq_len}"]
     if s.skipped_binary_files:
-        extras.append(f"{s.skipped_binary_files} binary files skipped")
+        extras.append(f"{counted(s.skipped_binary_files, 'binary file')} skipped")
     if s.skipped_by_default:
-        extras.append(f"{sum(s.skipped_by_default.values())} paths skipped by default (--all-files)")
+        extras.append(f"{counted(sum(s.skipped_by_default.values()), 'path')} skipped by default (--all-files)")
     if s.skipped_empty_documents:
-        extras.append(f"{s.skipped_empty_documents} empty documents skipped")
+        extras.append(f"{counted(s.skipped_empty_documents, 'empty document')} skipped")
     if s.relabelled_shifted_lines:
-        extras.append(f"{s.relabelled_shifted_lines} pre-shifted lines unshifted")
+        extras.append(f"{counted(s.relabelled_shifted_lines, 'pre-shifted line')} unshifted")
     console.print(", ".join(extras))
     if s.heldout_sources:
         shown = ", ".join(s.heldout_sources[:8]) + (" ..." if len(s.heldout_sources) > 8 else "")

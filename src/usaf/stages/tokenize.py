@@ -30,6 +30,7 @@ from usaf.data.tokens import check_token_values, labels_look_shifted, scored_tar
 from usaf.errors import UsafError
 from usaf.settings.tokenize import TokenizeConfig
 from usaf.stages.progress import NullProgress, Progress
+from usaf.units import counted
 
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep the Rust threads busy
 
@@ -170,19 +171,15 @@ class _Tokenizer:
         return ids, labels
 
 
-def _counted(n: int, thing: str) -> str:
-    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
-
-
 def _skipped_note(corpus: Corpus) -> str:
     """`` (3 binary files, 2 symbolic links (--no-follow-symlinks) skipped)``, or "" when nothing was skipped."""
     parts = []
     if corpus.skipped_binary:
-        parts.append(_counted(len(corpus.skipped_binary), "binary file"))
+        parts.append(counted(len(corpus.skipped_binary), "binary file"))
     if corpus.skipped_links:
-        parts.append(_counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
+        parts.append(counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
     if corpus.broken_links:
-        parts.append(_counted(len(corpus.broken_links), "broken symbolic link"))
+        parts.append(counted(len(corpus.broken_links), "broken symbolic link"))
     return f" ({', '.join(parts)} skipped)" if parts else ""
 
 
@@ -190,11 +187,11 @@ def _report_links(corpus: Corpus, progress: Progress) -> None:
     """Say which symbolic links were not read: a directory of links skipped in silence looks like an empty corpus."""
     if corpus.skipped_links:
         progress.note(
-            f"{_counted(len(corpus.skipped_links), 'symbolic link')} not followed (--no-follow-symlinks), e.g. "
+            f"{counted(len(corpus.skipped_links), 'symbolic link')} not followed (--no-follow-symlinks), e.g. "
             f"{corpus.skipped_links[0]}; drop the flag to read them"
         )
     if corpus.broken_links:
-        broken = _counted(len(corpus.broken_links), "broken symbolic link")
+        broken = counted(len(corpus.broken_links), "broken symbolic link")
         progress.note(f"{broken} skipped, e.g. {corpus.broken_links[0]}")
 
 
