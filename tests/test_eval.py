@@ -239,6 +239,41 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert "**base model only**" in (out / "report.md").read_text()
 
 
+def test_held_out_sequences_the_run_trained_on_are_counted_and_said(trained, report, tmp_path):
+    """Held-out text the run trained on (textwrap.py, packed as training packed it) is counted as such and warned
+    about; the tokens' own held-out split is the control (none of it trained on)."""
+    _, result, data = report
+    assert data["heldout_in_training"] == 0 and data["overlap_note"] is None and "warning" not in result.stderr
+    out = tmp_path / "memorised"
+    text = stdlib_dir() / "textwrap.py"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--seq-len", 32, "--no-plots",
+                    "--held-out", text, "--workspace", tmp_path / "ws", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "report.json").read_text())
+    (held,) = [r for r in data["rows"] if r["overall"]]
+    assert data["heldout_in_training"] == held["sequences"] > 0
+    said = f"{held['sequences']} of the {held['sequences']} held-out sequences"
+    assert said in " ".join(result.stderr.split()) and said in " ".join(result.stdout.split())
+    assert "**warning**: " + said in (out / "report.md").read_text()
+
+
+def test_held_out_overlap_is_not_claimed_where_the_training_tokens_are_gone(trained, tmp_path):
+    from usaf.artifacts.run import load_trained_change
+    from usaf.stages.eval.overlap import training_tokens
+
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    for record in manifest["inputs"]:
+        if record["role"] == "data":
+            record["path"] = str(tmp_path / "moved" / "train.jsonl")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    found, why_not = training_tokens(load_trained_change(run), tmp_path / "empty-workspace")
+    assert found is None and "are not in the workspace or where it ran" in why_not
+    found, _ = training_tokens(load_trained_change(trained["run"]), tmp_path / "empty-workspace")  # the control
+    assert found.path == trained["tokens"] / "train.jsonl"
+
+
 def test_a_text_directory_skips_hidden_files_as_tokenize_does(trained, tmp_path):
     """A directory of raw text: a hidden file is left out and said so (as usaf tokenize); --all-files reads it."""
     texts = tmp_path / "texts"

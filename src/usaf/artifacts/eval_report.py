@@ -103,6 +103,13 @@ class EvalSummary(Record):
     tuned_pass: PassSummary | None
     plots: list[str] = Field(description="PNG files under plots/")
     plots_note: str | None = Field(description="why plots are missing, when they are")
+    heldout_in_training: int | None = Field(
+        None,
+        description="held-out sequences found verbatim (the same token ids) in the evaluated run's training tokens: "
+        "their perplexity is fit, not generalization; a floor (text packed otherwise is not found). None: not checked "
+        "(no held-out input, no finished run, or its tokens not found)",
+    )
+    overlap_note: str | None = Field(None, description="what heldout_in_training means here, or why it is None")
     seconds: float
 
 

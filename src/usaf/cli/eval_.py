@@ -58,6 +58,8 @@ def _print_summary(console, manifest, path: Path) -> None:
         line += f"; fine-tuned pass{scope}: {s.tuned_pass.tokens_per_s:,.0f} tokens/s"
         line += f" (max |Δ logit| {s.max_logit_change:.3g})"
     console.print(line, markup=False)
+    if s.heldout_in_training:  # said again after the tables it qualifies
+        console.print(f"warning: {s.overlap_note}", markup=False, style="yellow")
     if s.plots:
         console.print("plots: " + ", ".join(str(path / p) for p in s.plots), markup=False)
     elif s.plots_note:

@@ -43,7 +43,7 @@ from usaf.errors import UsafError
 from usaf.families.targets import targets_of
 from usaf.settings.eval import EvalConfig
 from usaf.stages.engine_setup import load_for_engine, make_resident
-from usaf.stages.eval import cache, passes, plots  # module attributes, read at call time (tests patch them)
+from usaf.stages.eval import cache, overlap, passes, plots  # module attributes, read at call time (tests patch them)
 from usaf.stages.eval.inputs import HELD_OUT, sequences_fingerprint
 from usaf.stages.eval.passes import (
     batch_hidden,
@@ -76,6 +76,8 @@ class _Outcome:
     logit_change: float | None
     num_experts: dict[int, int]
     resident: bool
+    heldout_in_training: int | None = None  # held-out sequences found in the run's training tokens; None: unchecked
+    overlap_note: str | None = None  # what that count means, or why it was not checked
 
 
 def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
@@ -94,11 +96,13 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     writer.check_target()
     context = max_sequence_length(str(model_dir), tokenizer)
     inputs = read_inputs(config, workspace, model_dir, change, tokenizer, context, progress)
+    found, overlap_note = _held_out_in_training(change, workspace, inputs, len(tokenizer), context, progress)
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     outcome = _evaluate(
         config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress
     )
+    outcome.heldout_in_training, outcome.overlap_note = found, overlap_note
     return _write(config, writer, backend, outcome, start, progress)
 
 
@@ -151,6 +155,24 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         model_dir, model_fp, change, inputs, sequences, data_fp, key, entry, base, tuned, logit_change,
         {layer: state.num_experts for layer, state in loaded.experts.items()}, resident,
     )  # fmt: skip
+
+
+def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, progress: Progress):
+    """``(held-out sequences the run trained on, a note)``; ``(None, why not)`` when not checked
+    (:mod:`usaf.stages.eval.overlap`), ``(None, None)`` when there is nothing to check."""
+    if not any(item.set == HELD_OUT for item in inputs):
+        return None, None
+    training, why_not = overlap.training_tokens(change, workspace)
+    if training is None:
+        if why_not is not None:
+            why_not = f"held-out sequences not checked against the run's training data: {why_not}"
+            progress.note(why_not)
+        return None, why_not
+    found = overlap.held_out_overlap(inputs, training, vocab_size=vocab, context=context, progress=progress)
+    note = overlap.overlap_note(found)
+    if note is not None:
+        progress.note("warning: " + note)
+    return found.found, note
 
 
 def _label(model_dir: Path, change) -> str:
@@ -312,6 +334,8 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
             tuned_pass=_pass_summary(o.tuned, len(o.sequences)) if o.tuned is not None else None,
             plots=plots,
             plots_note=plots_note,
+            heldout_in_training=o.heldout_in_training,
+            overlap_note=o.overlap_note,
             seconds=time.perf_counter() - start,
         )
         (art.dir / REPORT_JSON).write_text(summary.model_dump_json(indent=1) + "\n", encoding="utf-8")

@@ -170,6 +170,8 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines.append(
             f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences, {item.tokens:,} scored tokens"
         )
+    if s.overlap_note is not None:
+        lines.append(("- **warning**: " if s.heldout_in_training else "- ") + s.overlap_note)
     lines.append(
         f"- intervals: {pct} % percentile bootstrap over sequences, {s.bootstrap_samples} resamples, seed {s.seed}; "
         "Δ = fine-tuned − base, paired"

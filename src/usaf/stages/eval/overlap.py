@@ -1,0 +1,104 @@
+"""Held-out sequences that the evaluated run trained on: counted and said, so a "held-out" number is honest.
+
+A user who trained on ``usaf tokenize my-repo`` and then runs ``usaf eval --held-out my-repo`` gets sequences
+packed exactly as in training (the same packer, the same default length and sources): the report's held-out
+perplexity would then measure the fit to the training text and read as generalization. Eval looks for the
+run's training tokens (a finished run's manifest names them and their fingerprint) and counts the held-out
+sequences found there verbatim (the same token ids). Text packed differently (another ``--seq-len``) is not
+found this way; the count is a floor, and said to be one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from usaf.artifacts import RunManifest, TokensManifest, find_artifacts, load_verified
+from usaf.artifacts.tokens import TRAIN_FILE
+from usaf.data.tokens import iter_token_file
+from usaf.errors import UsafError
+from usaf.stages.eval.inputs import HELD_OUT, EvalInput
+from usaf.stages.progress import Progress
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Held-out sequences found in the run's training tokens (``training``), in all and per held-out input."""
+
+    training: Path
+    found: int
+    held_out: int
+    per_input: dict[str, int]  # held-out input path -> its sequences found
+
+
+def _digest(ids: Iterable[int]) -> bytes:
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class TrainingTokens:
+    path: Path  # the train.jsonl of the tokens the run trained on
+    sequences: int
+
+
+def training_tokens(change, workspace: Path) -> tuple[TrainingTokens | None, str | None]:
+    """``(the run's training tokens, None)``, or ``(None, why not)``; ``(None, None)`` where the change names no
+    training data at all (a delta directory, an unfinished run, or no change)."""
+    if change is None:
+        return None, None
+    run_dir = next((d for d in (change.source, change.source.parent.parent) if (d / "manifest.json").is_file()), None)
+    if run_dir is None:
+        return None, None  # a delta, or an unfinished run: no manifest names its data
+    try:
+        manifest = load_verified(run_dir, RunManifest, flag="--checkpoint", hashes=False)
+    except UsafError:
+        return None, None  # not a run (a delta directory's manifest)
+    wanted = manifest.summary.data_fingerprint
+    recorded = [Path(i.path) for i in manifest.inputs if i.role == "data"]
+    candidates = [p.parent for p in recorded] + [p for p in recorded]  # a tokens directory's train.jsonl, or it
+    candidates += [found.path for found in find_artifacts(workspace, TokensManifest)]
+    for directory in candidates:
+        if (directory / "manifest.json").is_file() and (directory / TRAIN_FILE).is_file():
+            try:
+                tokens = load_verified(directory, TokensManifest, flag="--checkpoint", hashes=False)
+            except UsafError:
+                continue
+            if tokens.fingerprint == wanted:
+                return TrainingTokens(directory / TRAIN_FILE, tokens.summary.train_sequences), None
+    return None, f"the tokens it trained on (fingerprint {wanted[:16]}) are not in the workspace or where it ran"
+
+
+def held_out_overlap(
+    inputs: list[EvalInput], training: TrainingTokens, *, vocab_size: int, context: int | None, progress: Progress
+) -> Overlap:
+    """Count the held-out inputs' sequences whose token ids are a line of the ``training`` tokens."""
+    wanted: dict[bytes, list[str]] = {}
+    held = [item for item in inputs if item.set == HELD_OUT]
+    for item in held:
+        for sequence in item.sequences:
+            wanted.setdefault(_digest(sequence.input_ids), []).append(str(item.path))
+    per_input = {str(item.path): 0 for item in held}
+    progress.start("checking held-out against the training tokens", training.sequences, "sequences")
+    try:
+        for line in iter_token_file(training.path, vocab_size=vocab_size, context=context):
+            for path in wanted.pop(_digest(line.input_ids), []):  # popped: each held-out sequence counts once
+                per_input[path] += 1
+            progress.advance(1)
+    finally:
+        progress.finish()
+    return Overlap(training.path, sum(per_input.values()), sum(len(item.sequences) for item in held), per_input)
+
+
+def overlap_note(overlap: Overlap) -> str | None:
+    """The warning for the report and the console, or None when nothing overlaps."""
+    if not overlap.found:
+        return None
+    inputs = ", ".join(f"{path}: {n:,}" for path, n in overlap.per_input.items() if n)
+    return (
+        f"{overlap.found:,} of the {overlap.held_out:,} held-out sequences ({inputs}) are in the run's training data "
+        f"({overlap.training}): for them the held-out perplexity measures the fit to the training text, not "
+        "generalization (hold sources out at tokenize: --held-out, --held-out-frac)"
+    )
