@@ -189,6 +189,29 @@ def test_held_out_fraction_is_seeded_and_disjoint(tmp_path, tok_dir):
     assert train.isdisjoint(outs[0].heldout_sources) and len(train) == 2
 
 
+def test_a_held_out_fraction_far_from_the_tokens_share_is_said(tmp_path, tok_dir):
+    """--held-out-frac counts sources: a tiny source held out is a tiny held-out set, and tokenize says so; sources of
+    one size (the control) get no note."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "big.py").write_text((STDLIB / "textwrap.py").read_text())
+    (corpus / "tiny.py").write_text("x = 1\n")
+    notes = {}
+    for name, inputs in (("uneven", [corpus]), ("even", [STDLIB / "textwrap.py", STDLIB / "shlex.py"])):
+        held = 0.5
+        out = tmp_path / name
+        for seed in range(8):  # the seed that holds out the tiny source (or, for the control, any)
+            result = tokenize(*inputs, "--model", tok_dir, "--held-out-frac", held, "--seed", seed, "--seq-len", 64,
+                              "--out", out, "--overwrite")  # fmt: skip
+            assert result.exit_code == 0, result.output
+            summary = load_verified(out, TokensManifest).summary
+            if name == "even" or summary.heldout_sources == ["corpus/tiny.py"]:
+                break
+        notes[name] = " ".join(result.stderr.split())
+    assert "--held-out-frac 0.5 held out 1 of 2 sources but" in notes["uneven"] and "differ in size" in notes["uneven"]
+    assert "differ in size" not in notes["even"]
+
+
 def test_binary_files_are_skipped_and_counted_and_globs_filter(tmp_path, tok_dir):
     corpus = tmp_path / "corpus"
     (corpus / "pkg").mkdir(parents=True)

@@ -212,6 +212,22 @@ def report_skipped_by_default(corpus: Corpus, progress: Progress) -> None:
     progress.note(f"skipped under the directory inputs: {'; '.join(parts)}; --all-files reads them")
 
 
+def _note_uneven_heldout(config: TokenizeConfig, summary: TokensSummary, progress: Progress) -> None:
+    """``--held-out-frac`` holds out a fraction of the *sources*: where sources differ in size the tokens held out
+    can be far from it (a repository's root at depth 1 held out a 49-token MANIFEST.in for 0.1). Say so."""
+    if not config.held_out_frac:
+        return
+    share = summary.heldout_tokens / max(summary.train_tokens + summary.heldout_tokens, 1)
+    if config.held_out_frac / 3 <= share <= 3 * config.held_out_frac:
+        return
+    held = sum(1 for c in summary.sources if c.split == "heldout")
+    progress.note(
+        f"--held-out-frac {config.held_out_frac:g} held out {held} of {len(summary.sources)} sources but "
+        f"{100 * share:.2g} % of the tokens ({summary.heldout_tokens:,}): the sources differ in size; for a held-out "
+        "set of about that share pass --held-out SOURCE ..., another --seed, or a larger --source-depth"
+    )
+
+
 def _refuse_nothing_to_score(config: TokenizeConfig, totals: _Totals) -> None:
     """A split of sequences without one position to score is refused: train would run at loss 0 on it, eval
     would report nothing. Sequences without targets among others are fine (a chat's user-only turns)."""
@@ -289,6 +305,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
                 "no training sequences: every sequence came from a held-out source", "hold out fewer sources"
             )
         _refuse_nothing_to_score(config, totals)
+        _note_uneven_heldout(config, summary, progress)
         manifest = art.commit(
             TokensManifest,
             inputs=[
