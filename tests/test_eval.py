@@ -257,7 +257,7 @@ def test_held_out_sequences_the_run_trained_on_are_counted_and_said(trained, rep
     assert "**warning**: " + said in (out / "report.md").read_text()
 
 
-def test_held_out_overlap_is_not_claimed_where_the_training_tokens_are_gone(trained, tmp_path):
+def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_gone(trained, tmp_path):
     from usaf.artifacts.run import load_trained_change
     from usaf.stages.eval.overlap import training_tokens
 
@@ -272,6 +272,18 @@ def test_held_out_overlap_is_not_claimed_where_the_training_tokens_are_gone(trai
     assert found is None and "are not in the workspace or where it ran" in why_not
     found, _ = training_tokens(load_trained_change(trained["run"]), tmp_path / "empty-workspace")  # the control
     assert found.path == trained["tokens"] / "train.jsonl"
+    # a run given a tokens JSONL as --data: that file, known by its bytes' fingerprint
+    from usaf.artifacts.hashing import sha256_file
+
+    jsonl = tmp_path / "data.jsonl"
+    shutil.copy(trained["tokens"] / "train.jsonl", jsonl)
+    for record in manifest["inputs"]:
+        if record["role"] == "data":
+            record["path"] = str(jsonl)
+    manifest["summary"]["data_fingerprint"] = sha256_file(jsonl)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    found, why_not = training_tokens(load_trained_change(run), tmp_path / "empty-workspace")
+    assert (found.path, found.sequences, why_not) == (jsonl, None, None)
 
 
 def test_a_text_directory_skips_hidden_files_as_tokenize_does(trained, tmp_path):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.artifacts import RunManifest, TokensManifest, find_artifacts, load_verified
+from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.tokens import TRAIN_FILE
 from usaf.data.tokens import iter_token_file
 from usaf.errors import UsafError
@@ -40,8 +41,8 @@ def _digest(ids: Iterable[int]) -> bytes:
 
 @dataclass(frozen=True)
 class TrainingTokens:
-    path: Path  # the train.jsonl of the tokens the run trained on
-    sequences: int
+    path: Path  # the train.jsonl of the tokens the run trained on, or the tokens JSONL it was given
+    sequences: int | None  # None: not recorded (a JSONL file)
 
 
 def training_tokens(change, workspace: Path) -> tuple[TrainingTokens | None, str | None]:
@@ -58,7 +59,10 @@ def training_tokens(change, workspace: Path) -> tuple[TrainingTokens | None, str
         return None, None  # not a run (a delta directory's manifest)
     wanted = manifest.summary.data_fingerprint
     recorded = [Path(i.path) for i in manifest.inputs if i.role == "data"]
-    candidates = [p.parent for p in recorded] + [p for p in recorded]  # a tokens directory's train.jsonl, or it
+    for path in recorded:  # a tokens JSONL given as --data, fingerprinted by its bytes (not a tokens directory's)
+        if path.is_file() and not (path.parent / "manifest.json").is_file() and sha256_file(path) == wanted:
+            return TrainingTokens(path, None), None
+    candidates = [p.parent for p in recorded] + recorded  # a tokens directory's train.jsonl, or the directory
     candidates += [found.path for found in find_artifacts(workspace, TokensManifest)]
     for directory in candidates:
         if (directory / "manifest.json").is_file() and (directory / TRAIN_FILE).is_file():
