@@ -113,6 +113,19 @@ def test_a_linked_repository_is_asked_about_its_own_rules(tmp_path):
     assert [p.name for p in corpus.skipped_default[ignore.GITIGNORE]] == ["scratch.tmp"]
 
 
+@needs_git
+def test_an_ignored_link_to_a_directory_is_not_followed(tmp_path):
+    outside = tmp_path / "outside"
+    write(outside, {"big.py": "b = 1\n" * 40})
+    root = tmp_path / "project"
+    write(root, {".gitignore": "data\n", "a.py": "a = 1\n" * 40})
+    (root / "data").symlink_to(outside)  # git lists an ignored link as a file: "data", no "/"
+    git_init(root)
+    corpus = discover([root], include=[], exclude=[], source_depth=1)
+    assert rel_files(corpus, root) == {"a.py"}
+    assert [p.name for p in corpus.skipped_default[ignore.GITIGNORE]] == ["data"]
+
+
 def test_without_git_the_other_rules_still_apply(repo, monkeypatch):
     monkeypatch.setattr(ignore.shutil, "which", lambda name: None)
     corpus = discover([repo], include=[], exclude=[], source_depth=1)

@@ -41,8 +41,12 @@ class GitRules:
     ignored: frozenset[str]
 
     def covers(self, rel: str) -> bool:
-        """Whether git ignores ``rel`` (a path under the walked tree; a directory's ends with ``/``)."""
-        return rel.startswith(self.prefix) and rel[len(self.prefix) :] in self.ignored
+        """Whether git ignores ``rel`` (a path under the walked tree; a directory's ends with ``/``). A symbolic link
+        to a directory is a file to git: listed without the ``/``."""
+        if not rel.startswith(self.prefix):
+            return False
+        under = rel[len(self.prefix) :]
+        return under in self.ignored or under.rstrip("/") in self.ignored
 
 
 def git_rules(directory: Path, prefix: str) -> GitRules | None:
