@@ -284,6 +284,19 @@ def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_
     (run / "manifest.json").write_text(json.dumps(manifest))
     found, why_not = training_tokens(load_trained_change(run), tmp_path / "empty-workspace")
     assert (found.path, found.sequences, why_not) == (jsonl, None, None)
+    # that file damaged since: the check is not made, and eval says why instead of failing on a file not passed
+    from usaf.stages.eval import _held_out_in_training
+    from usaf.stages.eval.inputs import EvalInput, EvalSequence
+    from usaf.stages.progress import NullProgress
+
+    jsonl.write_text(jsonl.read_text() + "{not json\n")
+    manifest["summary"]["data_fingerprint"] = sha256_file(jsonl)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    held = [EvalInput("held-out", tmp_path / "x", "text", "", [EvalSequence("held-out", "x", [1, 2, 3], [1, 2, 3])])]
+    progress = NullProgress()
+    count, note = _held_out_in_training(load_trained_change(run), tmp_path, held, 10**6, None, progress)
+    assert count is None and "not checked against the run's training data" in note and "not valid JSON" in note
+    assert note in progress.notes
 
 
 def test_a_text_directory_skips_hidden_files_as_tokenize_does(trained, tmp_path):

@@ -168,7 +168,12 @@ def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, 
             why_not = f"held-out sequences not checked against the run's training data: {why_not}"
             progress.note(why_not)
         return None, why_not
-    found = overlap.held_out_overlap(inputs, training, vocab_size=vocab, context=context, progress=progress)
+    try:
+        found = overlap.held_out_overlap(inputs, training, vocab_size=vocab, context=context, progress=progress)
+    except UsafError as e:  # a check on a file the user did not pass: say why it was not made, and go on
+        why_not = f"held-out sequences not checked against the run's training data: {e.message}"
+        progress.note(why_not)
+        return None, why_not
     note = overlap.overlap_note(found)
     if note is not None:
         progress.note("warning: " + note)
