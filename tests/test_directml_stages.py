@@ -226,7 +226,7 @@ def test_score_train_reselect_checkpoint_resume_and_eval_avoid_rejected_ops(
     manifest = load_verified(run, RunManifest)
     s = manifest.summary
     assert manifest.environment.dtype == "float16" and len(s.reselections) == 2 and s.frozen_entries > 0
-    assert all(r.grown > 0 for r in s.reselections) and len(s.eval_losses) == 2
+    assert all(r.grown > 0 for r in s.reselections) and [step for step, _ in s.eval_losses] == [0, 6, 12]
 
     report = tmp_path / "report"
     guard, _ = guarded(evaluate, qdir, tokens, run, report)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,7 +65,9 @@ def test_loss_decreases_for_every_family(family, prepared, tmp_path):
     # the same two sequences every step and no dropout: a frozen model's loss would not move at all, so 0.05
     # nats is learning (gpt-oss, whose attention trains too by default, gains the least: ~0.08 at this lr)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
-    assert len(s.eval_losses) == 2 and len(s.reselections) == 2
+    assert [step for step, _ in s.eval_losses] == [0, 15, 30] and len(s.reselections) == 2  # 0: untrained
+    flat = " ".join(result.stdout.split())
+    assert f"held-out loss untrained → trained │ {s.eval_losses[0][1]:.4f} → {s.eval_losses[-1][1]:.4f}" in flat
     # the summary's ends: means of a quarter of the steps (7 of 30), from the metrics, shown on the console
     assert s.loss_window == 7 and s.first_losses_mean == pytest.approx(sum(losses[:7]) / 7)
     assert s.last_losses_mean == pytest.approx(sum(losses[-7:]) / 7) and s.last_losses_mean < s.first_losses_mean
@@ -131,6 +134,28 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
         include={"first_losses_mean", "last_losses_mean"}).values())] * 2  # fmt: skip
     a, b = final_deltas(straight), final_deltas(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_untrained_held_out_loss_is_logged_once_whether_resumed_or_restarted(prepared, tmp_path, monkeypatch):
+    """The held-out loss at step 0 (before training) is in the metrics once: after a resume from a checkpoint (the
+    checkpoint carries it) and after a restart from nothing (a run killed before its first checkpoint logged it)."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 6, "--reselect-every", 0, "--eval-data", tokens]
+    straight = tmp_path / "straight"
+    assert train(qdir, tokens, plan, straight, *args).exit_code == 0
+    evals = lambda run: [(m["step"], m["eval_loss"]) for m in metrics(run) if "eval_loss" in m]  # noqa: E731
+    assert [step for step, _ in evals(straight)] == [0, 6]
+    for restart in (False, True):
+        run = tmp_path / f"run-{restart}"
+        assert ctrl_c_at(3, lambda run=run: train(qdir, tokens, plan, run, *args), monkeypatch).exit_code == 130
+        if restart:  # as if killed before any checkpoint: the same command starts from nothing
+            shutil.rmtree(run / "checkpoints")
+        result = train(qdir, tokens, plan, run, *args)
+        assert result.exit_code == 0, result.output
+        assert ("resuming from" in result.stderr) is not restart
+        assert evals(run) == evals(straight), restart
 
 
 def test_train_dequantizes_the_frozen_layers_once_and_trains_exactly_as_per_forward(prepared, tmp_path, monkeypatch):

@@ -48,7 +48,9 @@ def _print_summary(console, manifest, path: Path) -> None:
     else:
         rows.append(("train loss first → last", f"{s.first_loss:.4f} → {s.final_loss:.4f}"))
     if s.eval_losses:
-        rows.append(("held-out loss first → last", f"{s.eval_losses[0][1]:.4f} → {s.eval_losses[-1][1]:.4f}"))
+        untrained = s.eval_losses[0][0] == 0  # measured before the first step (a run of an older usaf: not)
+        label = "held-out loss untrained → trained" if untrained else "held-out loss first → last"
+        rows.append((label, f"{s.eval_losses[0][1]:.4f} → {s.eval_losses[-1][1]:.4f}"))
     rows += [
         ("layers", ", ".join(map(str, s.trainable_layers))),
         *([("lr", f"{s.lr:.1e} (from {s.lr_source})")] if s.lr is not None else []),

@@ -92,8 +92,9 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
         if not (config.deterministic or backend.capabilities.reproducible):
             progress.note(f"on {backend.name} without --deterministic the resumed run equals an uninterrupted one "
                           "only within the device's run-to-run noise (its sums' order varies)")  # fmt: skip
-    if world.is_main:
-        trim_metrics(run_dir, trainer.state.step)  # steps after the checkpoint (or all, from 0) are logged again
+    if world.is_main:  # steps after the checkpoint are logged again; from nothing, all (the step-0 held-out loss too)
+        trim_metrics(run_dir, trainer.state.step if inputs.resume_from is not None else -1)
+    _held_out_before_training(trainer)
     per_step = inputs.per_step
     if world.active:
         progress.note(f"data parallel: {world.size} processes ({world.backend}), {per_step} sequences per step "
@@ -176,6 +177,18 @@ def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
         f"in layers {list(engine.layers)} for {steps} steps of {per_step} sequences; "
         f"memory: {memory_parts(memory)}"
     )
+
+
+def _held_out_before_training(trainer: Any) -> None:
+    """The untrained model's held-out loss, at step 0 (every rank: it is all-reduced), so the run's held-out losses
+    go from before training to after it; with only the final one (``--eval-every 0``) the summary showed it twice."""
+    state = trainer.state
+    if trainer.eval_data is None or state.step != 0 or state.eval_losses:
+        return
+    loss = trainer.evaluate()
+    if loss is not None:
+        state.eval_losses.append([0, loss])
+        trainer.log({"step": 0, "eval_loss": loss})
 
 
 LOSS_WINDOW_MAX = 50  # steps averaged at each end of a run, at most
