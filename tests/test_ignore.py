@@ -162,3 +162,19 @@ def test_tokenize_says_what_it_skipped_and_all_files_reads_it(repo, tmp_path):
     assert summary.documents == len(USER_FILES) + len(OTHER_FILES) and summary.skipped_by_default == {}
     manifest = json.loads((every / "manifest.json").read_text())
     assert manifest["config"]["all_files"] is True
+
+
+def test_a_corpus_of_only_skipped_paths_is_refused_naming_all_files(tmp_path):
+    """A directory holding only what is skipped by default: the empty-corpus error says so and names --all-files."""
+    tok = tmp_path / "tok"
+    build_tiny_tokenizer(tok, model_max_length=1024)
+    only = tmp_path / "only"
+    write(only, {".venv/pyvenv.cfg": "home = /usr/bin\n", ".venv/lib/m.py": "m = 1\n" * 40, ".notes.txt": "n\n" * 40})
+    out = tmp_path / "tokens"
+    result = invoke("tokenize", only, "--model", tok, "--seq-len", 32, "--out", out)
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and not out.exists()
+    assert "empty corpus" in message
+    assert "2 hidden, environment or git-ignored paths (--all-files reads them)" in message
+    assert "hint: pass --all-files to read them" in message
+    assert invoke("tokenize", only, "--model", tok, "--seq-len", 32, "--out", out, "--all-files").exit_code == 0

@@ -180,6 +180,9 @@ def _skipped_note(corpus: Corpus) -> str:
         parts.append(counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
     if corpus.broken_links:
         parts.append(counted(len(corpus.broken_links), "broken symbolic link"))
+    if corpus.skipped_default:
+        skipped = sum(len(paths) for paths in corpus.skipped_default.values())
+        parts.append(counted(skipped, "hidden, environment or git-ignored path") + " (--all-files reads them)")
     return f" ({', '.join(parts)} skipped)" if parts else ""
 
 
@@ -268,6 +271,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{_skipped_note(corpus)}",
             "drop --no-follow-symlinks to read the linked files"
             if corpus.skipped_links
+            else "pass --all-files to read them"
+            if corpus.skipped_default
             else "check the paths and --include/--exclude",
         )
     heldout: set[str] = set()
