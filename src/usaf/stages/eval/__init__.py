@@ -162,18 +162,19 @@ def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, 
     (:mod:`usaf.stages.eval.overlap`), ``(None, None)`` when there is nothing to check."""
     if not any(item.set == HELD_OUT for item in inputs):
         return None, None
+
+    def not_checked(why: str) -> tuple[None, str]:
+        note = f"held-out sequences not checked against the run's training data: {why}"
+        progress.note(note)
+        return None, note
+
     training, why_not = overlap.training_tokens(change, workspace)
     if training is None:
-        if why_not is not None:
-            why_not = f"held-out sequences not checked against the run's training data: {why_not}"
-            progress.note(why_not)
-        return None, why_not
+        return (None, None) if why_not is None else not_checked(why_not)
     try:
         found = overlap.held_out_overlap(inputs, training, vocab_size=vocab, context=context, progress=progress)
     except UsafError as e:  # a check on a file the user did not pass: say why it was not made, and go on
-        why_not = f"held-out sequences not checked against the run's training data: {e.message}"
-        progress.note(why_not)
-        return None, why_not
+        return not_checked(e.message)
     note = overlap.overlap_note(found)
     if note is not None:
         progress.note("warning: " + note)

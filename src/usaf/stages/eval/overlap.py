@@ -11,6 +11,7 @@ found this way; the count is a floor, and said to be one.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -62,9 +63,12 @@ def training_tokens(change, workspace: Path) -> tuple[TrainingTokens | None, str
     for path in recorded:  # a tokens JSONL given as --data, fingerprinted by its bytes (not a tokens directory's)
         if path.is_file() and not (path.parent / "manifest.json").is_file() and sha256_file(path) == wanted:
             return TrainingTokens(path, None), None
-    candidates = [p.parent for p in recorded] + recorded  # a tokens directory's train.jsonl, or the directory
-    candidates += [found.path for found in find_artifacts(workspace, TokensManifest)]
-    for directory in candidates:
+
+    def in_workspace():  # searched only when the recorded places do not hold them
+        yield from (found.path for found in find_artifacts(workspace, TokensManifest))
+
+    # where it ran (a tokens directory's train.jsonl, or the directory), then the workspace's tokens
+    for directory in itertools.chain((p.parent for p in recorded), recorded, in_workspace()):
         if (directory / "manifest.json").is_file() and (directory / TRAIN_FILE).is_file():
             try:
                 tokens = load_verified(directory, TokensManifest, flag="--checkpoint", hashes=False)
