@@ -1,0 +1,58 @@
+"""A stop request (Ctrl-C, SIGTERM, SIGHUP) that ends a long run at a boundary of its own choosing.
+
+``usaf train`` checks it before each step and saves a checkpoint; ``usaf score`` before each calibration batch and
+each probe step of its lr test, and saves what it has done. A signal only sets a flag, so whatever is saved holds
+whole units of work.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from usaf.distributed import World
+from usaf.errors import StopSignal
+
+# Ctrl-C; kill, schedulers and container stops; a closed terminal (Windows has no SIGHUP).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class StopRequest:
+    """Ctrl-C, SIGTERM or SIGHUP stops the run at the next step boundary, never inside a step.
+
+    A signal only sets a flag; the loop checks it before each step (data parallel: the ranks agree on it
+    with one all-reduce, so all of them reach the collective checkpoint together) and raises
+    :class:`usaf.errors.StopSignal` (a KeyboardInterrupt) there, so the checkpoint holds whole steps only and
+    the command exits with 128 + the signal's number. In one process a second signal leaves at once without
+    writing (the last checkpoint stays intact); under torchrun repeated signals change nothing (a
+    terminal's Ctrl-C reaches every rank and torchrun forwards it again; a rank stuck in a step is
+    torchrun's to kill). Installed only in the main thread (Python's rule for signal handlers).
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.signum: int | None = None  # the first stop signal received
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and not self.world.active:
+            raise SystemExit(128 + signum)  # the second signal: leave now, no checkpoint
+        self.signum = self.signum or signum
+
+    def check(self) -> None:
+        if self.world.any(self.requested):  # a rank that got none stops for its peers: as Ctrl-C
+            raise StopSignal(self.signum or signal.SIGINT)
