@@ -88,5 +88,6 @@ def _floor_note(s) -> str:
 command = stage_command(
     "score",
     summary=_print_summary,
-    doc="Pick the weights to train (--targets) by gradient importance on calibration data (a plan for usaf train).",
+    doc="Pick the weights to train (--targets) by gradient importance on calibration data (a plan for usaf train). "
+    "Ctrl-C saves the work done; the same command resumes it.",
 )

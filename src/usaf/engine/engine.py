@@ -12,6 +12,7 @@ import contextlib
 import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -425,14 +426,18 @@ class SparseEngine:
         statistic: str = "grad",
         exact: bool = False,
         pool_factor: int = 4,
+        into: dict[str, ScoreAccumulator] | None = None,
     ) -> dict[str, ScoreAccumulator]:
         """Accumulate a per-weight importance statistic over ``batches`` (input_ids, labels, mask).
 
         Each trainable tensor's dense gradient exists one expert slice at a time inside the backward
-        and is reduced immediately into a :class:`ScoreAccumulator` of ``candidates`` entries.
+        and is reduced immediately into a :class:`ScoreAccumulator` of ``candidates`` entries. ``into``: go on
+        adding to these (:meth:`score_accumulators`'s, restored: a resumed calibration), which hold every batch
+        completed before an exception stops the pass.
         """
         settings = {"candidates": candidates, "statistic": statistic, "exact": exact, "pool_factor": pool_factor}
-        sample, _ = self._dense_scores(((None, *batch) for batch in batches), halves=False, **settings)
+        tagged = ((None, *batch) for batch in batches)
+        sample, _ = self._dense_scores(tagged, halves=False, into=None if into is None else (into, []), **settings)
         return sample
 
     def dense_scores_in_halves(
@@ -443,36 +448,49 @@ class SparseEngine:
         statistic: str = "grad",
         exact: bool = False,
         pool_factor: int = 4,
+        into: tuple[dict[str, ScoreAccumulator], list[dict[str, ScoreAccumulator]]] | None = None,
     ) -> tuple[dict[str, ScoreAccumulator], tuple[dict[str, ScoreAccumulator], dict[str, ScoreAccumulator]]]:
         """:meth:`dense_scores` of the whole sample and of two halves of it, from one backward per batch.
 
         ``batches`` yield ``(half, input_ids, labels, mask)``, ``half`` 0 or 1: every batch's statistic is added
         to the sample's accumulators and to its half's (computed once, :meth:`ScoreAccumulator.sink_with`).
+        ``into``: ``(sample, [half 0, half 1])`` to go on adding to (:meth:`dense_scores`).
 
         Returns:
             ``(sample, (half 0, half 1))``, each a mapping name -> :class:`ScoreAccumulator`.
         """
         settings = {"candidates": candidates, "statistic": statistic, "exact": exact, "pool_factor": pool_factor}
-        sample, halves = self._dense_scores(batches, halves=True, **settings)
+        sample, halves = self._dense_scores(batches, halves=True, into=into, **settings)
         return sample, (halves[0], halves[1])
 
-    def _dense_scores(
-        self, tagged: Iterable[tuple], *, halves: bool, candidates, statistic: str, exact: bool, pool_factor: int
-    ) -> tuple[dict[str, ScoreAccumulator], list[dict[str, ScoreAccumulator]]]:
-        def accumulators() -> dict[str, ScoreAccumulator]:
-            return {
-                name: ScoreAccumulator(
-                    weight.shape,
-                    candidates if isinstance(candidates, int) else candidates[name],
-                    statistic,
-                    exact=exact,
-                    pool_factor=pool_factor,
-                )
-                for name, weight in self.weights.items()
-            }
+    def score_accumulators(
+        self, *, candidates: int | Mapping[str, int], statistic: str = "grad", exact: bool = False, pool_factor: int = 4
+    ) -> dict[str, ScoreAccumulator]:
+        """An empty :class:`ScoreAccumulator` per trainable tensor, as :meth:`dense_scores` makes them."""
+        return {
+            name: ScoreAccumulator(
+                weight.shape,
+                candidates if isinstance(candidates, int) else candidates[name],
+                statistic,
+                exact=exact,
+                pool_factor=pool_factor,
+            )
+            for name, weight in self.weights.items()
+        }
 
-        sample = accumulators()
-        parts = [accumulators(), accumulators()] if halves else []
+    def _dense_scores(
+        self,
+        tagged: Iterable[tuple],
+        *,
+        halves: bool,
+        into: tuple[dict[str, ScoreAccumulator], list[dict[str, ScoreAccumulator]]] | None,
+        **settings: Any,
+    ) -> tuple[dict[str, ScoreAccumulator], list[dict[str, ScoreAccumulator]]]:
+        if into is not None:
+            sample, parts = into
+        else:
+            sample = self.score_accumulators(**settings)
+            parts = [self.score_accumulators(**settings), self.score_accumulators(**settings)] if halves else []
         try:
             for half, input_ids, labels, mask in tagged:
                 fed = [sample] if half is None else [sample, parts[half]]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,8 @@ def run_lr_test(
     candidates: tuple[float, ...] = CANDIDATES,
     states: Mapping[int, torch.Tensor] | None = None,
     on_step: Callable[[float], None] | None = None,
+    done: Sequence[HeldOut | None] = (),
+    on_probe: Callable[[list[HeldOut | None]], None] | None = None,
 ) -> LrTestResult:
     """Probe ``steps`` optimizer steps at each candidate lr on the calibration ``lines`` less the held-back ones
     (:func:`split`), score each probe on those, sequence by sequence, and choose (:func:`choose_lr_within_noise`).
@@ -173,7 +175,10 @@ def run_lr_test(
 
     ``states``: the lines' frozen-prefix states ``(t, H)`` by line number (``TokenLine.line``), as score's
     calibration pass recorded them; a microbatch with a line missing there computes its own. ``on_step(lr)``:
-    called after each probe step (score's progress bar).
+    called after each probe step (score's progress bar; an exception it raises stops the test, the probe
+    unfinished). ``done``: the first probes' held-back scores, by ascending lr, from an interrupted test (not run
+    again: the same bits, as every probe starts from the base model); ``on_probe(scores)``: called after each probe
+    that runs with every score so far, by ascending lr (score saves them).
     """
     start = time.perf_counter()
     train_lines, held_lines = split(lines)
@@ -182,7 +187,8 @@ def run_lr_test(
     first = FirstStep()
     try:
         base = _heldout(engine, held).loss
-        heldout = run_probes(base, candidates, lambda lr: _probe(engine, masks, train, held, lr, steps, first, on_step))
+        probe = lambda lr: _probe(engine, masks, train, held, lr, steps, first, on_step)  # noqa: E731
+        heldout = run_probes(base, candidates, probe, done=done, on_probe=on_probe)
     finally:
         _restore(engine)
     lr, gap_se = choose_lr_within_noise(base, list(candidates), heldout)
@@ -193,17 +199,31 @@ def run_lr_test(
 
 
 def run_probes(
-    base_loss: float, candidates: tuple[float, ...], probe: Callable[[float], HeldOut | None]
+    base_loss: float,
+    candidates: tuple[float, ...],
+    probe: Callable[[float], HeldOut | None],
+    *,
+    done: Sequence[HeldOut | None] = (),
+    on_probe: Callable[[list[HeldOut | None]], None] | None = None,
 ) -> list[HeldOut | None]:
     """``probe(lr)`` of each candidate by ascending lr, up to the first that diverges (None, or a held-back loss
-    above the untrained model's ``base_loss``); None for the candidates after it, which are not run.
+    above the untrained model's ``base_loss``); None for the candidates after it, which are not run. The first
+    ``len(done)`` (by ascending lr) are ``done``'s, not run again; ``on_probe`` sees the scores after each probe run.
 
     Nothing at or above a divergence is eligible (:func:`choose_lr`), so their probes could not change the choice:
     skipping them gives the same lr, and saves a quarter of the test per candidate skipped.
     """
     heldout: list[HeldOut | None] = [None] * len(candidates)
-    for i in sorted(range(len(candidates)), key=lambda i: candidates[i]):
-        heldout[i] = probe(candidates[i])
+    ascending = sorted(range(len(candidates)), key=lambda i: candidates[i])
+    if len(done) > len(ascending):
+        raise ValueError(f"{len(done)} probes done, of {len(ascending)} candidates")
+    for rank, i in enumerate(ascending):
+        if rank < len(done):
+            heldout[i] = done[rank]
+        else:
+            heldout[i] = probe(candidates[i])
+            if on_probe is not None:
+                on_probe([heldout[j] for j in ascending[: rank + 1]])
         if divergence(base_loss, None if heldout[i] is None else heldout[i].loss) is not None:
             break
     return heldout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from usaf.data.tokens import TokenLine, scored_targets
 from usaf.engine.engine import SparseEngine, TargetsError
 from usaf.engine.prefix import PrefixTap
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
-from usaf.errors import UsafError
+from usaf.errors import StopSignal, UsafError
 from usaf.families.targets import resolve_targets
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
@@ -55,6 +56,8 @@ from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, first_divergence, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.score_resume import BOOKKEEPING, SavedCalibration, SavedProbes, ScoreProgress, run_identity
+from usaf.stages.stop import StopRequest
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
 LEGACY_ENV = {"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"}  # the original tool's
@@ -114,12 +117,20 @@ def calibration_batches(lines: list[TokenLine], microbatch: int, pad: int) -> li
     return items
 
 
-def _counted(items: list[CalibrationBatch], progress: Progress, description: str) -> Iterator[tuple]:
-    """``(half, input_ids, labels, mask)`` of each item, counted on a progress bar."""
-    progress.start(description, len(items), "batches")
+def _counted(
+    items: list[CalibrationBatch], progress: Progress, *, done: int, stop: StopRequest | None, finished: list[int]
+) -> Iterator[tuple]:
+    """``(half, input_ids, labels, mask)`` of each item after the first ``done``, counted on a progress bar and in
+    ``finished[0]`` once its backward is over; a stop request is raised between two items, never inside one."""
+    progress.start("scoring", len(items), "batches")
+    if done:
+        progress.advance(done)
     tokens = 0
-    for item in items:
+    for item in items[done:]:
+        if stop is not None:
+            stop.check()
         yield item.half, item.batch.input_ids, item.batch.labels, item.batch.attention_mask
+        finished[0] += 1
         tokens += item.batch.tokens
         progress.advance(1, tokens=tokens)
     progress.finish()
@@ -150,12 +161,31 @@ def _states_by_line(tap: PrefixTap | None, items: list[CalibrationBatch]) -> dic
     }
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What score has settled before its work: the settings, the launch, the model, the data and the sample."""
+
+    config: ScoreConfig
+    world: Any
+    backend: Any
+    progress: Progress
+    model_dir: Path
+    model_manifest: Any
+    tokenizer: Any
+    data_file: Path
+    data_fingerprint: str
+    lines: list[TokenLine]
+    start: float
+
+
 def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanManifest, Path]:
     """Score, select and write the plan; returns its manifest and path.
 
-    Under torchrun every rank scores its share of the calibration microbatches (rank r: microbatches
-    r, r + N, ...) and the accumulators are merged, so the plan equals one process's with the same
-    microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the others wait.
+    In one process the work is done inside the output's partial directory, where a stop request (Ctrl-C) saves the
+    calibration pass or the lr test's probes done so far, and the same command resumes from them
+    (:mod:`usaf.stages.score_resume`). Under torchrun every rank scores its share of the calibration microbatches
+    (rank r: microbatches r, r + N, ...) and the accumulators are merged, so the plan equals one process's with the
+    same microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the others wait.
     """
     start = time.perf_counter()
     backend = resolve_backend(
@@ -168,9 +198,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
     out = config.out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
-    writer = ArtifactWriter(
-        out, overwrite=config.overwrite, inputs={"--model": model_dir, "--data": [config.data, data_file]}
-    )
+    inputs = {"--model": model_dir, "--data": [config.data, data_file]}
+    writer = ArtifactWriter(out, overwrite=config.overwrite, inputs=inputs, resumable=not world.active)
     writer.check_target()
 
     # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
@@ -186,8 +215,35 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         )
     if len(lines) < config.calib_samples:
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
+    settled = _Inputs(config, world, backend, progress, model_dir, model_manifest, tokenizer, data_file,
+                      data_fingerprint, lines, start)  # fmt: skip
+    if not writer.resumable:  # torchrun: rank 0 takes the output when it writes the plan
+        return _score(settled, writer, ScoreProgress(None, progress))
+    identity = run_identity(config, model_fingerprint=model_manifest.fingerprint, data_fingerprint=data_fingerprint,
+                            backend=backend)  # fmt: skip
+    with writer, contextlib.ExitStack() as cleanup:  # the output locked from here to the commit
+        cleanup.push(_dropped_unless_saved(writer))
+        saved = ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress)
+        return _score(settled, writer, saved)
 
-    loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, config.stream_experts, progress)
+
+def _dropped_unless_saved(writer: ArtifactWriter):
+    """An exit callback: a failed run's partial directory goes, unless it holds saved work that a rerun resumes."""
+
+    def drop(exc_type, exc, tb) -> None:
+        if exc is not None and not writer.committed and not ScoreProgress(writer.dir, NullProgress()).holds_work():
+            shutil.rmtree(writer.dir, ignore_errors=True)
+
+    return drop
+
+
+def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tuple[PlanManifest, Path]:
+    """Score's work once its output is settled: the pass, the selection, the lr test and the plan's files."""
+    config, world, backend, progress = settled.config, settled.world, settled.backend, settled.progress
+    lines, data_file, tokenizer = settled.lines, settled.data_file, settled.tokenizer
+    model_fingerprint = settled.model_manifest.fingerprint
+    loaded, placement = load_for_engine(settled.model_dir, backend, backend.policy.compute, config.stream_experts,
+                                        progress)  # fmt: skip
     layers = trainable_layers(config, loaded.spec)
     targets = resolve_targets(config.targets, loaded.spec)
     try:
@@ -207,77 +263,48 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     pools = pool_size(shapes, frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    engine.load_stats(reset=True)
-    halves_wanted = config.stability and len(lines) >= 2
-    # the lr test and the plan's prefix store use the states the scoring pass computes (one process: under torchrun
-    # each rank would hold its own share of them)
-    with _prefix_tap(engine, (config.lr_test or config.cache is not False) and not world.active) as tap:
-        items = distributed.shard(calibration_batches(lines, config.microbatch, pad), world)
-        settings = {
-            "candidates": pools,
-            "statistic": config.statistic,
-            "exact": config.full_maps,
-            "pool_factor": config.candidates_factor,
-        }
-        if halves_wanted:
-            mine, mine_halves = engine.dense_scores_in_halves(_counted(items, progress, "scoring"), **settings)
-        else:
-            scored = (b for _, *b in _counted(items, progress, "scoring"))
-            mine, mine_halves = engine.dense_scores(scored, **settings), ()
-    accumulators = distributed.merge_scores(mine, world)
-    halves = [distributed.merge_scores(half, world) for half in mine_halves]
-    distributed.sum_expert_loads(engine, world)
-    routing = engine.load_stats(reset=True)
-    try:
-        masks = select(accumulators, frac=frac, mode=config.budget, layer_of=layer_of)
-    except SelectionError as e:
-        hint = "use more --calib-samples, a smaller --frac, or another --budget"
-        if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
-            hint += " (attention's q/k learn only past a sequence's first token: longer lines, or --targets experts)"
-        raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
-
-    stability: dict[str, float] = {}
-    if halves:
-        try:
-            a, b = (select(h, frac=frac, mode=config.budget, layer_of=layer_of) for h in halves)
-            stability = {name: jaccard(a[name], b[name]) for name in masks}
-        except SelectionError as e:
-            progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
-
-    sample_states = _states_by_line(tap, items)
-    lr_record = _lr_test(config, engine, masks, lines, pad, progress, sample_states)
-    summary = _summary(
-        config,
-        frac,
-        engine,
-        layers,
-        masks,
-        accumulators,
-        stability,
-        routing,
-        lines,
-        layer_of,
-        model_manifest.fingerprint,
-        data_fingerprint,
-        time.perf_counter() - start,
-        lr_record,
-    )
+    settings = {"candidates": pools, "statistic": config.statistic, "exact": config.full_maps,
+                "pool_factor": config.candidates_factor}  # fmt: skip
+    # torchrun: no stop request (a rank's check would be a collective, and the ranks' batches differ in number)
+    stop = StopRequest(world) if not world.active else None
+    with stop or contextlib.nullcontext():
+        # the lr test and the plan's prefix store use the states the scoring pass computes (one process: under
+        # torchrun each rank would hold its own share of them)
+        with _prefix_tap(engine, (config.lr_test or config.cache is not False) and not world.active) as tap:
+            items = distributed.shard(calibration_batches(lines, config.microbatch, pad), world)
+            halves_wanted = config.stability and len(lines) >= 2
+            mine, mine_halves, earlier = _calibration_pass(engine, items, settings, halves_wanted, tap, stop, saved,
+                                                           progress)  # fmt: skip
+        accumulators = distributed.merge_scores(mine, world)
+        halves = [distributed.merge_scores(half, world) for half in mine_halves]
+        distributed.sum_expert_loads(engine, world)
+        routing = engine.load_stats(reset=True)
+        masks, stability = _selection(accumulators, halves, frac, layer_of, config.budget, targets, data_file, progress)
+        sample_states = _states_by_line(tap, items)
+        lr_record, earlier_probes = _lr_test(config, engine, masks, lines, pad, progress, sample_states, saved, stop)
+        if stop is not None:
+            stop.check()  # a request during the last probe step: everything is saved, so stop before writing
+    seconds = time.perf_counter() - settled.start + earlier + earlier_probes  # an interrupted run's work included
+    summary = _summary(config, frac, engine, layers, masks, accumulators, stability, routing, lines, layer_of,
+                       model_fingerprint, settled.data_fingerprint, seconds, lr_record)  # fmt: skip
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
-        return load_verified(out, PlanManifest, flag="--out"), out
-    with writer as art:
+        return load_verified(writer.target, PlanManifest, flag="--out"), writer.target
+    with contextlib.nullcontext(writer) if writer.resumable else writer as art:  # resumable: entered by run
+        saved.clear_outputs()  # what a run that failed while writing left (written again)
         _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
         if config.cache is not False and engine.prefix is not None:
-            by_key = sample_states_by_key(engine, lines, sample_states or {}, model_manifest.fingerprint)
+            by_key = sample_states_by_key(engine, lines, sample_states or {}, model_fingerprint)
             summary = _with_prefix_store(summary, config, engine, by_key, data_file, art.dir,
-                                         model_manifest.fingerprint, tokenizer, pad, progress)  # fmt: skip
+                                         model_fingerprint, tokenizer, pad, progress)  # fmt: skip
         manifest = art.commit(
             PlanManifest,
+            exclude=BOOKKEEPING,
             inputs=[
                 InputRecord(
-                    role="model", kind="quantized_model", path=str(model_dir), fingerprint=model_manifest.fingerprint
+                    role="model", kind="quantized_model", path=str(settled.model_dir), fingerprint=model_fingerprint
                 ),
-                InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=data_fingerprint),
+                InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=settled.data_fingerprint),
             ],
             config=config.model_dump(mode="json"),
             environment=current_environment(
@@ -292,28 +319,126 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     return manifest, art.target
 
 
-def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> LrTestRecord | None:
-    """The lr test on the calibration sample (``--lr-test``); the engine is left as it was. ``states``: the
-    sample's prefix states by line number, where the calibration pass recorded them."""
+def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file, progress: Progress):
+    """``(masks, stability)``: the plan's selection, and each tensor's overlap of the two halves' selections."""
+    try:
+        masks = select(accumulators, frac=frac, mode=budget, layer_of=layer_of)
+    except SelectionError as e:
+        hint = "use more --calib-samples, a smaller --frac, or another --budget"
+        if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
+            hint += " (attention's q/k learn only past a sequence's first token: longer lines, or --targets experts)"
+        raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
+    stability: dict[str, float] = {}
+    if halves:
+        try:
+            a, b = (select(h, frac=frac, mode=budget, layer_of=layer_of) for h in halves)
+            stability = {name: jaccard(a[name], b[name]) for name in masks}
+        except SelectionError as e:
+            progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
+    return masks, stability
+
+
+def _calibration_pass(engine, items, settings, halves_wanted: bool, tap, stop, saved: ScoreProgress, progress):
+    """The sample's accumulators and the halves' (``[]`` without ``halves_wanted``) over ``items``, from where an
+    interrupted run saved the pass, and the seconds it had spent on it. The pass is saved at its end, and at a stop
+    request, which is then raised."""
+
+    def fresh() -> tuple[dict, list[dict]]:
+        made = [engine.score_accumulators(**settings) for _ in range(3 if halves_wanted else 1)]
+        return made[0], made[1:]
+
+    engine.load_stats(reset=True)
+    sample, halves = fresh()
+    counters = {layer: state.tokens_per_expert for layer, state in engine.loaded.experts.items()}
+    resumed = saved.calibration(sample, halves, batches=len(items), expert_tokens=counters)
+    done, earlier = 0, 0.0
+    if resumed is None:
+        sample, halves = fresh()  # a file that did not fit may have filled some of them
+    else:
+        done, earlier = resumed.batches, resumed.seconds
+        for layer, counts in resumed.expert_tokens.items():
+            counters[layer].copy_(counts)
+        if tap is not None:
+            tap.states = list(resumed.states)
+        progress.note(f"resuming the interrupted score in {saved.directory}: "
+                      f"{done} of {len(items)} calibration batches done")  # fmt: skip
+    finished = [0]
+    batches = _counted(items, progress, done=done, stop=stop, finished=finished)
+    start = time.perf_counter()
+
+    def save() -> bool:
+        tokens = {layer: counts.clone() for layer, counts in counters.items()}
+        states = list(tap.states) if tap is not None else []
+        seconds = earlier + time.perf_counter() - start
+        return saved.save_calibration(SavedCalibration(done + finished[0], sample, halves, tokens, states, seconds))
+
+    try:
+        if halves:
+            engine.dense_scores_in_halves(batches, **settings, into=(sample, halves))
+        else:
+            engine.dense_scores((b for _, *b in batches), **settings, into=sample)
+    except StopSignal:  # raised between two batches: the accumulators hold whole batches only
+        if saved.directory is not None and save():
+            progress.note(f"interrupted: saved the calibration pass ({done + finished[0]} of {len(items)} batches) "
+                          f"in {saved.directory}; run the same command to resume")  # fmt: skip
+        raise
+    if finished[0]:  # the pass's end: an interrupt or a kill later on does not cost it
+        save()
+    if stop is not None:
+        stop.check()  # a request during the last batch: the pass is saved
+    return sample, halves, earlier
+
+
+def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, saved: ScoreProgress, stop):
+    """The lr test on the calibration sample (``--lr-test``), from the probes an interrupted run saved; the engine
+    is left as it was. ``states``: the sample's prefix states by line number, where the calibration pass recorded
+    them. Returns the test's record (None without the test) and the seconds interrupted runs spent on it."""
     if not config.lr_test:
-        return None
+        return None, 0.0
     steps = config.lr_test_steps or LR_TEST_STEPS
-    progress.note(f"lr test: up to {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
+    earlier = saved.probes()
+    done = earlier.done[: len(CANDIDATES)]
+    if done:
+        progress.note(f"lr test: {len(done)} of {len(CANDIDATES)} probes done by the interrupted run")
+    else:
+        progress.note(f"lr test: up to {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
     progress.start("lr test", len(CANDIDATES) * steps, "steps")  # fewer where a probe diverges: the rest not run
+    if done:
+        progress.advance(len(done) * steps)
+    start = time.perf_counter()
+
+    def step(lr: float) -> None:
+        progress.advance(1, lr=lr)
+        if stop is not None:
+            stop.check()  # between two steps: the probe is run again on resume
+
+    finished = [len(done)]
+
+    def probe_done(scores: list) -> None:
+        if saved.save_probes(SavedProbes(scores, earlier.seconds + time.perf_counter() - start)):
+            finished[0] = len(scores)
+
     try:
         result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps,
-                             states=states, on_step=lambda lr: progress.advance(1, lr=lr))  # fmt: skip
+                             states=states, on_step=step, done=done, on_probe=probe_done)  # fmt: skip
+    except StopSignal:
+        if saved.holds_work():
+            probes = "probe" if finished[0] == 1 else "probes"
+            progress.note(f"interrupted: saved the calibration pass and {finished[0]} finished lr-test {probes} in "
+                          f"{saved.directory}; run the same command to resume")  # fmt: skip
+        raise
     finally:
         progress.finish()
+    seconds = earlier.seconds + result.seconds
     stopped = ""
     if result.probes_run < len(CANDIDATES):
         past = first_divergence(result.base_loss, result.candidates, result.losses)
         stopped = f"; the larger lrs not run, past {past}"
     progress.note(
-        f"lr test: lr {result.lr:.1e} in {result.seconds:.1f} s ({result.probes_run} of {len(CANDIDATES)} probes, "
+        f"lr test: lr {result.lr:.1e} in {seconds:.1f} s ({result.probes_run} of {len(CANDIDATES)} probes, "
         f"{result.steps} steps{stopped})"
     )
-    return LrTestRecord(
+    record = LrTestRecord(
         lr=result.lr,
         candidates=result.candidates,
         heldout_losses=result.losses,
@@ -321,9 +446,10 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states) -> L
         base_loss=result.base_loss,
         rule=RULE,
         steps=result.steps,
-        seconds=result.seconds,
+        seconds=seconds,
         probes_run=result.probes_run,
     )
+    return record, earlier.seconds
 
 
 def _with_prefix_store(summary, config, engine, by_key, data_file, work, model_fingerprint, tokenizer, pad, progress):

@@ -1,0 +1,243 @@
+"""What an interrupted ``usaf score`` keeps, so that the same command goes on from there.
+
+Score's work is the calibration pass (one forward and backward per microbatch) and the lr test (up to four probe runs).
+A stop request (Ctrl-C, SIGTERM, SIGHUP: :class:`usaf.stages.stop.StopRequest`) ends the pass after a whole microbatch
+and the test between two probe steps (the probe cut short is run again: it is a few percent of the test). What is done
+is saved in the run's partial directory (``.OUT.usaf-partial``, :class:`usaf.artifacts.ArtifactWriter`'s resumable
+mode), and so is the end of the pass and of each probe, so a kill, which leaves no time to save, loses at most the
+pass or the probe it interrupted. The same command resumes, and its plan is byte-identical to an uninterrupted run's.
+
+- ``score-settings.json``: what the saved work depends on: the inputs' fingerprints, every setting but the paths
+  (which may name the same inputs differently), the device and dtype, usaf's version. A rerun with others is
+  refused, naming them, unless ``--overwrite`` discards the saved work.
+- ``score-calibration.pt``: after ``batches`` microbatches, every accumulator's state (the sample's and the stability
+  halves', :mod:`usaf.engine.score_state`), each MoE layer's tokens per expert (the plan's routing statistics) and
+  the prefix states the pass recorded (for the lr test and the plan's store).
+- ``score-probes.pt``: the lr test's finished probes, their held-back scores by ascending lr.
+
+Tensors and plain values only, read back with ``torch.load(weights_only=True)``. Under torchrun nothing is saved
+(each rank holds a share of the pass): an interrupt there leaves nothing, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from usaf._version import __version__
+from usaf.artifacts.disk import cause_of
+from usaf.artifacts.writer import write_text_atomic
+from usaf.engine.score_state import restore_accumulator
+from usaf.engine.scores import ScoreAccumulator
+from usaf.errors import UsafError
+from usaf.quant.ptfile import StreamingTorchSave
+from usaf.stages.lr_test import HeldOut
+from usaf.stages.progress import Progress
+
+SETTINGS = "score-settings.json"
+CALIBRATION = "score-calibration.pt"
+PROBES = "score-probes.pt"
+BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES)  # top level of the partial directory; never part of the plan
+# Config fields the saved work does not depend on: where the inputs and the plan are (the inputs count by their
+# fingerprints), the device as asked (the one used is recorded), and the launcher's settings.
+NOT_RECORDED = frozenset({"model", "data", "out", "workspace", "overwrite", "device", "dist_backend"})
+
+
+def run_identity(config: Any, *, model_fingerprint: str, data_fingerprint: str, backend: Any) -> dict[str, Any]:
+    """What a saved score's work depends on (``score-settings.json``)."""
+    settings = {k: v for k, v in config.model_dump(mode="json").items() if k not in NOT_RECORDED}
+    return {
+        "usaf": __version__,
+        "model_fingerprint": model_fingerprint,
+        "data_fingerprint": data_fingerprint,
+        "device": str(backend.device),
+        "dtype": str(backend.policy.compute).removeprefix("torch."),
+        "settings": settings,
+    }
+
+
+@dataclass
+class SavedCalibration:
+    """The calibration pass after its first ``batches`` microbatches."""
+
+    batches: int
+    sample: dict[str, ScoreAccumulator]
+    halves: list[dict[str, ScoreAccumulator]]  # [] without stability
+    expert_tokens: dict[int, torch.Tensor]  # MoE layer -> tokens per expert (E,) int64
+    states: list[torch.Tensor]  # the prefix tap's (B, T, H) per batch done; [] where nothing was tapped
+    seconds: float  # the pass's time so far
+
+
+@dataclass
+class SavedProbes:
+    done: list[HeldOut | None]  # by ascending lr
+    seconds: float
+
+
+class ScoreProgress:
+    """The saved work of an interrupted score in ``directory`` (None: nothing is saved or read: torchrun)."""
+
+    def __init__(self, directory: Path | None, progress: Progress) -> None:
+        self.directory = directory
+        self.progress = progress
+
+    @classmethod
+    def open(
+        cls, directory: Path | None, identity: dict[str, Any], *, out: Path, discard: bool, progress: Progress
+    ) -> ScoreProgress:
+        """The work saved in ``directory`` by a run with this ``identity``; another run's is refused, or deleted
+        with ``discard`` (--overwrite). Records the identity for the next run."""
+        saved = cls(directory, progress)
+        if directory is None:
+            return saved
+        recorded = saved._recorded_identity()
+        if recorded is not None and recorded != identity and saved.holds_work():
+            if not discard:
+                raise UsafError(
+                    f"--out {out}: an interrupted usaf score with other settings or inputs left its work in "
+                    f"{directory} ({_differences(recorded, identity)})",
+                    "rerun with its settings to resume it, or pass --overwrite to discard it",
+                )
+            progress.note(f"discarding the interrupted score's work in {directory} (--overwrite; other settings)")
+        if recorded != identity:
+            saved._clear()
+            write_text_atomic(directory / SETTINGS, json.dumps(identity, indent=1, sort_keys=True))
+        return saved
+
+    def holds_work(self) -> bool:
+        return self.directory is not None and any((self.directory / name).is_file() for name in BOOKKEEPING[1:])
+
+    # -- the calibration pass -----------------------------------------------------------------------------
+
+    def calibration(
+        self,
+        sample: dict[str, ScoreAccumulator],
+        halves: list[dict[str, ScoreAccumulator]],
+        *,
+        batches: int,
+        expert_tokens: dict[int, torch.Tensor],
+    ) -> SavedCalibration | None:
+        """The saved pass restored into ``sample`` and ``halves`` (empty accumulators of this run's settings; a pass
+        of ``batches`` microbatches; ``expert_tokens``: the engine's counters, for their layers and shapes), or None:
+        nothing saved, or a file that does not fit (a note; the accumulators may then be part-restored: use new
+        ones)."""
+        state = self._load(CALIBRATION, "the calibration pass")
+        if state is None:
+            return None
+        try:
+            done = int(state["batches"])
+            if not 0 <= done <= batches:
+                raise ValueError(f"{done} batches done of {batches}")
+            tokens = {int(layer): counts for layer, counts in state["expert_tokens"].items()}
+            if {k: v.shape for k, v in tokens.items()} != {k: v.shape for k, v in expert_tokens.items()}:
+                raise ValueError("its tokens per expert are of other layers or shapes")
+            for part, mine in zip(("sample", "half0", "half1"), (sample, *halves)):
+                theirs = {key.partition("/")[2]: v for key, v in state.items() if key.partition("/")[0] == part}
+                if mine.keys() != theirs.keys():
+                    raise ValueError(f"{part}: tensors {sorted(theirs)} saved, {sorted(mine)} scored")
+                for name, acc in mine.items():
+                    restore_accumulator(acc, theirs[name])
+            return SavedCalibration(done, sample, halves, tokens, list(state["states"]), float(state["seconds"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self.progress.note(f"the saved calibration pass in {self.directory} does not fit ({e}): starting it over")
+            return None
+
+    def save_calibration(self, saved: SavedCalibration) -> bool:
+        """Save the pass so far; False (with a note) where the disk refused: a rerun then starts it over. One
+        accumulator's state at a time: the pools of all of them (3 sets) are never copied at once."""
+
+        def entries() -> Iterator[tuple[str, Any]]:
+            yield "batches", saved.batches
+            yield "seconds", saved.seconds
+            yield "expert_tokens", {str(layer): counts.cpu() for layer, counts in saved.expert_tokens.items()}
+            yield "states", saved.states
+            for part, accumulators in zip(("sample", "half0", "half1"), (saved.sample, *saved.halves)):
+                for name, acc in accumulators.items():
+                    yield f"{part}/{name}", acc.state_dict()
+
+        return self._save(CALIBRATION, entries(), "the calibration pass")
+
+    # -- the lr test --------------------------------------------------------------------------------------
+
+    def probes(self) -> SavedProbes:
+        state = self._load(PROBES, "the lr test's probes")
+        if state is None:
+            return SavedProbes([], 0.0)
+        try:
+            done = [None if p is None else HeldOut(p["nll"], p["tokens"]) for p in state["done"]]
+            return SavedProbes(done, float(state["seconds"]))
+        except (KeyError, TypeError) as e:
+            self.progress.note(f"the saved lr-test probes in {self.directory} do not fit ({e}): running them again")
+            return SavedProbes([], 0.0)
+
+    def save_probes(self, saved: SavedProbes) -> bool:
+        done = [None if h is None else {"nll": h.nll, "tokens": h.tokens} for h in saved.done]
+        return self._save(PROBES, iter([("done", done), ("seconds", saved.seconds)]), "the lr test's probes")
+
+    # -- files --------------------------------------------------------------------------------------------
+
+    def clear_outputs(self) -> None:
+        """Delete everything but the bookkeeping: plan files a failed earlier run was writing (written again)."""
+        if self.directory is None:
+            return
+        for entry in self.directory.iterdir():
+            if entry.name in BOOKKEEPING:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def _recorded_identity(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.directory / SETTINGS).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # absent, or cut short by a kill: the work (if any) cannot be vouched for
+            return None
+
+    def _clear(self) -> None:
+        for name in BOOKKEEPING:
+            (self.directory / name).unlink(missing_ok=True)
+
+    def _load(self, name: str, what: str) -> dict[str, Any] | None:
+        if self.directory is None or not (self.directory / name).is_file():
+            return None
+        try:
+            return torch.load(self.directory / name, weights_only=True)
+        except Exception as e:  # noqa: BLE001 (any unreadable file: the work is redone, never trusted)
+            self.progress.note(f"{self.directory / name}: unreadable ({type(e).__name__}): {what} starts over")
+            return None
+
+    def _save(self, name: str, entries: Iterator[tuple[str, Any]], what: str) -> bool:
+        """Write ``entries`` to ``name`` one at a time (:class:`StreamingTorchSave`: a temporary renamed into place,
+        so the file is whole or absent). False, with a note, where the disk refused: the work is done again."""
+        if self.directory is None:
+            return False
+        try:
+            with StreamingTorchSave(self.directory / name) as archive:
+                for key, entry in entries:
+                    archive.add(key, entry)
+        except Exception as e:
+            if cause_of(e) is None:
+                raise
+            self.progress.note(f"{self.directory}: {what} not saved ({cause_of(e)}): a rerun does it again")
+            return False
+        return True
+
+
+def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
+    """The recorded values that differ, in a user's words (``--frac 0.01 there, 0.02 now``)."""
+    parts = []
+    theirs, mine = recorded.get("settings", {}), identity["settings"]
+    for key in sorted(set(theirs) | set(mine)):
+        if theirs.get(key) != mine.get(key):
+            parts.append(f"--{key.replace('_', '-')} {theirs.get(key)} there, {mine.get(key)} now")
+    for key in ("model_fingerprint", "data_fingerprint", "device", "dtype", "usaf"):
+        if recorded.get(key) != identity[key]:
+            parts.append(f"{key.replace('_', ' ')} {recorded.get(key)} there, {identity[key]} now")
+    return "; ".join(parts) or "unreadable settings"

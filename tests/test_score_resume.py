@@ -1,0 +1,195 @@
+"""An interrupted ``usaf score`` resumes (usaf.stages.score_resume): a stop request saves the calibration pass or the
+lr test's finished probes in the output's partial directory, and the same command goes on from there to the plan an
+uninterrupted run writes, byte for byte. Other settings are refused, --overwrite discards, a failure with nothing
+saved leaves nothing; a real SIGINT in a subprocess does the same."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import invoke, leftovers
+from usaf.artifacts import PlanManifest, load_verified
+from usaf.errors import StopSignal
+from usaf.stages import lr_test
+from usaf.stages.score_resume import CALIBRATION, PROBES, SETTINGS
+from usaf.stages.stop import StopRequest
+from usaf.testing import stdlib_dir
+
+LAYERS = 4
+STEPS = 3  # lr-test probe steps: what is saved and resumed is under test, not the lr chosen
+BATCHES = 4  # --calib-samples 8 at --microbatch 2
+
+
+@pytest.fixture(scope="module")
+def setup(quantized, tmp_path_factory):
+    qdir = quantized("qwen3_moe", num_layers=LAYERS, tokenizer=True)
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    result = invoke("tokenize", stdlib_dir() / "textwrap.py", "--model", qdir, "--seq-len", 64, "--out", tokens)
+    assert result.exit_code == 0, result.output
+    return qdir, tokens
+
+
+def args(setup, out: Path, *extra) -> list:
+    qdir, tokens = setup
+    return ["score", "--model", qdir, "--data", tokens, "--out", out, "--frac", 0.02, "--calib-samples", 8,
+            "--microbatch", 2, "--train-from", 2, "--lr-test", "--lr-test-steps", STEPS, *extra]  # fmt: skip
+
+
+def partial(out: Path) -> Path:
+    return out.parent / f".{out.name}.usaf-partial"
+
+
+@pytest.fixture
+def stop_at(monkeypatch):
+    """``stop_at(n)``: the n-th stop check of the run raises as Ctrl-C does (score checks before every calibration
+    batch, once after the pass, and after every probe step)."""
+    calls = [0]
+
+    def arm(n: int) -> None:
+        calls[0] = 0
+
+        def check(self) -> None:
+            calls[0] += 1
+            if calls[0] == n:
+                raise StopSignal(signal.SIGINT)
+
+        monkeypatch.setattr(StopRequest, "check", check)
+
+    yield arm
+    monkeypatch.undo()
+
+
+def same_plan(a: Path, b: Path) -> None:
+    """Every listed file byte-identical (by sha256) and the summary equal but for the seconds."""
+    ma, mb = load_verified(a, PlanManifest), load_verified(b, PlanManifest)
+    assert {f.path: f.sha256 for f in ma.files} == {f.path: f.sha256 for f in mb.files}
+    sa, sb = ma.summary.model_dump(), mb.summary.model_dump()
+    for s in (sa, sb):
+        s.pop("seconds")
+        s["lr_test"].pop("seconds")
+    assert sa == sb
+
+
+@pytest.fixture(scope="module")
+def straight(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight") / "plan"
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize("extra", [(), ("--no-stability", "--cache")], ids=["defaults", "no-stability-cache"])
+def test_interrupted_in_the_calibration_pass_resumes_to_the_same_plan(setup, straight, tmp_path, stop_at, extra):
+    """Without the halves the pass has one set of accumulators; with --cache the plan's store of every sequence's
+    prefix states is written after the resumed pass."""
+    if extra:
+        straight = tmp_path / "straight"
+        assert invoke(*args(setup, straight, *extra)).exit_code == 0
+    out = tmp_path / "plan"
+    stop_at(3)  # before the third batch: two done
+    result = invoke(*args(setup, out, *extra))
+    assert result.exit_code == 130, result.output
+    assert f"saved the calibration pass (2 of {BATCHES} batches)" in result.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+    saved = torch.load(partial(out) / CALIBRATION, weights_only=True)
+    assert saved["batches"] == 2 and len(saved["states"]) == 2
+    assert not (partial(out) / PROBES).exists()
+
+    stop_at(0)  # never
+    result = invoke(*args(setup, out, *extra))
+    assert result.exit_code == 0, result.output
+    assert f"2 of {BATCHES} calibration batches done" in result.stderr
+    assert not partial(out).exists()
+    same_plan(out, straight)
+    assert not {SETTINGS, CALIBRATION, PROBES} & {f.path for f in load_verified(out, PlanManifest).files}
+
+
+def test_the_saved_pass_is_what_the_rerun_continues_from(setup, straight, tmp_path, stop_at):
+    """Control: the same saved accumulators resumed as if no batch were done (the first two scored twice) give
+    other importance scores, so the equality above is not that of two runs that both started over."""
+    out = tmp_path / "plan"
+    stop_at(3)
+    assert invoke(*args(setup, out)).exit_code == 130
+    saved = torch.load(partial(out) / CALIBRATION, weights_only=True)
+    saved["batches"] = 0
+    torch.save(saved, partial(out) / CALIBRATION)
+    stop_at(0)
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 0, result.output
+    files = {f.path: f.sha256 for f in load_verified(out, PlanManifest).files}
+    reference = {f.path: f.sha256 for f in load_verified(straight, PlanManifest).files}
+    assert files["importance.safetensors"] != reference["importance.safetensors"]
+
+
+def test_interrupted_in_the_lr_test_resumes_from_its_finished_probes(setup, straight, tmp_path, stop_at, monkeypatch):
+    out = tmp_path / "plan"
+    stop_at(BATCHES + 1 + STEPS + 2)  # the pass, its closing check, the first probe, two steps of the second
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 130, result.output
+    assert "saved the calibration pass and 1 finished lr-test probe in" in result.stderr
+    assert len(torch.load(partial(out) / PROBES, weights_only=True)["done"]) == 1
+
+    stop_at(0)
+    probed = []
+    real = lr_test._probe
+    monkeypatch.setattr(lr_test, "_probe", lambda *a: probed.append(a[4]) or real(*a))
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 0, result.output
+    assert f"{BATCHES} of {BATCHES} calibration batches done" in result.stderr
+    assert "1 of 4 probes done by the interrupted run" in result.stderr
+    assert probed == sorted(lr_test.CANDIDATES)[1:], "the finished probe is not run again"
+    same_plan(out, straight)
+
+
+def test_other_settings_are_refused_and_overwrite_discards_the_saved_work(setup, tmp_path, stop_at):
+    out = tmp_path / "plan"
+    stop_at(3)
+    assert invoke(*args(setup, out)).exit_code == 130
+    before = (partial(out) / CALIBRATION).read_bytes()
+    stop_at(0)
+    other = [a if a != 0.02 else 0.05 for a in args(setup, out)]
+    result = invoke(*other)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--frac 0.02 there, 0.05 now" in result.stderr and "--overwrite" in result.stderr
+    assert (partial(out) / CALIBRATION).read_bytes() == before and not out.exists()
+
+    result = invoke(*other, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert "discarding the interrupted score's work" in result.stderr
+    assert "calibration batches done" not in result.stderr
+    assert load_verified(out, PlanManifest).summary.frac == 0.05 and not partial(out).exists()
+
+
+def test_a_failure_with_nothing_saved_leaves_no_partial_directory(setup, tmp_path):
+    out = tmp_path / "plan"
+    result = invoke(*args(setup, out, "--targets", "shared"))  # qwen3_moe has no shared experts
+    assert result.exit_code == 2, result.output
+    assert not out.exists() and not partial(out).exists() and leftovers(tmp_path) == []
+
+
+def test_ctrl_c_in_a_subprocess_saves_and_the_rerun_resumes(setup, tmp_path):
+    """A real SIGINT, sent once the pass is saved (the lr test made long so the signal lands in it): exit 130, the
+    work kept; the same command finishes from it."""
+    out = tmp_path / "plan"
+    cmd = [sys.executable, "-m", "usaf", *map(str, args(setup, out))]
+    cmd[cmd.index("--lr-test-steps") + 1] = "400"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (partial(out) / CALIBRATION).is_file():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "saved the calibration pass and" in stderr and not out.exists()
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{BATCHES} of {BATCHES} calibration batches done" in resumed.stderr
+    assert load_verified(out, PlanManifest).summary.lr_test.steps > 0 and not partial(out).exists()
