@@ -180,8 +180,9 @@ def crash_section(data: dict) -> list[str]:
         "after it, no corrupted artifact is visible (an output "
         "directory with a manifest verifies, every visible checkpoint loads), the rerun succeeds, its result is "
         "byte-identical to the reference (every listed file, the fingerprint, the summary, the metrics), a "
-        "`train` rerun resumes from the newest checkpoint complete on disk (nothing before it lost), and a "
-        "`quantize` rerun does not quantize again a layer whose file was complete.",
+        "`train` rerun resumes from the newest checkpoint complete on disk (nothing before it lost), a "
+        "`quantize` rerun does not quantize again a layer whose file was complete, and a `score` rerun resumes "
+        "the calibration pass it had saved whole (unless the kill came once the commit had begun).",
         "",
         "| stage | kills landed | survived | event kills | time kills | files torn mid-write | "
         "mid-checkpoint-write | finished before the kill |",
@@ -219,6 +220,18 @@ def crash_section(data: dict) -> list[str]:
             kept = sum(len(t["complete_layers"]) for t in killed)
             redone = sum(len(t["redone"]) for t in killed)
             lines.append(f"Layer files complete at the kill, summed over kills: {kept}; quantized again: {redone}.")
+        elif record["stage"] == "score":
+            words = {"": "nothing", "score-calibration.pt": "the pass",
+                     "score-calibration.pt, score-probes.pt": "the pass and finished probes"}  # fmt: skip
+            saved = Counter(
+                "the plan complete" if t["visible_after_kill"].startswith("a complete")
+                else words.get(t["visible_after_kill"].partition("saved work to resume: ")[2].rstrip(")"), "other")
+                for t in killed
+            )  # fmt: skip
+            what = ", ".join(f"{k} {v}" for k, v in sorted(saved.items()))
+            same = sum(t["equal_to_reference"] for t in killed)
+            lines.append(f"Saved work at the kill: {what}; reruns byte-identical to the reference: {same} of "
+                         f"{len(killed)}.")  # fmt: skip
         else:  # export, eval: one ArtifactWriter directory, the rerun starts over
             same = sum(t["equal_to_reference"] for t in killed)
             what = "the same report numbers" if record["stage"] == "eval" else "byte-identical"
@@ -248,7 +261,8 @@ def disk_full_section(data: dict) -> list[str]:
         "torch.save's `RuntimeError`, `OSError(ENOSPC)`). Answered when the run exits 2 with one error line "
         "naming `--out` and the cause, no traceback, no temporary left, nothing corrupt visible, and the same "
         "command, rerun, finishes equal to the reference (`train` resuming from its newest checkpoint); a "
-        "write that was optional (eval's base-pass cache) is skipped with a note and the run finishes.",
+        "write that was optional (eval's base-pass cache, score's save of the work it has done) is skipped with "
+        "a note and the run finishes.",
         "",
         "| stage | full disks | answered and recovered | by the write that failed | "
         "finished without an optional write |",
@@ -267,7 +281,17 @@ def disk_full_section(data: dict) -> list[str]:
     return lines
 
 
-STATIC = """## Disk space
+STATIC = """## Interruption (Ctrl-C, SIGTERM, SIGHUP)
+
+A stop signal ends a long stage at a boundary of its own and keeps what it did; the same command resumes.
+`usaf train` writes a checkpoint at the next step boundary and resumes from it bit for bit (exit 130, 143 or
+129: `pytest tests/test_train.py -k "ctrl_c or sigterm"`). `usaf score` saves its calibration pass after the
+batch it is in, or its lr test's finished probes (the probe it is in runs again), in `.PLAN.usaf-partial/`; the
+rerun's plan is byte-identical to an uninterrupted run's (`pytest tests/test_score_resume.py`, a real SIGINT
+included). `usaf quantize` keeps the layers it finished. The other stages leave nothing and start over. A second
+signal leaves at once without saving; the last save stays intact.
+
+## Disk space
 
 Every stage's writes go through a few places (`ArtifactWriter`, a train checkpoint, quantize's layer
 files and shards, the caches) that answer a disk refusing a write in one line naming `--out` and the
@@ -275,8 +299,9 @@ cause (`usaf.artifacts.disk`): full (`ENOSPC`, a quota's `EDQUOT`, and the forms
 instead, torch.save's `RuntimeError: ... PytorchStreamWriter failed writing file` / `basic_ios::clear`
 and safetensors' `os error 28`), read-only (`EROFS`: it says read-only, not "no space"), or forbidden
 (`EACCES`). The torn file is removed first, so nothing half-written stays; a `train` run keeps its
-previous checkpoints and the same command resumes from the newest, `quantize` resumes from its partial
-directory, and eval's base-pass cache, which only saves time, is skipped with a note. Large writes check
+previous checkpoints and the same command resumes from the newest, `quantize` and `score` resume from their
+partial directories, and eval's base-pass cache and score's save of its finished work, which only save time, are
+skipped with a note. Large writes check
 free space before writing anything and fail early naming the bytes needed and free: `usaf quantize` (the
 quantized experts, twice while the layer files and `experts_q4.pt` coexist, plus the non-expert shards,
 minus what an interrupted run already wrote), `usaf export --format hf` (every shard at its output

@@ -1,7 +1,7 @@
 """Crash safety: SIGKILL at random moments (and mid-checkpoint-write), rerun, compare with an uninterrupted run.
 
-Three kills per stage here for quantize and train (two random, one placed), one placed for export,
-and a full disk instead of a kill for eval; the long version (30 kills per
+Three kills per stage here for quantize and train (two random, one placed), one placed for export and two for
+score, and a full disk instead of a kill for eval; the long version (15 kills per
 stage) is ``scripts/crash_harness.py``, whose output is in docs/RELIABILITY.md.
 """
 
@@ -116,6 +116,35 @@ def eval_ref(setup, run, tmp_path_factory):
 
 def _event_of(reference, kind: str, path_part: str) -> int:
     return next(n for n, k, path in reference.log if k == kind and path_part in path)
+
+
+@pytest.fixture(scope="module")
+def score_ref(setup, tmp_path_factory):
+    stage = crash_stages.ScoreStage(setup.quantized, setup.tokens)
+    return stage, crash.run_reference(stage, tmp_path_factory.mktemp("crash-score"))
+
+
+def test_score_killed_in_its_lr_test_resumes_the_saved_pass_to_the_same_plan(score_ref, tmp_path):
+    """Killed while saving the second probe (the file cut short), then in the plan's files: each rerun resumes the
+    pass saved before the kill (the stage's check) and writes the uninterrupted run's plan byte for byte."""
+    stage, reference = score_ref
+    probe = [n for n, kind, path in reference.log if kind == "ptfile.add" and path.endswith("score-probes.pt")][2]
+    trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), "event", kill_at=probe, fraction=0.5)
+    assert trial.killed and trial.torn and "score-probes.pt" in trial.event
+    assert trial.visible_after_kill.startswith("nothing (saved work to resume: score-calibration.pt")
+    assert not trial.problems and trial.equal_to_reference, trial.problems
+    masks = _event_of(reference, "save_file", "masks.safetensors")
+    trial = crash.run_trial(stage, reference, tmp_path, 1, random.Random(0), "event", kill_at=masks, fraction=0.5)
+    assert trial.killed and not trial.problems and trial.equal_to_reference, trial.problems
+
+
+def test_negative_control_the_score_check_catches_a_pass_scored_again(score_ref):
+    stage, reference = score_ref
+    saved = next(n for n, kind, path in reference.log if kind == "replace" and path.endswith("score-calibration.pt"))
+    trial = crash.Trial("score", "event")
+    before = [(n, kind, path) for n, kind, path in reference.log if n <= saved + 1]
+    assert stage.check_rerun(trial, reference.path, before, [], "lr test: up to 4 probes") != []
+    assert stage.check_rerun(trial, reference.path, before, [], "8 of 8 calibration batches done") == []
 
 
 def test_export_killed_mid_shard_leaves_nothing_and_the_rerun_is_byte_identical(export_ref, tmp_path):

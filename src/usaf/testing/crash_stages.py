@@ -1,22 +1,26 @@
-"""The crash harness's ``usaf export`` and ``usaf eval`` stages (see :mod:`usaf.testing.crash`).
+"""The crash harness's ``usaf score``, ``usaf export`` and ``usaf eval`` stages (see :mod:`usaf.testing.crash`).
 
-Both write one artifact through :class:`~usaf.artifacts.writer.ArtifactWriter` (a temporary sibling
+Export and eval write one artifact through :class:`~usaf.artifacts.writer.ArtifactWriter` (a temporary sibling
 renamed into place), so after a kill a consumer sees nothing or a complete artifact, and the rerun of
 the same command starts over. ``export``'s rerun must be byte-identical to the uninterrupted run;
 ``eval``'s must report the same numbers (its report also holds wall-clock times and the cache's path,
-and its base pass may come from the base-pass cache the killed run completed).
+and its base pass may come from the base-pass cache the killed run completed). ``score`` works in a partial
+directory and saves its pass and its lr test's probes there: its rerun must resume what was saved and write the
+plan byte for byte.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
 
-from usaf.artifacts import EvalReportManifest, HfExportManifest
+from usaf.artifacts import EvalReportManifest, HfExportManifest, PlanManifest, load_manifest
 from usaf.cli.app import app
-from usaf.testing.crash import Setup, Stage, _verified, same_artifact
+from usaf.stages.score_resume import CALIBRATION, PROBES
+from usaf.testing.crash import Setup, Stage, Trial, _verified, same_artifact
 
 
 def build_run(setup: Setup, root: Path, *, steps: int = 4) -> Path:
@@ -30,6 +34,54 @@ def build_run(setup: Setup, root: Path, *, steps: int = 4) -> Path:
     if result.exit_code != 0:
         raise RuntimeError(result.output)
     return run
+
+
+class ScoreStage(Stage):
+    """``usaf score`` with the lr test (2-step probes): the pass and each probe are saved in its partial directory."""
+
+    name = "score"
+
+    def __init__(self, quantized: Path, tokens: Path) -> None:
+        self.quantized, self.tokens = quantized, tokens
+
+    def args(self, out: Path) -> list[str]:
+        return ["score", "--model", str(self.quantized), "--data", str(self.tokens), "--out", str(out),
+                "--frac", "0.05", "--calib-samples", "8", "--microbatch", "2", "--train-from", "1",
+                "--lr-test", "--lr-test-steps", "2"]  # fmt: skip
+
+    def check_visible(self, out: Path) -> tuple[str, list[str]]:
+        if not out.exists():
+            partial = out.parent / f".{out.name}.usaf-partial"
+            saved = [name for name in (CALIBRATION, PROBES) if (partial / name).is_file()]
+            return ("nothing (saved work to resume: " + ", ".join(saved) + ")") if saved else "nothing", []
+        return "a complete plan", _verified(out, PlanManifest)
+
+    def compare(self, out: Path, reference: Path) -> list[str]:
+        problems = same_artifact(out, reference, PlanManifest)
+        if problems:
+            return problems
+        mine, ref = (load_manifest(p, PlanManifest).summary.model_dump() for p in (out, reference))
+        for summary in (mine, ref):
+            summary.pop("seconds")
+            summary["lr_test"].pop("seconds")
+        problems += [f"summary {k}: differs from the uninterrupted run" for k in ref if mine.get(k) != ref[k]]
+        partial = out.parent / f".{out.name}.usaf-partial"
+        if partial.exists():
+            problems.append(f"{partial.name} left after the rerun")
+        return problems
+
+    def check_rerun(self, trial: Trial, out: Path, before: list, rerun_events: list, stderr: str) -> list[str]:
+        """A pass whose save had completed before the kill (its rename logged and not the kill's event) is resumed,
+        not scored again, unless the commit had begun (it deletes the saved work once the manifest is written)."""
+        kill = [n for n, kind, _ in before if kind in ("KILL", "FAULT")]
+        saved = [n for n, kind, path in before if kind == "replace" and path.endswith(CALIBRATION) and n not in kill]
+        committing = any(path.endswith("manifest.json") for _, _, path in before)
+        if trial.mode == "time" or not saved or committing:
+            return []
+        match = re.search(r"(\d+) of (\d+) calibration batches done", stderr)
+        if not match or match.group(1) != match.group(2):
+            return ["the pass saved before the kill was not resumed whole"]
+        return []
 
 
 class ExportStage(Stage):
