@@ -2,8 +2,9 @@
 
 ``bench_epoch.py``'s model and data at 32 or 128 experts, score at its defaults (microbatch 2, as there), 1 thread:
 one run to warm up, one under cProfile (the calibration pass, the lr test, the score sinks inside the
-calibration's backward), and the calibration pass again under torch.profiler (its operators' self time: how much
-of it is matrix products). Seconds of a profiled run are longer than unprofiled ones; the shares are what compares.
+calibration's backward, the saves of the finished work that let an interrupted score resume), and the calibration
+pass again under torch.profiler (its operators' self time: how much of it is matrix products). Seconds of a
+profiled run are longer than unprofiled ones; the shares are what compares.
 
     python benchmarks/profile_score.py [--experts 32] [--out benchmarks/results/profile-score-e32.json]
 """
@@ -31,6 +32,7 @@ PARTS = {
     "calibration": ("usaf/engine/engine.py", "_dense_scores"),
     "lr_test": ("usaf/stages/lr_test.py", "run_lr_test"),
     "score_sinks": ("usaf/engine/score_sinks.py", "add"),
+    "saving_for_resume": ("usaf/stages/score_resume.py", "_save"),  # the pass's end and each probe's
 }
 
 
