@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import invoke
 
 
@@ -27,3 +29,34 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     assert trained["tuned_ppl"] < trained["base_ppl"]  # the fine-tuning took on the data it saw
     assert set(groups) == {"trained-on sources", "held-out sources, same domain", "pretraining domain (forgetting)"}
     assert all(g["tokens"] > 0 for g in groups.values())
+
+
+def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monkeypatch):
+    """An interrupted score (or quantize) keeps its work in ``.NAME.usaf-partial``; a demo rerun with other settings
+    would be refused by it, and the hint is --overwrite, so the demo's --overwrite discards it too. Control: a user's
+    file in the workspace stays. The stages themselves are stubbed: what --overwrite removes is under test."""
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    workspace = tmp_path / "demo"
+    plan = demo.paths(workspace)["plan"]
+    partial = plan.parent / f".{plan.name}.usaf-partial"
+    partial.mkdir(parents=True)
+    (partial / "score-calibration.pt").write_bytes(b"saved work")
+    (workspace / "notes.txt").write_text("mine")
+
+    class Stopped(Exception):
+        pass
+
+    class Stage:
+        @staticmethod
+        def run(settings, progress):
+            raise Stopped
+
+    monkeypatch.setattr(demo.importlib, "import_module", lambda name: Stage)
+    with pytest.raises(Stopped):
+        demo.run(DemoConfig(workspace=workspace, quick=True))
+    assert partial.is_dir(), "without --overwrite the saved work stays, for the rerun to resume"
+    with pytest.raises(Stopped):
+        demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
+    assert not partial.exists() and (workspace / "notes.txt").read_text() == "mine"

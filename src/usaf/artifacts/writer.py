@@ -75,6 +75,16 @@ def remove_stale_temporaries_inside(directory: Path) -> None:
     (directory / (MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)  # write_manifest's, cut short
 
 
+def discard_partial(target: Path) -> bool:
+    """Delete the work an interrupted resumable run of ``target`` left (``.NAME.usaf-partial``, a name only usaf
+    gives); True if there was some. A link of that name is left alone: usaf never makes one."""
+    partial = ArtifactWriter.partial_dir(target)
+    if not partial.is_dir() or partial.is_symlink():
+        return False
+    shutil.rmtree(partial)
+    return True
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one step: a kill leaves the old content or the new, never a part."""
     path = Path(path)

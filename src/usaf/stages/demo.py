@@ -19,6 +19,7 @@ from typing import Any
 
 from usaf.artifacts import load_manifest
 from usaf.artifacts.outputs import remove_usaf_made
+from usaf.artifacts.writer import discard_partial
 from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
 from usaf.settings.argv import command_line
 from usaf.settings.demo import DemoConfig
@@ -126,6 +127,8 @@ def run(
     if config.overwrite:
         for path in p.values():  # each only if usaf made it: a user's directory there is refused, never deleted
             remove_usaf_made(path, "--workspace")
+            if discard_partial(path):  # an interrupted quantize's or score's saved work, made with other settings
+                progress.note(f"--overwrite: discarded the interrupted run's work for {path}")
     for name, settings in stage_settings(config).items():
         command = command_line(name, settings)
         step = DemoStep(name, command, p[_ARTIFACT[name]])
