@@ -378,6 +378,7 @@ def _calibration_pass(engine, items, settings, halves_wanted: bool, tap, stop, s
         else:
             engine.dense_scores((b for _, *b in batches), **settings, into=sample)
     except StopSignal:  # raised between two batches: the accumulators hold whole batches only
+        progress.finish()  # the bar as it stopped, then the note
         if saved.directory is not None and save():
             progress.note(f"interrupted: saved the calibration pass ({done + finished[0]} of {len(items)} batches) "
                           f"in {saved.directory}; run the same command to resume")  # fmt: skip
@@ -422,6 +423,7 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
         result = run_lr_test(engine, masks, lines, microbatch=config.microbatch, pad_id=pad, steps=steps,
                              states=states, on_step=step, done=done, on_probe=probe_done)  # fmt: skip
     except StopSignal:
+        progress.finish()
         if saved.holds_work():
             probes = "probe" if finished[0] == 1 else "probes"
             progress.note(f"interrupted: saved the calibration pass and {finished[0]} finished lr-test {probes} in "

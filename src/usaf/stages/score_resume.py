@@ -232,11 +232,14 @@ class ScoreProgress:
 
 def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
     """The recorded values that differ, in a user's words (``--frac 0.01 there, 0.02 now``)."""
+    def shown(value: Any) -> str:
+        return "not given" if value is None else str(value)
+
     parts = []
     theirs, mine = recorded.get("settings", {}), identity["settings"]
     for key in sorted(set(theirs) | set(mine)):
         if theirs.get(key) != mine.get(key):
-            parts.append(f"--{key.replace('_', '-')} {theirs.get(key)} there, {mine.get(key)} now")
+            parts.append(f"--{key.replace('_', '-')} {shown(theirs.get(key))} there, {shown(mine.get(key))} now")
     for key in ("model_fingerprint", "data_fingerprint", "device", "dtype", "usaf"):
         if recorded.get(key) != identity[key]:
             parts.append(f"{key.replace('_', ' ')} {recorded.get(key)} there, {identity[key]} now")
