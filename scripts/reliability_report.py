@@ -286,10 +286,10 @@ STATIC = """## Interruption (Ctrl-C, SIGTERM, SIGHUP)
 A stop signal ends a long stage at a boundary of its own and keeps what it did; the same command resumes.
 `usaf train` writes a checkpoint at the next step boundary and resumes from it bit for bit (exit 130, 143 or
 129: `pytest tests/test_train.py -k "ctrl_c or sigterm"`). `usaf score` saves its calibration pass after the
-batch it is in, or its lr test's finished probes (the probe it is in runs again), in `.PLAN.usaf-partial/`; the
-rerun's plan is byte-identical to an uninterrupted run's (`pytest tests/test_score_resume.py`, a real SIGINT
-included). `usaf quantize` keeps the layers it finished. The other stages leave nothing and start over. A second
-signal leaves at once without saving; the last save stays intact.
+batch it is in, its lr test's finished probes (the probe it is in runs again) or how far `--cache`'s store got, in
+`.PLAN.usaf-partial/`; the rerun's plan is byte-identical to an uninterrupted run's (`pytest
+tests/test_score_resume.py`, a real SIGINT included). `usaf quantize` keeps the layers it finished. The other
+stages leave nothing and start over. A second signal leaves at once without saving; the last save stays intact.
 
 ## Disk space
 

@@ -5,6 +5,7 @@ saved leaves nothing; a real SIGINT in a subprocess does the same."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from helpers import invoke, leftovers
 from usaf.artifacts import PlanManifest, load_verified
 from usaf.errors import StopSignal
 from usaf.stages import lr_test
-from usaf.stages.score_resume import CALIBRATION, PROBES, SETTINGS
+from usaf.stages.score_resume import CALIBRATION, PROBES, SETTINGS, STORE
 from usaf.stages.stop import StopRequest
 from usaf.testing import stdlib_dir
 
@@ -108,7 +109,7 @@ def test_interrupted_in_the_calibration_pass_resumes_to_the_same_plan(setup, str
     assert f"2 of {BATCHES} calibration batches done" in result.stderr
     assert not partial(out).exists()
     same_plan(out, straight)
-    assert not {SETTINGS, CALIBRATION, PROBES} & {f.path for f in load_verified(out, PlanManifest).files}
+    assert not {SETTINGS, CALIBRATION, PROBES, STORE} & {f.path for f in load_verified(out, PlanManifest).files}
 
 
 def test_the_saved_pass_is_what_the_rerun_continues_from(setup, straight, tmp_path, stop_at):
@@ -193,3 +194,26 @@ def test_ctrl_c_in_a_subprocess_saves_and_the_rerun_resumes(setup, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"{BATCHES} of {BATCHES} calibration batches done" in resumed.stderr
     assert load_verified(out, PlanManifest).summary.lr_test.steps > 0 and not partial(out).exists()
+
+
+def test_interrupted_while_storing_every_prefix_state_resumes_the_store(setup, tmp_path, stop_at):
+    """--cache's store of every training sequence's states is the longest part of a large score: a stop there saves
+    how far it got (the index so far, the bytes to keep), and the rerun appends the rest. Control: the saved
+    progress is that of a part of the store, not all of it."""
+    straight = tmp_path / "straight"
+    assert invoke(*args(setup, straight, "--cache")).exit_code == 0
+    out = tmp_path / "plan"
+    before_store = BATCHES + 1 + 4 * STEPS + 1  # the pass, its closing check, the probes' steps, the test's end
+    stop_at(before_store + 3)  # the store's third boundary
+    result = invoke(*args(setup, out, "--cache"))
+    assert result.exit_code == 130, result.output
+    assert "its prefix store's first" in result.stderr, result.stderr
+    saved = json.loads((partial(out) / STORE).read_text())
+    total = load_verified(straight, PlanManifest).summary.prefix_cache
+    assert saved["lines"] > 0 and 0 < saved["store"]["bytes"] < total.bytes
+
+    stop_at(0)
+    result = invoke(*args(setup, out, "--cache"))
+    assert result.exit_code == 0, result.output
+    assert f"prefix cache: {saved['lines']:,} sequences stored by the interrupted run" in result.stderr
+    same_plan(out, straight)

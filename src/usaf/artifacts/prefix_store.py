@@ -66,21 +66,57 @@ class PrefixStore:
     @staticmethod
     def write(states_path: Path, index_path: Path, items, *, meta: dict) -> dict[str, int]:
         """Write ``(key, state (t, H))`` pairs; returns ``{"samples", "tokens", "bytes"}``."""
-        entries: dict[str, list] = {}
-        tokens = 0
-        with Path(states_path).open("wb") as f:
+        writer = StoreWriter(states_path)
+        try:
             for key, state in items:
-                if key in entries:
-                    continue  # a repeated sequence: one state serves every occurrence
-                state = state.detach().contiguous().cpu()
-                entries[key] = [f.tell(), list(state.shape), str(state.dtype).removeprefix("torch.")]
-                f.write(state.view(torch.uint8).numpy().tobytes())
-                tokens += int(state.shape[0])
-            size = f.tell()
-            f.flush()
-            os.fsync(f.fileno())
-        Path(index_path).write_text(json.dumps({**meta, "entries": entries}), encoding="utf-8")
-        return {"samples": len(entries), "tokens": tokens, "bytes": size}
+                writer.add(key, state)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.close(index_path, meta=meta)
+
+
+class StoreWriter:
+    """A store written entry by entry, and resumable: :meth:`progress` is what has been written (entries, tokens,
+    bytes), and a writer opened with it (``resume``) cuts the states file back to those bytes and appends after
+    them, so a store written in two runs is byte-identical to one written in one."""
+
+    def __init__(self, states_path: Path, *, resume: dict[str, Any] | None = None) -> None:
+        self.states_path = Path(states_path)
+        if resume is None:
+            self._file = self.states_path.open("wb")
+            self.entries: dict[str, list] = {}
+            self.tokens = 0
+        else:
+            self._file = self.states_path.open("r+b")
+            self._file.truncate(int(resume["bytes"]))  # what a stop wrote after its last save
+            self._file.seek(0, os.SEEK_END)
+            self.entries = {key: list(value) for key, value in resume["entries"].items()}
+            self.tokens = int(resume["tokens"])
+
+    def add(self, key: str, state: torch.Tensor) -> None:
+        if key in self.entries:
+            return  # a repeated sequence: one state serves every occurrence
+        state = state.detach().contiguous().cpu()
+        self.entries[key] = [self._file.tell(), list(state.shape), str(state.dtype).removeprefix("torch.")]
+        self._file.write(state.view(torch.uint8).numpy().tobytes())
+        self.tokens += int(state.shape[0])
+
+    def progress(self) -> dict[str, Any]:
+        """What is written, flushed to the disk: a resumed writer starts from it."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return {"entries": dict(self.entries), "tokens": self.tokens, "bytes": self._file.tell()}
+
+    def close(self, index_path: Path, *, meta: dict) -> dict[str, int]:
+        """Finish the states file and write the index; ``{"samples", "tokens", "bytes"}``."""
+        size = self.progress()["bytes"]
+        self._file.close()
+        Path(index_path).write_text(json.dumps({**meta, "entries": self.entries}), encoding="utf-8")
+        return {"samples": len(self.entries), "tokens": self.tokens, "bytes": size}
+
+    def abort(self) -> None:
+        self._file.close()
 
 
 def read_state(mmap: np.memmap, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

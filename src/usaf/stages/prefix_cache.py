@@ -12,7 +12,10 @@ and every miss is computed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,8 +23,10 @@ from usaf.artifacts import prefix_store
 from usaf.artifacts.disk import check_free_space
 from usaf.data.batches import collate
 from usaf.data.tokens import TokenLine, iter_token_file
-from usaf.errors import UsafError
+from usaf.errors import StopSignal, UsafError
 from usaf.stages.progress import Progress
+
+SAVE_EVERY_S = 60.0  # a --cache store's progress is saved this often (and at a stop request) for a resume
 
 
 def write_store(
@@ -35,35 +40,77 @@ def write_store(
     microbatch: int,
     progress: Progress,
     known: dict[str, torch.Tensor] | None = None,
+    resume: dict[str, Any] | None = None,
+    stop: Any = None,
+    on_save: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, int]:
     """Compute the prefix state of every sequence of ``data_file`` (batched) into ``out_dir``'s store; a sequence
-    whose key ``known`` holds (the calibration sample's states, by key) is stored as it is there."""
+    whose key ``known`` holds (the calibration sample's states, by key) is stored as it is there.
+
+    Resumable: where no batch is pending (after a line stored from ``known``, or a batch computed), every
+    ``SAVE_EVERY_S`` seconds and before a stop request (``stop.check()``) is raised, ``on_save`` gets the store's
+    progress (``{"lines": lines of the file done, "store": StoreWriter.progress()}``); ``resume`` (one of those)
+    goes on from there, byte for byte as a store written in one go."""
     lengths = [len(line.input_ids) for line in iter_token_file(data_file, vocab_size=vocab_size)]
     total = len(lengths)
     device = next(engine.model.parameters()).device
     known = known or {}
+    done = int(resume["lines"]) if resume else 0
+    writer = prefix_store.StoreWriter(Path(out_dir) / prefix_store.STATES_FILE, resume=resume and resume["store"])
+    last_save = time.perf_counter()
+
+    def save(lines: int) -> None:
+        nonlocal last_save
+        if on_save is not None:
+            on_save({"lines": lines, "store": writer.progress()})
+        last_save = time.perf_counter()
+
+    def boundary(lines: int) -> None:
+        """No batch pending after ``lines`` lines: save when it is time, or when a stop is requested."""
+        if stop is not None:
+            try:
+                stop.check()
+            except StopSignal:
+                save(lines)
+                raise
+        if time.perf_counter() - last_save >= SAVE_EVERY_S:
+            save(lines)
 
     def states():
         progress.start("prefix cache", total, "sequences")
+        if done:
+            progress.advance(done)
         pending = []
-        for line in iter_token_file(data_file, vocab_size=vocab_size):
+        for n, line in enumerate(iter_token_file(data_file, vocab_size=vocab_size)):
+            if n < done:
+                continue
             key = engine.prefix_key(torch.tensor(line.input_ids), model_fingerprint) if known else None
             if key in known:
                 yield key, known[key]
                 progress.advance(1)
-                continue
-            pending.append(line)
-            if len(pending) == microbatch:
+            else:
+                pending.append(line)
+                if len(pending) < microbatch:
+                    continue
                 yield from _batch_states(engine, pending, pad_id, device, model_fingerprint)
                 progress.advance(len(pending))
                 pending = []
+            if not pending:
+                boundary(n + 1)
         if pending:
             yield from _batch_states(engine, pending, pad_id, device, model_fingerprint)
             progress.advance(len(pending))
         progress.finish()
 
     meta = {"model_fingerprint": model_fingerprint, "start": engine.prefix.start}
-    return prefix_store.write_store(out_dir, _room_checked(states(), out_dir, sum(lengths)), meta=meta)
+    needed = sum(lengths[done:])
+    try:
+        for key, state in _room_checked(states(), out_dir, needed):
+            writer.add(key, state)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close(Path(out_dir) / prefix_store.INDEX_FILE, meta=meta)
 
 
 def sample_states_by_key(engine, lines: list[TokenLine], states: dict[int, torch.Tensor], model_fingerprint: str):

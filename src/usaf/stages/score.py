@@ -296,7 +296,7 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
         if config.cache is not False and engine.prefix is not None:
             by_key = sample_states_by_key(engine, lines, sample_states or {}, model_fingerprint)
             summary = _with_prefix_store(summary, config, engine, by_key, data_file, art.dir,
-                                         model_fingerprint, tokenizer, pad, progress)  # fmt: skip
+                                         model_fingerprint, tokenizer, pad, progress, saved, stop)  # fmt: skip
         manifest = art.commit(
             PlanManifest,
             exclude=BOOKKEEPING,
@@ -454,22 +454,27 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
     return record, earlier.seconds
 
 
-def _with_prefix_store(summary, config, engine, by_key, data_file, work, model_fingerprint, tokenizer, pad, progress):
+def _with_prefix_store(summary, config, engine, by_key, data_file, work, model_fingerprint, tokenizer, pad, progress,
+                       saved: ScoreProgress, stop: StopRequest | None):  # fmt: skip
     """The summary with the prefix store written into the plan: every training sequence's (``--cache``, the
-    sample's ``by_key`` reused), else the calibration sample's alone (``by_key``; none when it is empty or the disk
-    has no room for it)."""
+    sample's ``by_key`` reused; from where an interrupted run saved it, and saved at a stop request), else the
+    calibration sample's alone (``by_key``; none when it is empty or the disk has no room for it)."""
     if config.cache:
-        stored = write_store(
-            engine,
-            data_file,
-            work,
-            model_fingerprint=model_fingerprint,
-            vocab_size=len(tokenizer),
-            pad_id=pad,
-            microbatch=config.microbatch,
-            progress=progress,
-            known=by_key,
-        )
+        resume = saved.store()
+        if resume is not None:
+            progress.note(f"prefix cache: {resume['lines']:,} sequences stored by the interrupted run")
+        try:
+            with stop or contextlib.nullcontext():
+                stored = write_store(engine, data_file, work, model_fingerprint=model_fingerprint,
+                                     vocab_size=len(tokenizer), pad_id=pad, microbatch=config.microbatch,
+                                     progress=progress, known=by_key, resume=resume, stop=stop,
+                                     on_save=saved.save_store if saved.directory is not None else None)  # fmt: skip
+        except StopSignal:
+            progress.finish()
+            if (store := saved.store()) is not None:
+                progress.note(f"interrupted: saved the plan's work and its prefix store's first {store['lines']:,} "
+                              f"sequences in {saved.directory}; run the same command to resume")  # fmt: skip
+            raise
     else:
         stored = write_sample_store(engine, by_key, work, model_fingerprint=model_fingerprint, progress=progress)
         if not stored:

@@ -1,11 +1,13 @@
 """What an interrupted ``usaf score`` keeps, so that the same command goes on from there.
 
-Score's work is the calibration pass (one forward and backward per microbatch) and the lr test (up to four probe runs).
-A stop request (Ctrl-C, SIGTERM, SIGHUP: :class:`usaf.stages.stop.StopRequest`) ends the pass after a whole microbatch
-and the test between two probe steps (the probe cut short is run again: it is a few percent of the test). What is done
+Score's work is the calibration pass (one forward and backward per microbatch), the lr test (up to four probe runs)
+and, with ``--cache``, the store of every training sequence's prefix states. A stop request (Ctrl-C, SIGTERM, SIGHUP:
+:class:`usaf.stages.stop.StopRequest`) ends the pass after a whole microbatch, the test between two probe steps (the
+probe cut short is run again: it is a few percent of the test) and the store where no batch is pending. What is done
 is saved in the run's partial directory (``.OUT.usaf-partial``, :class:`usaf.artifacts.ArtifactWriter`'s resumable
-mode), and so is the end of the pass and of each probe, so a kill, which leaves no time to save, loses at most the
-pass or the probe it interrupted. The same command resumes, and its plan is byte-identical to an uninterrupted run's.
+mode), and so is the end of the pass and of each probe, and the store every minute, so a kill, which leaves no time
+to save, loses at most the pass, a probe or a minute of the store. The same command resumes, and its plan is
+byte-identical to an uninterrupted run's.
 
 - ``score-settings.json``: what the saved work depends on: the inputs' fingerprints, every setting but the paths
   (which may name the same inputs differently), the device and dtype, usaf's version. A rerun with others is
@@ -14,6 +16,8 @@ pass or the probe it interrupted. The same command resumes, and its plan is byte
   halves', :mod:`usaf.engine.score_state`), each MoE layer's tokens per expert (the plan's routing statistics) and
   the prefix states the pass recorded (for the lr test and the plan's store).
 - ``score-probes.pt``: the lr test's finished probes, their held-back scores by ascending lr.
+- ``score-store.json``: with ``--cache``, how far the store of every sequence's prefix states got (lines of the data
+  done, the index so far, the bytes of the states file to keep), saved every minute and at a stop request.
 
 Tensors and plain values only, read back with ``torch.load(weights_only=True)``. Under torchrun nothing is saved
 (each rank holds a share of the pass): an interrupt there leaves nothing, as before.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,7 @@ import torch
 
 from usaf._version import __version__
 from usaf.artifacts.disk import cause_of
+from usaf.artifacts.prefix_store import STATES_FILE
 from usaf.artifacts.writer import write_text_atomic
 from usaf.engine.score_state import restore_accumulator
 from usaf.engine.scores import ScoreAccumulator
@@ -43,7 +48,8 @@ from usaf.stages.progress import Progress
 SETTINGS = "score-settings.json"
 CALIBRATION = "score-calibration.pt"
 PROBES = "score-probes.pt"
-BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES)  # top level of the partial directory; never part of the plan
+STORE = "score-store.json"
+BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES, STORE)  # top level of the partial directory; never part of the plan
 # Config fields the saved work does not depend on: where the inputs and the plan are (the inputs count by their
 # fingerprints), the device as asked (the one used is recorded), and the launcher's settings.
 NOT_RECORDED = frozenset({"model", "data", "out", "workspace", "overwrite", "device", "dist_backend"})
@@ -180,14 +186,37 @@ class ScoreProgress:
         done = [None if h is None else {"nll": h.nll, "tokens": h.tokens} for h in saved.done]
         return self._save(PROBES, iter([("done", done), ("seconds", saved.seconds)]), "the lr test's probes")
 
+    # -- --cache's prefix store ----------------------------------------------------------------------------
+
+    def store(self) -> dict[str, Any] | None:
+        """Where an interrupted run's ``--cache`` store stood (:func:`usaf.stages.prefix_cache.write_store`), or
+        None: not begun, or its record or states file does not fit (then the store starts over, with a note)."""
+        if self.directory is None or not (self.directory / STORE).is_file():
+            return None
+        try:
+            state = json.loads((self.directory / STORE).read_text(encoding="utf-8"))
+            written = (self.directory / STATES_FILE).stat().st_size
+            if not 0 <= int(state["store"]["bytes"]) <= written or int(state["lines"]) < 0:
+                raise ValueError(f"{state['store']['bytes']} bytes recorded, {written} in the states file")
+            return state
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.progress.note(f"the saved prefix store in {self.directory} does not fit ({e}): starting it over")
+            return None
+
+    def save_store(self, state: dict[str, Any]) -> bool:
+        return self._guarded(lambda: write_text_atomic(self.directory / STORE, json.dumps(state)),
+                             "the prefix store's progress")  # fmt: skip
+
     # -- files --------------------------------------------------------------------------------------------
 
     def clear_outputs(self) -> None:
-        """Delete everything but the bookkeeping: plan files a failed earlier run was writing (written again)."""
+        """Delete everything but the bookkeeping (and the states of a prefix store to resume): plan files a failed
+        earlier run was writing (written again)."""
         if self.directory is None:
             return
+        keep = {*BOOKKEEPING, STATES_FILE} if self.store() is not None else set(BOOKKEEPING)
         for entry in self.directory.iterdir():
-            if entry.name in BOOKKEEPING:
+            if entry.name in keep:
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
@@ -216,12 +245,20 @@ class ScoreProgress:
     def _save(self, name: str, entries: Iterator[tuple[str, Any]], what: str) -> bool:
         """Write ``entries`` to ``name`` one at a time (:class:`StreamingTorchSave`: a temporary renamed into place,
         so the file is whole or absent). False, with a note, where the disk refused: the work is done again."""
-        if self.directory is None:
-            return False
-        try:
+
+        def write() -> None:
             with StreamingTorchSave(self.directory / name) as archive:
                 for key, entry in entries:
                     archive.add(key, entry)
+
+        return self._guarded(write, what)
+
+    def _guarded(self, write: Callable[[], None], what: str) -> bool:
+        """``write()``; False (with a note) where there is no directory or the disk refused: the work is done again."""
+        if self.directory is None:
+            return False
+        try:
+            write()
         except Exception as e:
             if cause_of(e) is None:
                 raise
@@ -232,6 +269,7 @@ class ScoreProgress:
 
 def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
     """The recorded values that differ, in a user's words (``--frac 0.01 there, 0.02 now``)."""
+
     def shown(value: Any) -> str:
         return "not given" if value is None else str(value)
 
