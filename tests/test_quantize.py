@@ -170,6 +170,40 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
 
 
+def test_without_out_the_same_command_resumes_the_interrupted_output(tiny_model, tmp_path, monkeypatch):
+    """A default output is named by its start time: the same command without --out finds the workspace's interrupted
+    quantization of the same model and settings and resumes it (the layers done are not quantized again); other
+    settings start a new output (control)."""
+    import usaf.stages.quantize as stage
+
+    source = tiny_model("qwen3_moe", num_layers=4)
+    command = [source, "--workspace", tmp_path, "--method", "rtn", "--group-size", "8"]
+    saved = []
+    real = stage._save_layer
+
+    def interrupt_after_two_layers(path, *args):
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+        saved.append(path.name)
+        return real(path, *args)
+
+    monkeypatch.setattr(stage, "_save_layer", interrupt_after_two_layers)
+    assert quantize(*command).exit_code == 130
+    (partial,) = (tmp_path / "quantized_model").glob(".*.usaf-partial")
+
+    saved.clear()
+    monkeypatch.setattr(stage, "_save_layer", lambda path, *a: saved.append(path.name) or real(path, *a))
+    other = quantize(source, "--workspace", tmp_path, "--method", "rtn", "--group-size", "16")
+    assert other.exit_code == 0 and "resuming" not in other.stderr and partial.is_dir()
+    saved.clear()
+    result = quantize(*command)
+    assert result.exit_code == 0, result.output
+    target = partial.parent / partial.name.removeprefix(".").removesuffix(".usaf-partial")
+    assert f"resuming the interrupted quantization that was writing {target}" in result.stderr
+    assert saved == ["layer-00002.pt", "layer-00003.pt"] and not partial.exists()
+    assert load_verified(target, QuantizedModelManifest).summary.quant.group_size_requested == 8
+
+
 def test_existing_output_resume_and_force(tiny_model, tmp_path):
     source = tiny_model("olmoe")
     out = tmp_path / "q"

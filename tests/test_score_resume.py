@@ -217,3 +217,44 @@ def test_interrupted_while_storing_every_prefix_state_resumes_the_store(setup, t
     assert result.exit_code == 0, result.output
     assert f"prefix cache: {saved['lines']:,} sequences stored by the interrupted run" in result.stderr
     same_plan(out, straight)
+
+
+def test_without_out_the_same_command_finds_the_interrupted_output_in_the_workspace(setup, tmp_path, stop_at):
+    """A default output is named by its start time, so a rerun would get a new one and start over: the same command
+    finds the workspace's interrupted score of the same settings and resumes it. Control: other settings start a new
+    output and leave that saved work alone."""
+    qdir, tokens = setup
+    command = ["score", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--calib-samples", 8,
+               "--microbatch", 2, "--train-from", 2, "--no-lr-test"]  # fmt: skip
+    stop_at(3)
+    assert invoke(*command).exit_code == 130
+    (interrupted,) = (tmp_path / "plan").glob(".*.usaf-partial")
+    other = invoke(*command, "--frac", 0.05)
+    assert other.exit_code == 0, other.output
+    assert "resuming" not in other.stderr and interrupted.is_dir()
+
+    stop_at(0)
+    result = invoke(*command)
+    assert result.exit_code == 0, result.output
+    target = interrupted.parent / interrupted.name.removeprefix(".").removesuffix(".usaf-partial")
+    assert f"resuming the interrupted score that was writing {target}" in result.stderr
+    assert f"2 of {BATCHES} calibration batches done" in result.stderr
+    assert load_verified(target, PlanManifest).summary.frac == 0.1 and not interrupted.exists()
+    assert len([p for p in (tmp_path / "plan").iterdir() if not p.name.startswith(".")]) == 2
+
+
+def test_an_interrupted_train_without_out_names_the_out_that_resumes_it(prepared, tmp_path):
+    """Train's default output is new at every start too: its interrupt note names the --out to pass."""
+    from helpers import ctrl_c_at_step
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = ["train", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 6,
+               "--save-every", 0]  # fmt: skip
+    with ctrl_c_at_step(2):
+        result = invoke(*command)
+    assert result.exit_code == 130, result.output
+    (run,) = (tmp_path / "run").iterdir()
+    assert f"run the same command with --out {run} to resume" in result.stderr
+    resumed = invoke(*command, "--out", run)
+    assert resumed.exit_code == 0, resumed.output
+    assert "step 2 of 6" in resumed.stderr

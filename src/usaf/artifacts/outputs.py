@@ -31,6 +31,7 @@ from usaf.errors import UsafError
 
 OLD_TAG = ".usaf-old-"
 TMP_TAG = ".usaf-tmp-"
+PARTIAL_TAG = ".usaf-partial"  # a resumable run's work: .NAME.usaf-partial beside its output
 MADE_MARKER = ".usaf-made"  # in a directory usaf wrote in another tool's format (a tiny Hugging Face model)
 
 InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag -> the path(s) it named

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.loader import load_manifest, load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME, Manifest
+from usaf.artifacts.outputs import PARTIAL_TAG
 from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
 from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest, check_tokenizer
@@ -50,10 +51,22 @@ def default_output(workspace: Path, kind: str, label: str, *, now: datetime | No
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     base = workspace / kind / f"{stamp}-{_slug(label)}"
     candidate, n = base, 1
-    while candidate.exists():
+    # taken too: a name whose interrupted run left its work beside it (a rerun of that run resumes there)
+    while candidate.exists() or candidate.with_name(f".{candidate.name}{PARTIAL_TAG}").exists():
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def interrupted_outputs(workspace: Path, kind: str, label: str) -> list[Path]:
+    """The default outputs (:func:`default_output`) of ``kind`` and ``label`` whose resumable run was interrupted:
+    each one's target, from its ``.NAME.usaf-partial`` directory, newest first (the names start with their time)."""
+    pattern = re.compile(rf"\.(\d{{8}}-\d{{6}}-{re.escape(_slug(label))}(-\d+)?){re.escape(PARTIAL_TAG)}")
+    directory = workspace / kind
+    if not directory.is_dir():
+        return []
+    found = [directory / m.group(1) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, Manifest
 from usaf.artifacts.outputs import (
     OLD_TAG,
+    PARTIAL_TAG,
     TMP_TAG,
     InputPaths,
     check_not_an_input,
@@ -38,8 +39,6 @@ from usaf.artifacts.outputs import (
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
-
-_PARTIAL_TAG = ".usaf-partial"
 
 
 def _remove_stale_temporaries(target: Path) -> None:
@@ -145,7 +144,7 @@ class ArtifactWriter:
     def partial_dir(target: Path) -> Path:
         """Where a resumable writer of ``target`` keeps its work between runs."""
         target = Path(target).absolute()
-        return target.parent / f".{target.name}{_PARTIAL_TAG}"
+        return target.parent / f".{target.name}{PARTIAL_TAG}"
 
     def check_target(self) -> None:
         """Refuse early (before any work): an output that is or holds an input, that exists and may not be

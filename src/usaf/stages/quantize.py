@@ -31,6 +31,7 @@ from usaf.artifacts.quantized import (
     QuantSettingsRecord,
     TensorQuantRecord,
 )
+from usaf.artifacts.workspace import interrupted_outputs
 from usaf.artifacts.writer import write_text_atomic
 from usaf.backends import resolve_backend
 from usaf.backends.transfer import is_host
@@ -77,6 +78,15 @@ def _partial_settings(partial: Path) -> dict[str, Any] | None:
         "nbits": s.quant.nbits,
         "group_size": s.quant.group_size_requested,
     }
+
+
+def _interrupted_output(workspace: Path, label: str, settings: dict[str, Any]) -> Path | None:
+    """The default output an interrupted quantization with these ``settings`` was writing in the workspace (the
+    newest), where its partial directory says so."""
+    for target in interrupted_outputs(workspace, "quantized_model", label):
+        if _partial_settings(ArtifactWriter.partial_dir(target)) == settings:
+            return target
+    return None
 
 
 def _committed_partial(partial: Path, settings: dict[str, Any]) -> QuantizedModelManifest | None:
@@ -140,13 +150,18 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     source = source_record(config.model, model_dir, spec, infos)
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
 
-    out = Path(config.out or default_output(workspace_dir(config.workspace), "quantized_model", model_dir.name))
     settings = {
         "source": source.fingerprint,
         "method": config.method,
         "nbits": config.nbits,
         "group_size": config.group_size,
     }
+    out = config.out
+    if out is None:  # a default output is new at every start: the same command finds the one it was writing
+        out = _interrupted_output(workspace_dir(config.workspace), model_dir.name, settings)
+        if out is not None:
+            progress.note(f"resuming the interrupted quantization that was writing {out} (no --out given)")
+    out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", model_dir.name))
     writer = ArtifactWriter(out, overwrite=config.force, overwrite_flag="--force", inputs={"MODEL": model_dir},
                             resumable=True)  # fmt: skip
     with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it

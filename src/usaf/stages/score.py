@@ -39,7 +39,7 @@ from usaf.artifacts.plan import (
     TensorSelection,
     write_plan_files,
 )
-from usaf.artifacts.workspace import resolve_data, resolve_model
+from usaf.artifacts.workspace import interrupted_outputs, resolve_data, resolve_model
 from usaf.backends import resolve_backend
 from usaf.config import source_of
 from usaf.data.batches import Batch, collate, sample_lines
@@ -197,7 +197,14 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
-    out = config.out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
+    identity = run_identity(config, model_fingerprint=model_manifest.fingerprint, data_fingerprint=data_fingerprint,
+                            backend=backend)  # fmt: skip
+    out = config.out
+    if out is None and not world.active:  # the same command without --out finds the output it was writing
+        out = _interrupted_output(workspace_dir(config.workspace), model_dir.name, identity)
+        if out is not None:
+            progress.note(f"resuming the interrupted score that was writing {out} (no --out given)")
+    out = out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
     inputs = {"--model": model_dir, "--data": [config.data, data_file]}
     writer = ArtifactWriter(out, overwrite=config.overwrite, inputs=inputs, resumable=not world.active)
     writer.check_target()
@@ -219,12 +226,20 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
                       data_fingerprint, lines, start)  # fmt: skip
     if not writer.resumable:  # torchrun: rank 0 takes the output when it writes the plan
         return _score(settled, writer, ScoreProgress(None, progress))
-    identity = run_identity(config, model_fingerprint=model_manifest.fingerprint, data_fingerprint=data_fingerprint,
-                            backend=backend)  # fmt: skip
     with writer, contextlib.ExitStack() as cleanup:  # the output locked from here to the commit
         cleanup.push(_dropped_unless_saved(writer))
         saved = ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress)
         return _score(settled, writer, saved)
+
+
+def _interrupted_output(workspace: Path, label: str, identity: dict) -> Path | None:
+    """The default output an interrupted score with this ``identity`` was writing in the workspace (the newest), if
+    its saved work is there: without ``--out`` every run gets a new name, so the same command would not find it."""
+    for target in interrupted_outputs(workspace, "plan", label):
+        saved = ScoreProgress(ArtifactWriter.partial_dir(target), NullProgress())
+        if saved.holds_work() and saved.recorded_identity() == identity:
+            return target
+    return None
 
 
 def _dropped_unless_saved(writer: ArtifactWriter):

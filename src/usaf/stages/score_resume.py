@@ -102,7 +102,7 @@ class ScoreProgress:
         saved = cls(directory, progress)
         if directory is None:
             return saved
-        recorded = saved._recorded_identity()
+        recorded = saved.recorded_identity()
         if recorded is not None and recorded != identity and saved.holds_work():
             if not discard:
                 raise UsafError(
@@ -223,7 +223,7 @@ class ScoreProgress:
             else:
                 entry.unlink()
 
-    def _recorded_identity(self) -> dict[str, Any] | None:
+    def recorded_identity(self) -> dict[str, Any] | None:
         try:
             return json.loads((self.directory / SETTINGS).read_text(encoding="utf-8"))
         except (OSError, ValueError):  # absent, or cut short by a kill: the work (if any) cannot be vouched for
