@@ -182,10 +182,11 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     """Score, select and write the plan; returns its manifest and path.
 
     In one process the work is done inside the output's partial directory, where a stop request (Ctrl-C) saves the
-    calibration pass or the lr test's probes done so far, and the same command resumes from them
-    (:mod:`usaf.stages.score_resume`). Under torchrun every rank scores its share of the calibration microbatches
-    (rank r: microbatches r, r + N, ...) and the accumulators are merged, so the plan equals one process's with the
-    same microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the others wait.
+    calibration pass, the lr test's probes or ``--cache``'s store done so far, and the same command (with or without
+    ``--out``) resumes from them (:mod:`usaf.stages.score_resume`). Under torchrun every rank scores its share of the
+    calibration microbatches (rank r: microbatches r, r + N, ...) and the accumulators are merged, so the plan equals
+    one process's with the same microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the
+    others wait.
     """
     start = time.perf_counter()
     backend = resolve_backend(
