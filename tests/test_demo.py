@@ -42,8 +42,12 @@ def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monk
     plan = demo.paths(workspace)["plan"]
     partial = plan.parent / f".{plan.name}.usaf-partial"
     partial.mkdir(parents=True)
+    (partial / "score-settings.json").write_text("{}")
     (partial / "score-calibration.pt").write_bytes(b"saved work")
     (workspace / "notes.txt").write_text("mine")
+    tokens = demo.paths(workspace)["tokens"]
+    unmarked = tokens.parent / f".{tokens.name}.usaf-partial"  # no stage's settings in it: not known to be usaf's
+    unmarked.mkdir(parents=True)
 
     class Stopped(Exception):
         pass
@@ -60,3 +64,4 @@ def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monk
     with pytest.raises(Stopped):
         demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
     assert not partial.exists() and (workspace / "notes.txt").read_text() == "mine"
+    assert unmarked.is_dir()

@@ -136,6 +136,21 @@ def test_more_adjusted_group_sizes_than_the_line_names_are_counted(tiny_model, t
     assert line.count("proj:") == 4 and "and 2 more" in line, line
 
 
+def _interrupt_after_two_layers(stage, monkeypatch) -> tuple[list[str], object]:
+    """quantize's layer writes, stopped as by Ctrl-C before the third; (the layer files saved, the real writer)."""
+    saved: list[str] = []
+    real = stage._save_layer
+
+    def interrupt(path, *args):
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+        saved.append(path.name)
+        return real(path, *args)
+
+    monkeypatch.setattr(stage, "_save_layer", interrupt)
+    return saved, real
+
+
 def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, monkeypatch):
     import usaf.stages.quantize as stage
 
@@ -143,16 +158,7 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
     straight = tmp_path / "straight"
     assert quantize(source, "--out", straight, "--method", "rtn", "--group-size", "8").exit_code == 0
 
-    saved = []
-    real = stage._save_layer
-
-    def interrupt_after_two_layers(path, *args):
-        if len(saved) == 2:
-            raise KeyboardInterrupt
-        saved.append(path.name)
-        return real(path, *args)
-
-    monkeypatch.setattr(stage, "_save_layer", interrupt_after_two_layers)
+    saved, real = _interrupt_after_two_layers(stage, monkeypatch)
     resumed = tmp_path / "resumed"
     result = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8")
     assert result.exit_code == 130 and not resumed.exists()
@@ -178,16 +184,7 @@ def test_without_out_the_same_command_resumes_the_interrupted_output(tiny_model,
 
     source = tiny_model("qwen3_moe", num_layers=4)
     command = [source, "--workspace", tmp_path, "--method", "rtn", "--group-size", "8"]
-    saved = []
-    real = stage._save_layer
-
-    def interrupt_after_two_layers(path, *args):
-        if len(saved) == 2:
-            raise KeyboardInterrupt
-        saved.append(path.name)
-        return real(path, *args)
-
-    monkeypatch.setattr(stage, "_save_layer", interrupt_after_two_layers)
+    saved, real = _interrupt_after_two_layers(stage, monkeypatch)
     assert quantize(*command).exit_code == 130
     (partial,) = (tmp_path / "quantized_model").glob(".*.usaf-partial")
 

@@ -74,11 +74,12 @@ def remove_stale_temporaries_inside(directory: Path) -> None:
     (directory / (MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)  # write_manifest's, cut short
 
 
-def discard_partial(target: Path) -> bool:
-    """Delete the work an interrupted resumable run of ``target`` left (``.NAME.usaf-partial``, a name only usaf
-    gives); True if there was some. A link of that name is left alone: usaf never makes one."""
+def discard_partial(target: Path, markers: tuple[str, ...]) -> bool:
+    """Delete the work an interrupted resumable run of ``target`` left (``.NAME.usaf-partial``); True if there was
+    some. Only a directory holding one of ``markers``, the settings file its stage writes first, is usaf's for sure:
+    anything else of that name (a link, a directory without them) is left alone."""
     partial = ArtifactWriter.partial_dir(target)
-    if not partial.is_dir() or partial.is_symlink():
+    if not partial.is_dir() or partial.is_symlink() or not any((partial / m).is_file() for m in markers):
         return False
     shutil.rmtree(partial)
     return True

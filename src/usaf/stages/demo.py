@@ -30,6 +30,8 @@ from usaf.settings.score import ScoreConfig
 from usaf.settings.tokenize import TokenizeConfig
 from usaf.settings.train import TrainConfig
 from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.quantize_parts import PARTIAL_SETTINGS
+from usaf.stages.score_resume import SETTINGS as SCORE_SETTINGS
 
 NAME = "demo"  # every artifact of the demo is WORKSPACE/<kind>/demo
 
@@ -127,7 +129,7 @@ def run(
     if config.overwrite:
         for path in p.values():  # each only if usaf made it: a user's directory there is refused, never deleted
             remove_usaf_made(path, "--workspace")
-            if discard_partial(path):  # an interrupted quantize's or score's saved work, made with other settings
+            if discard_partial(path, _PARTIAL_MARKERS):  # an interrupted quantize's or score's saved work
                 progress.note(f"--overwrite: discarded the interrupted run's work for {path}")
     for name, settings in stage_settings(config).items():
         command = command_line(name, settings)
@@ -184,5 +186,6 @@ def outcomes(config: DemoConfig, report: dict) -> list[Outcome]:
     return out
 
 
+_PARTIAL_MARKERS = (PARTIAL_SETTINGS, SCORE_SETTINGS)  # what quantize and score write first in a partial directory
 _ARTIFACT = {"tokenize": "tokens", "quantize": "quantized", "score": "plan", "train": "run", "eval": "eval",
              "export": "export"}  # fmt: skip
