@@ -42,6 +42,23 @@ def ctrl_c_at_step(step: int) -> Iterator[None]:
         trainer.Trainer.step = real_step
 
 
+def stop_at_check(monkeypatch, n: int) -> None:
+    """The run's n-th stop check (``StopRequest.check``) raises as Ctrl-C does; 0 never (score checks before every
+    calibration batch, once after the pass, and after every probe step)."""
+    import signal
+
+    from usaf.errors import StopSignal
+    from usaf.stages.stop import StopRequest
+
+    calls = [0]
+
+    def check(self) -> None:
+        calls[0] += 1
+        if calls[0] == n:
+            raise StopSignal(signal.SIGINT)
+
+    monkeypatch.setattr(StopRequest, "check", check)
+
 def explain(result) -> str:
     """A failed run's output and, for a crash (not a usaf error's exit), its traceback: an assertion message that
     points at the line, where ``result.output`` alone names only the exception."""

@@ -197,6 +197,23 @@ def test_ctrl_c_stops_every_rank_at_one_step_and_the_rerun_resumes(setup, tmp_pa
     assert load_verified(run, RunManifest).summary.steps == 300 and _logged_steps(run) == 300
 
 
+def test_without_out_the_ranks_resume_the_unfinished_run_rank_0_finds(setup, tmp_path):
+    """Without --out, rank 0 names the run directory (or finds the unfinished one) and every rank takes its answer:
+    a one-process run stopped at step 2 (microbatch 2) is resumed by 2 ranks (microbatch 1, the same global batch)
+    in the same directory, and no second one appears."""
+    from helpers import ctrl_c_at_step
+
+    qdir, tokens, plan, _ = setup
+    common = ["train", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 4,
+              "--save-every", 0, "--lr", 0.05]  # fmt: skip
+    with ctrl_c_at_step(2):
+        assert invoke(*common, "--microbatch", 2).exit_code == 130
+    (run,) = (tmp_path / "run").iterdir()
+    code, _, stderr = finished(torchrun(*common, "--microbatch", 1))
+    assert code == 0, stderr
+    assert f"resuming the unfinished run {run}" in stderr and "(step 2 of 4)" in stderr
+    assert list((tmp_path / "run").iterdir()) == [run] and (run / "manifest.json").is_file()
+
 def test_a_dying_rank_ends_the_run_with_a_message_and_keeps_the_last_checkpoint(setup, tmp_path):
     run = tmp_path / "run"
     proc = torchrun(*train_args(setup, run, "--steps", 400, "--microbatch", 1, "--save-every", 5))

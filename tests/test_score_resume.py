@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import invoke, leftovers
+from helpers import invoke, leftovers, stop_at_check
 from usaf.artifacts import PlanManifest, load_verified
-from usaf.errors import StopSignal
 from usaf.stages import lr_test
 from usaf.stages.score_resume import CALIBRATION, PROBES, SETTINGS, STORE
-from usaf.stages.stop import StopRequest
 from usaf.testing import stdlib_dir
 
 LAYERS = 4
@@ -49,21 +47,8 @@ def partial(out: Path) -> Path:
 
 @pytest.fixture
 def stop_at(monkeypatch):
-    """``stop_at(n)``: the n-th stop check of the run raises as Ctrl-C does (score checks before every calibration
-    batch, once after the pass, and after every probe step)."""
-    calls = [0]
-
-    def arm(n: int) -> None:
-        calls[0] = 0
-
-        def check(self) -> None:
-            calls[0] += 1
-            if calls[0] == n:
-                raise StopSignal(signal.SIGINT)
-
-        monkeypatch.setattr(StopRequest, "check", check)
-
-    yield arm
+    """``stop_at(n)``: the n-th stop check of the run raises as Ctrl-C does (helpers.stop_at_check)."""
+    yield lambda n: stop_at_check(monkeypatch, n)
     monkeypatch.undo()
 
 
@@ -242,19 +227,3 @@ def test_without_out_the_same_command_finds_the_interrupted_output_in_the_worksp
     assert load_verified(target, PlanManifest).summary.frac == 0.1 and not interrupted.exists()
     assert len([p for p in (tmp_path / "plan").iterdir() if not p.name.startswith(".")]) == 2
 
-
-def test_an_interrupted_train_without_out_names_the_out_that_resumes_it(prepared, tmp_path):
-    """Train's default output is new at every start too: its interrupt note names the --out to pass."""
-    from helpers import ctrl_c_at_step
-
-    qdir, tokens, plan = prepared("qwen3_moe")
-    command = ["train", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 6,
-               "--save-every", 0]  # fmt: skip
-    with ctrl_c_at_step(2):
-        result = invoke(*command)
-    assert result.exit_code == 130, result.output
-    (run,) = (tmp_path / "run").iterdir()
-    assert f"run the same command with --out {run} to resume" in result.stderr
-    resumed = invoke(*command, "--out", run)
-    assert resumed.exit_code == 0, resumed.output
-    assert "step 2 of 6" in resumed.stderr

@@ -32,6 +32,7 @@ from usaf.errors import UsafError
 OLD_TAG = ".usaf-old-"
 TMP_TAG = ".usaf-tmp-"
 PARTIAL_TAG = ".usaf-partial"  # a resumable run's work: .NAME.usaf-partial beside its output
+SCORE_PARTIAL_MARKER = "score-settings.json"  # what score writes first in its partial directory
 MADE_MARKER = ".usaf-made"  # in a directory usaf wrote in another tool's format (a tiny Hugging Face model)
 
 InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag -> the path(s) it named
@@ -77,7 +78,7 @@ def found_at(target: Path) -> Found:
     entries = sorted(p.name for p in target.iterdir())
     if not entries:
         return Found("empty", "an empty directory")
-    own = [name for name in entries if not _bookkeeping(name)]
+    own = [name for name in entries if not is_bookkeeping(name)]
     if not own:  # only what killed usaf writes left behind (the next writer clears them)
         return Found("usaf", "an unfinished usaf output (only its temporaries)")
     made = usaf_made(target, own)
@@ -101,9 +102,11 @@ def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
         return f"a usaf-made {marker['kind']}"
     if (directory / SETTINGS_FILE).is_file():  # written when training starts (atomically; cut by old versions)
         return "an unfinished usaf run"
-    entries = entries if entries is not None else [p.name for p in directory.iterdir() if not _bookkeeping(p.name)]
+    entries = entries if entries is not None else own_entries(directory)
     if entries == [PLAN_DIR] and _manifest_kind(directory / PLAN_DIR) == "plan":
         return "an unfinished usaf run (its plan scored, no step trained)"
+    if entries == [f".{PLAN_DIR}{PARTIAL_TAG}"] and (directory / entries[0] / SCORE_PARTIAL_MARKER).is_file():
+        return "an unfinished usaf run (stopped while scoring its plan)"
     return None
 
 
@@ -144,9 +147,15 @@ def old_sibling(target: Path) -> Path:
     return target.parent / f".{target.name}{OLD_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _bookkeeping(name: str) -> bool:
-    """A temporary, a replaced output waiting for deletion, or a lock file: usaf's, never the user's."""
+def is_bookkeeping(name: str) -> bool:
+    """A temporary, a replaced output waiting for deletion, or a lock file: usaf's, never the user's (a kill
+    leaves them; the next writer clears them)."""
     return any(tag in name for tag in (TMP_TAG, OLD_TAG, LOCK_TAG))
+
+
+def own_entries(directory: Path) -> list[str]:
+    """The names in ``directory`` but usaf's bookkeeping (:func:`is_bookkeeping`), sorted."""
+    return sorted(p.name for p in Path(directory).iterdir() if not is_bookkeeping(p.name))
 
 
 def _manifest_kind(directory: Path) -> str | None:

@@ -61,11 +61,28 @@ def default_output(workspace: Path, kind: str, label: str, *, now: datetime | No
 def interrupted_outputs(workspace: Path, kind: str, label: str) -> list[Path]:
     """The default outputs (:func:`default_output`) of ``kind`` and ``label`` whose resumable run was interrupted:
     each one's target, from its ``.NAME.usaf-partial`` directory, newest first (the names start with their time)."""
-    pattern = re.compile(rf"\.(\d{{8}}-\d{{6}}-{re.escape(_slug(label))}(-\d+)?){re.escape(PARTIAL_TAG)}")
-    directory = workspace / kind
+    return _default_named(workspace, kind, label, rf"\.({_default_name(label)}){re.escape(PARTIAL_TAG)}")
+
+
+def unfinished_outputs(workspace: Path, kind: str, label: str) -> list[Path]:
+    """The default outputs of ``kind`` and ``label`` that are directories without a manifest (a run directory
+    written in place, as train's), newest first."""
+    found = _default_named(workspace, kind, label, f"({_default_name(label)})")
+    return [p for p in found if not (p / MANIFEST_NAME).exists()]
+
+
+def _default_name(label: str) -> str:
+    """A regular expression for :func:`default_output`'s names of ``label``."""
+    return rf"\d{{8}}-\d{{6}}-{re.escape(_slug(label))}(?:-\d+)?"
+
+
+def _default_named(workspace: Path, kind: str, label: str, pattern: str) -> list[Path]:
+    """The directories under ``workspace/kind`` whose names match ``pattern`` (its group 1: the output's name), as
+    outputs, newest first."""
+    directory, compiled = workspace / kind, re.compile(pattern)
     if not directory.is_dir():
         return []
-    found = [directory / m.group(1) for p in directory.iterdir() if (m := pattern.fullmatch(p.name)) and p.is_dir()]
+    found = [directory / m.group(1) for p in directory.iterdir() if (m := compiled.fullmatch(p.name)) and p.is_dir()]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 

@@ -36,6 +36,7 @@ import torch
 
 from usaf._version import __version__
 from usaf.artifacts.disk import cause_of
+from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER
 from usaf.artifacts.prefix_store import STATES_FILE
 from usaf.artifacts.writer import write_text_atomic
 from usaf.engine.score_state import restore_accumulator
@@ -45,7 +46,7 @@ from usaf.quant.ptfile import StreamingTorchSave
 from usaf.stages.lr_test import HeldOut
 from usaf.stages.progress import Progress
 
-SETTINGS = "score-settings.json"
+SETTINGS = SCORE_PARTIAL_MARKER  # "score-settings.json", written first
 CALIBRATION = "score-calibration.pt"
 PROBES = "score-probes.pt"
 STORE = "score-store.json"

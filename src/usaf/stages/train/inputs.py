@@ -1,10 +1,10 @@
 """Everything ``usaf train`` needs, resolved and checked before any expensive work.
 
-In order: the model, its tokenizer and context, the data, the run directory's state (finished, to resume,
-another run's, to overwrite), the plan when one is given (read and verified once), the memory budget, the
-run's length and reselection cadence, and only then a plan from the workspace or one scored on the fly;
-last, whether the run directory holds this run's checkpoints to resume from. Nothing here loads the model's
-weights.
+In order: the model, its tokenizer and context, the data, the plan when one is given (read and verified once),
+the run directory (``--out``; else the workspace's unfinished run this same command would continue, else a new
+one) and its state (finished, to resume, another run's, to overwrite), the memory budget, the run's length and
+reselection cadence, and only then a plan from the workspace or one scored on the fly; last, whether the run
+directory holds this run's checkpoints to resume from. Nothing here loads the model's weights.
 """
 
 from __future__ import annotations
@@ -21,10 +21,22 @@ from typing import Any
 
 from usaf.artifacts import PlanManifest, QuantizedModelManifest, default_output, load_verified, workspace_dir
 from usaf.artifacts.lock import OutputLock
-from usaf.artifacts.outputs import check_not_an_input, found_at, refuse_unless_replaceable, remove_usaf_made
+from usaf.artifacts.outputs import (
+    check_not_an_input,
+    found_at,
+    own_entries,
+    refuse_unless_replaceable,
+    remove_usaf_made,
+)
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
-from usaf.artifacts.workspace import check_plan_model, resolve_data, resolve_model, resolve_plan
-from usaf.artifacts.writer import remove_stale_temporaries_inside
+from usaf.artifacts.workspace import (
+    check_plan_model,
+    resolve_data,
+    resolve_model,
+    resolve_plan,
+    unfinished_outputs,
+)
+from usaf.artifacts.writer import ArtifactWriter, remove_stale_temporaries_inside, write_text_atomic
 from usaf.config import source_of
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
@@ -36,7 +48,8 @@ from usaf.settings import SELECTION_FIELDS
 from usaf.settings.fields import DEFAULT_TARGETS
 from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
-from usaf.stages.progress import Progress
+from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.score_resume import ScoreProgress, run_identity
 from usaf.stages.train.budget import apply_budget
 from usaf.stages.train.config import TrainConfig
 from usaf.stages.train.resume import latest_checkpoint
@@ -95,22 +108,17 @@ def resolve_inputs(
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
-    run_dir = _check_run_dir(config, model_dir, data_file, world, held)
-
     model = (model_dir, model_manifest.fingerprint)
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
-    given_summary = given[1].summary if given else None
-    budgeted = apply_budget(config, model_dir, backend, data, given_summary, progress)
-    steps, reselect_every = _length(budgeted, len(data), world, progress)  # before any scoring on the fly
     source = config.data if config.data is not None else data_file.parent
-    plan_dir, plan = given or _find_plan(budgeted, model, source, run_dir, progress)
-    first = plan.summary.trainable_layers[0]
-    if given is None and budgeted is not config and budgeted.train_from not in (None, first):
-        budgeted = apply_budget(config, model_dir, backend, data, plan.summary, progress)  # a plan from the workspace
-        steps, reselect_every = _length(budgeted, len(data), world, progress)
-    config, lr_source = with_lr(budgeted, plan)
-    record = _settings_fingerprint(config, model_manifest.fingerprint, plan, data_fp, world)
+    settler = _Settler(model, backend, world, data, data_fp, source, given)
+    out = config.out or _unfinished_run(config, settler, progress) or _new_run_dir(config, model_dir, world)
+    run_dir = _check_run_dir(config, out, model_dir, data_file, world, held)
+    settled = settler.settle(config, run_dir, progress)
+    config, record = settled.config, settled.record
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
+    if resume_from is None and settled.plan_dir == run_dir / PLAN_DIR:  # scored on the fly into this run: its
+        _record_settings(run_dir, record, world)  # settings now, so the same command finds it if stopped before a step
     return TrainInputs(
         config=config,
         model_dir=model_dir,
@@ -121,14 +129,14 @@ def resolve_inputs(
         data=data,
         eval_data=eval_data,
         run_dir=run_dir,
-        plan_dir=plan_dir,
-        plan=plan,
-        steps=steps,
-        reselect_every=reselect_every,
+        plan_dir=settled.plan_dir,
+        plan=settled.plan,
+        steps=settled.steps,
+        reselect_every=settled.reselect_every,
         per_step=config.microbatch * config.grad_accum * world.size,
         settings_record=record,
         resume_from=resume_from,
-        lr_source=lr_source,
+        lr_source=settled.lr_source,
     )
 
 
@@ -154,11 +162,11 @@ def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:
 
 
 def _check_run_dir(
-    config: TrainConfig, model_dir: Path, data_file: Path, world: World, held: contextlib.ExitStack
+    config: TrainConfig, run_dir: Path, model_dir: Path, data_file: Path, world: World, held: contextlib.ExitStack
 ) -> Path:
-    """``--out`` (or the workspace's default), locked by rank 0 for the run: never an input, never a directory usaf
-    did not make; a finished run is replaced only with ``--overwrite``; refused when there is nothing to resume."""
-    run_dir = Path(config.out or default_output(workspace_dir(config.workspace), "run", model_dir.name))
+    """The run directory (``--out``, else the workspace's), locked by rank 0 for the run: never an input, never a
+    directory usaf did not make; a finished run is replaced only with ``--overwrite``; refused when there is nothing
+    to resume."""
     own_plan = run_dir / PLAN_DIR  # the plan this run scored on the fly: inside it by design
     plan = None if config.plan is None or _real(config.plan) == _real(own_plan) else config.plan
     inputs = {"--model": model_dir, "--data": [config.data, data_file], "--eval-data": config.eval_data, "--plan": plan}
@@ -167,6 +175,12 @@ def _check_run_dir(
         held.enter_context(OutputLock(run_dir, flag="--out"))  # one run per directory
     _check_existing_run(run_dir, config, world)
     return run_dir
+
+
+def _new_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
+    """A new default run directory, named by rank 0 (another rank's clock may have passed the next second)."""
+    new = default_output(workspace_dir(config.workspace), "run", model_dir.name) if world.is_main else None
+    return world.gather_objects(new, "the run directory's name")[0] if world.active else new
 
 
 def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> None:
@@ -180,6 +194,9 @@ def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> Non
         what = "a finished run" if found.what == "a usaf run artifact" else found.what
         raise UsafError(f"--out {run_dir}: {what} is there", "pass another --out, or --overwrite to replace it")
     if config.resume and not run_dir.exists():
+        if config.out is None:  # the new default: the workspace held no unfinished run of this command
+            raise UsafError(f"--resume: no interrupted run of this command in {run_dir.parent}",
+                            "pass its --out, or drop --resume to start a new run")  # fmt: skip
         raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
 
 
@@ -235,22 +252,94 @@ def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str)
     return limit
 
 
-def _find_plan(
-    config: TrainConfig, model: tuple[Path, str], data: Path, run_dir: Path, progress: Progress
-) -> tuple[Path, PlanManifest]:
-    """Without ``--plan``: the one scored into RUN/plan by an earlier start; else the workspace's newest plan
-    for this model; else one scored now into RUN/plan."""
+@dataclass(frozen=True)
+class _Settled:
+    """What the plan decides: the run's settings with the budget's and the plan's choices, its length, the record."""
+
+    config: TrainConfig
+    plan_dir: Path
+    plan: PlanManifest
+    steps: int
+    reselect_every: int
+    lr_source: str
+    record: dict  # run-settings.json
+
+
+@dataclass(frozen=True)
+class _Settler:
+    """The plan, the memory budget and the run's length for a run directory, from what does not depend on it."""
+
+    model: tuple[Path, str]  # the quantized model's directory and fingerprint
+    backend: Any
+    world: World
+    data: Any  # TokenDataset
+    data_fingerprint: str
+    source: Path  # the data as score reads it: --data, else the tokens directory found
+    given: tuple[Path, PlanManifest] | None  # --plan, read and verified
+
+    def budgeted(self, config: TrainConfig, plan: PlanManifest | None, progress: Progress) -> tuple:
+        """``config`` with the planner's settings (``--vram``/``--ram``), the run's steps and its reselection."""
+        summary = plan.summary if plan is not None else None
+        budgeted = apply_budget(config, self.model[0], self.backend, self.data, summary, progress)
+        return budgeted, *_length(budgeted, len(self.data), self.world, progress)
+
+    def settle(
+        self, config: TrainConfig, run_dir: Path, progress: Progress, *, score_now: bool = True
+    ) -> _Settled | None:
+        """The run in ``run_dir``: ``--plan``, else the plan scored into it by an earlier start, else the workspace's
+        newest for this model, else (``score_now``) one scored now into it; None when there is none to score."""
+        given_plan = self.given[1] if self.given else None
+        budgeted, steps, reselect_every = self.budgeted(config, given_plan, progress)  # before any scoring on the fly
+        found = self.given or _found_plan(self.model, run_dir, config.workspace, progress)
+        if found is None and not score_now:
+            return None
+        plan_dir, plan = found or _score_on_the_fly(self.score_settings(budgeted, run_dir), run_dir, progress)
+        first = plan.summary.trainable_layers[0]
+        if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
+            budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
+        config, lr_source = with_lr(budgeted, plan)
+        record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
+        return _Settled(config, plan_dir, plan, steps, reselect_every, lr_source, record)
+
+    def score_settings(self, config: TrainConfig, run_dir: Path) -> score.ScoreConfig:
+        """What train scores a plan with when it has none: into RUN/plan, with the settings score shares."""
+        options = (*SELECTION_FIELDS, "router", "device", "seed", "stream_experts")
+        return score.ScoreConfig(
+            model=self.model[0],
+            data=self.source,
+            out=run_dir / PLAN_DIR,
+            microbatch=config.microbatch,
+            stability=False,
+            lr_test=config.lr is None,  # an lr given to train makes the test's choice moot
+            **{name: getattr(config, name) for name in options},
+        )
+
+    def scores_into(self, config: TrainConfig, run_dir: Path) -> dict | None:
+        """The identity score records (score-settings.json) for the plan this run would score into ``run_dir``; None
+        when the run would not score (a plan given or in the workspace)."""
+        if self.given is not None or _found_plan(self.model, run_dir, config.workspace, NullProgress()) is not None:
+            return None
+        budgeted = self.budgeted(config, None, NullProgress())[0]
+        return run_identity(self.score_settings(budgeted, run_dir), model_fingerprint=self.model[1],
+                            data_fingerprint=self.data_fingerprint, backend=self.backend)  # fmt: skip
+
+
+def _found_plan(
+    model: tuple[Path, str], run_dir: Path, workspace: Path | None, progress: Progress
+) -> tuple[Path, PlanManifest] | None:
+    """Without ``--plan``: the one scored into RUN/plan by an earlier start, else the workspace's newest plan for
+    this model (not one inside another run), else None."""
     if (run_dir / PLAN_DIR / "manifest.json").is_file():  # scored on the fly by an earlier, interrupted start
         path = run_dir / PLAN_DIR
         manifest = load_verified(path, PlanManifest, flag="--plan")
         check_plan_model(path, manifest, model)
         return path, manifest
-    found = resolve_plan(None, config.workspace, model, progress, outside=run_dir)
-    return found or _score_on_the_fly(config, model[0], data, run_dir, progress)
+    return resolve_plan(None, workspace, model, progress, outside=run_dir)
 
 
-def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir: Path, progress: Progress):
-    if run_dir.exists() and any(run_dir.iterdir()):
+def _score_on_the_fly(settings: score.ScoreConfig, run_dir: Path, progress: Progress) -> tuple[Path, PlanManifest]:
+    interrupted = ArtifactWriter.partial_dir(run_dir / PLAN_DIR)  # a score stopped here: resumed by score.run
+    if run_dir.exists() and any(name != interrupted.name for name in own_entries(run_dir)):  # a kill's lock: ignored
         raise UsafError(
             f"--out {run_dir}: holds another run (other settings or inputs)",
             "pass another --out, or --overwrite to replace it",
@@ -260,23 +349,57 @@ def _score_on_the_fly(config: TrainConfig, model_dir: Path, data: Path, run_dir:
     made = world().is_main and not run_dir.exists()
     if world().is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    options = (*SELECTION_FIELDS, "router", "device", "seed", "stream_experts")  # the settings score shares
-    settings = score.ScoreConfig(
-        model=model_dir,
-        data=data,
-        out=run_dir / PLAN_DIR,
-        microbatch=config.microbatch,
-        stability=False,
-        lr_test=config.lr is None,  # an lr given to train makes the test's choice moot
-        **{name: getattr(config, name) for name in options},
-    )
     try:
         manifest, path = score.run(settings, progress=progress)
     except BaseException:
-        if made and found_at(run_dir).state in ("empty", "usaf") and not (run_dir / PLAN_DIR).exists():
+        kept = (run_dir / PLAN_DIR).exists() or interrupted.exists()  # the plan, or score's work that resumes
+        if made and found_at(run_dir).state in ("empty", "usaf") and not kept:
             shutil.rmtree(run_dir, ignore_errors=True)  # the empty directory made just now: a failure leaves nothing
         raise
     return path, manifest
+
+
+def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) -> Path | None:
+    """Without ``--out``: the workspace's newest unfinished run that this same command would continue (rank 0
+    looks; every rank takes its answer). A default run directory is named by its start time, so without this a
+    rerun would start over in a new one."""
+    world_ = settler.world
+    found = None
+    if world_.is_main:
+        model_dir = settler.model[0]
+        found = next((c for c in unfinished_outputs(workspace_dir(config.workspace), "run", model_dir.name)
+                      if _continues(c, config, settler)), None)  # fmt: skip
+    if world_.active:
+        found = world_.gather_objects(found, "the unfinished run")[0]
+    if found is not None:
+        progress.note(f"resuming the unfinished run {found} (no --out given)")
+    return found
+
+
+def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
+    """Whether ``candidate`` holds this command's run: its recorded settings equal this run's there, or it holds
+    only this run's plan stopped while scoring, with score's recorded settings equal to what this run scores with."""
+    if (candidate / "manifest.json").exists():
+        return False
+    try:
+        saved = candidate / SETTINGS_FILE
+        if saved.is_file():
+            settled = settler.settle(config, candidate, NullProgress(), score_now=False)
+            return settled is not None and _read_settings(saved) == settled.record
+        partial = ArtifactWriter.partial_dir(candidate / PLAN_DIR)
+        if own_entries(candidate) != [partial.name]:
+            return False
+        identity = settler.scores_into(config, candidate)
+        return identity is not None and identity == ScoreProgress(partial, NullProgress()).recorded_identity()
+    except (UsafError, OSError):  # a plan in it broken or for another model, a directory gone: not this run
+        return False
+
+
+def _record_settings(run_dir: Path, record: dict, world: World) -> None:
+    world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
+    if world.is_main:
+        write_text_atomic(run_dir / SETTINGS_FILE, json.dumps(record, indent=1))  # all or nothing
+    world.barrier("run settings")
 
 
 def _settings_fingerprint(
@@ -322,7 +445,7 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
     previous = run_dir / SETTINGS_FILE
     if previous.is_file() and _read_settings(previous) == record:
         return latest_checkpoint(run_dir)
-    if any(p.name != PLAN_DIR for p in run_dir.iterdir()):
+    if any(name != PLAN_DIR for name in own_entries(run_dir)):  # a stale lock or temporary is no run's
         raise UsafError(
             f"--out {run_dir}: holds another run (other settings or inputs)",
             "pass another --out, or --overwrite to replace it",

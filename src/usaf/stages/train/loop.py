@@ -36,8 +36,9 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
                 saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
                 if trainer.collector is not None:
                     trainer.collector.close()
-                again = "the same command" if trainer.config.out else f"the same command with --out {trainer.run_dir}"
-                note = f"interrupted: saved {saved} (step {trainer.state.step}); run {again} to resume"
+                note = f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume"
+                if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
+                    note += f" (or pass --out {trainer.run_dir})"
                 progress.note(note)
                 raise
     except PeerLost as e:

@@ -1,0 +1,169 @@
+"""An interrupted ``usaf train`` is found again by the same command (usaf.stages.train.inputs): without ``--out`` a
+run directory is named by its start time, so the rerun looks in the workspace for an unfinished run whose recorded
+settings equal its own (or, stopped while scoring its plan on the fly, whose score settings do) and resumes it.
+Stopped while scoring on the fly, with or without ``--out``, the rerun resumes the score inside the run directory.
+Controls: other settings start a new run and leave the unfinished one alone; a directory of that name usaf did not
+write stays refused."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from helpers import ctrl_c_at_step, explain, invoke, stop_at_check
+from usaf.artifacts import RunManifest, load_verified
+
+STEPS = 6
+
+
+def runs(workspace) -> list:
+    return sorted(p for p in (workspace / "run").iterdir() if not p.name.startswith("."))
+
+
+def train(workspace, qdir, tokens, *extra) -> list:
+    return ["train", "--workspace", workspace, "--model", qdir, "--data", tokens, "--steps", STEPS,
+            "--save-every", 0, "--lr", 1e-3, *extra]  # fmt: skip
+
+
+@pytest.fixture
+def stop_scoring_at(monkeypatch):
+    """``stop_scoring_at(n)``: score's n-th stop check raises as Ctrl-C does (one before each calibration batch)."""
+    yield lambda n: stop_at_check(monkeypatch, n)
+    monkeypatch.undo()
+
+
+def stopped_at_step_2(command: list, workspace):
+    """Run ``command`` interrupted before step 3; its run directory (the workspace's only one) and the result."""
+    with ctrl_c_at_step(2):
+        stopped = invoke(*command)
+    assert stopped.exit_code == 130, explain(stopped)
+    (run,) = runs(workspace)
+    return run, stopped
+
+
+def test_the_same_command_resumes_its_unfinished_run_without_out(prepared, tmp_path):
+    """Stopped at step 2 with a plan given: the same command resumes that run directory at step 2 and finishes
+    there. Control: another lr (another run) starts a new directory and leaves the unfinished one as it was."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--plan", plan)
+    run, stopped = stopped_at_step_2(command, tmp_path)
+    assert f"run the same command to resume (or pass --out {run})" in stopped.stderr
+    before = sorted(p.name for p in run.iterdir())
+
+    other = invoke(*train(tmp_path, qdir, tokens, "--plan", plan)[:-2], "--lr", 2e-3)
+    assert other.exit_code == 0, explain(other)
+    assert "resuming" not in other.stderr
+    assert len(runs(tmp_path)) == 2 and sorted(p.name for p in run.iterdir()) == before
+
+    resumed = invoke(*command)
+    assert resumed.exit_code == 0, explain(resumed)
+    assert f"resuming the unfinished run {run} (no --out given)" in resumed.stderr
+    assert f"(step 2 of {STEPS})" in resumed.stderr
+    assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 2
+
+
+def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):
+    """The note names the run directory as well: --out RUN resumes it whatever else changed in the workspace."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--plan", plan)
+    run, stopped = stopped_at_step_2(command, tmp_path)
+    resumed = invoke(*command, "--out", run)
+    assert resumed.exit_code == 0, explain(resumed)
+    assert "resuming the unfinished run" not in resumed.stderr and f"(step 2 of {STEPS})" in resumed.stderr
+
+def test_a_run_that_scored_its_plan_is_found_after_its_first_steps_and_before(prepared, tmp_path, monkeypatch):
+    """No plan anywhere: the run scores one into RUN/plan. Its settings are recorded right after, so a stop before
+    the first step (here: while the engine is built) is found again, and so is a stop at step 2; neither scores
+    again."""
+    train_run = importlib.import_module("usaf.stages.train.run")  # the package binds run to the function
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--calib-samples", 4, "--train-from", 2, "--frac", 0.05)
+    real_engine = train_run._engine
+
+    def stopped_while_loading(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_run, "_engine", stopped_while_loading)
+    first = invoke(*command)
+    assert first.exit_code == 130, explain(first)
+    assert "scoring now into" in first.stderr
+    (run,) = runs(tmp_path)
+    assert sorted(p.name for p in run.iterdir()) == ["plan", "run-settings.json"]
+
+    monkeypatch.setattr(train_run, "_engine", real_engine)
+    with ctrl_c_at_step(2):
+        second = invoke(*command)
+    assert second.exit_code == 130, explain(second)
+    assert f"resuming the unfinished run {run}" in second.stderr and "scoring now" not in second.stderr
+
+    third = invoke(*command)
+    assert third.exit_code == 0, explain(third)
+    assert f"resuming the unfinished run {run}" in third.stderr and "scoring now" not in third.stderr
+    assert f"(step 2 of {STEPS})" in third.stderr
+    assert runs(tmp_path) == [run] and (run / "manifest.json").is_file()
+
+
+def test_stopped_while_scoring_on_the_fly_the_same_command_resumes_the_score(prepared, tmp_path, stop_scoring_at):
+    """Stopped in the calibration pass of a plan scored on the fly (no --out): the same command finds the run by
+    score's recorded settings and resumes the score there. Control: another --frac would score another plan, so
+    it starts a new run and leaves the stopped score's work alone."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--calib-samples", 8, "--microbatch", 2, "--train-from", 2)
+    stop_scoring_at(2)
+    stopped = invoke(*command)
+    assert stopped.exit_code == 130, explain(stopped)
+    (run,) = runs(tmp_path)
+    assert [p.name for p in run.iterdir()] == [".plan.usaf-partial"]
+
+    stop_scoring_at(0)
+    other = invoke(*command, "--frac", 0.05)
+    assert other.exit_code == 0, explain(other)
+    assert "resuming" not in other.stderr and (run / ".plan.usaf-partial").is_dir()
+
+    resumed = invoke(*command)
+    assert resumed.exit_code == 0, explain(resumed)
+    assert f"resuming the unfinished run {run} (no --out given)" in resumed.stderr
+    assert "1 of 4 calibration batches done" in resumed.stderr
+    assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 2
+
+
+def test_stopped_while_scoring_on_the_fly_with_out_resumes_and_overwrite_replaces(prepared, tmp_path, stop_scoring_at):
+    """With --out: the rerun resumes the stopped score inside RUN (it was refused as a directory usaf did not make
+    before), and --overwrite may replace such a directory. Control: a .plan.usaf-partial without score's settings
+    file is not usaf's for sure, so that directory stays refused, with or without --overwrite."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    out = tmp_path / "out"
+    command = [*train(tmp_path, qdir, tokens, "--calib-samples", 8, "--microbatch", 2, "--train-from", 2), "--out", out]
+    stop_scoring_at(2)
+    assert invoke(*command).exit_code == 130
+    stop_scoring_at(0)
+    resumed = invoke(*command)
+    assert resumed.exit_code == 0, explain(resumed)
+    assert "1 of 4 calibration batches done" in resumed.stderr and (out / "manifest.json").is_file()
+
+    stop_scoring_at(2)
+    again = tmp_path / "again"
+    assert invoke(*command[:-1], again).exit_code == 130
+    stop_scoring_at(0)
+    replaced = invoke(*command[:-1], again, "--overwrite")
+    assert replaced.exit_code == 0, explain(replaced)
+    assert "calibration batches done" not in replaced.stderr and (again / "manifest.json").is_file()
+
+    foreign = tmp_path / "foreign"
+    (foreign / ".plan.usaf-partial").mkdir(parents=True)
+    (foreign / ".plan.usaf-partial" / "notes.json").write_text(json.dumps({}))
+    for extra in ((), ("--overwrite",)):
+        refused = invoke(*command[:-1], foreign, *extra)
+        assert refused.exit_code == 2 and "a directory usaf did not make" in refused.stderr
+    assert (foreign / ".plan.usaf-partial" / "notes.json").is_file()
+
+
+def test_resume_without_out_and_nothing_unfinished_is_one_clear_error(prepared, tmp_path):
+    qdir, tokens, plan = prepared("qwen3_moe")
+    result = invoke(*train(tmp_path, qdir, tokens, "--plan", plan), "--resume")
+    assert result.exit_code == 2
+    assert f"--resume: no interrupted run of this command in {tmp_path / 'run'}" in result.stderr
+    assert not (tmp_path / "run").exists() or runs(tmp_path) == []
