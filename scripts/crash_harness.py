@@ -1,4 +1,4 @@
-"""SIGKILL quantize, score, train, export and eval at random moments or fill their disk; rerun; check nothing is lost.
+"""SIGKILL each stage (train also scoring its own plan) at random moments or fill its disk; rerun; check nothing lost.
 
     PYTHONPATH=src python scripts/crash_harness.py --kills 30 --disk-full 5 --out benchmarks/results/crash_harness.json
 
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("quantize", "score", "train", "export", "eval")
+STAGES = ("quantize", "score", "train", "train-fly", "export", "eval")
 
 
 def main() -> int:
@@ -45,6 +45,7 @@ def main() -> int:
                 "quantize": lambda: crash.QuantizeStage(setup.model),
                 "score": lambda: crash_stages.ScoreStage(setup.quantized, setup.tokens),
                 "train": lambda: crash.TrainStage(setup.quantized, setup.tokens, setup.plan),
+                "train-fly": lambda: crash_stages.FlyTrainStage(setup.quantized, setup.tokens, setup.plan),
                 "export": lambda: crash_stages.ExportStage(setup.quantized, run),
                 "eval": lambda: crash_stages.EvalStage(setup.quantized, run, setup.tokens),
             }[name]()

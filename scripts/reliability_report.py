@@ -182,7 +182,9 @@ def crash_section(data: dict) -> list[str]:
         "byte-identical to the reference (every listed file, the fingerprint, the summary, the metrics), a "
         "`train` rerun resumes from the newest checkpoint complete on disk (nothing before it lost), a "
         "`quantize` rerun does not quantize again a layer whose file was complete, and a `score` rerun resumes "
-        "the calibration pass it had saved whole (unless the kill came once the commit had begun).",
+        "the calibration pass it had saved whole (unless the kill came once the commit had begun). `train-fly` is "
+        "`usaf train` with no plan anywhere, which scores one into `RUN/plan` first: its reruns must resume that "
+        "score as `score`'s do and the training as `train`'s, and equal the reference, plan included.",
         "",
         "| stage | kills landed | survived | event kills | time kills | files torn mid-write | "
         "mid-checkpoint-write | finished before the kill |",
@@ -195,7 +197,7 @@ def crash_section(data: dict) -> list[str]:
         lines.append(
             f"| {record['stage']} | {len(killed)} | {sum(t['survived'] for t in killed)} "
             f"| {sum(t['mode'] == 'event' for t in killed)} | {sum(t['mode'] == 'time' for t in killed)} "
-            f"| {sum(t['torn'] for t in killed)} | {mid_ckpt if record['stage'] == 'train' else '–'} "
+            f"| {sum(t['torn'] for t in killed)} | {mid_ckpt if record['stage'].startswith('train') else '–'} "
             f"| {len(trials) - len(killed)} |"
         )
     for record in data["stages"]:
@@ -211,7 +213,7 @@ def crash_section(data: dict) -> list[str]:
             f"{reference.get('writing_seconds', '?')} s from the first write to the last): "
             f"kills by what they interrupted: {interrupted}; visible right after the kill: {visible}.",
         ]
-        if record["stage"] == "train":
+        if record["stage"].startswith("train"):  # train-fly: no plan given, train scores its own into RUN/plan
             resumed = Counter(t["resumed_from"] for t in killed)
             order = sorted(resumed.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
             steps = ", ".join(f"{'none (started over)' if k is None else k} ({v}×)" for k, v in order)

@@ -1,8 +1,8 @@
 """Crash safety: SIGKILL at random moments (and mid-checkpoint-write), rerun, compare with an uninterrupted run.
 
-Three kills per stage here for quantize and train (two random, one placed), one placed for export and two for
-score, and a full disk instead of a kill for eval; the long version (15 kills per
-stage) is ``scripts/crash_harness.py``, whose output is in docs/RELIABILITY.md.
+Three kills per stage here for quantize and train (two random, one placed), two for train scoring its own plan
+(one placed, one random), one placed for export and two for score, and a full disk instead of a kill for eval;
+the long version (15 kills per stage) is ``scripts/crash_harness.py``, whose output is in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ def train_ref(setup, tmp_path_factory):
     stage = crash.TrainStage(setup.quantized, setup.tokens, setup.plan, steps=6, save_every=2)
     return stage, crash.run_reference(stage, tmp_path_factory.mktemp("crash-train"))
 
+
+@pytest.fixture(scope="module")
+def fly_ref(setup, tmp_path_factory):
+    stage = crash_stages.FlyTrainStage(setup.quantized, setup.tokens, setup.plan, steps=6, save_every=2)
+    return stage, crash.run_reference(stage, tmp_path_factory.mktemp("crash-train-fly"))
 
 def _trials(stage, reference, root, modes, seed):
     rng = random.Random(seed)
@@ -189,3 +194,17 @@ def test_negative_control_a_full_disk_answered_badly_is_caught(eval_ref, tmp_pat
     ]
     assert crash._disk_full_answer(stage, out, 1, "Traceback (most recent call last):\nRuntimeError: x\n")
     assert crash._disk_full_answer(stage, out, 2, "error: a\nerror: b\n")
+
+
+def test_train_scoring_its_own_plan_survives_kills_in_the_score_and_after(fly_ref, tmp_path):
+    """No plan anywhere: train scores one into RUN/plan. A kill right after the score saved its pass leaves
+    RUN/.plan.usaf-partial, which the rerun resumes whole (refused as a directory usaf did not make before
+    2026-12-06); a random kill anywhere; both reruns equal the uninterrupted run, plan included."""
+    stage, reference = fly_ref
+    saved = next(n for n, kind, path in reference.log if kind == "replace" and path.endswith("score-calibration.pt"))
+    trial = crash.run_trial(stage, reference, tmp_path, 0, random.Random(0), "event", kill_at=saved + 1)
+    assert trial.killed and "its plan's scoring pass saved to resume" in trial.visible_after_kill
+    assert not trial.problems and trial.equal_to_reference, trial.problems
+    (tmp_path / "random").mkdir()
+    (random_kill,) = _trials(stage, reference, tmp_path / "random", ["event"], seed=7)
+    assert random_kill.killed and not random_kill.problems, random_kill.problems

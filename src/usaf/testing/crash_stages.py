@@ -6,7 +6,9 @@ the same command starts over. ``export``'s rerun must be byte-identical to the u
 ``eval``'s must report the same numbers (its report also holds wall-clock times and the cache's path,
 and its base pass may come from the base-pass cache the killed run completed). ``score`` works in a partial
 directory and saves its pass and its lr test's probes there: its rerun must resume what was saved and write the
-plan byte for byte.
+plan byte for byte. ``train-fly`` is ``usaf train`` with no plan anywhere: it scores one on the fly into RUN/plan
+(that score's partial directory inside the run directory), so a kill in the score or in the training is resumed by
+the same command, to the plan and the run an uninterrupted one writes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typer.testing import CliRunner
 from usaf.artifacts import EvalReportManifest, HfExportManifest, PlanManifest, load_manifest
 from usaf.cli.app import app
 from usaf.stages.score_resume import CALIBRATION, PROBES
-from usaf.testing.crash import Setup, Stage, Trial, _verified, same_artifact
+from usaf.testing.crash import Setup, Stage, TrainStage, Trial, _verified, same_artifact
 
 
 def build_run(setup: Setup, root: Path, *, steps: int = 4) -> Path:
@@ -83,6 +85,38 @@ class ScoreStage(Stage):
             return ["the pass saved before the kill was not resumed whole"]
         return []
 
+
+class FlyTrainStage(TrainStage):
+    """``usaf train`` without ``--plan`` and with an empty workspace: the plan is scored on the fly into RUN/plan."""
+
+    name = "train-fly"
+
+    def args(self, out: Path) -> list[str]:
+        args = super().args(out)
+        at = args.index("--plan")
+        del args[at : at + 2]
+        workspace = out.with_name(f"{out.name}-workspace")  # holds nothing: no plan to find, so one is scored
+        return [*args, "--workspace", str(workspace), "--frac", "0.05", "--calib-samples", "8", "--train-from", "1"]
+
+    def check_visible(self, out: Path) -> tuple[str, list[str]]:
+        seen, problems = super().check_visible(out)
+        if (out / "plan").exists():
+            problems += [f"plan: {p}" for p in _verified(out / "plan", PlanManifest)]
+        elif (out / ".plan.usaf-partial" / CALIBRATION).is_file():
+            seen += " (its plan's scoring pass saved to resume)"
+        return seen, problems
+
+    def compare(self, out: Path, reference: Path) -> list[str]:
+        problems = super().compare(out, reference)
+        problems += [f"plan: {p}" for p in same_artifact(out / "plan", reference / "plan", PlanManifest)]
+        if (out / ".plan.usaf-partial").exists():
+            problems.append(".plan.usaf-partial left after the rerun")
+        return problems
+
+    def check_rerun(self, trial: Trial, out: Path, before: list, rerun_events: list, stderr: str) -> list[str]:
+        """The newest checkpoint resumed, and a scoring pass saved before the kill resumed whole (as ``score``)."""
+        problems = super().check_rerun(trial, out, before, rerun_events, stderr)
+        return problems + ScoreStage.check_rerun(self, trial, out, before, rerun_events, stderr)
 
 class ExportStage(Stage):
     """``usaf export --format hf``: the run's change merged into a Hugging Face directory, verified by a reload."""
