@@ -14,6 +14,7 @@ import pytest
 
 from helpers import ctrl_c_at_step, explain, invoke, stop_at_check
 from usaf.artifacts import RunManifest, load_verified
+from usaf.artifacts.lock import OutputLock
 
 STEPS = 6
 
@@ -45,7 +46,8 @@ def stopped_at_step_2(command: list, workspace):
 
 def test_the_same_command_resumes_its_unfinished_run_without_out(prepared, tmp_path):
     """Stopped at step 2 with a plan given: the same command resumes that run directory at step 2 and finishes
-    there. Control: another lr (another run) starts a new directory and leaves the unfinished one as it was."""
+    there. Controls: another lr (another run) starts a new directory and leaves the unfinished one as it was, and so
+    does the same command while another process holds the unfinished run's lock."""
     qdir, tokens, plan = prepared("qwen3_moe")
     command = train(tmp_path, qdir, tokens, "--plan", plan)
     run, stopped = stopped_at_step_2(command, tmp_path)
@@ -57,11 +59,16 @@ def test_the_same_command_resumes_its_unfinished_run_without_out(prepared, tmp_p
     assert "resuming" not in other.stderr
     assert len(runs(tmp_path)) == 2 and sorted(p.name for p in run.iterdir()) == before
 
+    with OutputLock(run):  # another process running it: the same command started twice at once runs twice
+        busy = invoke(*command)
+    assert busy.exit_code == 0, explain(busy)
+    assert "resuming" not in busy.stderr and len(runs(tmp_path)) == 3
+
     resumed = invoke(*command)
     assert resumed.exit_code == 0, explain(resumed)
     assert f"resuming the unfinished run {run} (no --out given)" in resumed.stderr
     assert f"(step 2 of {STEPS})" in resumed.stderr
-    assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 2
+    assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 3
 
 
 def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):

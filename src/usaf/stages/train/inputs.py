@@ -287,7 +287,8 @@ class _Settler:
         self, config: TrainConfig, run_dir: Path, progress: Progress, *, score_now: bool = True
     ) -> _Settled | None:
         """The run in ``run_dir``: ``--plan``, else the plan scored into it by an earlier start, else the workspace's
-        newest for this model, else (``score_now``) one scored now into it; None when there is none to score."""
+        newest for this model, else (``score_now``) one scored now into it; None when there is no plan and not
+        ``score_now``."""
         given_plan = self.given[1] if self.given else None
         budgeted, steps, reselect_every = self.budgeted(config, given_plan, progress)  # before any scoring on the fly
         found = self.given or _found_plan(self.model, run_dir, config.workspace, progress)
@@ -368,7 +369,7 @@ def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) 
     if world_.is_main:
         model_dir = settler.model[0]
         found = next((c for c in unfinished_outputs(workspace_dir(config.workspace), "run", model_dir.name)
-                      if _continues(c, config, settler)), None)  # fmt: skip
+                      if not _in_use(c) and _continues(c, config, settler)), None)  # fmt: skip
     if world_.active:
         found = world_.gather_objects(found, "the unfinished run")[0]
     if found is not None:
@@ -376,11 +377,18 @@ def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) 
     return found
 
 
+def _in_use(run_dir: Path) -> bool:
+    """Whether another process holds ``run_dir``'s lock: the same command started twice at once runs twice."""
+    try:
+        OutputLock(run_dir).acquire().release()
+    except UsafError:
+        return True
+    return False
+
+
 def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
     """Whether ``candidate`` holds this command's run: its recorded settings equal this run's there, or it holds
     only this run's plan stopped while scoring, with score's recorded settings equal to what this run scores with."""
-    if (candidate / "manifest.json").exists():
-        return False
     try:
         saved = candidate / SETTINGS_FILE
         if saved.is_file():
