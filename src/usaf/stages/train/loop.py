@@ -39,6 +39,7 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
                 note = f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume"
                 if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
                     note += f" (or pass --out {trainer.run_dir})"
+                progress.finish()  # the bar as it stopped, then the note
                 progress.note(note)
                 raise
     except PeerLost as e:
