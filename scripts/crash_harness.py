@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -31,8 +32,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/crash_harness.json"))
     args = parser.parse_args()
 
+    import torch
+
     from usaf.testing import crash, crash_stages
 
+    # Every run at one thread count, as the test suite does: usaf picks the count by the machine's load
+    # (backends/cpu.choose_threads) and a fresh run's bits depend on it, while every trial is compared with the
+    # reference bit for bit. (A resume takes its run's count by itself: tests/test_resume_threads.py.)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     start = time.perf_counter()
     stages = args.stage or list(STAGES)
     records = []

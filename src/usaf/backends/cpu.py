@@ -102,6 +102,27 @@ def choose_threads(env: dict | None = None) -> Note | None:
     return _threads_note
 
 
+def same_threads_as(recorded: int | None, what: str, env: dict | None = None) -> str | None:
+    """On resuming CPU work that ran at ``recorded`` intra-op threads: run at that count again, and say so.
+
+    The CPU's sums are bit-identical only at one thread count (a matrix product or a reduction splits its work by
+    the threads), and :func:`choose_threads` picks the count by the machine's load, so a resume on a busier or an
+    idler machine would otherwise continue with other last bits than the run it continues. Where the user set
+    ``OMP_NUM_THREADS`` their count stays, and the note says what that costs. ``recorded`` None (work saved by an
+    older usaf): nothing to match. Returns the note to show, if any.
+    """
+    env = os.environ if env is None else env
+    now = torch.get_num_threads()
+    if recorded is None or recorded == now:
+        return None
+    if env.get("OMP_NUM_THREADS"):
+        return (f"{what} ran at {recorded} torch threads, this process runs at {now} (OMP_NUM_THREADS): the result "
+                f"equals an uninterrupted run's only within float rounding; OMP_NUM_THREADS={recorded} gives its "
+                "bits")  # fmt: skip
+    torch.set_num_threads(recorded)
+    return (f"resuming at the {recorded} torch threads {what} ran at, not the {now} this machine's load chose: the "
+            "same count gives the same bits (set OMP_NUM_THREADS to choose)")  # fmt: skip
+
 class CpuBackend(Backend):
     """Host CPU: synchronize and empty_cache have nothing to do."""
 

@@ -50,6 +50,7 @@ SETTINGS = SCORE_PARTIAL_MARKER  # "score-settings.json", written first
 CALIBRATION = "score-calibration.pt"
 PROBES = "score-probes.pt"
 STORE = "score-store.json"
+THREADS_KEY = "torch_threads"  # in SETTINGS beside the identity, not part of it
 BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES, STORE)  # top level of the partial directory; never part of the plan
 # Config fields the saved work does not depend on: where the inputs and the plan are (the inputs count by their
 # fingerprints), the device as asked (the one used is recorded), and the launcher's settings.
@@ -96,10 +97,18 @@ class ScoreProgress:
 
     @classmethod
     def open(
-        cls, directory: Path | None, identity: dict[str, Any], *, out: Path, discard: bool, progress: Progress
+        cls,
+        directory: Path | None,
+        identity: dict[str, Any],
+        *,
+        out: Path,
+        discard: bool,
+        progress: Progress,
+        threads: int | None = None,
     ) -> ScoreProgress:
         """The work saved in ``directory`` by a run with this ``identity``; another run's is refused, or deleted
-        with ``discard`` (--overwrite). Records the identity for the next run."""
+        with ``discard`` (--overwrite). Records the identity for the next run, with ``threads`` (torch's intra-op
+        threads on the CPU, which a resume runs at again: :meth:`recorded_threads`)."""
         saved = cls(directory, progress)
         if directory is None:
             return saved
@@ -114,7 +123,8 @@ class ScoreProgress:
             progress.note(f"discarding the interrupted score's work in {directory} (--overwrite; other settings)")
         if recorded != identity:
             saved._clear()
-            write_text_atomic(directory / SETTINGS, json.dumps(identity, indent=1, sort_keys=True))
+            record = {**identity, THREADS_KEY: threads}  # beside the identity: a resume at another count is taken
+            write_text_atomic(directory / SETTINGS, json.dumps(record, indent=1, sort_keys=True))
         return saved
 
     def holds_work(self) -> bool:
@@ -225,10 +235,22 @@ class ScoreProgress:
                 entry.unlink()
 
     def recorded_identity(self) -> dict[str, Any] | None:
+        recorded = self._recorded()
+        if recorded is not None:
+            recorded.pop(THREADS_KEY, None)
+        return recorded
+
+    def recorded_threads(self) -> int | None:
+        """The torch threads the interrupted run computed at on the CPU (None: another device, or an older usaf)."""
+        threads = (self._recorded() or {}).get(THREADS_KEY)
+        return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
+
+    def _recorded(self) -> dict[str, Any] | None:
         try:
-            return json.loads((self.directory / SETTINGS).read_text(encoding="utf-8"))
+            recorded = json.loads((self.directory / SETTINGS).read_text(encoding="utf-8"))
         except (OSError, ValueError):  # absent, or cut short by a kill: the work (if any) cannot be vouched for
             return None
+        return recorded if isinstance(recorded, dict) else None
 
     def _clear(self) -> None:
         for name in BOOKKEEPING:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,16 @@ def checkpoint_of(trainer: Any, scores_by_rank: list[dict | None]) -> Checkpoint
         loss_scale=trainer.scaler.state_dict() if trainer.scaler is not None else None,
     )
 
+
+def recorded_threads(checkpoint: Path) -> int | None:
+    """The torch threads the run that wrote ``checkpoint`` started with on the CPU (its ``state.json``), or None:
+    read before the engine is built, so a resume computes at that count from its first operation. A state that
+    does not say (an older usaf's, another device's, or unreadable: its full read refuses it later) gives None."""
+    try:
+        threads = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("threads")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
 
 _HINT = "resume from an earlier checkpoint (remove the damaged one), or pass --overwrite to start again"
 
@@ -148,6 +159,9 @@ def _train_state(state: Any, path: Path) -> TrainState:
         optional = key in ("microbatch", "grad_accum", "company_size") and value is None
         if not optional and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise UsafError(f"--resume {path}: {key} {value!r} is not a count (a whole number from 0)", _HINT)
+    threads = state.get("threads")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise UsafError(f"--resume {path}: threads {threads!r} is not a thread count (a whole number from 1)", _HINT)
     if state.get("company_size") == 0:  # sequences per company (usaf.stages.train.companies): at least one
         raise UsafError(f"--resume {path}: company_size 0 is not a number of sequences (1 or more)", _HINT)
     return TrainState(**state)

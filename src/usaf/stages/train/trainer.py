@@ -68,6 +68,9 @@ class TrainState:
     # sequences per first-epoch company (usaf.stages.train.companies), chosen when the run starts and kept on resume;
     # None in a state from before companies had their own size: they were the run's --microbatch
     company_size: int | None = None
+    # torch's intra-op threads the run started with on the CPU (its sums' bits depend on the count; a resume runs at
+    # it again: usaf.backends.cpu.same_threads_as); None on other devices and in a state from before it was kept
+    threads: int | None = None
 
 
 class Trainer:
@@ -104,7 +107,9 @@ class Trainer:
         self.world = world or World()
         self.backend = backend
         size = company_size(config.microbatch, data_seq_len(config, data), self.world.size)
-        self.state = TrainState(world_size=self.world.size, company_size=size)  # a resume replaces it
+        on_cpu = next(engine.model.parameters()).device.type == "cpu"
+        threads = torch.get_num_threads() if on_cpu else None
+        self.state = TrainState(world_size=self.world.size, company_size=size, threads=threads)  # a resume replaces it
         self._companies: FirstEpochCompanies | None = None
 
     @property
