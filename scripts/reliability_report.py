@@ -173,7 +173,8 @@ def crash_section(data: dict) -> list[str]:
         "",
         f"Reproduce: `{data['command']}` ({data['seconds']} s). Per stage: one uninterrupted reference run, "
         "then killed runs (SIGKILL) of the same command into fresh outputs, each rerun with the same command to "
-        "completion. *event* kills land on a random numbered write of the process (`usaf.testing.crash_child`: "
+        "completion, every run at one torch thread count (`OMP_NUM_THREADS`: the CPU's bits depend on it). "
+        "*event* kills land on a random numbered write of the process (`usaf.testing.crash_child`: "
         "the file being written is cut at a random fraction, a rename is not done, a tree is half removed; "
         "checkpoint writes included); *time* kills land after a random delay counted from the process's first "
         "write, up to the time the reference took from its first write to its last. A kill is survived when, "

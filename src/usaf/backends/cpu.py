@@ -102,6 +102,11 @@ def choose_threads(env: dict | None = None) -> Note | None:
     return _threads_note
 
 
+def thread_count(value: object) -> int | None:
+    """``value`` when it is a thread count as usaf records one (a whole number from 1), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
 def same_threads_as(recorded: int | None, what: str, env: dict | None = None) -> str | None:
     """On resuming CPU work that ran at ``recorded`` intra-op threads: run at that count again, and say so.
 
@@ -122,6 +127,7 @@ def same_threads_as(recorded: int | None, what: str, env: dict | None = None) ->
     torch.set_num_threads(recorded)
     return (f"resuming at the {recorded} torch threads {what} ran at, not the {now} this machine's load chose: the "
             "same count gives the same bits (set OMP_NUM_THREADS to choose)")  # fmt: skip
+
 
 class CpuBackend(Backend):
     """Host CPU: synchronize and empty_cache have nothing to do."""

@@ -39,6 +39,7 @@ from usaf.artifacts.disk import cause_of
 from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER
 from usaf.artifacts.prefix_store import STATES_FILE
 from usaf.artifacts.writer import write_text_atomic
+from usaf.backends.cpu import thread_count
 from usaf.engine.score_state import restore_accumulator
 from usaf.engine.scores import ScoreAccumulator
 from usaf.errors import UsafError
@@ -242,8 +243,7 @@ class ScoreProgress:
 
     def recorded_threads(self) -> int | None:
         """The torch threads the interrupted run computed at on the CPU (None: another device, or an older usaf)."""
-        threads = (self._recorded() or {}).get(THREADS_KEY)
-        return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
+        return thread_count((self._recorded() or {}).get(THREADS_KEY))
 
     def _recorded(self) -> dict[str, Any] | None:
         try:

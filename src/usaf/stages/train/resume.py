@@ -30,6 +30,7 @@ from usaf.artifacts.run import (
     DeltaRecord,
     checkpoint_dirs,
 )
+from usaf.backends.cpu import thread_count
 from usaf.engine.reselect import collect_scores, cumulative_delta
 from usaf.engine.scores import ScoreAccumulator, merge
 from usaf.errors import UsafError
@@ -66,10 +67,9 @@ def recorded_threads(checkpoint: Path) -> int | None:
     read before the engine is built, so a resume computes at that count from its first operation. A state that
     does not say (an older usaf's, another device's, or unreadable: its full read refuses it later) gives None."""
     try:
-        threads = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("threads")
+        return thread_count(json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("threads"))
     except (OSError, ValueError, AttributeError):
         return None
-    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
 
 _HINT = "resume from an earlier checkpoint (remove the damaged one), or pass --overwrite to start again"
 
@@ -160,7 +160,7 @@ def _train_state(state: Any, path: Path) -> TrainState:
         if not optional and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise UsafError(f"--resume {path}: {key} {value!r} is not a count (a whole number from 0)", _HINT)
     threads = state.get("threads")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+    if threads is not None and thread_count(threads) is None:
         raise UsafError(f"--resume {path}: threads {threads!r} is not a thread count (a whole number from 1)", _HINT)
     if state.get("company_size") == 0:  # sequences per company (usaf.stages.train.companies): at least one
         raise UsafError(f"--resume {path}: company_size 0 is not a number of sequences (1 or more)", _HINT)
