@@ -139,8 +139,9 @@ def test_stopped_while_scoring_on_the_fly_the_same_command_resumes_the_score(pre
 
 def test_stopped_while_scoring_on_the_fly_with_out_resumes_and_overwrite_replaces(prepared, tmp_path, stop_scoring_at):
     """With --out: the rerun resumes the stopped score inside RUN (it was refused as a directory usaf did not make
-    before), and --overwrite may replace such a directory. Control: a .plan.usaf-partial without score's settings
-    file is not usaf's for sure, so that directory stays refused, with or without --overwrite."""
+    before), and --overwrite may replace such a directory; killed before score's settings file was in place (only its
+    temporary and a stale lock there), the rerun starts the score over in it. Control: a .plan.usaf-partial holding a
+    file usaf does not write is not usaf's for sure, so that directory stays refused, with or without --overwrite."""
     qdir, tokens, _ = prepared("qwen3_moe")
     out = tmp_path / "out"
     command = [*train(tmp_path, qdir, tokens, "--calib-samples", 8, "--microbatch", 2, "--train-from", 2), "--out", out]
@@ -158,6 +159,15 @@ def test_stopped_while_scoring_on_the_fly_with_out_resumes_and_overwrite_replace
     replaced = invoke(*command[:-1], again, "--overwrite")
     assert replaced.exit_code == 0, explain(replaced)
     assert "calibration batches done" not in replaced.stderr and (again / "manifest.json").is_file()
+
+    killed = tmp_path / "killed"  # before score's settings file was in place: only its temporary, and the lock
+    (killed / ".plan.usaf-partial").mkdir(parents=True)
+    (killed / ".plan.usaf-partial" / ".score-settings.json.usaf-tmp-999999999-0a1b2c3d").write_text("{")
+    (killed / ".plan.usaf-lock").write_text("")
+    alone = train(tmp_path / "empty", qdir, tokens, "--calib-samples", 8, "--microbatch", 2, "--train-from", 2)
+    started = invoke(*alone, "--out", killed)  # a workspace without the plans above: it scores its own
+    assert started.exit_code == 0, explain(started)
+    assert (killed / "manifest.json").is_file()
 
     foreign = tmp_path / "foreign"
     (foreign / ".plan.usaf-partial").mkdir(parents=True)

@@ -105,9 +105,18 @@ def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
     entries = entries if entries is not None else own_entries(directory)
     if entries == [PLAN_DIR] and _manifest_kind(directory / PLAN_DIR) == "plan":
         return "an unfinished usaf run (its plan scored, no step trained)"
-    if entries == [f".{PLAN_DIR}{PARTIAL_TAG}"] and (directory / entries[0] / SCORE_PARTIAL_MARKER).is_file():
+    if entries == [f".{PLAN_DIR}{PARTIAL_TAG}"] and _score_partial(directory / entries[0]):
         return "an unfinished usaf run (stopped while scoring its plan)"
     return None
+
+
+def _score_partial(directory: Path) -> bool:
+    """Whether ``directory`` is score's partial directory: it holds the settings file score writes first, or
+    nothing but usaf's temporaries (a kill before that file was in place)."""
+    if not directory.is_dir() or directory.is_symlink():
+        return False
+    own = own_entries(directory)
+    return not own or SCORE_PARTIAL_MARKER in own
 
 
 def refuse_unless_replaceable(target: Path, found: Found, flag: str, *, overwrite: bool, overwrite_flag: str) -> None:
