@@ -217,7 +217,8 @@ def crash_section(data: dict) -> list[str]:
         if record["stage"].startswith("train"):  # train-fly: no plan given, train scores its own into RUN/plan
             resumed = Counter(t["resumed_from"] for t in killed)
             order = sorted(resumed.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
-            steps = ", ".join(f"{'none (started over)' if k is None else k} ({v}×)" for k, v in order)
+            none = "none (started over)" if record["stage"] == "train" else "none (no checkpoint yet)"
+            steps = ", ".join(f"{none if k is None else k} ({v}×)" for k, v in order)
             lines.append(f"Reruns resumed from step: {steps}, each the newest checkpoint complete on disk.")
         elif record["stage"] == "quantize":
             kept = sum(len(t["complete_layers"]) for t in killed)
