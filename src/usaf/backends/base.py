@@ -156,6 +156,16 @@ class Backend:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.policy.autocast)
 
+    def compute_threads(self) -> int | None:
+        """torch's intra-op threads where this backend computes on the host CPU, whose sums' bits depend on them
+        (a resume runs at its run's count again: :meth:`same_threads_as`); None where the device computes."""
+        return None
+
+    def same_threads_as(self, recorded: int | None, what: str) -> str | None:
+        """Resuming work ``what`` did at ``recorded`` :meth:`compute_threads`: compute at that count again; the note
+        to show, if any. Nothing to do where the device computes."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready summary for manifests: backend, device, hardware, capabilities, dtypes."""
         return {

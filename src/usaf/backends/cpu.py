@@ -135,6 +135,12 @@ class CpuBackend(Backend):
     def free_memory(self) -> int | None:
         return host_memory()[1]  # tensors live in host RAM: what is available there
 
+    def compute_threads(self) -> int | None:
+        return torch.get_num_threads()
+
+    def same_threads_as(self, recorded: int | None, what: str) -> str | None:
+        return same_threads_as(recorded, what)
+
 
 def create(index: int | None, *, amp: bool | None, notes: tuple[Note, ...]) -> CpuBackend:
     del index  # the CPU has no index; parse_device_spec rejects "cpu:N"

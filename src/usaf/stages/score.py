@@ -41,7 +41,6 @@ from usaf.artifacts.plan import (
 )
 from usaf.artifacts.workspace import interrupted_outputs, resolve_data, resolve_model
 from usaf.backends import resolve_backend
-from usaf.backends.cpu import same_threads_as
 from usaf.config import source_of
 from usaf.data.batches import Batch, collate, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
@@ -230,11 +229,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         return _score(settled, writer, ScoreProgress(None, progress))
     with writer, contextlib.ExitStack() as cleanup:  # the output locked from here to the commit
         cleanup.push(_dropped_unless_saved(writer))
-        on_cpu = backend.device.type == "cpu"
         saved = ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress,
-                                   threads=torch.get_num_threads() if on_cpu else None)  # fmt: skip
-        if on_cpu and saved.holds_work():  # before any sum: the saved work's bits were made at its thread count
-            note = same_threads_as(saved.recorded_threads(), "the interrupted score")
+                                   threads=backend.compute_threads())  # fmt: skip
+        if saved.holds_work():  # before any sum: on the CPU the saved work's bits were made at its thread count
+            note = backend.same_threads_as(saved.recorded_threads(), "the interrupted score")
             if note is not None:
                 progress.note(note)
         return _score(settled, writer, saved)

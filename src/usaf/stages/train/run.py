@@ -62,7 +62,6 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     import torch
 
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
-    from usaf.backends.cpu import same_threads_as
     from usaf.engine.loss_scale import DynamicLossScaler
     from usaf.stages.engine_setup import frozen_layers_resident
     from usaf.stages.train import loop
@@ -71,8 +70,8 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
 
     config, run_dir = inputs.config, inputs.run_dir
     compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
-    if inputs.resume_from is not None and backend.device.type == "cpu":  # before any sum: its bits need the count
-        threads = same_threads_as(recorded_threads(inputs.resume_from), "the run")
+    if inputs.resume_from is not None:  # before any sum: on the CPU its bits need the run's thread count
+        threads = backend.same_threads_as(recorded_threads(inputs.resume_from), "the run")
         if threads is not None:
             progress.note(threads)
     engine = _engine(inputs, backend, compute, progress)

@@ -107,8 +107,7 @@ class Trainer:
         self.world = world or World()
         self.backend = backend
         size = company_size(config.microbatch, data_seq_len(config, data), self.world.size)
-        on_cpu = next(engine.model.parameters()).device.type == "cpu"
-        threads = torch.get_num_threads() if on_cpu else None
+        threads = backend.compute_threads() if backend is not None else None
         self.state = TrainState(world_size=self.world.size, company_size=size, threads=threads)  # a resume replaces it
         self._companies: FirstEpochCompanies | None = None
 
