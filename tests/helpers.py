@@ -52,7 +52,7 @@ def stop_at_check(monkeypatch, n: int) -> None:
 
     calls = [0]
 
-    def check(self) -> None:
+    def check(self, **how) -> None:
         calls[0] += 1
         if calls[0] == n:
             raise StopSignal(signal.SIGINT)
@@ -69,6 +69,19 @@ def explain(result) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def same_plan(a: Path, b: Path) -> None:
+    """Two plans alike: every listed file byte-identical (by sha256), the summary equal but for the seconds."""
+    from usaf.artifacts import PlanManifest, load_verified
+
+    ma, mb = load_verified(a, PlanManifest), load_verified(b, PlanManifest)
+    assert {f.path: f.sha256 for f in ma.files} == {f.path: f.sha256 for f in mb.files}
+    sa, sb = ma.summary.model_dump(), mb.summary.model_dump()
+    for s in (sa, sb):
+        s.pop("seconds")
+        s["lr_test"].pop("seconds")
+    assert sa == sb
 
 
 def leftovers(directory: Path) -> list[str]:

@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 
-def torchrun(*args, nproc: int = 2, **popen) -> subprocess.Popen:
+def torchrun(*args, nproc: int = 2, entry: tuple = ("-m", "usaf"), **popen) -> subprocess.Popen:
+    """``usaf ARGS`` on ``nproc`` ranks (``entry``: what each rank runs, ``-m usaf`` or a script and its arguments)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "usaf", *map(str, args)]  # fmt: skip
+               *map(str, entry), *map(str, args)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
 

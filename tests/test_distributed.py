@@ -24,9 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import invoke
+from helpers import invoke, same_plan
 from helpers_distributed import assert_same_deltas, deltas, finished, losses, torchrun
 from usaf.artifacts import PlanManifest, RunManifest, load_verified
+from usaf.stages.score_resume import CALIBRATION, RANK_CALIBRATION
 
 STEPS = 10
 RIGL = ("--steps", STEPS, "--reselect-every", 5, "--lr", 0.05, "--seed", 3)
@@ -251,6 +252,89 @@ def test_score_with_two_ranks_equals_one_process(prepared, tmp_path):
     assert dp.summary.prefix_cache.samples == single.summary.prefix_cache.samples > 0
 
 
+STOP_CHILD = Path(__file__).parent / "stop_child.py"
+# 8 calibration microbatches (2 halves of 4 sequences, microbatch 1): 4 rounds of 2 ranks; then 4 probes of 3 steps
+SCORE_RESUMED = ("--frac", 0.05, "--calib-samples", 8, "--microbatch", 1, "--train-from", 2, "--lr-test",
+                 "--lr-test-steps", 3, "--targets", "experts,attention")  # fmt: skip
+
+
+def score_args(prepared, *extra) -> list:
+    qdir, tokens, _ = prepared("qwen3_moe")
+    return ["score", "--model", qdir, "--data", tokens, *SCORE_RESUMED, *extra]
+
+
+def partial(out: Path) -> Path:
+    return out.parent / f".{out.name}.usaf-partial"
+
+
+@pytest.fixture(scope="module")
+def straight_two_rank_plan(prepared, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dp-score") / "plan"
+    code, _, stderr = finished(torchrun(*score_args(prepared, "--out", out)))
+    assert code == 0, stderr
+    return out
+
+
+@pytest.mark.parametrize(
+    "rank, at, lost, resumed",
+    [
+        (1, 3, False, "4 of 8 calibration batches done"),
+        (1, 3, True, "2 of 8 calibration batches done"),
+        (0, 9, False, "lr test: 1 of 4 probes done by the interrupted run"),
+    ],
+    ids=["in-the-pass", "in-the-pass-rank-1-share-lost", "in-the-lr-test"],
+)
+def test_score_stopped_on_one_rank_stops_every_rank_and_resumes_to_the_same_plan(
+    prepared, straight_two_rank_plan, tmp_path, rank, at, lost, resumed
+):
+    """One rank alone gets the stop request: rank 1 at its 3rd check, before the pass's third round (rank 0 stops
+    with it at the same check), or rank 0, which runs the lr test while rank 1 waits, at its 9th, in the second
+    probe. Each rank saves its own share of the pass, and the same command resumes each share to the plan an
+    uninterrupted 2-rank run writes, byte for byte. With rank 1's file gone (a kill before it was written) rank 1
+    scores its whole share again while rank 0 resumes its own."""
+    out = tmp_path / "plan"
+    code, _, stderr = finished(torchrun(*score_args(prepared, "--out", out), entry=(STOP_CHILD, rank, at)))
+    assert code != 0 and "interrupted: saved the calibration pass" in stderr, stderr
+    assert "another process of the run stopped" not in stderr  # every rank stopped on the request, none lost a peer
+    assert (partial(out) / CALIBRATION).is_file() and (partial(out) / RANK_CALIBRATION.format(1)).is_file()
+    assert not out.exists()
+    if lost:
+        (partial(out) / RANK_CALIBRATION.format(1)).unlink()
+    code, _, stderr = finished(torchrun(*score_args(prepared, "--out", out)))
+    assert code == 0 and resumed in stderr, stderr
+    same_plan(out, straight_two_rank_plan)
+    assert not partial(out).exists()
+
+
+def test_a_score_stopped_under_torchrun_resumes_only_with_as_many_processes(prepared, tmp_path):
+    """Each rank saved its own share of the pass: one process is refused, naming the difference; --overwrite
+    discards the work and scores afresh."""
+    out = tmp_path / "plan"
+    code, _, stderr = finished(torchrun(*score_args(prepared, "--out", out), entry=(STOP_CHILD, 0, 2)))
+    assert code != 0 and "interrupted: saved the calibration pass (2 of 8 batches)" in stderr, stderr
+    refused = invoke(*score_args(prepared, "--out", out))
+    assert refused.exit_code == 2 and "2 processes there, 1 now" in refused.output, refused.output
+    assert (partial(out) / RANK_CALIBRATION.format(1)).is_file()  # refused: nothing touched
+    replaced = invoke(*score_args(prepared, "--out", out, "--overwrite"))
+    assert replaced.exit_code == 0 and "discarding the interrupted score's work" in replaced.output, replaced.output
+    assert not partial(out).exists() and load_verified(out, PlanManifest).summary.calib_samples == 8
+
+
+def test_train_stopped_while_scoring_its_plan_under_torchrun_resumes_the_score(prepared, tmp_path):
+    """``usaf train`` with no plan scores one into RUN/plan: a stop there under torchrun saves each rank's share, and
+    the same command resumes that score, then trains."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    args = ["train", "--model", qdir, "--data", tokens, "--workspace", tmp_path / "ws", "--out", run, "--steps", 2,
+            "--microbatch", 1, "--calib-samples", 8, "--train-from", 2, "--save-every", 0]  # fmt: skip
+    code, _, stderr = finished(torchrun(*args, entry=(STOP_CHILD, 1, 2)))
+    assert code != 0 and "interrupted: saved the calibration pass (2 of 8 batches)" in stderr, stderr
+    assert (partial(run / "plan") / RANK_CALIBRATION.format(1)).is_file()
+    code, _, stderr = finished(torchrun(*args))
+    assert code == 0 and "2 of 8 calibration batches done" in stderr, stderr
+    assert load_verified(run, RunManifest).summary.steps == 2 and not partial(run / "plan").exists()
+
+
 def test_doctor_under_torchrun_checks_the_group(tmp_path):
     code, stdout, stderr = finished(torchrun("doctor", "--json"))
     assert code == 0, stderr
@@ -274,6 +358,42 @@ def test_world_helpers_in_one_process():
     assert w.sum_gradients([t]) == 0 and torch.equal(t.grad, torch.full((3,), 2.0))  # no-op in one process
     assert _without_option(["train", "--nproc", "2", "--steps", "3", "--nproc=4"], "--nproc") == [
         "train", "--steps", "3"]  # fmt: skip
+
+
+def test_decided_by_main_gives_every_rank_rank_0s_result_refusal_or_stop(monkeypatch):
+    """What rank 0 decides reaches every rank: its result, its UsafError, its stop request (the gather is stood in
+    for: rank 0's outcome first, as all_gather_object orders them)."""
+    import signal as signals
+
+    from usaf.distributed import World
+    from usaf.errors import StopSignal, UsafError
+
+    sent = []
+
+    def gather(self, obj, what="all-gather"):
+        sent.append(obj)
+        return [outcome, obj]
+
+    monkeypatch.setattr(World, "gather_objects", gather)
+    main, other = World(rank=0, size=2), World(rank=1, size=2)
+    outcome = ("decided", 7)
+    assert main.decided_by_main(lambda: 7, "x") == 7 and other.decided_by_main(lambda: 1 / 0, "x") == 7
+    outcome = ("refused", ("--out X: taken", "pick another"))
+    with pytest.raises(UsafError, match="taken") as refused:
+        other.decided_by_main(lambda: 1 / 0, "x")  # never run on rank 1
+    assert refused.value.hint == "pick another"
+
+    def refuse():
+        raise UsafError("--out X: taken", "pick another")
+
+    with pytest.raises(UsafError):
+        main.decided_by_main(refuse, "x")
+    assert sent[-1] == outcome  # rank 0 told the others before raising
+    outcome = ("stopped", signals.SIGTERM)
+    with pytest.raises(StopSignal) as stopped:
+        other.decided_by_main(lambda: 1 / 0, "x")
+    assert stopped.value.exit_code == 143
+    assert World().decided_by_main(lambda: "alone", "x") == "alone"  # one process: no gather
 
 
 def test_a_clean_end_meets_the_other_ranks_before_leaving_and_an_error_does_not(monkeypatch):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import invoke, leftovers, stop_at_check
+from helpers import invoke, leftovers, same_plan, stop_at_check
 from usaf.artifacts import PlanManifest, load_verified
 from usaf.stages import lr_test
 from usaf.stages.score_resume import CALIBRATION, PROBES, SETTINGS, STORE
@@ -50,17 +50,6 @@ def stop_at(monkeypatch):
     """``stop_at(n)``: the n-th stop check of the run raises as Ctrl-C does (helpers.stop_at_check)."""
     yield lambda n: stop_at_check(monkeypatch, n)
     monkeypatch.undo()
-
-
-def same_plan(a: Path, b: Path) -> None:
-    """Every listed file byte-identical (by sha256) and the summary equal but for the seconds."""
-    ma, mb = load_verified(a, PlanManifest), load_verified(b, PlanManifest)
-    assert {f.path: f.sha256 for f in ma.files} == {f.path: f.sha256 for f in mb.files}
-    sa, sb = ma.summary.model_dump(), mb.summary.model_dump()
-    for s in (sa, sb):
-        s.pop("seconds")
-        s["lr_test"].pop("seconds")
-    assert sa == sb
 
 
 @pytest.fixture(scope="module")

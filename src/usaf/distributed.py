@@ -18,22 +18,25 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from usaf.backends.ranks import bind_device, rank_device
 from usaf.engine.scores import ScoreAccumulator, merge
-from usaf.errors import UsafError
+from usaf.errors import StopSignal, UsafError
 
 BACKENDS = ("auto", "gloo", "nccl")
 # How long a rank waits in a collective for the others: rank 0 alone writes the prefix store and
 # checkpoints while the others wait at a barrier, which can take long on a real model.
 DEFAULT_TIMEOUT_MIN = 60
 TIMEOUT_ENV = "USAF_DIST_TIMEOUT_MIN"
+
+
+T = TypeVar("T")
 
 
 class PeerLost(UsafError):
@@ -87,6 +90,29 @@ class World:
         out: list[Any] = [None] * self.size
         self._call(what, torch.distributed.all_gather_object, out, obj)
         return out
+
+    def decided_by_main(self, decide: Callable[[], T], what: str) -> T:
+        """``decide()`` run by rank 0 alone, its result on every rank. A :class:`UsafError` or a stop request
+        (:class:`StopSignal`) it raises is raised on every rank, so none goes on to wait in a collective rank 0
+        never reaches."""
+        if not self.active:
+            return decide()
+        outcome: tuple[str, Any] | None = None
+        if self.is_main:
+            try:
+                outcome = ("decided", decide())
+            except UsafError as e:
+                self.gather_objects(("refused", (e.message, e.hint)), what)
+                raise
+            except StopSignal as e:
+                self.gather_objects(("stopped", e.signum), what)
+                raise
+        kind, value = self.gather_objects(outcome, what)[0]
+        if kind == "refused":
+            raise UsafError(*value)
+        if kind == "stopped":
+            raise StopSignal(value)
+        return value
 
     def sum_gradients(self, tensors: Sequence[torch.Tensor]) -> int:
         """Sum every tensor's ``.grad`` over ranks as one flat fp32 buffer; returns the buffer's bytes.

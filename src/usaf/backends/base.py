@@ -166,6 +166,12 @@ class Backend:
         to show, if any. Nothing to do where the device computes."""
         return None
 
+    def recorded(self, dtype: torch.dtype | None = None) -> dict[str, str]:
+        """What an artifact's environment and a resume's identity record of this device: ``backend``, ``device``
+        and ``dtype`` (the policy's compute dtype unless ``dtype``: what the stage computed in)."""
+        dtype = self.policy.compute if dtype is None else dtype
+        return {"backend": self.name, "device": str(self.device), "dtype": str(dtype).removeprefix("torch.")}
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready summary for manifests: backend, device, hardware, capabilities, dtypes."""
         return {

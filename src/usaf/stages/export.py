@@ -227,7 +227,7 @@ def _export_hf(
             HfExportManifest,
             inputs=inputs,
             config=config.model_dump(mode="json"),
-            environment=current_environment(backend=backend.name, device=str(backend.device), dtype="float32"),
+            environment=current_environment(**backend.recorded(torch.float32)),
             summary=summary,
         )
     return manifest, writer.target

@@ -219,7 +219,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
                 exclude=(PARTIAL_SETTINGS,),
                 inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
                 config=config.model_dump(mode="json"),
-                environment=current_environment(**_env(backend)),
+                environment=current_environment(**backend.recorded(torch.float32)),
                 summary=summary,
             )
         return manifest, art.target
@@ -232,10 +232,6 @@ def _weight_tensors(layer: Any) -> list[Any]:
 
 def _source_bytes(layer: Any, infos: dict, target: str | None = None) -> int:
     return sum(infos[n].nbytes for t in _weight_tensors(layer) if target in (None, t.target) for n in t.source_names)
-
-
-def _env(backend: Any) -> dict[str, Any]:
-    return {"backend": backend.name, "device": str(backend.device), "dtype": "float32"}
 
 
 def _quantize_layers(

@@ -56,7 +56,7 @@ from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, first_divergence, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
-from usaf.stages.score_resume import BOOKKEEPING, SavedCalibration, SavedProbes, ScoreProgress, run_identity
+from usaf.stages.score_resume import SavedCalibration, SavedProbes, ScoreProgress, run_identity
 from usaf.stages.stop import StopRequest
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -117,18 +117,31 @@ def calibration_batches(lines: list[TokenLine], microbatch: int, pad: int) -> li
     return items
 
 
+@dataclass(frozen=True)
+class _Rounds:
+    """The calibration pass in rounds: round i is every rank's i-th microbatch of its share (one process: the i-th
+    microbatch). Under torchrun a stop check is a collective, so every rank checks before every round from the first
+    one any rank has still to do, a rank whose share is done or shorter included."""
+
+    first: int  # the first round some rank has still to do
+    count: int  # ceil(all microbatches / ranks)
+
+
 def _counted(
-    items: list[CalibrationBatch], progress: Progress, *, done: int, stop: StopRequest | None, finished: list[int]
-) -> Iterator[tuple]:
+    items: list[CalibrationBatch], progress: Progress, *, done: int, stop: StopRequest, finished: list[int],
+    rounds: _Rounds,
+) -> Iterator[tuple]:  # fmt: skip
     """``(half, input_ids, labels, mask)`` of each item after the first ``done``, counted on a progress bar and in
-    ``finished[0]`` once its backward is over; a stop request is raised between two items, never inside one."""
+    ``finished[0]`` once its backward is over; a stop request is raised between two rounds, never inside one."""
     progress.start("scoring", len(items), "batches")
     if done:
         progress.advance(done)
     tokens = 0
-    for item in items[done:]:
-        if stop is not None:
-            stop.check()
+    for i in range(rounds.first, rounds.count):
+        stop.check()
+        if not done <= i < len(items):  # done by the interrupted run, or beyond this rank's share
+            continue
+        item = items[i]
         yield item.half, item.batch.input_ids, item.batch.labels, item.batch.attention_mask
         finished[0] += 1
         tokens += item.batch.tokens
@@ -181,12 +194,13 @@ class _Inputs:
 def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanManifest, Path]:
     """Score, select and write the plan; returns its manifest and path.
 
-    In one process the work is done inside the output's partial directory, where a stop request (Ctrl-C) saves the
-    calibration pass, the lr test's probes or ``--cache``'s store done so far, and the same command (with or without
-    ``--out``) resumes from them (:mod:`usaf.stages.score_resume`). Under torchrun every rank scores its share of the
+    The work is done inside the output's partial directory, where a stop request (Ctrl-C) saves the calibration
+    pass, the lr test's probes or ``--cache``'s store done so far, and the same command (with or without ``--out``)
+    resumes from them (:mod:`usaf.stages.score_resume`). Under torchrun every rank scores its share of the
     calibration microbatches (rank r: microbatches r, r + N, ...) and the accumulators are merged, so the plan equals
-    one process's with the same microbatch; rank 0 writes it (and the prefix store of ``--cache``, alone) while the
-    others wait.
+    one process's with the same microbatch; the ranks agree on a stop request between two rounds of microbatches and
+    each saves its own share; rank 0 runs the lr test and, while the others wait, writes the plan (and the prefix
+    store of ``--cache``); it also names the output without ``--out``, checks it and locks it.
     """
     start = time.perf_counter()
     backend = resolve_backend(
@@ -199,16 +213,12 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
     identity = run_identity(config, model_fingerprint=model_manifest.fingerprint, data_fingerprint=data_fingerprint,
-                            backend=backend)  # fmt: skip
-    out = config.out
-    if out is None and not world.active:  # the same command without --out finds the output it was writing
-        out = _interrupted_output(workspace_dir(config.workspace), model_dir.name, identity)
-        if out is not None:
-            progress.note(f"resuming the interrupted score that was writing {out} (no --out given)")
-    out = out or default_output(workspace_dir(config.workspace), "plan", model_dir.name)
+                            backend=backend, processes=world.size)  # fmt: skip
+    out = world.decided_by_main(lambda: _output(config, model_dir.name, identity, progress), "the output's name")
     inputs = {"--model": model_dir, "--data": [config.data, data_file]}
-    writer = ArtifactWriter(out, overwrite=config.overwrite, inputs=inputs, resumable=not world.active)
-    writer.check_target()
+    writer = ArtifactWriter(out, overwrite=config.overwrite, inputs=inputs, resumable=True)
+    # rank 0 alone: the lock's check takes the lock for a moment, so two ranks checking at once could refuse each other
+    world.decided_by_main(writer.check_target, "the output checked")
 
     # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
     context = max_sequence_length(str(model_dir), tokenizer)
@@ -225,17 +235,34 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
     settled = _Inputs(config, world, backend, progress, model_dir, model_manifest, tokenizer, data_file,
                       data_fingerprint, lines, start)  # fmt: skip
-    if not writer.resumable:  # torchrun: rank 0 takes the output when it writes the plan
-        return _score(settled, writer, ScoreProgress(None, progress))
-    with writer, contextlib.ExitStack() as cleanup:  # the output locked from here to the commit
-        cleanup.push(_dropped_unless_saved(writer))
-        saved = ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress,
-                                   threads=backend.compute_threads())  # fmt: skip
+    with contextlib.ExitStack() as held:
+
+        def take() -> None:  # rank 0: the output locked from here to the commit, the saved work checked
+            held.enter_context(writer)
+            held.push(_dropped_unless_saved(writer))
+            ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress,
+                               threads=backend.compute_threads())  # fmt: skip
+
+        world.decided_by_main(take, "the output taken")
+        saved = ScoreProgress(writer.dir, progress, rank=world.rank)  # under torchrun, each rank its own share
         if saved.holds_work():  # before any sum: on the CPU the saved work's bits were made at its thread count
             note = backend.same_threads_as(saved.recorded_threads(), "the interrupted score")
             if note is not None:
                 progress.note(note)
         return _score(settled, writer, saved)
+
+
+def _output(config: ScoreConfig, label: str, identity: dict, progress: Progress) -> Path:
+    """``--out``; else the default output an interrupted score of this command was writing, which it resumes; else
+    a new default name."""
+    if config.out is not None:
+        return config.out
+    workspace = workspace_dir(config.workspace)
+    found = _interrupted_output(workspace, label, identity)
+    if found is not None:  # without --out every run gets a new name: the same command would not find its work
+        progress.note(f"resuming the interrupted score that was writing {found} (no --out given)")
+        return found
+    return default_output(workspace, "plan", label)
 
 
 def _interrupted_output(workspace: Path, label: str, identity: dict) -> Path | None:
@@ -286,58 +313,57 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
 
     settings = {"candidates": pools, "statistic": config.statistic, "exact": config.full_maps,
                 "pool_factor": config.candidates_factor}  # fmt: skip
-    # torchrun: no stop request (a rank's check would be a collective, and the ranks' batches differ in number)
-    stop = StopRequest(world) if not world.active else None
-    with stop or contextlib.nullcontext():
+    stop = StopRequest(world)  # under torchrun each check is a collective: every rank makes the same checks
+    with stop:
         # the lr test and the plan's prefix store use the states the scoring pass computes (one process: under
         # torchrun each rank would hold its own share of them)
         with _prefix_tap(engine, (config.lr_test or config.cache is not False) and not world.active) as tap:
-            items = distributed.shard(calibration_batches(lines, config.microbatch, pad), world)
+            every = calibration_batches(lines, config.microbatch, pad)
+            items = distributed.shard(every, world)
             halves_wanted = config.stability and len(lines) >= 2
-            mine, mine_halves, earlier = _calibration_pass(engine, items, settings, halves_wanted, tap, stop, saved,
-                                                           progress)  # fmt: skip
+            mine, mine_halves, earlier = _calibration_pass(engine, items, len(every), settings, halves_wanted, tap,
+                                                           stop, saved, progress)  # fmt: skip
         accumulators = distributed.merge_scores(mine, world)
         halves = [distributed.merge_scores(half, world) for half in mine_halves]
         distributed.sum_expert_loads(engine, world)
         routing = engine.load_stats(reset=True)
         masks, stability = _selection(accumulators, halves, frac, layer_of, config.budget, targets, data_file, progress)
         sample_states = _states_by_line(tap, items)
-        lr_record, earlier_probes = _lr_test(config, engine, masks, lines, pad, progress, sample_states, saved, stop)
-        if stop is not None:
-            stop.check()  # a request during the last probe step: everything is saved, so stop before writing
+        # under torchrun rank 0 runs the test alone (every rank would run the same probes) and the others take its
+        # record: one decision, where ranks whose sums differed in the last bits could stop other probes
+        lr_record, earlier_probes = world.decided_by_main(
+            lambda: _lr_test(config, engine, masks, lines, pad, progress, sample_states, saved, stop), "the lr test"
+        )
+        stop.check()  # a request during the last probe step: everything is saved, so stop before writing
     seconds = time.perf_counter() - settled.start + earlier + earlier_probes  # an interrupted run's work included
     summary = _summary(config, frac, engine, layers, masks, accumulators, stability, routing, lines, layer_of,
                        model_fingerprint, settled.data_fingerprint, seconds, lr_record)  # fmt: skip
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
         return load_verified(writer.target, PlanManifest, flag="--out"), writer.target
-    with contextlib.nullcontext(writer) if writer.resumable else writer as art:  # resumable: entered by run
-        saved.clear_outputs()  # what a run that failed while writing left (written again)
-        _write_files(art.dir, masks, accumulators, routing, full_maps=config.full_maps)
-        if config.cache is not False and engine.prefix is not None:
-            by_key = sample_states_by_key(engine, lines, sample_states or {}, model_fingerprint)
-            summary = _with_prefix_store(summary, config, engine, by_key, data_file, art.dir,
-                                         model_fingerprint, tokenizer, pad, progress, saved, stop)  # fmt: skip
-        manifest = art.commit(
-            PlanManifest,
-            exclude=BOOKKEEPING,
-            inputs=[
-                InputRecord(
-                    role="model", kind="quantized_model", path=str(settled.model_dir), fingerprint=model_fingerprint
-                ),
-                InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=settled.data_fingerprint),
-            ],
-            config=config.model_dump(mode="json"),
-            environment=current_environment(
-                backend=backend.name,
-                device=str(backend.device),
-                dtype=str(backend.policy.compute).removeprefix("torch."),
-                seed=config.seed,
+    saved.clear_outputs()  # what a run that failed while writing left (written again)
+    _write_files(writer.dir, masks, accumulators, routing, full_maps=config.full_maps)
+    if config.cache is not False and engine.prefix is not None:
+        by_key = sample_states_by_key(engine, lines, sample_states or {}, model_fingerprint)
+        # under torchrun rank 0 writes the store alone (no collective stop check; its minute saves stay)
+        store_stop = stop if not world.active else None
+        summary = _with_prefix_store(summary, config, engine, by_key, data_file, writer.dir,
+                                     model_fingerprint, tokenizer, pad, progress, saved, store_stop)  # fmt: skip
+    manifest = writer.commit(  # locked since run took the output
+        PlanManifest,
+        exclude=saved.bookkeeping(),
+        inputs=[
+            InputRecord(
+                role="model", kind="quantized_model", path=str(settled.model_dir), fingerprint=model_fingerprint
             ),
-            summary=summary,
-        )
+            InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=settled.data_fingerprint),
+        ],
+        config=config.model_dump(mode="json"),
+        environment=current_environment(**backend.recorded(), seed=config.seed),
+        summary=summary,
+    )
     world.barrier("plan written")
-    return manifest, art.target
+    return manifest, writer.target
 
 
 def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file, progress: Progress):
@@ -359,10 +385,12 @@ def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file,
     return masks, stability
 
 
-def _calibration_pass(engine, items, settings, halves_wanted: bool, tap, stop, saved: ScoreProgress, progress):
-    """The sample's accumulators and the halves' (``[]`` without ``halves_wanted``) over ``items``, from where an
-    interrupted run saved the pass, and the seconds it had spent on it. The pass is saved at its end, and at a stop
-    request, which is then raised."""
+def _calibration_pass(engine, items, every: int, settings, halves_wanted: bool, tap, stop, saved: ScoreProgress,
+                      progress):  # fmt: skip
+    """The sample's accumulators and the halves' (``[]`` without ``halves_wanted``) over ``items`` (this rank's share
+    of ``every`` microbatches), from where an interrupted run saved the pass, and the seconds it had spent on it. The
+    pass is saved at its end, and at a stop request, which is then raised (under torchrun each rank its own share)."""
+    world = stop.world
 
     def fresh() -> tuple[dict, list[dict]]:
         made = [engine.score_accumulators(**settings) for _ in range(3 if halves_wanted else 1)]
@@ -381,10 +409,13 @@ def _calibration_pass(engine, items, settings, halves_wanted: bool, tap, stop, s
             counters[layer].copy_(counts)
         if tap is not None:
             tap.states = list(resumed.states)
+    dones = world.gather_objects((resumed is not None, done), "the calibration batches done")  # every rank's
+    rounds = _Rounds(min(n for _, n in dones), math.ceil(every / world.size))
+    if any(found for found, _ in dones):
         progress.note(f"resuming the interrupted score in {saved.directory}: "
-                      f"{done} of {len(items)} calibration batches done")  # fmt: skip
+                      f"{sum(n for _, n in dones)} of {every} calibration batches done")  # fmt: skip
     finished = [0]
-    batches = _counted(items, progress, done=done, stop=stop, finished=finished)
+    batches = _counted(items, progress, done=done, stop=stop, finished=finished, rounds=rounds)
     start = time.perf_counter()
 
     def save() -> bool:
@@ -398,16 +429,16 @@ def _calibration_pass(engine, items, settings, halves_wanted: bool, tap, stop, s
             engine.dense_scores_in_halves(batches, **settings, into=(sample, halves))
         else:
             engine.dense_scores((b for _, *b in batches), **settings, into=sample)
-    except StopSignal:  # raised between two batches: the accumulators hold whole batches only
+    except StopSignal:  # raised between two rounds: the accumulators hold whole batches only
         progress.finish()  # the bar as it stopped, then the note
-        if saved.directory is not None and save():
-            progress.note(f"interrupted: saved the calibration pass ({done + finished[0]} of {len(items)} batches) "
+        kept = world.gather_objects((saved.directory is not None and save(), done + finished[0]), "the saved pass")
+        if all(ok for ok, _ in kept):
+            progress.note(f"interrupted: saved the calibration pass ({sum(n for _, n in kept)} of {every} batches) "
                           f"in {saved.directory}; run the same command to resume")  # fmt: skip
         raise
     if finished[0]:  # the pass's end: an interrupt or a kill later on does not cost it
         save()
-    if stop is not None:
-        stop.check()  # a request during the last batch: the pass is saved
+    stop.check()  # a request during the last batch: the pass is saved
     return sample, halves, earlier
 
 
@@ -431,8 +462,7 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
 
     def step(lr: float) -> None:
         progress.advance(1, lr=lr)
-        if stop is not None:
-            stop.check()  # between two steps: the probe is run again on resume
+        stop.check(alone=True)  # between two steps (the probe is run again on resume); one rank runs the test
 
     finished = [len(done)]
 

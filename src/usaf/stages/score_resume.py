@@ -14,13 +14,16 @@ byte-identical to an uninterrupted run's.
   refused, naming them, unless ``--overwrite`` discards the saved work.
 - ``score-calibration.pt``: after ``batches`` microbatches, every accumulator's state (the sample's and the stability
   halves', :mod:`usaf.engine.score_state`), each MoE layer's tokens per expert (the plan's routing statistics) and
-  the prefix states the pass recorded (for the lr test and the plan's store).
+  the prefix states the pass recorded (for the lr test and the plan's store). Under torchrun each rank saves its own
+  share of the pass (its microbatches, its accumulators before the merge): rank 0 this file, rank r
+  ``score-calibration.rank<r>.pt``.
 - ``score-probes.pt``: the lr test's finished probes, their held-back scores by ascending lr.
 - ``score-store.json``: with ``--cache``, how far the store of every sequence's prefix states got (lines of the data
   done, the index so far, the bytes of the states file to keep), saved every minute and at a stop request.
 
-Tensors and plain values only, read back with ``torch.load(weights_only=True)``. Under torchrun nothing is saved
-(each rank holds a share of the pass): an interrupt there leaves nothing, as before.
+Tensors and plain values only, read back with ``torch.load(weights_only=True)``. Under torchrun the number of
+processes is part of the identity (each rank resumes its own share of the pass); rank 0 alone writes the settings,
+and runs the lr test and writes the store alone, so their files are its own.
 """
 
 from __future__ import annotations
@@ -52,23 +55,31 @@ CALIBRATION = "score-calibration.pt"
 PROBES = "score-probes.pt"
 STORE = "score-store.json"
 THREADS_KEY = "torch_threads"  # in SETTINGS beside the identity, not part of it
+RANK_CALIBRATION = "score-calibration.rank{}.pt"  # rank r > 0's share of the pass, under torchrun
 BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES, STORE)  # top level of the partial directory; never part of the plan
 # Config fields the saved work does not depend on: where the inputs and the plan are (the inputs count by their
 # fingerprints), the device as asked (the one used is recorded), and the launcher's settings.
 NOT_RECORDED = frozenset({"model", "data", "out", "workspace", "overwrite", "device", "dist_backend"})
 
 
-def run_identity(config: Any, *, model_fingerprint: str, data_fingerprint: str, backend: Any) -> dict[str, Any]:
-    """What a saved score's work depends on (``score-settings.json``)."""
+def run_identity(
+    config: Any, *, model_fingerprint: str, data_fingerprint: str, backend: Any, processes: int = 1
+) -> dict[str, Any]:
+    """What a saved score's work depends on (``score-settings.json``). ``processes``: torchrun's ranks, each of which
+    saves its own share of the pass (recorded above one only, so one process's record is what it always was)."""
     settings = {k: v for k, v in config.model_dump(mode="json").items() if k not in NOT_RECORDED}
-    return {
+    device = backend.recorded()
+    identity = {
         "usaf": __version__,
         "model_fingerprint": model_fingerprint,
         "data_fingerprint": data_fingerprint,
-        "device": str(backend.device),
-        "dtype": str(backend.policy.compute).removeprefix("torch."),
+        "device": device["device"],
+        "dtype": device["dtype"],
         "settings": settings,
     }
+    if processes > 1:
+        identity["processes"] = processes
+    return identity
 
 
 @dataclass
@@ -90,11 +101,14 @@ class SavedProbes:
 
 
 class ScoreProgress:
-    """The saved work of an interrupted score in ``directory`` (None: nothing is saved or read: torchrun)."""
+    """The saved work of an interrupted score in ``directory`` (None: nothing is saved or read), as rank ``rank``
+    sees it: its own share of the calibration pass, and what rank 0 writes for all (settings, probes, store)."""
 
-    def __init__(self, directory: Path | None, progress: Progress) -> None:
+    def __init__(self, directory: Path | None, progress: Progress, rank: int = 0) -> None:
         self.directory = directory
         self.progress = progress
+        self.rank = rank
+        self.calibration_file = CALIBRATION if rank == 0 else RANK_CALIBRATION.format(rank)
 
     @classmethod
     def open(
@@ -129,7 +143,17 @@ class ScoreProgress:
         return saved
 
     def holds_work(self) -> bool:
-        return self.directory is not None and any((self.directory / name).is_file() for name in BOOKKEEPING[1:])
+        """Whether any saved work is here (any rank's)."""
+        names = (name for name in self.bookkeeping() if name != SETTINGS)
+        return self.directory is not None and any((self.directory / name).is_file() for name in names)
+
+    def bookkeeping(self) -> tuple[str, ...]:
+        """The names of the bookkeeping files at the top of the directory (every rank's), present or not: never part
+        of the plan."""
+        if self.directory is None or not self.directory.is_dir():
+            return BOOKKEEPING
+        ranks = sorted(p.name for p in self.directory.glob(RANK_CALIBRATION.format("*")) if p.is_file())
+        return (*BOOKKEEPING, *ranks)
 
     # -- the calibration pass -----------------------------------------------------------------------------
 
@@ -145,7 +169,7 @@ class ScoreProgress:
         of ``batches`` microbatches; ``expert_tokens``: the engine's counters, for their layers and shapes), or None:
         nothing saved, or a file that does not fit (a note; the accumulators may then be part-restored: use new
         ones)."""
-        state = self._load(CALIBRATION, "the calibration pass")
+        state = self._load(self.calibration_file, "the calibration pass")
         if state is None:
             return None
         try:
@@ -179,7 +203,7 @@ class ScoreProgress:
                 for name, acc in accumulators.items():
                     yield f"{part}/{name}", acc.state_dict()
 
-        return self._save(CALIBRATION, entries(), "the calibration pass")
+        return self._save(self.calibration_file, entries(), "the calibration pass")
 
     # -- the lr test --------------------------------------------------------------------------------------
 
@@ -226,7 +250,7 @@ class ScoreProgress:
         earlier run was writing (written again)."""
         if self.directory is None:
             return
-        keep = {*BOOKKEEPING, STATES_FILE} if self.store() is not None else set(BOOKKEEPING)
+        keep = {*self.bookkeeping(), STATES_FILE} if self.store() is not None else set(self.bookkeeping())
         for entry in self.directory.iterdir():
             if entry.name in keep:
                 continue
@@ -253,7 +277,7 @@ class ScoreProgress:
         return recorded if isinstance(recorded, dict) else None
 
     def _clear(self) -> None:
-        for name in BOOKKEEPING:
+        for name in self.bookkeeping():
             (self.directory / name).unlink(missing_ok=True)
 
     def _load(self, name: str, what: str) -> dict[str, Any] | None:
@@ -304,4 +328,6 @@ def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
     for key in ("model_fingerprint", "data_fingerprint", "device", "dtype", "usaf"):
         if recorded.get(key) != identity[key]:
             parts.append(f"{key.replace('_', ' ')} {recorded.get(key)} there, {identity[key]} now")
+    if recorded.get("processes", 1) != identity.get("processes", 1):  # torchrun's ranks: each saved its share
+        parts.append(f"{recorded.get('processes', 1)} processes there, {identity.get('processes', 1)} now")
     return "; ".join(parts) or "unreadable settings"

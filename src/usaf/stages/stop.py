@@ -53,6 +53,9 @@ class StopRequest:
             raise SystemExit(128 + signum)  # the second signal: leave now, no checkpoint
         self.signum = self.signum or signum
 
-    def check(self) -> None:
-        if self.world.any(self.requested):  # a rank that got none stops for its peers: as Ctrl-C
+    def check(self, *, alone: bool = False) -> None:
+        """Raise :class:`StopSignal` where a stop was requested: on any rank (a collective every rank makes at the same
+        boundary), or ``alone``: on this one (work one rank does while the others wait for its result)."""
+        requested = self.requested if alone else self.world.any(self.requested)
+        if requested:  # a rank that got none stops for its peers: as Ctrl-C
             raise StopSignal(self.signum or signal.SIGINT)

@@ -350,12 +350,7 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
             EvalReportManifest,
             inputs=_input_records(o),
             config=config.model_dump(mode="json"),
-            environment=current_environment(
-                backend=backend.name,
-                device=str(backend.device),
-                dtype=str(backend.policy.compute).removeprefix("torch."),
-                seed=config.seed,
-            ),
+            environment=current_environment(**backend.recorded(), seed=config.seed),
             summary=summary,
         )
     return manifest, art.target

@@ -179,8 +179,8 @@ def _check_run_dir(
 
 def _new_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
     """A new default run directory, named by rank 0 (another rank's clock may have passed the next second)."""
-    new = default_output(workspace_dir(config.workspace), "run", model_dir.name) if world.is_main else None
-    return world.gather_objects(new, "the run directory's name")[0] if world.active else new
+    return world.decided_by_main(lambda: default_output(workspace_dir(config.workspace), "run", model_dir.name),
+                                 "the run directory's name")  # fmt: skip
 
 
 def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> None:
@@ -322,7 +322,8 @@ class _Settler:
             return None
         budgeted = self.budgeted(config, None, NullProgress())[0]
         return run_identity(self.score_settings(budgeted, run_dir), model_fingerprint=self.model[1],
-                            data_fingerprint=self.data_fingerprint, backend=self.backend)  # fmt: skip
+                            data_fingerprint=self.data_fingerprint, backend=self.backend,
+                            processes=self.world.size)  # fmt: skip
 
 
 def _found_plan(
@@ -364,14 +365,11 @@ def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) 
     """Without ``--out``: the workspace's newest unfinished run that this same command would continue (rank 0
     looks; every rank takes its answer). A default run directory is named by its start time, so without this a
     rerun would start over in a new one."""
-    world_ = settler.world
-    found = None
-    if world_.is_main:
-        model_dir = settler.model[0]
-        found = next((c for c in unfinished_outputs(workspace_dir(config.workspace), "run", model_dir.name)
-                      if not _in_use(c) and _continues(c, config, settler)), None)  # fmt: skip
-    if world_.active:
-        found = world_.gather_objects(found, "the unfinished run")[0]
+    def look() -> Path | None:
+        candidates = unfinished_outputs(workspace_dir(config.workspace), "run", settler.model[0].name)
+        return next((c for c in candidates if not _in_use(c) and _continues(c, config, settler)), None)
+
+    found = settler.world.decided_by_main(look, "the unfinished run")
     if found is not None:
         progress.note(f"resuming the unfinished run {found} (no --out given)")
     return found

@@ -264,10 +264,7 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         ],
         config=inputs.config.model_dump(mode="json"),
         environment=current_environment(
-            backend=backend.name,
-            device=str(backend.device),
-            dtype=str(next(trainer.engine.model.parameters()).dtype).removeprefix("torch."),
-            seed=inputs.config.seed,
+            **backend.recorded(next(trainer.engine.model.parameters()).dtype), seed=inputs.config.seed
         ),
         summary=summary,
     )
