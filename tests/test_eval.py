@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from helpers import invoke, leftovers
+from helpers import invoke, leftovers, stop_at_check
 from usaf.artifacts.eval_report import ResultRow
 from usaf.testing import stdlib_dir
 
@@ -485,3 +485,98 @@ def test_workspace_tokens_without_a_held_out_split_are_named_as_training_text(tr
     assert default_tokens(without, None, fingerprint, progress) == ([without / "tokens"], [])
     (note,) = progress.notes
     assert "no held-out split" in note and "--held-out-frac" in note
+
+
+def _eval(trained, workspace, out, *extra, microbatch: int = 4):
+    return invoke(
+        "eval", "--model", trained["q"], "--checkpoint", trained["run"], "--data", trained["tokens"],
+        "--held-out", trained["tokens"], "--workspace", workspace, "--out", out, "--no-plots",
+        "--microbatch", microbatch, *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def straight(trained, tmp_path_factory) -> dict:
+    """An uninterrupted eval of the finished run with microbatches of 4 (a batch's size can change the last bits)."""
+    root = tmp_path_factory.mktemp("eval-straight")
+    result = _eval(trained, root / "ws", root / "report")
+    assert result.exit_code == 0, result.output
+    return json.loads((root / "report" / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def microbatches(straight) -> int:
+    """Microbatches of 4 sequences in one pass of these evals."""
+    return -(-straight["base_pass"]["sequences"] // 4)
+
+
+def _same_report(out, reference: dict) -> None:
+    data = json.loads((out / "report.json").read_text())
+    for key in ("rows", "routing", "max_logit_change"):
+        assert data[key] == reference[key], key
+
+
+@pytest.mark.parametrize("which", ["base", "fine-tuned"])
+def test_an_eval_stopped_in_a_pass_keeps_it_and_the_same_command_resumes(
+    trained, straight, microbatches, tmp_path, monkeypatch, which
+):
+    """Ctrl-C between two microbatches of either pass (the 2nd stop check: one microbatch done; the fine-tuned pass
+    checks after the base pass's ``microbatches``) keeps the pass so far in the workspace's cache; the same command
+    goes on from there to the report an uninterrupted eval writes, and the kept work is gone."""
+    from usaf.stages.eval import cache
+
+    assert microbatches >= 3  # else there is no pass to stop in the middle of
+    ws, out = tmp_path / "ws", tmp_path / "report"
+    stop_at_check(monkeypatch, 2 if which == "base" else microbatches + 2)
+    stopped = _eval(trained, ws, out)
+    monkeypatch.undo()
+    assert stopped.exit_code == 130, stopped.output
+    assert f"interrupted: kept the {which} pass (1 of {microbatches} microbatches)" in stopped.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+    subdir = cache.CACHE_SUBDIR if which == "base" else cache.TUNED_SUBDIR
+    (entry,) = (ws / subdir).iterdir()
+    assert json.loads((entry / cache.META_FILE).read_text())["batches"] == 1
+    resumed = _eval(trained, ws, out)
+    assert resumed.exit_code == 0, resumed.output
+    assert f"{which} pass: resuming after 1 of {microbatches} microbatches" in resumed.stderr
+    _same_report(out, straight)
+    assert not (ws / cache.TUNED_SUBDIR).exists() or not any((ws / cache.TUNED_SUBDIR).iterdir())
+    (entry,) = (ws / cache.CACHE_SUBDIR).iterdir()
+    assert json.loads((entry / cache.META_FILE).read_text())["batches"] is None  # the whole base pass now
+
+
+def test_kept_work_of_another_eval_is_not_taken_and_no_base_cache_keeps_nothing(trained, tmp_path, monkeypatch):
+    """The control: a pass kept with microbatches of 4 is another pass's work for microbatches of 2 (its key
+    differs), so it is run in full; and with --no-base-cache a stop keeps nothing in the workspace."""
+    ws = tmp_path / "ws"
+    stop_at_check(monkeypatch, 2)
+    assert _eval(trained, ws, tmp_path / "a").exit_code == 130
+    stop_at_check(monkeypatch, 2)  # counted afresh
+    stopped = _eval(trained, tmp_path / "ws-none", tmp_path / "b", "--no-base-cache")
+    monkeypatch.undo()
+    assert stopped.exit_code == 130 and "--no-base-cache keeps nothing in the workspace" in stopped.stderr
+    assert not (tmp_path / "ws-none" / "cache").exists()
+    other = _eval(trained, ws, tmp_path / "c", microbatch=2)
+    assert other.exit_code == 0, other.output
+    assert "resuming" not in other.stderr and "base pass: computed and cached" in other.stderr
+
+
+def test_the_resumed_pass_takes_the_kept_sums_as_they_are(trained, straight, tmp_path, monkeypatch):
+    """The control of the resume: kept sums changed on disk change the report, so the rerun did not recompute them."""
+    from safetensors.torch import load_file, save_file
+
+    from usaf.stages.eval import cache
+
+    ws, out = tmp_path / "ws", tmp_path / "report"
+    stop_at_check(monkeypatch, 2)
+    assert _eval(trained, ws, out).exit_code == 130
+    monkeypatch.undo()
+    (entry,) = (ws / cache.CACHE_SUBDIR).iterdir()
+    kept = load_file(str(entry / cache.TENSORS_FILE))
+    kept["nll"] = kept["nll"] + 1.0  # every sequence of the kept microbatch one nat worse
+    save_file(kept, str(entry / cache.TENSORS_FILE))
+    resumed = _eval(trained, ws, out)
+    assert resumed.exit_code == 0 and "base pass: resuming after 1 of" in resumed.stderr, resumed.output
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [r["base"]["nll"] for r in rows] != [r["base"]["nll"] for r in straight["rows"]]
+    assert [r["tuned"] for r in rows] == [r["tuned"] for r in straight["rows"]]  # the fine-tuned pass ran in full

@@ -58,7 +58,9 @@ class EvalConfig(StageConfig):
     )
     bootstrap: int = Field(1000, ge=100, description="Bootstrap resamples per interval.")
     seed: int = Field(0, description="Seed of the bootstrap and of --max-sequences.")
-    base_cache: bool = Field(True, description="Reuse/store the base pass in WORKSPACE/cache.")
+    base_cache: bool = Field(
+        True, description="Reuse/store the base pass in WORKSPACE/cache, and keep a pass stopped by Ctrl-C there."
+    )
     plots: bool | None = Field(
         None, description="PNG plots, needs matplotlib.", json_schema_extra=cli(default_text="when it is installed")
     )

@@ -3,8 +3,8 @@
 The default is the small pretrained Qwen3-MoE shipped in ``usaf.demo`` and a fine-tuning task on the Python
 standard library's own sources (``usaf.demo.DEMO_DOMAIN``: network, mail and markup packages the model never
 saw, with some of their sources held out), so nothing is downloaded. Each stage writes its artifact under a
-fixed name in the demo workspace; a rerun reuses the finished ones and resumes an interrupted training run,
-so Ctrl-C at any point loses at most the steps since the last checkpoint.
+fixed name in the demo workspace; a rerun reuses the finished ones and resumes the interrupted one (quantize,
+score, train and eval keep their work at Ctrl-C), so Ctrl-C at any point loses little.
 """
 
 from __future__ import annotations

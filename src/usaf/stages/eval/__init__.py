@@ -3,7 +3,9 @@
 1. Resolve the quantized model and the checkpoint (a run, an unfinished run or one checkpoint) and check
    that the checkpoint was trained on this model; read the sequences (``resolve``, ``inputs``).
 2. Base pass on the quantized model as loaded (``passes``), unless the workspace's cache has it
-   (``cache``: keyed by model, sequences and how they are run, never by the checkpoint).
+   (``cache``: keyed by model, sequences and how they are run, never by the checkpoint). Ctrl-C (SIGTERM,
+   SIGHUP) stops either pass between two microbatches and keeps what it did in that cache; the same eval goes
+   on from there.
 3. Apply the change in a ``SparseEngine`` and check that the logits of the first batch moved (the
    original tool's eval never applied its checkpoint and nobody noticed); fine-tuned pass.
 4. Per-source, per-input and per-set rows with bootstrap intervals (``stats``), routing drift, ``report.json``,
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from usaf.artifacts.run import METRICS_FILE
 from usaf.backends import resolve_backend
 from usaf.config import source_of
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
+from usaf.distributed import world
 from usaf.engine.engine import SparseEngine
 from usaf.engine.prefix import PrefixTap
 from usaf.engine.streaming import ExpertStreamer
@@ -56,6 +60,7 @@ from usaf.stages.eval.report import markdown, result_rows, routing_drift
 from usaf.stages.eval.resolve import model_and_change, read_inputs
 from usaf.stages.eval.stats import CONFIDENCE
 from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.stop import StopRequest
 from usaf.units import human_bytes
 
 
@@ -78,6 +83,7 @@ class _Outcome:
     resident: bool
     heldout_in_training: int | None = None  # held-out sequences found in the run's training tokens; None: unchecked
     overlap_note: str | None = None  # what that count means, or why it was not checked
+    tuned_entry: Path | None = None  # where a stopped fine-tuned pass of this eval kept its work
 
 
 def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
@@ -99,15 +105,20 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     found, overlap_note = _held_out_in_training(change, workspace, inputs, len(tokenizer), context, progress)
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop = StopRequest(world())  # entered around each pass only: elsewhere Ctrl-C stops at once, as before
     outcome = _evaluate(
-        config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress
+        config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress, stop
     )
     outcome.heldout_in_training, outcome.overlap_note = found, overlap_note
-    return _write(config, writer, backend, outcome, start, progress)
+    written = _write(config, writer, backend, outcome, start, progress)
+    if outcome.tuned_entry is not None:  # a stopped fine-tuned pass's work: the report holds it now
+        shutil.rmtree(outcome.tuned_entry, ignore_errors=True)
+    return written
 
 
-def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress) -> _Outcome:
-    """The base pass (or its cached result) and the fine-tuned pass over the same batches."""
+def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress, stop) -> _Outcome:
+    """The base pass (or its cached result) and the fine-tuned pass over the same batches, each from where a stop
+    request kept it in the workspace's cache (not with ``--no-base-cache``, which keeps nothing there)."""
     sequences = [s for item in inputs for s in item.sequences]
     batches = batches_of(sequences, config.microbatch, pad)
     data_fp = sequences_fingerprint(sequences)
@@ -134,10 +145,14 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
     else:
         streamer = _stream_every_layer(loaded, backend, placement)
-        tap = _prefix_tap(loaded, change, batches, progress)
+        earlier = _resumed(entry, key, batches, "base", progress)
+        # the fine-tuned pass starts from the states this pass taps: of every batch, so not when resuming
+        tap = _prefix_tap(loaded, change, batches, progress) if earlier is None else None
         try:
-            base = run_pass(loaded.model, loaded.experts, batches, device=backend.device, progress=progress,
-                            description="base model")  # fmt: skip
+            with stop:
+                base = run_pass(loaded.model, loaded.experts, batches, device=backend.device, progress=progress,
+                                description="base model", earlier=earlier, stop=stop.check,
+                                on_stop=_keeper(entry, key, key_parts, len(batches), "base", progress))  # fmt: skip
         finally:
             if tap is not None:
                 tap.close()
@@ -146,15 +161,63 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
             streamer.close()  # the fine-tuned pass's engine streams its own frozen layers
         if entry is not None:
             _cache_base(entry, key, key_parts, base, progress)
-    tuned, logit_change = None, None
+    tuned, logit_change, tuned_entry = None, None, None
     if change is not None:
-        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement, base, prefix)
+        tuned_key = cache.tuned_key(key_parts, change.fingerprint)
+        tuned_entry = cache.tuned_dir(workspace, tuned_key) if config.base_cache else None
+        keeping = _TunedKeeping(tuned_entry, tuned_key, key_parts, stop)
+        tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement, base, prefix,
+                                          keeping)  # fmt: skip
     else:
         progress.note("no checkpoint: evaluating the base model only")
     return _Outcome(
         model_dir, model_fp, change, inputs, sequences, data_fp, key, entry, base, tuned, logit_change,
-        {layer: state.num_experts for layer, state in loaded.experts.items()}, resident,
+        {layer: state.num_experts for layer, state in loaded.experts.items()}, resident, tuned_entry=tuned_entry,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _TunedKeeping:
+    """Where and under which key the fine-tuned pass keeps its work at a stop request (no ``entry``: nowhere)."""
+
+    entry: Path | None
+    key: str
+    parts: dict
+    stop: StopRequest
+
+
+def _resumed(entry: Path | None, key: str, batches: list, what: str, progress: Progress):
+    """The part of the ``what`` pass a stop request kept in ``entry`` (a note says how much), or None."""
+    earlier = cache.load_partial(entry, key, batches) if entry is not None else None
+    if earlier is not None:
+        progress.note(f"{what} pass: resuming after {earlier.batches} of {len(batches)} microbatches, kept in {entry}")
+    return earlier
+
+
+def _keeper(entry: Path | None, key: str, parts: dict, total: int, what: str, progress: Progress, complete=None):
+    """``on_stop`` of a pass: keep the pass so far in ``entry`` (``complete(partial)`` first fills what it holds
+    from elsewhere), and say where; without ``entry`` (``--no-base-cache``) say that nothing is kept."""
+
+    def keep(partial: passes.PartialPass) -> None:
+        progress.finish()  # the bar as it stopped, then the note
+        if entry is None:
+            progress.note(f"interrupted: the {what} pass is not kept (--no-base-cache keeps nothing in the workspace)")
+            return
+        if partial.batches == 0:
+            return
+        if complete is not None:
+            partial = complete(partial)
+        try:
+            cache.save(entry, key, parts, partial.result, batches=partial.batches)
+        except Exception as e:
+            if disk.cause_of(e) is None:
+                raise
+            progress.note(f"interrupted: the {what} pass could not be kept in {entry} ({disk.cause_of(e)})")
+            return
+        progress.note(f"interrupted: kept the {what} pass ({partial.batches} of {total} microbatches) in {entry}; "
+                      "run the same command to resume")  # fmt: skip
+
+    return keep
 
 
 def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, progress: Progress):
@@ -249,8 +312,10 @@ def _prefix_tap(loaded, change, batches, progress: Progress):
     return PrefixTap(model.model.layers[first])
 
 
-def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement: dict, base, prefix):
-    """Apply the change in an engine, prove it moved the logits, and run the same batches through it.
+def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement: dict, base, prefix,
+                keeping: _TunedKeeping):  # fmt: skip
+    """Apply the change in an engine, prove it moved the logits, and run the same batches through it, from where a
+    stop request kept it (``keeping``).
 
     ``prefix``: per batch, the hidden states entering the change's first trained layer in the base pass (or
     None). The layers below it are the base model's in both passes, so the fine-tuned pass starts there, and
@@ -279,19 +344,33 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
             "report this with the checkpoint; its evaluation would be the base model's",
         )
     del before, after
+    earlier = _resumed(keeping.entry, keeping.key, batches, "fine-tuned", progress)
     if prefix is None:
-        with torch.no_grad():
+        keep = _keeper(keeping.entry, keeping.key, keeping.parts, len(batches), "fine-tuned", progress)
+        with torch.no_grad(), keeping.stop:
             tuned = run_pass(engine.model, loaded.experts, batches, device=backend.device, progress=progress,
-                             description="fine-tuned model")  # fmt: skip
+                             description="fine-tuned model", earlier=earlier, stop=keeping.stop.check,
+                             on_stop=keep)  # fmt: skip
         return tuned, moved
     first = engine.prefix.start
     running = {layer: state for layer, state in loaded.experts.items() if layer >= first}
+
+    def with_base_routing(result):  # the layers below ``first`` route as in the base pass, token for token
+        rows = result.input_tokens
+        result.routing = {layer: base.routing[layer][:rows] if layer < first else result.routing[layer]
+                          for layer in loaded.experts}  # fmt: skip
+        return result
+
+    def kept(partial: passes.PartialPass) -> passes.PartialPass:
+        return passes.PartialPass(partial.batches, with_base_routing(partial.result))
+
+    keep = _keeper(keeping.entry, keeping.key, keeping.parts, len(batches), "fine-tuned", progress, complete=kept)
     progress.note(f"fine-tuned pass: starts at layer {first} from the base pass's states (layers below are unchanged)")
-    with torch.no_grad():
+    with torch.no_grad(), keeping.stop:
         tuned = run_pass(engine.model, running, batches, device=backend.device, progress=progress,
-                         description="fine-tuned model",
+                         description="fine-tuned model", earlier=earlier, stop=keeping.stop.check, on_stop=keep,
                          around=lambda i: engine.injected(prefix[i].to(backend.device)))  # fmt: skip
-    tuned.routing = {layer: base.routing[layer] if layer < first else tuned.routing[layer] for layer in loaded.experts}
+    tuned = with_base_routing(tuned)
     tuned.first_layer = first
     return tuned, moved
 

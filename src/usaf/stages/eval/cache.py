@@ -8,6 +8,12 @@ dtype, and the usaf/torch/transformers versions (a forward may change with any o
 top-k sets) and ``base.json`` (the key's parts, timing); it is written to a temporary directory and
 renamed, so a reader never sees half of one. An entry whose contents do not match its key is ignored
 and replaced.
+
+A pass stopped by Ctrl-C (SIGTERM, SIGHUP) keeps what it did in the same format, with the microbatches done
+(``batches`` in ``base.json``): the base pass in its own entry (replaced by the whole pass when it ends), the
+fine-tuned pass in ``<workspace>/cache/eval-tuned/<key>/``, keyed by the base key's parts and the checkpoint's
+fingerprint (deleted once the report is written). The same eval then continues from there
+(:func:`load_partial`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from safetensors.torch import load_file
 
 from usaf.artifacts.hashing import sha256_text
 from usaf.artifacts.tensor_file import save_tensors
-from usaf.stages.eval.passes import PassResult
+from usaf.data.batches import Batch
+from usaf.stages.eval.passes import PartialPass, PassResult
 
 CACHE_SUBDIR = Path("cache") / "eval-base"
+TUNED_SUBDIR = Path("cache") / "eval-tuned"  # fine-tuned passes stopped part-way, until their eval ends
 CACHE_FORMAT = 1
 TENSORS_FILE = "base.safetensors"
 META_FILE = "base.json"
@@ -40,14 +48,51 @@ def entry_dir(workspace: Path, key: str) -> Path:
     return workspace / CACHE_SUBDIR / key[:32]
 
 
+def tuned_dir(workspace: Path, key: str) -> Path:
+    """Where a stopped fine-tuned pass of ``key`` (:func:`tuned_key`) keeps its work."""
+    return workspace / TUNED_SUBDIR / key[:32]
+
+
+def tuned_key(base_parts: dict[str, Any], checkpoint_fingerprint: str) -> str:
+    return cache_key({**base_parts, "checkpoint": checkpoint_fingerprint, "pass": "fine-tuned"})
+
+
 def load(directory: Path, key: str, *, sequences: int, input_tokens: int) -> PassResult | None:
-    """The cached base pass, or ``None`` when absent or not matching (then the caller recomputes)."""
+    """The cached base pass, or ``None`` when absent, part of a pass or not matching (then the caller
+    recomputes)."""
+    found = _read(directory, key)
+    if found is None or found[0].get("batches") is not None:
+        return None
+    result = _result(found, sequences=sequences, input_tokens=input_tokens)
+    if result is not None:
+        result.cached = True
+    return result
+
+
+def load_partial(directory: Path, key: str, batches: list[Batch]) -> PartialPass | None:
+    """The first microbatches of ``batches`` a stopped pass of ``key`` did, or None (none, or not matching)."""
+    found = _read(directory, key)
+    done = found[0].get("batches") if found is not None else None
+    if not isinstance(done, int) or not 0 < done < len(batches):
+        return None
+    first = batches[:done]
+    result = _result(found, sequences=sum(len(b.input_ids) for b in first), input_tokens=sum(b.tokens for b in first))
+    return PartialPass(done, result) if result is not None else None
+
+
+def _read(directory: Path, key: str) -> tuple[dict, dict] | None:
     try:
         meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
         tensors = load_file(str(directory / TENSORS_FILE))
     except (OSError, ValueError, SafetensorError):
         return None
-    if meta.get("key") != key or meta.get("input_tokens") != input_tokens:
+    return (meta, tensors) if isinstance(meta, dict) and meta.get("key") == key else None
+
+
+def _result(found: tuple[dict, dict], *, sequences: int, input_tokens: int) -> PassResult | None:
+    """The pass in an entry's files when its shapes are those of ``sequences`` and ``input_tokens``, else None."""
+    meta, tensors = found
+    if meta.get("input_tokens") != input_tokens:
         return None
     nll, tokens = tensors.get("nll"), tensors.get("tokens")
     if nll is None or tokens is None or nll.shape != (sequences,) or tokens.shape != (sequences,):
@@ -55,11 +100,12 @@ def load(directory: Path, key: str, *, sequences: int, input_tokens: int) -> Pas
     routing = {int(name.split(".", 1)[1]): t for name, t in tensors.items() if name.startswith("topk.")}
     if any(t.shape[0] != input_tokens for t in routing.values()):
         return None
-    return PassResult(nll, tokens, routing, input_tokens, float(meta.get("seconds", 0.0)), cached=True)
+    return PassResult(nll, tokens, routing, input_tokens, float(meta.get("seconds", 0.0)))
 
 
-def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult) -> None:
-    """Write an entry atomically (temp dir + rename); an existing entry of the same key is replaced."""
+def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult, *, batches: int | None = None) -> None:
+    """Write an entry atomically (temp dir + rename); an existing entry of the same key is replaced. ``batches``:
+    the microbatches done, where ``result`` is part of a pass (a stopped one)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -67,7 +113,8 @@ def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult) -
         tensors = {"nll": result.nll.contiguous(), "tokens": result.tokens.contiguous()}
         tensors |= {f"topk.{layer}": sets.contiguous() for layer, sets in result.routing.items()}
         save_tensors(tensors, str(tmp / TENSORS_FILE))
-        meta = {"key": key, "parts": parts, "input_tokens": result.input_tokens, "seconds": result.seconds}
+        meta = {"key": key, "parts": parts, "input_tokens": result.input_tokens, "seconds": result.seconds,
+                "batches": batches}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         if directory.exists():
             shutil.rmtree(directory)

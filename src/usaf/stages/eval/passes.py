@@ -1,7 +1,9 @@
 """One evaluation pass: every sequence through the model, per-sequence summed NLL and per-token routing.
 
 Base and fine-tuned passes run the same code over the same sequences in the same microbatches, so their
-per-sequence results pair up (for the paired bootstrap) and their routing lines up token by token.
+per-sequence results pair up (for the paired bootstrap) and their routing lines up token by token. A pass stops
+between two microbatches on a stop request (Ctrl-C, SIGTERM, SIGHUP) and hands what it has done to its caller,
+which keeps it; a rerun continues from there (:class:`PartialPass`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from usaf.data.tokens import TokenLine
 from usaf.engine.experts import LayerExperts
 from usaf.engine.head_loss import CHUNK_LOGIT_BYTES, HeadInput, next_token_loss
 from usaf.engine.routing import RoutingCapture
+from usaf.errors import StopSignal
 from usaf.stages.eval.inputs import EvalSequence
 from usaf.stages.progress import Progress
 
@@ -32,6 +35,14 @@ class PassResult:
     seconds: float
     cached: bool = False
     first_layer: int = 0  # the first decoder layer run; those below gave their states from the base pass
+
+
+@dataclass
+class PartialPass:
+    """A pass stopped after its first ``batches`` microbatches: their results, in order."""
+
+    batches: int
+    result: PassResult
 
 
 PREFIX_RAM_SHARE = 0.25  # of available RAM the base pass's prefix states may take, to be reused by the tuned pass
@@ -98,19 +109,47 @@ def run_pass(
     progress: Progress,
     description: str,
     around: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    earlier: PartialPass | None = None,
+    stop: Callable[[], None] | None = None,
+    on_stop: Callable[[PartialPass], None] | None = None,
 ) -> PassResult:
     """Evaluate every batch; progress counts sequences (and tokens per second).
 
     ``around(i)``: a context each batch's forward runs in (the fine-tuned pass injects the base pass's prefix
-    states); ``experts``: the MoE layers whose routing is captured (those the forward runs).
+    states); ``experts``: the MoE layers whose routing is captured (those the forward runs). ``earlier``: the
+    batches an interrupted pass did, taken as they are (the pass goes on after them). ``stop()``: called before
+    each batch, raises :class:`usaf.errors.StopSignal` on a stop request; ``on_stop`` then gets the pass so far.
     """
-    nll, tokens, routing = [], [], {layer: [] for layer in experts}
-    seen = 0
+    done = earlier.batches if earlier is not None else 0
+    nll, tokens, seen, before = [], [], 0, 0.0
+    routing: dict[int, list[torch.Tensor]] = {layer: [] for layer in experts}
+    if earlier is not None:
+        nll, tokens = [earlier.result.nll], [earlier.result.tokens]
+        seen, before = earlier.result.input_tokens, earlier.result.seconds
+        for layer in experts:
+            routing[layer].append(earlier.result.routing[layer])
     progress.start(description, sum(len(b.input_ids) for b in batches), "sequences")
+    progress.advance(sum(len(b.input_ids) for b in batches[:done]))
     start = time.perf_counter()
+
+    def so_far() -> PassResult:
+        parts = {layer: torch.cat(sets) if sets else torch.zeros(0, 0, dtype=torch.uint8)
+                 for layer, sets in routing.items()}  # fmt: skip
+        empty = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.int64))
+        nll_, tokens_ = (torch.cat(nll), torch.cat(tokens)) if nll else empty
+        return PassResult(nll_, tokens_, parts, seen, before + time.perf_counter() - start)
+
     try:
         with RoutingCapture(experts) as capture:
-            for i, batch in enumerate(batches):
+            for i in range(done, len(batches)):
+                batch = batches[i]
+                if stop is not None:
+                    try:
+                        stop()
+                    except StopSignal:
+                        if on_stop is not None:
+                            on_stop(PartialPass(i, so_far()))
+                        raise
                 with around(i) if around is not None else contextlib.nullcontext():
                     hidden = batch_hidden(model, batch, device)
                 sums, counts = sequence_nll(model, hidden, batch.labels)
@@ -122,11 +161,4 @@ def run_pass(
                 progress.advance(len(batch.input_ids), tokens=seen)
     finally:
         progress.finish()
-    seconds = time.perf_counter() - start
-    return PassResult(
-        torch.cat(nll),
-        torch.cat(tokens),
-        {layer: torch.cat(parts) for layer, parts in routing.items()},
-        seen,
-        seconds,
-    )
+    return so_far()
