@@ -187,6 +187,17 @@ def _read_holder(fd: int) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def holder_of(target: Path) -> str | None:
+    """The live process writing ``target`` (``PID 123: usaf train ...``), read from its lock file without taking
+    the lock, or None. Where a process's PID was not yet written or it has died, None: a kill leaves its lock file
+    behind, and the next writer takes it over."""
+    holder = _read_holder_at(lock_path(target))
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid() or not psutil.pid_exists(pid):
+        return None
+    return _describe(holder)
+
+
 def _read_holder_at(path: Path) -> dict:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -1,4 +1,6 @@
-"""``usaf inspect PATH``: what an artifact (or a model directory) is, and whether its files are intact."""
+"""``usaf inspect PATH``: what an artifact (or a model directory) is, and whether its files are intact; for a
+workspace, an unfinished run or an interrupted output, what usaf left there and how it goes on
+(:mod:`usaf.stages.survey`)."""
 
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
 
         settings = InspectConfig(**{name: value for name, value in cli.items() if value is not None})
         path, verify, no_hash = settings.path, settings.verify, settings.no_hash
-        if not path.exists():
-            raise UsafError(f"{path}: no such file or directory", "check the path")
         if verify and no_hash:
             raise UsafError("--verify and --no-hash contradict each other", "--verify always checks every sha256")
-        if verify:
+        left = None if verify or (path / MANIFEST_NAME).is_file() else _left_by_usaf(path)
+        if left is not None:
+            _print_survey(path, left, as_json=json_output)
+        elif not path.exists():
+            raise UsafError(f"{path}: no such file or directory", "check the path")
+        elif verify:
             _verify_artifact(path, as_json=json_output)
         elif (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file():
             _inspect_artifact(path, hashes=not no_hash, as_json=json_output)
@@ -38,6 +43,52 @@ command = settings_command(
     extras=COMMAND_EXTRAS,
     doc="Print an artifact's manifest and verify its files, or describe a model directory.",
 )
+
+
+def _left_by_usaf(path: Path) -> list | None:
+    """What usaf left at ``path`` that is no finished artifact: an unfinished run, an interrupted output (``path``
+    its target, its work beside it), or a workspace's contents; None where there is none of these (a model
+    directory, a user's directory: the usual answers)."""
+    from usaf.artifacts.writer import ArtifactWriter
+    from usaf.stages.survey import describe, survey
+
+    partial = ArtifactWriter.partial_dir(path)
+    if not path.exists():
+        found = describe(partial) if partial.is_dir() else None
+        return [found] if found is not None else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = describe(path)
+    if found is not None:
+        return [found]
+    return survey(path) or None
+
+
+def _print_survey(path: Path, entries: list, *, as_json: bool) -> None:
+    from rich.table import Table
+
+    from usaf.cli.console import out, print_json
+    from usaf.units import human_bytes
+
+    if as_json:
+        print_json({"path": str(path), "entries": [e.to_dict() for e in entries]})
+        return
+
+    def shown(entry) -> str:
+        return str(entry.path.relative_to(path)) if entry.path.is_relative_to(path) else str(entry.path)
+
+    table = Table(title=f"what usaf left in {path}", title_justify="left")
+    for column in ("state", "kind", "path", "size", "detail"):
+        table.add_column(column, justify="right" if column == "size" else "left", overflow="fold")
+    for entry in entries:
+        detail = entry.detail + (f" [yellow](in use: {entry.in_use})[/yellow]" if entry.in_use else "")
+        table.add_row(entry.state, entry.kind, shown(entry), human_bytes(entry.bytes), detail)
+    out.print(table)
+    for entry in entries:
+        if entry.state != "finished":
+            out.print(f"  {shown(entry)}: {entry.next}")
+    total = sum(entry.bytes for entry in entries)
+    out.print(f"{len(entries)} entries, {human_bytes(total)}")
 
 
 def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]], *, limit: int = 12) -> None:

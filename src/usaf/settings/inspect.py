@@ -14,7 +14,8 @@ class InspectConfig(StageConfig):
     """Settings of ``usaf inspect``."""
 
     path: Path = Field(
-        description="An artifact directory (has manifest.json) or a model directory.",
+        description="An artifact directory (has manifest.json), a model directory, or a workspace, unfinished run "
+        "or interrupted output (what usaf left there, and how it resumes).",
         json_schema_extra=cli(argument=True),
     )
     no_hash: bool = Field(False, description="Check files' presence and sizes only, not their sha256 (faster).")

@@ -1,0 +1,104 @@
+"""``usaf inspect WORKSPACE`` (usaf.stages.survey): what usaf left in a workspace, finished or not, and how each
+unfinished thing goes on; ``usaf inspect`` of an unfinished run or of an interrupted output's path."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import ctrl_c_at_step, invoke, stop_at_check
+
+
+@pytest.fixture(scope="module")
+def workspace(prepared, tmp_path_factory):
+    """A workspace holding a finished plan, a run stopped at step 2, a score stopped in its calibration pass, an eval
+    stopped in its base pass, a killed write's temporary, and a user's own directory."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    ws = tmp_path_factory.mktemp("survey")
+    with pytest.MonkeyPatch.context() as mp:
+        with ctrl_c_at_step(2):
+            stopped = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--workspace", ws,
+                             "--steps", 6, "--save-every", 1, "--lr", 0.05)  # fmt: skip
+        assert stopped.exit_code == 130, stopped.output
+        stop_at_check(mp, 2)
+        stopped = invoke("score", "--model", qdir, "--data", tokens, "--workspace", ws, "--frac", 0.05,
+                         "--calib-samples", 8, "--train-from", 2, "--no-stability")  # fmt: skip
+        assert stopped.exit_code == 130, stopped.output
+        stop_at_check(mp, 2)
+        stopped = invoke("eval", "--model", qdir, "--data", tokens, "--workspace", ws, "--microbatch", 2,
+                         "--no-plots")  # fmt: skip
+        assert stopped.exit_code == 130, stopped.output
+    finished = invoke("score", "--model", qdir, "--data", tokens, "--out", ws / "plan" / "mine", "--frac", 0.05,
+                      "--calib-samples", 8, "--train-from", 2, "--no-stability")  # fmt: skip
+    assert finished.exit_code == 0, finished.output
+    (ws / "plan" / f".gone.usaf-tmp-{2**22 + 7}-abcd1234").mkdir()  # a killed writer's temporary
+    (ws / "notes").mkdir()
+    (ws / "notes" / "todo.txt").write_text("mine")
+    return ws
+
+
+def surveyed(path: Path) -> list[dict]:
+    result = invoke("inspect", path, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["entries"]
+
+
+def test_a_workspace_lists_what_usaf_left_and_how_each_goes_on(workspace):
+    entries = surveyed(workspace)
+    by_state = {}
+    for entry in entries:
+        by_state.setdefault(entry["state"], []).append(entry)
+    (run,) = by_state["unfinished run"]
+    assert "newest checkpoint: step 2 of 6" in run["detail"] and "usaf train --out" in run["next"]
+    (score,) = by_state["interrupted"]
+    assert score["kind"] == "plan" and "usaf score kept the calibration pass" in score["detail"]
+    assert Path(score["path"]).name.endswith(".usaf-partial") and "--overwrite discards it" in score["next"]
+    (kept,) = by_state["kept eval pass"]
+    assert kept["detail"] == "the base pass after 1 microbatch" and "resumes it" in kept["next"]
+    (leftover,) = by_state["leftover"]
+    assert "a killed write of gone" in leftover["detail"]
+    assert {e["kind"] for e in by_state["finished"]} == {"plan"}
+    assert all(e["bytes"] > 0 for e in entries if e["state"] != "leftover")
+    assert not any("notes" in e["path"] for e in entries)  # the user's directory is not usaf's: not listed
+    assert all(e["in_use"] is None for e in entries)
+    text = invoke("inspect", workspace)
+    assert text.exit_code == 0 and "what usaf left in" in text.stdout and "unfinished run" in text.stdout
+
+
+def test_one_unfinished_run_or_interrupted_output_is_described_alone(workspace):
+    (run,) = [p for p in (workspace / "run").iterdir()]
+    (entry,) = surveyed(run)
+    assert entry["state"] == "unfinished run" and entry["path"] == str(run)
+    (partial,) = [p for p in (workspace / "plan").iterdir() if p.name.endswith(".usaf-partial")]
+    target = partial.parent / partial.name[1 : -len(".usaf-partial")]
+    assert not target.exists()
+    (entry,) = surveyed(target)  # the output it resumes into, which does not exist yet
+    assert entry["state"] == "interrupted" and entry["path"] == str(partial)
+
+
+def test_a_directory_usaf_did_not_make_is_still_refused(workspace):
+    """The control: nothing of usaf's in it, so inspect says what it always said."""
+    result = invoke("inspect", workspace / "notes")
+    assert result.exit_code == 2 and "not a usaf artifact" in result.output
+    assert invoke("inspect", workspace / "nothing-here").exit_code == 2
+
+
+def test_an_output_being_written_is_said_to_be_in_use(workspace, tmp_path):
+    """A live process's lock (its PID in the lock file) marks the output in use; a dead one's is ignored."""
+    from usaf.artifacts.lock import lock_path
+
+    run = next((workspace / "run").iterdir())
+    lock = lock_path(run)
+    parent = os.getppid()  # alive, and not this process
+    lock.write_text(json.dumps({"pid": parent, "command": "usaf train --steps 6"}))
+    try:
+        (entry,) = surveyed(run)
+        assert entry["in_use"] == f"PID {parent}: usaf train --steps 6"
+        lock.write_text(json.dumps({"pid": 2**22 + 7, "command": "usaf train"}))  # no such process
+        (entry,) = surveyed(run)
+        assert entry["in_use"] is None
+    finally:
+        lock.unlink()
