@@ -569,3 +569,26 @@ def test_a_memory_budget_with_a_plan_sizes_the_plans_frac_not_the_default(monkey
     assert asked[0].frac == 0.05 and asked[0].train_from == 3 and config.frac != 0.05
     # the plan's targets, not the --targets default (experts + attention), size the run
     assert asked[0].targets == ("experts",) and config.targets != "experts"
+
+
+@pytest.mark.parametrize("failure", ["peer lost", "another error"])
+def test_a_lost_peer_keeps_the_flag_handlers_so_torchruns_sigterm_cannot_cut_the_message(failure):
+    """When a rank dies, torchrun sends SIGTERM to the others while they turn the failed collective into their message
+    (the newest checkpoint): with the default handler back that signal killed rank 0 first (exit -15, no message; seen
+    once under load). So under torchrun a PeerLost leaves the flag-only handlers in place; the control, any other
+    error, restores the previous handlers."""
+    import types
+
+    from usaf.distributed import PeerLost
+    from usaf.stages.stop import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    error = PeerLost("rank 0: all-reduce failed") if failure == "peer lost" else RuntimeError("a bug")
+    stop = StopRequest(types.SimpleNamespace(active=True, any=lambda flag: flag))
+    try:
+        with pytest.raises(type(error)), stop:
+            raise error
+        kept = signal.getsignal(signal.SIGTERM)
+        assert (kept == stop._handle) if failure == "peer lost" else (kept is before)
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from usaf.distributed import World
+from usaf.distributed import PeerLost, World
 from usaf.errors import StopSignal
 
 # Ctrl-C; kill, schedulers and container stops; a closed terminal (Windows has no SIGHUP).
@@ -44,7 +44,12 @@ class StopRequest:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self.world.active and isinstance(exc, PeerLost):
+            # A rank died and torchrun is stopping the others with SIGTERM: with the default handler back, that
+            # signal could end this rank before it says which checkpoint is the newest (seen under load). The flag
+            # handler stays for the little that is left of the command.
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
