@@ -24,16 +24,14 @@ from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import OLD_TAG, PARTIAL_TAG, TMP_TAG, usaf_made
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, checkpoint_dirs
 from usaf.errors import UsafError
+from usaf.stages.eval.cache import CACHE_SUBDIR, META_FILE, TUNED_SUBDIR
+from usaf.stages.quantize import LAYERS_DIR
+from usaf.stages.quantize_parts import PARTIAL_SETTINGS
+from usaf.stages.score_resume import CALIBRATION, PROBES, RANK_CALIBRATION, STORE
+from usaf.stages.score_resume import SETTINGS as SCORE_SETTINGS
 
-CACHE_DIR = "cache"
-EVAL_BASE, EVAL_TUNED = "eval-base", "eval-tuned"  # usaf.stages.eval.cache's subdirectories
-SCORE_SETTINGS = "score-settings.json"  # usaf.stages.score_resume's files: what an interrupted score kept
-SCORE_WORK = {
-    "score-calibration.pt": "the calibration pass",
-    "score-probes.pt": "finished lr-test probes",
-    "score-store.json": "part of --cache's prefix store",
-}
-QUANTIZE_SETTINGS, QUANTIZE_LAYERS = "partial-settings.json", "layers"  # usaf.stages.quantize's
+SCORE_WORK = {CALIBRATION: "the calibration pass", PROBES: "finished lr-test probes",
+              STORE: "part of --cache's prefix store"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,8 +55,8 @@ def survey(workspace: Path) -> list[Entry]:
     """Every usaf output, unfinished run, interrupted output, kept eval pass and leftover in ``workspace``."""
     entries: list[Entry] = []
     for child in _directories(workspace):
-        if child.name == CACHE_DIR:
-            entries += _eval_cache(child)
+        if child == workspace / CACHE_SUBDIR.parent:
+            entries += _eval_cache(workspace)
             continue
         found = describe(child)
         if found is not None:
@@ -126,12 +124,12 @@ def _interrupted(partial: Path, target: Path) -> Entry | None:
     if (partial / SCORE_SETTINGS).is_file():
         kept = [what for name, what in SCORE_WORK.items() if (partial / name).is_file()]
         kind, detail = "plan", "usaf score kept " + (", ".join(kept) if kept else "nothing yet")
-        shares = len(list(partial.glob("score-calibration.rank*.pt")))
+        shares = len(list(partial.glob(RANK_CALIBRATION.format("*"))))
         if shares:
             detail += f" (under torchrun: {shares + 1} processes' shares)"
         discard = "--overwrite"
-    elif (partial / QUANTIZE_SETTINGS).is_file():
-        layers = len(list((partial / QUANTIZE_LAYERS).glob("*"))) if (partial / QUANTIZE_LAYERS).is_dir() else 0
+    elif (partial / PARTIAL_SETTINGS).is_file():
+        layers = len(list((partial / LAYERS_DIR).glob("*"))) if (partial / LAYERS_DIR).is_dir() else 0
         kind, detail, discard = "quantized_model", f"usaf quantize kept {layers} quantized layers", "--force"
     else:
         return None
@@ -140,11 +138,11 @@ def _interrupted(partial: Path, target: Path) -> Entry | None:
                  holder_of(target))  # fmt: skip
 
 
-def _eval_cache(cache: Path) -> list[Entry]:
+def _eval_cache(workspace: Path) -> list[Entry]:
     entries = []
-    for which, directory in ((EVAL_BASE, cache / EVAL_BASE), (EVAL_TUNED, cache / EVAL_TUNED)):
-        for entry in _directories(directory):
-            meta = _json(entry / "base.json")
+    for which in (CACHE_SUBDIR, TUNED_SUBDIR):
+        for entry in _directories(workspace / which):
+            meta = _json(entry / META_FILE)
             if meta is None:
                 continue
             batches, tokens = meta.get("batches"), meta.get("input_tokens")
@@ -153,7 +151,7 @@ def _eval_cache(cache: Path) -> list[Entry]:
                 entries.append(Entry(entry, "cached base pass", "eval cache", detail, _size(entry),
                                      "reused by the next eval of the same model and sequences; safe to delete"))
             else:
-                name = "base" if which == EVAL_BASE else "fine-tuned"
+                name = "base" if which == CACHE_SUBDIR else "fine-tuned"
                 microbatches = "microbatch" if batches == 1 else "microbatches"
                 entries.append(Entry(entry, "kept eval pass", "eval cache", f"the {name} pass after {batches} "
                                      f"{microbatches}", _size(entry), "the same usaf eval resumes it; safe to delete"))
