@@ -580,3 +580,21 @@ def test_the_resumed_pass_takes_the_kept_sums_as_they_are(trained, straight, tmp
     rows = json.loads((out / "report.json").read_text())["rows"]
     assert [r["base"]["nll"] for r in rows] != [r["base"]["nll"] for r in straight["rows"]]
     assert [r["tuned"] for r in rows] == [r["tuned"] for r in straight["rows"]]  # the fine-tuned pass ran in full
+
+
+def test_only_a_kept_pass_is_deleted_after_its_report(tmp_path):
+    """What the eval deletes once its report is written: a part of a pass kept under its key, nothing else there."""
+    from usaf.stages.eval import cache
+    from usaf.stages.eval.passes import PassResult
+
+    result = PassResult(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.int64),
+                        {0: torch.zeros(3, 2, dtype=torch.uint8)}, 3, 1.0)  # fmt: skip
+    kept, whole, other_key, mine = (tmp_path / name for name in ("kept", "whole", "other-key", "mine"))
+    cache.save(kept, "k", {}, result, batches=1)
+    cache.save(whole, "k", {}, result)
+    cache.save(other_key, "x", {}, result, batches=1)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file")
+    for directory in (kept, whole, other_key, mine):
+        cache.drop_kept(directory, "k")
+    assert not kept.exists() and whole.is_dir() and other_key.is_dir() and (mine / "notes.txt").is_file()

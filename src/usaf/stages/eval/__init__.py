@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +82,7 @@ class _Outcome:
     resident: bool
     heldout_in_training: int | None = None  # held-out sequences found in the run's training tokens; None: unchecked
     overlap_note: str | None = None  # what that count means, or why it was not checked
-    tuned_entry: Path | None = None  # where a stopped fine-tuned pass of this eval kept its work
+    tuned_kept: tuple[Path, str] | None = None  # where and under which key a stopped fine-tuned pass kept its work
 
 
 def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
@@ -111,8 +110,8 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     )
     outcome.heldout_in_training, outcome.overlap_note = found, overlap_note
     written = _write(config, writer, backend, outcome, start, progress)
-    if outcome.tuned_entry is not None:  # a stopped fine-tuned pass's work: the report holds it now
-        shutil.rmtree(outcome.tuned_entry, ignore_errors=True)
+    if outcome.tuned_kept is not None:  # a stopped fine-tuned pass's work: the report holds it now
+        cache.drop_kept(*outcome.tuned_kept)
     return written
 
 
@@ -161,18 +160,19 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
             streamer.close()  # the fine-tuned pass's engine streams its own frozen layers
         if entry is not None:
             _cache_base(entry, key, key_parts, base, progress)
-    tuned, logit_change, tuned_entry = None, None, None
+    tuned, logit_change, tuned_kept = None, None, None
     if change is not None:
         tuned_key = cache.tuned_key(key_parts, change.fingerprint)
         tuned_entry = cache.tuned_dir(workspace, tuned_key) if config.base_cache else None
         keeping = _TunedKeeping(tuned_entry, tuned_key, key_parts, stop)
+        tuned_kept = (tuned_entry, tuned_key) if tuned_entry is not None else None
         tuned, logit_change = _tuned_pass(loaded, change, batches, backend, progress, placement, base, prefix,
                                           keeping)  # fmt: skip
     else:
         progress.note("no checkpoint: evaluating the base model only")
     return _Outcome(
         model_dir, model_fp, change, inputs, sequences, data_fp, key, entry, base, tuned, logit_change,
-        {layer: state.num_experts for layer, state in loaded.experts.items()}, resident, tuned_entry=tuned_entry,
+        {layer: state.num_experts for layer, state in loaded.experts.items()}, resident, tuned_kept=tuned_kept,
     )  # fmt: skip
 
 

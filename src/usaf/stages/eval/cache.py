@@ -80,6 +80,14 @@ def load_partial(directory: Path, key: str, batches: list[Batch]) -> PartialPass
     return PartialPass(done, result) if result is not None else None
 
 
+def drop_kept(directory: Path, key: str) -> None:
+    """Delete the part of a pass a stop request kept in ``directory`` for ``key`` (once its eval is written): only
+    such an entry, never a directory that does not hold one."""
+    found = _read(directory, key)
+    if found is not None and isinstance(found[0].get("batches"), int):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _read(directory: Path, key: str) -> tuple[dict, dict] | None:
     try:
         meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
