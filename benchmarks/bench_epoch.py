@@ -4,10 +4,10 @@ What a user's typical first run costs: every training step is a first visit (no 
 those of the calibration sample, whose prefix states score's own pass computed and keeps in the plan by default, and
 the score before it (calibration, stability halves, the lr test) is part of the bill. Workload: ``bench_train.py``'s
 model (8 layers, hidden 512, random-init Qwen3-MoE, rtn 4-bit g128; the top 2 layers train) at 32 experts (width
-256, top-4) and at Qwen3-30B-A3B's ratios (128 experts of width 192, top-8); data: the stdlib packages ``json`` and
-``tomllib`` tokenized at 256 tokens (``bench_train.py``'s; ``--packages`` for more data: score's cost is fixed,
-train's and LoRA's grow with it); microbatch 2, fp32, 1 thread. Each arm is timed whole,
-in this process:
+256, top-4) and at Qwen3-30B-A3B's ratios (128 experts of width 192, top-8; ``--experts 64``: 64 of them); data: the
+stdlib packages ``json`` and ``tomllib`` tokenized at 256 tokens (``bench_train.py``'s; ``--packages`` for more
+data: score's cost is fixed, train's and LoRA's grow with it); microbatch 2, fp32, 1 thread. Each arm is timed
+whole, in this process:
 
 - **usaf**: ``usaf.stages.score.run`` then ``usaf.stages.train.run`` with ``epochs=1``, as the CLI calls them, at
   their defaults otherwise (``--frac`` 0.005 on the top 2 layers' experts and attention, routers, 64 calibration
@@ -22,7 +22,7 @@ in this process:
 
 Rounds rotate the order (each arm first in turn); medians of ``--rounds``. Not here: any GPU.
 
-    python benchmarks/bench_epoch.py [--threads 1] [--rounds 2] [--experts 32 128] [--packages json tomllib]
+    python benchmarks/bench_epoch.py [--threads 1] [--rounds 2] [--experts 32 64 128] [--packages json tomllib]
         [--out benchmarks/results/epoch.json]
 """
 
@@ -52,7 +52,12 @@ from bench_train import (  # noqa: E402
     lora_ranks,
 )
 
-SHAPES = {"E32": {}, "E128": {"num_experts": 128, "moe_intermediate_size": 192, "num_experts_per_tok": 8}}
+# E64 and E128: Qwen3-30B-A3B's ratios (width 0.375 x hidden, top-8); E64 is the growth curve's middle point
+SHAPES = {
+    "E32": {},
+    "E64": {"num_experts": 64, "moe_intermediate_size": 192, "num_experts_per_tok": 8},
+    "E128": {"num_experts": 128, "moe_intermediate_size": 192, "num_experts_per_tok": 8},
+}
 
 
 def prepare(work: Path, widths: dict, packages: tuple[str, ...]) -> tuple[Path, Path, Path]:
@@ -173,7 +178,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--experts", type=int, nargs="*", choices=(32, 128), default=[32, 128])
+    parser.add_argument("--experts", type=int, nargs="*", choices=(32, 64, 128), default=[32, 128],
+                        help="shapes by expert count (default 32 128)")
     parser.add_argument("--out", type=Path, default=RESULTS / "epoch.json")
     parser.add_argument("--packages", nargs="+", default=list(PACKAGES),
                         help="stdlib packages to tokenize (the data size: score's cost is fixed, train's grows)")
