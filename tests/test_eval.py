@@ -487,9 +487,9 @@ def test_workspace_tokens_without_a_held_out_split_are_named_as_training_text(tr
     assert "no held-out split" in note and "--held-out-frac" in note
 
 
-def _eval(trained, workspace, out, *extra, microbatch: int = 4):
+def _eval(trained, workspace, out, *extra, microbatch: int = 4, checkpoint=None):
     return invoke(
-        "eval", "--model", trained["q"], "--checkpoint", trained["run"], "--data", trained["tokens"],
+        "eval", "--model", trained["q"], "--checkpoint", checkpoint or trained["run"], "--data", trained["tokens"],
         "--held-out", trained["tokens"], "--workspace", workspace, "--out", out, "--no-plots",
         "--microbatch", microbatch, *extra,
     )  # fmt: skip
@@ -580,6 +580,60 @@ def test_the_resumed_pass_takes_the_kept_sums_as_they_are(trained, straight, tmp
     rows = json.loads((out / "report.json").read_text())["rows"]
     assert [r["base"]["nll"] for r in rows] != [r["base"]["nll"] for r in straight["rows"]]
     assert [r["tuned"] for r in rows] == [r["tuned"] for r in straight["rows"]]  # the fine-tuned pass ran in full
+
+
+def _another_run(trained, root):
+    """A copy of the trained run whose step-8 checkpoint holds other deltas (twice the values): another run of the
+    same model, with a checkpoint of the same name."""
+    from safetensors.torch import load_file, save_file
+
+    other = root / "other-run"
+    shutil.copytree(trained["run"], other)
+    deltas = other / "checkpoints" / "step-0000008" / "deltas.safetensors"
+    tensors = load_file(str(deltas))
+    save_file({k: v * 2 if v.is_floating_point() else v for k, v in tensors.items()}, str(deltas))
+    return other
+
+
+def test_a_checkpoints_fingerprint_is_its_content_not_its_name(trained, tmp_path):
+    """Two runs of one model both have a step-0000008: the name told them apart from nothing. The same files
+    elsewhere are the same change (the control: not the path either)."""
+    from usaf.artifacts.run import load_trained_change
+
+    mine = trained["run"] / "checkpoints" / "step-0000008"
+    copy = tmp_path / "copy"
+    shutil.copytree(trained["run"], copy)
+    fingerprint = load_trained_change(mine).fingerprint
+    assert load_trained_change(copy / "checkpoints" / "step-0000008").fingerprint == fingerprint
+    other = _another_run(trained, tmp_path) / "checkpoints" / "step-0000008"
+    assert load_trained_change(other).fingerprint != fingerprint
+    assert load_trained_change(mine.parent / "step-0000016").fingerprint != fingerprint
+
+
+def test_another_runs_checkpoint_of_the_same_name_does_not_take_a_kept_pass(
+    trained, microbatches, tmp_path, monkeypatch
+):
+    """A fine-tuned pass kept for one run's step-8 is not another run's step-8 pass: that eval runs its own in full
+    (its report equals a straight eval's) and leaves the kept one, which the first checkpoint's eval then takes."""
+    from usaf.stages.eval import cache
+
+    mine = trained["run"] / "checkpoints" / "step-0000008"
+    theirs = _another_run(trained, tmp_path) / "checkpoints" / "step-0000008"
+    ws = tmp_path / "ws"
+    stop_at_check(monkeypatch, microbatches + 2)  # one microbatch into the fine-tuned pass
+    stopped = _eval(trained, ws, tmp_path / "a", checkpoint=mine)
+    monkeypatch.undo()
+    assert stopped.exit_code == 130 and "kept the fine-tuned pass (1 of" in stopped.stderr, stopped.output
+    (kept,) = (ws / cache.TUNED_SUBDIR).iterdir()
+    other = _eval(trained, ws, tmp_path / "b", checkpoint=theirs)
+    assert other.exit_code == 0 and "fine-tuned pass: resuming" not in other.stderr, other.output
+    straight = _eval(trained, tmp_path / "ws-straight", tmp_path / "c", checkpoint=theirs)
+    assert straight.exit_code == 0, straight.output
+    _same_report(tmp_path / "b", json.loads((tmp_path / "c" / "report.json").read_text()))
+    assert kept.is_dir()
+    resumed = _eval(trained, ws, tmp_path / "d", checkpoint=mine)  # the control: its own checkpoint takes it
+    assert resumed.exit_code == 0 and "fine-tuned pass: resuming after 1 of" in resumed.stderr, resumed.output
+    assert not kept.exists()
 
 
 def test_only_a_kept_pass_is_deleted_after_its_report(tmp_path):

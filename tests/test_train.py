@@ -580,15 +580,17 @@ def test_a_lost_peer_keeps_the_flag_handlers_so_torchruns_sigterm_cannot_cut_the
     import types
 
     from usaf.distributed import PeerLost
-    from usaf.stages.stop import StopRequest
+    from usaf.stages.stop import STOP_SIGNALS, StopRequest
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     error = PeerLost("rank 0: all-reduce failed") if failure == "peer lost" else RuntimeError("a bug")
     stop = StopRequest(types.SimpleNamespace(active=True, any=lambda flag: flag))
     try:
         with pytest.raises(type(error)), stop:
             raise error
-        kept = signal.getsignal(signal.SIGTERM)
-        assert (kept == stop._handle) if failure == "peer lost" else (kept is before)
-    finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig in STOP_SIGNALS:
+            kept = signal.getsignal(sig)
+            assert (kept == stop._handle) if failure == "peer lost" else (kept is before[sig]), sig
+    finally:  # every handler back, not SIGTERM's alone: the rest of the session keeps its Ctrl-C
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

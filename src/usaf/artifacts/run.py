@@ -27,6 +27,7 @@ from pydantic import Field
 
 from usaf.artifacts.delta import DeltaManifest, read_delta
 from usaf.artifacts.disk import check_free_space, removed_on_failure
+from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.loader import load_verified, read_manifest_json
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors, load_torch
@@ -307,7 +308,7 @@ class TrainedChange:
     """
 
     source: Path
-    fingerprint: str  # identifies the change (the run manifest's fingerprint, or the checkpoint's step)
+    fingerprint: str  # identifies the change: the run manifest's fingerprint, or the checkpoint's content
     model_fingerprint: str
     trainable_layers: list[int]
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -364,11 +365,21 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
         checkpoint,
         flag=flag,
         source=checkpoint,
-        fingerprint=f"{model_fingerprint[:16]}:{checkpoint.name}",
+        fingerprint=None,
         model_fingerprint=model_fingerprint,
         layers=None,
         max_step=steps if isinstance(steps, int) else None,
     )
+
+
+def checkpoint_fingerprint(directory: Path, model_fingerprint: str) -> str:
+    """What a checkpoint changes, by content: its deltas and routers over its model.
+
+    Not its name: every run of a model has a ``step-0000050``, and eval keys the fine-tuned pass it keeps on this
+    (two runs' checkpoints of one name took each other's kept pass when the name was the identity).
+    """
+    files = ((name, sha256_file(directory / name)) for name in (DELTAS_FILE, ROUTERS_FILE))
+    return combine([("model", model_fingerprint), *files])
 
 
 def _read_checkpoint(
@@ -376,14 +387,17 @@ def _read_checkpoint(
     *,
     flag: str,
     source: Path,
-    fingerprint: str,
+    fingerprint: str | None,
     model_fingerprint: str,
     layers: list[int] | None,
     max_step: int | None,
 ) -> TrainedChange:
+    """``fingerprint``: the run manifest's; None: the checkpoint's own, by content (once its files read as intact)."""
     checkpoint = read_checkpoint(
         directory, flag=flag, full=False, hint="pass an intact run or checkpoint", max_step=max_step
     )
+    if fingerprint is None:
+        fingerprint = checkpoint_fingerprint(directory, model_fingerprint)
     deltas = {name: (r.cumulative[0], r.cumulative[1].float()) for name, r in checkpoint.deltas.items()}
     if not deltas:
         raise UsafError(f"{flag} {directory}: the checkpoint holds no deltas", "pass an intact run or checkpoint")
