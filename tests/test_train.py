@@ -434,6 +434,39 @@ def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path,
     assert [i.path for i in manifest.inputs if i.role == "plan"] == [str(run / "plan")]
 
 
+def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prepared, tmp_path):
+    """Without --plan, train takes the workspace's newest plan for the model; the plan decides the masks, so with a
+    --frac it was not scored with the --frac would be ignored. Such a plan is passed over (saying so) and one is
+    scored with the settings given; the same settings take it (the control); a run directory whose own plan was
+    scored with others is refused."""
+    from usaf.artifacts import PlanManifest
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    ws = tmp_path / "ws"
+    shutil.copytree(plan, ws / "plan" / "scored")  # frac 0.05, layers from 2, 8 calibration sequences
+    args = ["--model", qdir, "--data", tokens, "--workspace", ws, "--steps", 2, "--calib-samples", 8]
+
+    same = invoke("train", *args, "--frac", 0.05, "--train-from", 2, "--out", tmp_path / "same")
+    assert same.exit_code == 0 and "using the plan" in same.stderr and "scoring now" not in same.stderr, same.output
+    assert [i.path for i in load_verified(tmp_path / "same", RunManifest).inputs if i.role == "plan"] == [
+        str(ws / "plan" / "scored")
+    ]
+
+    other = invoke("train", *args, "--frac", 0.1, "--train-from", 2, "--out", tmp_path / "other")
+    assert other.exit_code == 0, other.output
+    assert "not using the plan" in other.stderr and "--frac 0.05, not 0.1 (given)" in other.stderr
+    assert "scoring now into" in other.stderr
+    assert load_verified(tmp_path / "other" / "plan", PlanManifest).summary.frac == 0.1
+    assert load_verified(tmp_path / "other", RunManifest).config["frac"] == 0.1
+
+    # a start that scored its plan on the fly and stopped before training: rerun with another --frac
+    shutil.copytree(tmp_path / "other" / "plan", tmp_path / "stopped" / "plan")
+    refused = invoke("train", *args, "--frac", 0.2, "--train-from", 2, "--out", tmp_path / "stopped")
+    assert refused.exit_code == 2 and "--frac 0.1, not 0.2 (given)" in refused.stderr, refused.output
+    resumed = invoke("train", *args, "--frac", 0.1, "--train-from", 2, "--out", tmp_path / "stopped")
+    assert resumed.exit_code == 0 and "scoring now" not in resumed.stderr, resumed.output
+
+
 def test_fp16_training_scales_the_loss_learns_and_resumes_exactly(prepared, tmp_path, monkeypatch):
     from usaf.stages.train import trainer
 

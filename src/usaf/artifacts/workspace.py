@@ -193,10 +193,17 @@ def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Any) -> tupl
 
 
 def resolve_plan(
-    plan: Path | None, workspace: Path | None, model: tuple[Path, str], progress: Any, *, outside: Path | None = None
+    plan: Path | None,
+    workspace: Path | None,
+    model: tuple[Path, str],
+    progress: Any,
+    *,
+    outside: Path | None = None,
+    differences: Callable[[PlanManifest], list[str]] | None = None,
 ) -> tuple[Path, PlanManifest] | None:
     """``plan`` (read and verified once), else the workspace's newest plan made for ``model`` (its directory and
-    fingerprint), not one inside ``outside`` (a run directory, whose own plan its run finds), else None.
+    fingerprint) that ``differences`` finds nothing against (the settings given that it was scored without), not one
+    inside ``outside`` (a run directory, whose own plan its run finds), else None.
 
     Refuses a plan made for another quantized model.
     """
@@ -208,10 +215,15 @@ def resolve_plan(
         found = find_artifacts(workspace_dir(workspace), PlanManifest)
         mine = [a for a in found if a.manifest.summary.model_fingerprint == model_fingerprint
                 and (own is None or own not in a.path.parents)]  # fmt: skip
-        if not mine:
+        taken = [a for a in mine if differences is None or not differences(a.manifest)]
+        if differences is not None and mine and mine[0] not in taken:  # the newest is not it: say why, once
+            progress.note(f"not using the plan {mine[0].path} (newest made for this model): scored with "
+                          f"{'; '.join(differences(mine[0].manifest))}")  # fmt: skip
+        if not taken:
             return None
-        path, manifest = mine[0].path, mine[0].manifest  # newest first
-        progress.note(f"using the plan {path} (newest made for this model)")
+        path, manifest = taken[0].path, taken[0].manifest  # newest first
+        suffix = "" if taken[0] is mine[0] else " with the selection given"
+        progress.note(f"using the plan {path} (newest made for this model{suffix})")
     check_plan_model(path, manifest, model)
     return path, manifest
 

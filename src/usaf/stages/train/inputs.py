@@ -37,7 +37,7 @@ from usaf.artifacts.workspace import (
     unfinished_outputs,
 )
 from usaf.artifacts.writer import ArtifactWriter, remove_stale_temporaries_inside, write_text_atomic
-from usaf.config import source_of
+from usaf.config import flag_name, given_to_command, source_of
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import World, world
@@ -291,10 +291,11 @@ class _Settler:
         ``score_now``."""
         given_plan = self.given[1] if self.given else None
         budgeted, steps, reselect_every = self.budgeted(config, given_plan, progress)  # before any scoring on the fly
-        found = self.given or _found_plan(self.model, run_dir, config.workspace, progress)
+        wanted = self.selection_given(config, budgeted, run_dir)
+        found = self.given or _found_plan(self.model, run_dir, config.workspace, progress, wanted)
         if found is None and not score_now:
             return None
-        plan_dir, plan = found or _score_on_the_fly(self.score_settings(budgeted, run_dir), run_dir, progress)
+        plan_dir, plan = found or _score_on_the_fly(self.score_settings(budgeted, run_dir), run_dir, progress, wanted)
         first = plan.summary.trainable_layers[0]
         if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
@@ -315,38 +316,74 @@ class _Settler:
             **{name: getattr(config, name) for name in options},
         )
 
+    def selection_given(self, config: TrainConfig, budgeted: TrainConfig, run_dir: Path) -> dict[str, Any]:
+        """The selection settings given to this command (its flags or its ``[train]`` table), as the plan it scores
+        would record them: a plan scored with others is not this run's. Empty with ``--plan`` (which refuses them)."""
+        if self.given is not None:
+            return {}
+        recorded = self.score_settings(budgeted, run_dir).model_dump(mode="json")
+        return {name: recorded[name] for name in SELECTION_FIELDS if given_to_command(config, name)}
+
     def scores_into(self, config: TrainConfig, run_dir: Path) -> dict | None:
         """The identity score records (score-settings.json) for the plan this run would score into ``run_dir``; None
         when the run would not score (a plan given or in the workspace)."""
-        if self.given is not None or _found_plan(self.model, run_dir, config.workspace, NullProgress()) is not None:
+        if self.given is not None:
             return None
         budgeted = self.budgeted(config, None, NullProgress())[0]
+        wanted = self.selection_given(config, budgeted, run_dir)
+        if _found_plan(self.model, run_dir, config.workspace, NullProgress(), wanted) is not None:
+            return None
         return run_identity(self.score_settings(budgeted, run_dir), model_fingerprint=self.model[1],
                             data_fingerprint=self.data_fingerprint, backend=self.backend,
                             processes=self.world.size)  # fmt: skip
 
 
 def _found_plan(
-    model: tuple[Path, str], run_dir: Path, workspace: Path | None, progress: Progress
+    model: tuple[Path, str], run_dir: Path, workspace: Path | None, progress: Progress, wanted: dict[str, Any]
 ) -> tuple[Path, PlanManifest] | None:
     """Without ``--plan``: the one scored into RUN/plan by an earlier start, else the workspace's newest plan for
-    this model (not one inside another run), else None."""
+    this model scored with the selection settings given (``wanted``; not one inside another run), else None.
+
+    A plan scored with other selection settings than those given is never taken: the plan decides the masks, so
+    the given ``--frac`` (say) would be ignored. RUN/plan is this run's own: one with others is refused."""
     if (run_dir / PLAN_DIR / "manifest.json").is_file():  # scored on the fly by an earlier, interrupted start
         path = run_dir / PLAN_DIR
         manifest = load_verified(path, PlanManifest, flag="--plan")
         check_plan_model(path, manifest, model)
+        differences = _selection_differences(manifest, wanted)
+        if differences:
+            raise UsafError(
+                f"--out {run_dir}: its plan ({path}) was scored with {'; '.join(differences)}",
+                "give the settings it was scored with, or another --out (--overwrite replaces the run)",
+            )
         return path, manifest
-    return resolve_plan(None, workspace, model, progress, outside=run_dir)
+    return resolve_plan(
+        None, workspace, model, progress, outside=run_dir, differences=lambda m: _selection_differences(m, wanted)
+    )
 
 
-def _score_on_the_fly(settings: score.ScoreConfig, run_dir: Path, progress: Progress) -> tuple[Path, PlanManifest]:
+def _selection_differences(plan: PlanManifest, wanted: dict[str, Any]) -> list[str]:
+    """The given selection settings a plan was scored without, in a user's words (``--frac 0.005, not 0.05``)."""
+
+    def shown(value: Any) -> str:
+        return "the default" if value is None else str(value)
+
+    recorded = plan.config
+    return [f"{flag_name(name)} {shown(recorded.get(name))}, not {shown(value)} (given)"
+            for name, value in wanted.items() if recorded.get(name) != value]  # fmt: skip
+
+
+def _score_on_the_fly(
+    settings: score.ScoreConfig, run_dir: Path, progress: Progress, wanted: dict[str, Any]
+) -> tuple[Path, PlanManifest]:
     interrupted = ArtifactWriter.partial_dir(run_dir / PLAN_DIR)  # a score stopped here: resumed by score.run
     if run_dir.exists() and any(name != interrupted.name for name in own_entries(run_dir)):  # a kill's lock: ignored
         raise UsafError(
             f"--out {run_dir}: holds another run (other settings or inputs)",
             "pass another --out, or --overwrite to replace it",
         )
-    progress.note(f"no --plan and none in the workspace for this model: scoring now into {run_dir / PLAN_DIR}")
+    which = "scored with the selection given" if wanted else "for this model"
+    progress.note(f"no --plan and none in the workspace {which}: scoring now into {run_dir / PLAN_DIR}")
     world().barrier("run directory check")  # every rank has looked before rank 0 creates it
     made = world().is_main and not run_dir.exists()
     if world().is_main:
