@@ -201,6 +201,46 @@ def test_without_out_the_same_command_resumes_the_interrupted_output(tiny_model,
     assert load_verified(target, QuantizedModelManifest).summary.quant.group_size_requested == 8
 
 
+def test_an_interrupted_run_is_not_resumed_from_other_weights_of_the_same_shape(tmp_path, monkeypatch):
+    """The source fingerprint reads the weight files' headers, not the weights: two fine-tunes of one architecture
+    (here two seeds, both saved as .../checkpoint) share it. The partial directory also records the files (path,
+    sizes, modification times), so the other model does not resume the first one's layers: without --out it starts
+    its own output, with the first one's --out it is refused; a re-saved source is refused too. The control, the
+    same files resuming, is the test above."""
+    import usaf.stages.quantize as stage
+    from usaf.families import load_model_config, resolve_family
+    from usaf.families.checkpoint import read_checkpoint
+    from usaf.stages.quantize_parts import source_record
+    from usaf.testing import build_tiny_model
+
+    def source_fingerprint(model_dir: Path) -> str:
+        spec = resolve_family(load_model_config(model_dir))
+        return source_record(str(model_dir), model_dir, spec, read_checkpoint(model_dir)).fingerprint
+
+    first, second = (build_tiny_model("qwen3_moe", tmp_path / name / "checkpoint", num_layers=4, seed=seed,
+                                      tokenizer=False) for name, seed in (("a", 0), ("b", 1)))  # fmt: skip
+    assert source_fingerprint(first) == source_fingerprint(second)  # what made the mix possible
+    options = ["--workspace", tmp_path / "ws", "--method", "rtn", "--group-size", "8"]
+    saved, real = _interrupt_after_two_layers(stage, monkeypatch)
+    assert quantize(first, *options).exit_code == 130
+    (partial,) = (tmp_path / "ws" / "quantized_model").glob(".*.usaf-partial")
+    monkeypatch.setattr(stage, "_save_layer", lambda path, *a: saved.append(path.name) or real(path, *a))
+
+    saved.clear()
+    other = quantize(second, *options)
+    assert other.exit_code == 0 and "resuming" not in other.stderr and partial.is_dir(), other.output
+    assert saved == [f"layer-0000{i}.pt" for i in range(4)]  # every layer its own
+    target = partial.parent / partial.name.removeprefix(".").removesuffix(".usaf-partial")
+    refused = quantize(second, "--out", target, "--method", "rtn", "--group-size", "8")
+    assert refused.exit_code == 2 and "the model's files changed since" in refused.stderr, refused.output
+
+    shard = next(first.glob("*.safetensors"))  # the first model re-saved in place: same names and sizes
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    refused = quantize(first, "--out", target, "--method", "rtn", "--group-size", "8")
+    assert refused.exit_code == 2 and "the model's files changed since" in refused.stderr, refused.output
+
+
 def test_existing_output_resume_and_force(tiny_model, tmp_path):
     source = tiny_model("olmoe")
     out = tmp_path / "q"

@@ -61,6 +61,29 @@ def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any]) -> bo
     return done == tuple(settings.values())
 
 
+# In an interrupted run's partial-settings.json beside the settings: the source's weight files as they were. The
+# source fingerprint reads their headers only (hashing tens of GB at every start would cost minutes), so two
+# fine-tunes of one architecture share it; the files' path, sizes and modification times tell them apart.
+SOURCE_FILES = "source_files"
+
+
+def _source_files(model_dir: Path, infos: dict[str, Any]) -> dict[str, Any]:
+    """The source's weight files as they are on disk now: the model's path and (name, bytes, mtime in ns) each."""
+    files = []
+    for name in sorted({info.file for info in infos.values()}):
+        stat = (model_dir / name).stat()
+        files.append([name, stat.st_size, stat.st_mtime_ns])
+    return {"path": str(model_dir.resolve()), "files": files}
+
+
+def _same_work(recorded: dict[str, Any], settings: dict[str, Any], files: dict[str, Any]) -> bool:
+    """An interrupted run's recorded settings against this run's: equal settings, from the same source files. One
+    read back from its manifest (killed after the manifest, before the rename: a whole, verified output) or written by
+    an older usaf holds no files: its settings decide."""
+    mine = {key: value for key, value in recorded.items() if key != SOURCE_FILES}
+    return mine == settings and recorded.get(SOURCE_FILES, files) == files
+
+
 def _partial_settings(partial: Path) -> dict[str, Any] | None:
     """The settings an interrupted run recorded in its partial directory (None: none readable)."""
     try:
@@ -80,11 +103,14 @@ def _partial_settings(partial: Path) -> dict[str, Any] | None:
     }
 
 
-def _interrupted_output(workspace: Path, label: str, settings: dict[str, Any]) -> Path | None:
-    """The default output an interrupted quantization with these ``settings`` was writing in the workspace (the
-    newest), where its partial directory says so."""
+def _interrupted_output(
+    workspace: Path, label: str, settings: dict[str, Any], files: dict[str, Any]
+) -> Path | None:
+    """The default output an interrupted quantization with these ``settings`` of these source ``files`` was writing
+    in the workspace (the newest), where its partial directory says so."""
     for target in interrupted_outputs(workspace, "quantized_model", label):
-        if _partial_settings(ArtifactWriter.partial_dir(target)) == settings:
+        recorded = _partial_settings(ArtifactWriter.partial_dir(target))
+        if recorded is not None and _same_work(recorded, settings, files):
             return target
     return None
 
@@ -156,9 +182,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         "nbits": config.nbits,
         "group_size": config.group_size,
     }
+    files = _source_files(model_dir, infos)
     out = config.out
     if out is None:  # a default output is new at every start: the same command finds the one it was writing
-        out = _interrupted_output(workspace_dir(config.workspace), model_dir.name, settings)
+        out = _interrupted_output(workspace_dir(config.workspace), model_dir.name, settings, files)
         if out is not None:
             progress.note(f"resuming the interrupted quantization that was writing {out} (no --out given)")
     out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", model_dir.name))
@@ -188,11 +215,12 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         if partial.is_dir():
             recorded = _partial_settings(partial)
             # The settings are the first thing a run writes: without them (killed while writing them) it did no work.
-            same = recorded == settings or recorded is None
+            same = recorded is None or _same_work(recorded, settings, files)
             if config.force or not same:
                 if not same and not config.force:
                     raise UsafError(
-                        f"--out {out}: an interrupted run with other settings or another model left {partial}",
+                        f"--out {out}: an interrupted run with other settings or another model (or the model's "
+                        f"files changed since) left {partial}",
                         "rerun with its settings to resume it, or pass --force to discard it",
                     )
                 shutil.rmtree(partial)
@@ -206,7 +234,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
                 art.commit_foreign()  # killed after its manifest was written: only the rename was missing
                 return complete, art.target
-            write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps(settings))
+            write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
             if art.resumed:
                 progress.note(f"resuming the interrupted run in {art.dir}")
             records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
