@@ -561,6 +561,34 @@ def test_kept_work_of_another_eval_is_not_taken_and_no_base_cache_keeps_nothing(
     assert "resuming" not in other.stderr and "base pass: computed and cached" in other.stderr
 
 
+@pytest.mark.parametrize("which", ["base", "fine-tuned"])
+def test_a_resumed_pass_computes_at_the_thread_count_its_kept_part_ran_at(
+    trained, microbatches, tmp_path, monkeypatch, which
+):
+    """The CPU's sums are bit-identical at one thread count only, and usaf lowers the count on a busy machine: a
+    kept pass records the count it ran at and the rerun computes at it (here kept at 1, resumed where 2 were
+    chosen), saying so; the whole eval from there, the logit check of the fine-tuned pass included."""
+    from usaf.stages.eval import cache
+
+    ws, out = tmp_path / "ws", tmp_path / "report"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        stop_at_check(monkeypatch, 2 if which == "base" else microbatches + 2)
+        assert _eval(trained, ws, out).exit_code == 130
+        monkeypatch.undo()
+        (entry,) = (ws / (cache.CACHE_SUBDIR if which == "base" else cache.TUNED_SUBDIR)).iterdir()
+        assert json.loads((entry / cache.META_FILE).read_text())["threads"] == 1
+        torch.set_num_threads(2)  # what an idler machine's choice would be
+        monkeypatch.delenv("OMP_NUM_THREADS")  # the suite's pinned count, which a resume leaves alone
+        resumed = _eval(trained, ws, out)
+        assert resumed.exit_code == 0, resumed.output
+        assert f"resuming at the 1 torch threads the kept {which} pass ran at" in resumed.stderr
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_resumed_pass_takes_the_kept_sums_as_they_are(trained, straight, tmp_path, monkeypatch):
     """The control of the resume: kept sums changed on disk change the report, so the rerun did not recompute them."""
     from safetensors.torch import load_file, save_file

@@ -144,7 +144,7 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
         progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
     else:
         streamer = _stream_every_layer(loaded, backend, placement)
-        earlier = _resumed(entry, key, batches, "base", progress)
+        earlier = _resumed(entry, key, batches, "base", backend, progress)
         # the fine-tuned pass starts from the states this pass taps: of every batch, so not when resuming
         tap = _prefix_tap(loaded, change, batches, progress) if earlier is None else None
         try:
@@ -186,11 +186,15 @@ class _TunedKeeping:
     stop: StopRequest
 
 
-def _resumed(entry: Path | None, key: str, batches: list, what: str, progress: Progress):
-    """The part of the ``what`` pass a stop request kept in ``entry`` (a note says how much), or None."""
+def _resumed(entry: Path | None, key: str, batches: list, what: str, backend, progress: Progress):
+    """The part of the ``what`` pass a stop request kept in ``entry`` (a note says how much), or None. The rest of
+    the eval then computes at the thread count the kept part ran at (the CPU's bits depend on it)."""
     earlier = cache.load_partial(entry, key, batches) if entry is not None else None
     if earlier is not None:
         progress.note(f"{what} pass: resuming after {earlier.batches} of {len(batches)} microbatches, kept in {entry}")
+        note = backend.same_threads_as(earlier.threads, f"the kept {what} pass")
+        if note is not None:
+            progress.note(note)
     return earlier
 
 
@@ -321,6 +325,8 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
     None). The layers below it are the base model's in both passes, so the fine-tuned pass starts there, and
     their routing is the base pass's.
     """
+    # first: a kept part sets the thread count, and the logit check below is part of the report
+    earlier = _resumed(keeping.entry, keeping.key, batches, "fine-tuned", backend, progress)
     try:
         engine = SparseEngine(
             loaded,
@@ -344,7 +350,6 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
             "report this with the checkpoint; its evaluation would be the base model's",
         )
     del before, after
-    earlier = _resumed(keeping.entry, keeping.key, batches, "fine-tuned", progress)
     if prefix is None:
         keep = _keeper(keeping.entry, keeping.key, keeping.parts, len(batches), "fine-tuned", progress)
         with torch.no_grad(), keeping.stop:

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -77,7 +78,9 @@ def load_partial(directory: Path, key: str, batches: list[Batch]) -> PartialPass
         return None
     first = batches[:done]
     result = _result(found, sequences=sum(len(b.input_ids) for b in first), input_tokens=sum(b.tokens for b in first))
-    return PartialPass(done, result) if result is not None else None
+    threads = found[0].get("threads")
+    threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
+    return PartialPass(done, result, threads) if result is not None else None
 
 
 def drop_kept(directory: Path, key: str) -> None:
@@ -121,8 +124,9 @@ def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult, *
         tensors = {"nll": result.nll.contiguous(), "tokens": result.tokens.contiguous()}
         tensors |= {f"topk.{layer}": sets.contiguous() for layer, sets in result.routing.items()}
         save_tensors(tensors, str(tmp / TENSORS_FILE))
+        # threads: the CPU's sums are bit-identical at one count only, so a resumed pass computes at this one
         meta = {"key": key, "parts": parts, "input_tokens": result.input_tokens, "seconds": result.seconds,
-                "batches": batches}  # fmt: skip
+                "batches": batches, "threads": torch.get_num_threads()}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         if directory.exists():
             shutil.rmtree(directory)

@@ -43,6 +43,7 @@ class PartialPass:
 
     batches: int
     result: PassResult
+    threads: int | None = None  # the torch threads it ran at (None: kept by an older usaf)
 
 
 PREFIX_RAM_SHARE = 0.25  # of available RAM the base pass's prefix states may take, to be reused by the tuned pass
