@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,6 +124,45 @@ def test_a_users_directory_is_never_replaced(ws, tmp_path, flag):
     assert result.exit_code == 2 and "a directory usaf did not make" in result.stderr, result.stderr
     assert "notes.txt" in result.stderr and "or --overwrite to replace it" not in result.stderr
     assert snapshot(mine) == before and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("stage", ["score", "quantize"])
+@pytest.mark.parametrize("what", ["a directory", "a link"])
+def test_what_sits_where_an_unfinished_run_keeps_its_work_is_never_taken_over(ws, tiny_model, tmp_path, stage, what):
+    """Score and quantize keep an unfinished run's work in .OUT.usaf-partial and a rerun takes it over (writes into
+    it, clears or deletes what is not its own). A user's directory of that name, or a link there to one, is not an
+    interrupted run: refused, with --force too, and left as it was (score used to empty a linked directory)."""
+    mine = _user_dir(tmp_path / "mine")
+    (mine / "manifest-notes.txt").write_text("more of my work\n")
+    out = tmp_path / "out"
+    partial = tmp_path / ".out.usaf-partial"
+    if what == "a link":
+        partial.symlink_to(mine, target_is_directory=True)
+    else:
+        shutil.copytree(mine, partial)
+    before = snapshot(mine), snapshot(partial)
+    if stage == "score":
+        args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability",
+                "--out", out, "--overwrite"]  # fmt: skip
+    else:
+        args = ["quantize", tiny_model("qwen3_moe"), "--method", "rtn", "--group-size", 8, "--out", out, "--force"]
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    expected = "is a symbolic link" if what == "a link" else "none of what an interrupted usaf run leaves there"
+    assert expected in result.stderr and ".out.usaf-partial" in result.stderr, result.stderr
+    assert (snapshot(mine), snapshot(partial)) == before and not out.exists()
+
+
+def test_a_link_where_the_lock_file_goes_is_not_written_through(ws, tmp_path):
+    """The lock file is opened, truncated and written: a link there to a user's file would have been emptied."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("my own work\n")
+    out = tmp_path / "out"
+    lock_path(out).symlink_to(precious)
+    result = invoke("score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability",
+                    "--out", out)  # fmt: skip
+    assert result.exit_code == 2 and "is a symbolic link" in result.stderr, result.output
+    assert precious.read_text() == "my own work\n" and not out.exists()
 
 
 def test_quantize_force_on_a_users_directory_is_refused(tiny_model, tmp_path):

@@ -61,6 +61,10 @@ else:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
+# A link put where the lock file goes is never followed (a link made after the check above fails to open)
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 def lock_path(target: Path) -> Path:
     target = Path(target).absolute()
     return target.parent / f".{target.name}{LOCK_TAG}"
@@ -88,6 +92,12 @@ class OutputLock:
         """Take the lock (a no-op when this object holds it already); refuse when another process holds it."""
         if self.held:
             return self
+        if self.path.is_symlink():  # opened, it would be truncated and written through: a file usaf did not make
+            raise UsafError(
+                f"{self.flag} {self.target}: its lock file {self.path.name} is a symbolic link; usaf writes only "
+                "files of its own",
+                f"remove the link, or pass another {self.flag}",
+            )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             while not self._acquire_once():
@@ -102,7 +112,7 @@ class OutputLock:
 
     def _acquire_once(self) -> bool:
         """True when locked; False when the file was replaced under us (then try again); refuses when held."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NO_FOLLOW, 0o644)
         try:
             locked = _try_lock(fd)
         except OSError as e:
@@ -127,7 +137,7 @@ class OutputLock:
         pid = holder.get("pid")
         if isinstance(pid, int) and pid != os.getpid() and psutil.pid_exists(pid):
             raise self._held_by(_describe(holder))
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # absent or stale: ours now
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _NO_FOLLOW, 0o644)  # absent or stale: ours now
         try:
             _write_holder(fd)
         finally:

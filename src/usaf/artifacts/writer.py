@@ -116,6 +116,7 @@ class ArtifactWriter:
         overwrite_flag: str = "--overwrite",
         inputs: InputPaths | None = None,
         resumable: bool = False,
+        markers: tuple[str, ...] = (),
     ) -> None:
         """Args:
         target: the artifact directory to create.
@@ -125,6 +126,8 @@ class ArtifactWriter:
         inputs: the command's inputs (flag -> path or paths): ``target`` may not be, contain or lie in one.
         resumable: build in a fixed ``.NAME.usaf-partial`` directory that survives a failure or
             Ctrl-C, so a rerun continues from what it holds (``resumed`` says whether it existed).
+        markers: with ``resumable``, the file the stage writes first in that directory: one there (or a manifest,
+            written after the bookkeeping is gone) makes it usaf's; anything else of that name is refused.
         """
         self.target = Path(target).absolute()
         self.flag = flag
@@ -133,6 +136,7 @@ class ArtifactWriter:
         self.inputs = inputs or {}
         self.lock = OutputLock(self.target, flag=flag)
         self.resumable = resumable
+        self.markers = markers
         if resumable:
             self.dir = self.partial_dir(self.target)
         else:
@@ -152,7 +156,32 @@ class ArtifactWriter:
         replaced, or that another process is writing."""
         check_not_an_input(self.target, self.flag, self.inputs)
         self._check_replaceable()
+        self._check_partial()
         self.lock.check_free()
+
+    def _check_partial(self) -> None:
+        """A resumable writer's ``.NAME.usaf-partial`` is taken over (written into, its entries cleared or deleted) only
+        where an interrupted usaf run left it: not a link, and holding one of ``markers`` or a manifest, or nothing
+        but usaf's temporaries (killed while writing its first file)."""
+        if not self.resumable:
+            return
+        partial = self.dir
+        if partial.is_symlink():
+            raise UsafError(
+                f"{self.flag} {self.target}: {partial.name} beside it is a symbolic link, where usaf keeps the work "
+                "of an unfinished run: usaf never writes through it",
+                f"remove the link, or pass another {self.flag}",
+            )
+        if not partial.is_dir() or any((partial / name).is_file() for name in (*self.markers, MANIFEST_NAME)):
+            return
+        foreign = sorted(entry.name for entry in partial.iterdir() if TMP_TAG not in entry.name)
+        if foreign:
+            raise UsafError(
+                f"{self.flag} {self.target}: {partial.name} beside it holds {', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''} and none of what an interrupted usaf run leaves there: usaf "
+                "never writes into or deletes it",
+                f"move it away, or pass another {self.flag}",
+            )
 
     def _check_replaceable(self) -> None:
         refuse_unless_replaceable(
@@ -164,6 +193,7 @@ class ArtifactWriter:
         self._check_replaceable()
         self.lock.acquire()  # held until __exit__: one writer per output
         try:
+            self._check_partial()  # again under the lock: what is there now is what will be taken
             self._enter()
         except BaseException:
             self.lock.release()
