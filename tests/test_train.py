@@ -434,7 +434,7 @@ def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path,
     assert [i.path for i in manifest.inputs if i.role == "plan"] == [str(run / "plan")]
 
 
-def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prepared, tmp_path):
+def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prepared, tmp_path, monkeypatch):
     """Without --plan, train takes the workspace's newest plan for the model; the plan decides the masks, so with a
     --frac it was not scored with the --frac would be ignored. Such a plan is passed over (saying so) and one is
     scored with the settings given; the same settings take it (the control); a run directory whose own plan was
@@ -465,6 +465,11 @@ def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prep
     assert refused.exit_code == 2 and "--frac 0.1, not 0.2 (given)" in refused.stderr, refused.output
     resumed = invoke("train", *args, "--frac", 0.1, "--train-from", 2, "--out", tmp_path / "stopped")
     assert resumed.exit_code == 0 and "scoring now" not in resumed.stderr, resumed.output
+
+    # from USAF_* as from a flag: scoring on the fly would honour it, so the plan must have been scored with it
+    monkeypatch.setenv("USAF_FRAC", "0.1")
+    env = invoke("train", *args, "--train-from", 2, "--out", tmp_path / "env")
+    assert env.exit_code == 0 and "--frac 0.05, not 0.1 (given)" in env.stderr, env.output
 
 
 def test_fp16_training_scales_the_loss_learns_and_resumes_exactly(prepared, tmp_path, monkeypatch):

@@ -80,13 +80,10 @@ def source_of(settings: BaseModel, field: str) -> str:
     return sources.get(field, flag_name(field))
 
 
-def given_to_command(settings: BaseModel, field: str) -> bool:
-    """The value came from the command's own flag or its own ``--config`` table: not from a default, ``USAF_*``,
-    ``[defaults]`` or a legacy variable, which are meant for every command (as :func:`_apply_deciders` has it)."""
-    source = (getattr(settings, "_sources", None) or {}).get(field)
-    if source is None:
-        return False
-    return source == flag_name(field) or (source.startswith("--config ") and f"[{DEFAULTS_TABLE}] " not in source)
+def was_given(settings: BaseModel, field: str) -> bool:
+    """The value came from somewhere the user set it (a flag, ``USAF_*``, a ``--config`` table, a legacy variable),
+    not from the field's default."""
+    return field in (getattr(settings, "_sources", None) or {})
 
 
 # Every ``--config`` table and the keys it may hold; installed by :mod:`usaf.settings` (which sits above

@@ -37,7 +37,7 @@ from usaf.artifacts.workspace import (
     unfinished_outputs,
 )
 from usaf.artifacts.writer import ArtifactWriter, remove_stale_temporaries_inside, write_text_atomic
-from usaf.config import flag_name, given_to_command, source_of
+from usaf.config import flag_name, source_of, was_given
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import World, world
@@ -317,12 +317,13 @@ class _Settler:
         )
 
     def selection_given(self, config: TrainConfig, budgeted: TrainConfig, run_dir: Path) -> dict[str, Any]:
-        """The selection settings given to this command (its flags or its ``[train]`` table), as the plan it scores
-        would record them: a plan scored with others is not this run's. Empty with ``--plan`` (which refuses them)."""
+        """The selection settings given (a flag, ``USAF_*``, ``--config``, a legacy variable: whatever scoring on the
+        fly would honour), as the plan it scores would record them: a plan scored with others is not this run's.
+        Empty with ``--plan``, which refuses them from a flag or ``[train]`` and drops the others."""
         if self.given is not None:
             return {}
         recorded = self.score_settings(budgeted, run_dir).model_dump(mode="json")
-        return {name: recorded[name] for name in SELECTION_FIELDS if given_to_command(config, name)}
+        return {name: recorded[name] for name in SELECTION_FIELDS if was_given(config, name)}
 
     def scores_into(self, config: TrainConfig, run_dir: Path) -> dict | None:
         """The identity score records (score-settings.json) for the plan this run would score into ``run_dir``; None
