@@ -22,7 +22,9 @@ usaf tokenize "$CODE_DIR" --model Qwen/Qwen3-30B-A3B --seq-len 512 --include '*.
 usaf quantize Qwen/Qwen3-30B-A3B --method hqq --nbits 4 --group-size 64
 usaf score --frac 0.005 --train-from 44 --calib-samples 64 --microbatch 1 --cache
 eval_data=()  # a held-out loss during training needs a held-out split (an empty one is refused)
-if [ ${#held_out[@]} -gt 0 ]; then eval_data=(--eval-data "$(ls -d "$USAF_WORKSPACE"/tokens/* | tail -1)"); fi
-usaf train --steps 1000 --reselect-every 50 --microbatch 1 --grad-accum 8 --eval-every 100 "${eval_data[@]}"
+if [ ${#held_out[@]} -gt 0 ]; then
+    eval_data=(--eval-data "$(ls -d "$USAF_WORKSPACE"/tokens/* | tail -1)" --eval-every 100)
+fi
+usaf train --steps 1000 --reselect-every 50 --microbatch 1 --grad-accum 8 "${eval_data[@]}"
 usaf eval --max-sequences 256
 usaf export --base Qwen/Qwen3-30B-A3B

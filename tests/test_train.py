@@ -472,6 +472,31 @@ def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prep
     assert env.exit_code == 0 and "--frac 0.05, not 0.1 (given)" in env.stderr, env.output
 
 
+def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
+    """--eval-every with nothing to evaluate on would train without a held-out loss, silently; from USAF_* (which may
+    be meant for other runs) it is a note."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 2]
+    refused = invoke(*args, "--eval-every", 1, "--out", tmp_path / "flag")
+    assert refused.exit_code == 2 and "--eval-every 1: no --eval-data" in refused.stderr, refused.output
+    assert not (tmp_path / "flag").exists()
+    monkeypatch.setenv("USAF_EVAL_EVERY", "1")
+    noted = invoke(*args, "--out", tmp_path / "env")
+    assert noted.exit_code == 0 and "USAF_EVAL_EVERY 1: no --eval-data" in noted.stderr, noted.output
+
+
+def test_vram_on_the_cpu_is_refused_not_dropped(prepared, tmp_path):
+    """On the CPU the planner sizes the run by RAM alone: a --vram given there used to be read and dropped while the
+    run said it followed usaf plan's choice (usaf plan refuses the same)."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--device", "cpu"]
+    refused = invoke(*args, "--vram", "12GiB", "--ram", "8GiB", "--out", tmp_path / "vram")
+    assert refused.exit_code == 2 and "--vram 12GiB: this run computes on the CPU" in refused.stderr, refused.output
+    assert not (tmp_path / "vram").exists()
+    ram = invoke(*args, "--ram", "8GiB", "--out", tmp_path / "ram")  # the control: --ram alone plans the run
+    assert ram.exit_code == 0 and "usaf plan's choice" in ram.stderr, ram.output
+
+
 def test_fp16_training_scales_the_loss_learns_and_resumes_exactly(prepared, tmp_path, monkeypatch):
     from usaf.stages.train import trainer
 

@@ -51,6 +51,11 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
             f"--vram/--ram: the memory planner models cpu, cuda and directml, not {backend.device.type}",
             "drop --vram/--ram and set --microbatch and --stream-experts yourself",
         )
+    if kind == "cpu" and config.vram is not None and source_of(config, "vram") == "--vram":
+        raise UsafError(  # else planned for RAM alone, the --vram given read and dropped
+            f"--vram {config.vram}: this run computes on the CPU ({backend.device}), which has no device memory",
+            "drop --vram (--ram sizes the run), or pass --device cuda",
+        )
     memory = backend.memory()
     vram = parse_size(config.vram, flag=source_of(config, "vram")) if config.vram else memory.device_total
     ram = parse_size(config.ram, flag=source_of(config, "ram")) if config.ram else memory.host_total

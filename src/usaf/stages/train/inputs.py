@@ -206,6 +206,12 @@ def _real(path: Path) -> Path:
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
     if config.eval_data is None:
+        if was_given(config, "eval_every") and config.eval_every > 0:  # else accepted and doing nothing
+            source = source_of(config, "eval_every")
+            problem = f"{source} {config.eval_every}: no --eval-data, so no held-out loss to compute"
+            if source == flag_name("eval_every"):
+                raise UsafError(problem, "pass --eval-data (a tokens directory uses its heldout.jsonl), or drop it")
+            progress.note(problem)  # USAF_*, --config: may be meant for other runs
         return None
     eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
     if eval_file.name == "train.jsonl":
