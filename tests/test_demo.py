@@ -30,6 +30,12 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     assert set(groups) == {"trained-on sources", "held-out sources, same domain", "pretraining domain (forgetting)"}
     assert all(g["tokens"] > 0 for g in groups.values())
 
+    # other settings on the same workspace: a stage made with others is not shown as this run's (it was, silently)
+    before = (workspace / "run" / "demo" / "manifest.json").read_bytes()
+    other = invoke("demo", "--quick", "--workspace", workspace, "--steps", 7)
+    assert other.exit_code == 2 and "its train stage" in other.stderr and "steps 20 there, 7 now" in other.stderr
+    assert "--overwrite" in other.stderr and (workspace / "run" / "demo" / "manifest.json").read_bytes() == before
+
 
 def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monkeypatch):
     """An interrupted score (or quantize) keeps its work in ``.NAME.usaf-partial``; a demo rerun with other settings

@@ -21,6 +21,7 @@ from usaf.artifacts import load_manifest
 from usaf.artifacts.outputs import remove_usaf_made
 from usaf.artifacts.writer import discard_partial
 from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
+from usaf.errors import UsafError
 from usaf.settings.argv import command_line
 from usaf.settings.demo import DemoConfig
 from usaf.settings.eval import EvalConfig
@@ -136,6 +137,7 @@ def run(
         step = DemoStep(name, command, p[_ARTIFACT[name]])
         if (step.path / "manifest.json").is_file():
             step.manifest, step.reused = load_manifest(step.path), True
+            _check_made_with(name, step, settings, config.workspace)
             progress.note(f"{name}: reusing {step.path} (rerun with --overwrite to start over)")
         else:
             progress.note(f"{name}: {shell_line(command)}")
@@ -143,6 +145,21 @@ def run(
         if on_step is not None:
             on_step(step)
     return load_manifest(p["eval"]), p["eval"]
+
+
+def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path) -> None:
+    """Refuse to reuse a stage made with other settings than this demo's (``--steps``, ``--quick``, ...): its result
+    would be shown as this run's. Compared: what the demo sets for the stage, against the stage's recorded config."""
+    recorded = step.manifest.config
+    wanted = settings.model_dump(mode="json")
+    differ = [f"{key} {recorded.get(key)!r} there, {value!r} now" for key, value in wanted.items()
+              if value is not None and key in recorded and recorded[key] != value]  # fmt: skip
+    if differ:
+        raise UsafError(
+            f"--workspace {workspace}: its {name} stage ({step.path}) was made with other settings: "
+            + "; ".join(differ),
+            "rerun with the settings of before, or pass --overwrite to start over (or another --workspace)",
+        )
 
 
 @dataclass(frozen=True)
