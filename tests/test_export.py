@@ -317,6 +317,8 @@ def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
             expect=("--base", "--format hf"))  # fmt: skip
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--device", "cpu",
             expect=("--device", "--format hf"))  # fmt: skip
+    refused("--model", qdir, "--checkpoint", run, "--out", out, "--no-verify", "--device", "cpu",
+            expect=("--device", "--no-verify skips"))  # fmt: skip
     # a directory of the user's at --out is refused (and left as it was) with or without --overwrite ...
     out.mkdir()
     (out / "keep.txt").write_text("mine")

@@ -160,6 +160,20 @@ def test_original_format_pre_shifted_labels_are_detected_and_fixable(tmp_path, t
     assert read_jsonl(out2 / "train.jsonl")[0]["labels"] == ids
 
 
+def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path, tok_dir, tokenizer):
+    """Pre-tokenized lines are sequences as they are: a --stride given for them alone would be recorded and do
+    nothing, so it is said; with text among the inputs (the control) it packs that text, and nothing is said."""
+    ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"][:24]
+    lines = tmp_path / "ids.jsonl"
+    lines.write_text(json.dumps({"input_ids": ids}) + "\n")
+    result = tokenize(lines, "--model", tok_dir, "--seq-len", 32, "--stride", 8, "--out", tmp_path / "ids")
+    assert result.exit_code == 0 and "--stride 8: every line was pre-tokenized" in result.stderr, result.output
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "def g(y):\n    return y * 2\n" * 8}) + "\n")
+    mixed = tokenize(lines, text, "--model", tok_dir, "--seq-len", 32, "--stride", 8, "--out", tmp_path / "mixed")
+    assert mixed.exit_code == 0 and "pre-tokenized" not in mixed.stderr, mixed.output
+
+
 def test_held_out_fraction_is_seeded_and_disjoint(tmp_path, tok_dir):
     outs = []
     for seed in (1, 1, 2):

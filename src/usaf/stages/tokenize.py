@@ -20,6 +20,7 @@ from typing import Any, Literal
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, SourceCount, TokensManifest, TokensSummary
+from usaf.config import source_of, was_given
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
@@ -357,9 +358,10 @@ def _tokenize_corpus(
     packers: dict[str, SourcePacker] = {}
     tokens_seen = 0
     previous: Document | None = None
+    text_seen = False  # a line of text, which --stride packs (pre-tokenized lines are sequences as they are)
 
     def process(batch: list[Document], encodings: list[Any] | None) -> None:
-        nonlocal tokens_seen, previous
+        nonlocal tokens_seen, previous, text_seen
         for doc, ids, labels in encoder.pairs(batch, encodings):
             # A directory walk visits sources one after another: close the finished one now,
             # so memory holds one source's partial sequence, not every source's.
@@ -374,6 +376,7 @@ def _tokenize_corpus(
             if doc.input_ids is not None:  # pre-tokenized lines are sequences already
                 emit(Sequence(ids, labels, doc.source))
             else:
+                text_seen = True
                 packer = packers.setdefault(doc.source, SourcePacker(doc.source, config.seq_len, config.stride))
                 for seq in packer.add(ids, labels):
                     emit(seq)
@@ -407,6 +410,9 @@ def _tokenize_corpus(
         if (last := packer.flush()) is not None:
             emit(last)
     progress.finish()
+    if not text_seen and totals.documents and was_given(config, "stride"):  # else accepted and doing nothing
+        progress.note(f"{source_of(config, 'stride')} {config.stride}: every line was pre-tokenized (input_ids), "
+                      "each taken as a sequence as it is; the stride packs text only")  # fmt: skip
 
 
 def _summary(
