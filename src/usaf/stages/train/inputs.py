@@ -370,7 +370,7 @@ def _found_plan(
 
 
 def _selection_differences(plan: PlanManifest, wanted: dict[str, Any]) -> list[str]:
-    """The given selection settings a plan was scored without, in a user's words (``--frac 0.005, not 0.05``)."""
+    """The given selection settings a plan was scored without, in a user's words (``--frac 0.01, not 0.05``)."""
 
     def shown(value: Any) -> str:
         return "the default" if value is None else str(value)
