@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -35,6 +36,9 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     other = invoke("demo", "--quick", "--workspace", workspace, "--steps", 7)
     assert other.exit_code == 2 and "its train stage" in other.stderr and "steps 20 there, 7 now" in other.stderr
     assert "--overwrite" in other.stderr and (workspace / "run" / "demo" / "manifest.json").read_bytes() == before
+    # the control: the same settings with the workspace spelled another way (relative) are the same demo
+    relative = invoke("demo", "--quick", "--workspace", os.path.relpath(workspace))
+    assert relative.exit_code == 0 and relative.stderr.count("reusing") == 5, relative.output
 
 
 def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -153,13 +154,21 @@ def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path) 
     recorded = step.manifest.config
     wanted = settings.model_dump(mode="json")
     differ = [f"{key} {recorded.get(key)!r} there, {value!r} now" for key, value in wanted.items()
-              if value is not None and key in recorded and recorded[key] != value]  # fmt: skip
+              if value is not None and key in recorded and _named(recorded[key]) != _named(value)]  # fmt: skip
     if differ:
         raise UsafError(
             f"--workspace {workspace}: its {name} stage ({step.path}) was made with other settings: "
             + "; ".join(differ),
             "rerun with the settings of before, or pass --overwrite to start over (or another --workspace)",
         )
+
+
+def _named(value: Any) -> Any:
+    """A path by its last component (the workspace spelled relative or absolute, or moved, or usaf reinstalled
+    elsewhere, is the same demo; the domain's sources keep their names), anything else as it is."""
+    if isinstance(value, list):
+        return [_named(v) for v in value]
+    return Path(value).name if isinstance(value, str) and os.sep in value else value
 
 
 @dataclass(frozen=True)
