@@ -485,6 +485,42 @@ def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path,
     assert noted.exit_code == 0 and "USAF_EVAL_EVERY 1: no --eval-data" in noted.stderr, noted.output
 
 
+STATIC = "0.3: this run's mask is static"
+
+
+@pytest.mark.parametrize(
+    ("given", "unused_by", "env", "message"),
+    [
+        (("--router-lr", 0.01), ("--no-router",), "USAF_ROUTER_LR", "0.01: no router is trained"),
+        (("--reselect-fraction", 0.3), ("--reselect-every", 0), "USAF_RESELECT_FRACTION", STATIC),
+        (("--reselect-fraction", 0.3), (), "USAF_RESELECT_FRACTION", STATIC),  # a 2-step run's default: static
+    ],
+)
+def test_a_setting_the_run_would_not_use_is_refused_not_dropped(prepared, tmp_path, monkeypatch, given, unused_by, env,
+                                                                message):  # fmt: skip
+    """--router-lr with --no-router, --reselect-fraction with a static mask (asked for, or the default for a short
+    run) were accepted and did nothing. From USAF_* (which may be meant for other runs) a note."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 2, *unused_by]
+    refused = invoke(*args, *given, "--out", tmp_path / "flag")
+    assert refused.exit_code == 2 and f"{given[0]} {message}" in refused.stderr, refused.output
+    assert not (tmp_path / "flag").exists()
+    alone = invoke(*args, "--out", tmp_path / "alone")  # the control: without the setting the same run trains
+    assert alone.exit_code == 0 and message not in alone.stderr, alone.output
+    monkeypatch.setenv(env, str(given[1]))
+    noted = invoke(*args, "--out", tmp_path / "env")
+    assert noted.exit_code == 0 and f"{env} {message}" in noted.stderr, noted.output
+
+
+def test_the_settings_a_run_uses_are_not_refused(prepared, tmp_path):
+    """The negative control: the same settings where the run uses them (routers trained, RigL reselection on)."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 4, "--reselect-every", 2, "--reselect-fraction", 0.3, "--router-lr", 0.01]
+    result = train(qdir, tokens, plan, tmp_path / "run", *args)
+    assert result.exit_code == 0, result.output
+    assert "would not" not in result.stderr and "mask is static" not in result.stderr
+
+
 def test_vram_on_the_cpu_is_refused_not_dropped(prepared, tmp_path):
     """On the CPU the planner sizes the run by RAM alone: a --vram given there used to be read and dropped while the
     run said it followed usaf plan's choice (usaf plan refuses the same)."""
