@@ -241,6 +241,36 @@ def test_an_interrupted_run_is_not_resumed_from_other_weights_of_the_same_shape(
     assert refused.exit_code == 2 and "the model's files changed since" in refused.stderr, refused.output
 
 
+def test_two_fine_tunes_of_one_architecture_are_two_origins(tmp_path):
+    """Their source fingerprints agree (headers only), so the workspace's "newest quantized model" took whichever was
+    quantized last without a word, and --resume called the other's complete output this one's. Both now tell them
+    apart by directory; the controls: two quantizations of one directory are one origin, and its own output resumes."""
+    from usaf.testing import build_tiny_model
+
+    first, second = (build_tiny_model("qwen3_moe", tmp_path / name / "checkpoint", num_layers=2, seed=seed,
+                                      tokenizer=False) for name, seed in (("a", 0), ("b", 1)))  # fmt: skip
+    rtn = ["--method", "rtn", "--group-size", "8"]
+    made = {}
+    for name, model, ws in (("first", first, "one"), ("again", first, "one"), ("second", second, "two")):
+        result = quantize(model, *rtn, "--workspace", tmp_path / ws, "--json")
+        assert result.exit_code == 0, result.output
+        made[name] = Path(json.loads(result.stdout)["path"])
+    shutil.copytree(made["first"], tmp_path / "two" / "quantized_model" / "first")
+    assert load_verified(made["first"], QuantizedModelManifest).summary.source.fingerprint == load_verified(
+        made["second"], QuantizedModelManifest
+    ).summary.source.fingerprint  # what made the mix possible
+
+    mixed = invoke("score", "--workspace", tmp_path / "two")
+    assert mixed.exit_code == 2 and "2 different origins" in mixed.stderr, mixed.output
+    one = invoke("score", "--workspace", tmp_path / "one")  # the control: the newest taken (then no tokenizer)
+    assert f"using the quantized model {made['again']} (newest" in one.stderr, one.output
+
+    refused = quantize(second, *rtn, "--out", made["first"], "--resume")
+    assert refused.exit_code == 2 and "holds a quantization of another model" in refused.stderr, refused.output
+    resumed = quantize(first, *rtn, "--out", made["first"], "--resume")
+    assert resumed.exit_code == 0 and "already complete" in resumed.stderr, resumed.output
+
+
 def test_existing_output_resume_and_force(tiny_model, tmp_path):
     source = tiny_model("olmoe")
     out = tmp_path / "q"

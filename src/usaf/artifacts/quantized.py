@@ -35,6 +35,13 @@ class SourceModelRecord(Record):
     shards: list[ShardRecord]
     fingerprint: str = Field(description="config hash + every shard's name, size and header hash")
 
+    @property
+    def origin(self) -> str:
+        """What tells two source models apart where the workspace's newest quantized model is taken: the fingerprint
+        reads the files' headers, not the weights, so two fine-tunes of one architecture share it; their directories
+        differ. (A model re-saved in place is one origin: its newest quantization holds what the directory holds.)"""
+        return f"{self.fingerprint}@{self.path}"
+
 
 class QuantSettingsRecord(Record):
     method: Literal["hqq", "rtn"]

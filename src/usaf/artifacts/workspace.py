@@ -163,7 +163,7 @@ def resolve_model(config: Any, progress: Any) -> tuple[Path, QuantizedModelManif
             workspace_dir(config.workspace),
             QuantizedModelManifest,
             flag="--model",
-            lineage=lambda m: m.summary.source.fingerprint,
+            lineage=lambda m: m.summary.source.origin,
         )
         progress.note(f"using the quantized model {found.path} (newest in the workspace)")
         return found.path, found.manifest

@@ -54,7 +54,7 @@ def resolve_model_and_change(
         model, manifest = found.path, found.manifest
         progress.note(f"using the quantized model {model} (the one the change was trained on)")
     else:
-        found = pick_latest(ws, QuantizedModelManifest, flag="--model", lineage=lambda m: m.summary.source.fingerprint)
+        found = pick_latest(ws, QuantizedModelManifest, flag="--model", lineage=lambda m: m.summary.source.origin)
         model, manifest = found.path, found.manifest
         progress.note(f"using the quantized model {model} (newest in the workspace)")
     if use_change and change is None:

@@ -55,10 +55,12 @@ from usaf.stages.quantize_parts import (
 LAYERS_DIR = "layers"
 
 
-def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any]) -> bool:
+def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any], origin: str) -> bool:
+    """The output quantizes this source (``origin``: its fingerprint reads headers only, so the directory too tells
+    two fine-tunes of one architecture apart) with these settings."""
     s = manifest.summary
     done = (s.source.fingerprint, s.quant.method, s.quant.nbits, s.quant.group_size_requested)
-    return done == tuple(settings.values())
+    return done == tuple(settings.values()) and s.source.origin == origin
 
 
 # In an interrupted run's partial-settings.json beside the settings: the source's weight files as they were. The
@@ -115,7 +117,7 @@ def _interrupted_output(
     return None
 
 
-def _committed_partial(partial: Path, settings: dict[str, Any]) -> QuantizedModelManifest | None:
+def _committed_partial(partial: Path, settings: dict[str, Any], origin: str) -> QuantizedModelManifest | None:
     """The manifest of a partial directory that is complete and verified (every sha256), else None."""
     if not (partial / MANIFEST_NAME).is_file():
         return None
@@ -124,7 +126,7 @@ def _committed_partial(partial: Path, settings: dict[str, Any]) -> QuantizedMode
     except UsafError:
         (partial / MANIFEST_NAME).unlink()  # a manifest that does not match its files: redo the commit
         return None
-    return manifest if _made_with(manifest, settings) else None
+    return manifest if _made_with(manifest, settings, origin) else None
 
 
 def _done_bytes(partial: Path) -> int:
@@ -196,9 +198,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         if found.state == "usaf" and not config.force:
             if config.resume:
                 manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
-                if not _made_with(manifest, settings):
+                if not _made_with(manifest, settings, source.origin):
                     raise UsafError(
-                        f"--out {out}: holds a quantization of another model or with other settings",
+                        f"--out {out}: holds a quantization of another model (or of one in another directory) or "
+                        "with other settings",
                         "pass --force to replace it, or another --out",
                     )
                 progress.note(f"{out} is already complete; nothing to do")
@@ -231,7 +234,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
 
         with writer as art:
             art.needed = max(needed - done, 0)  # named if the disk fills anyway
-            if art.resumed and (complete := _committed_partial(art.dir, settings)) is not None:
+            if art.resumed and (complete := _committed_partial(art.dir, settings, source.origin)) is not None:
                 art.commit_foreign()  # killed after its manifest was written: only the rename was missing
                 return complete, art.target
             write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
