@@ -25,6 +25,7 @@ from usaf.artifacts import (
     register,
     verify_files,
 )
+from usaf.artifacts.outputs import remove_usaf_made
 from usaf.artifacts.tokens import TokenizerRecord, TokensSummary
 from usaf.errors import UsafError
 
@@ -81,6 +82,33 @@ def test_existing_output_needs_overwrite_and_is_replaced_atomically(tmp_path):
     write_note(target, "two", overwrite=True)
     assert (target / "note.txt").read_text() == "two"
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["overwrite", "remove"])
+def test_a_users_directory_put_there_while_usaf_looked_is_never_deleted(tmp_path, monkeypatch, how):
+    """Between the look at an output and the rename that sets it aside, another process may put a user's directory
+    under that name: what is deleted must be what was checked. It was not before 2026-12-06 (found in review)."""
+    from usaf.artifacts import outputs
+
+    target = tmp_path / "out"
+    write_note(target, "one")
+    real = outputs.old_sibling
+
+    def swapped_in_between(path: Path) -> Path:  # runs after the look, before the rename
+        os.replace(target, tmp_path / "usafs")
+        target.mkdir()
+        (target / "thesis.tex").write_text("mine")
+        return real(path)
+
+    monkeypatch.setattr(outputs, "old_sibling", swapped_in_between)
+    with pytest.raises(UsafError, match="usaf did not make"):
+        write_note(target, "two", overwrite=True) if how == "overwrite" else remove_usaf_made(target, "--out")
+    assert (target / "thesis.tex").read_text() == "mine"
+    monkeypatch.setattr(outputs, "old_sibling", real)  # the control: the same call without the swap replaces it
+    os.replace(target, tmp_path / "theirs")
+    os.replace(tmp_path / "usafs", target)
+    write_note(target, "two", overwrite=True) if how == "overwrite" else remove_usaf_made(target, "--out")
+    assert (target / "note.txt").read_text() == "two" if how == "overwrite" else not target.exists()
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):

@@ -135,14 +135,36 @@ def refuse_unless_replaceable(target: Path, found: Found, flag: str, *, overwrit
 
 def remove_usaf_made(target: Path, flag: str, *, overwrite_flag: str = "--overwrite") -> None:
     """Delete ``target`` if it is an empty directory or usaf's own; refuse anything else."""
+    old = set_aside(target, flag, overwrite=True, overwrite_flag=overwrite_flag)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(target: Path, flag: str, *, overwrite: bool, overwrite_flag: str) -> Path | None:
+    """Move what is at ``target`` to a hidden :func:`old_sibling` for deletion, where it may be replaced (else
+    refused); None when nothing is there.
+
+    Looked at again once moved, under a name nobody else uses: between the first look and the rename another
+    process may have put something else there (a user's directory), and what is deleted must be what was checked.
+    Found to be something else, it is moved back (where the name is still free) and refused.
+    """
     target = Path(target)
     found = found_at(target)
-    refuse_unless_replaceable(target, found, flag, overwrite=True, overwrite_flag=overwrite_flag)
     if found.state == "absent":
-        return
+        return None
+    refuse_unless_replaceable(target, found, flag, overwrite=overwrite, overwrite_flag=overwrite_flag)
     old = old_sibling(target)
     os.replace(target, old)
-    shutil.rmtree(old, ignore_errors=True)
+    moved = found_at(old)
+    try:
+        refuse_unless_replaceable(target, moved, flag, overwrite=overwrite, overwrite_flag=overwrite_flag)
+    except UsafError as refusal:
+        if os.path.lexists(target):  # taken again meanwhile: say where it is rather than replace either
+            raise UsafError(f"{refusal.message} (it changed while usaf looked; it is now at {old})",
+                            refusal.hint) from None  # fmt: skip
+        os.rename(old, target)
+        raise
+    return old
 
 
 def mark_usaf_made(directory: Path, kind: str) -> None:

@@ -33,8 +33,8 @@ from usaf.artifacts.outputs import (
     check_not_an_input,
     found_at,
     mark_usaf_made,
-    old_sibling,
     refuse_unless_replaceable,
+    set_aside,
 )
 from usaf.errors import UsafError
 
@@ -249,14 +249,8 @@ class ArtifactWriter:
         return self.target
 
     def _move_into_place(self) -> None:
-        old = None
-        found = found_at(self.target)
-        if found.state != "absent":  # looked at again: it may have appeared or changed while we worked
-            refuse_unless_replaceable(
-                self.target, found, self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag
-            )
-            old = old_sibling(self.target)
-            os.replace(self.target, old)
+        # looked at again: it may have appeared or changed while we worked
+        old = set_aside(self.target, self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag)
         os.replace(self.dir, self.target)
         if old is not None:
             with contextlib.suppress(OSError):
