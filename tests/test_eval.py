@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,7 +206,8 @@ def test_a_change_that_never_reaches_the_forward_is_caught(trained, tmp_path, mo
     result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--held-out", trained["tokens"],
                     "--workspace", trained["workspace"], "--out", out)  # fmt: skip
     assert result.exit_code == 2, result.output
-    assert "leaves the logits unchanged" in result.stderr and str(trained["run"]) in result.stderr
+    message = " ".join(result.stderr.split())  # rich wraps long lines
+    assert "tokens unchanged although its deltas" in message and str(trained["run"]) in result.stderr
     assert not out.exists() and not leftovers(tmp_path)
 
 
@@ -294,7 +296,7 @@ def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_
     (run / "manifest.json").write_text(json.dumps(manifest))
     held = [EvalInput("held-out", tmp_path / "x", "text", "", [EvalSequence("held-out", "x", [1, 2, 3], [1, 2, 3])])]
     progress = NullProgress()
-    count, note = _held_out_in_training(load_trained_change(run), tmp_path, held, 10**6, None, progress)
+    count, note, _ = _held_out_in_training(load_trained_change(run), tmp_path, held, 10**6, None, progress)
     assert count is None and "not checked against the run's training data" in note and "not valid JSON" in note
     assert note in progress.notes
 
@@ -422,6 +424,7 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
         (("--held-out", tmp_path / "missing"), [f"--held-out {tmp_path / 'missing'}", "no such file"]),
         (("--held-out", tokens, "--seq-len", 64, "--text-field", "body"), ["--seq-len, --text-field", "raw-text"]),
         (("--held-out", tokens, "--all-files"), ["--all-files", "raw-text"]),
+        (("--held-out", tokens, "--bootstrap", 10**8), ["--bootstrap", "1000000"]),  # torch.quantile's limit is 2^24
     ]
     for args, expected in cases:
         out = tmp_path / "out"
@@ -680,3 +683,99 @@ def test_only_a_kept_pass_is_deleted_after_its_report(tmp_path):
     for directory in (kept, whole, other_key, mine):
         cache.drop_kept(directory, "k")
     assert not kept.exists() and whole.is_dir() and other_key.is_dir() and (mine / "notes.txt").is_file()
+
+
+def _unfinished(run: Path, where: Path) -> Path:
+    """A copy of ``run`` as it was before its last step: no manifest, no final/."""
+    shutil.copytree(run, where)
+    (where / "manifest.json").unlink()
+    shutil.rmtree(where / "final")
+    return where
+
+
+def test_out_is_refused_where_it_is_or_lies_in_what_eval_reads_found_in_the_workspace(trained, tmp_path):
+    """Only the inputs given by flag were checked: --out at the tokens found in the workspace, with --overwrite,
+    replaced them with the report; --out inside the run of a --checkpoint RUN/checkpoints/step-N was taken (found
+    in review). The control: another --out writes the report."""
+    workspace = tmp_path / "ws"
+    tokens = workspace / "tokens" / "t"
+    shutil.copytree(trained["tokens"], tokens)
+    step = sorted((trained["run"] / "checkpoints").iterdir())[-1]
+    common = ["eval", "--model", trained["q"], "--workspace", workspace, "--max-sequences", 4, "--no-plots"]
+    for out, extra, named in [
+        (tokens, ["--overwrite"], "is the input --data"),
+        (tokens / "report", [], "lies inside the input --data"),
+        (trained["run"] / "report", ["--held-out", trained["tokens"]], "lies inside the input the run of --checkpoint"),
+    ]:
+        refused = invoke(*common, "--checkpoint", step, *extra, "--out", out)
+        message = " ".join(refused.stderr.split())
+        assert refused.exit_code == 2 and named in message, (out, refused.output)
+    assert (tokens / "manifest.json").is_file() and not (tokens / "report").exists()
+    assert not (trained["run"] / "report").exists()
+    done = invoke(*common, "--checkpoint", step, "--out", tmp_path / "report")
+    assert done.exit_code == 0, done.output
+
+
+def test_a_checkpoint_of_a_run_finished_or_not_is_evaluated_on_its_runs_tokens_and_checked_against_them(
+    trained, tmp_path
+):
+    """A checkpoint (RUN/checkpoints/step-N) or an unfinished run records its data in run-settings.json: eval took
+    the workspace's newest tokens instead, and never checked the held-out text against the training data (found in
+    review). The control: the finished run, as before."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(trained["tokens"], workspace / "tokens" / "t")
+    newer = invoke("tokenize", stdlib_dir() / "glob.py", stdlib_dir() / "fnmatch.py", "--model", trained["q"],
+                   "--seq-len", 32, "--source-depth", 0, "--held-out", "fnmatch.py",
+                   "--out", workspace / "tokens" / "newer")  # fmt: skip
+    assert newer.exit_code == 0, newer.output
+    unfinished = _unfinished(trained["run"], tmp_path / "unfinished")
+    step = sorted((trained["run"] / "checkpoints").iterdir())[-1]
+    common = ["eval", "--model", trained["q"], "--workspace", workspace, "--no-plots"]
+    for checkpoint in (step, unfinished, trained["run"]):
+        result = invoke(*common, "--checkpoint", checkpoint, "--max-sequences", 4, "--out", tmp_path / "r1")
+        assert result.exit_code == 0 and f"using the tokens {workspace / 'tokens' / 't'}" in result.stderr, (
+            checkpoint, result.output)  # fmt: skip
+        shutil.rmtree(tmp_path / "r1")
+        seen = invoke(*common, "--checkpoint", checkpoint, "--held-out", stdlib_dir() / "textwrap.py",
+                      "--seq-len", 32, "--source-depth", 0, "--out", tmp_path / "r2")  # fmt: skip
+        assert seen.exit_code == 0, seen.output
+        report = json.loads((tmp_path / "r2" / "report.json").read_text())
+        assert report["heldout_in_training"] and "are in the run's training data" in seen.stderr, checkpoint
+        shutil.rmtree(tmp_path / "r2")
+
+
+def test_settings_eval_would_not_use_are_refused_from_flags_and_noted_from_shared_sources(trained, tmp_path,
+                                                                                         monkeypatch):  # fmt: skip
+    """USAF_SEQ_LEN (README's example, meant for tokenize and train too) failed every eval of tokenized inputs."""
+    args = ["eval", "--model", trained["q"], "--held-out", trained["tokens"], "--max-sequences", 4, "--no-plots",
+            "--workspace", tmp_path / "ws"]  # fmt: skip
+    refused = invoke(*args, "--seq-len", 64, "--out", tmp_path / "flag")
+    assert refused.exit_code == 2 and "--seq-len: settings of raw-text inputs" in refused.stderr, refused.output
+    monkeypatch.setenv("USAF_SEQ_LEN", "64")
+    noted = invoke(*args, "--out", tmp_path / "env")
+    assert noted.exit_code == 0 and "USAF_SEQ_LEN 64: a setting of raw-text inputs, unused" in noted.stderr, (
+        noted.output)  # fmt: skip
+
+
+def test_a_text_directory_with_its_own_manifest_json_is_text_and_a_cache_that_cannot_be_written_costs_a_note(
+    trained, tmp_path, monkeypatch
+):
+    """A web app's manifest.json made eval read its directory as a usaf artifact (and refuse it); a file named
+    "cache" in the workspace made the base pass's caching fail with a traceback after the pass (found in review)."""
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy(stdlib_dir() / "shlex.py", app / "shlex.py")
+    (app / "manifest.json").write_text(json.dumps({"manifest_version": 3, "name": "an extension"}))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "cache").write_text("the user's")
+    result = invoke("eval", "--model", trained["q"], "--held-out", app, "--seq-len", 32, "--max-sequences", 4,
+                    "--workspace", workspace, "--out", tmp_path / "report", "--no-plots")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "base pass: not cached in" in result.stderr and (workspace / "cache").read_text() == "the user's"
+    inputs = json.loads((tmp_path / "report" / "report.json").read_text())["inputs"]
+    assert [i["kind"] for i in inputs] == ["text"]
+    (app / "manifest.json").write_text('{"kind": "tokens", "usaf_version": "0"')  # the control: a damaged usaf one
+    damaged = invoke("eval", "--model", trained["q"], "--held-out", app, "--workspace", workspace,
+                     "--out", tmp_path / "other", "--no-plots")  # fmt: skip
+    assert damaged.exit_code == 2 and "manifest.json" in damaged.stderr, damaged.output

@@ -91,7 +91,9 @@ class EvalSummary(Record):
     base_cache_key: str
     base_cache: str | None = Field(description="the cache entry used or written; None with --no-base-cache")
     base_cached: bool = Field(description="the base pass was reused from the cache")
-    max_logit_change: float | None = Field(description="max |tuned - base| logit on the first batch (> 0: applied)")
+    max_logit_change: float | None = Field(
+        description="max |tuned - base| logit on the batch of the most real tokens (> 0: applied)"
+    )
     experts_resident: bool = Field(description="experts dequantized once (else per forward, or no pass ran)")
     inputs: list[InputSummary]
     rows: list[ResultRow]

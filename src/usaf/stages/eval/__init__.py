@@ -6,7 +6,7 @@
    (``cache``: keyed by model, sequences and how they are run, never by the checkpoint). Ctrl-C (SIGTERM,
    SIGHUP) stops either pass between two microbatches and keeps what it did in that cache; the same eval goes
    on from there.
-3. Apply the change in a ``SparseEngine`` and check that the logits of the first batch moved (the
+3. Apply the change in a ``SparseEngine`` and check that the logits of the longest batch moved (the
    original tool's eval never applied its checkpoint and nobody noticed); fine-tuned pass.
 4. Per-source, per-input and per-set rows with bootstrap intervals (``stats``), routing drift, ``report.json``,
    ``report.md`` and plots (``plots``), written atomically as an ``eval_report`` artifact.
@@ -34,6 +34,7 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
+from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.run import METRICS_FILE
 from usaf.backends import resolve_backend
 from usaf.config import source_of
@@ -101,7 +102,9 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     writer.check_target()
     context = max_sequence_length(str(model_dir), tokenizer)
     inputs = read_inputs(config, workspace, model_dir, change, tokenizer, context, progress)
-    found, overlap_note = _held_out_in_training(change, workspace, inputs, len(tokenizer), context, progress)
+    found, overlap_note, training = _held_out_in_training(change, workspace, inputs, len(tokenizer), context, progress)
+    writer.inputs = {**given, **_read_paths(change, inputs, training)}
+    writer.check_target()  # again, before the passes: with the inputs found in the workspace and the run's
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop = StopRequest(world())  # entered around each pass only: elsewhere Ctrl-C stops at once, as before
@@ -214,9 +217,10 @@ def _keeper(entry: Path | None, key: str, parts: dict, total: int, what: str, pr
         try:
             cache.save(entry, key, parts, partial.result, batches=partial.batches)
         except Exception as e:
-            if disk.cause_of(e) is None:
+            cause = _cache_failure(e)
+            if cause is None:
                 raise
-            progress.note(f"interrupted: the {what} pass could not be kept in {entry} ({disk.cause_of(e)})")
+            progress.note(f"interrupted: the {what} pass could not be kept in {entry} ({cause})")
             return
         progress.note(f"interrupted: kept the {what} pass ({partial.batches} of {total} microbatches) in {entry}; "
                       "run the same command to resume")  # fmt: skip
@@ -225,19 +229,19 @@ def _keeper(entry: Path | None, key: str, parts: dict, total: int, what: str, pr
 
 
 def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, progress: Progress):
-    """``(held-out sequences the run trained on, a note)``; ``(None, why not)`` when not checked
-    (:mod:`usaf.stages.eval.overlap`), ``(None, None)`` when there is nothing to check."""
+    """``(held-out sequences the run trained on, a note, the training tokens read)``; ``(None, why not, None)`` when
+    not checked (:mod:`usaf.stages.eval.overlap`), ``(None, None, None)`` when there is nothing to check."""
     if not any(item.set == HELD_OUT for item in inputs):
-        return None, None
+        return None, None, None
 
-    def not_checked(why: str) -> tuple[None, str]:
+    def not_checked(why: str) -> tuple[None, str, None]:
         note = f"held-out sequences not checked against the run's training data: {why}"
         progress.note(note)
-        return None, note
+        return None, note, None
 
     training, why_not = overlap.training_tokens(change, workspace)
     if training is None:
-        return (None, None) if why_not is None else not_checked(why_not)
+        return (None, None, None) if why_not is None else not_checked(why_not)
     try:
         found = overlap.held_out_overlap(inputs, training, vocab_size=vocab, context=context, progress=progress)
     except UsafError as e:  # a check on a file the user did not pass: say why it was not made, and go on
@@ -245,7 +249,22 @@ def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, 
     note = overlap.overlap_note(found)
     if note is not None:
         progress.note("warning: " + note)
-    return found.found, note
+    return found.found, note, training.path
+
+
+def _read_paths(change, inputs, training: Path | None) -> dict[str, Any]:
+    """Every path eval reads, by what named it (``--out`` may be, hold or lie in none): the inputs as read, found in
+    the workspace too, the run behind a checkpoint (``RUN/checkpoints/step-N`` names only the step) and the training
+    tokens the held-out overlap read."""
+    data = overlap.run_data(change)
+    paths: dict[str, Any] = {}
+    for item in inputs:
+        paths.setdefault(item.flag, []).append(item.path)
+    paths["the run of --checkpoint"] = data.run_dir if data is not None else None
+    if training is not None and (training.parent / MANIFEST_NAME).is_file():
+        training = training.parent  # a tokens directory's train.jsonl: the directory is the input
+    paths["the run's training tokens"] = training
+    return paths
 
 
 def _label(model_dir: Path, change) -> str:
@@ -335,19 +354,22 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
             train_router=bool(change.routers),
             **placement,
         )
-        before = batch_hidden(engine.model, batches[0], backend.device)  # (B, S, H) of the engine without change
+        # the batch of the most real tokens: a short one may route through none of the changed experts
+        probe = max(batches, key=lambda b: int(b.attention_mask.sum()))
+        before = batch_hidden(engine.model, probe, backend.device)  # (B, S, H) of the engine without change
         engine.apply_change(change)
     except (ValueError, KeyError) as e:
         raise UsafError(
             f"--checkpoint {change.source}: does not fit this model ({e})", "pass a matching --model"
         ) from None
-    after = batch_hidden(engine.model, batches[0], backend.device)
-    moved = max_logit_change(engine.model, before, after, batches[0].attention_mask)  # real positions only
+    after = batch_hidden(engine.model, probe, backend.device)
+    moved = max_logit_change(engine.model, before, after, probe.attention_mask)  # real positions only
     if moved == 0.0:
         raise UsafError(
-            f"--checkpoint {change.source}: applying it leaves the logits unchanged although its deltas or "
-            "routers differ from the base model: the change is not reaching the forward (a bug in usaf)",
-            "report this with the checkpoint; its evaluation would be the base model's",
+            f"--checkpoint {change.source}: applying it leaves the logits of {int(probe.attention_mask.sum())} "
+            "tokens unchanged although its deltas or routers differ from the base model: the change is not "
+            "reaching the forward (a bug in usaf), or none of these tokens routes through a changed expert",
+            "report this with the checkpoint, or evaluate on more text (a larger --microbatch checks more tokens)",
         )
     del before, after
     if prefix is None:
@@ -385,12 +407,21 @@ def _cache_base(entry: Path, key: str, key_parts: dict, base: Any, progress: Pro
     try:
         cache.save(entry, key, key_parts, base)
     except Exception as e:
-        cause = disk.cause_of(e)
+        cause = _cache_failure(e)
         if cause is None:
             raise
         progress.note(f"base pass: not cached in {entry} ({cause}); the next eval computes it again")
         return
     progress.note(f"base pass: computed and cached in {entry}")
+
+
+def _cache_failure(e: BaseException) -> str | None:
+    """Why the workspace's cache could not take a pass, or None for an error of usaf's. Any OS error only costs the
+    reuse (a full disk, a file named ``cache`` in the workspace, no permission there), never the eval's report."""
+    cause = disk.cause_of(e)
+    if cause is None and isinstance(e, OSError):
+        cause = f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else str(e)
+    return cause
 
 
 # -- the report -------------------------------------------------------------------------------------------

@@ -70,6 +70,18 @@ class TextSettings:
     all_files: bool = False  # directories: read what they skip by default too (usaf.data.ignore)
 
 
+def _is_usaf_artifact(directory: Path) -> bool:
+    """A directory with usaf's ``manifest.json`` (or a damaged one, which loading names); a web app's or a browser
+    extension's own ``manifest.json`` makes its directory text to read, as usaf tokenize reads it."""
+    try:
+        data = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return not isinstance(data, dict) or "usaf_version" in data or "kind" in data
+
+
 def read_input(
     path: Path,
     set_name: str,
@@ -87,7 +99,7 @@ def read_input(
     if not path.exists():
         raise UsafError(f"{flag} {path}: no such file or directory", "pass a tokens directory, JSONL or text files")
     vocab = len(tokenizer)
-    if path.is_dir() and (path / "manifest.json").is_file():
+    if path.is_dir() and _is_usaf_artifact(path):
         manifest = load_verified(path, TokensManifest, flag=flag)
         check_tokenizer(path, manifest, tokenizer_fingerprint, flag=flag)
         file = path / (TRAIN_FILE if set_name == DATA else HELDOUT_FILE)

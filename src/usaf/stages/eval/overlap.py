@@ -3,7 +3,8 @@
 A user who trained on ``usaf tokenize my-repo`` and then runs ``usaf eval --held-out my-repo`` gets sequences
 packed exactly as in training (the same packer, the same default length and sources): the report's held-out
 perplexity would then measure the fit to the training text and read as generalization. Eval looks for the
-run's training tokens (a finished run's manifest names them and their fingerprint) and counts the held-out
+run's training tokens (a finished run's manifest names them and their fingerprint, an unfinished run's
+``run-settings.json`` records both) and counts the held-out
 sequences found there verbatim (the same token ids). Text packed differently (another ``--seq-len``) is not
 found this way; the count is a floor, and said to be one.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +21,9 @@ from pathlib import Path
 
 from usaf.artifacts import RunManifest, TokensManifest, find_artifacts, load_verified
 from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.loader import read_manifest_json
+from usaf.artifacts.manifest import MANIFEST_NAME
+from usaf.artifacts.run import SETTINGS_FILE
 from usaf.artifacts.tokens import TRAIN_FILE
 from usaf.data.tokens import iter_token_file
 from usaf.errors import UsafError
@@ -46,20 +51,46 @@ class TrainingTokens:
     sequences: int | None  # None: not recorded (a JSONL file)
 
 
+@dataclass(frozen=True)
+class RunData:
+    """What the run that made a change trained on, as it recorded it."""
+
+    run_dir: Path
+    fingerprint: str  # a tokens directory's manifest fingerprint, or a tokens JSONL's sha256
+    paths: list[Path]  # where it read them, where recorded (--data as given, or the train.jsonl it found)
+
+
+def run_data(change) -> RunData | None:
+    """The training data of the run behind ``change``: a finished run's manifest names it, an unfinished run's (or a
+    checkpoint's of either) ``run-settings.json`` records its fingerprint and ``--data``. None for a delta (or no
+    change), which records none."""
+    if change is None:
+        return None
+    for run_dir in (change.source, change.source.parent.parent):  # the run itself, or one of its checkpoints/step-N
+        if (run_dir / MANIFEST_NAME).is_file():
+            if read_manifest_json(run_dir, flag="--checkpoint").get("kind") != RunManifest.KIND:
+                return None  # a delta
+            manifest = load_verified(run_dir, RunManifest, flag="--checkpoint", hashes=False)
+            recorded = [Path(i.path) for i in manifest.inputs if i.role == "data"]
+            return RunData(run_dir, manifest.summary.data_fingerprint, recorded)
+        try:
+            record = json.loads((run_dir / SETTINGS_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("data_fingerprint"), str):
+            continue
+        given = record.get("data")
+        return RunData(run_dir, record["data_fingerprint"], [Path(given)] if isinstance(given, str) else [])
+    return None
+
+
 def training_tokens(change, workspace: Path) -> tuple[TrainingTokens | None, str | None]:
     """``(the run's training tokens, None)``, or ``(None, why not)``; ``(None, None)`` where the change names no
-    training data at all (a delta directory, an unfinished run, or no change)."""
-    if change is None:
+    training data at all (a delta directory, or no change)."""
+    data = run_data(change)
+    if data is None:
         return None, None
-    run_dir = next((d for d in (change.source, change.source.parent.parent) if (d / "manifest.json").is_file()), None)
-    if run_dir is None:
-        return None, None  # a delta, or an unfinished run: no manifest names its data
-    try:
-        manifest = load_verified(run_dir, RunManifest, flag="--checkpoint", hashes=False)
-    except UsafError:
-        return None, None  # not a run (a delta directory's manifest)
-    wanted = manifest.summary.data_fingerprint
-    recorded = [Path(i.path) for i in manifest.inputs if i.role == "data"]
+    wanted, recorded = data.fingerprint, data.paths
     for path in recorded:  # a tokens JSONL given as --data, fingerprinted by its bytes (not a tokens directory's)
         if path.is_file() and not (path.parent / "manifest.json").is_file() and sha256_file(path) == wanted:
             return TrainingTokens(path, None), None

@@ -162,7 +162,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines.append("- checkpoint: none; **base model only**")
     else:
         lines.append(f"- checkpoint: `{s.checkpoint}` (layers {s.trainable_layers})")
-        lines.append(f"- checkpoint applied: max |Δ logit| on the first batch = {s.max_logit_change:.3g}")
+        lines.append(f"- checkpoint applied: max |Δ logit| on the longest batch = {s.max_logit_change:.3g}")
     how = "reused from the cache" if s.base_cached else "computed"
     lines.append(f"- base pass: {how}" + (f" (`{s.base_cache}`)" if s.base_cache else " (cache off)"))
     lines.append("- experts: " + ("dequantized once (resident)" if s.experts_resident else "dequantized per forward"))

@@ -10,15 +10,16 @@ from usaf.artifacts import (
     RunManifest,
     TokensManifest,
     find_artifacts,
-    load_verified,
     pick_latest,
 )
 from usaf.artifacts.run import load_trained_change
 from usaf.artifacts.workspace import resolve_model
+from usaf.config import flag_name, source_of
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
 from usaf.stages.change import check_change
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
+from usaf.stages.eval.overlap import run_data
 from usaf.stages.progress import Progress
 
 DEFAULT_SEQ_LEN = 512  # raw text packing: usaf tokenize's default (capped by the model's context)
@@ -99,29 +100,46 @@ def read_inputs(
                     progress=progress,
                 )
             )
-    given = [name for name in TEXT_FLAGS if getattr(config, name) is not None]
-    given += ["all_files"] if config.all_files else []  # a switch: off is its default, not "not given"
-    if given and not any(item.kind == "text" for item in inputs):
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise UsafError(
-            f"{flags}: settings of raw-text inputs, but every input is already tokenized",
-            "drop them, or pass text files/directories or JSONL of text",
-        )
+    if not any(item.kind == "text" for item in inputs):
+        _unused_text_settings(config, progress)
     return inputs
 
 
+def _unused_text_settings(config: Any, progress: Progress) -> None:
+    """Raw-text settings where every input is tokenized: refused from their flags, a note from ``USAF_*`` or
+    ``--config`` (``USAF_SEQ_LEN``, ``[defaults] seq_len`` are meant for tokenize and train too)."""
+    refused = []
+    for name in (*TEXT_FLAGS, "all_files"):
+        value = getattr(config, name)
+        if value is None or value is False:  # not given (a switch: off is its default)
+            continue
+        source = source_of(config, name)
+        if source == flag_name(name):
+            refused.append(source)
+        else:
+            progress.note(f"{source} {value}: a setting of raw-text inputs, unused (every input is tokenized)")
+    if refused:
+        raise UsafError(
+            f"{', '.join(refused)}: settings of raw-text inputs, but every input is already tokenized",
+            "drop them, or pass text files/directories or JSONL of text",
+        )
+
+
 def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> tuple[list[Path], list[Path]]:
-    """No --data/--held-out: the run's tokens if it is a finished run, else the newest for this tokenizer."""
-    run_data = None
-    if change is not None and (change.source / "manifest.json").is_file():
-        run_data = load_verified(change.source, RunManifest, flag="--checkpoint", hashes=False).summary.data_fingerprint
+    """No --data/--held-out: the tokens the change's run trained on (finished or not, or one of its checkpoints),
+    else (a delta, which records none; no change) the newest for this tokenizer."""
+    data = run_data(change)
+    trained = data.fingerprint if data is not None else None
     found = pick_latest(
         workspace,
         TokensManifest,
         flag="--data",
-        accept=lambda m: m.summary.tokenizer.fingerprint == tok_fp and run_data in (None, m.fingerprint),
-        wanted=" the run trained on" if run_data else " made with this model's tokenizer",
+        accept=lambda m: m.summary.tokenizer.fingerprint == tok_fp and trained in (None, m.fingerprint),
+        wanted=" the run trained on" if trained else " made with this model's tokenizer",
     )
+    if change is not None and data is None:
+        progress.note(f"--checkpoint {change.source} records no training data (a delta): the tokens below are the "
+                      "newest for this tokenizer, not known to be what it trained on")  # fmt: skip
     if found.manifest.summary.heldout_sequences:
         progress.note(f"using the tokens {found.path} (train.jsonl as --data, heldout.jsonl as --held-out)")
         return [found.path], [found.path]
