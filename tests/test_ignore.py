@@ -178,3 +178,20 @@ def test_a_corpus_of_only_skipped_paths_is_refused_naming_all_files(tmp_path):
     assert "2 hidden, environment or git-ignored paths (--all-files reads them)" in message
     assert "hint: pass --all-files to read them" in message
     assert invoke("tokenize", only, "--model", tok, "--seq-len", 32, "--out", out, "--all-files").exit_code == 0
+
+
+@needs_git
+def test_a_command_the_repositorys_own_config_names_is_never_run(tmp_path):
+    """A downloaded repository's .git/config is the corpus's, not the user's: its core.fsmonitor command ran at
+    usaf tokenize (found in review). The control: git itself runs it, so the check is not vacuous."""
+    root = tmp_path / "downloaded"
+    write(root, {"a.py": "a = 1\n" * 40})
+    git_init(root)
+    ran = tmp_path / "ran"
+    hook = tmp_path / "hook.sh"
+    hook.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    hook.chmod(0o755)
+    subprocess.run(["git", "-C", str(root), "config", "core.fsmonitor", str(hook)], check=True)
+    assert ignore.git_rules(root, "") is not None and not ran.exists()
+    subprocess.run(["git", "-C", str(root), "ls-files", "--others"], capture_output=True, check=False)
+    assert ran.exists()

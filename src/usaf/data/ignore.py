@@ -68,11 +68,21 @@ def git_rules(directory: Path, prefix: str) -> GitRules | None:
     return GitRules(prefix, frozenset(p.replace(os.sep, "/") for p in paths))
 
 
+# The corpus is not trusted: its own .git/config may name a command git runs for ls-files (core.fsmonitor, until
+# 2026-12-06 run by usaf tokenize on a downloaded repository: found in review). Command-line -c wins over every
+# config file; no command usaf runs reads hooks, the setting is belt and braces. No optional locks: usaf only reads.
+_UNTRUSTED = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null")
+
+
 def _git(git: str, directory: Path, *args: str) -> bytes | None:
     """``git -C directory args``'s stdout, or None when it fails (any exit other than 0, or it cannot run)."""
     try:
         done = subprocess.run(
-            [git, "-C", str(directory), *args], capture_output=True, timeout=_GIT_TIMEOUT_S, check=False
+            [git, *_UNTRUSTED, "-C", str(directory), *args],
+            capture_output=True,
+            timeout=_GIT_TIMEOUT_S,
+            check=False,
+            env={**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"},
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
