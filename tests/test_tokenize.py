@@ -97,6 +97,36 @@ def test_packing_round_trips_the_text_with_eos_separators(tmp_path, tok_dir, tok
     assert decoded[:2] == [texts["a.txt"], texts["b.txt"]]
 
 
+@pytest.mark.parametrize("saved", ["truncation", "padding"])
+def test_truncation_or_padding_saved_in_tokenizer_json_is_not_applied(tmp_path, tok_dir, saved):
+    """Some tokenizer.json files are saved with truncation or padding on: every document was cut to the saved length,
+    or padded with labelled pad tokens, in silence (found in review). The control: the plain tokenizer's tokens."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    changed = tmp_path / "tok"
+    shutil.copytree(tok_dir, changed)
+    backend = Tokenizer.from_file(str(changed / "tokenizer.json"))
+    if saved == "truncation":
+        backend.enable_truncation(max_length=16)
+    else:
+        backend.enable_padding(length=400, pad_id=0)
+    backend.save(str(changed / "tokenizer.json"))
+    assert json.loads((changed / "tokenizer.json").read_text())[saved] is not None
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "long.txt").write_text("def alpha():\n    return 1\n" * 40)
+    (corpus / "short.txt").write_text("x = 1\n")
+    tokens = {}
+    for name, model in (("plain", tok_dir), (saved, changed)):
+        out = tmp_path / name
+        result = tokenize(corpus, "--model", model, "--seq-len", 64, "--source-depth", 0, "--out", out)
+        assert result.exit_code == 0, result.output
+        tokens[name] = [r["input_ids"] for r in read_jsonl(out / "train.jsonl")]
+    assert tokens[saved] == tokens["plain"] and sum(map(len, tokens["plain"])) > 100
+
+
 def test_stride_overlaps_and_scores_every_token_once(tmp_path, tok_dir):
     out = tmp_path / "out"
     result = tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--seq-len", 64, "--stride", 16, "--out", out)

@@ -64,6 +64,14 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
         )
     if len(tokenizer) < 2:
         raise UsafError(f"{flag} {model}: the tokenizer has an empty vocabulary", "check the tokenizer files")
+    # A tokenizer.json may be saved with truncation or padding on: transformers resets them per call, but usaf encodes
+    # whole documents through the backend itself, which applied them in silence (every document cut to the saved
+    # length, or padded with labelled pad tokens; found in review). The fingerprint is then of the tokenizer as used.
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
     if tokenizer.eos_token_id is None:
         raise UsafError(f"{flag} {model}: the tokenizer has no EOS token", "packing needs one as a separator")
     return tokenizer
