@@ -117,3 +117,48 @@ def test_bad_inputs(workspace, tmp_path):
     assert result.exit_code == 2 and "--top-p" in result.output
     result = invoke("generate", PROMPT, "--workspace", tmp_path)  # nothing there
     assert result.exit_code == 2 and "--model" in result.output
+
+
+def test_a_prompt_beyond_the_context_a_refusing_template_and_a_tiny_temperature_are_one_line_each(workspace):
+    """Each was found in review: a prompt longer than the model's positions generated text from nothing meaningful
+    (exit 0); a template's raise_exception and --temperature 1e-45 gave tracebacks."""
+    root, qdir, run = workspace
+    args = ["--model", qdir, "--checkpoint", run, "--max-new-tokens", 4]
+    long = invoke("generate", "word " * 2000, *args, "--no-chat")
+    assert long.exit_code == 2 and "the model's context is" in long.stderr, long.output
+    fits = invoke("generate", "word " * 200, *args, "--no-chat", "--max-new-tokens", 10**6, "--temperature", 0)
+    assert fits.exit_code == 0 and "--max-new-tokens 1000000: at most" in fits.stderr, fits.output  # the control
+    tiny = invoke("generate", PROMPT, *args, "--temperature", 1e-45)
+    assert tiny.exit_code == 2 and "0 for greedy decoding" in tiny.stderr, tiny.output
+
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_one_line_naming_it():
+    """Gemma's and Mistral's templates raise_exception('System role not supported'): a jinja2 traceback in generate
+    and in tokenize's chat lines (found in review). The control: the template as it was renders."""
+    from usaf.data.chat import assistant_spans
+    from usaf.errors import UsafError
+    from usaf.stages.generate import render_prompt
+    from usaf.testing import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert render_prompt(tokenizer, PROMPT, chat=True)[2] and assistant_spans(tokenizer, chat, "a.jsonl:1")[1]
+    tokenizer.chat_template = "{{ raise_exception('System role not supported') }}"
+    with pytest.raises(UsafError, match="PROMPT: the tokenizer's chat template refused .*System role not supported"):
+        render_prompt(tokenizer, PROMPT, chat=True)
+    with pytest.raises(UsafError, match="a.jsonl:1: the tokenizer's chat template refused"):
+        assistant_spans(tokenizer, chat, "a.jsonl:1")
+
+
+def test_sampling_is_not_cut_to_transformers_default_top_k():
+    """transformers applies top_k=50 unless told otherwise: --top-p 1.0 sampled only the 50 likeliest tokens."""
+    from pathlib import Path
+
+    from usaf.settings.generate import GenerateConfig
+    from usaf.stages.generate import generation_config
+    from usaf.testing import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    sampled = generation_config(GenerateConfig(prompt="x", top_p=1.0), tokenizer, Path("/nonexistent"), 8)
+    assert sampled.top_k == 0 and sampled.do_sample and sampled.max_new_tokens == 8

@@ -317,6 +317,21 @@ def test_empty_corpus(tmp_path, tok_dir):
     assert_clean_failure(tokenize(empty, "--model", tok_dir, "--out", out), out, "empty corpus")
 
 
+def test_a_held_out_split_that_comes_out_empty_is_refused(tmp_path, tok_dir):
+    """An empty __init__.py held out gave exit 0 and a 0-line heldout.jsonl (found in review); the control holds
+    out a source with text."""
+    corpus = tmp_path / "pkg"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("a = 1\n" * 40)
+    (corpus / "__init__.py").write_text("")
+    (corpus / "c.py").write_text("c = 2\n" * 40)
+    out = tmp_path / "out"
+    args = [corpus, "--model", tok_dir, "--out", out]
+    assert_clean_failure(tokenize(*args, "--held-out", "__init__.py"), out, "no held-out sequences", "__init__.py")
+    assert tokenize(*args, "--held-out", "c.py").exit_code == 0
+    assert load_verified(out, TokensManifest).summary.heldout_sequences > 0
+
+
 def test_undecodable_file(tmp_path, tok_dir):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -346,6 +361,9 @@ def test_undecodable_file(tmp_path, tok_dir):
         ('{"messages": [{"role": "user"}]}', ["bad.jsonl:2", "'messages' must be"]),
         ('{"input_ids": [1, 2], "labels": [1]}', ["bad.jsonl:2", "equal-length"]),
         ('{"input_ids": [1, 99999]}', ["bad.jsonl:2", "token id 99999 is outside"]),
+        ('{"text": "hello \\ud800 world"}', ["bad.jsonl:2", "lone surrogate"]),  # tracebacks until found in review
+        ('{"text": "ok", "source": "a\\udc80"}', ["bad.jsonl:2", "lone surrogate"]),
+        ('{"messages": [{"role": "user", "content": "\\ud800"}]}', ["bad.jsonl:2", "lone surrogate"]),
     ],
 )
 def test_malformed_jsonl_lines_name_file_and_line(tmp_path, tok_dir, line, needles):

@@ -9,17 +9,35 @@ that does not is reported instead of silently mislabelled.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from usaf.data.packing import IGNORE_INDEX
 from usaf.errors import UsafError
 
 
+@contextlib.contextmanager
+def template_errors(origin: str) -> Iterator[None]:
+    """A chat template's own refusal (Gemma's and Mistral's ``raise_exception('System role not supported')``, a
+    role order it does not take) as one line naming ``origin``, not a jinja2 traceback (found in review)."""
+    from jinja2.exceptions import TemplateError  # lazy: jinja2 comes with transformers' chat templates
+
+    try:
+        yield
+    except TemplateError as e:
+        raise UsafError(
+            f"{origin}: the tokenizer's chat template refused this conversation ({e})",
+            "fix it as the template asks (a system message, the order of the roles), or give pre-rendered text",
+        ) from None
+
+
 def assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], origin: str) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages`` and return the text plus the character spans of assistant replies."""
 
     def render(msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        with template_errors(origin):
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
 
     full = render(messages, False)
     spans = []

@@ -227,11 +227,32 @@ def read_text_document(file: CorpusFile, *, decode_errors: str) -> Document | No
     return Document(source=file.source, origin=str(file.path), nbytes=len(data), text=text)
 
 
+def _refuse_lone_surrogates(value: Any, where: str) -> None:
+    """JSON's ``\\ud800`` escapes decode to a string no UTF-8 writer or tokenizer takes (a traceback deep in the
+    tokenizer or at the output, found in review): one line naming the file and line instead."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsafError(
+                f"{where}: holds a lone surrogate escape (such as \\ud800), which is no Unicode text",
+                "fix the line: a character outside the BMP is a surrogate pair, or write it as UTF-8",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, where)
+            _refuse_lone_surrogates(item, where)
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):  # token ids: no text to check
+        for item in value:
+            _refuse_lone_surrogates(item, where)
+
+
 def jsonl_document(
     file: CorpusFile, number: int, obj: dict[str, Any], nbytes: int, *, text_field: str, source_field: str
 ) -> Document:
     """Interpret one JSONL object: pre-tokenized, chat ``messages``, or a text field."""
     where = f"{file.path}:{number}"
+    _refuse_lone_surrogates(obj, where)
     source = obj.get(source_field, obj.get("repo", file.source))
     if not isinstance(source, str) or not source:
         raise UsafError(f"{where}: '{source_field}' must be a non-empty string", "fix the line")

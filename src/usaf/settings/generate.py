@@ -10,6 +10,8 @@ from usaf.config import StageConfig
 from usaf.settings import fields as f
 from usaf.settings.fields import cli
 
+MIN_TEMPERATURE = 0.01
+
 
 class GenerateConfig(StageConfig):
     """Settings of ``usaf generate``."""
@@ -22,7 +24,7 @@ class GenerateConfig(StageConfig):
     checkpoint: Path | None = f.checkpoint()
     no_checkpoint: bool = Field(False, description="Use the untrained quantized model (to compare).")
     workspace: Path | None = f.workspace()
-    temperature: float = Field(0.7, ge=0, description="Sampling temperature; 0 = greedy.")
+    temperature: float = Field(0.7, ge=0, le=100, description="Sampling temperature; 0 = greedy, else >= 0.01.")
     top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens to generate at most.")
     seed: int = Field(0, description="Sampling seed: the same seed gives the same text.")
@@ -33,4 +35,6 @@ class GenerateConfig(StageConfig):
     def _one_checkpoint_choice(self) -> GenerateConfig:
         if self.no_checkpoint and self.checkpoint is not None:
             raise ValueError("pass either --checkpoint or --no-checkpoint, not both")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-45 overflow: a traceback in sampling (found in review)
+            raise ValueError(f"--temperature {self.temperature:g}: 0 for greedy decoding, else {MIN_TEMPERATURE}+")
         return self

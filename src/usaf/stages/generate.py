@@ -20,7 +20,8 @@ from transformers import GenerationConfig, TextStreamer
 
 from usaf.backends import resolve_backend
 from usaf.config import source_of
-from usaf.data.tokenizer import load_tokenizer
+from usaf.data.chat import template_errors
+from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.errors import UsafError
 from usaf.settings.generate import GenerateConfig
 from usaf.stages.change import model_with_change, resolve_model_and_change
@@ -48,9 +49,10 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> tuple[str, list
     rendered text is encoded without adding special tokens again (the template writes its own).
     """
     if chat and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        with template_errors("PROMPT"):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         return rendered, list(tokenizer(rendered, add_special_tokens=False)["input_ids"]), True
     return prompt, list(tokenizer(prompt)["input_ids"]), False
 
@@ -66,18 +68,41 @@ def _streamer(tokenizer: Any, on_text: Callable[[str], None]) -> Any:
     return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def generation_config(config: GenerateConfig, tokenizer: Any, model_dir: Path) -> Any:
-    """Sampling settings from the flags only; end-of-sequence ids from the model's generation config."""
+def generation_config(config: GenerateConfig, tokenizer: Any, model_dir: Path, max_new_tokens: int) -> Any:
+    """Sampling settings from the flags only (``max_new_tokens``: ``--max-new-tokens`` within the context);
+    end-of-sequence ids from the model's generation config."""
     eos = tokenizer.eos_token_id
     if (model_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos  # e.g. Qwen's two end tokens
-    sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p}
+    # top_k=0: transformers' default of 50 would cut every distribution to its 50 likeliest tokens, which --top-p
+    # 1.0 does not ask for (found in review)
+    sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": 0}
     return GenerationConfig(
-        max_new_tokens=config.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         **(sampling if config.temperature > 0 else {"do_sample": False}),
     )
+
+
+def _within_context(config: GenerateConfig, prompt_tokens: int, context: int | None, progress: Progress) -> int:
+    """``--max-new-tokens``, cut (and said) to what the model's context leaves after the prompt; a prompt that fills
+    the context is refused (the model computes nothing meaningful past its positions; tokenize and eval refuse the
+    same)."""
+    if context is None:
+        return config.max_new_tokens
+    left = context - prompt_tokens
+    if left <= 0:
+        raise UsafError(
+            f"PROMPT: {prompt_tokens} tokens{' with the chat template' if config.chat else ''}, the model's context is "
+            f"{context} (max_position_embeddings)",
+            "shorten the prompt",
+        )
+    if config.max_new_tokens > left:
+        progress.note(f"--max-new-tokens {config.max_new_tokens}: at most {left}, the context ({context} tokens) "
+                      f"less the prompt's {prompt_tokens}")  # fmt: skip
+        return left
+    return config.max_new_tokens
 
 
 def run(
@@ -95,6 +120,7 @@ def run(
     rendered, ids, templated = render_prompt(tokenizer, config.prompt, chat=config.chat)
     if config.chat and not templated:
         progress.note("the tokenizer has no chat template: the prompt is used as it is")
+    max_new_tokens = _within_context(config, len(ids), max_sequence_length(str(model_dir), tokenizer), progress)
     model = model_with_change(model_dir, change, device=backend.device, progress=progress)
     input_ids = torch.tensor([ids], device=backend.device)  # (1, T)
     streamer = _streamer(tokenizer, on_text) if on_text is not None else None
@@ -104,7 +130,7 @@ def run(
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            generation_config=generation_config(config, tokenizer, model_dir),
+            generation_config=generation_config(config, tokenizer, model_dir, max_new_tokens),
             streamer=streamer,
         )
     new = output[0, input_ids.shape[1] :].tolist()

@@ -310,6 +310,12 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             raise UsafError(
                 "no training sequences: every sequence came from a held-out source", "hold out fewer sources"
             )
+        if heldout and summary.heldout_sequences == 0:  # asked for, and exit 0 with an empty split (found in review)
+            names = ", ".join(sorted(heldout)[:3]) + (", ..." if len(heldout) > 3 else "")
+            raise UsafError(
+                f"no held-out sequences: the held-out sources ({names}) hold no text (empty, or skipped files)",
+                "hold out other sources (--held-out NAME), or another --seed for --held-out-frac",
+            )
         _refuse_nothing_to_score(config, totals)
         _note_uneven_heldout(config, summary, progress)
         manifest = art.commit(
