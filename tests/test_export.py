@@ -15,6 +15,7 @@ import stat
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from conftest import FAMILIES, TRANSFORMERS_V5
 from helpers import invoke, leftovers
@@ -342,3 +343,41 @@ def test_workspace_defaults_pick_the_model_of_the_change(trained, tmp_path):
     printed = export("--checkpoint", run, "--workspace", workspace, "--format", "delta")
     assert printed["path"].startswith(str(workspace / "delta"))
     assert printed["inputs"][0]["path"] == str(workspace / "quantized_model" / "q")
+
+
+def test_settings_from_shared_sources_and_the_delta_read_back(trained, tmp_path, monkeypatch):
+    """Found in review: export read USAF_DTYPE, train's compute dtype ('auto' failed every export, 'float16' wrote
+    one in fp16); --device was checked against --no-verify from flags only, and USAF_DEVICE=cuda refused an export
+    that runs nothing on a device; --max-shard-gib 1e300 overflowed; the delta's read-back skipped its routers."""
+    import usaf.stages.export as stage
+    from usaf.artifacts import delta
+
+    _, qdir, run = trained("qwen3_moe")
+    args = ["export", "--model", qdir, "--checkpoint", run]
+    monkeypatch.setenv("USAF_DTYPE", "auto")
+    monkeypatch.setenv("USAF_DEVICE", "cuda")  # no CUDA here: it must not be resolved without verification
+    shared = invoke(*args, "--no-verify", "--out", tmp_path / "shared")
+    assert shared.exit_code == 0, shared.output
+    assert load_verified(tmp_path / "shared", HfExportManifest).summary.dtype == "original"
+    monkeypatch.delenv("USAF_DTYPE")
+    monkeypatch.delenv("USAF_DEVICE")
+    config = tmp_path / "usaf.toml"
+    config.write_text("[export]\nverify = false\n")
+    refused = invoke(*args, "--config", config, "--device", "cpu", "--out", tmp_path / "device")
+    assert refused.exit_code == 2 and "which --no-verify skips (--config" in " ".join(refused.stderr.split()), (
+        refused.output)  # fmt: skip
+    huge = invoke(*args, "--max-shard-gib", 1e300, "--out", tmp_path / "huge")
+    assert huge.exit_code == 2 and "--max-shard-gib" in huge.stderr, huge.output
+
+    real = delta.write_delta_files
+
+    def an_extra_router(directory, change):
+        real(directory, change)
+        routers = load_file(str(directory / delta.ROUTERS_FILE))
+        save_file({**routers, "model.layers.0.mlp.gate.weight": torch.zeros(1)}, str(directory / delta.ROUTERS_FILE))
+
+    monkeypatch.setattr(stage, "write_delta_files", an_extra_router)
+    wrong = invoke(*args, "--format", "delta", "--out", tmp_path / "delta")
+    assert wrong.exit_code == 2 and "do not hold exactly the change" in wrong.stderr, wrong.output
+    monkeypatch.setattr(stage, "write_delta_files", real)  # the control
+    assert invoke(*args, "--format", "delta", "--out", tmp_path / "delta").exit_code == 0

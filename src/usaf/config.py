@@ -13,7 +13,8 @@ documented default. The CLI passes flags that default to ``None`` (= not set), a
 A field whose metadata names a ``decided_by`` field (``frac`` is decided by train's ``plan``) is refused
 when set on the command line or in the command's own table while its decider is set: the artifact decides
 it. From a shared source (``USAF_*``, ``[defaults]``, legacy variables: every command reads those) it is
-dropped instead.
+dropped instead. A field marked ``own_only`` (its name means something else to other commands) is read from
+the flag and the command's own table alone.
 
 Every problem, from every source, is collected and reported in one :class:`UsafError` that names
 where each bad value came from (the variable, not the flag, for a ``USAF_*`` value; the file and table for a
@@ -188,26 +189,27 @@ def resolve_config(
     for field, value in cli.items():
         offer(field, value, flag_name(field))
 
+    shared = [field for field, info in fields.items() if not cli_meta(info).get("own_only")]  # see settings.fields
     for field, info in fields.items():
-        raw = env.get(env_name(field))
+        raw = env.get(env_name(field)) if field in shared else None
         if raw is not None and raw != "":
             offer(field, _parse_env_value(raw, info.annotation), env_name(field))
 
     if config_file is not None:
         document = load_toml(config_file)
         own = document.get(section, {})
-        shared = document.get(DEFAULTS_TABLE, {})
+        defaults = document.get(DEFAULTS_TABLE, {})
         problems += document_problems(document, config_file, section, set(fields))
         if isinstance(own, dict):
             for field in fields:
                 offer(field, own.get(field), f"--config {config_file} [{section}] {field}")
-        if isinstance(shared, dict):
-            for field in fields:
-                offer(field, shared.get(field), f"--config {config_file} [{DEFAULTS_TABLE}] {field}")
+        if isinstance(defaults, dict):
+            for field in shared:
+                offer(field, defaults.get(field), f"--config {config_file} [{DEFAULTS_TABLE}] {field}")
 
     for legacy, field in (legacy_env or {}).items():
         raw = env.get(legacy)
-        if raw is not None and raw != "" and field in fields:
+        if raw is not None and raw != "" and field in shared:
             offer(field, _parse_env_value(raw, fields[field].annotation), f"legacy env {legacy}")
 
     _apply_deciders(fields, values, origin, own_table=f"--config {config_file} [{section}] ")

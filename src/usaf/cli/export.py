@@ -6,27 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.errors import UsafError
 
 
 def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose: bool) -> None:
     from usaf.cli.stage import run_stage
 
-    # Refused here, not in the settings: USAF_DEVICE and [defaults] set --device for every command. Else it would
-    # be recorded in the manifest as where the export ran, and used for nothing.
-    if cli["device"] is not None and (cli["format"] == "delta" or cli["verify"] is False):
-        from usaf.cli.console import handle_errors
-
-        with handle_errors(verbose):
-            if cli["format"] == "delta":
-                raise UsafError(
-                    "--device sets where --format hf verification runs; --format delta runs nothing on a device",
-                    "drop --device, or pass --format hf",
-                )
-            raise UsafError(
-                "--device sets where the verification runs, which --no-verify skips: nothing runs on a device",
-                "drop --device, or --no-verify",
-            )
     run_stage("export", cli=cli, config_file=config, json_output=json_output, verbose=verbose, summary=_print_summary)
 
 

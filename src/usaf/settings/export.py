@@ -32,10 +32,10 @@ class ExportConfig(StageConfig):
     format: Literal["hf", "delta"] = Field("hf", description="hf (merged model directory) | delta (change alone).")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="float32 | bfloat16 | float16 for floating tensors.",
-        json_schema_extra=cli(default_text="each keeps the original's"),
+        json_schema_extra=cli(default_text="each keeps the original's", own_only=True),
     )  # fmt: skip
     max_shard_gib: float | None = Field(
-        None, gt=0, description="Largest safetensors shard, in GiB.",
+        None, gt=0, le=1024, description="Largest safetensors shard, in GiB.",
         json_schema_extra=cli(default_text=f"{DEFAULT_SHARD_GIB:g}"),
     )  # fmt: skip
     verify: bool = Field(True, description="Reload with transformers and compare logits before committing.")

@@ -13,7 +13,10 @@ optional, under ``json_schema_extra={"cli": {...}}``:
 - ``decided_by``: the field whose artifact decides this one (``"plan"``); a value given on the command line
   or in the command's own TOML table while that field is set is refused, one from a shared source
   ([defaults], ``USAF_*``, legacy variables) is dropped (:func:`usaf.config.resolve_config`);
-- ``remedy`` (on a deciding field): how to get another value of the fields it decides.
+- ``remedy`` (on a deciding field): how to get another value of the fields it decides;
+- ``own_only``: read from the flag and the command's own TOML table only, never from ``USAF_*``, ``[defaults]``
+  or a legacy variable, where the name means something else to other commands (export's ``dtype``, the stored
+  tensors' dtype, is train's compute dtype elsewhere: ``USAF_DTYPE=auto`` failed every export).
 """
 
 from __future__ import annotations

@@ -31,13 +31,13 @@ from usaf.artifacts import (
     default_output,
     workspace_dir,
 )
-from usaf.artifacts.delta import DELTA_FILE, DeltaSummary, DeltaTensorRecord, write_delta_files
+from usaf.artifacts.delta import DELTA_FILE, ROUTERS_FILE, DeltaSummary, DeltaTensorRecord, write_delta_files
 from usaf.artifacts.disk import check_free_space
 from usaf.artifacts.hf_export import HfExportSummary
 from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.run import TrainedChange
 from usaf.backends import resolve_backend
-from usaf.config import source_of
+from usaf.config import flag_name, source_of
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.settings.export import DEFAULT_SHARD_GIB, ExportConfig
@@ -54,6 +54,7 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
     """Export; returns the manifest (``hf_export`` or ``delta``) and the output directory."""
     progress = progress or NullProgress()
     started = time.perf_counter()
+    _check_device(config)
     model_dir, qmanifest, change = resolve_model_and_change(
         config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
     )
@@ -92,6 +93,26 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
     return _export_hf(config, model_dir, qmanifest, change, writer, inputs, progress, started)
 
 
+def _check_device(config: ExportConfig) -> None:
+    """``--device`` sets where the verification runs: refused where none runs (it would be recorded as where the
+    export ran, and used for nothing). From ``USAF_DEVICE`` or ``--config`` (set for every command) it is unused."""
+    if config.device is None or (config.format == "hf" and config.verify):
+        return
+    if source_of(config, "device") != flag_name("device"):
+        return
+    if config.format == "delta":
+        raise UsafError(
+            "--device sets where --format hf verification runs; --format delta runs nothing on a device",
+            "drop --device, or pass --format hf",
+        )
+    off = source_of(config, "verify")  # the flag, or where verification was switched off
+    raise UsafError(
+        f"--device sets where the verification runs, which --no-verify skips{'' if off == '--verify' else f' ({off})'}"
+        ": nothing runs on a device",
+        "drop --device, or verify",
+    )
+
+
 def _no_change(model_dir: Path, qmanifest: QuantizedModelManifest) -> TrainedChange:
     """The change of no run: exporting it writes the quantized model's dequantized base as it is."""
     return TrainedChange(
@@ -127,9 +148,16 @@ def _write_delta(
     write_delta_files(work, change)
     if verify:  # read the files back: the shared artifact must hold exactly the change, bit for bit
         back = load_file(str(work / DELTA_FILE))
+        expected = {f"{name}.{part}" for name in change.deltas for part in ("indices", "values")}
         for name, (indices, values) in change.deltas.items():
             if not (torch.equal(back[f"{name}.indices"], indices) and torch.equal(back[f"{name}.values"], values)):
                 raise UsafError(f"verification failed: {DELTA_FILE} does not hold {name} as trained", "report this")
+        routers = load_file(str(work / ROUTERS_FILE))  # the routers too, and nothing more in either file
+        same_routers = set(routers) == set(change.routers) and all(
+            torch.equal(routers[name], weight.float().cpu()) for name, weight in change.routers.items()
+        )
+        if set(back) != expected or not same_routers:
+            raise UsafError("verification failed: the delta's files do not hold exactly the change", "report this")
     shapes = {t.name: _stored_shape(t.shape, transposed) for t in qmanifest.summary.tensors}  # (E, O, I)
     if any(name not in shapes for name in change.deltas):  # linear targets: (O, I) weights seen as (1, O, I)
         shapes.update({n: [1, *info.shape] for n, info in stored_base_headers(model_dir).items() if n in change.deltas})
@@ -172,8 +200,8 @@ def _export_hf(
         source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
     else:
         source = QuantizedSource(model_dir, spec, change, dtype)
-    # not "auto", which picks a GPU, where fp32 models rarely fit
-    backend = resolve_backend(config.device or "cpu", source=source_of(config, "device"))
+    # not "auto", which picks a GPU, where fp32 models rarely fit; none without verification, which alone computes
+    backend = resolve_backend(config.device or "cpu", source=source_of(config, "device")) if config.verify else None
     shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
     # before any shard is written: the whole model at its output dtype, plus a little for config and tokenizer
     writer.needed = sum(u.nbytes for u in source.units) + 2**20  # also named if the disk fills anyway
@@ -227,7 +255,7 @@ def _export_hf(
             HfExportManifest,
             inputs=inputs,
             config=config.model_dump(mode="json"),
-            environment=current_environment(**backend.recorded(torch.float32)),
+            environment=current_environment(**backend.recorded(torch.float32)) if backend else current_environment(),
             summary=summary,
         )
     return manifest, writer.target
