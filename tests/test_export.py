@@ -381,3 +381,17 @@ def test_settings_from_shared_sources_and_the_delta_read_back(trained, tmp_path,
     assert wrong.exit_code == 2 and "do not hold exactly the change" in wrong.stderr, wrong.output
     monkeypatch.setattr(stage, "write_delta_files", real)  # the control
     assert invoke(*args, "--format", "delta", "--out", tmp_path / "delta").exit_code == 0
+
+
+def test_a_verification_that_cannot_fit_is_refused_before_anything_is_written(trained, tmp_path, monkeypatch):
+    """Verification reloads the export in fp32 (~122 GB at Qwen3-30B-A3B): a 32 GB machine was killed by the OS
+    after writing every shard (found in review). The control: --no-verify writes it."""
+    from usaf.backends.cpu import CpuBackend
+
+    _, qdir, run = trained("qwen3_moe")
+    monkeypatch.setattr(CpuBackend, "free_memory", lambda self: 1000)
+    args = ["export", "--model", qdir, "--checkpoint", run]
+    refused = invoke(*args, "--out", tmp_path / "verified")
+    assert refused.exit_code == 2 and "--verify reloads the export in fp32" in refused.stderr, refused.output
+    assert not (tmp_path / "verified").exists() and not leftovers(tmp_path)
+    assert invoke(*args, "--no-verify", "--out", tmp_path / "unchecked").exit_code == 0

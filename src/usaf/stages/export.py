@@ -48,6 +48,7 @@ from usaf.stages.export_sources import OriginalSource, QuantizedSource
 from usaf.stages.export_verify import verify
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.quantize_parts import copy_model_files
+from usaf.units import human_bytes
 
 
 def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any, Path]:
@@ -206,6 +207,8 @@ def _export_hf(
     # before any shard is written: the whole model at its output dtype, plus a little for config and tokenizer
     writer.needed = sum(u.nbytes for u in source.units) + 2**20  # also named if the disk fills anyway
     check_free_space(writer.target, writer.needed, what="the exported model")
+    if backend is not None:
+        _check_verify_memory(qmanifest, backend)
     with writer as art:
         records = write_shards(source, shards, art.dir, progress)
         counts = source.counts
@@ -259,6 +262,25 @@ def _export_hf(
             summary=summary,
         )
     return manifest, writer.target
+
+
+# The reloaded export in fp32 is the largest of the models verification loads (one after another): every parameter
+# at 4 bytes, and a margin for the activations of the probe and the allocator.
+VERIFY_MARGIN = 1.1
+
+
+def _check_verify_memory(qmanifest: QuantizedModelManifest, backend: Any) -> None:
+    """Refuse, before any shard is written, a verification that cannot fit where it runs: at Qwen3-30B-A3B's size it
+    needs ~122 GB, and a 32 GB machine was killed by the OS after writing 61 GB of shards (found in review)."""
+    s = qmanifest.summary
+    need = int(4 * (s.params_quantized + s.params_kept) * VERIFY_MARGIN)
+    free = backend.free_memory()
+    if free is not None and need > free:
+        raise UsafError(
+            f"--verify reloads the export in fp32 on {backend.device}: about {human_bytes(need)}, and "
+            f"{human_bytes(free)} is free there",
+            "pass --no-verify (the export is then written unchecked), or verify where the memory is (--device)",
+        )
 
 
 def _model_files(source_dir: Path, work: Path, dtype: str | None) -> list[str]:
