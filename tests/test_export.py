@@ -24,6 +24,7 @@ from helpers_export import engine_logits, export, hf_logits, ids_for
 from helpers_trained import tokenize, train_run
 from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
 from usaf.artifacts.run import load_trained_change
+from usaf.errors import UsafError
 from usaf.families import load_model_config, read_checkpoint, resolve_family
 
 NUM_LAYERS = 3  # layer 2 trains (deepseek_v3: layer 0 dense, 1-2 MoE)
@@ -395,3 +396,36 @@ def test_a_verification_that_cannot_fit_is_refused_before_anything_is_written(tr
     assert refused.exit_code == 2 and "--verify reloads the export in fp32" in refused.stderr, refused.output
     assert not (tmp_path / "verified").exists() and not leftovers(tmp_path)
     assert invoke(*args, "--no-verify", "--out", tmp_path / "unchecked").exit_code == 0
+
+
+def test_base_as_a_hub_id_is_the_snapshot_quantized_or_the_cache_never_the_network(trained, tmp_path, monkeypatch):
+    """--base HUB_ID downloaded when online (a newer revision, then refused for its fingerprint, while the snapshot
+    quantized was still cached), and --out was not checked against the directory it resolved to (found in review).
+    """
+    import huggingface_hub
+
+    from usaf.stages.export_base import resolve_base
+
+    source, qdir, run = trained("qwen3_moe")
+    manifest = load_verified(qdir, QuantizedModelManifest)
+    hub_source = manifest.summary.source.model_copy(update={"model": "org/tiny"})
+    manifest = manifest.model_copy(update={"summary": manifest.summary.model_copy(update={"source": hub_source})})
+    spec, change = resolve_family(load_model_config(qdir)), load_trained_change(run)
+    calls = []
+
+    def snapshot_download(repo, **kwargs):
+        calls.append((repo, kwargs.get("local_files_only")))
+        raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_base("org/tiny", spec, manifest, qdir, change).dir == source.resolve() and calls == []
+    with pytest.raises(UsafError, match=r"--base org/other: not in the local Hugging Face cache \(download"):
+        resolve_base("org/other", spec, manifest, qdir, change)
+    assert calls == [("org/other", True)]
+
+
+def test_out_inside_the_base_given_by_path_is_refused(trained, tmp_path):
+    source, qdir, run = trained("qwen3_moe")
+    result = invoke("export", "--model", qdir, "--checkpoint", run, "--base", source, "--out", source / "merged")
+    assert result.exit_code == 2 and "lies inside the input --base" in result.stderr, result.output
+    assert not (source / "merged").exists()

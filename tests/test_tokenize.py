@@ -454,3 +454,24 @@ def test_ctrl_c_leaves_no_partial_output(tmp_path, tok_dir, monkeypatch):
     result = tokenize(STDLIB / "json", "--model", tok_dir, "--out", out)
     assert result.exit_code == 130 and "interrupted" in result.stderr
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_local_tokenizer_directory_is_never_looked_up_on_the_hub(tmp_path, tok_dir, monkeypatch):
+    """A relative --model tok (a tokenizer without config.json) was looked up as a hub repository of that name, and
+    hf_hub_download would fetch a config when online (found in review). The control: a hub id is read from the
+    cache only."""
+    import huggingface_hub
+
+    from usaf.data.tokenizer import model_max_positions
+
+    calls = []
+
+    def download(repo, filename, **kwargs):
+        calls.append((repo, kwargs))
+        raise OSError("not cached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.chdir(tok_dir.parent)
+    assert model_max_positions(tok_dir.name) is None and calls == []
+    assert model_max_positions("org/some-model") is None
+    assert calls == [("org/some-model", {"local_files_only": True})]

@@ -26,8 +26,9 @@ def looks_like_path(model: str) -> bool:
     return model.startswith((".", "/", "~")) or "\\" in model or model.count("/") > 1
 
 
-def resolve_model_dir(model: str, *, flag: str = "MODEL") -> Path:
-    """A local directory for ``model``: the directory itself, or the hub snapshot (cache first).
+def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = False) -> Path:
+    """A local directory for ``model``: the directory itself, or the hub snapshot (cache first; ``cache_only``:
+    the cache alone, never the network).
 
     Honours ``HF_HOME`` and ``HF_HUB_OFFLINE`` through ``huggingface_hub``; downloads only
     :data:`HUB_PATTERNS`.
@@ -44,12 +45,13 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL") -> Path:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS, local_files_only=cache_only))
     except HFValidationError:
         raise UsafError(f"{flag} {model}: neither a directory nor a valid hub id", "check the spelling") from None
     except LocalEntryNotFoundError:
+        where = "" if cache_only else ", and the hub cannot be reached (HF_HUB_OFFLINE?)"
         raise UsafError(
-            f"{flag} {model}: not in the local Hugging Face cache, and the hub cannot be reached (HF_HUB_OFFLINE?)",
+            f"{flag} {model}: not in the local Hugging Face cache{where}",
             "download it once with network access, or pass a local model directory",
         ) from None
     except RepositoryNotFoundError:

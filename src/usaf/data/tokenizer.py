@@ -112,13 +112,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def model_max_positions(model: str) -> int | None:
     """``max_position_embeddings`` from the model's config.json, if it can be read without a download."""
     path = Path(model) / "config.json"
+    if Path(model).is_dir() and not path.is_file():  # a local tokenizer alone: no hub repository of its name
+        return None  # (a relative "tok" was looked up on the hub, 6 requests and 20 s; found in review)
     if not path.is_file():
         try:
             # lazy: huggingface_hub only when the config is not local
             from huggingface_hub import hf_hub_download
 
-            path = Path(hf_hub_download(model, "config.json"))
-        except Exception:  # offline, no such repo: fall back to the tokenizer's own limit
+            path = Path(hf_hub_download(model, "config.json", local_files_only=True))  # the cache, never the network
+        except Exception:  # not cached, no such repo: fall back to the tokenizer's own limit
             return None
     try:
         config = json.loads(path.read_text(encoding="utf-8"))

@@ -197,6 +197,8 @@ def _export_hf(
     if config.base is not None:
         base = resolve_base(config.base, spec, qmanifest, model_dir, change)
         base_dir, base_fp = base.dir, base.fingerprint
+        writer.inputs = {**writer.inputs, "--base": base_dir}  # a hub id's snapshot directory: --out not in it
+        writer.check_target()
         inputs.append(InputRecord(role="base", kind="hf_model", path=config.base, fingerprint=base_fp))
         source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
     else:

@@ -46,13 +46,21 @@ class Base:
 def resolve_base(
     base: str, spec: FamilySpec, qmanifest: QuantizedModelManifest, model_dir: Path, change: TrainedChange
 ) -> Base:
-    """The --base directory, its headers, mapping and fingerprint, checked against the quantized model."""
-    base_dir = resolve_model_dir(base, flag="--base")
+    """The --base directory, its headers, mapping and fingerprint, checked against the quantized model.
+
+    A hub id is read from the local cache alone, never downloaded (a newer revision fetched would be refused for
+    its fingerprint, when the one quantized may still be cached); the very id the model was quantized from is the
+    snapshot directory it was quantized from, while that is there."""
+    expected = qmanifest.summary.source
+    recorded = Path(expected.path)
+    if base == expected.model and not Path(base).expanduser().is_dir() and recorded.is_dir():
+        base_dir = recorded
+    else:
+        base_dir = resolve_model_dir(base, flag="--base", cache_only=True)
     if not (base_dir / "config.json").is_file():
         raise UsafError(f"--base {base}: no config.json there", "pass the original Hugging Face model directory")
     infos = read_checkpoint(base_dir)
     record = source_record(base, base_dir, resolve_family(load_model_config(base_dir)), infos)
-    expected = qmanifest.summary.source
     if record.fingerprint != expected.fingerprint:
         raise UsafError(
             f"--base {base}: not the model --model {model_dir} was quantized from: its fingerprint is "
