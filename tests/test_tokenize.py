@@ -341,8 +341,10 @@ def test_undecodable_file(tmp_path, tok_dir):
     assert_clean_failure(
         tokenize(corpus, "--model", tok_dir, "--out", out), out, "latin1.txt", "not UTF-8", "--decode-errors"
     )
-    assert tokenize(corpus, "--model", tok_dir, "--out", out, "--decode-errors", "skip").exit_code == 0
-    assert load_verified(out, TokensManifest).summary.documents == 1
+    skipped = tokenize(corpus, "--model", tok_dir, "--out", out, "--decode-errors", "skip")
+    assert skipped.exit_code == 0 and "1 file not UTF-8, skipped (--decode-errors skip)" in skipped.stderr
+    summary = load_verified(out, TokensManifest).summary
+    assert (summary.documents, summary.skipped_undecodable_files) == (1, 1)
     out2 = tmp_path / "out2"
     assert tokenize(corpus, "--model", tok_dir, "--out", out2, "--decode-errors", "replace").exit_code == 0
     assert load_verified(out2, TokensManifest).summary.documents == 2

@@ -50,6 +50,7 @@ class TokensSummary(Record):
         "environment, gitignore; a directory counts once",
     )
     skipped_empty_documents: int
+    skipped_undecodable_files: int = Field(0, description="text files not UTF-8, skipped (--decode-errors skip)")
     relabelled_shifted_lines: int = Field(description="pre-tokenized lines whose pre-shifted labels were unshifted")
     heldout_sources: list[str]
     sources: list[SourceCount]

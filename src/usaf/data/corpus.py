@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -296,11 +296,22 @@ def _int_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
-def iter_documents(file: CorpusFile, *, text_field: str, source_field: str, decode_errors: str) -> Iterator[Document]:
+def iter_documents(
+    file: CorpusFile,
+    *,
+    text_field: str,
+    source_field: str,
+    decode_errors: str,
+    on_undecodable: Callable[[Path], None] | None = None,
+) -> Iterator[Document]:
+    """The file's documents; a text file skipped as undecodable (``--decode-errors skip``) is handed to
+    ``on_undecodable``, to be counted and said."""
     if file.kind == "text":
         doc = read_text_document(file, decode_errors=decode_errors)
         if doc is not None:
             yield doc
+        elif on_undecodable is not None:
+            on_undecodable(file.path)
         return
     for number, obj, nbytes in iter_jsonl_objects(file.path):
         yield jsonl_document(file, number, obj, nbytes, text_field=text_field, source_field=source_field)

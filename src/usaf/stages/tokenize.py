@@ -53,6 +53,7 @@ class _Totals:
     input_bytes: int = 0
     skipped_empty: int = 0
     relabelled: int = 0
+    undecodable: list[Path] = field(default_factory=list)  # text files skipped as not UTF-8 (--decode-errors skip)
 
 
 def _collect_sources(corpus: Corpus, config: TokenizeConfig) -> list[str]:
@@ -302,7 +303,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
 
         if totals.documents == 0 or not any(c.sequences for c in totals.per_source.values()):
             raise UsafError(
-                f"empty corpus: {len(corpus.files)} files held no text (empty documents: {totals.skipped_empty})",
+                f"empty corpus: {len(corpus.files)} files held no text (empty documents: {totals.skipped_empty}, "
+                f"not UTF-8 and skipped: {len(totals.undecodable)})",
                 "check the inputs",
             )
         summary = _summary(config, tokenizer, corpus, heldout, totals)
@@ -399,6 +401,7 @@ def _tokenize_corpus(
             text_field=config.text_field,
             source_field=config.source_field,
             decode_errors=config.decode_errors,
+            on_undecodable=totals.undecodable.append,
         )
     )
     progress.start("tokenizing", corpus.total_bytes, "bytes")
@@ -416,6 +419,9 @@ def _tokenize_corpus(
         if (last := packer.flush()) is not None:
             emit(last)
     progress.finish()
+    if totals.undecodable:  # skipped as asked, never in silence
+        progress.note(f"{counted(len(totals.undecodable), 'file')} not UTF-8, skipped (--decode-errors skip), e.g. "
+                      f"{totals.undecodable[0]}")  # fmt: skip
     if not text_seen and totals.documents and was_given(config, "stride"):  # else accepted and doing nothing
         progress.note(f"{source_of(config, 'stride')} {config.stride}: every line was pre-tokenized (input_ids), "
                       "each taken as a sequence as it is; the stride packs text only")  # fmt: skip
@@ -456,6 +462,7 @@ def _summary(
         skipped_binary_files=len(corpus.skipped_binary),
         skipped_by_default={reason: len(paths) for reason, paths in corpus.skipped_default.items()},
         skipped_empty_documents=totals.skipped_empty,
+        skipped_undecodable_files=len(totals.undecodable),
         relabelled_shifted_lines=totals.relabelled,
         heldout_sources=sorted(heldout),
         sources=sources,
