@@ -477,3 +477,23 @@ def test_a_local_tokenizer_directory_is_never_looked_up_on_the_hub(tmp_path, tok
     assert model_max_positions(tok_dir.name) is None and calls == []
     assert model_max_positions("org/some-model") is None
     assert calls == [("org/some-model", {"local_files_only": True})]
+
+
+def test_inputs_of_the_same_name_stay_separate_sources(tmp_path, tok_dir):
+    """pA/src and pB/src were one source 'src' (their text packed together, a held-out split impossible; found in
+    review). The control: inputs of different names keep their names as they were."""
+    for project in ("pA", "pB"):
+        (tmp_path / project / "src").mkdir(parents=True)
+        (tmp_path / project / "src" / "main.py").write_text(f"name = {project!r}\n" * 40)
+    (tmp_path / "pA" / "lib").mkdir()
+    (tmp_path / "pA" / "lib" / "util.py").write_text("u = 1\n" * 40)
+    out = tmp_path / "out"
+    result = tokenize(tmp_path / "pA" / "src", tmp_path / "pB" / "src", "--model", tok_dir, "--source-depth", 0,
+                      "--held-out-frac", 0.5, "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = load_verified(out, TokensManifest).summary
+    assert sorted(s.source for s in summary.sources) == ["pA/src", "pB/src"] and summary.heldout_sequences > 0
+    control = tokenize(tmp_path / "pA" / "src", tmp_path / "pA" / "lib", "--model", tok_dir, "--out", tmp_path / "c")
+    assert control.exit_code == 0, control.output
+    names = sorted(s.source for s in load_verified(tmp_path / "c", TokensManifest).summary.sources)
+    assert names == ["lib/util.py", "src/main.py"]

@@ -184,10 +184,12 @@ def discover(
     for given in inputs:
         if not given.exists():
             raise UsafError(f"{given}: no such file or directory", "check the input paths")
+    names = input_names(inputs)
+    for given in inputs:
         if given.is_file():
-            candidates = [(given, given.name, given.name)] if walk.first_visit(given) else []
+            candidates = [(given, names[given], names[given])] if walk.first_visit(given) else []
         else:
-            root_name = given.resolve().name
+            root_name = names[given]
             candidates = []
             for path, rel in walk.files(given, exclude):
                 parts = rel.split("/")
@@ -207,6 +209,26 @@ def discover(
             files.append(CorpusFile(path, kind, source, path.stat().st_size))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
     return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default)
+
+
+def input_names(inputs: list[Path]) -> dict[Path, str]:
+    """Each input's name as its sources begin: its own name, with as many parent names as tell it from another
+    input of the same name (``pA/src`` and ``pB/src``, not one source ``src`` holding both; found in review)."""
+    resolved = {given: given.resolve() for given in inputs}
+    depth = dict.fromkeys(inputs, 1)
+
+    def name(given: Path) -> str:
+        return "/".join(resolved[given].parts[-depth[given] :])
+
+    while True:
+        by_name: dict[str, set[Path]] = {}
+        for given in inputs:
+            by_name.setdefault(name(given), set()).add(resolved[given])
+        clashing = [g for g in inputs if len(by_name[name(g)]) > 1 and depth[g] < len(resolved[g].parts) - 1]
+        if not clashing:
+            return {given: name(given) for given in inputs}
+        for given in clashing:
+            depth[given] += 1
 
 
 def read_text_document(file: CorpusFile, *, decode_errors: str) -> Document | None:

@@ -83,7 +83,7 @@ def select_heldout(sources: list[str], patterns: list[str], frac: float, seed: i
         if len(sources) < 2:
             raise UsafError(
                 f"--held-out-frac {frac}: the corpus has only {len(sources)} source; nothing left to hold out",
-                "add sources, or lower --source-depth so files form separate sources",
+                "add sources, or raise --source-depth so that files or subdirectories form separate sources",
             )
         count = min(len(sources) - 1, max(1, round(frac * len(sources))))
         ranked = sorted(sources, key=lambda s: hashlib.sha256(f"{seed}:{s}".encode()).hexdigest())
