@@ -394,3 +394,16 @@ def test_missing_model_argument(tmp_path):
     out = tmp_path / "q"
     assert_clean_failure(quantize("--out", out), out, "MODEL is required")
     assert_clean_failure(quantize(tmp_path / "nope", "--out", out), out, "no such directory")
+
+
+def test_every_tokenizer_file_is_carried_over(tiny_model, tmp_path):
+    """added_tokens.json and a *.tiktoken vocabulary were left behind (found in review): a model that needs them had
+    no working tokenizer after quantize (and export, which copies the same files)."""
+    source = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3_moe"), source)
+    (source / "added_tokens.json").write_text('{"<extra>": 600}')
+    (source / "qwen.tiktoken").write_text("aGVsbG8= 0\n")
+    out = tmp_path / "q"
+    assert quantize(source, "--method", "rtn", "--group-size", 8, "--out", out).exit_code == 0
+    for name in ("added_tokens.json", "qwen.tiktoken", "config.json"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name

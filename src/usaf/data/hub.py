@@ -15,6 +15,7 @@ HUB_PATTERNS = [
     "generation_config.json",
     "tokenizer*",
     "special_tokens_map.json",
+    "added_tokens.json",
     "chat_template*",
     "vocab*",
     "merges.txt",

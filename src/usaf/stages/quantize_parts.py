@@ -34,7 +34,9 @@ MODEL_FILES = (
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
+    "added_tokens.json",
 )
+MODEL_FILE_GLOBS = ("*.tiktoken",)  # tiktoken vocabularies (named as the model names them); found missing in review
 
 
 def _header_sha256(path: Path) -> str:
@@ -122,7 +124,8 @@ def write_base_shards(
 def copy_model_files(model_dir: Path, work: Path) -> list[str]:
     """Config, generation config and tokenizer files, byte for byte."""
     copied = []
-    for name in MODEL_FILES:
+    globbed = sorted({path.name for pattern in MODEL_FILE_GLOBS for path in model_dir.glob(pattern)})
+    for name in (*MODEL_FILES, *globbed):
         source = model_dir / name
         if source.is_file():
             shutil.copyfile(source, work / name)
