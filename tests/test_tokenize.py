@@ -190,6 +190,24 @@ def test_original_format_pre_shifted_labels_are_detected_and_fixable(tmp_path, t
     assert read_jsonl(out2 / "train.jsonl")[0]["labels"] == ids
 
 
+def test_short_pre_shifted_lines_are_unshifted_as_their_file(tmp_path, tok_dir, tokenizer):
+    """Lines of 3 and 4 tokens are too short to tell alone: in a file of pre-shifted lines they were written still
+    shifted, in silence (found in review). The control: short lines of an unshifted file are left as they are."""
+    ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"]
+    lines = [ids[:20], ids[20:24], ids[24:27], ids[27:47]]  # the short ones come before the file's second long one
+    shifted = tmp_path / "shifted.jsonl"
+    shifted.write_text("".join(json.dumps({"input_ids": x, "labels": x[1:] + [0]}) + "\n" for x in lines))
+    out = tmp_path / "out"
+    assert tokenize(shifted, "--model", tok_dir, "--out", out, "--fix-shifted-labels").exit_code == 0
+    rows = read_jsonl(out / "train.jsonl")
+    assert [r["labels"] for r in rows] == [[-100, *x[1:]] for x in lines]
+    assert load_verified(out, TokensManifest).summary.relabelled_shifted_lines == 4
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text("".join(json.dumps({"input_ids": x, "labels": x}) + "\n" for x in lines))
+    assert tokenize(fine, "--model", tok_dir, "--out", tmp_path / "fine", "--fix-shifted-labels").exit_code == 0
+    assert [r["labels"] for r in read_jsonl(tmp_path / "fine" / "train.jsonl")] == lines
+
+
 def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path, tok_dir, tokenizer):
     """Pre-tokenized lines are sequences as they are: a --stride given for them alone would be recorded and do
     nothing, so it is said; with text among the inputs (the control) it packs that text, and nothing is said."""

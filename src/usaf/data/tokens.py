@@ -26,6 +26,12 @@ def labels_look_shifted(input_ids: list[int], labels: list[int]) -> bool:
 
     Repeated tokens (runs of spaces) match both ways, hence ratios instead of equality.
     """
+    return shift_evidence(input_ids, labels) is True
+
+
+def shift_evidence(input_ids: list[int], labels: list[int]) -> bool | None:
+    """Whether the labels are pre-shifted (see :func:`labels_look_shifted`); None where the line is too short to
+    tell (under ``_MIN_EVIDENCE`` scored positions): a file's other lines decide it."""
     same = nxt = scored = 0
     for i in range(len(input_ids) - 1):
         label = labels[i]
@@ -34,7 +40,22 @@ def labels_look_shifted(input_ids: list[int], labels: list[int]) -> bool:
         scored += 1
         same += label == input_ids[i]
         nxt += label == input_ids[i + 1]
-    return scored >= _MIN_EVIDENCE and nxt >= 0.9 * scored and same < 0.5 * scored
+    if scored < _MIN_EVIDENCE:
+        return None
+    return nxt >= 0.9 * scored and same < 0.5 * scored
+
+
+def file_looks_shifted(path: Path) -> bool:
+    """Whether the first pre-tokenized line of ``path`` long enough to tell is pre-shifted: the original tool wrote
+    whole files so, and its short lines (too short to tell alone) are shifted like the rest."""
+    for _, obj, _ in iter_jsonl_objects(path):
+        ids = obj.get("input_ids")
+        labels = obj.get("labels", ids)
+        if isinstance(ids, list) and isinstance(labels, list) and len(ids) == len(labels):
+            verdict = shift_evidence(ids, labels)
+            if verdict is not None:
+                return verdict
+    return False
 
 
 def unshift_labels(labels: list[int]) -> list[int]:
