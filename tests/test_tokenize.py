@@ -515,3 +515,28 @@ def test_inputs_of_the_same_name_stay_separate_sources(tmp_path, tok_dir):
     assert control.exit_code == 0, control.output
     names = sorted(s.source for s in load_verified(tmp_path / "c", TokensManifest).summary.sources)
     assert names == ["lib/util.py", "src/main.py"]
+
+
+def test_exclude_prunes_a_directory_only_where_it_excludes_all_of_it_and_jsonl_is_any_case(tmp_path, tok_dir):
+    """--exclude 'a/?' pruned a/ whole, a/xy.py too, which the pattern does not match; an upper-case .JSONL file
+    was read as plain text, its JSON tokenized (both found in review). The control: 'a/*' prunes a/."""
+    from usaf.data.corpus import discover
+
+    root = tmp_path / "px"
+    for rel in ("a/x", "a/xy.py", "b/keep.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+
+    def found(pattern: str) -> list[str]:
+        corpus = discover([root], include=[], exclude=[pattern], source_depth=1)
+        return sorted(f.path.relative_to(root).as_posix() for f in corpus.files)
+
+    assert found("a/?") == ["a/xy.py", "b/keep.py"]
+    assert found("a/*") == ["b/keep.py"]
+    upper = tmp_path / "upper.JSONL"
+    upper.write_text(json.dumps({"text": "def f():\n    return 1\n"}) + "\n")
+    out = tmp_path / "out"
+    assert tokenize(upper, "--model", tok_dir, "--out", out).exit_code == 0
+    assert load_verified(out, TokensManifest).summary.sources[0].source == "upper.JSONL"
+    (row,) = read_jsonl(out / "train.jsonl")
+    assert b'"text"' not in json.dumps(row).encode() and row["input_ids"]  # the text, not the JSON line

@@ -71,6 +71,17 @@ def _matches(rel: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(name, p) for p in patterns)
 
 
+# Paths under a directory no real file has (NUL is in no name), of two lengths and depths: a pattern matching both
+# matches whatever lies under it ("build/*"); "a/?" or "a/[!x]" match the first only (they pruned a/ whole, the
+# files they do not match included; found in review).
+_ANY_UNDER = ("\0", "\0\0\0/\0\0")
+
+
+def _excludes_all_under(directory_rel: str, patterns: list[str]) -> bool:
+    """Whether ``--exclude`` excludes every file under the directory, so the walk need not enter it."""
+    return any(all(_matches(f"{directory_rel}/{tail}", [p]) for tail in _ANY_UNDER) for p in patterns)
+
+
 class _Walk:
     """Walks directory inputs once each: symbolic links followed (or counted), every real directory and file
     read once however many paths lead to it (a link to an ancestor, two links to one repository).
@@ -127,7 +138,7 @@ class _Walk:
             prefix = base + local  # under the input
             if local and not self.all_files and is_repository_root(Path(dirpath)):  # a nested repository's rules
                 rules += [r for r in [git_rules(Path(dirpath), local)] if r is not None]
-            kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _matches(f"{prefix}{d}/\0", exclude))
+            kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _excludes_all_under(prefix + d, exclude))
             kept = [d for d in kept if not self._skipped_by_default(Path(dirpath, d), f"{local}{d}/", rules, True)]
             dirnames[:] = [d for d in kept if not self._is_link(Path(dirpath, d), queue, f"{prefix}{d}/")]
             for name in sorted(filenames):
@@ -205,7 +216,7 @@ def discover(
             if is_binary(path):
                 skipped.append(path)
                 continue
-            kind: Literal["text", "jsonl"] = "jsonl" if path.name.endswith(JSONL_SUFFIXES) else "text"
+            kind: Literal["text", "jsonl"] = "jsonl" if path.name.lower().endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
     return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default)

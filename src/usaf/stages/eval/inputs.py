@@ -133,7 +133,7 @@ def read_input(
 
 def _is_tokens_jsonl(path: Path) -> bool:
     """A ``.jsonl`` file whose first object holds ``input_ids`` (an empty one counts: it is reported empty)."""
-    if not path.name.endswith(".jsonl"):
+    if not path.name.lower().endswith(".jsonl"):
         return False
     for _, obj, _ in iter_jsonl_objects(path):
         return "input_ids" in obj
