@@ -540,3 +540,19 @@ def test_exclude_prunes_a_directory_only_where_it_excludes_all_of_it_and_jsonl_i
     assert load_verified(out, TokensManifest).summary.sources[0].source == "upper.JSONL"
     (row,) = read_jsonl(out / "train.jsonl")
     assert b'"text"' not in json.dumps(row).encode() and row["input_ids"]  # the text, not the JSON line
+
+
+def test_a_seed_without_a_held_out_fraction_is_refused_not_ignored(tmp_path, tok_dir, monkeypatch):
+    """--seed draws --held-out-frac's sources and nothing else: alone it was accepted and did nothing (found in
+    review); from USAF_SEED (train's and eval's too) a note. The control: with --held-out-frac it is taken."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a", "b", "c"):
+        (corpus / f"{name}.py").write_text(f"{name} = 1\n" * 40)
+    args = [corpus, "--model", tok_dir]
+    assert_clean_failure(tokenize(*args, "--seed", 3, "--out", tmp_path / "o1"), tmp_path / "o1",
+                         "--seed 3: only --held-out-frac draws with it")  # fmt: skip
+    assert tokenize(*args, "--seed", 3, "--held-out-frac", 0.3, "--out", tmp_path / "o2").exit_code == 0
+    monkeypatch.setenv("USAF_SEED", "3")
+    noted = tokenize(*args, "--out", tmp_path / "o3")
+    assert noted.exit_code == 0 and "USAF_SEED 3: only --held-out-frac draws with it" in noted.stderr, noted.output

@@ -87,6 +87,19 @@ def was_given(settings: BaseModel, field: str) -> bool:
     return field in (getattr(settings, "_sources", None) or {})
 
 
+def refuse_unused(settings: BaseModel, field: str, why: str, remedy: str, note: Callable[[str], None]) -> None:
+    """A setting given that the command would not use: refused from its flag, where the user asked for it in this
+    command; ``note``-d from ``USAF_*`` or ``--config``, which may be meant for other runs. Never accepted in
+    silence. Nothing where it was not given."""
+    if not was_given(settings, field):
+        return
+    source = source_of(settings, field)
+    problem = f"{source} {getattr(settings, field)}: {why}"
+    if source == flag_name(field):
+        raise UsafError(problem, remedy)
+    note(problem)
+
+
 # Every ``--config`` table and the keys it may hold; installed by :mod:`usaf.settings` (which sits above
 # this module), read when a file is checked. None: only the command's own table is checked.
 Tables = Callable[[], Mapping[str, Collection[str]]]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, SourceCount, TokensManifest, TokensSummary
-from usaf.config import source_of, was_given
+from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
@@ -284,6 +284,9 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             if corpus.skipped_default
             else "check the paths and --include/--exclude",
         )
+    if not config.held_out_frac:  # the seed draws the held-out fraction, and nothing else
+        refuse_unused(config, "seed", "only --held-out-frac draws with it, and none is asked for",
+                      "drop --seed, or pass --held-out-frac F", progress.note)  # fmt: skip
     heldout: set[str] = set()
     if config.held_out or config.held_out_frac:
         heldout = select_heldout(_collect_sources(corpus, config), config.held_out, config.held_out_frac, config.seed)

@@ -37,7 +37,7 @@ from usaf.artifacts.workspace import (
     unfinished_outputs,
 )
 from usaf.artifacts.writer import ArtifactWriter, remove_stale_temporaries_inside, write_text_atomic
-from usaf.config import flag_name, source_of, was_given
+from usaf.config import flag_name, refuse_unused, source_of, was_given
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import World, world
@@ -100,7 +100,8 @@ def resolve_inputs(
     model_dir, model_manifest = resolve_model(config, progress)
     _check_dense_router_grad(config, model_dir)
     if not config.router:
-        unused(config, "router_lr", "no router is trained (--no-router)", "drop it, or train the routers", progress)
+        refuse_unused(config, "router_lr", "no router is trained (--no-router)", "drop it, or train the routers",
+                      progress.note)  # fmt: skip
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     context = _check_seq_len(config.seq_len, str(model_dir), tokenizer, source_of(config, "seq_len"))
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
@@ -209,8 +210,9 @@ def _real(path: Path) -> Path:
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
     if config.eval_data is None:
         if config.eval_every > 0:
-            unused(config, "eval_every", "no --eval-data, so no held-out loss to compute",
-                   "pass --eval-data (a tokens directory uses its heldout.jsonl), or drop it", progress)  # fmt: skip
+            refuse_unused(config, "eval_every", "no --eval-data, so no held-out loss to compute",
+                          "pass --eval-data (a tokens directory uses its heldout.jsonl), or drop it",
+                          progress.note)  # fmt: skip
         return None
     eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
     if eval_file.name == "train.jsonl":
@@ -230,21 +232,10 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
     every = _reselect_every(config.reselect_every, steps, progress)
     if every == 0:
-        unused(config, "reselect_fraction", "this run's mask is static, so nothing is reselected",
-               "drop it, or pass --reselect-every N for RigL reselection every N steps", progress)  # fmt: skip
+        refuse_unused(config, "reselect_fraction", "this run's mask is static, so nothing is reselected",
+                      "drop it, or pass --reselect-every N for RigL reselection every N steps",
+                      progress.note)  # fmt: skip
     return steps, every
-
-
-def unused(config: TrainConfig, field: str, why: str, remedy: str, progress: Progress) -> None:
-    """A setting given that this run would not use: refused from its flag, where the user asked for it in this
-    command; a note from ``USAF_*`` or ``--config``, which may be meant for other runs. Never accepted in silence."""
-    if not was_given(config, field):
-        return
-    source = source_of(config, field)
-    problem = f"{source} {getattr(config, field)}: {why}"
-    if source == flag_name(field):
-        raise UsafError(problem, remedy)
-    progress.note(problem)
 
 
 def _reselect_every(requested: int | None, steps: int, progress: Progress) -> int:
