@@ -779,3 +779,25 @@ def test_a_text_directory_with_its_own_manifest_json_is_text_and_a_cache_that_ca
     damaged = invoke("eval", "--model", trained["q"], "--held-out", app, "--workspace", workspace,
                      "--out", tmp_path / "other", "--no-plots")  # fmt: skip
     assert damaged.exit_code == 2 and "manifest.json" in damaged.stderr, damaged.output
+
+
+def test_a_killed_cache_saves_temporary_is_cleared_by_the_next_save(tmp_path):
+    """A save killed mid-write left its temporary directory beside the entry for good (found in review): hundreds
+    of MB at a real model's size. The control: a live process's temporary is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from usaf.stages.eval import cache
+    from usaf.stages.eval.passes import PassResult
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    entry = tmp_path / "cache" / "eval-base" / ("0" * 32)
+    stale = entry.with_name(f".{entry.name}.usaf-tmp-{dead.stdout.strip()}-deadbeef")
+    alive = entry.with_name(f".{entry.name}.usaf-tmp-{os.getpid()}-cafecafe")
+    for directory in (stale, alive):
+        directory.mkdir(parents=True)
+        (directory / "base.safetensors").write_bytes(b"\0" * 100)
+    result = PassResult(torch.zeros(2), torch.ones(2), {}, 2, 0.1)
+    cache.save(entry, "k", {}, result)
+    assert not stale.exists() and alive.exists() and (entry / cache.META_FILE).is_file()

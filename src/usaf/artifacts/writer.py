@@ -41,7 +41,7 @@ from usaf.errors import UsafError
 M = TypeVar("M", bound=Manifest)
 
 
-def _remove_stale_temporaries(target: Path) -> None:
+def remove_stale_temporaries(target: Path) -> None:
     """Delete temporaries and replaced outputs of this target left by processes that no longer run (SIGKILL)."""
     parent = target.parent
     if not parent.is_dir():
@@ -203,7 +203,7 @@ class ArtifactWriter:
     def _enter(self) -> None:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
-            _remove_stale_temporaries(self.target)
+            remove_stale_temporaries(self.target)
             self.resumed = self.resumable and self.dir.is_dir()
             self.dir.mkdir(exist_ok=self.resumable)
             if self.resumed:  # files a killed run was still writing: never part of the artifact

@@ -30,7 +30,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from usaf.artifacts.hashing import sha256_text
+from usaf.artifacts.outputs import TMP_TAG
 from usaf.artifacts.tensor_file import save_tensors
+from usaf.artifacts.writer import remove_stale_temporaries
 from usaf.data.batches import Batch
 from usaf.stages.eval.passes import PartialPass, PassResult
 
@@ -118,7 +120,8 @@ def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult, *
     """Write an entry atomically (temp dir + rename); an existing entry of the same key is replaced. ``batches``:
     the microbatches done, where ``result`` is part of a pass (a stopped one)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    remove_stale_temporaries(directory)  # a killed save's (hundreds of MB at a real model's size; found in review)
+    tmp = directory.with_name(f".{directory.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
         tensors = {"nll": result.nll.contiguous(), "tokens": result.tokens.contiguous()}
