@@ -521,6 +521,24 @@ def test_the_settings_a_run_uses_are_not_refused(prepared, tmp_path):
     assert "would not" not in result.stderr and "mask is static" not in result.stderr
 
 
+def test_a_refused_overwrite_leaves_the_run_it_was_to_replace(prepared, tmp_path):
+    """--overwrite deleted the run in --out before the settings were checked: a command then refused for its length
+    or reselection destroyed it (found in review). The control: a valid --overwrite replaces it."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    assert train(qdir, tokens, plan, run, "--steps", 2).exit_code == 0
+    for refused_args, needle in [
+        (("--steps", 2, "--reselect-fraction", 0.3), "mask is static"),
+        (("--epochs", 1, "--reselect-every", 100000), "exceeds the run's"),
+        (("--steps", 2, "--resume"), "either --resume"),
+    ]:
+        refused = train(qdir, tokens, plan, run, *refused_args, "--overwrite")
+        assert refused.exit_code == 2 and needle in refused.stderr, (refused_args, refused.output)
+        assert (run / "manifest.json").is_file(), refused_args
+    assert train(qdir, tokens, plan, run, "--steps", 3, "--overwrite").exit_code == 0
+    assert load_verified(run, RunManifest).summary.steps == 3
+
+
 def test_vram_on_the_cpu_is_refused_not_dropped(prepared, tmp_path):
     """On the CPU the planner sizes the run by RAM alone: a --vram given there used to be read and dropped while the
     run said it followed usaf plan's choice (usaf plan refuses the same)."""

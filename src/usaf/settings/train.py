@@ -128,6 +128,8 @@ class TrainConfig(StageConfig):
                 f"--reselect-every {self.reselect_every} exceeds --steps {self.steps}; "
                 "lower it or pass 0 for a static mask"
             )
+        if self.resume and self.overwrite:  # --overwrite deletes what --resume would continue
+            raise ValueError("pass either --resume (continue the run in --out) or --overwrite (replace it), not both")
         if self.dense_router_grad and not self.router:
             raise ValueError("--dense-router-grad changes only the routers' gradient; --no-router trains none")
         return self

@@ -115,6 +115,9 @@ def resolve_inputs(
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
     source = config.data if config.data is not None else data_file.parent
     settler = _Settler(model, backend, world, data, data_fp, source, given)
+    # Every refusal of the settings before --overwrite deletes the run there: a command refused for its length,
+    # reselection or memory budget destroyed the run it was to replace (found in review). Notes come with the settle.
+    settler.budgeted(config, given[1] if given else None, NullProgress())
     out = config.out or _unfinished_run(config, settler, progress) or _new_run_dir(config, model_dir, world)
     run_dir = _check_run_dir(config, out, model_dir, data_file, world, held)
     settled = settler.settle(config, run_dir, progress)
