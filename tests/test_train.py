@@ -373,6 +373,30 @@ def test_short_runs_default_to_a_static_mask_and_seq_len_cuts_sequences(prepared
     assert not (tmp_path / "long").exists()
 
 
+def test_an_interval_that_would_replace_nothing_is_a_static_mask_not_a_silent_one(prepared, tmp_path, monkeypatch):
+    """The share replaced is 0 from 75 % of the run: --reselect-every 10 of 12 steps (or the default 50 of 51-66)
+    reselected nothing, in silence, and paid each cycle's score collection (found in review). The control: 4 of 12
+    reselects twice."""
+    from usaf.stages.train import loop
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    refused = train(qdir, tokens, plan, tmp_path / "ten", "--steps", 12, "--reselect-every", 10)
+    assert refused.exit_code == 2 and "no reselection of this 12-step run would replace anything" in refused.stderr, (
+        refused.output)  # fmt: skip
+    monkeypatch.setenv("USAF_RESELECT_EVERY", "10")
+    noted = train(qdir, tokens, plan, tmp_path / "env", "--steps", 12)
+    assert noted.exit_code == 0 and "USAF_RESELECT_EVERY 10: no reselection" in noted.stderr, noted.output
+    monkeypatch.delenv("USAF_RESELECT_EVERY")
+    collected = []
+    real = loop.collect_scores
+    monkeypatch.setattr(loop, "collect_scores", lambda engine: collected.append(1) or real(engine))
+    control = train(qdir, tokens, plan, tmp_path / "four", "--steps", 12, "--reselect-every", 4)
+    assert control.exit_code == 0, control.output
+    assert len(load_verified(tmp_path / "four", RunManifest).summary.reselections) == 2 and len(collected) == 2
+    assert loop.collecting(7, 4, 12, 0.2) and not loop.collecting(11, 4, 12, 0.2)  # the cycle ending at 12: none
+    assert loop.collecting(29, 10, 50, 0.2) and not loop.collecting(39, 10, 50, 0.2)  # 40 is past 75 % of 50
+
+
 def test_routing_collapse_is_warned_once_per_layer():
     from usaf.engine.engine import LayerLoad
     from usaf.stages.train.trainer import Trainer, TrainState

@@ -41,6 +41,7 @@ from usaf.config import flag_name, refuse_unused, source_of, was_given
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import World, world
+from usaf.engine.reselect import update_fraction
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.routing import dense_router_grad_refusal
@@ -233,7 +234,7 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
     """The run's steps and its reselection interval."""
     per_step = config.microbatch * config.grad_accum * world.size  # the global batch, in sequences
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
-    every = _reselect_every(config.reselect_every, steps, progress)
+    every = _reselect_every(config, steps, progress)
     if every == 0:
         refuse_unused(config, "reselect_fraction", "this run's mask is static, so nothing is reselected",
                       "drop it, or pass --reselect-every N for RigL reselection every N steps",
@@ -241,18 +242,31 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
     return steps, every
 
 
-def _reselect_every(requested: int | None, steps: int, progress: Progress) -> int:
-    """``--reselect-every`` as given; by default 50, or a static mask when the run is too short for one."""
-    if requested is not None:
-        if requested > steps:
-            raise UsafError(
-                f"--reselect-every {requested} exceeds the run's {steps} steps", "lower it, or pass 0 for a static mask"
-            )
-        return requested
-    if steps <= DEFAULT_RESELECT_EVERY:
-        progress.note(f"a {steps}-step run is too short for a reselection every {DEFAULT_RESELECT_EVERY}: static mask")
+def _reselect_every(config: TrainConfig, steps: int, progress: Progress) -> int:
+    """``--reselect-every`` as given, by default 50; a static mask (0) where no reselection would replace anything.
+
+    The share replaced decays to 0 at 75 % of the run (:func:`usaf.engine.reselect.update_fraction`), so an interval
+    reaching that far reselected nothing while paying for the scores each cycle collects: the default for a run of
+    51-66 steps, or ``--reselect-every 10`` of 12 (found in review). Such an interval given by flag is refused."""
+    requested = config.reselect_every
+    if requested is not None and requested > steps:
+        raise UsafError(
+            f"--reselect-every {requested} exceeds the run's {steps} steps", "lower it, or pass 0 for a static mask"
+        )
+    every = DEFAULT_RESELECT_EVERY if requested is None else requested
+    if every == 0 or (every < steps and update_fraction(every, steps, config.reselect_fraction) > 0):
+        return every
+    if requested is None:
+        progress.note(f"a {steps}-step run is too short for a reselection every {every}: static mask")
         return 0
-    return DEFAULT_RESELECT_EVERY
+    source = source_of(config, "reselect_every")
+    problem = (f"{source} {every}: no reselection of this {steps}-step run would replace anything (the share "
+               f"replaced, --reselect-fraction {config.reselect_fraction:g} at first, is 0 from step "
+               f"{math.ceil(0.75 * steps)}, 75 % of the run)")  # fmt: skip
+    if source == flag_name("reselect_every"):
+        raise UsafError(problem, "lower it, or pass 0 for a static mask")
+    progress.note(f"{problem}: static mask")
+    return 0
 
 
 def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str) -> int | None:

@@ -61,7 +61,7 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
         stop.check()
         step, every, config = trainer.state.step, trainer.reselect_every, trainer.config
         # Grow candidates are ranked by the gradients of the last SCORE_BATCHES steps before a reselection.
-        if every and trainer.collector is None and collecting(step, every, steps):
+        if every and trainer.collector is None and collecting(step, every, steps, config.reselect_fraction):
             trainer.collector = collect_scores(trainer.engine)
         record = trainer.step()
         trainer.log(record)
@@ -82,10 +82,12 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
         progress.advance(1, tokens=trainer.state.tokens, **shown)
 
 
-def collecting(step: int, every: int, steps: int) -> bool:
-    """Whether step ``step`` (0-based) is one of the batches that rank candidates for the next reselection."""
+def collecting(step: int, every: int, steps: int, fraction: float) -> bool:
+    """Whether step ``step`` (0-based) is one of the batches that rank candidates for the next reselection: not for
+    one that replaces nothing (from 75 % of the run; its collection was paid for nothing, found in review)."""
     position = (step % every) + 1  # 1..every within the current cycle
-    return position > every - SCORE_BATCHES and (step // every + 1) * every < steps
+    cycle_end = (step // every + 1) * every
+    return position > every - SCORE_BATCHES and cycle_end < steps and update_fraction(cycle_end, steps, fraction) > 0
 
 
 def _reselect(trainer: Any, steps: int) -> None:
