@@ -136,6 +136,35 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_interrupted_run_resumes_with_what_it_started_with_and_a_refusal_says_what_differs(
+    prepared, tmp_path, monkeypatch
+):
+    """Found in review: a run that took its plan (or tokens) from the workspace could not be resumed once a newer
+    one appeared there, nor with its paths spelled otherwise or another --save-every, and the refusal ("holds
+    another run") named nothing, offering --overwrite, which discards its checkpoints."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    workspace = tmp_path / "ws"
+    shutil.copytree(plan, workspace / "plan" / "first")
+    shutil.copytree(tokens, workspace / "tokens" / "first")
+    run = tmp_path / "run"
+    args = ["train", "--model", qdir, "--workspace", workspace, "--steps", 4, "--lr", 0.05]
+    ctrl_c_at(2, lambda: invoke(*args, "--save-every", 2, "--out", run), monkeypatch)
+    newer = invoke("score", "--model", qdir, "--data", tokens, "--calib-samples", 4, "--no-stability",
+                   "--no-lr-test", "--train-from", 2, "--out", workspace / "plan" / "newer")  # fmt: skip
+    assert newer.exit_code == 0, newer.output
+    monkeypatch.chdir(tmp_path)
+    resumed = invoke(*args, "--save-every", 1, "--out", "run")  # relative now, and checkpoints more often
+    assert resumed.exit_code == 0, resumed.output
+    assert "the one this run started with" in resumed.stderr and "resuming from" in resumed.stderr
+    assert load_verified(run, RunManifest).summary.steps == 4
+
+    ctrl_c_at(2, lambda: invoke(*args, "--out", tmp_path / "other"), monkeypatch)
+    refused = invoke(*args, "--lr", 0.01, "--out", tmp_path / "other")
+    assert refused.exit_code == 2 and "lr 0.05, not 0.01" in refused.stderr, refused.output
+
+
 def test_the_untrained_held_out_loss_is_logged_once_whether_resumed_or_restarted(prepared, tmp_path, monkeypatch):
     """The held-out loss at step 0 (before training) is in the metrics once: after a resume from a checkpoint (the
     checkpoint carries it) and after a restart from nothing (a run killed before its first checkpoint logged it)."""

@@ -170,18 +170,27 @@ def resolve_model(config: Any, progress: Any) -> tuple[Path, QuantizedModelManif
     return config.model, load_verified(config.model, QuantizedModelManifest, flag="--model", hashes=False)
 
 
-def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Any) -> tuple[Path, str]:
-    """The training sequences file and the fingerprint of what it came from; checks the tokenizer."""
+def resolve_data(
+    config: Any, tokenizer_fingerprint: str, progress: Any, *, prefer: str | None = None
+) -> tuple[Path, str]:
+    """The training sequences file and the fingerprint of what it came from; checks the tokenizer.
+
+    ``prefer``: the fingerprint of the tokens an interrupted run started with; taken from the workspace while they
+    are there, whatever newer tokens appeared since (else resuming it was refused as another run's)."""
     data = config.data
     if data is None:
-        found = pick_latest(
-            workspace_dir(config.workspace),
-            TokensManifest,
-            flag="--data",
-            accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,
-            wanted=" made with this model's tokenizer",
-        )
-        progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
+        found = _preferred(workspace_dir(config.workspace), TokensManifest, prefer)
+        if found is not None:
+            progress.note(f"using the tokens {found.path} (the ones this run started with)")
+        else:
+            found = pick_latest(
+                workspace_dir(config.workspace),
+                TokensManifest,
+                flag="--data",
+                accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,
+                wanted=" made with this model's tokenizer",
+            )
+            progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
         data = found.path
     if data.is_dir():
         manifest = load_verified(data, TokensManifest, flag="--data")
@@ -192,6 +201,13 @@ def resolve_data(config: Any, tokenizer_fingerprint: str, progress: Any) -> tupl
     return data, sha256_file(data)
 
 
+def _preferred(workspace: Path, cls: type[M], fingerprint: str | None) -> Found[M] | None:
+    """The workspace's artifact of ``cls`` with this fingerprint (the newest such), or None."""
+    if fingerprint is None:
+        return None
+    return next((f for f in find_artifacts(workspace, cls) if f.manifest.fingerprint == fingerprint), None)
+
+
 def resolve_plan(
     plan: Path | None,
     workspace: Path | None,
@@ -200,10 +216,12 @@ def resolve_plan(
     *,
     outside: Path | None = None,
     differences: Callable[[PlanManifest], list[str]] | None = None,
+    prefer: str | None = None,
 ) -> tuple[Path, PlanManifest] | None:
     """``plan`` (read and verified once), else the workspace's newest plan made for ``model`` (its directory and
     fingerprint) that ``differences`` finds nothing against (the settings given that it was scored without), not one
-    inside ``outside`` (a run directory, whose own plan its run finds), else None.
+    inside ``outside`` (a run directory, whose own plan its run finds), else None; ``prefer``: the fingerprint of the
+    plan an interrupted run started with, taken before any newer one.
 
     Refuses a plan made for another quantized model.
     """
@@ -216,6 +234,11 @@ def resolve_plan(
         mine = [a for a in found if a.manifest.summary.model_fingerprint == model_fingerprint
                 and (own is None or own not in a.path.parents)]  # fmt: skip
         taken = [a for a in mine if differences is None or not differences(a.manifest)]
+        started = next((a for a in taken if a.manifest.fingerprint == prefer), None) if prefer else None
+        if started is not None:  # an interrupted run's own plan, whatever newer plans appeared since
+            progress.note(f"using the plan {started.path} (the one this run started with)")
+            check_plan_model(started.path, started.manifest, model)
+            return started.path, started.manifest
         if differences is not None and mine and mine[0] not in taken:  # the newest is not it: say why, once
             progress.note(f"not using the plan {mine[0].path} (newest made for this model): scored with "
                           f"{'; '.join(differences(mine[0].manifest))}")  # fmt: skip

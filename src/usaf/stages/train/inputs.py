@@ -106,7 +106,8 @@ def resolve_inputs(
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     context = _check_seq_len(config.seq_len, str(model_dir), tokenizer, source_of(config, "seq_len"))
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
-    data_file, data_fp = resolve_data(config, tokenizer_fp, progress)
+    started = {} if config.overwrite or config.out is None else _started_with(config.out)
+    data_file, data_fp = resolve_data(config, tokenizer_fp, progress, prefer=started.get("data_fingerprint"))
     # Read before the run directory is touched: with --overwrite, bad data must not cost the run it replaces.
     data = TokenDataset(data_file, vocab_size=len(tokenizer), context=context)
     if len(data) == 0:
@@ -387,9 +388,9 @@ def _found_plan(
                 "give the settings it was scored with, or another --out (--overwrite replaces the run)",
             )
         return path, manifest
-    return resolve_plan(
-        None, workspace, model, progress, outside=run_dir, differences=lambda m: _selection_differences(m, wanted)
-    )
+    started = _started_with(run_dir)  # an interrupted run: the plan it started with before any newer one
+    return resolve_plan(None, workspace, model, progress, outside=run_dir, prefer=started.get("plan_fingerprint"),
+                        differences=lambda m: _selection_differences(m, wanted))  # fmt: skip
 
 
 def _selection_differences(plan: PlanManifest, wanted: dict[str, Any]) -> list[str]:
@@ -458,7 +459,7 @@ def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
         saved = candidate / SETTINGS_FILE
         if saved.is_file():
             settled = settler.settle(config, candidate, NullProgress(), score_now=False)
-            return settled is not None and _read_settings(saved) == settled.record
+            return settled is not None and not run_differences(_read_settings(saved), settled.record)
         partial = ArtifactWriter.partial_dir(candidate / PLAN_DIR)
         if own_entries(candidate) != [partial.name]:
             return False
@@ -516,14 +517,45 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
     if not run_dir.exists():
         return None
     previous = run_dir / SETTINGS_FILE
-    if previous.is_file() and _read_settings(previous) == record:
+    differences = run_differences(_read_settings(previous), record) if previous.is_file() else ["no settings"]
+    if not differences:
         return latest_checkpoint(run_dir)
     if any(name != PLAN_DIR for name in own_entries(run_dir)):  # a stale lock or temporary is no run's
+        shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
         raise UsafError(
-            f"--out {run_dir}: holds another run (other settings or inputs)",
-            "pass another --out, or --overwrite to replace it",
+            f"--out {run_dir}: holds another run (other settings or inputs: {shown})",
+            "give the settings it was started with to resume it, another --out, or --overwrite to replace it",
         )
     return None
+
+
+# Recorded, not compared on resume: the inputs' paths (their fingerprints pin what they hold: a path spelled
+# relative or absolute refused the same run; found in review) and when checkpoints and held-out losses are written
+# (nothing trained depends on them).
+RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every"})
+
+
+def run_differences(previous: Any, record: dict) -> list[str]:
+    """What keeps an interrupted run's recorded settings (``previous``) from being this run's, in words; empty
+    where this run continues it. The held-out data (no fingerprint) is compared by its real path."""
+    if not isinstance(previous, dict):
+        return [f"its {SETTINGS_FILE} is unreadable"]
+    differences = []
+    for key in sorted((set(previous) | set(record)) - RESUME_IGNORES):
+        was, now = previous.get(key), record.get(key)
+        same_place = isinstance(was, str) and isinstance(now, str) and _real(Path(was)) == _real(Path(now))
+        if key == "eval_data" and same_place:
+            continue
+        if was != now:
+            differences.append(f"{key} {was}, not {now}")
+    return differences
+
+
+def _started_with(run_dir: Path) -> dict:
+    """The settings record of the run interrupted in ``run_dir`` (empty where none is readable): the plan and tokens
+    it started with are taken again, whatever newer ones appeared in the workspace since (found in review)."""
+    record = _read_settings(run_dir / SETTINGS_FILE)
+    return record if isinstance(record, dict) else {}
 
 
 def _read_settings(path: Path) -> dict | None:
