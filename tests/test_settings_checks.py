@@ -262,3 +262,30 @@ def test_an_optimizer_state_of_another_structure_is_a_value_error(state):
     """Whatever optimizer.pt holds, its check says what is wrong as a ValueError (resume names the file)."""
     with pytest.raises(ValueError):
         check_state_dict(state, [{"name": "deltas", "params": [torch.zeros(3)]}])
+
+
+def test_every_seed_is_a_32_bit_count_and_epochs_are_bounded():
+    """--seed 1e17 overflowed in the data order (a traceback, a run directory left with its settings alone) and
+    --epochs 1e307 in the step count (found in review). The control: the largest seed and 10,000 epochs are taken."""
+    import importlib
+
+    from usaf.settings import TABLES
+
+    models = {}
+    for name, spec in TABLES.items():
+        module, _, attr = spec.partition(":")
+        models[name] = getattr(importlib.import_module(f"usaf.settings.{module}"), attr)
+    seeded = [name for name, cls in models.items() if "seed" in cls.model_fields]
+    assert {"train", "score", "tokenize", "eval", "generate"} <= set(seeded)
+    for name in seeded:
+        cls = models[name]
+        for bad in (2**32, -1):
+            with pytest.raises(UsafError, match="seed"):
+                resolve_config(cls, section=name, cli={"seed": bad}, env={})
+        try:  # some commands need other settings too: the seed is not among the problems
+            resolve_config(cls, section=name, cli={"seed": 2**32 - 1}, env={})
+        except UsafError as e:
+            assert "seed" not in e.message, e.message
+    with pytest.raises(UsafError, match="--epochs"):
+        resolve_config(TrainConfig, section="train", cli={"epochs": 1e307}, env={})
+    assert resolve_config(TrainConfig, section="train", cli={"epochs": 10_000.0}, env={}).epochs == 10_000

@@ -28,5 +28,5 @@ class DemoConfig(StageConfig):
     )
     quick: bool = Field(False, description="A one-minute smoke run on three sources.")
     device: str = f.device()
-    seed: int = Field(0, description="Seed of the calibration sample and data order.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the calibration sample and data order.")
     overwrite: bool = Field(False, description="Start over instead of reusing finished stages.")

@@ -57,7 +57,7 @@ class EvalConfig(StageConfig):
         "(as usaf tokenize --all-files).",
     )
     bootstrap: int = Field(1000, ge=100, le=1_000_000, description="Bootstrap resamples per interval.")
-    seed: int = Field(0, description="Seed of the bootstrap and of --max-sequences.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the bootstrap and of --max-sequences.")
     base_cache: bool = Field(
         True, description="Reuse/store the base pass in WORKSPACE/cache, and keep a pass stopped by Ctrl-C there."
     )

@@ -27,7 +27,7 @@ class GenerateConfig(StageConfig):
     temperature: float = Field(0.7, ge=0, le=100, description="Sampling temperature; 0 = greedy, else >= 0.01.")
     top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens to generate at most.")
-    seed: int = Field(0, description="Sampling seed: the same seed gives the same text.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Sampling seed: the same seed gives the same text.")
     chat: bool = Field(True, description="Apply the tokenizer's chat template if it has one.")
     device: str = f.device()
 

@@ -33,7 +33,7 @@ class ScoreConfig(StageConfig):
     router: bool = Field(True, description="Train the routers too (counted in the plan).")
     device: str = f.device()
     microbatch: int = Field(4, ge=1, description="Sequences per backward.")
-    seed: int = Field(0, description="Seed of the calibration sample.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the calibration sample.")
     candidates_factor: int = Field(
         4, ge=1, le=1024,
         description="Candidates kept per tensor as a multiple of its budget (12 bytes each); larger is closer "

@@ -19,5 +19,5 @@ class TinyModelConfig(StageConfig):
     )
     family: str = Field("qwen3_moe", description="Model family (config.json model_type).")
     layers: int = Field(2, ge=1, le=64, description="Decoder layers.", json_schema_extra=cli(min=1, max=64))
-    seed: int = Field(0, description="Seed of the random weights.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the random weights.")
     overwrite: bool = f.overwrite()

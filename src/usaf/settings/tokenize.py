@@ -51,7 +51,7 @@ class TokenizeConfig(StageConfig):
     held_out_frac: float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of sources, chosen by --seed."
     )
-    seed: int = Field(0, description="Seed of the --held-out-frac choice.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the --held-out-frac choice.")
     decode_errors: Literal["strict", "replace", "skip"] = Field(
         "strict", description="Non-UTF-8 text files: strict (error) | replace | skip."
     )

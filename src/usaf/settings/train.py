@@ -58,7 +58,7 @@ class TrainConfig(StageConfig):
     targets: Targets | None = f.targets()
     steps: int | None = Field(None, ge=1, description="Optimizer steps (or --epochs).")
     epochs: float | None = Field(
-        None, gt=0, description="Passes over the data.", json_schema_extra=cli(default_text="1")
+        None, gt=0, le=10_000, description="Passes over the data.", json_schema_extra=cli(default_text="1")
     )
     microbatch: int = Field(2, ge=1, description="Sequences per forward.")
     grad_accum: int = Field(1, ge=1, description="Microbatches per optimizer step.")
@@ -89,7 +89,7 @@ class TrainConfig(StageConfig):
     )
     eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = only at the end.")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps.")
-    seed: int = Field(0, description="Seed of the data order.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the data order.")
     deterministic: bool = Field(
         False,
         description="Bit-reproducible on a GPU: torch's deterministic kernels (slower), so equal runs, and a resumed "
