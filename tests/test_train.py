@@ -525,6 +525,25 @@ def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prep
     assert env.exit_code == 0 and "--frac 0.05, not 0.1 (given)" in env.stderr, env.output
 
 
+def test_eval_data_named_as_a_file_is_read_as_named_and_its_errors_name_the_flag(prepared, tmp_path):
+    """--eval-data X/train.jsonl was silently replaced by X/heldout.jsonl, and --eval-data errors named --data (found
+    in review). The control: a tokens directory gives its held-out split."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    named = train(qdir, tokens, plan, tmp_path / "file", "--steps", 1, "--eval-data", tokens / "train.jsonl")
+    assert named.exit_code == 0, named.output
+    trained_lines = len((tokens / "train.jsonl").read_text().splitlines())
+    held_lines = len((tokens / "heldout.jsonl").read_text().splitlines())
+    assert trained_lines != held_lines  # else the check below could not tell them apart
+    first = [m for m in metrics(tmp_path / "file") if "eval_loss" in m]
+    directory = train(qdir, tokens, plan, tmp_path / "dir", "--steps", 1, "--eval-data", tokens)
+    assert directory.exit_code == 0, directory.output
+    second = [m for m in metrics(tmp_path / "dir") if "eval_loss" in m]
+    assert first and second and first[0]["eval_loss"] != second[0]["eval_loss"]
+    missing = train(qdir, tokens, plan, tmp_path / "missing", "--steps", 1, "--eval-data", tmp_path / "nope")
+    assert missing.exit_code == 2 and f"--eval-data {tmp_path / 'nope'}: no such file" in missing.stderr, (
+        missing.output)  # fmt: skip
+
+
 def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
     """--eval-every with nothing to evaluate on would train without a held-out loss, silently; from USAF_* (which may
     be meant for other runs) it is a note."""

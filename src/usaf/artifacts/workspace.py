@@ -171,7 +171,7 @@ def resolve_model(config: Any, progress: Any) -> tuple[Path, QuantizedModelManif
 
 
 def resolve_data(
-    config: Any, tokenizer_fingerprint: str, progress: Any, *, prefer: str | None = None
+    config: Any, tokenizer_fingerprint: str, progress: Any, *, prefer: str | None = None, flag: str = "--data"
 ) -> tuple[Path, str]:
     """The training sequences file and the fingerprint of what it came from; checks the tokenizer.
 
@@ -193,11 +193,11 @@ def resolve_data(
             progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
         data = found.path
     if data.is_dir():
-        manifest = load_verified(data, TokensManifest, flag="--data")
-        check_tokenizer(data, manifest, tokenizer_fingerprint, flag="--data")
+        manifest = load_verified(data, TokensManifest, flag=flag)
+        check_tokenizer(data, manifest, tokenizer_fingerprint, flag=flag)
         return data / TRAIN_FILE, manifest.fingerprint
     if not data.is_file():
-        raise UsafError(f"--data {data}: no such file or directory", "pass a tokens directory or a JSONL file")
+        raise UsafError(f"{flag} {data}: no such file or directory", "pass a tokens directory or a JSONL file")
     return data, sha256_file(data)
 
 

@@ -219,8 +219,9 @@ def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: 
                           "pass --eval-data (a tokens directory uses its heldout.jsonl), or drop it",
                           progress.note)  # fmt: skip
         return None
-    eval_file, _ = resolve_data(config.model_copy(update={"data": config.eval_data}), tokenizer_fp, progress)
-    if eval_file.name == "train.jsonl":
+    given = config.model_copy(update={"data": config.eval_data})
+    eval_file, _ = resolve_data(given, tokenizer_fp, progress, flag="--eval-data")
+    if config.eval_data.is_dir():  # a tokens directory: its held-out split (a file named is read as named)
         eval_file = eval_file.with_name("heldout.jsonl")
     data = TokenDataset(eval_file, vocab_size=len(tokenizer), context=context)
     if len(data) == 0:  # else the run would report no held-out loss, without a word
