@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -430,3 +431,21 @@ def test_usaf_train_with_a_memory_budget_takes_the_planners_settings(prepared, t
                    "--ram", "300MiB", "--workspace", tmp_path)  # fmt: skip
     assert small.exit_code == 2 and "--vram/--ram: nothing fits" in small.stderr
     assert not (tmp_path / "small").exists()
+
+
+def test_plan_refuses_what_score_and_train_refuse_and_reads_any_model_directory(tmp_path):
+    """Found in review: --targets shared on a model without shared experts crashed the planner (exit 1), a --seq-len
+    past the model's context was said to fit, and a model directory with a manifest.json not a quantized model's
+    (an export's, another tool's) was refused. The control: the same plan with experts and a fitting length."""
+    args = ("--device", "cpu", "--ram", "64GiB", "--train-from", 45, "--microbatch", 1)
+    shared = invoke("plan", QWEN3_30B, *args, "--targets", "experts,shared")
+    assert shared.exit_code == 2 and "--targets shared: qwen3_moe has no shared modules" in shared.stderr, (
+        shared.output)  # fmt: skip
+    long = invoke("plan", QWEN3_30B, *args, "--seq-len", 10**6)
+    assert long.exit_code == 2 and "exceeds the model's context" in long.stderr, long.output
+    exported = tmp_path / "exported"
+    shutil.copytree(QWEN3_30B, exported)
+    (exported / "manifest.json").write_text(json.dumps({"kind": "hf_export", "usaf_version": "0"}))
+    for model in (QWEN3_30B, exported):
+        result = invoke("plan", model, *args, "--targets", "experts")
+        assert result.exit_code == 0, (model, result.output)

@@ -45,8 +45,10 @@ def _run(settings: Any, json_output: bool) -> None:
     ram = parse_size(settings.ram, flag="--ram") if settings.ram is not None else _local_ram(note)
     target = make_target(kind, settings.dtype, vram, ram)
     facts = model_facts(source.config)
+    targets = resolve_targets(settings.targets, facts.spec)
+    _check_against_the_model(settings, source.config, facts, targets)
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)}  # a subset of PlanConfig
-    request = Request(**{**fields, "targets": resolve_targets(settings.targets, facts.spec)})
+    request = Request(**{**fields, "targets": targets})
     plan = plan_memory(facts, source.quant, target, request)
     if json_output:
         print_json(plan_json(plan, facts, source))
@@ -57,6 +59,23 @@ def _run(settings: Any, json_output: bool) -> None:
             "nothing fits: " + "; ".join(plan.shortfalls) + " (at the smallest settings shown above)",
             "more --vram/--ram, a shorter --seq-len, or a smaller --frac",
         )
+
+
+def _check_against_the_model(settings: Any, config: dict, facts: Any, targets: tuple[str, ...]) -> None:
+    """What score and train refuse, refused here too (found in review: --targets shared on a model without shared
+    experts crashed the planner, --targets experts,shared planned without them, and a --seq-len past the model's
+    context was said to fit, each printing commands that score or train then refused)."""
+    missing = [kind for kind in targets if kind != "experts" and not facts.linear_targets.get(kind)]
+    if missing:
+        raise UsafError(
+            f"--targets {','.join(missing)}: {facts.spec.model_type} has no {' or '.join(missing)} modules to train",
+            "drop them from --targets",
+        )
+    text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    context = text.get("max_position_embeddings")
+    if isinstance(context, int) and settings.seq_len > context:
+        raise UsafError(f"--seq-len {settings.seq_len} exceeds the model's context ({context} tokens)",
+                        f"use at most {context}")  # fmt: skip
 
 
 def _device_kind(device: str | None, vram: str | None) -> str:

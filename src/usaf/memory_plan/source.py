@@ -75,7 +75,13 @@ def _requested(nbits: int | None, group_size: int | None) -> QuantSettings:
 
 
 def _quantized_settings(path: Path) -> QuantSettings | None:
-    if not (path / MANIFEST_NAME).is_file():
+    """A quantized model's recorded settings; None for any other model directory, an export's or one holding another
+    tool's manifest.json among them (refused until found in review, where quantize takes them)."""
+    try:
+        kind = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind != QuantizedModelManifest.KIND:
         return None
     manifest = load_manifest(path, QuantizedModelManifest, flag="MODEL")
     quant = manifest.summary.quant
