@@ -544,6 +544,20 @@ def test_eval_data_named_as_a_file_is_read_as_named_and_its_errors_name_the_flag
         missing.output)  # fmt: skip
 
 
+def test_a_seq_len_that_cuts_away_every_target_is_refused(prepared, tmp_path):
+    """--seq-len cut every line before its first target: the run trained at loss 0 and exited 0 (found in review).
+    The control: a cut past the targets' start trains."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    masked = tmp_path / "masked.jsonl"
+    lines = [json.loads(line) for line in (tokens / "train.jsonl").read_text().splitlines()]
+    masked.write_text("".join(json.dumps({**r, "labels": [-100] * min(10, len(r["labels"])) + r["labels"][10:]}) + "\n"
+                              for r in lines))  # fmt: skip
+    refused = train(qdir, masked, plan, tmp_path / "cut", "--steps", 2, "--seq-len", 8)
+    assert refused.exit_code == 2 and "in the first 8 tokens of any sequence" in refused.stderr, refused.output
+    assert not (tmp_path / "cut").exists()
+    assert train(qdir, masked, plan, tmp_path / "fits", "--steps", 2, "--seq-len", 16).exit_code == 0
+
+
 def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
     """--eval-every with nothing to evaluate on would train without a held-out loss, silently; from USAF_* (which may
     be meant for other runs) it is a note."""

@@ -16,9 +16,10 @@ class TokenDataset:
     Memory: 8 bytes per sequence (its offset), not the sequences themselves.
     """
 
-    def __init__(self, path: Path, *, vocab_size: int, context: int | None = None) -> None:
+    def __init__(self, path: Path, *, vocab_size: int, context: int | None = None, cut: int | None = None) -> None:
+        """``cut``: where its reader cuts every line (train's ``--seq-len``): some target must lie before it."""
         self.path = Path(path)
-        for _ in iter_token_file(self.path, vocab_size=vocab_size, context=context):
+        for _ in iter_token_file(self.path, vocab_size=vocab_size, context=context, cut=cut):
             pass  # validates every line (ids and labels, lengths, no pre-shifted labels) and the file's targets
         offsets = []
         with self.path.open("rb") as f:

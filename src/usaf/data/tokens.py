@@ -108,8 +108,15 @@ def check_length(where: str, length: int, context: int | None) -> None:
         )
 
 
-def nothing_to_score(path: Path) -> UsafError:
-    """The error for a file whose sequences hold no target at all (train would run at loss 0, eval report nothing)."""
+def nothing_to_score(path: Path, cut: int | None = None) -> UsafError:
+    """The error for a file whose sequences hold no target at all (train would run at loss 0, eval report nothing);
+    ``cut``: where they are cut (train's ``--seq-len``), which left none."""
+    if cut is not None:
+        return UsafError(
+            f"{path}: no token to learn from or to score in the first {cut} tokens of any sequence (--seq-len "
+            f"{cut} cuts them there; every label before is {IGNORE_INDEX})",
+            "raise --seq-len, or drop it to train on the sequences as tokenized",
+        )
     return UsafError(
         f"{path}: no token to learn from or to score: every label is {IGNORE_INDEX} or every sequence is 1 token "
         "long (a sequence's first token has no earlier position to predict it)",
@@ -117,7 +124,9 @@ def nothing_to_score(path: Path) -> UsafError:
     )
 
 
-def iter_token_file(path: Path, *, vocab_size: int, context: int | None = None) -> Iterator[TokenLine]:
+def iter_token_file(
+    path: Path, *, vocab_size: int, context: int | None = None, cut: int | None = None
+) -> Iterator[TokenLine]:
     """Read a tokens JSONL file (usaf's own or the original tool's format), validating each line.
 
     The one reader of token files: train, score, eval and the prefix cache all go through it, so the
@@ -128,6 +137,7 @@ def iter_token_file(path: Path, *, vocab_size: int, context: int | None = None) 
         path: the tokens JSONL file.
         vocab_size: the model's vocabulary; ids must be below it, labels too (or -100).
         context: the model's longest sequence (``max_sequence_length``); ``None`` when unknown.
+        cut: where the reader cuts every line (train's ``--seq-len``): the targets counted are those before it.
 
     Raises:
         UsafError: naming ``path:line`` for a malformed line, ids or labels outside the vocabulary, a line
@@ -154,8 +164,8 @@ def iter_token_file(path: Path, *, vocab_size: int, context: int | None = None) 
                 "re-tokenize with `usaf tokenize FILE --fix-shifted-labels`",
             )
         lines += 1
-        scored += scored_targets(labels)
+        scored += scored_targets(labels if cut is None else labels[:cut])
         source = obj.get("source", path.name)
         yield TokenLine(number, ids, labels, source if isinstance(source, str) else str(source))
     if lines and not scored:  # an empty file is its caller's to name ("no sequences", "no held-out split")
-        raise nothing_to_score(path)
+        raise nothing_to_score(path, cut)

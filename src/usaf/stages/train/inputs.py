@@ -109,7 +109,7 @@ def resolve_inputs(
     started = {} if config.overwrite or config.out is None else _started_with(config.out)
     data_file, data_fp = resolve_data(config, tokenizer_fp, progress, prefer=started.get("data_fingerprint"))
     # Read before the run directory is touched: with --overwrite, bad data must not cost the run it replaces.
-    data = TokenDataset(data_file, vocab_size=len(tokenizer), context=context)
+    data = TokenDataset(data_file, vocab_size=len(tokenizer), context=context, cut=config.seq_len)
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
@@ -223,7 +223,7 @@ def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: 
     eval_file, _ = resolve_data(given, tokenizer_fp, progress, flag="--eval-data")
     if config.eval_data.is_dir():  # a tokens directory: its held-out split (a file named is read as named)
         eval_file = eval_file.with_name("heldout.jsonl")
-    data = TokenDataset(eval_file, vocab_size=len(tokenizer), context=context)
+    data = TokenDataset(eval_file, vocab_size=len(tokenizer), context=context, cut=config.seq_len)
     if len(data) == 0:  # else the run would report no held-out loss, without a word
         raise UsafError(
             f"--eval-data {eval_file}: no sequences",
