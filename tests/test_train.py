@@ -558,6 +558,31 @@ def test_a_seq_len_that_cuts_away_every_target_is_refused(prepared, tmp_path):
     assert train(qdir, masked, plan, tmp_path / "fits", "--steps", 2, "--seq-len", 16).exit_code == 0
 
 
+def test_the_prefix_spill_file_neither_grows_across_starts_nor_outlives_the_run(prepared, tmp_path, monkeypatch):
+    """Appended to at every start and never deleted, it grew by a copy each resume and stayed in the finished run
+    (GBs at a real model's size; found in review). The control: it is written while the run spills."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+    from usaf.engine.prefix import PrefixCache
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run, spill = tmp_path / "run", tmp_path / "run" / "prefix-cache.bin"
+    args = ["--steps", 6, "--save-every", 2, "--prefix-cache-gib", 0, "--reselect-every", 0]
+    sizes = []
+    real_put = PrefixCache.put
+
+    def put(self, key, state):
+        real_put(self, key, state)
+        sizes.append(self.spill_path.stat().st_size if self.spill_path and self.spill_path.exists() else 0)
+
+    monkeypatch.setattr(PrefixCache, "put", put)
+    ctrl_c_at(4, lambda: train(qdir, tokens, plan, run, *args), monkeypatch)
+    first = max(sizes)
+    assert first > 0  # it spilled
+    sizes.clear()
+    assert train(qdir, tokens, plan, run, *args).exit_code == 0
+    assert 0 < max(sizes) <= first and not spill.exists()
+
+
 def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
     """--eval-every with nothing to evaluate on would train without a held-out loss, silently; from USAF_* (which may
     be meant for other runs) it is a note."""

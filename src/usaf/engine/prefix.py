@@ -153,6 +153,15 @@ class PrefixCache:
         self._ram_bytes = 0
         self._spill_bytes = 0
         self._mmap: np.memmap | None = None
+        self.drop_spill()  # what an earlier start spilled there indexes nothing now: appended to, it grew each start
+
+    def drop_spill(self) -> None:
+        """Delete the spill file and forget what it held (at the start, and when the run is done with it)."""
+        self._mmap = None
+        self._spilled.clear()
+        self._spill_bytes = 0
+        if self.spill_path is not None:
+            self.spill_path.unlink(missing_ok=True)
 
     def __contains__(self, key: str) -> bool:
         return key in self._ram or key in self._spilled or (self.store is not None and key in self.store)

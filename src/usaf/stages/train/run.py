@@ -221,6 +221,8 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         raise UsafError("every step was skipped (non-finite loss or gradient)", "lower --lr or check the data")
     cache = trainer.prefix[0] if trainer.prefix else None
     hits, misses = trainer.world.sum_floats([cache.hits, cache.misses] if cache else [0, 0], "prefix-cache counts")
+    if cache is not None:
+        cache.drop_spill()  # the finished run needs its spilled states no more (GBs at a real model's size)
     if not trainer.world.is_main:
         trainer.world.barrier("manifest")  # rank 0 writes it
         return load_verified(run_dir, RunManifest, flag="--out"), run_dir
