@@ -19,6 +19,7 @@ from usaf.engine.loading import load_quantized_model
 from usaf.stages.lr_test import (
     CANDIDATES,
     HeldOut,
+    cannot_measure,
     choose_lr,
     choose_lr_within_noise,
     paired_gap,
@@ -281,6 +282,28 @@ def test_score_shows_the_test_as_a_phase_of_steps(inputs, tmp_path):
     assert all(amount == 1 for amount, _ in steps)
     assert len(steps) == manifest.summary.lr_test.steps
     assert [c["lr"] for _, c in steps][::STEPS] == manifest.summary.lr_test.candidates[: len(steps) // STEPS]
+
+
+def test_a_sweep_with_nothing_held_back_to_measure_is_not_run(inputs, tmp_path):
+    """Found in review: one source of 3 lines (the held-back lines were the probes' own) or held-back lines without
+    a target gave an lr chosen by memorization or among equal zero losses, recorded as measured and used by train.
+    Now the test is skipped, said, and the plan records none. The control: 8 lines of 2 sources are measured."""
+    assert cannot_measure(lines(3, sources=1)) and "none to hold back" in cannot_measure(lines(3, sources=1))
+    unscored = [TokenLine(x.line, x.input_ids, [-100] * len(x.labels), x.source) if x.source == "file3.py" else x
+                for x in lines(8, sources=4)]  # fmt: skip
+    assert "no token to score" in cannot_measure(unscored)
+    assert cannot_measure(lines(8, sources=2)) is None
+    from usaf.stages.score import ScoreConfig
+    from usaf.stages.score import run as score_run
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"input_ids": x.input_ids, "labels": x.labels}) + "\n" for x in lines(3)))
+    progress = RecordingProgress()
+    manifest, _ = score_run(ScoreConfig(model=inputs[0], data=few, out=tmp_path / "plan", frac=0.05, calib_samples=8,
+                                        train_from=2, stability=False, lr_test=True, lr_test_steps=STEPS),
+                            progress=progress)  # fmt: skip
+    assert manifest.summary.lr_test is None
+    assert any("lr test skipped" in note for note in progress.notes), progress.notes
 
 
 def test_probes_run_counts_up_to_the_first_divergence():

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from usaf.data.batches import Batch, collate
+from usaf.data.tokens import scored_targets
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.prefix import padded_states
 from usaf.settings.train import DEFAULT_ROUTER_LR
@@ -232,6 +233,23 @@ def run_probes(
 def probes_run(base_loss: float, candidates: list[float] | tuple[float, ...], losses: list[float | None]) -> int:
     """How many probes :func:`run_probes` ran, by ascending lr: those up to and including the first divergence."""
     return min(len(_eligible(base_loss, list(candidates), losses)) + 1, len(candidates))
+
+
+def cannot_measure(lines: list) -> str | None:
+    """Why the test would choose from nothing it measured on these calibration lines, or None: the held-back lines
+    are the probes' own (too few lines or sources to hold any back), or hold no token to score (found in review: a
+    sweep then picked an lr by memorization, or among equal zero losses, and train used it as measured)."""
+    train, held = split(lines)
+    if train is held:
+        return f"{len(lines)} calibration line{'s' if len(lines) != 1 else ''} of one source: none to hold back"
+    if not any(scored_targets(line.labels) for line in held):
+        return "the held-back lines hold no token to score (every label -100)"
+    return None
+
+
+def measured(result: LrTestResult) -> bool:
+    """Whether some probe ran below divergence: else the test's lr is the smallest candidate, a fallback."""
+    return bool(_eligible(result.base_loss, result.candidates, result.losses))
 
 
 def split(lines: list) -> tuple[list, list]:

@@ -53,8 +53,9 @@ from usaf.errors import StopSignal, UsafError
 from usaf.families.targets import resolve_targets
 from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
+from usaf.settings.train import DEFAULT_LR
 from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
-from usaf.stages.lr_test import CANDIDATES, RULE, first_divergence, run_lr_test
+from usaf.stages.lr_test import CANDIDATES, RULE, cannot_measure, first_divergence, measured, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.score_resume import SavedCalibration, SavedProbes, ScoreProgress, run_identity
@@ -450,6 +451,11 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
     them. Returns the test's record (None without the test) and the seconds interrupted runs spent on it."""
     if not config.lr_test:
         return None, 0.0
+    why_not = cannot_measure(lines)
+    if why_not is not None:  # the plan then records no test: train says it uses its default lr
+        progress.note(f"lr test skipped: {why_not}; train uses --lr, else its default {DEFAULT_LR:g} "
+                      "(calibrate on more lines or sources for the test)")  # fmt: skip
+        return None, 0.0
     steps = config.lr_test_steps or LR_TEST_STEPS
     earlier = saved.probes()
     done = earlier.done[: len(CANDIDATES)]
@@ -493,6 +499,9 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
         f"lr test: lr {result.lr:.1e} in {seconds:.1f} s ({result.probes_run} of {len(CANDIDATES)} probes, "
         f"{result.steps} steps{stopped})"
     )
+    if not measured(result):
+        progress.note(f"warning: lr test: every probe diverged; {result.lr:.1e}, the smallest candidate, is recorded "
+                      "as a fallback, not a measured choice (pass train a smaller --lr if its loss rises)")  # fmt: skip
     record = LrTestRecord(
         lr=result.lr,
         candidates=result.candidates,
