@@ -449,3 +449,19 @@ def test_plan_refuses_what_score_and_train_refuse_and_reads_any_model_directory(
     for model in (QWEN3_30B, exported):
         result = invoke("plan", model, *args, "--targets", "experts")
         assert result.exit_code == 0, (model, result.output)
+
+
+def test_score_and_eval_are_planned_at_the_dtype_they_run_in_whatever_trains_dtype():
+    """Score and eval compute in the device's own dtype (fp32 on the CPU; no --dtype sets it): a CPU plan for train's
+    --dtype bfloat16 counted score's states at 2 bytes, 16 GiB short at Qwen3-30B-A3B (found in review). The
+    control: train's stage follows --dtype."""
+
+    def stages(dtype: str) -> dict:
+        args = ("--device", "cpu", "--ram", "256GiB", "--train-from", 36, "--microbatch", 1, "--dtype", dtype)
+        result = invoke("plan", QWEN3_30B, *args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["stages"]
+
+    half, full = stages("bfloat16"), stages("float32")
+    assert half["score"] == full["score"] and half["eval"] == full["eval"]
+    assert half["train"] != full["train"]

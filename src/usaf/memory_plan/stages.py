@@ -17,13 +17,14 @@ Placements (where the 4-bit experts of every layer live; everything else is the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from usaf.memory_plan import activations as act
 from usaf.memory_plan import weights as w
 from usaf.memory_plan.model import ModelFacts
 from usaf.memory_plan.source import QuantSettings
-from usaf.memory_plan.target import Target
+from usaf.memory_plan.target import Target, default_dtype
 from usaf.settings.train import company_size
 
 PLACEMENTS = {
@@ -197,7 +198,15 @@ def _dense_slice(m: ModelFacts, s: Settings) -> int:
     return max(o * i for _, o, i in _shapes(m, s))
 
 
+def at_own_dtype(t: Target) -> Target:
+    """``t`` at the compute dtype score and eval run in, which no --dtype sets: the device's own (fp32 on the CPU).
+    A CPU plan for train's --dtype bfloat16 counted score's states at 2 bytes where it holds 4 (16 GiB short at
+    Qwen3-30B-A3B; found in review)."""
+    return dataclasses.replace(t, dtype=default_dtype(t.kind))
+
+
 def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
+    t = at_own_dtype(t)
     shapes = _shapes(m, s)
     routers = w.router_params(m, s.layers)
     entries = w.shapes_delta_entries(shapes, s.frac)
@@ -263,6 +272,7 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
 
 def eval_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
     """The held-out forward of a trained change (``SparseEngine.apply_change``; no gradients)."""
+    t = at_own_dtype(t)
     routers = w.router_params(m, s.layers)
     batch = act.Batch(s.microbatch, s.seq_len)
     parts = [
