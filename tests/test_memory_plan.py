@@ -465,3 +465,14 @@ def test_score_and_eval_are_planned_at_the_dtype_they_run_in_whatever_trains_dty
     half, full = stages("bfloat16"), stages("float32")
     assert half["score"] == full["score"] and half["eval"] == full["eval"]
     assert half["train"] != full["train"]
+
+
+def test_the_commands_keep_the_device_index():
+    """--device cuda:1 printed commands with --device cuda, which run on the default GPU (found in review). The
+    control: no index, none added."""
+    for device in ("cuda:1", "cuda"):
+        result = invoke("plan", QWEN3_30B, "--device", device, "--vram", "12GiB", "--ram", "32GiB")
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.stdout.split())
+        assert f"--device {device} " in text or text.endswith(f"--device {device}"), text
+        assert device == "cuda" or "--device cuda " not in text

@@ -39,11 +39,11 @@ def _run(settings: Any, json_output: bool) -> None:
     from usaf.families.targets import resolve_targets
     from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
 
-    kind = _device_kind(settings.device, settings.vram)
+    kind, index = _device_kind(settings.device, settings.vram)
     source = read_model(settings.model, nbits=settings.nbits, group_size=settings.group_size)
-    vram = parse_size(settings.vram, flag="--vram") if settings.vram is not None else _local_vram(kind, note)
+    vram = parse_size(settings.vram, flag="--vram") if settings.vram is not None else _local_vram(kind, index, note)
     ram = parse_size(settings.ram, flag="--ram") if settings.ram is not None else _local_ram(note)
-    target = make_target(kind, settings.dtype, vram, ram)
+    target = make_target(kind, settings.dtype, vram, ram, index)
     facts = model_facts(source.config)
     targets = resolve_targets(settings.targets, facts.spec)
     _check_against_the_model(settings, source.config, facts, targets)
@@ -78,21 +78,23 @@ def _check_against_the_model(settings: Any, config: dict, facts: Any, targets: t
                         f"use at most {context}")  # fmt: skip
 
 
-def _device_kind(device: str | None, vram: str | None) -> str:
+def _device_kind(device: str | None, vram: str | None) -> tuple[str, int | None]:
+    """The device kind planned for, and the index of ``--device cuda:N`` (None: the default device)."""
     from usaf.backends.spec import parse_device_spec
 
     if device is None:
-        return "cuda" if vram is not None else "cpu"
+        return ("cuda" if vram is not None else "cpu"), None
     spec = parse_device_spec(device)
     if spec.kind == "auto":
-        return "cuda" if vram is not None else "cpu"
+        return ("cuda" if vram is not None else "cpu"), None
     if spec.kind not in ("cpu", "cuda", "directml"):
         raise UsafError(f"--device {device}: the planner models cpu, cuda and directml", "pass one of those")
-    return spec.kind
+    return spec.kind, spec.index
 
 
-def _local_vram(kind: str, note) -> int | None:
-    """This machine's GPU memory when planning for its own kind of device; else --vram is required."""
+def _local_vram(kind: str, index: int | None, note) -> int | None:
+    """The memory of this machine's GPU (``index``'s, else the default one) when planning for its own kind of device;
+    else --vram is required."""
     if kind != "cuda":
         return None
     from usaf.backends import probe  # lazy: torch, only when planning for this machine's GPU
@@ -100,8 +102,12 @@ def _local_vram(kind: str, note) -> int | None:
     gpu = probe("cuda")
     if not gpu.available:
         return None
-    total = int(gpu.devices[0].total_memory)
-    note(f"--vram not given: planning for this machine's GPU ({total / 2**30:.1f} GiB)")
+    number = index or 0
+    if number >= len(gpu.devices):
+        raise UsafError(f"--device cuda:{number}: this machine has {len(gpu.devices)} CUDA device(s)",
+                        "pass an index it has, or --vram for another machine's")  # fmt: skip
+    total = int(gpu.devices[number].total_memory)
+    note(f"--vram not given: planning for this machine's GPU {number} ({total / 2**30:.1f} GiB)")
     return total
 
 

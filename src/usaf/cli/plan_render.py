@@ -14,7 +14,7 @@ from usaf.memory_plan.target import RESERVE
 def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
     """The usaf commands that run with the chosen settings."""
     s, t = plan.settings, plan.target
-    device = "" if t.kind == "cpu" else f" --device {t.kind}"
+    device = "" if t.kind == "cpu" else f" --device {t.device}"  # cuda:1 stays cuda:1 (found in review)
     placement = ""  # explicit: the default decides from the free device memory at run time
     if t.separate_device:
         placement = " --stream-experts" if s.placement == "stream" else " --no-stream-experts"

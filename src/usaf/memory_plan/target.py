@@ -51,6 +51,12 @@ class Target:
     dtype: str
     device_budget: int | None
     host_budget: int
+    index: int | None = None  # the device of --device cuda:N (None: the default one), carried into the commands
+
+    @property
+    def device(self) -> str:
+        """The --device the plan's commands pass."""
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
 
     @property
     def c(self) -> int:
@@ -79,7 +85,7 @@ def default_dtype(kind: str) -> str:
     return {"cpu": "float32", "cuda": "bfloat16", "directml": "float16"}[kind]
 
 
-def make_target(kind: str, dtype: str | None, vram: int | None, ram: int) -> Target:
+def make_target(kind: str, dtype: str | None, vram: int | None, ram: int, index: int | None = None) -> Target:
     if kind not in KINDS:
         raise UsafError(f"--device {kind}: the planner models {', '.join(KINDS)}", f"pass one of {', '.join(KINDS)}")
     if dtype in (None, "auto"):
@@ -94,4 +100,4 @@ def make_target(kind: str, dtype: str | None, vram: int | None, ram: int) -> Tar
         )
     if kind != "cpu" and vram is None:
         raise UsafError(f"--device {kind}: how much device memory?", "pass --vram, e.g. --vram 12GiB")
-    return Target(kind=kind, dtype=dtype, device_budget=vram, host_budget=ram)
+    return Target(kind=kind, dtype=dtype, device_budget=vram, host_budget=ram, index=index)
