@@ -167,10 +167,10 @@ def test_a_cross_field_message_names_the_sources_of_its_values(tmp_path):
     assert e.value.message == "invalid settings: USAF_RESELECT_EVERY 500 exceeds --steps 3; lower it or pass 0 " \
         "for a static mask"  # fmt: skip
     config = tmp_path / "usaf.toml"
-    config.write_text("[train]\nepochs = 2.0\n")
+    config.write_text("[train]\nepochs = 2.0\nsteps = 3\n")  # one level: both kept, and refused by name
     with pytest.raises(UsafError) as e:
-        resolve_config(TrainConfig, section="train", cli={"steps": 3}, config_file=config, env={})
-    assert f"pass either --steps or --config {config} [train] epochs, not both" in e.value.message
+        resolve_config(TrainConfig, section="train", cli={}, config_file=config, env={})
+    assert f"pass either --config {config} [train] steps or --config {config} [train] epochs" in e.value.message
 
 
 def test_a_check_after_resolving_names_the_source_and_sources_do_not_change_equality(tmp_path):
@@ -289,3 +289,17 @@ def test_every_seed_is_a_32_bit_count_and_epochs_are_bounded():
     with pytest.raises(UsafError, match="--epochs"):
         resolve_config(TrainConfig, section="train", cli={"epochs": 1e307}, env={})
     assert resolve_config(TrainConfig, section="train", cli={"epochs": 10_000.0}, env={}).epochs == 10_000
+
+
+def test_epochs_and_steps_are_one_choice_the_higher_source_wins():
+    """USAF_STEPS (or STEPS, or [train] steps) with --epochs was refused although flags win over USAF_* (found in
+    review). The control: both from flags are still refused."""
+    config = resolve_config(TrainConfig, section="train", cli={"epochs": 0.5}, env={"USAF_STEPS": "100"})
+    assert (config.epochs, config.steps) == (0.5, None)
+    config = resolve_config(TrainConfig, section="train", cli={"steps": 7}, env={"USAF_EPOCHS": "2"})
+    assert (config.epochs, config.steps) == (None, 7)
+    config = resolve_config(TrainConfig, section="train", cli={}, env={"USAF_EPOCHS": "2", "STEPS": "9"},
+                            legacy_env={"STEPS": "steps"})  # fmt: skip
+    assert (config.epochs, config.steps) == (2.0, None)
+    with pytest.raises(UsafError, match="pass either --steps or --epochs"):
+        resolve_config(TrainConfig, section="train", cli={"steps": 7, "epochs": 1.0}, env={})

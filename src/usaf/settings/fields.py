@@ -14,6 +14,8 @@ optional, under ``json_schema_extra={"cli": {...}}``:
   or in the command's own TOML table while that field is set is refused, one from a shared source
   ([defaults], ``USAF_*``, legacy variables) is dropped (:func:`usaf.config.resolve_config`);
 - ``remedy`` (on a deciding field): how to get another value of the fields it decides;
+- ``alternative_to``: the field this one is a choice against (``epochs`` and ``steps``): from sources of
+  different precedence the higher one's wins, the other is dropped;
 - ``own_only``: read from the flag and the command's own TOML table only, never from ``USAF_*``, ``[defaults]``
   or a legacy variable, where the name means something else to other commands (export's ``dtype``, the stored
   tensors' dtype, is train's compute dtype elsewhere: ``USAF_DTYPE=auto`` failed every export).

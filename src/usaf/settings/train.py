@@ -58,8 +58,9 @@ class TrainConfig(StageConfig):
     targets: Targets | None = f.targets()
     steps: int | None = Field(None, ge=1, description="Optimizer steps (or --epochs).")
     epochs: float | None = Field(
-        None, gt=0, le=10_000, description="Passes over the data.", json_schema_extra=cli(default_text="1")
-    )
+        None, gt=0, le=10_000, description="Passes over the data.",
+        json_schema_extra=cli(default_text="1", alternative_to="steps"),
+    )  # fmt: skip
     microbatch: int = Field(2, ge=1, description="Sequences per forward.")
     grad_accum: int = Field(1, ge=1, description="Microbatches per optimizer step.")
     lr: float | None = Field(
