@@ -165,6 +165,27 @@ def test_an_interrupted_run_resumes_with_what_it_started_with_and_a_refusal_says
     assert refused.exit_code == 2 and "lr 0.05, not 0.01" in refused.stderr, refused.output
 
 
+def test_a_run_resumes_only_in_the_compute_dtype_it_started_in(prepared, tmp_path, monkeypatch):
+    """--dtype auto resolves per device: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in silence
+    (found in review). Here the record says bfloat16 (as a GPU start writes it). The controls: a record of an older
+    usaf, without the key, resumes; the record written holds the dtype resolved."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    args = ["--steps", 4, "--save-every", 2]
+    ctrl_c_at(2, lambda: train(qdir, tokens, plan, run, *args), monkeypatch)
+    settings = json.loads((run / "run-settings.json").read_text())
+    assert settings["compute_dtype"] == "float32"
+    (run / "run-settings.json").write_text(json.dumps({**settings, "compute_dtype": "bfloat16"}))
+    refused = train(qdir, tokens, plan, run, *args)
+    assert refused.exit_code == 2 and "compute_dtype bfloat16, not float32" in refused.stderr, refused.output
+    del settings["compute_dtype"]
+    (run / "run-settings.json").write_text(json.dumps(settings))
+    resumed = train(qdir, tokens, plan, run, *args)
+    assert resumed.exit_code == 0 and "resuming from" in resumed.stderr, resumed.output
+
+
 def test_the_untrained_held_out_loss_is_logged_once_whether_resumed_or_restarted(prepared, tmp_path, monkeypatch):
     """The held-out loss at step 0 (before training) is in the metrics once: after a resume from a checkpoint (the
     checkpoint carries it) and after a restart from nothing (a run killed before its first checkpoint logged it)."""

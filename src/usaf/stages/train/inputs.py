@@ -332,6 +332,10 @@ class _Settler:
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
         config, lr_source = with_lr(budgeted, plan)
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
+        # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
+        # silence (found in review); recorded by runs started since, compared where recorded
+        record["compute_dtype"] = (str(self.backend.policy.compute).removeprefix("torch.") if config.dtype == "auto"
+                                   else config.dtype)  # fmt: skip
         return _Settled(config, plan_dir, plan, steps, reselect_every, lr_source, record)
 
     def score_settings(self, config: TrainConfig, run_dir: Path) -> score.ScoreConfig:
@@ -534,15 +538,19 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
 # relative or absolute refused the same run; found in review) and when checkpoints and held-out losses are written
 # (nothing trained depends on them).
 RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every"})
+RECORDED_SINCE = frozenset({"compute_dtype"})  # 2026-12-06
 
 
 def run_differences(previous: Any, record: dict) -> list[str]:
     """What keeps an interrupted run's recorded settings (``previous``) from being this run's, in words; empty
-    where this run continues it. The held-out data (no fingerprint) is compared by its real path."""
+    where this run continues it. The held-out data (no fingerprint) is compared by its real path; what a run
+    started by an older usaf did not record (:data:`RECORDED_SINCE`) is not compared."""
     if not isinstance(previous, dict):
         return [f"its {SETTINGS_FILE} is unreadable"]
     differences = []
     for key in sorted((set(previous) | set(record)) - RESUME_IGNORES):
+        if key in RECORDED_SINCE and key not in previous:
+            continue
         was, now = previous.get(key), record.get(key)
         same_place = isinstance(was, str) and isinstance(now, str) and _real(Path(was)) == _real(Path(now))
         if key == "eval_data" and same_place:
