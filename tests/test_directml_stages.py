@@ -247,10 +247,11 @@ def test_with_index_ops_on_the_same_stages_trip_the_guard(inputs, tmp_path):
     qdir, tokens = inputs
     plan, run = tmp_path / "plan", tmp_path / "run"
     assert score(qdir, tokens, plan).exit_code == 0  # unguarded: the inputs of the guarded train and eval
-    assert train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 0, "--eval-every", 0).exit_code == 0
+    short = ("--steps", 4, "--reselect-every", 2, "--save-every", 0, "--eval-every", 0)  # one reselection, at step 2
+    assert train(qdir, tokens, plan, run, *short).exit_code == 0
     stages = {
         "score": (score, qdir, tokens, tmp_path / "plan2"),
-        "train": (train, qdir, tokens, plan, tmp_path / "run2", "--steps", 4, "--save-every", 0, "--eval-every", 0),
+        "train": (train, qdir, tokens, plan, tmp_path / "run2", *short),
         "eval": (evaluate, qdir, tokens, run, tmp_path / "report"),
     }
     for stage, (call, *args) in stages.items():
