@@ -80,6 +80,27 @@ def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):
     assert resumed.exit_code == 0, explain(resumed)
     assert "resuming the unfinished run" not in resumed.stderr and f"(step 2 of {STEPS})" in resumed.stderr
 
+
+def test_resume_at_an_out_holding_no_run_is_refused_and_at_the_stopped_run_resumes(prepared, tmp_path):
+    """--resume --out at an empty directory (or one holding only a kill's temporary) started a new run there in
+    silence (found in review), where the user meant another directory. Control: at the stopped run it resumes."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--plan", plan)
+    empty, leftover = tmp_path / "empty", tmp_path / "leftover"
+    empty.mkdir()
+    leftover.mkdir()
+    (leftover / ".run-settings.json.usaf-tmp-1-abcd").write_text("{")
+    for out in (empty, leftover):
+        refused = invoke(*command, "--out", out, "--resume")
+        assert refused.exit_code == 2, explain(refused)
+        assert f"--out {out}: nothing to resume there" in refused.stderr and "drop --resume" in refused.stderr
+    assert list(empty.iterdir()) == [] and not (leftover / "manifest.json").exists()
+
+    run, _ = stopped_at_step_2(command, tmp_path)
+    resumed = invoke(*command, "--out", run, "--resume")
+    assert resumed.exit_code == 0, explain(resumed)
+    assert f"(step 2 of {STEPS})" in resumed.stderr and (run / "manifest.json").is_file()
+
 def test_a_run_that_scored_its_plan_is_found_after_its_first_steps_and_before(prepared, tmp_path, monkeypatch):
     """No plan anywhere: the run scores one into RUN/plan. Its settings are recorded right after, so a stop before
     the first step (here: while the engine is built) is found again, and so is a stop at step 2; neither scores

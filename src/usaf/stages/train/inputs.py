@@ -201,7 +201,9 @@ def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> Non
     if (run_dir / "manifest.json").is_file():
         what = "a finished run" if found.what == "a usaf run artifact" else found.what
         raise UsafError(f"--out {run_dir}: {what} is there", "pass another --out, or --overwrite to replace it")
-    if config.resume and not run_dir.exists():
+    # An empty directory (or one of only a kill's lock and temporaries) holds no run: --resume there started a new
+    # run in silence (found in review), where the user meant another directory.
+    if config.resume and (not run_dir.exists() or not own_entries(run_dir)):
         if config.out is None:  # the new default: the workspace held no unfinished run of this command
             raise UsafError(f"--resume: no interrupted run of this command in {run_dir.parent}",
                             "pass its --out, or drop --resume to start a new run")  # fmt: skip
