@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FAMILIES
-from helpers import invoke
+from helpers import explain, invoke
 from usaf.artifacts import RunManifest, load_verified
 
 
@@ -615,6 +615,26 @@ def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path,
     monkeypatch.setenv("USAF_EVAL_EVERY", "1")
     noted = invoke(*args, "--out", tmp_path / "env")
     assert noted.exit_code == 0 and "USAF_EVAL_EVERY 1: no --eval-data" in noted.stderr, noted.output
+
+
+def test_eval_every_reaching_the_runs_end_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
+    """--eval-every 2 of a 2-step run measured the held-out loss at the start and the end, as 0 does: accepted and
+    without effect (found in review). From USAF_* a note. Control: an interval inside the run measures between."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 2, "--eval-data", tokens]
+    for every in (2, 5):
+        refused = invoke(*args, "--eval-every", every, "--out", tmp_path / "flag")
+        assert refused.exit_code == 2, explain(refused)
+        assert f"--eval-every {every}: the run has 2 steps" in refused.stderr and "lower it below 2" in refused.stderr
+    assert not (tmp_path / "flag").exists()
+    monkeypatch.setenv("USAF_EVAL_EVERY", "2")
+    noted = invoke(*args, "--out", tmp_path / "env")
+    assert noted.exit_code == 0 and "USAF_EVAL_EVERY 2: the run has 2 steps" in noted.stderr, explain(noted)
+    monkeypatch.delenv("USAF_EVAL_EVERY")
+    inside = invoke(*args, "--eval-every", 1, "--out", tmp_path / "inside")
+    assert inside.exit_code == 0, explain(inside)
+    measured = load_verified(tmp_path / "inside", RunManifest).summary.eval_losses
+    assert [step for step, _ in measured] == [0, 1, 2]
 
 
 STATIC = "0.3: this run's mask is static"

@@ -243,6 +243,10 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
         refuse_unused(config, "reselect_fraction", "this run's mask is static, so nothing is reselected",
                       "drop it, or pass --reselect-every N for RigL reselection every N steps",
                       progress.note)  # fmt: skip
+    if config.eval_data is not None and config.eval_every >= steps:  # else it measured what 0 does (found in review)
+        refuse_unused(config, "eval_every", f"the run has {steps} steps, so no held-out loss between the one at "
+                      "its start and the one at its end (every run with --eval-data measures both)",
+                      f"lower it below {steps}, or drop it", progress.note)  # fmt: skip
     return steps, every
 
 
