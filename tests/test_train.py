@@ -617,6 +617,25 @@ def test_eval_every_without_eval_data_is_refused_not_ignored(prepared, tmp_path,
     assert noted.exit_code == 0 and "USAF_EVAL_EVERY 1: no --eval-data" in noted.stderr, noted.output
 
 
+def test_prefix_cache_gib_for_a_plan_without_a_frozen_prefix_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
+    """A plan trained from layer 0 runs no frozen layer first: --prefix-cache-gib was accepted and unused (found in
+    review). From USAF_* a note. Control: the prepared plan (from layer 2) takes it."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    whole = tmp_path / "plan-from-0"
+    scored = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 4,
+                    "--train-from", 0, "--no-stability", "--no-lr-test", "--device", "cpu", "--out", whole)  # fmt: skip
+    assert scored.exit_code == 0, explain(scored)
+    args = ["train", "--model", qdir, "--data", tokens, "--steps", 2, "--lr", 1e-3, "--reselect-every", 0]
+    refused = invoke(*args, "--plan", whole, "--prefix-cache-gib", 1, "--out", tmp_path / "flag")
+    assert refused.exit_code == 2, explain(refused)
+    assert "--prefix-cache-gib 1.0: the plan trains from layer 0" in refused.stderr and not (tmp_path / "flag").exists()
+    monkeypatch.setenv("USAF_PREFIX_CACHE_GIB", "1")
+    noted = invoke(*args, "--plan", whole, "--out", tmp_path / "env")
+    assert noted.exit_code == 0 and "USAF_PREFIX_CACHE_GIB 1.0: the plan trains from layer 0" in noted.stderr
+    taken = invoke(*args, "--plan", plan, "--out", tmp_path / "control")
+    assert taken.exit_code == 0 and "the plan trains from layer 0" not in taken.stderr, explain(taken)
+
+
 def test_eval_every_reaching_the_runs_end_is_refused_not_ignored(prepared, tmp_path, monkeypatch):
     """--eval-every 2 of a 2-step run measured the held-out loss at the start and the end, as 0 does: accepted and
     without effect (found in review). From USAF_* a note. Control: an interval inside the run measures between."""

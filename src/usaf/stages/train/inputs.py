@@ -120,6 +120,8 @@ def resolve_inputs(
     # Every refusal of the settings before --overwrite deletes the run there: a command refused for its length,
     # reselection or memory budget destroyed the run it was to replace (found in review). Notes come with the settle.
     settler.budgeted(config, given[1] if given else None, NullProgress())
+    if given is not None:
+        _check_prefix_cache(config, given[1], NullProgress())
     out = config.out or _unfinished_run(config, settler, progress) or _new_run_dir(config, model_dir, world)
     run_dir = _check_run_dir(config, out, model_dir, data_file, world, held)
     settled = settler.settle(config, run_dir, progress)
@@ -277,6 +279,14 @@ def _reselect_every(config: TrainConfig, steps: int, progress: Progress) -> int:
     return 0
 
 
+def _check_prefix_cache(config: TrainConfig, plan: PlanManifest, progress: Progress) -> None:
+    """``--prefix-cache-gib`` for a plan that trains from layer 0: no frozen layer runs before the trained ones, so
+    there is nothing to cache (it was accepted and unused; found in review)."""
+    if plan.summary.trainable_layers[0] == 0:
+        refuse_unused(config, "prefix_cache_gib", "the plan trains from layer 0, so no frozen prefix to cache",
+                      "drop it (a plan scored with --train-from N > 0 has a frozen prefix)", progress.note)  # fmt: skip
+
+
 def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str) -> int | None:
     """The model's context (``None`` when unknown), refusing a ``--seq-len`` (from ``source``) beyond it.
 
@@ -336,6 +346,7 @@ class _Settler:
         first = plan.summary.trainable_layers[0]
         if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
+        _check_prefix_cache(budgeted, plan, progress)
         config, lr_source = with_lr(budgeted, plan)
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
