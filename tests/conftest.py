@@ -153,7 +153,7 @@ def _prepare(family: str, quantized, root: Path) -> tuple[Path, Path, Path]:
     qdir = quantized(family, num_layers=3, tokenizer=True)
     tokens, plan = root / f"{family}-tokens", root / f"{family}-plan"
     result = invoke("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir,
-                    "--seq-len", 32, "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens)  # fmt: skip
+                    "--seq-len", 32, "--held-out", "shlex.py", "--out", tokens)  # fmt: skip
     assert result.exit_code == 0, explain(result)
     result = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8,
                     "--train-from", 2, "--no-stability", "--device", "cpu", "--out", plan)  # fmt: skip

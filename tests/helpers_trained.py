@@ -12,7 +12,7 @@ def tokenize(qdir: Path, out: Path) -> Path:
     """Tokens of two small stdlib modules with the tiny tokenizer (the same for every family's tiny model)."""
     result = invoke(
         "tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 32,
-        "--source-depth", 0, "--held-out", "shlex.py", "--out", out,
+        "--held-out", "shlex.py", "--out", out,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     return out

@@ -159,7 +159,7 @@ def inputs(quantized, tmp_path_factory):
     qdir = quantized("qwen3_moe", num_layers=3, tokenizer=True)
     tokens = root / "tokens"
     result = invoke("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir,
-                    "--seq-len", 32, "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens)  # fmt: skip
+                    "--seq-len", 32, "--held-out", "shlex.py", "--out", tokens)  # fmt: skip
     assert result.exit_code == 0, result.output
     return qdir, tokens
 

@@ -25,7 +25,7 @@ def trained(quantized, tmp_path_factory):
     tokens, plan, run = root / "tokens", root / "plan", root / "run"
     steps = [
         ("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 32,
-         "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens),
+         "--held-out", "shlex.py", "--out", tokens),
         ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8, "--train-from", 1,
          "--targets", "experts,attention", "--no-stability", "--out", plan),
         ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05, "--router-lr", 0.01,
@@ -725,7 +725,7 @@ def test_a_checkpoint_of_a_run_finished_or_not_is_evaluated_on_its_runs_tokens_a
     workspace = tmp_path / "ws"
     shutil.copytree(trained["tokens"], workspace / "tokens" / "t")
     newer = invoke("tokenize", stdlib_dir() / "glob.py", stdlib_dir() / "fnmatch.py", "--model", trained["q"],
-                   "--seq-len", 32, "--source-depth", 0, "--held-out", "fnmatch.py",
+                   "--seq-len", 32, "--held-out", "fnmatch.py",
                    "--out", workspace / "tokens" / "newer")  # fmt: skip
     assert newer.exit_code == 0, newer.output
     unfinished = _unfinished(trained["run"], tmp_path / "unfinished")

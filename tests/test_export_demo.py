@@ -30,7 +30,7 @@ def demo(tmp_path_factory):
     tokens, plan, run = root / "tokens", root / "plan", root / "run"
     for args in (
         ("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 64,
-         "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens),
+         "--held-out", "shlex.py", "--out", tokens),
         ("score", "--model", qdir, "--data", tokens, "--frac", 0.01, "--calib-samples", 8, "--train-from", 3,
          "--no-stability", "--out", plan),
         ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.01,

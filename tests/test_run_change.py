@@ -21,7 +21,7 @@ def finished_run(quantized, tmp_path_factory):
     tokens, plan, run = root / "tokens", root / "plan", root / "run"
     steps = [
         ("tokenize", stdlib_dir() / "textwrap.py", stdlib_dir() / "shlex.py", "--model", qdir, "--seq-len", 32,
-         "--source-depth", 0, "--held-out", "shlex.py", "--out", tokens),
+         "--held-out", "shlex.py", "--out", tokens),
         ("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 8, "--train-from", 2,
          "--no-stability", "--out", plan),
         ("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05, "--steps", 8,

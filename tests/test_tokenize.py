@@ -222,6 +222,38 @@ def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path,
     assert mixed.exit_code == 0 and "pre-tokenized" not in mixed.stderr, mixed.output
 
 
+def test_settings_of_directory_or_jsonl_inputs_without_any_are_refused_not_ignored(tmp_path, tok_dir, tokenizer):
+    """--source-depth names the sources of files under a directory input, --text-field/--source-field fields of JSONL
+    lines: over inputs without any they were accepted and unused (found in review). From USAF_* a note; over JSONL
+    lines that are all pre-tokenized, --text-field is said after. Controls: a directory takes --source-depth, JSONL
+    text lines --text-field, and nothing is said."""
+    text = STDLIB / "shlex.py"
+    for given, needle in ((("--source-depth", 0), "--source-depth 0: no input is a directory"),
+                          (("--text-field", "body"), "--text-field body: no input is a JSONL file"),
+                          (("--source-field", "repo"), "--source-field repo: no input is a JSONL file")):  # fmt: skip
+        out = tmp_path / f"flag{given[0]}"
+        assert_clean_failure(tokenize(text, "--model", tok_dir, *given, "--out", out), out, needle)
+    noted = tokenize(text, "--model", tok_dir, "--out", tmp_path / "env", env={"USAF_SOURCE_DEPTH": "0"})
+    assert noted.exit_code == 0 and "USAF_SOURCE_DEPTH 0: no input is a directory" in noted.stderr, noted.output
+
+    ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"][:24]
+    pre = tmp_path / "ids.jsonl"
+    pre.write_text(json.dumps({"input_ids": ids}) + "\n")
+    said = tokenize(pre, "--model", tok_dir, "--text-field", "body", "--out", tmp_path / "ids")
+    assert said.exit_code == 0 and "--text-field body: no JSONL line was read by it" in said.stderr, said.output
+
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"body": "def g(y):\n    return y * 2\n" * 8}) + "\n")
+    read = tokenize(pre, texts, "--model", tok_dir, "--text-field", "body", "--out", tmp_path / "read")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("a = 1\n" * 40)
+    walked = tokenize(corpus, "--model", tok_dir, "--source-depth", 0, "--out", tmp_path / "walked")
+    for result in (read, walked):
+        assert result.exit_code == 0 and "no input is" not in result.stderr, result.output
+    assert "was read by it" not in read.stderr
+
+
 def test_held_out_fraction_is_seeded_and_disjoint(tmp_path, tok_dir):
     outs = []
     for seed in (1, 1, 2):

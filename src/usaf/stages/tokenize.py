@@ -253,6 +253,17 @@ def _refuse_nothing_to_score(config: TokenizeConfig, totals: _Totals) -> None:
             )
 
 
+def _refuse_unused_input_settings(config: TokenizeConfig, corpus: Corpus, progress: Progress) -> None:
+    """Settings of directory or JSONL inputs given where there are none: accepted and unused (found in review)."""
+    if not any(path.is_dir() for path in config.inputs):
+        refuse_unused(config, "source_depth", "no input is a directory (it names the sources of the files under one)",
+                      "drop it: a file given by name is its own source", progress.note)  # fmt: skip
+    if not any(file.kind == "jsonl" for file in corpus.files):
+        for field in ("text_field", "source_field"):
+            refuse_unused(config, field, "no input is a JSONL file (it names a field of JSONL lines)", "drop it",
+                          progress.note)  # fmt: skip
+
+
 def _corpus_fingerprint(corpus: Corpus) -> str:
     return combine((f"{f.source}|{f.path.name}|{i}", sha256_file(f.path)) for i, f in enumerate(corpus.files))
 
@@ -284,6 +295,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             if corpus.skipped_default
             else "check the paths and --include/--exclude",
         )
+    _refuse_unused_input_settings(config, corpus, progress)
     if not config.held_out_frac:  # the seed draws the held-out fraction, and nothing else
         refuse_unused(config, "seed", "only --held-out-frac draws with it, and none is asked for",
                       "drop --seed, or pass --held-out-frac F", progress.note)  # fmt: skip
@@ -377,9 +389,10 @@ def _tokenize_corpus(
     tokens_seen = 0
     previous: Document | None = None
     text_seen = False  # a line of text, which --stride packs (pre-tokenized lines are sequences as they are)
+    text_field_read = False  # a JSONL line's text, from --text-field (not its input_ids or messages)
 
     def process(batch: list[Document], encodings: list[Any] | None) -> None:
-        nonlocal tokens_seen, previous, text_seen
+        nonlocal tokens_seen, previous, text_seen, text_field_read
         for doc, ids, labels in encoder.pairs(batch, encodings):
             # A directory walk visits sources one after another: close the finished one now,
             # so memory holds one source's partial sequence, not every source's.
@@ -395,6 +408,7 @@ def _tokenize_corpus(
                 emit(Sequence(ids, labels, doc.source))
             else:
                 text_seen = True
+                text_field_read |= doc.from_jsonl and doc.text is not None
                 packer = packers.setdefault(doc.source, SourcePacker(doc.source, config.seq_len, config.stride))
                 for seq in packer.add(ids, labels):
                     emit(seq)
@@ -432,6 +446,9 @@ def _tokenize_corpus(
     if totals.undecodable:  # skipped as asked, never in silence
         progress.note(f"{counted(len(totals.undecodable), 'file')} not UTF-8, skipped (--decode-errors skip), e.g. "
                       f"{totals.undecodable[0]}")  # fmt: skip
+    if not text_field_read and was_given(config, "text_field") and any(f.kind == "jsonl" for f in corpus.files):
+        progress.note(f"{source_of(config, 'text_field')} {config.text_field}: no JSONL line was read by it (each held "
+                      "input_ids or messages)")  # fmt: skip
     if not text_seen and totals.documents and was_given(config, "stride"):  # else accepted and doing nothing
         progress.note(f"{source_of(config, 'stride')} {config.stride}: every line was pre-tokenized (input_ids), "
                       "each taken as a sequence as it is; the stride packs text only")  # fmt: skip
