@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from helpers import invoke, leftovers, same_plan, stop_at_check
 from usaf.artifacts import PlanManifest, load_verified
@@ -141,6 +142,30 @@ def test_other_settings_are_refused_and_overwrite_discards_the_saved_work(setup,
     assert "discarding the interrupted score's work" in result.stderr
     assert "calibration batches done" not in result.stderr
     assert load_verified(out, PlanManifest).summary.frac == 0.05 and not partial(out).exists()
+
+
+def test_work_saved_under_another_torch_is_refused_and_a_record_without_versions_resumes(
+    setup, straight, tmp_path, stop_at
+):
+    """The pass's sums depend on torch's kernels: work saved before an upgrade was continued in silence (found in
+    review). A record from before the versions were kept (the control) resumes, to the straight run's plan."""
+    out = tmp_path / "plan"
+    stop_at(3)
+    assert invoke(*args(setup, out)).exit_code == 130
+    settings = partial(out) / SETTINGS
+    record = json.loads(settings.read_text())
+    assert record["versions"] == {"torch": torch.__version__, "transformers": transformers.__version__}
+    settings.write_text(json.dumps({**record, "versions": {**record["versions"], "torch": "2.0.0"}}))
+    stop_at(0)
+    refused = invoke(*args(setup, out))
+    assert refused.exit_code == 2, refused.output
+    assert f"torch 2.0.0 there, {torch.__version__} now" in refused.stderr and not out.exists()
+
+    settings.write_text(json.dumps({key: value for key, value in record.items() if key != "versions"}))
+    resumed = invoke(*args(setup, out))
+    assert resumed.exit_code == 0, resumed.output
+    assert f"2 of {BATCHES} calibration batches done" in resumed.stderr
+    same_plan(out, straight)
 
 
 def test_a_failure_with_nothing_saved_leaves_no_partial_directory(setup, tmp_path):

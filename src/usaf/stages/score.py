@@ -58,7 +58,7 @@ from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, cannot_measure, first_divergence, measured, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
-from usaf.stages.score_resume import SavedCalibration, SavedProbes, ScoreProgress, run_identity
+from usaf.stages.score_resume import SavedCalibration, SavedProbes, ScoreProgress, run_identity, same_run
 from usaf.stages.stop import StopRequest
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -273,7 +273,7 @@ def _interrupted_output(workspace: Path, label: str, identity: dict) -> Path | N
     its saved work is there: without ``--out`` every run gets a new name, so the same command would not find it."""
     for target in interrupted_outputs(workspace, "plan", label):
         saved = ScoreProgress(ArtifactWriter.partial_dir(target), NullProgress())
-        if saved.holds_work() and saved.recorded_identity() == identity:
+        if saved.holds_work() and same_run(saved.recorded_identity(), identity):
             return target
     return None
 

@@ -10,8 +10,9 @@ to save, loses at most the pass, a probe or a minute of the store. The same comm
 byte-identical to an uninterrupted run's.
 
 - ``score-settings.json``: what the saved work depends on: the inputs' fingerprints, every setting but the paths
-  (which may name the same inputs differently), the device and dtype, usaf's version. A rerun with others is
-  refused, naming them, unless ``--overwrite`` discards the saved work.
+  (which may name the same inputs differently), the device and dtype, usaf's, torch's and transformers' versions
+  (an upgrade changes the kernels the pass summed with; records from before the versions were kept compare
+  without them). A rerun with others is refused, naming them, unless ``--overwrite`` discards the saved work.
 - ``score-calibration.pt``: after ``batches`` microbatches, every accumulator's state (the sample's and the stability
   halves', :mod:`usaf.engine.score_state`), each MoE layer's tokens per expert (the plan's routing statistics) and
   the prefix states the pass recorded (for the lr test and the plan's store). Under torchrun each rank saves its own
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from usaf._version import __version__
 from usaf.artifacts.disk import cause_of
@@ -55,6 +57,7 @@ CALIBRATION = "score-calibration.pt"
 PROBES = "score-probes.pt"
 STORE = "score-store.json"
 THREADS_KEY = "torch_threads"  # in SETTINGS beside the identity, not part of it
+VERSIONS_KEY = "versions"  # torch's and transformers', in the identity since 2026-12-06 (found in review)
 RANK_CALIBRATION = "score-calibration.rank{}.pt"  # rank r > 0's share of the pass, under torchrun
 BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES, STORE)  # top level of the partial directory; never part of the plan
 # Config fields the saved work does not depend on: where the inputs and the plan are (the inputs count by their
@@ -76,6 +79,7 @@ def run_identity(
         "device": device["device"],
         "dtype": device["dtype"],
         "settings": settings,
+        VERSIONS_KEY: {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     if processes > 1:
         identity["processes"] = processes
@@ -128,7 +132,7 @@ class ScoreProgress:
         if directory is None:
             return saved
         recorded = saved.recorded_identity()
-        if recorded is not None and recorded != identity and saved.holds_work():
+        if recorded is not None and not same_run(recorded, identity) and saved.holds_work():
             if not discard:
                 raise UsafError(
                     f"--out {out}: an interrupted usaf score with other settings or inputs left its work in "
@@ -136,7 +140,7 @@ class ScoreProgress:
                     "rerun with its settings to resume it, or pass --overwrite to discard it",
                 )
             progress.note(f"discarding the interrupted score's work in {directory} (--overwrite; other settings)")
-        if recorded != identity:
+        if not same_run(recorded, identity):
             saved._clear()
             record = {**identity, THREADS_KEY: threads}  # beside the identity: a resume at another count is taken
             write_text_atomic(directory / SETTINGS, json.dumps(record, indent=1, sort_keys=True))
@@ -314,6 +318,16 @@ class ScoreProgress:
         return True
 
 
+def same_run(recorded: dict[str, Any] | None, identity: dict[str, Any]) -> bool:
+    """Whether saved work recorded with the identity ``recorded`` (None: none readable) is this run's: the versions
+    compared where recorded."""
+    if recorded is None:
+        return False
+    if VERSIONS_KEY not in recorded:  # saved before the versions were recorded: resumes as it did then
+        identity = {key: value for key, value in identity.items() if key != VERSIONS_KEY}
+    return recorded == identity
+
+
 def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
     """The recorded values that differ, in a user's words (``--frac 0.01 there, 0.02 now``)."""
 
@@ -328,6 +342,10 @@ def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
     for key in ("model_fingerprint", "data_fingerprint", "device", "dtype", "usaf"):
         if recorded.get(key) != identity[key]:
             parts.append(f"{key.replace('_', ' ')} {recorded.get(key)} there, {identity[key]} now")
+    now = identity[VERSIONS_KEY]
+    there = recorded.get(VERSIONS_KEY, now)  # not recorded: not compared
+    parts += [f"{name} {there.get(name)} there, {version} now" for name, version in now.items()
+              if there.get(name) != version]  # fmt: skip
     if recorded.get("processes", 1) != identity.get("processes", 1):  # torchrun's ranks: each saved its share
         parts.append(f"{recorded.get('processes', 1)} processes there, {identity.get('processes', 1)} now")
     return "; ".join(parts) or "unreadable settings"

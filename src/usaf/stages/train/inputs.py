@@ -50,7 +50,7 @@ from usaf.settings.fields import DEFAULT_TARGETS
 from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
 from usaf.stages.progress import NullProgress, Progress
-from usaf.stages.score_resume import ScoreProgress, run_identity
+from usaf.stages.score_resume import ScoreProgress, run_identity, same_run
 from usaf.stages.train.budget import apply_budget
 from usaf.stages.train.config import TrainConfig
 from usaf.stages.train.resume import latest_checkpoint
@@ -486,7 +486,7 @@ def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
         if own_entries(candidate) != [partial.name]:
             return False
         identity = settler.scores_into(config, candidate)
-        return identity is not None and identity == ScoreProgress(partial, NullProgress()).recorded_identity()
+        return identity is not None and same_run(ScoreProgress(partial, NullProgress()).recorded_identity(), identity)
     except (UsafError, OSError):  # a plan in it broken or for another model, a directory gone: not this run
         return False
 
