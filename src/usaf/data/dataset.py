@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import torch
 
 from usaf.data.tokens import TokenLine, iter_token_file
+from usaf.errors import UsafError
 
 
 class TokenDataset:
     """Every line of a tokens file, validated once, then read back by index.
+
+    The file is read through one handle, opened first and held while the dataset lives: a file put at its path later
+    (``usaf tokenize --overwrite`` of the tokens a run trains on) is not what the run reads. Reopened by path, such a
+    run crashed at its next read, or trained on the new file's lines at the old, unchecked offsets (found in review).
 
     Memory: 8 bytes per sequence (its offset), not the sequences themselves.
     """
@@ -19,25 +26,37 @@ class TokenDataset:
     def __init__(self, path: Path, *, vocab_size: int, context: int | None = None, cut: int | None = None) -> None:
         """``cut``: where its reader cuts every line (train's ``--seq-len``): some target must lie before it."""
         self.path = Path(path)
+        self._file = self.path.open("rb")  # closed with the dataset (close(), or when it is collected)
+        self._lock = threading.Lock()  # one seek-and-read at a time on the shared handle
         for _ in iter_token_file(self.path, vocab_size=vocab_size, context=context, cut=cut):
             pass  # validates every line (ids and labels, lengths, no pre-shifted labels) and the file's targets
         offsets = []
-        with self.path.open("rb") as f:
-            position = 0
-            for raw in f:
-                if raw.strip():
-                    offsets.append(position)
-                position += len(raw)
+        position = 0
+        for raw in self._file:
+            if raw.strip():
+                offsets.append(position)
+            position += len(raw)
+        if _identity(os.fstat(self._file.fileno())) != _identity(os.stat(self.path)):  # what was validated is held
+            self.close()
+            raise UsafError(f"{self.path}: changed while it was read", "rerun once nothing writes to it")
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
         self._order: tuple[tuple[int, int], torch.Tensor] | None = None  # ((seed, epoch), order)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __del__(self) -> None:  # a dataset dropped unclosed closes its handle (no ResourceWarning)
+        file = getattr(self, "_file", None)  # absent when opening failed
+        if file is not None:
+            file.close()
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, index: int) -> TokenLine:
-        with self.path.open("rb") as f:
-            f.seek(int(self.offsets[index]))
-            obj = json.loads(f.readline())
+        with self._lock:
+            self._file.seek(int(self.offsets[index]))
+            obj = json.loads(self._file.readline())
         ids = obj["input_ids"]
         return TokenLine(index + 1, ids, obj.get("labels", ids), obj.get("source", ""))
 
@@ -59,3 +78,8 @@ class TokenDataset:
             epoch, position = divmod(k, len(self))
             out.append(int(self.order(epoch, seed)[position]))
         return out
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """A file's identity and version: another file at the path, or this one written to, changes it."""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
