@@ -3,6 +3,7 @@ fused tensors, resume after interruption, and every bad input's message and exit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -306,9 +307,19 @@ def test_default_output_goes_to_the_workspace(tiny_model, tmp_path):
 
 
 def test_hub_id_from_a_prepopulated_offline_cache(tiny_model, tmp_path):
-    """A hub id resolves through HF_HOME's cache with HF_HUB_OFFLINE=1 (no network)."""
+    """A hub id resolves through HF_HOME's cache with HF_HUB_OFFLINE=1 (no network). The cache's layout: a snapshot's
+    files are links into the repository's blobs/, and the model is sharded (such a model was refused as an index
+    naming shards outside its directory; found in review)."""
     snapshot = tmp_path / "hf" / "hub" / "models--usaf-test--tiny-moe" / "snapshots" / "0123abcd"
-    shutil.copytree(tiny_model("qwen3_moe", tokenizer=True), snapshot)
+    blobs = snapshot.parents[1] / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    source = tiny_model("qwen3_moe", tokenizer=True, max_shard_size="20KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    for file in sorted(source.iterdir()):
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blobs / blob)
+        (snapshot / file.name).symlink_to(f"../../blobs/{blob}")
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}

@@ -62,16 +62,19 @@ def unsafe_relative_path(rel: str) -> str | None:
     return None
 
 
-def contained(root: Path, rel: str, *, where: str) -> Path:
-    """``root / rel``, refusing a path that escapes ``root`` (textually or through a symlink).
+def contained(root: Path, rel: str, *, where: str, links: bool = True) -> Path:
+    """``root / rel``, refusing a path that escapes ``root`` (textually, or through a symlink where ``links``).
 
     Args:
         root: the artifact or model directory.
         rel: a path read from a manifest or an index file.
         where: what listed it, for the message (``"DIR/manifest.json"``).
+        links: refuse a link out of ``root`` too. False for a model directory, which is the user's: the Hugging
+            Face cache's snapshot files are links into its ``blobs/``, and a folder of links to shards is a way to
+            lay a model out (every sharded model in the cache was refused until 2026-12-06; found in review).
     """
     problem = unsafe_relative_path(rel)
-    if problem is None:
+    if problem is None and links:
         base = Path(root).resolve()
         target = (base / rel).resolve()
         if target != base and base not in target.parents:

@@ -105,8 +105,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise UsafError(f"{index}: 'weight_map' must map tensor names to file names", "re-download the model")
         files = sorted(set(weight_map.values()))
-        for f in files:  # an index naming ../../x would make usaf read files outside the model
-            contained(model_dir, f, where=str(index))
+        for f in files:  # an index naming ../../x would make usaf read files outside the model (its links are
+            contained(model_dir, f, where=str(index), links=False)  # the user's: the hub cache's point into blobs/)
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise UsafError(
