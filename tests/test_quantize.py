@@ -177,6 +177,45 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
 
 
+@pytest.mark.parametrize("stop_in", ["copy_model_files", "write_manifest", "drop"])
+def test_interrupted_after_the_experts_are_assembled_no_layer_is_quantized_again(
+    tiny_model, tmp_path, monkeypatch, stop_in
+):
+    """Stopped while the model's files are copied or the output hashed (minutes at 30B), the quantized layers were
+    gone (layers/ was deleted when experts_q4.pt was assembled) and the rerun quantized every one again (found in
+    review). Now layers/ goes at the commit: the rerun quantizes nothing, and the output is the straight run's."""
+    import usaf.artifacts.writer as writer
+    import usaf.stages.quantize as stage
+
+    source = tiny_model("qwen3_moe", num_layers=4)
+    args = ["--method", "rtn", "--group-size", "8"]
+    straight = tmp_path / "straight"
+    assert quantize(source, "--out", straight, *args).exit_code == 0
+    module = {"copy_model_files": stage, "write_manifest": writer, "drop": writer.ArtifactWriter}[stop_in]
+    real = getattr(module, stop_in)
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, stop_in, stopped)
+    resumed = tmp_path / "resumed"
+    assert quantize(source, "--out", resumed, *args).exit_code == 130
+    partial = tmp_path / ".resumed.usaf-partial"
+    assert (partial / "experts_q4.pt").is_file() and len(list((partial / "layers").iterdir())) == 4
+
+    monkeypatch.setattr(module, stop_in, real)
+    saved: list[str] = []
+    monkeypatch.setattr(stage, "_save_layer", lambda path, *a: saved.append(path.name))
+    result = quantize(source, "--out", resumed, *args)
+    assert result.exit_code == 0, result.output
+    assert saved == [] and not partial.exists()
+    manifest = load_verified(resumed, QuantizedModelManifest)
+    assert not (resumed / "layers").exists() and "partial-settings.json" not in {f.path for f in manifest.files}
+    assert {f.path: f.sha256 for f in manifest.files} == {
+        f.path: f.sha256 for f in load_verified(straight, QuantizedModelManifest).files
+    }
+
+
 def test_without_out_the_same_command_resumes_the_interrupted_output(tiny_model, tmp_path, monkeypatch):
     """A default output is named by its start time: the same command without --out finds the workspace's interrupted
     quantization of the same model and settings and resumes it (the layers done are not quantized again); other

@@ -224,20 +224,30 @@ class ArtifactWriter:
             self.lock.release()
 
     def file_records(self, exclude: tuple[str, ...] = ()) -> list[FileRecord]:
-        return record_files(self.dir, (p for p in self.dir.rglob("*") if p.is_file() and p.name not in exclude))
+        """Every file but those under the top-level names ``exclude``."""
+        files = (p for p in self.dir.rglob("*") if p.is_file() and p.relative_to(self.dir).parts[0] not in exclude)
+        return record_files(self.dir, files)
 
     def commit(self, manifest_cls: type[M], *, exclude: tuple[str, ...] = (), **fields: Any) -> M:
         """Hash the files, write the manifest last, and move the directory into place.
 
-        ``exclude``: bookkeeping files of a resumable writer (top level), kept until the manifest is
+        ``exclude``: bookkeeping files or directories of a resumable writer (top level), kept until the manifest is
         written, so a kill while hashing still finds them, then deleted before the rename.
         """
         manifest = write_manifest(self.dir, manifest_cls, self.file_records(exclude), **fields)
-        for name in exclude:
-            (self.dir / name).unlink(missing_ok=True)
+        self.drop(exclude)
         self._move_into_place()
         self.committed = True
         return manifest
+
+    def drop(self, names: tuple[str, ...]) -> None:
+        """Delete the top-level files or directories ``names`` of the work directory (bookkeeping)."""
+        for name in names:
+            path = self.dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     def commit_foreign(self, kind: str | None = None) -> Path:
         """Move the directory into place as it is: one in another tool's format (a Hugging Face model), marked

@@ -53,6 +53,9 @@ from usaf.stages.quantize_parts import (
 )
 
 LAYERS_DIR = "layers"
+# Kept until the manifest is written: a kill while the model's files are copied and hashed (minutes at 30B) once
+# lost every quantized layer (layers/ went when experts_q4.pt was assembled; found in review).
+BOOKKEEPING = (PARTIAL_SETTINGS, LAYERS_DIR)
 
 
 def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any], origin: str) -> bool:
@@ -235,7 +238,8 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         with writer as art:
             art.needed = max(needed - done, 0)  # named if the disk fills anyway
             if art.resumed and (complete := _committed_partial(art.dir, settings, source.origin)) is not None:
-                art.commit_foreign()  # killed after its manifest was written: only the rename was missing
+                art.drop(BOOKKEEPING)  # killed after its manifest was written, before its bookkeeping went
+                art.commit_foreign()  # only the rename was missing
                 return complete, art.target
             write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
             if art.resumed:
@@ -247,7 +251,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
             manifest = art.commit(
                 QuantizedModelManifest,
-                exclude=(PARTIAL_SETTINGS,),
+                exclude=BOOKKEEPING,
                 inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
                 config=config.model_dump(mode="json"),
                 environment=current_environment(**backend.recorded(torch.float32)),
@@ -340,7 +344,7 @@ def _relative_error(w: torch.Tensor, q: QuantizedTensor) -> float:
 
 
 def _assemble_experts(plan: Any, work: Path, progress: Progress) -> None:
-    """Stream every layer file into one ``experts_q4.pt`` (one layer in memory), then drop ``layers/``."""
+    """Stream every layer file into one ``experts_q4.pt`` (one layer in memory); ``layers/`` goes at the commit."""
     layers_dir = work / LAYERS_DIR
     progress.start(f"writing {EXPERTS_FILE}", len(plan.experts), "layers")
     with StreamingTorchSave(work / EXPERTS_FILE) as archive:
@@ -350,7 +354,6 @@ def _assemble_experts(plan: Any, work: Path, progress: Progress) -> None:
                 archive.add(name, entry)
             progress.advance(1)
     progress.finish()
-    shutil.rmtree(layers_dir)
 
 
 def _summary(
