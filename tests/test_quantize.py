@@ -326,6 +326,26 @@ def test_existing_output_resume_and_force(tiny_model, tmp_path):
     assert load_verified(out, QuantizedModelManifest).summary.quant.nbits == 8
 
 
+def test_resume_refuses_a_complete_output_of_the_model_before_it_was_re_saved_in_place(tmp_path):
+    """The source fingerprint reads headers only: a model re-saved in place with other weights of the same shapes
+    (another seed) had --resume call the old output complete (found in review). The manifest records each shard's
+    modification time now. Control: the files untouched, it is complete."""
+    from usaf.testing import build_tiny_model
+
+    source = tmp_path / "model"
+    build_tiny_model("qwen3_moe", source, num_layers=2, seed=1, tokenizer=False)
+    out = tmp_path / "q"
+    assert quantize(source, "--out", out, "--method", "rtn").exit_code == 0
+    kept = quantize(source, "--out", out, "--method", "rtn", "--resume")
+    assert kept.exit_code == 0 and "already complete" in kept.stderr, kept.output
+
+    shutil.rmtree(source)
+    build_tiny_model("qwen3_moe", source, num_layers=2, seed=2, tokenizer=False)
+    refused = quantize(source, "--out", out, "--method", "rtn", "--resume")
+    assert refused.exit_code == 2, refused.output
+    assert "of its files before they changed" in refused.stderr and "--force" in refused.stderr
+
+
 def test_partial_run_with_other_settings_is_not_mixed_in(tiny_model, tmp_path):
     source = tiny_model("mixtral")
     out = tmp_path / "q"

@@ -24,6 +24,9 @@ class ShardRecord(Record):
     name: str
     bytes: int
     header_sha256: str = Field(description="sha256 of the safetensors header (names, dtypes, shapes, offsets)")
+    modified_ns: int | None = Field(
+        None, description="the file's modification time when quantized, in ns (None: quantized before 2026-12-06)"
+    )
 
 
 class SourceModelRecord(Record):

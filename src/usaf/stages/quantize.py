@@ -58,12 +58,24 @@ LAYERS_DIR = "layers"
 BOOKKEEPING = (PARTIAL_SETTINGS, LAYERS_DIR)
 
 
-def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any], origin: str) -> bool:
+def _made_with(manifest: QuantizedModelManifest, settings: dict[str, Any], origin: str, files: dict[str, Any]) -> bool:
     """The output quantizes this source (``origin``: its fingerprint reads headers only, so the directory too tells
-    two fine-tunes of one architecture apart) with these settings."""
+    two fine-tunes of one architecture apart; ``files``: and the files' sizes and times, one re-saved in place) with
+    these settings."""
     s = manifest.summary
     done = (s.source.fingerprint, s.quant.method, s.quant.nbits, s.quant.group_size_requested)
-    return done == tuple(settings.values()) and s.source.origin == origin
+    recorded = _recorded_files(manifest)
+    same_files = recorded is None or recorded == files  # quantized by an older usaf: the origin decides
+    return done == tuple(settings.values()) and s.source.origin == origin and same_files
+
+
+def _recorded_files(manifest: QuantizedModelManifest) -> dict[str, Any] | None:
+    """The source files a quantized model was made from, as :func:`_source_files` gives them (None: not recorded).
+    Without them a model re-saved in place with other weights was taken for the one quantized (found in review)."""
+    source = manifest.summary.source
+    if any(shard.modified_ns is None for shard in source.shards):
+        return None
+    return {"path": source.path, "files": [[s.name, s.bytes, s.modified_ns] for s in source.shards]}
 
 
 # In an interrupted run's partial-settings.json beside the settings: the source's weight files as they were. The
@@ -100,12 +112,14 @@ def _partial_settings(partial: Path) -> dict[str, Any] | None:
     except UsafError:
         return None
     s = manifest.summary
-    return {
+    settings = {
         "source": s.source.fingerprint,
         "method": s.quant.method,
         "nbits": s.quant.nbits,
         "group_size": s.quant.group_size_requested,
     }
+    files = _recorded_files(manifest)
+    return settings if files is None else {**settings, SOURCE_FILES: files}
 
 
 def _interrupted_output(
@@ -120,7 +134,9 @@ def _interrupted_output(
     return None
 
 
-def _committed_partial(partial: Path, settings: dict[str, Any], origin: str) -> QuantizedModelManifest | None:
+def _committed_partial(
+    partial: Path, settings: dict[str, Any], origin: str, files: dict[str, Any]
+) -> QuantizedModelManifest | None:
     """The manifest of a partial directory that is complete and verified (every sha256), else None."""
     if not (partial / MANIFEST_NAME).is_file():
         return None
@@ -129,7 +145,7 @@ def _committed_partial(partial: Path, settings: dict[str, Any], origin: str) -> 
     except UsafError:
         (partial / MANIFEST_NAME).unlink()  # a manifest that does not match its files: redo the commit
         return None
-    return manifest if _made_with(manifest, settings, origin) else None
+    return manifest if _made_with(manifest, settings, origin, files) else None
 
 
 def _done_bytes(partial: Path) -> int:
@@ -201,10 +217,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         if found.state == "usaf" and not config.force:
             if config.resume:
                 manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
-                if not _made_with(manifest, settings, source.origin):
+                if not _made_with(manifest, settings, source.origin, files):
                     raise UsafError(
-                        f"--out {out}: holds a quantization of another model (or of one in another directory) or "
-                        "with other settings",
+                        f"--out {out}: holds a quantization of another model (or of one in another directory, or "
+                        "of its files before they changed) or with other settings",
                         "pass --force to replace it, or another --out",
                     )
                 progress.note(f"{out} is already complete; nothing to do")
@@ -237,7 +253,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
 
         with writer as art:
             art.needed = max(needed - done, 0)  # named if the disk fills anyway
-            if art.resumed and (complete := _committed_partial(art.dir, settings, source.origin)) is not None:
+            if art.resumed and (complete := _committed_partial(art.dir, settings, source.origin, files)) is not None:
                 art.drop(BOOKKEEPING)  # killed after its manifest was written, before its bookkeeping went
                 art.commit_foreign()  # only the rename was missing
                 return complete, art.target

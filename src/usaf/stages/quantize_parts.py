@@ -48,8 +48,10 @@ def _header_sha256(path: Path) -> str:
 
 def source_record(model: str, model_dir: Path, spec: Any, infos: dict[str, TensorInfo]) -> SourceModelRecord:
     files = sorted({info.file for info in infos.values()})
+    stats = {f: (model_dir / f).stat() for f in files}
     shards = [
-        ShardRecord(name=f, bytes=(model_dir / f).stat().st_size, header_sha256=_header_sha256(model_dir / f))
+        ShardRecord(name=f, bytes=stats[f].st_size, header_sha256=_header_sha256(model_dir / f),
+                    modified_ns=stats[f].st_mtime_ns)  # fmt: skip
         for f in files
     ]
     config_sha = sha256_file(model_dir / "config.json")
