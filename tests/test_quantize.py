@@ -346,6 +346,33 @@ def test_resume_refuses_a_complete_output_of_the_model_before_it_was_re_saved_in
     assert "of its files before they changed" in refused.stderr and "--force" in refused.stderr
 
 
+def test_resume_with_force_and_a_quantized_model_as_model_are_one_clear_error(tiny_model, tmp_path):
+    """--resume --force replaced the output --resume asked to accept, in silence; a usaf quantized model given as
+    MODEL was diagnosed as an incomplete download (both found in review). Control: the source quantizes."""
+    source = tiny_model("olmoe")
+    out = tmp_path / "q"
+    both = quantize(source, "--out", out, "--method", "rtn", "--resume", "--force")
+    assert both.exit_code == 2 and "pass either --resume" in both.stderr and not out.exists(), both.output
+    assert quantize(source, "--out", out, "--method", "rtn").exit_code == 0
+    again = quantize(out, "--out", tmp_path / "q2", "--method", "rtn")
+    assert again.exit_code == 2 and "already a usaf quantized model" in again.stderr, again.output
+    assert not (tmp_path / "q2").exists()
+
+
+def test_hub_downloads_take_a_repositorys_top_level_only():
+    """"*.safetensors" matched subfolders: gpt-oss-20b's original/ (a second copy of its weights) was downloaded too
+    (found in review). Control: without the ignore pattern the filter does take it."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from usaf.data.hub import HUB_IGNORED, HUB_PATTERNS
+
+    repo = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", "tokenizer.json",
+            "original/model.safetensors", "original/config.json", "metal/model.bin", "modeling_x.py"]  # fmt: skip
+    taken = list(filter_repo_objects(repo, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED))
+    assert taken == repo[:4]
+    assert "original/model.safetensors" in filter_repo_objects(repo, allow_patterns=HUB_PATTERNS)
+
+
 def test_partial_run_with_other_settings_is_not_mixed_in(tiny_model, tmp_path):
     source = tiny_model("mixtral")
     out = tmp_path / "q"
@@ -387,6 +414,12 @@ def test_hub_id_from_a_prepopulated_offline_cache(tiny_model, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert load_verified(out, QuantizedModelManifest).summary.source.model == "usaf-test/tiny-moe"
+    # a default output is named after the repository, not the snapshot's revision hash (found in review)
+    proc = subprocess.run([*cmd[:5], "--workspace", str(tmp_path / "ws"), "--method", "rtn"], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (named,) = (p.name for p in (tmp_path / "ws" / "quantized_model").iterdir() if not p.name.startswith("."))
+    assert named.endswith("-tiny-moe") and "0123abcd" not in named, named
     proc = subprocess.run(
         [*cmd[:4], "usaf-test/absent", "--out", str(tmp_path / "x")], env=env, capture_output=True, text=True
     )
@@ -394,6 +427,26 @@ def test_hub_id_from_a_prepopulated_offline_cache(tiny_model, tmp_path):
 
 
 # ---- bad input: one clear line, exit 2, no final or partial directory --------------------------------
+
+
+def test_non_finite_expert_weights_are_one_clear_error(tiny_model, tmp_path):
+    """A NaN in an expert's weights raised a ValueError traceback naming neither the model nor the tensor (found in
+    review). Control: the same model without it quantizes (the fixtures' models do, throughout this file)."""
+    from safetensors.torch import load_file, save_file
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model("qwen3_moe"), damaged)
+    weights = load_file(damaged / "model.safetensors")
+    name = next(n for n in sorted(weights) if ".mlp.experts.0.down_proj" in n)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "q"
+    result = quantize(damaged, "--out", out, "--method", "rtn")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output and not out.exists()
+    assert "non-finite weights" in errors[0] and "down_proj" in errors[0] and str(damaged) in result.stderr
+    assert "the checkpoint is damaged" in result.stderr
 
 
 def test_not_a_moe_model(tmp_path):

@@ -94,7 +94,7 @@ def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 
-    kind = _manifest_kind(directory)
+    kind = manifest_kind(directory)
     if kind is not None:
         return f"a usaf {kind} artifact"
     marker = _json_object(directory / MADE_MARKER)
@@ -103,7 +103,7 @@ def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
     if (directory / SETTINGS_FILE).is_file():  # written when training starts (atomically; cut by old versions)
         return "an unfinished usaf run"
     entries = entries if entries is not None else own_entries(directory)
-    if entries == [PLAN_DIR] and _manifest_kind(directory / PLAN_DIR) == "plan":
+    if entries == [PLAN_DIR] and manifest_kind(directory / PLAN_DIR) == "plan":
         return "an unfinished usaf run (its plan scored, no step trained)"
     if entries == [f".{PLAN_DIR}{PARTIAL_TAG}"] and _score_partial(directory / entries[0]):
         return "an unfinished usaf run (stopped while scoring its plan)"
@@ -189,7 +189,8 @@ def own_entries(directory: Path) -> list[str]:
     return sorted(p.name for p in Path(directory).iterdir() if not is_bookkeeping(p.name))
 
 
-def _manifest_kind(directory: Path) -> str | None:
+def manifest_kind(directory: Path) -> str | None:
+    """The kind a usaf manifest in ``directory`` names (``"plan"``), or None: no readable usaf manifest there."""
     data = _json_object(directory / MANIFEST_NAME)
     if data is None or not isinstance(data.get("kind"), str) or "usaf_version" not in data:
         return None

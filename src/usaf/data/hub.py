@@ -21,6 +21,9 @@ HUB_PATTERNS = [
     "merges.txt",
     "*.tiktoken",
 ]
+# The patterns match paths: "*.safetensors" took a repository's subfolders too (gpt-oss-20b's original/ holds a
+# second copy of its weights, ~13 GB; found in review). usaf reads a model's top level only.
+HUB_IGNORED = ["*/*"]
 
 
 def looks_like_path(model: str) -> bool:
@@ -32,7 +35,7 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = Fal
     the cache alone, never the network).
 
     Honours ``HF_HOME`` and ``HF_HUB_OFFLINE`` through ``huggingface_hub``; downloads only
-    :data:`HUB_PATTERNS`.
+    :data:`HUB_PATTERNS`, at the repository's top level.
     """
     local = Path(model).expanduser()
     if local.is_dir():
@@ -46,7 +49,8 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = Fal
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS, local_files_only=cache_only))
+        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED,
+                                      local_files_only=cache_only))  # fmt: skip
     except HFValidationError:
         raise UsafError(f"{flag} {model}: neither a directory nor a valid hub id", "check the spelling") from None
     except LocalEntryNotFoundError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
@@ -33,3 +33,9 @@ class QuantizeConfig(StageConfig):
     device: str = f.device()
     resume: bool = Field(False, description="Accept an existing complete --out made with these settings.")
     force: bool = Field(False, description="Replace an existing --out; discard an interrupted run's work.")
+
+    @model_validator(mode="after")
+    def _resume_or_force(self) -> QuantizeConfig:
+        if self.resume and self.force:  # --force replaced what --resume asked to accept, in silence (found in review)
+            raise ValueError("pass either --resume (accept the complete --out) or --force (replace it), not both")
+        return self

@@ -23,7 +23,7 @@ from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, def
 from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import found_at
+from usaf.artifacts.outputs import found_at, manifest_kind
 from usaf.artifacts.quantized import (
     EXPERTS_FILE,
     QuantizedModelManifest,
@@ -191,6 +191,9 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     if config.model is None:
         raise UsafError("MODEL is required: a model directory or hub id", "e.g. usaf quantize Qwen/Qwen3-30B-A3B")
     model_dir = resolve_model_dir(config.model)
+    if manifest_kind(model_dir) == QuantizedModelManifest.KIND:  # else "no expert tensors ... the download may be
+        raise UsafError(f"MODEL {model_dir}: already a usaf quantized model",  # incomplete" (found in review)
+                        "pass the original model (score and train take this one as --model)")  # fmt: skip
     spec = resolve_family(load_model_config(model_dir))
     infos = read_checkpoint(model_dir)
     plan = map_checkpoint(model_dir, spec)
@@ -205,11 +208,12 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     }
     files = _source_files(model_dir, infos)
     out = config.out
+    label = _label(config.model, model_dir)
     if out is None:  # a default output is new at every start: the same command finds the one it was writing
-        out = _interrupted_output(workspace_dir(config.workspace), model_dir.name, settings, files)
+        out = _interrupted_output(workspace_dir(config.workspace), label, settings, files)
         if out is not None:
             progress.note(f"resuming the interrupted quantization that was writing {out} (no --out given)")
-    out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", model_dir.name))
+    out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", label))
     writer = ArtifactWriter(out, overwrite=config.force, overwrite_flag="--force", inputs={"MODEL": model_dir},
                             resumable=True, markers=(PARTIAL_SETTINGS,))  # fmt: skip
     with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it
@@ -276,6 +280,12 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         return manifest, art.target
 
 
+def _label(model: str, model_dir: Path) -> str:
+    """What a default output is named after: the directory given, or a hub id's repository name (its snapshot's
+    directory is named by the revision's hash: ``quantized_model/0123abcd...-20261206-...``, found in review)."""
+    return model_dir.name if Path(model).expanduser().is_dir() else model.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _weight_tensors(layer: Any) -> list[Any]:
     """The layer's fused expert weight plans (gate_up, down); biases are kept, not quantized."""
     return [t for t in layer.tensors if t.role in ("gate_up", "down")]
@@ -315,14 +325,12 @@ def _quantize_layers(
                 estimated = True
             entries, errors = {}, {}
             for name, w in weights.items():
-                q = quantize_experts(
-                    w,
-                    method=config.method,
-                    nbits=config.nbits,
-                    group_size=config.group_size,
-                    transposed=layer.layout.transposed,
-                    device=device,
-                )
+                try:
+                    q = quantize_experts(w, method=config.method, nbits=config.nbits, group_size=config.group_size,
+                                         transposed=layer.layout.transposed, device=device)  # fmt: skip
+                except ValueError as e:  # non-finite weights, or scales past fp16: a traceback (found in review)
+                    raise UsafError(f"MODEL {model_dir}: {name}: {e}",
+                                    "the checkpoint is damaged: re-download or re-save it") from None  # fmt: skip
                 entries[name] = q
                 errors[name] = _relative_error(w, q)
             _save_layer(path, entries, errors)
