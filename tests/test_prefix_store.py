@@ -157,3 +157,37 @@ def test_cache_without_a_frozen_prefix_is_refused(setup, tmp_path):
     assert result.exit_code == 2
     assert "--cache: no frozen prefix" in result.output
     assert not (tmp_path / "plan").exists() and leftovers(tmp_path) == []
+
+
+def test_a_plan_replaced_after_train_read_it_is_not_mixed_in(setup, tmp_path):
+    """train reads a plan's manifest and index at its start and its masks and states after the model has loaded
+    (minutes at 30B). A plan replaced at the same path meanwhile (usaf score --overwrite, another seed) served its
+    states under the first index and its masks under the first record (found in review). The store is mapped with
+    its index now, and the masks are checked against the manifest's sha256. Controls: a store opened after the
+    replacement reads the new states; the unchanged masks are read."""
+    import shutil
+
+    from usaf.artifacts.plan import read_masks
+    from usaf.artifacts.prefix_store import open_store
+    from usaf.errors import UsafError
+
+    qdir, tokens = setup
+    first, second = tmp_path / "plan", tmp_path / "other"
+    assert score(qdir, tokens, first).exit_code == 0
+    assert score(qdir, tokens, second, "--seed", 7).exit_code == 0
+    shutil.copytree(first, tmp_path / "copy")
+    manifest = load_verified(first, PlanManifest)
+    store = open_store(first, manifest.summary.prefix_cache)  # as train opens it: nothing read yet
+    reference = open_store(tmp_path / "copy", manifest.summary.prefix_cache)
+    keys = sorted(reference._entries)
+    before = {key: reference.get(key) for key in keys}
+    assert read_masks(first, manifest)  # control: the file the manifest records
+
+    for name in ("prefix_states.bin", "masks.safetensors"):  # replaced as a whole new plan would be
+        shutil.copyfile(second / name, tmp_path / name)
+        (tmp_path / name).replace(first / name)
+    assert all(torch.equal(store.get(key), before[key]) for key in keys)
+    reopened = open_store(first, manifest.summary.prefix_cache)
+    assert any(not torch.equal(reopened.get(key), before[key]) for key in keys if key in reopened)  # it did change
+    with pytest.raises(UsafError, match="changed since the plan's manifest was read"):
+        read_masks(first, manifest)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 
 from pydantic import Field, model_validator
 
+from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors
 from usaf.errors import UsafError
@@ -231,6 +232,11 @@ def read_masks(directory: Path, plan: PlanManifest, *, flag: str = "--plan") -> 
     exactly its ``selected`` count and ``per_expert`` split, unique, ascending and inside its shape.
     """
     path = Path(directory) / MASKS_FILE
+    recorded = next((f.sha256 for f in plan.files if f.path == MASKS_FILE), None)
+    # Read when the model has loaded, minutes after the manifest at 30B: a plan replaced meanwhile (usaf score
+    # --overwrite) trained the other plan's masks under this one's record (found in review).
+    if recorded is not None and sha256_file(path) != recorded:
+        _refuse(flag, path, "changed since the plan's manifest was read (replaced by another usaf score?)")
     masks = load_safetensors(path)
     listed = {t.name: t for t in plan.summary.tensors}
     if extra := sorted(set(masks) - set(listed)):

@@ -47,7 +47,10 @@ class PrefixStore:
         index = _read_index(self.index_path)
         self.meta = {k: v for k, v in index.items() if k != "entries"}
         self._entries = {key: _entry(self.index_path, key, value) for key, value in index["entries"].items()}
-        self._mmap: np.memmap | None = None
+        # Mapped now, with the index: mapped at the first read (after the model loaded, minutes at 30B), a plan
+        # replaced meanwhile served its states under this index (found in review). An empty file cannot be mapped.
+        empty = not self._entries or self.states_path.stat().st_size == 0
+        self._mmap = None if empty else np.memmap(self.states_path, dtype=np.uint8, mode="r")
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -58,8 +61,6 @@ class PrefixStore:
     def get(self, key: str) -> torch.Tensor | None:
         if key not in self._entries:
             return None
-        if self._mmap is None:
-            self._mmap = np.memmap(self.states_path, dtype=np.uint8, mode="r")
         offset, shape, dtype = self._entries[key]
         return read_state(self._mmap, offset, shape, dtype)
 
