@@ -343,6 +343,19 @@ def test_doctor_under_torchrun_checks_the_group(tmp_path):
     assert [r["rank"] for r in info["ranks"]] == [0, 1]
 
 
+def test_a_bad_dist_timeout_is_one_clear_error():
+    """USAF_DIST_TIMEOUT_MIN=abc was a ValueError traceback on every rank, and 0 a "could not join" after 0 ms (found
+    in review). Controls: unset is the default, a positive number is taken."""
+    from usaf.distributed import DEFAULT_TIMEOUT_MIN, TIMEOUT_ENV, _timeout_minutes
+    from usaf.errors import UsafError
+
+    for bad in ("abc", "0", "-5", "inf", "nan"):
+        with pytest.raises(UsafError, match=f"{TIMEOUT_ENV}='{bad}': not a positive number of minutes"):
+            _timeout_minutes({TIMEOUT_ENV: bad})
+    assert _timeout_minutes({}) == _timeout_minutes({TIMEOUT_ENV: ""}) == DEFAULT_TIMEOUT_MIN
+    assert _timeout_minutes({TIMEOUT_ENV: "2.5"}) == 2.5
+
+
 def test_world_helpers_in_one_process():
     from usaf.cli.stage import _without_option
     from usaf.distributed import World, choose_backend, device_for_rank, launched, shard

@@ -128,6 +128,19 @@ def test_legacy_variables_are_explained_and_multi_gpu_warned() -> None:
     assert "USE_MULTI_GPU" in warning["message"] and "torchrun" in warning["message"]
 
 
+def test_usaf_variables_name_the_commands_that_read_them_and_a_misspelt_one_reads_nowhere() -> None:
+    """A misspelt USAF_STEPPS was shown as "--stepps of every command that has it", which none has (found in
+    review). Controls: a setting names its commands (export's own-only dtype not among them), a plain variable its
+    meaning."""
+    env = {"USAF_STEPPS": "5", "USAF_LR": "0.1", "USAF_DTYPE": "auto", "USAF_DIST_TIMEOUT_MIN": "5"}
+    rows = {row["name"]: row for row in doctor_json(env=env)["environment"]}
+    meaning = {name: " ".join(str(value) for value in row.values()) for name, row in rows.items()}
+    assert "read by no command" in meaning["USAF_STEPPS"] and "--stepps" not in meaning["USAF_STEPPS"]
+    assert "--lr of demo, train" in meaning["USAF_LR"]
+    assert "--dtype of" in meaning["USAF_DTYPE"] and "export" not in meaning["USAF_DTYPE"]
+    assert "minutes" in meaning["USAF_DIST_TIMEOUT_MIN"]
+
+
 @pytest.mark.parametrize(
     ("args", "env", "needle"),
     [

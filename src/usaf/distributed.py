@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import socket
 import time
@@ -202,7 +203,7 @@ def init(backend: str | None, device: torch.device, env: Mapping[str, str] | Non
     if name == "nccl" and not dist.is_nccl_available():
         raise UsafError("--dist-backend nccl: this torch build has no NCCL", "use --dist-backend gloo")
     bind_device(device)
-    minutes = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_MIN))
+    minutes = _timeout_minutes(env)
     try:
         dist.init_process_group(name, timeout=datetime.timedelta(minutes=minutes))
     except (RuntimeError, ValueError) as e:
@@ -218,6 +219,22 @@ def init(backend: str | None, device: torch.device, env: Mapping[str, str] | Non
         wire=str(device) if name == "nccl" else "cpu",
     )
     return _WORLD
+
+
+def _timeout_minutes(env: Mapping[str, str]) -> float:
+    """``USAF_DIST_TIMEOUT_MIN``: a positive number of minutes (a bad value was a traceback, or a timeout of 0 ms
+    named as a failure to join; found in review)."""
+    raw = env.get(TIMEOUT_ENV, "")
+    if raw == "":
+        return DEFAULT_TIMEOUT_MIN
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = math.nan
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise UsafError(f"{TIMEOUT_ENV}={raw!r}: not a positive number of minutes",
+                        f"set a number above 0 (the default is {DEFAULT_TIMEOUT_MIN:g}), or unset it")  # fmt: skip
+    return minutes
 
 
 def shutdown(*, clean: bool = True) -> None:

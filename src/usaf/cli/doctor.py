@@ -85,11 +85,42 @@ def _extras() -> dict[str, dict[str, str | None]]:
 
 
 def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """Each ``USAF_*`` variable set and what reads it: a setting's commands, or nothing (a misspelt name was shown
+    as a flag of "every command that has it", which none had; found in review)."""
+    from usaf.config import env_name, flag_name
+    from usaf.distributed import TIMEOUT_ENV
+
+    plain = {"USAF_VERBOSE": "--verbose of every command (the flag itself wins)",
+             TIMEOUT_ENV: "minutes torchrun's processes wait for one another"}  # fmt: skip
+    readers = {env_name(field): (field, commands) for field, commands in _env_readers().items()}
     rows = []
     for name in sorted(n for n in env if n.startswith(_ENV_PREFIX)):
-        flag = "--" + name[len(_ENV_PREFIX) :].lower().replace("_", "-")
-        rows.append((name, env[name], f"{flag} of every command that has it (the flag itself wins)"))
+        if name in plain:
+            meaning = plain[name]
+        elif name in readers:
+            field, commands = readers[name]
+            meaning = f"{flag_name(field)} of {', '.join(commands)} (the flag itself wins)"
+        else:
+            meaning = "read by no command: misspelt? (each command's --help names its flags)"
+        rows.append((name, env[name], meaning))
     return rows
+
+
+def _env_readers() -> dict[str, list[str]]:
+    """Setting name -> the commands that read it from ``USAF_*`` (every field but those marked ``own_only``)."""
+    import importlib
+
+    from usaf.config import cli_meta
+    from usaf.settings import TABLES
+
+    readers: dict[str, list[str]] = {}
+    for command, spec in TABLES.items():
+        module, _, name = spec.partition(":")
+        model = getattr(importlib.import_module(f"usaf.settings.{module}"), name)
+        for field, info in model.model_fields.items():
+            if not cli_meta(info).get("own_only"):
+                readers.setdefault(field, []).append(command)
+    return readers
 
 
 def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) -> dict[str, Any]:
