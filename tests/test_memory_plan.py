@@ -251,7 +251,9 @@ def test_sizes_parse_with_their_units(text, expected):
 
 @pytest.mark.parametrize(
     ("text", "problem"),
-    [("12", "no unit"), ("12XB", "unknown unit"), ("-1GiB", "not a size"), ("0GiB", "more than 0"), ("", "not a size")],
+    [("12", "no unit"), ("12XB", "unknown unit"), ("-1GiB", "not a size"), ("0GiB", "more than 0"), ("", "not a size"),
+     ("1" + "0" * 310 + "GiB", "more than 1 EiB"), ("2EiB", "unknown unit"),
+     ("1048577TiB", "more than 1 EiB")],  # fmt: skip
 )
 def test_bad_sizes_are_one_clear_error(text, problem):
     with pytest.raises(UsafError, match=problem) as info:

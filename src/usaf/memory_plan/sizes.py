@@ -25,6 +25,7 @@ _UNITS = {
     "tib": 2**40,
 }
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+MAX_BYTES = 2**60  # 1 EiB: far past any machine, and finite
 FORMS = "a number with a unit: 12GiB, 32GB, 512MiB, 1.5TiB (GiB/MiB = 1024-based, GB/MB = 1000-based)"
 
 
@@ -38,6 +39,8 @@ def parse_size(text: str, *, flag: str) -> int:
         raise UsafError(f"{flag} {text!r}: no unit", f"pass {FORMS}")
     if unit not in _UNITS:
         raise UsafError(f"{flag} {text!r}: unknown unit {match.group(2)!r}", f"pass {FORMS}")
+    if amount * _UNITS[unit] > MAX_BYTES:  # a 310-digit amount is infinite as a float: int() raised (found in review)
+        raise UsafError(f"{flag} {text!r}: more than 1 EiB", f"pass {FORMS}")
     size = int(amount * _UNITS[unit])
     if size <= 0:
         raise UsafError(f"{flag} {text!r}: must be more than 0 bytes", f"pass {FORMS}")

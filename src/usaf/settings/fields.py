@@ -122,6 +122,7 @@ def checkpoint(default_text: str = "newest run for the model") -> Any:
 def device(default: str | None = "auto", **meta: Any) -> Any:
     return Field(
         default,
+        min_length=1,  # an empty --device "" ran on what auto found (found in review); an empty USAF_DEVICE is unset
         description="auto|cpu|cuda|cuda:N|mps|directml (also USAF_DEVICE; legacy USE_CUDA=1 means cuda).",
         json_schema_extra=cli(**meta),
     )

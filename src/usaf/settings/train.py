@@ -103,7 +103,7 @@ class TrainConfig(StageConfig):
     )  # fmt: skip
     calib_samples: int = f.calib_samples()
     prefix_cache_gib: float = Field(
-        2.0, ge=0, description="RAM for cached frozen-prefix states before they spill to the run's disk file."
+        2.0, ge=0, le=2**20, description="RAM for cached frozen-prefix states before they spill to the run's disk file."
     )
     stream_experts: bool | None = f.stream_experts()
     vram: str | None = Field(

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, TextStreamer
 
 from usaf.backends import resolve_backend
-from usaf.config import source_of
+from usaf.config import refuse_unused, source_of
 from usaf.data.chat import template_errors
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.errors import UsafError
@@ -112,6 +112,10 @@ def run(
     progress = progress or NullProgress()
     if not config.prompt:
         raise UsafError("PROMPT is empty", 'pass the text to continue, e.g. usaf generate "def fib(n):"')
+    if config.temperature == 0:  # greedy decoding draws nothing: both were accepted and unused (found in review)
+        for field in ("top_p", "seed"):
+            refuse_unused(config, field, "--temperature 0 decodes greedily, drawing nothing",
+                          "drop it, or pass a --temperature above 0 to sample", progress.note)  # fmt: skip
     model_dir, _, change = resolve_model_and_change(
         config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
     )

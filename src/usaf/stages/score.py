@@ -42,7 +42,7 @@ from usaf.artifacts.plan import (
 )
 from usaf.artifacts.workspace import interrupted_outputs, resolve_data, resolve_model
 from usaf.backends import resolve_backend
-from usaf.config import source_of
+from usaf.config import refuse_unused, source_of
 from usaf.data.batches import Batch, collate, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.data.tokens import TokenLine, scored_targets
@@ -51,7 +51,7 @@ from usaf.engine.prefix import PrefixTap
 from usaf.engine.selection import SelectionError, jaccard, numel, pool_size, select
 from usaf.errors import StopSignal, UsafError
 from usaf.families.targets import resolve_targets
-from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac
+from usaf.settings.fields import FRAC, MIN_ENTRIES, default_frac, parse_targets
 from usaf.settings.score import LR_TEST_STEPS, ScoreConfig
 from usaf.settings.train import DEFAULT_LR
 from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
@@ -211,6 +211,10 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     )
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
+    if not world.active:  # accepted and unused in one process (found in review)
+        refuse_unused(config, "dist_backend", "this is one process, not a torchrun launch",
+                      "drop it, or launch with torchrun (or --nproc N)", progress.note)  # fmt: skip
+    _refuse_unused_selection(config, progress)
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
@@ -367,6 +371,17 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     )
     world.barrier("plan written")
     return manifest, writer.target
+
+
+def _refuse_unused_selection(config: ScoreConfig, progress: Progress) -> None:
+    """Selection settings that would change nothing in this combination (both accepted and unused before; found in
+    review): a pool size with exact full maps, a per-expert budget over targets without experts."""
+    if config.full_maps:
+        refuse_unused(config, "candidates_factor", "--full-maps scores every weight exactly, keeping no candidate pool",
+                      "drop one of them", progress.note)  # fmt: skip
+    if config.budget == "per-expert" and config.targets is not None and "experts" not in parse_targets(config.targets):
+        refuse_unused(config, "budget", f"--targets {config.targets} has no experts to spread --frac over",
+                      "drop it, or add experts to --targets", progress.note)  # fmt: skip
 
 
 def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file, progress: Progress):

@@ -24,7 +24,7 @@ from usaf.artifacts.run import (
     trim_metrics,
 )
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
-from usaf.config import source_of
+from usaf.config import refuse_unused, source_of
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.train.config import TrainConfig
@@ -45,6 +45,9 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     )
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
+    if not world.active:  # accepted and unused in one process (found in review)
+        refuse_unused(config, "dist_backend", "this is one process, not a torchrun launch",
+                      "drop it, or launch with torchrun (or --nproc N)", progress.note)  # fmt: skip
     # --out stays locked until the run ends; a full or read-only disk at any write of the run (settings, metrics,
     # a checkpoint, the manifest) is one line naming it, the checkpoints already written stay, and the same
     # command resumes from the newest

@@ -1,0 +1,67 @@
+"""Settings a command would not use in the combination given are refused from their flag and noted from USAF_*
+(usaf.config.refuse_unused), and values past any machine are one range error, not a traceback (found in review,
+2026-12-06). Each case has its control: the same setting where it does act is taken."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import explain, invoke
+
+
+def one_error(result, needle: str) -> None:
+    assert result.exit_code == 2, explain(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0] and "Traceback" not in result.output, result.output
+
+
+def test_greedy_generation_refuses_top_p_and_seed(prepared, monkeypatch):
+    qdir, _, _ = prepared("qwen3_moe")
+    base = ["generate", "def f", "--model", qdir, "--no-checkpoint", "--max-new-tokens", 2]
+    for flag, value in (("--top-p", 0.5), ("--seed", 7)):
+        one_error(invoke(*base, "--temperature", 0, flag, value), f"{flag} {value}: --temperature 0 decodes greedily")
+    monkeypatch.setenv("USAF_SEED", "7")
+    noted = invoke(*base, "--temperature", 0)
+    assert noted.exit_code == 0 and "USAF_SEED 7: --temperature 0 decodes greedily" in noted.stderr, explain(noted)
+    monkeypatch.delenv("USAF_SEED")
+    sampled = invoke(*base, "--temperature", 0.7, "--top-p", 0.5, "--seed", 7)  # control: sampling uses both
+    assert sampled.exit_code == 0 and "decodes greedily" not in sampled.stderr, explain(sampled)
+
+
+def test_dist_backend_in_one_process_is_refused(prepared, tmp_path):
+    qdir, tokens, plan = prepared("qwen3_moe")
+    train = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--lr", 1e-3,
+             "--reselect-every", 0, "--out", tmp_path / "run"]  # fmt: skip
+    one_error(invoke(*train, "--dist-backend", "gloo"), "--dist-backend gloo: this is one process")
+    score = ["score", "--model", qdir, "--data", tokens, "--calib-samples", 4, "--no-lr-test", "--no-stability",
+             "--train-from", 2, "--out", tmp_path / "plan"]  # fmt: skip
+    one_error(invoke(*score, "--dist-backend", "gloo"), "--dist-backend gloo: this is one process")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "plan").exists()
+    # control: torchrun's ranks take it (tests/test_distributed.py runs both commands under torchrun)
+
+
+@pytest.mark.parametrize(
+    ("given", "needle", "control"),
+    [
+        (("--full-maps", "--candidates-factor", 8), "--candidates-factor 8: --full-maps scores every weight",
+         ("--candidates-factor", 8)),
+        (("--targets", "attention", "--budget", "per-expert"), "--budget per-expert: --targets attention has no",
+         ("--targets", "experts,attention", "--budget", "per-expert")),
+    ],
+)  # fmt: skip
+def test_score_refuses_selection_settings_that_change_nothing(prepared, tmp_path, given, needle, control):
+    qdir, tokens, _ = prepared("qwen3_moe")
+    score = ["score", "--model", qdir, "--data", tokens, "--calib-samples", 4, "--no-lr-test", "--no-stability",
+             "--train-from", 2, "--frac", 0.05]  # fmt: skip
+    one_error(invoke(*score, *given, "--out", tmp_path / "refused"), needle)
+    assert not (tmp_path / "refused").exists()
+    taken = invoke(*score, *control, "--out", tmp_path / "taken")
+    assert taken.exit_code == 0, explain(taken)
+
+
+def test_values_past_any_machine_and_an_empty_device_are_one_range_error(prepared, tmp_path):
+    qdir, tokens, plan = prepared("qwen3_moe")
+    train = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--out", tmp_path / "run"]
+    one_error(invoke(*train, "--prefix-cache-gib", "1e300"), "--prefix-cache-gib")
+    one_error(invoke(*train, "--device", ""), "--device")
+    assert not (tmp_path / "run").exists()
