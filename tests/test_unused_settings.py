@@ -65,3 +65,33 @@ def test_values_past_any_machine_and_an_empty_device_are_one_range_error(prepare
     one_error(invoke(*train, "--prefix-cache-gib", "1e300"), "--prefix-cache-gib")
     one_error(invoke(*train, "--device", ""), "--device")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_step_larger_than_the_data_is_refused(prepared, tmp_path):
+    """--microbatch 10**12 hung building its first step, and a step larger than the data trained some sequences twice
+    in it (found in review). Control: a step the data holds trains."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    train = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--lr", 1e-3,
+             "--reselect-every", 0]  # fmt: skip
+    one_error(invoke(*train, "--microbatch", 10**12, "--out", tmp_path / "huge"), "is more than the data's")
+    one_error(invoke(*train, "--microbatch", 200, "--grad-accum", 2, "--out", tmp_path / "big"),
+              "a step of 400 sequences (--microbatch 200 × --grad-accum 2) is more than the data's")  # fmt: skip
+    assert not (tmp_path / "huge").exists() and not (tmp_path / "big").exists()
+    fits = invoke(*train, "--microbatch", 4, "--out", tmp_path / "fits")
+    assert fits.exit_code == 0, explain(fits)
+
+
+def test_weights_an_update_made_non_finite_are_not_saved(prepared, tmp_path):
+    """--lr 1e300: the first update overflowed, the later steps were skipped (non-finite gradients) and the run
+    ended with exit 0 and a change eval, export and generate refused (found in review). Control: a sane lr saves."""
+    from usaf.artifacts import RunManifest, load_verified
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    train = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 3, "--reselect-every", 0]
+    diverged = invoke(*train, "--lr", 1e300, "--out", tmp_path / "diverged")
+    one_error(diverged, "the trained weights are no longer finite")
+    assert "lower --lr (this run's: 1e+300" in diverged.stderr
+    assert not (tmp_path / "diverged" / "manifest.json").exists() and not (tmp_path / "diverged" / "final").exists()
+    sane = invoke(*train, "--lr", 1e-3, "--out", tmp_path / "sane")
+    assert sane.exit_code == 0, explain(sane)
+    assert load_verified(tmp_path / "sane", RunManifest).summary.steps == 3

@@ -239,6 +239,13 @@ def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: 
 def _length(config: TrainConfig, sequences: int, world: World, progress: Progress) -> tuple[int, int]:
     """The run's steps and its reselection interval."""
     per_step = config.microbatch * config.grad_accum * world.size  # the global batch, in sequences
+    if per_step > sequences:  # one step would train some sequences twice; --microbatch 10**12 hung (found in review)
+        processes = f" × {world.size} processes" if world.size > 1 else ""
+        raise UsafError(
+            f"a step of {per_step:,} sequences ({source_of(config, 'microbatch')} {config.microbatch} × "
+            f"{source_of(config, 'grad_accum')} {config.grad_accum}{processes}) is more than the data's {sequences:,}",
+            "lower --microbatch or --grad-accum, or tokenize more data",
+        )
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
     every = _reselect_every(config, steps, progress)
     if every == 0:

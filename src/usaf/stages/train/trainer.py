@@ -377,11 +377,30 @@ class Trainer:
         Under data parallelism every rank calls it (the ranks' grow scores are gathered); rank 0 writes,
         and the others return once it has.
         """
+        self._check_finite()  # on every rank (their weights are equal): none waits for a rank 0 that refused
         scores_by_rank = self.world.gather_objects(self._collector_state(), "grow-score gather")
         if self.world.is_main:
             self._write_checkpoint(directory, scores_by_rank)
         self.world.barrier("checkpoint barrier")
         return directory
+
+    def _check_finite(self) -> None:
+        """Refuse to save weights an update made infinite or NaN: the steps after it are skipped (non-finite
+        gradients), so such a run went on to exit 0 with a change eval, export and generate then refused (``--lr
+        1e300``; found in review)."""
+        weights = self.engine.weights.items()
+        tensors = {name: w.frozen_values for name, w in weights}
+        tensors |= {f"{name} (active)": w.delta.values for name, w in weights if w.delta is not None}
+        tensors |= dict(self.engine.routers)
+        broken = [name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+        if broken:
+            more = f" and {len(broken) - 1} more" if len(broken) > 1 else ""
+            router = f", --router-lr {self.config.router_lr:g}" if self.config.router else ""
+            raise UsafError(
+                f"step {self.state.step}: the trained weights are no longer finite ({broken[0]}{more}): an update "
+                "overflowed; nothing more is saved",
+                f"lower --lr (this run's: {self.config.lr:g}{router}) and start again with --overwrite",
+            )
 
     def _write_checkpoint(self, directory: Path, scores_by_rank: list[dict | None]) -> None:
         # lazy: an import cycle (resume imports TrainState from this module)
