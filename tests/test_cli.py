@@ -99,6 +99,12 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     assert result.exit_code == 2 and "already exists" in result.stderr
     result = invoke("tiny-model", tmp_path / "llama", "--family", "llama")
     assert result.exit_code == 2 and "--family llama" in result.stderr and not (tmp_path / "llama").exists()
+    # A model usaf cannot train (deepseek_v3's first layer is dense) was left written, and its rerun refused as
+    # existing (found in review); the control: two layers make one.
+    result = invoke("tiny-model", tmp_path / "dense", "--family", "deepseek_v3", "--layers", "1")
+    assert result.exit_code == 2 and "--layers 1: config.json makes all 1 layers dense" in result.stderr
+    assert not (tmp_path / "dense").exists()
+    assert invoke("tiny-model", tmp_path / "dense", "--family", "deepseek_v3", "--layers", "2").exit_code == 0
 
 
 def test_the_example_pipeline_chains_every_stage_through_the_workspace(tmp_path):

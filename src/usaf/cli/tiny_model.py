@@ -28,8 +28,11 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
             )
         with ArtifactWriter(settings.out, flag="OUT", overwrite=settings.overwrite) as art:
             build_tiny_model(family, art.dir, num_layers=layers, seed=settings.seed)
+            try:  # before the commit: a model usaf cannot train was left written, its rerun refused (found in review)
+                description = describe_model(art.dir)
+            except UsafError as e:
+                raise UsafError(f"--family {family} --layers {layers}: {e.message}", "pass more --layers") from None
             path = art.commit_foreign("tiny model")
-        description = describe_model(path)
         if json_output:
             print_json({"path": str(path), "model": description.to_dict()})
         else:
