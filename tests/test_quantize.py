@@ -347,13 +347,19 @@ def test_resume_refuses_a_complete_output_of_the_model_before_it_was_re_saved_in
 
 
 def test_resume_with_force_and_a_quantized_model_as_model_are_one_clear_error(tiny_model, tmp_path):
-    """--resume --force replaced the output --resume asked to accept, in silence; a usaf quantized model given as
-    MODEL was diagnosed as an incomplete download (both found in review). Control: the source quantizes."""
+    """--resume --force replaced the output --resume asked to accept, in silence; --resume with nothing to accept
+    quantized anew; a usaf quantized model given as MODEL was diagnosed as an incomplete download (all found in
+    review). Control: the source quantizes (and --resume accepts it: test_existing_output_resume_and_force)."""
     source = tiny_model("olmoe")
     out = tmp_path / "q"
     both = quantize(source, "--out", out, "--method", "rtn", "--resume", "--force")
     assert both.exit_code == 2 and "pass either --resume" in both.stderr and not out.exists(), both.output
     assert quantize(source, "--out", out, "--method", "rtn").exit_code == 0
+    nothing = quantize(source, "--out", tmp_path / "none", "--method", "rtn", "--resume")  # it quantized anew
+    assert nothing.exit_code == 2 and "holds nothing to accept or resume" in nothing.stderr, nothing.output
+    assert not (tmp_path / "none").exists()
+    fresh = quantize(source, "--workspace", tmp_path / "ws", "--method", "rtn", "--resume")
+    assert fresh.exit_code == 2 and "no interrupted quantization of this model in" in fresh.stderr, fresh.output
     again = quantize(out, "--out", tmp_path / "q2", "--method", "rtn")
     assert again.exit_code == 2 and "already a usaf quantized model" in again.stderr, again.output
     assert not (tmp_path / "q2").exists()

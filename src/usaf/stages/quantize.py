@@ -233,6 +233,11 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
                 f"--out {out}: {found.what} already exists there", "pass --resume to accept it, --force to replace it"
             )
         writer.check_target()  # a link, a file or a directory usaf did not make: refused whatever the flags
+        if config.resume and not ArtifactWriter.partial_dir(out).is_dir():  # else a new one was made (found in review)
+            if config.out is None:
+                raise UsafError(f"--resume: no interrupted quantization of this model in {out.parent}",
+                                "pass the --out to accept, or drop --resume to quantize it")  # fmt: skip
+            raise UsafError(f"--resume: --out {out} holds nothing to accept or resume", "drop --resume to quantize it")
 
         experts_source_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
         shards = base_shard_plan(plan, infos)
