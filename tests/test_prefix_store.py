@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from helpers import invoke, leftovers
 from usaf.artifacts import PlanManifest, RunManifest, load_verified
@@ -183,9 +184,18 @@ def test_a_plan_replaced_after_train_read_it_is_not_mixed_in(setup, tmp_path):
     before = {key: reference.get(key) for key in keys}
     assert read_masks(first, manifest)  # control: the file the manifest records
 
-    for name in ("prefix_states.bin", "masks.safetensors"):  # replaced as a whole new plan would be
-        shutil.copyfile(second / name, tmp_path / name)
-        (tmp_path / name).replace(first / name)
+    shutil.copyfile(second / "prefix_states.bin", tmp_path / "states")  # replaced as a whole new plan would be
+    (tmp_path / "states").replace(first / "prefix_states.bin")
+    masks = load_file(first / "masks.safetensors")  # another selection of the same counts per expert: it passes
+    name = sorted(masks)[0]  # every check of the masks against the manifest but its hash
+    chosen, shape = masks[name], next(t.shape for t in manifest.summary.tensors if t.name == name)
+    per_expert = shape[1] * shape[2]  # flat indices into the stored (E, O, I)
+    expert = int(chosen[0]) // per_expert
+    taken = set(chosen.tolist())
+    free = next(i for i in range(expert * per_expert, (expert + 1) * per_expert) if i not in taken)
+    masks[name] = torch.cat([torch.tensor([free]), chosen[1:]]).sort().values  # the first entry moved, in its expert
+    save_file(masks, tmp_path / "masks")
+    (tmp_path / "masks").replace(first / "masks.safetensors")
     assert all(torch.equal(store.get(key), before[key]) for key in keys)
     reopened = open_store(first, manifest.summary.prefix_cache)
     assert any(not torch.equal(reopened.get(key), before[key]) for key in keys if key in reopened)  # it did change

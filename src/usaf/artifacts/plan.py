@@ -232,11 +232,6 @@ def read_masks(directory: Path, plan: PlanManifest, *, flag: str = "--plan") -> 
     exactly its ``selected`` count and ``per_expert`` split, unique, ascending and inside its shape.
     """
     path = Path(directory) / MASKS_FILE
-    recorded = next((f.sha256 for f in plan.files if f.path == MASKS_FILE), None)
-    # Read when the model has loaded, minutes after the manifest at 30B: a plan replaced meanwhile (usaf score
-    # --overwrite) trained the other plan's masks under this one's record (found in review).
-    if recorded is not None and sha256_file(path) != recorded:
-        _refuse(flag, path, "changed since the plan's manifest was read (replaced by another usaf score?)")
     masks = load_safetensors(path)
     listed = {t.name: t for t in plan.summary.tensors}
     if extra := sorted(set(masks) - set(listed)):
@@ -248,6 +243,11 @@ def read_masks(directory: Path, plan: PlanManifest, *, flag: str = "--plan") -> 
             _refuse(flag, path, f"the mask of {name} {problem}")
         if _per_expert(masks[name], selection.shape) != selection.per_expert:
             _refuse(flag, path, f"the mask of {name} splits over the experts unlike the manifest's per_expert")
+    # Read when the model has loaded, minutes after the manifest at 30B: another plan's masks of the same counts put
+    # there meanwhile (usaf score --overwrite) trained under this plan's record (found in review).
+    recorded = next((f.sha256 for f in plan.files if f.path == MASKS_FILE), None)
+    if recorded is not None and sha256_file(path) != recorded:
+        _refuse(flag, path, "changed since the plan's manifest was read (replaced by another usaf score?)")
     return masks
 
 
