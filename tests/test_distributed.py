@@ -234,6 +234,20 @@ def test_a_dying_rank_ends_the_run_with_a_message_and_keeps_the_last_checkpoint(
     assert result.exit_code == 0 and f"(step {last} of 400)" in result.stderr, result.output
 
 
+def test_a_locked_out_is_one_refusal_on_every_rank(setup, tmp_path):
+    """Only rank 0 took the run directory's lock: when another process held it, rank 1 waited at the next barrier for
+    a rank 0 that had left and reported "another process of the run stopped or the network broke", with a hint to
+    rerun and resume (found in review). Now every rank raises rank 0's refusal."""
+    from usaf.artifacts.lock import OutputLock
+
+    run = tmp_path / "run"
+    with OutputLock(run):  # another usaf process writing it
+        code, _, stderr = finished(torchrun(*train_args(setup, run, "--steps", 2)))
+    assert code != 0
+    assert stderr.count("another usaf process is writing it") == 2, stderr
+    assert "another process of the run stopped" not in stderr and not run.exists()
+
+
 def test_score_with_two_ranks_equals_one_process(prepared, tmp_path):
     """Pools as large as the tensors (a candidates factor of 64 at frac 0.05): merging is exact."""
     qdir, tokens, _ = prepared("qwen3_moe")

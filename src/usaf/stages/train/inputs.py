@@ -181,8 +181,10 @@ def _check_run_dir(
     plan = None if config.plan is None or _real(config.plan) == _real(own_plan) else config.plan
     inputs = {"--model": model_dir, "--data": [config.data, data_file], "--eval-data": config.eval_data, "--plan": plan}
     check_not_an_input(run_dir, "--out", inputs)
-    if world.is_main:
-        held.enter_context(OutputLock(run_dir, flag="--out"))  # one run per directory
+    def lock() -> None:  # one run per directory; a refusal raised on every rank (rank 1 waited at a barrier for a
+        held.enter_context(OutputLock(run_dir, flag="--out"))  # rank 0 that had left, and reported a peer died)
+
+    world.decided_by_main(lock, "the run directory's lock")
     _check_existing_run(run_dir, config, world)
     return run_dir
 
