@@ -120,6 +120,33 @@ def test_static_mask_two_ranks_equal_one_process_with_microbatch_2(setup, tmp_pa
     assert_same_deltas(deltas(dp), deltas(single), atol=1e-5)
 
 
+def test_nproc_reports_a_ranks_refusal_and_ctrl_c_as_usaf_does(setup, tmp_path):
+    """usaf train --nproc 2 ran torchrun as a subprocess, which turned a rank's refusal and a Ctrl-C into its own
+    traceback (ChildFailedError, SignalException) and exit 1 (found in review). Now: the rank's error line and
+    exit 2, and "interrupted: saved" with exit 130, nothing else. The control of the success path is the test above."""
+    from usaf.artifacts.lock import OutputLock
+
+    def nproc(run: Path, *extra) -> subprocess.Popen:
+        command = [sys.executable, "-m", "usaf", *map(str, train_args(setup, run, *extra)), "--nproc", "2"]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+
+    locked = tmp_path / "locked"
+    with OutputLock(locked):
+        code, _, stderr = finished(nproc(locked, "--steps", 2))
+    assert code == 2 and "another usaf process is writing it" in stderr, stderr
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr
+
+    run = tmp_path / "run"
+    proc = nproc(run, "--steps", 300, "--microbatch", 1, "--save-every", 0)
+    _wait_for(lambda: _logged_steps(run) >= 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher and both ranks
+    code, _, stderr = finished(proc)
+    assert code == 130 and "interrupted: saved" in stderr, stderr
+    assert "Traceback" not in stderr and "SignalException" not in stderr
+    assert len(list((run / "checkpoints").iterdir())) == 1
+
+
 def _cut_back_to(run: Path, copy: Path, step: int) -> Path:
     """``run`` as it was when the checkpoint of ``step`` had just been written (as if killed there)."""
     shutil.copytree(run, copy)

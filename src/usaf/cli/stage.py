@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -101,11 +100,33 @@ def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
         if launched():
             raise UsafError("--nproc: this process was already launched by torchrun", "drop --nproc under torchrun")
     args = _without_option(sys.argv[1:], "--nproc")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "usaf", *args]  # fmt: skip
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # cores shared by ranks
-    env = {**os.environ, "OMP_NUM_THREADS": threads}
-    raise typer.Exit(subprocess.call(command, env=env))
+    os.environ["OMP_NUM_THREADS"] = threads  # the ranks inherit it
+    raise typer.Exit(_torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args]))
+
+
+def _torchrun(arguments: list[str]) -> int:
+    """torchrun's launcher in this process, its status as usaf's: the ranks' own (2 for a refusal, 130 for Ctrl-C).
+
+    Run as a subprocess, torchrun turned every rank's refusal or interrupt into its own traceback (ChildFailedError,
+    SignalException) and exit 1, after the rank's one error line (found in review). Each rank has said why: the
+    launcher's own log of the failure is silenced, and its exceptions become the exit status.
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(arguments))
+    except ChildFailedError as e:  # the lowest failed rank's status; a rank killed by signal s: 128 + s
+        status = e.failures[min(e.failures)].exitcode
+        return status if status >= 0 else 128 - status
+    except SignalException as e:  # Ctrl-C or a kill reached the launcher too: the ranks saved and stopped
+        return 128 + int(e.sigval)
+    return 0
 
 
 def _without_option(args: list[str], name: str) -> list[str]:
