@@ -28,6 +28,7 @@ from helpers import invoke, same_plan
 from helpers_distributed import assert_same_deltas, deltas, finished, losses, torchrun
 from usaf.artifacts import PlanManifest, RunManifest, load_verified
 from usaf.stages.score_resume import CALIBRATION, RANK_CALIBRATION
+from usaf.testing import stdlib_dir
 
 STEPS = 10
 RIGL = ("--steps", STEPS, "--reselect-every", 5, "--lr", 0.05, "--seed", 3)
@@ -273,6 +274,24 @@ def test_a_locked_out_is_one_refusal_on_every_rank(setup, tmp_path):
     assert code != 0
     assert stderr.count("another usaf process is writing it") == 2, stderr
     assert "another process of the run stopped" not in stderr and not run.exists()
+
+
+def test_ranks_that_resolved_other_data_are_refused(setup, tmp_path):
+    """Each rank resolves --data on its own: rank 1 given other tokens (here by USAF_DATA, as a workspace per node or
+    a tokenize finished between the ranks' lookups would) trained rank 0's record on mixed data in silence (found in
+    review). Control: the same data on both ranks trains (two_rank_run)."""
+    qdir, tokens, plan, _ = setup
+    other = tmp_path / "other"
+    made = invoke("tokenize", stdlib_dir() / "glob.py", "--model", qdir, "--seq-len", 32, "--out", other)
+    assert made.exit_code == 0, made.output
+    wrapper = tmp_path / "rank.sh"
+    wrapper.write_text(f'if [ "$RANK" = 1 ]; then export USAF_DATA={other}; else export USAF_DATA={tokens}; fi\n'
+                       f'exec {sys.executable} -m usaf "$@"\n')  # fmt: skip
+    run = tmp_path / "run"
+    args = ["train", "--model", qdir, "--plan", plan, "--out", run, "--steps", 2, "--lr", 0.05, "--reselect-every", 0]
+    code, _, stderr = finished(torchrun(*args, entry=("--no-python", "bash", wrapper)))
+    assert code != 0 and stderr.count("rank 1 resolved other inputs than rank 0 (--data)") == 2, stderr
+    assert not (run / "manifest.json").exists()
 
 
 def test_score_with_two_ranks_equals_one_process(prepared, tmp_path):

@@ -34,6 +34,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 # How long a rank waits in a collective for the others: rank 0 alone writes the prefix store and
 # checkpoints while the others wait at a barrier, which can take long on a real model.
 DEFAULT_TIMEOUT_MIN = 60
+# The remedy of World.refuse_unless_same for the stages' inputs.
+SAME_INPUTS = "give every process the same --model, --data and --plan, or the same workspace"
 TIMEOUT_ENV = "USAF_DIST_TIMEOUT_MIN"
 
 
@@ -91,6 +93,18 @@ class World:
         out: list[Any] = [None] * self.size
         self._call(what, torch.distributed.all_gather_object, out, obj)
         return out
+
+    def refuse_unless_same(self, resolved: dict[str, Any], remedy: str) -> None:
+        """Every rank resolved the same ``resolved`` values (flag or name -> value), else one refusal on every rank.
+        Each rank resolves --model, --data and --plan (or the workspace's) on its own: ranks that differed (a workspace
+        per node, a tokenize finished between their lookups) trained rank 0's record on mixed data, or hung in a
+        collective when their step counts differed (found in review)."""
+        if not self.active:
+            return
+        seen = self.gather_objects(resolved, "the inputs every rank resolved")  # the same list on every rank
+        for rank, theirs in enumerate(seen[1:], start=1):
+            if differing := [name for name in resolved if theirs[name] != seen[0][name]]:
+                raise UsafError(f"rank {rank} resolved other inputs than rank 0 ({', '.join(differing)})", remedy)
 
     def decided_by_main(self, decide: Callable[[], T], what: str) -> T:
         """``decide()`` run by rank 0 alone, its result on every rank. A :class:`UsafError` or a stop request

@@ -218,6 +218,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     model_dir, model_manifest = resolve_model(config, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     data_file, data_fingerprint = resolve_data(config, tokenizer_fingerprint(tokenizer), progress)
+    resolved = {"--model": model_manifest.fingerprint, "--data": data_fingerprint}
+    world.refuse_unless_same(resolved, distributed.SAME_INPUTS)  # each rank resolved its own
     identity = run_identity(config, model_fingerprint=model_manifest.fingerprint, data_fingerprint=data_fingerprint,
                             backend=backend, processes=world.size)  # fmt: skip
     out = world.decided_by_main(lambda: _output(config, model_dir.name, identity, progress), "the output's name")

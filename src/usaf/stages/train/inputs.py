@@ -40,7 +40,7 @@ from usaf.artifacts.writer import ArtifactWriter, remove_stale_temporaries_insid
 from usaf.config import flag_name, refuse_unused, source_of, was_given
 from usaf.data.dataset import TokenDataset
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
-from usaf.distributed import World, world
+from usaf.distributed import SAME_INPUTS, World, world
 from usaf.engine.reselect import update_fraction
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
@@ -119,12 +119,15 @@ def resolve_inputs(
     settler = _Settler(model, backend, world, data, data_fp, source, given)
     # Every refusal of the settings before --overwrite deletes the run there: a command refused for its length,
     # reselection or memory budget destroyed the run it was to replace (found in review). Notes come with the settle.
-    settler.budgeted(config, given[1] if given else None, NullProgress())
+    _, steps, _ = settler.budgeted(config, given[1] if given else None, NullProgress())
     if given is not None:
         _check_prefix_cache(config, given[1], NullProgress())
+    world.refuse_unless_same({"--model": model_manifest.fingerprint, "--data": data_fp, "steps": steps,
+                              "--plan": given[1].fingerprint if given else None}, SAME_INPUTS)  # fmt: skip
     out = config.out or _unfinished_run(config, settler, progress) or _new_run_dir(config, model_dir, world)
     run_dir = _check_run_dir(config, out, model_dir, data_file, world, held)
     settled = settler.settle(config, run_dir, progress)
+    world.refuse_unless_same({"--plan": settled.plan.fingerprint, "steps": settled.steps}, SAME_INPUTS)  # a found one
     config, record = settled.config, settled.record
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
     if resume_from is None and settled.plan_dir == run_dir / PLAN_DIR:  # scored on the fly into this run: its
