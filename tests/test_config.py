@@ -56,6 +56,21 @@ def test_every_problem_is_reported_with_its_source(tmp_path):
     assert e.value.hint
 
 
+def test_a_toml_boolean_is_not_a_number(tmp_path):
+    """pydantic's lax mode read `steps = true` as 1 (found in review). Control: a boolean field takes one."""
+
+    class WithFlag(Demo):
+        cache: bool = False
+        stream: bool | None = None
+
+    file = toml(tmp_path, "[demo]\nsteps = true\n")
+    with pytest.raises(UsafError, match=r"\[demo\] steps = true: a boolean, which this setting does not take"):
+        resolve_config(WithFlag, section="demo", cli={}, config_file=file, env={})
+    file = toml(tmp_path, "[demo]\ncache = true\nstream = false\nsteps = 3\n")
+    taken = resolve_config(WithFlag, section="demo", cli={}, config_file=file, env={})
+    assert (taken.cache, taken.stream, taken.steps) == (True, False, 3)
+
+
 def test_unknown_toml_key_and_bad_toml_are_errors(tmp_path):
     with pytest.raises(UsafError, match="has no setting 'fracc'"):
         resolve_config(Demo, section="demo", cli={}, config_file=toml(tmp_path, "[demo]\nfracc = 1\n"), env={})

@@ -163,6 +163,11 @@ def _parse_env_value(raw: str, annotation: Any) -> Any:
     return raw
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this annotation holds a boolean (``bool``, ``bool | None``)."""
+    return annotation is bool or bool in typing.get_args(annotation)
+
+
 def resolve_config(
     cls: type[C],
     *,
@@ -193,6 +198,9 @@ def resolve_config(
 
     def offer(field: str, value: Any, source: str) -> None:
         if field not in values and value is not None:
+            if isinstance(value, bool) and not _takes_bool(fields[field].annotation):  # lax pydantic read true as 1
+                problems.append(f"{source} = {str(value).lower()}: a boolean, which this setting does not take")
+                return
             values[field] = value
             origin[field] = source
 
