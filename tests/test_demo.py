@@ -75,3 +75,17 @@ def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monk
         demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
     assert not partial.exists() and (workspace / "notes.txt").read_text() == "mine"
     assert unmarked.is_dir()
+
+
+def test_quick_caps_the_steps_and_held_out_sequences_not_given():
+    """--quick --steps 100 ran 20 steps in silence (found in review): a value given wins, the others are capped."""
+    from usaf.config import resolve_config
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages.demo import effective
+
+    given = effective(resolve_config(DemoConfig, section="demo", cli={"quick": True, "steps": 100}, env={}))
+    assert (given.steps, given.eval_sequences) == (100, 16)
+    capped = effective(resolve_config(DemoConfig, section="demo", cli={"quick": True}, env={}))
+    assert capped.steps == 20 and capped.eval_sequences == 16
+    plain = resolve_config(DemoConfig, section="demo", cli={}, env={})
+    assert effective(plain) == plain and plain.steps > 20  # control: without --quick nothing is capped

@@ -26,7 +26,9 @@ class DemoConfig(StageConfig):
     export: bool = Field(
         False, description="Also export a HF model.", json_schema_extra=cli(flag="--export/--no-export")
     )
-    quick: bool = Field(False, description="A one-minute smoke run on three sources.")
+    quick: bool = Field(
+        False, description="A one-minute smoke run on three sources (20 steps, 16 held-out sequences, unless given)."
+    )
     device: str = f.device()
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the calibration sample and data order.")
     overwrite: bool = Field(False, description="Start over instead of reusing finished stages.")
