@@ -198,14 +198,17 @@ def test_short_pre_shifted_lines_are_unshifted_as_their_file(tmp_path, tok_dir, 
     shifted = tmp_path / "shifted.jsonl"
     shifted.write_text("".join(json.dumps({"input_ids": x, "labels": x[1:] + [0]}) + "\n" for x in lines))
     out = tmp_path / "out"
-    assert tokenize(shifted, "--model", tok_dir, "--out", out, "--fix-shifted-labels").exit_code == 0
+    fixed = tokenize(shifted, "--model", tok_dir, "--out", out, "--fix-shifted-labels")
+    assert fixed.exit_code == 0 and "nothing was relabelled" not in fixed.stderr
     rows = read_jsonl(out / "train.jsonl")
     assert [r["labels"] for r in rows] == [[-100, *x[1:]] for x in lines]
     assert load_verified(out, TokensManifest).summary.relabelled_shifted_lines == 4
     fine = tmp_path / "fine.jsonl"
     fine.write_text("".join(json.dumps({"input_ids": x, "labels": x}) + "\n" for x in lines))
-    assert tokenize(fine, "--model", tok_dir, "--out", tmp_path / "fine", "--fix-shifted-labels").exit_code == 0
-    assert [r["labels"] for r in read_jsonl(tmp_path / "fine" / "train.jsonl")] == lines
+    untouched = tokenize(fine, "--model", tok_dir, "--out", tmp_path / "fine", "--fix-shifted-labels")
+    assert untouched.exit_code == 0 and [r["labels"] for r in read_jsonl(tmp_path / "fine" / "train.jsonl")] == lines
+    # nothing to fix is said, not passed over in silence (found in review); the shifted file above relabelled
+    assert "--fix-shifted-labels: no pre-tokenized line had pre-shifted labels" in untouched.stderr
 
 
 def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path, tok_dir, tokenizer):

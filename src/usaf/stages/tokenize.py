@@ -449,6 +449,9 @@ def _tokenize_corpus(
     if not text_field_read and was_given(config, "text_field") and any(f.kind == "jsonl" for f in corpus.files):
         progress.note(f"{source_of(config, 'text_field')} {config.text_field}: no JSONL line was read by it (each held "
                       "input_ids or messages)")  # fmt: skip
+    if config.fix_shifted_labels and not totals.relabelled:  # else accepted and doing nothing (found in review)
+        progress.note(f"{source_of(config, 'fix_shifted_labels')}: no pre-tokenized line had pre-shifted labels; "
+                      "nothing was relabelled")  # fmt: skip
     if not text_seen and totals.documents and was_given(config, "stride"):  # else accepted and doing nothing
         progress.note(f"{source_of(config, 'stride')} {config.stride}: every line was pre-tokenized (input_ids), "
                       "each taken as a sequence as it is; the stride packs text only")  # fmt: skip
