@@ -272,6 +272,16 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert any(c.startswith(f"usaf train --microbatch {data['settings']['microbatch']} ") for c in data["commands"])
 
 
+def test_cli_refuses_samples_where_no_frozen_prefix_is_sized():
+    """--samples sizes the prefix cache: with --train-from 0 there is none, and it was accepted and unused (found in
+    review). Control: with a frozen prefix it is taken."""
+    base = ["plan", QWEN3_30B, "--vram", "80GiB", "--ram", "256GiB", "--samples", 1000]
+    refused = invoke(*base, "--train-from", 0)
+    assert refused.exit_code == 2 and "--samples 1000: the plan trains from layer 0" in refused.stderr, refused.output
+    taken = invoke(*base, "--train-from", 44, "--json")
+    assert taken.exit_code == 0, taken.output
+
+
 def test_cli_counts_the_targets_it_is_given():
     """--targets: the attention's deltas, state and kernel workspace are counted, and the commands carry the flag."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
+from usaf.config import refuse_unused
 from usaf.errors import UsafError
 
 
@@ -50,6 +51,9 @@ def _run(settings: Any, json_output: bool) -> None:
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(Request)}  # a subset of PlanConfig
     request = Request(**{**fields, "targets": targets})
     plan = plan_memory(facts, source.quant, target, request)
+    if plan.settings.train_from == 0:  # nothing frozen runs first: accepted and unused (found in review)
+        refuse_unused(settings, "samples", "the plan trains from layer 0, so no frozen prefix to size",
+                      "drop it, or pass --train-from N above 0", note)  # fmt: skip
     if json_output:
         print_json(plan_json(plan, facts, source))
     else:
