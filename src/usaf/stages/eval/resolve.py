@@ -14,7 +14,8 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.run import load_trained_change
 from usaf.artifacts.workspace import resolve_model
-from usaf.config import flag_name, source_of
+from usaf.config import flag_name, refuse_unused, source_of
+from usaf.data.corpus import JSONL_SUFFIXES
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
 from usaf.stages.change import check_change
@@ -100,9 +101,24 @@ def read_inputs(
                     progress=progress,
                 )
             )
-    if not any(item.kind == "text" for item in inputs):
+    raw = [item.path for item in inputs if item.kind == "text"]
+    if not raw:
         _unused_text_settings(config, progress)
+    else:
+        _unused_by_the_raw_inputs(config, raw, progress)
     return inputs
+
+
+def _unused_by_the_raw_inputs(config: Any, raw: list[Path], progress: Progress) -> None:
+    """Raw-text settings that none of the raw-text inputs reads: a directory's (--source-depth, --all-files) over
+    files alone, JSONL fields over text files alone. Accepted and unused before (found in review)."""
+    directories = any(path.is_dir() for path in raw)
+    jsonl = directories or any(path.name.lower().endswith(JSONL_SUFFIXES) for path in raw)  # a directory may hold some
+    for name, read in (("source_depth", directories), ("all_files", directories), ("text_field", jsonl),
+                       ("source_field", jsonl)):  # fmt: skip
+        if not read and getattr(config, name) not in (None, False):
+            what = "a directory" if name in ("source_depth", "all_files") else "a JSONL file"
+            refuse_unused(config, name, f"no raw-text input is {what}", "drop it", progress.note)
 
 
 def _unused_text_settings(config: Any, progress: Progress) -> None:
