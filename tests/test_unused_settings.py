@@ -95,3 +95,18 @@ def test_weights_an_update_made_non_finite_are_not_saved(prepared, tmp_path):
     sane = invoke(*train, "--lr", 1e-3, "--out", tmp_path / "sane")
     assert sane.exit_code == 0, explain(sane)
     assert load_verified(tmp_path / "sane", RunManifest).summary.steps == 3
+
+
+def test_lr_test_steps_where_the_test_will_not_run_are_refused(prepared, tmp_path):
+    """--lr-test-steps where the sample has nothing to hold back was accepted and unused, and the summary of a
+    skipped test said "off (--no-lr-test)", a flag not given (found in review); with --no-lr-test it was refused
+    already. Control: a skipped test without the flag is said as skipped."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    score = ["score", "--model", qdir, "--data", tokens, "--no-stability", "--train-from", 2, "--frac", 0.05]
+    one_error(invoke(*score, "--no-lr-test", "--lr-test-steps", 5, "--out", tmp_path / "off"),
+              "--lr-test-steps sizes the lr test, which --no-lr-test turns off")  # fmt: skip
+    one_error(invoke(*score, "--calib-samples", 1, "--lr-test", "--lr-test-steps", 5, "--out", tmp_path / "one"),
+              "--lr-test-steps 5: the lr test will not run (1 calibration line of one source")  # fmt: skip
+    skipped = invoke(*score, "--calib-samples", 1, "--lr-test", "--out", tmp_path / "skipped")
+    assert skipped.exit_code == 0, explain(skipped)
+    assert "lr test: skipped (see the note above)" in skipped.output and "--no-lr-test" not in skipped.output

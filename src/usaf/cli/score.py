@@ -64,8 +64,9 @@ def _print_summary(console, manifest, path: Path) -> None:
                 f"({t.heldout_losses[i] - t.heldout_losses[j]:.4f} ± {t.heldout_gap_se[i]:.4f} nats over the "
                 f"held-back sequences): the smaller lr, which moves the model less (train --lr {lowest:g}: the other)"
             )
-    else:
-        console.print(f"lr test: off (--no-lr-test); usaf train uses --lr, else {DEFAULT_LR:g}")
+    else:  # off, or skipped for its sample (the note above said why): it said --no-lr-test for both (in review)
+        why = "off (--no-lr-test)" if manifest.config.get("lr_test") is False else "skipped (see the note above)"
+        console.print(f"lr test: {why}; usaf train uses --lr, else {DEFAULT_LR:g}")
     if s.prefix_cache is not None:
         c = s.prefix_cache
         whose = "every training sequence" if c.scope == "data" else "the calibration sample's; --cache: all"

@@ -240,6 +240,9 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
             "(labels all -100, or 1-token sequences): every gradient would be zero",
             "raise --calib-samples, or drop the lines without targets from the file",
         )
+    why_not = cannot_measure(lines) if config.lr_test else None  # with --no-lr-test: refused by the settings
+    if why_not is not None:  # accepted and unused (found in review)
+        refuse_unused(config, "lr_test_steps", f"the lr test will not run ({why_not})", "drop it", progress.note)
     if len(lines) < config.calib_samples:
         progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
     settled = _Inputs(config, world, backend, progress, model_dir, model_manifest, tokenizer, data_file,
