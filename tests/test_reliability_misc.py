@@ -60,6 +60,12 @@ def test_inspect_verify_detects_a_modified_file(quantized, tmp_path):
     assert result.exit_code == 2
     assert "experts_q4.pt: sha256 differs from the manifest (modified)" in result.stderr
     assert invoke("inspect", "--verify", "--no-hash", artifact).exit_code == 2
+    # where nothing is hashed (a model directory), --no-hash was accepted and unused (found in review)
+    model = tmp_path / "model-dir"
+    assert invoke("tiny-model", model).exit_code == 0
+    unused = invoke("inspect", model, "--no-hash")
+    assert unused.exit_code == 2 and "--no-hash: " in unused.stderr and "nothing is hashed" in unused.stderr
+    assert invoke("inspect", model).exit_code == 0  # control
     (artifact / "extra.txt").write_text("x")
     result = invoke("inspect", "--verify", artifact, "--json")
     assert json.loads(result.stdout)["unlisted"] == ["extra.txt"]

@@ -25,13 +25,16 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
         if verify and no_hash:
             raise UsafError("--verify and --no-hash contradict each other", "--verify always checks every sha256")
         left = None if verify or (path / MANIFEST_NAME).is_file() else _left_by_usaf(path)
+        artifact = (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file()
+        if no_hash and (left is not None or not artifact):  # nothing is hashed there: accepted and unused (in review)
+            raise UsafError(f"--no-hash: {path} is no finished usaf artifact, so nothing is hashed", "drop --no-hash")
         if left is not None:
             _print_survey(path, left, as_json=json_output)
         elif not path.exists():
             raise UsafError(f"{path}: no such file or directory", "check the path")
         elif verify:
             _verify_artifact(path, as_json=json_output)
-        elif (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file():
+        elif artifact:
             _inspect_artifact(path, hashes=not no_hash, as_json=json_output)
         else:
             _inspect_model(path, as_json=json_output)
