@@ -110,3 +110,25 @@ def test_lr_test_steps_where_the_test_will_not_run_are_refused(prepared, tmp_pat
     skipped = invoke(*score, "--calib-samples", 1, "--lr-test", "--out", tmp_path / "skipped")
     assert skipped.exit_code == 0, explain(skipped)
     assert "lr test: skipped (see the note above)" in skipped.output and "--no-lr-test" not in skipped.output
+
+
+def test_router_losses_where_nothing_trained_feeds_a_router_are_refused(prepared, tmp_path, monkeypatch):
+    """--no-router over one trained layer's experts: the router losses reach no trained weight, and --aux-loss-coef
+    5 gave the same deltas byte for byte (found in review). From USAF_* a note. Control: with the attention trained
+    (before the router), they act."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    experts = tmp_path / "experts-plan"
+    scored = invoke("score", "--model", qdir, "--data", tokens, "--frac", 0.05, "--calib-samples", 4, "--train-from",
+                    2, "--targets", "experts", "--no-stability", "--no-lr-test", "--out", experts)  # fmt: skip
+    assert scored.exit_code == 0, explain(scored)
+    train = ["train", "--model", qdir, "--data", tokens, "--steps", 1, "--lr", 1e-3, "--reselect-every", 0,
+             "--no-router"]  # fmt: skip
+    one_error(invoke(*train, "--plan", experts, "--aux-loss-coef", 5, "--out", tmp_path / "refused"),
+              "--aux-loss-coef 5.0: no router trains (--no-router)")  # fmt: skip
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.setenv("USAF_Z_LOSS_COEF", "0.1")
+    noted = invoke(*train, "--plan", experts, "--out", tmp_path / "noted")
+    assert noted.exit_code == 0 and "USAF_Z_LOSS_COEF 0.1: no router trains" in noted.stderr, explain(noted)
+    monkeypatch.delenv("USAF_Z_LOSS_COEF")
+    acting = invoke(*train, "--plan", plan, "--aux-loss-coef", 5, "--out", tmp_path / "acting")  # experts+attention
+    assert acting.exit_code == 0 and "no router trains" not in acting.stderr, explain(acting)

@@ -46,7 +46,7 @@ from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.routing import dense_router_grad_refusal
 from usaf.settings import SELECTION_FIELDS
-from usaf.settings.fields import DEFAULT_TARGETS
+from usaf.settings.fields import DEFAULT_TARGETS, EXPERTS_ONLY, parse_targets
 from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
 from usaf.stages.progress import NullProgress, Progress
@@ -121,7 +121,7 @@ def resolve_inputs(
     # reselection or memory budget destroyed the run it was to replace (found in review). Notes come with the settle.
     _, steps, _ = settler.budgeted(config, given[1] if given else None, NullProgress())
     if given is not None:
-        _check_prefix_cache(config, given[1], NullProgress())
+        _check_plan_uses(config, given[1], NullProgress())
     world.refuse_unless_same({"--model": model_manifest.fingerprint, "--data": data_fp, "steps": steps,
                               "--plan": given[1].fingerprint if given else None}, SAME_INPUTS)  # fmt: skip
     out = config.out or _unfinished_run(config, settler, progress) or _new_run_dir(config, model_dir, world)
@@ -291,12 +291,20 @@ def _reselect_every(config: TrainConfig, steps: int, progress: Progress) -> int:
     return 0
 
 
-def _check_prefix_cache(config: TrainConfig, plan: PlanManifest, progress: Progress) -> None:
-    """``--prefix-cache-gib`` for a plan that trains from layer 0: no frozen layer runs before the trained ones, so
-    there is nothing to cache (it was accepted and unused; found in review)."""
-    if plan.summary.trainable_layers[0] == 0:
+def _check_plan_uses(config: TrainConfig, plan: PlanManifest, progress: Progress) -> None:
+    """Settings the plan leaves nothing to act on (each accepted and unused before; found in review):
+    ``--prefix-cache-gib`` for a plan that trains from layer 0 (no frozen layer runs before the trained ones), the
+    router losses where no router trains and no trained weight lies before a trained layer's router (one trained
+    layer, targets after its router: the experts, shared or dense)."""
+    summary = plan.summary
+    if summary.trainable_layers[0] == 0:
         refuse_unused(config, "prefix_cache_gib", "the plan trains from layer 0, so no frozen prefix to cache",
                       "drop it (a plan scored with --train-from N > 0 has a frozen prefix)", progress.note)  # fmt: skip
+    before_a_router = len(summary.trainable_layers) > 1 or "attention" in parse_targets(summary.targets or EXPERTS_ONLY)
+    if not config.router and not before_a_router:
+        for field in ("aux_loss_coef", "z_loss_coef"):
+            refuse_unused(config, field, "no router trains (--no-router) and no trained weight lies before one",
+                          "drop it, or train the routers", progress.note)  # fmt: skip
 
 
 def _check_seq_len(seq_len: int | None, model: str, tokenizer: Any, source: str) -> int | None:
@@ -358,7 +366,7 @@ class _Settler:
         first = plan.summary.trainable_layers[0]
         if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
-        _check_prefix_cache(budgeted, plan, progress)
+        _check_plan_uses(budgeted, plan, progress)
         config, lr_source = with_lr(budgeted, plan)
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
