@@ -784,6 +784,23 @@ def test_a_text_directory_with_its_own_manifest_json_is_text_and_a_cache_that_ca
     assert damaged.exit_code == 2 and "manifest.json" in damaged.stderr, damaged.output
 
 
+def test_the_base_cache_key_names_the_card_not_only_the_device_type():
+    """Two GPUs of one type round differently: a base pass cached on one was taken on the other (found in review).
+    Control: the same card gives the same key."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from usaf.stages.eval import _cache_key_parts, cache
+
+    def key(card: str) -> str:
+        backend = SimpleNamespace(device=torch.device("cuda", 0), device_name=card,
+                                  policy=SimpleNamespace(compute=torch.bfloat16))  # fmt: skip
+        return cache.cache_key(_cache_key_parts("model", "sequences", 2, backend))
+
+    assert key("NVIDIA H100 80GB HBM3") != key("NVIDIA GeForce RTX 4070") and key("A") == key("A")
+
+
 def test_a_killed_cache_saves_temporary_is_cleared_by_the_next_save(tmp_path):
     """A save killed mid-write left its temporary directory beside the entry for good (found in review): hundreds
     of MB at a real model's size. The control: a live process's temporary is kept."""

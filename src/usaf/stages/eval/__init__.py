@@ -277,6 +277,7 @@ def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend) -> d
         "sequences": data_fp,
         "microbatch": microbatch,
         "device": backend.device.type,
+        "device_name": backend.device_name,  # the card (or CPU): kernels differ, and cached NLLs with them (in review)
         "dtype": str(backend.policy.compute).removeprefix("torch."),
         "usaf": __version__,
         "torch": torch.__version__,

@@ -2,8 +2,8 @@
 
 The base model's results depend only on the quantized model, the evaluated sequences and how they are
 run, never on the checkpoint, so the key is the sha256 of: the quantized model's fingerprint, the
-sequences' fingerprint (set, source, ids, labels), the microbatch (padding), device type and compute
-dtype, and the usaf/torch/transformers versions (a forward may change with any of them). An entry is
+sequences' fingerprint (set, source, ids, labels), the microbatch (padding), device type, the card's (or CPU's) name
+and compute dtype, and the usaf/torch/transformers versions (a forward may change with any of them). An entry is
 ``<workspace>/cache/eval-base/<key>/`` holding ``base.safetensors`` (per-sequence NLL and tokens, per-layer
 top-k sets) and ``base.json`` (the key's parts, timing); it is written to a temporary directory and
 renamed, so a reader never sees half of one. An entry whose contents do not match its key is ignored
