@@ -148,6 +148,20 @@ def test_nproc_reports_a_ranks_refusal_and_ctrl_c_as_usaf_does(setup, tmp_path):
     assert len(list((run / "checkpoints").iterdir())) == 1
 
 
+def test_nproc_status_is_the_failing_ranks_not_the_one_the_launcher_stopped():
+    """CI: rank 1 refused (2) and torchrun's SIGTERM reached rank 0 as it left with the same refusal; the command said
+    143, the stopped rank's status, because it was the lowest failed rank."""
+    from usaf.cli.stage import failed_status
+
+    term, kill = int(signal.SIGTERM), int(signal.SIGKILL)
+    assert failed_status({0: -term, 1: 2}) == 2
+    assert failed_status({0: 128 + term, 1: 2}) == 2  # stopped at a boundary by its own handler: the same
+    assert failed_status({0: -kill, 1: 1}) == 1
+    assert failed_status({0: 2, 1: 3}) == 2  # both on their own: the lowest rank's
+    assert failed_status({0: -term, 1: -term}) == 128 + term  # control: all stopped, and the status says so
+    assert failed_status({1: -int(signal.SIGSEGV)}) == 128 + int(signal.SIGSEGV)
+
+
 def _cut_back_to(run: Path, copy: Path, step: int) -> Path:
     """``run`` as it was when the checkpoint of ``step`` had just been written (as if killed there)."""
     shutil.copytree(run, copy)

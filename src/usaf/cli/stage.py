@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -121,12 +122,24 @@ def _torchrun(arguments: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(get_args_parser().parse_args(arguments))
-    except ChildFailedError as e:  # the lowest failed rank's status; a rank killed by signal s: 128 + s
-        status = e.failures[min(e.failures)].exitcode
-        return status if status >= 0 else 128 - status
+    except ChildFailedError as e:
+        return failed_status({rank: failure.exitcode for rank, failure in e.failures.items()})
     except SignalException as e:  # Ctrl-C or a kill reached the launcher too: the ranks saved and stopped
         return 128 + int(e.sigval)
     return 0
+
+
+def failed_status(exitcodes: dict[int, int]) -> int:
+    """The command's status from the failed ranks' exit codes (a negative code: killed by that signal, as 128 + s).
+
+    The lowest rank that failed on its own, not one the launcher stopped (SIGTERM, then SIGKILL) because another
+    failed first: a refusal on rank 1 reached rank 0 as SIGTERM while it was leaving with the same refusal, and the
+    command said 143 instead of 2 (seen in CI).
+    """
+    statuses = {rank: code if code >= 0 else 128 - code for rank, code in exitcodes.items()}
+    by_launcher = {128 + int(signal.SIGTERM), 128 + int(getattr(signal, "SIGKILL", signal.SIGTERM))}
+    causes = [rank for rank in sorted(statuses) if statuses[rank] not in by_launcher]
+    return statuses[causes[0] if causes else min(statuses)]
 
 
 def _without_option(args: list[str], name: str) -> list[str]:
