@@ -337,6 +337,56 @@ def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
     assert (out / "manifest.json").is_file()
 
 
+def _poke_first_byte(model_dir, name: str) -> None:
+    """Flip one bit of tensor ``name``'s bytes in place: its file's header, so the model's fingerprint, unchanged."""
+    info = read_checkpoint(model_dir)[name]
+    path = model_dir / info.file
+    raw = bytearray(path.read_bytes())
+    header_length = int.from_bytes(raw[:8], "little")
+    begin = json.loads(raw[8 : 8 + header_length])[name]["data_offsets"][0]
+    raw[8 + header_length + begin] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("which", ["trained", "untrained"])
+def test_a_base_differing_only_in_its_experts_is_refused(trained, tmp_path, which):
+    """export --base compared the original's fingerprint, routers, small tensors and the trained layers' non-expert
+    tensors, never its experts: a base differing only there (another sparse fine-tune of the same model, saved the
+    same way) was exported under the change (found in review). Quantize records each MoE layer's digest of its
+    on-disk experts; export checks the original's as it reads them, the copied layers' too."""
+    from usaf.families import map_checkpoint
+
+    source, qdir, run = trained("qwen3_moe")
+    quantized = load_verified(qdir, QuantizedModelManifest).summary
+    assert sorted(quantized.expert_digests) == quantized.moe_layers  # every MoE layer recorded
+    plan = map_checkpoint(source, resolve_family(load_model_config(source)))
+    trained_layers = load_trained_change(run).trainable_layers
+    layer = [n for n in quantized.moe_layers if (n in trained_layers) == (which == "trained")][0]
+    lookalike = tmp_path / "lookalike"
+    shutil.copytree(source, lookalike)
+    control = export("--model", qdir, "--checkpoint", run, "--out", tmp_path / "control", "--base", lookalike,
+                     "--no-verify")  # fmt: skip
+    assert not any("were not compared" in note for note in control["summary"]["notes"])  # the note's control
+    _poke_first_byte(lookalike, plan.expert_layer(layer).source_names[0])
+
+    out = tmp_path / "out"
+    result = invoke("export", "--model", qdir, "--checkpoint", run, "--out", out, "--base", lookalike, "--no-verify")
+    assert result.exit_code == 2, result.output
+    assert f"--base {lookalike}: its experts of layer {layer} differ" in result.output
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_a_model_quantized_without_expert_digests_exports_with_a_note(trained, tmp_path, monkeypatch):
+    """A model quantized before the digests were recorded: its experts cannot be compared, and the export says so."""
+    from usaf.stages import export_base
+
+    source, qdir, run = trained("qwen3_moe")
+    real = export_base.ExpertDigests
+    monkeypatch.setattr(export_base, "ExpertDigests", lambda base, recorded: real(base, {}))
+    printed = export("--model", qdir, "--checkpoint", run, "--out", tmp_path / "out", "--base", source, "--no-verify")
+    assert any("were not compared" in note for note in printed["summary"]["notes"]), printed
+
+
 def test_workspace_defaults_pick_the_model_of_the_change(trained, tmp_path):
     _, qdir, run = trained("olmoe")
     workspace = tmp_path / "ws"

@@ -173,6 +173,8 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
     assert "resuming" in result.stderr
     assert saved == ["layer-00002.pt", "layer-00003.pt"]  # layers 0 and 1 were not quantized again
     assert not partial.exists()
+    digests = load_verified(resumed, QuantizedModelManifest).summary.expert_digests  # export --base checks them
+    assert digests == load_verified(straight, QuantizedModelManifest).summary.expert_digests and len(digests) == 4
     for name in ["experts_q4.pt", *(p.name for p in straight.glob("base-*.safetensors"))]:
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
 

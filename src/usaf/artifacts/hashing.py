@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _CHUNK = 1 << 20
 
@@ -26,4 +30,17 @@ def combine(parts: Iterable[tuple[str, str]]) -> str:
     digest = hashlib.sha256()
     for name, sha in sorted(parts):
         digest.update(f"{name}\0{sha}\n".encode())
+    return digest.hexdigest()
+
+
+def sha256_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
+    """One sha256 of named tensors' names, dtypes, shapes and bytes, in name order (a checkpoint's values, not how
+    its files are laid out: the same tensors read from another file layout hash the same)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\n".encode())
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # (nbytes,) uint8
     return digest.hexdigest()

@@ -82,6 +82,11 @@ class QuantizedModelSummary(Record):
     mean_rel_error: float
     max_rel_error: float
     group_sizes_adjusted: list[str] = Field(description="tensors whose group size differs from the requested one")
+    expert_digests: dict[int, str] = Field(
+        default_factory=dict,
+        description="MoE layer -> sha256 of its on-disk expert tensors as read (export --base compares the original's; "
+        "absent in models quantized before it was recorded, or for layers quantized by one)",
+    )
 
 
 @register

@@ -200,7 +200,7 @@ def _export_hf(
         writer.inputs = {**writer.inputs, "--base": base_dir}  # a hub id's snapshot directory: --out not in it
         writer.check_target()
         inputs.append(InputRecord(role="base", kind="hf_model", path=config.base, fingerprint=base_fp))
-        source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan)
+        source: Any = OriginalSource(base.dir, spec, change, dtype, base.infos, base.plan, base.experts)
     else:
         source = QuantizedSource(model_dir, spec, change, dtype)
     # not "auto", which picks a GPU, where fp32 models rarely fit; none without verification, which alone computes

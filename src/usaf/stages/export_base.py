@@ -4,7 +4,9 @@ The quantized manifest records the source's fingerprint: config.json's hash plus
 size and header hash. That is cheap for a 60 GB checkpoint but blind to the weights themselves: a
 fine-tune of the same architecture, saved the same way, has the same fingerprint. So the tensors the
 quantized model holds byte-for-byte copies of are compared too, where that is cheap and telling: every
-router, every small tensor (norms, biases), and every non-expert tensor of the trained layers.
+router, every small tensor (norms, biases), and every non-expert tensor of the trained layers. The experts,
+which the quantized model holds no copy of, are checked as the export reads them: each MoE layer's on-disk
+expert tensors against the digest quantize recorded of the same tensors (:class:`ExpertDigests`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 
 from usaf.artifacts import QuantizedModelManifest
+from usaf.artifacts.hashing import sha256_tensors
 from usaf.artifacts.quantized import read_base_index
 from usaf.artifacts.run import TrainedChange
 from usaf.data.hub import resolve_model_dir
@@ -41,6 +44,39 @@ class Base:
     infos: dict[str, TensorInfo]
     plan: MappingPlan
     fingerprint: str
+    experts: ExpertDigests
+
+
+@dataclass(frozen=True)
+class ExpertDigests:
+    """The sha256 of each MoE layer's on-disk expert tensors that quantize read (``expert_digests``), checked
+    against the original's as the export reads them: a base differing only in its experts (another sparse
+    fine-tune of the same model, saved the same way) passed every other check (found in review)."""
+
+    base: str  # --base as given
+    recorded: dict[int, str]  # MoE layer -> sha256; empty for a model quantized before they were recorded
+
+    def check(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuse ``layer``'s on-disk expert tensors (name -> tensor, as read) unless they are those quantized."""
+        expected = self.recorded.get(layer)
+        if expected is not None and sha256_tensors(tensors) != expected:
+            raise UsafError(
+                f"--base {self.base}: its experts of layer {layer} differ from those the quantized model was made "
+                "from; same architecture, fingerprint and shared tensors, other expert weights (another fine-tune "
+                "of the same model?)",
+                "pass the exact checkpoint that was quantized, or export without --base",
+            )
+
+    def note(self, layers: list[int]) -> str | None:
+        """What the export says where some of ``layers`` have no recorded digest (their experts are not compared)."""
+        unrecorded = [layer for layer in layers if layer not in self.recorded]
+        if not unrecorded:
+            return None
+        return (
+            f"--base: the original's experts of {len(unrecorded)} of {len(layers)} MoE layer(s) were not compared "
+            "with those quantized: the quantized model records no digest of them (quantized by an earlier usaf); "
+            "quantize the model again to have them checked"
+        )
 
 
 def resolve_base(
@@ -69,7 +105,7 @@ def resolve_base(
         )
     plan = map_checkpoint(base_dir, spec)
     _compare_copies(base, base_dir, infos, plan, spec, model_dir, change)
-    return Base(base_dir, infos, plan, record.fingerprint)
+    return Base(base_dir, infos, plan, record.fingerprint, ExpertDigests(base, dict(qmanifest.summary.expert_digests)))
 
 
 def _compare_copies(

@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -32,6 +32,9 @@ from usaf.artifacts.safety import load_torch
 from usaf.families import ExpertLayerPlan, ExpertOp, FamilySpec, MappingPlan, TensorInfo, build_mapping, load_tensors
 from usaf.families.checkpoint import read_header
 from usaf.quant import QuantizedTensor, dequantize
+
+if TYPE_CHECKING:
+    from usaf.stages.export_base import ExpertDigests
 
 # safetensors dtype code -> bytes per element (for sizing shards before anything is loaded)
 _ITEMSIZE = {
@@ -51,7 +54,7 @@ class Unit:
     kind: Literal["copy", "router", "delta", "experts"]  # delta: a linear target (attention, shared) + its delta
     names: tuple[str, ...]  # output (on-disk) names
     nbytes: int  # bytes they will take in the output
-    layer: int | None = None  # experts units: the MoE layer
+    layer: int | None = None  # experts units, and copies of an untrained MoE layer's experts: the layer
     source: str | None = None  # router/delta units: the source tensor's name (on disk or in the base shards)
 
 
@@ -192,11 +195,15 @@ class OriginalSource(ExportSource):
         dtype: torch.dtype | None,
         infos: dict[str, TensorInfo],
         plan: MappingPlan,
+        experts: ExpertDigests,
     ) -> None:
         super().__init__(spec, change, dtype)
         self.dir = Path(base_dir)
         self.infos = infos  # on-disk name -> header info
         self.plan = plan  # the original's on-disk <-> in-memory mapping
+        self.experts = experts  # each layer's experts checked as read: the ones quantized, or refused
+        if (note := experts.note([layer.layer for layer in plan.experts])) is not None:
+            self.counts.notes.append(note)
         expert_sources = set(self.plan.disk_names) - set(self.plan.renamed)
         memory_of = dict(self.plan.renamed)  # on-disk -> in-memory, non-expert tensors
         trained = set(change.deltas)
@@ -216,7 +223,7 @@ class OriginalSource(ExportSource):
             else:  # untrained layer: its on-disk tensors as they are
                 names = layer.source_names
                 size = sum(self.nbytes(infos[n].dtype, infos[n].shape) for n in names)
-                self.units.append(Unit(_order(names[0]), "copy", names, size))
+                self.units.append(Unit(_order(names[0]), "copy", names, size, layer=layer.layer))
         expert_dtypes = [torch.bfloat16] if decoded else []  # MXFP4 decodes to bf16
         for layer in self.plan.experts:
             for t in layer.tensors:
@@ -244,9 +251,14 @@ class OriginalSource(ExportSource):
     def produce(self, unit: Unit) -> dict[str, torch.Tensor]:
         if unit.kind == "experts":
             layer = self.plan.expert_layer(unit.layer)
-            memory = layer.fuse(load_tensors(self.dir, layer.source_names, self.infos))  # in-memory fused tensors
+            on_disk = load_tensors(self.dir, layer.source_names, self.infos)
+            self.experts.check(layer.layer, on_disk)
+            memory = layer.fuse(on_disk)  # in-memory fused tensors
+            del on_disk
             return self.merge_layer(layer, memory, {n: w.dtype for n, w in memory.items()})
         tensors = load_tensors(self.dir, unit.names, self.infos)
+        if unit.layer is not None:  # an untrained layer's experts, copied as they are
+            self.experts.check(unit.layer, tensors)
         if unit.kind == "router":
             (name,) = unit.names
             return {name: self.router(unit.source, tensors[name])}

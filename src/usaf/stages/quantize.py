@@ -21,6 +21,7 @@ import torch
 
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.disk import check_free_space, removed_on_failure
+from usaf.artifacts.hashing import sha256_tensors
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import found_at, manifest_kind
@@ -38,8 +39,7 @@ from usaf.backends.transfer import is_host
 from usaf.config import source_of
 from usaf.data.hub import resolve_model_dir
 from usaf.errors import UsafError
-from usaf.families import load_model_config, map_checkpoint, read_checkpoint, resolve_family
-from usaf.families.mapping import load_expert_layer
+from usaf.families import load_model_config, load_tensors, map_checkpoint, read_checkpoint, resolve_family
 from usaf.quant import QuantizedTensor, dequantize, quantize_experts
 from usaf.quant.ptfile import StreamingTorchSave
 from usaf.settings.quantize import QuantizeConfig
@@ -168,10 +168,10 @@ def _estimate_note(layer_tensor: torch.Tensor, config: QuantizeConfig, device: t
     )
 
 
-def _save_layer(path: Path, entries: dict[str, QuantizedTensor], errors: dict[str, float]) -> None:
+def _save_layer(path: Path, layer: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     with removed_on_failure(tmp):  # a full disk leaves no torn layer file
-        torch.save({"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors}, tmp)
+        torch.save(layer, tmp)
     os.replace(tmp, path)
 
 
@@ -269,11 +269,13 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
             if art.resumed:
                 progress.note(f"resuming the interrupted run in {art.dir}")
-            records, packing = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device, progress)
+            records, packing, digests = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device,
+                                                         progress)  # fmt: skip
             write_base_shards(shards, model_dir, infos, art.dir, progress)
             _assemble_experts(plan, art.dir, progress)
             copy_model_files(model_dir, art.dir)
-            summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards)
+            summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards,
+                               digests)  # fmt: skip
             manifest = art.commit(
                 QuantizedModelManifest,
                 exclude=BOOKKEEPING,
@@ -308,13 +310,15 @@ def _quantize_layers(
     work: Path,
     device: torch.device,
     progress: Progress,
-) -> tuple[list[TensorQuantRecord], str]:
-    """Quantize every MoE layer not already saved in ``work/layers``; returns per-tensor records and the packing."""
+) -> tuple[list[TensorQuantRecord], str, dict[int, str]]:
+    """Quantize every MoE layer not already saved in ``work/layers``; returns per-tensor records, the packing and
+    each layer's digest of its on-disk expert tensors (absent for a layer saved by a usaf that recorded none)."""
     layers_dir = work / LAYERS_DIR
     layers_dir.mkdir(exist_ok=True)
     total_bytes = sum(_source_bytes(layer, infos) for layer in plan.experts)
     estimated = not is_host(device)  # the estimate is only printed for CPU runs
     records: list[TensorQuantRecord] = []
+    digests: dict[int, str] = {}
     packing = ""
     progress.start("quantizing experts", total_bytes, "bytes")
     for done, layer in enumerate(plan.experts, start=1):
@@ -322,7 +326,10 @@ def _quantize_layers(
         path = layers_dir / f"layer-{layer.layer:05d}.pt"
         saved = _load_layer(path)
         if saved is None:
-            fused = load_expert_layer(model_dir, layer, infos)  # in-memory name -> fused tensor
+            on_disk = load_tensors(model_dir, layer.source_names, infos)
+            digest = sha256_tensors(on_disk)  # what export --base checks the original's experts against
+            fused = layer.fuse(on_disk)  # in-memory name -> fused tensor
+            del on_disk
             weights = {t.target: fused[t.target] for t in _weight_tensors(layer)}
             if not estimated:
                 slices = len(plan.experts) * len(weights) * layer.num_experts
@@ -338,9 +345,11 @@ def _quantize_layers(
                                     "the checkpoint is damaged: re-download or re-save it") from None  # fmt: skip
                 entries[name] = q
                 errors[name] = _relative_error(w, q)
-            _save_layer(path, entries, errors)
-            saved = {"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors}
+            saved = {"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors, "digest": digest}
+            _save_layer(path, saved)
             del fused, weights, entries
+        if "digest" in saved:
+            digests[layer.layer] = saved["digest"]
         for name, entry in saved["entries"].items():
             q = QuantizedTensor.from_dict(entry, name=name)
             packing = q.packing
@@ -358,7 +367,7 @@ def _quantize_layers(
             )
         progress.advance(layer_bytes, layers=done)
     progress.finish()
-    return records, packing
+    return records, packing, digests
 
 
 def _relative_error(w: torch.Tensor, q: QuantizedTensor) -> float:
@@ -395,6 +404,7 @@ def _summary(
     experts_source_bytes: int,
     work: Path,
     shards: list,
+    digests: dict[int, str],
 ) -> QuantizedModelSummary:
     quantized_bytes = sum(r.quantized_bytes for r in records)
     kept = [n for shard in shards for n in shard.disk_names]
@@ -425,4 +435,5 @@ def _summary(
         mean_rel_error=sum(errors) / len(errors),
         max_rel_error=max(errors),
         group_sizes_adjusted=[f"{r.name}: {r.group_size}" for r in records if r.group_size != config.group_size],
+        expert_digests=digests,
     )
