@@ -56,6 +56,24 @@ CASES = {
         "train --model {a} --data {tokens_other} --plan {plan_a} --steps 1 --out {out}",
         ("tok:tokens_other", "tok:tokens_a"),
     ),
+    # a tokens artifact's file given by itself is checked as its directory is (it was not: found in review)
+    "score --data TOKENS/train.jsonl from another tokenizer": (
+        "score --model {a} --data {tokens_other}/train.jsonl --calib-samples 4 --no-stability --out {out}",
+        ("tok:tokens_other", "tok:tokens_a"),
+    ),
+    "train --data TOKENS/train.jsonl from another tokenizer": (
+        "train --model {a} --data {tokens_other}/train.jsonl --plan {plan_a} --steps 1 --out {out}",
+        ("tok:tokens_other", "tok:tokens_a"),
+    ),
+    "eval --held-out TOKENS/train.jsonl from another tokenizer": (
+        "eval --model {a} --checkpoint {run_a} --held-out {tokens_other}/train.jsonl --no-plots --no-base-cache "
+        "--workspace {out}-ws --out {out}",
+        ("tok:tokens_other", "tok:tokens_a"),
+    ),
+    "tokenize TOKENS/train.jsonl of another tokenizer": (
+        "tokenize {tokens_other}/train.jsonl --model {a} --seq-len 32 --out {out}",
+        ("tok:tokens_other", "tok:tokens_a"),
+    ),
     "train --plan for another model (layer set)": (
         "train --model {a} --data {jsonl} --plan {plan_b} --steps 1 --out {out}",
         ("summary:plan_b", "fp:a"),
@@ -115,6 +133,12 @@ def test_negative_control_matching_lineage_is_accepted(world, tmp_path):
     result = invoke("eval", "--model", world["a"], "--checkpoint", world["run_a"], "--data", world["tokens_a"],
                     "--no-plots", "--no-base-cache", "--workspace", tmp_path / "ws",
                     "--out", tmp_path / "eval")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for data in ("--data", world["tokens_a"] / "train.jsonl"), ("--held-out", world["tokens_a"] / "train.jsonl"):
+        result = invoke("eval", "--model", world["a"], "--checkpoint", world["run_a"], *data, "--no-plots",
+                        "--no-base-cache", "--workspace", tmp_path / "ws", "--out", tmp_path / f"eval-{data[0]}")  # fmt: skip
+        assert result.exit_code == 0, result.output
+    result = invoke("tokenize", world["tokens_a"] / "train.jsonl", "--model", world["a"], "--out", tmp_path / "again")
     assert result.exit_code == 0, result.output
     result = invoke("export", "--model", world["a"], "--checkpoint", world["run_a"], "--format", "delta",
                     "--out", tmp_path / "delta")  # fmt: skip

@@ -591,3 +591,32 @@ def test_a_seed_without_a_held_out_fraction_is_refused_not_ignored(tmp_path, tok
     monkeypatch.setenv("USAF_SEED", "3")
     noted = tokenize(*args, "--out", tmp_path / "o3")
     assert noted.exit_code == 0 and "USAF_SEED 3: only --held-out-frac draws with it" in noted.stderr, noted.output
+
+
+def test_usaf_outputs_under_a_directory_input_are_never_read_and_one_given_is_refused(tmp_path, tok_dir):
+    """The workspace defaults to the current directory: `usaf tokenize .` read the earlier tokens' train.jsonl and
+    heldout.jsonl back as pre-tokenized lines (held-out sequences into train) and every manifest.json as text
+    (found in review). usaf's outputs are skipped whatever --all-files says, and said; a web app's own
+    manifest.json (no usaf record) is the user's text, read as before (the control)."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "a.py").write_text((STDLIB / "textwrap.py").read_text())
+    (project / "web").mkdir()
+    (project / "web" / "manifest.json").write_text('{"name": "my app", "start_url": "/"}\n')
+    first = tokenize(project / "src", "--model", tok_dir, "--seq-len", 64, "--workspace", project, "--json")
+    assert first.exit_code == 0, first.output
+    earlier = Path(json.loads(first.stdout)["path"])
+    assert earlier.parent == project / "tokens"
+
+    for flags in ([], ["--all-files"]):
+        out = tmp_path / f"again{len(flags)}"
+        result = tokenize(project, "--model", tok_dir, "--seq-len", 64, "--out", out, *flags)
+        assert result.exit_code == 0, result.output
+        assert "skipped 1 usaf output under the directory inputs" in " ".join(result.stderr.split())
+        summary = load_verified(out, TokensManifest).summary
+        assert summary.documents == 2  # src/a.py and web/manifest.json; nothing of tokens/
+        assert {s.source for s in summary.sources} == {"project/src", "project/web"}
+
+    out = tmp_path / "out"
+    result = tokenize(earlier, "--model", tok_dir, "--seq-len", 64, "--out", out)
+    assert_clean_failure(result, out, f"{earlier}: a usaf tokens artifact, not text to tokenize", "--data")

@@ -78,3 +78,19 @@ def check_tokenizer(path: Path, manifest: TokensManifest, tokenizer_fingerprint:
             f"{made_with.fingerprint[:16]}) than the model's (fingerprint {tokenizer_fingerprint[:16]})",
             "re-run usaf tokenize with --model pointing at this model",
         )
+
+
+def check_tokens_file(file: Path, tokenizer_fingerprint: str, *, flag: str) -> None:
+    """A sequences file of a usaf tokens directory, given by itself, is checked as its directory is: its ids mean
+    the text of the tokenizer that directory's manifest names. ``--data TOKENS/train.jsonl`` skipped the check and
+    trained a model on another tokenizer's ids in silence (found in review). Other JSONL files are the user's own:
+    only their ids' range can be checked, which their readers do."""
+    # lazy: the loader and outputs modules register and read manifests, of which this module defines one
+    from usaf.artifacts.loader import load_verified
+    from usaf.artifacts.outputs import manifest_kind
+
+    directory = Path(file).parent
+    if file.name not in (TRAIN_FILE, HELDOUT_FILE) or manifest_kind(directory) != TokensManifest.KIND:
+        return
+    manifest = load_verified(directory, TokensManifest, flag=flag, hashes=False)  # a file edited since: still its ids
+    check_tokenizer(file, manifest, tokenizer_fingerprint, flag=flag)

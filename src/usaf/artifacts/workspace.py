@@ -24,7 +24,7 @@ from usaf.artifacts.manifest import MANIFEST_NAME, Manifest
 from usaf.artifacts.outputs import PARTIAL_TAG
 from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
-from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest, check_tokenizer
+from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest, check_tokenizer, check_tokens_file
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
@@ -198,6 +198,7 @@ def resolve_data(
         return data / TRAIN_FILE, manifest.fingerprint
     if not data.is_file():
         raise UsafError(f"{flag} {data}: no such file or directory", "pass a tokens directory or a JSONL file")
+    check_tokens_file(data, tokenizer_fingerprint, flag=flag)
     return data, sha256_file(data)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from usaf.artifacts.outputs import usaf_made
 from usaf.data.ignore import default_skip, git_rules, is_repository_root
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.errors import UsafError
@@ -42,6 +43,7 @@ class Corpus:
     broken_links: list[Path] = field(default_factory=list)  # symbolic links to nothing
     # skipped by default (--all-files reads them), by reason (usaf.data.ignore): hidden, environment, gitignore
     skipped_default: dict[str, list[Path]] = field(default_factory=dict)
+    skipped_usaf: list[Path] = field(default_factory=list)  # usaf's own outputs under a directory input, never read
 
     @property
     def total_bytes(self) -> int:
@@ -97,6 +99,7 @@ class _Walk:
         self.skipped_links: list[Path] = []  # not followed (--no-follow-symlinks)
         self.broken_links: list[Path] = []  # pointing at nothing
         self.skipped_default: dict[str, list[Path]] = {}  # reason -> paths (a directory once, not its files)
+        self.skipped_usaf: list[Path] = []  # directories usaf made (artifacts, runs): whatever --all-files says
 
     def first_visit(self, path: Path | str) -> bool:
         """True the first time ``path``'s real file or directory is met; False after, or when it cannot be read."""
@@ -128,6 +131,8 @@ class _Walk:
         self, top: Path, base: str, exclude: list[str], queue: list[tuple[Path, str]], linked: list[tuple[Path, str]]
     ) -> Iterator[tuple[Path, str]]:
         """The real files under ``top`` (``base`` + their path under it); links met are queued or counted."""
+        if base and self._usaf_output(top):  # a linked directory (an input given by name was checked first)
+            return
         rules = [] if self.all_files else [r for r in [git_rules(top, "")] if r is not None]
         for dirpath, dirnames, filenames in os.walk(top):
             if not self.first_visit(dirpath):  # a loop, or a directory another link or input already gave
@@ -140,6 +145,7 @@ class _Walk:
                 rules += [r for r in [git_rules(Path(dirpath), local)] if r is not None]
             kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _excludes_all_under(prefix + d, exclude))
             kept = [d for d in kept if not self._skipped_by_default(Path(dirpath, d), f"{local}{d}/", rules, True)]
+            kept = [d for d in kept if not self._usaf_output(Path(dirpath, d))]
             dirnames[:] = [d for d in kept if not self._is_link(Path(dirpath, d), queue, f"{prefix}{d}/")]
             for name in sorted(filenames):
                 path = Path(dirpath, name)
@@ -156,6 +162,16 @@ class _Walk:
         if reason is not None:
             self.skipped_default.setdefault(reason, []).append(path)
         return reason is not None
+
+    def _usaf_output(self, directory: Path) -> bool:
+        """Whether usaf made ``directory`` (recorded if so): a workspace's tokens, models, plans, runs and reports
+        read back as the user's text put earlier training and held-out sequences into the corpus again as
+        pre-tokenized lines, and manifests in as text (found in review; the workspace defaults to the current
+        directory)."""
+        if usaf_made(directory) is None:
+            return False
+        self.skipped_usaf.append(directory)
+        return True
 
     def _is_link(self, path: Path, follow_later: list[tuple[Path, str]], rel: str) -> bool:
         """Whether ``path`` is a symbolic link; one to follow is queued, the others are counted."""
@@ -195,6 +211,13 @@ def discover(
     for given in inputs:
         if not given.exists():
             raise UsafError(f"{given}: no such file or directory", "check the input paths")
+    for given in inputs:
+        if given.is_dir() and (made := usaf_made(given)) is not None:
+            raise UsafError(
+                f"{given}: {made}, not text to tokenize (a tokens artifact's lines are token ids already)",
+                "pass a tokens artifact to score/train/eval as --data; to tokenize again, give the text it was made "
+                "from",
+            )
     names = input_names(inputs)
     for given in inputs:
         if given.is_file():
@@ -219,7 +242,7 @@ def discover(
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.lower().endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
-    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default)
+    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf)
 
 
 def input_names(inputs: list[Path]) -> dict[Path, str]:

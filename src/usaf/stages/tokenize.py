@@ -19,14 +19,21 @@ from typing import Any, Literal
 
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
 from usaf.artifacts.hashing import combine, sha256_file
-from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, SourceCount, TokensManifest, TokensSummary
+from usaf.artifacts.tokens import (
+    HELDOUT_FILE,
+    TRAIN_FILE,
+    SourceCount,
+    TokensManifest,
+    TokensSummary,
+    check_tokens_file,
+)
 from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
 from usaf.data.packing import Sequence, SourcePacker
-from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_record
+from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint, tokenizer_record
 from usaf.data.tokens import check_token_values, file_looks_shifted, scored_targets, shift_evidence, unshift_labels
 from usaf.errors import UsafError
 from usaf.settings.tokenize import TokenizeConfig
@@ -189,6 +196,8 @@ def _skipped_note(corpus: Corpus) -> str:
         parts.append(counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
     if corpus.broken_links:
         parts.append(counted(len(corpus.broken_links), "broken symbolic link"))
+    if corpus.skipped_usaf:
+        parts.append(counted(len(corpus.skipped_usaf), "usaf output"))
     if corpus.skipped_default:
         skipped = sum(len(paths) for paths in corpus.skipped_default.values())
         parts.append(counted(skipped, "hidden, environment or git-ignored path") + " (--all-files reads them)")
@@ -212,7 +221,11 @@ _REASONS = {HIDDEN: "hidden", ENVIRONMENT: "environment", GITIGNORE: "ignored by
 
 def report_skipped_by_default(corpus: Corpus, progress: Progress) -> None:
     """Say what the walk left out by default and how to read it (a repository's .venv read as the user's code
-    would dwarf it; left out in silence, a file the user wanted would look lost)."""
+    would dwarf it; left out in silence, a file the user wanted would look lost), and usaf's own outputs."""
+    if corpus.skipped_usaf:
+        shown = ", ".join(str(p) for p in corpus.skipped_usaf[:3]) + (", ..." if len(corpus.skipped_usaf) > 3 else "")
+        progress.note(f"skipped {counted(len(corpus.skipped_usaf), 'usaf output')} under the directory inputs "
+                      f"({shown}): usaf's tokens, models, plans and runs are never read as text")  # fmt: skip
     if not corpus.skipped_default:
         return
     parts = []
@@ -296,6 +309,10 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             else "check the paths and --include/--exclude",
         )
     _refuse_unused_input_settings(config, corpus, progress)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    for file in corpus.files:  # a tokens artifact's file given by name: its ids are another tokenizer's, or these
+        if file.kind == "jsonl":
+            check_tokens_file(file.path, fingerprint, flag="INPUTS")
     if not config.held_out_frac:  # the seed draws the held-out fraction, and nothing else
         refuse_unused(config, "seed", "only --held-out-frac draws with it, and none is asked for",
                       "drop --seed, or pass --held-out-frac F", progress.note)  # fmt: skip

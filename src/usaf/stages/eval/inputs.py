@@ -19,7 +19,7 @@ from typing import Any
 
 from usaf.artifacts import TokensManifest, load_verified
 from usaf.artifacts.hashing import sha256_file
-from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, check_tokenizer
+from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, check_tokenizer, check_tokens_file
 from usaf.data.corpus import discover
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.data.packing import IGNORE_INDEX
@@ -106,6 +106,7 @@ def read_input(
         lines = _token_lines(file, set_name, vocab, context)
         kind, fingerprint = "tokens", manifest.fingerprint
     elif path.is_file() and _is_tokens_jsonl(path):
+        check_tokens_file(path, tokenizer_fingerprint, flag=flag)
         lines = _token_lines(path, set_name, vocab, context)
         kind, fingerprint = "tokens-jsonl", sha256_file(path)
     else:
