@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -620,3 +621,69 @@ def test_usaf_outputs_under_a_directory_input_are_never_read_and_one_given_is_re
     out = tmp_path / "out"
     result = tokenize(earlier, "--model", tok_dir, "--seq-len", 64, "--out", out)
     assert_clean_failure(result, out, f"{earlier}: a usaf tokens artifact, not text to tokenize", "--data")
+
+
+GPT_OSS_LIKE = (  # gpt-oss's turn ends: <|return|> for the last reply, <|end|> for every earlier turn
+    "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"
+    "{%- if m.role == 'assistant' and loop.last %}<|return|>{% else %}<|end|>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+INCONSISTENT = (  # every reply in a header first: no prefix render, and no marker's surroundings, are the whole's
+    "{{ messages | map(attribute='content') | join('|') }}\n"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, scored",
+    [
+        ("qwen3", ["hello friend<|im_end|>\n<think>\n\n</think>\n\nok sure<|im_end|>\n",
+                   "<think>\n\n</think>\n\nhello friend<|im_end|>\n"]),
+        (GPT_OSS_LIKE, ["hello friendok sure<|return|>", "hello friend<|return|>"]),
+        (None, ["hello friend<|im_end|>\nok sure<|im_end|>\n", "hello friend<|im_end|>\n"]),  # ChatML: the control
+    ],
+    ids=["qwen3", "gpt-oss-like", "chatml"],
+)  # fmt: skip
+def test_chat_templates_that_render_turns_by_their_place_label_every_reply(tmp_path, tok_dir, template, scored):
+    """Qwen3's template gives the last reply an empty <think> block that earlier replies lose: rendering prefixes
+    never matched, and every conversation with two replies was refused for the flagship family (found in review).
+    The replies are found in the whole render by a marker in their place; the end-of-turn text follows each reply
+    where the whole render has it (gpt-oss's earlier turns end with <|end|>, not the <|return|> a last reply has)."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "tok"
+    shutil.copytree(tok_dir, model)
+    if template is not None:
+        text = (
+            (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+            if template == "qwen3"
+            else template
+        )
+        hf = AutoTokenizer.from_pretrained(model)
+        hf.chat_template = text
+        hf.save_pretrained(model)
+    chat = tmp_path / "chat.jsonl"
+    two = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"},
+           {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok sure"}]  # fmt: skip
+    chat.write_text(
+        json.dumps({"messages": two, "source": "two"})
+        + "\n"
+        + json.dumps({"messages": two[:2], "source": "one"})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    result = tokenize(chat, "--model", model, "--seq-len", 256, "--out", out)
+    assert result.exit_code == 0, result.output
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = {r["source"]: r for r in read_jsonl(out / "train.jsonl")}
+    for source, expected in zip(("two", "one"), scored):
+        row = rows[source]
+        assert tokenizer.decode([t for t, lab in zip(row["input_ids"], row["labels"]) if lab != -100]) == expected
+
+    hf = AutoTokenizer.from_pretrained(model)  # a template that fits neither way is refused, not mislabelled
+    hf.chat_template = INCONSISTENT
+    hf.save_pretrained(model)
+    result = tokenize(chat, "--model", model, "--seq-len", 256, "--out", out.with_name("refused"))
+    assert_clean_failure(
+        result, out.with_name("refused"), "chat.jsonl:1: the tokenizer's chat template does not render"
+    )
