@@ -91,6 +91,11 @@ def test_bad_run_directories(finished_run, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsafError, match="not a usaf run"):
         load_trained_change(tmp_path / "empty")
+    started = tmp_path / "started"  # a run that wrote its settings, no checkpoint yet: not "not a usaf run"
+    started.mkdir()
+    shutil.copy(run / "run-settings.json", started / "run-settings.json")
+    with pytest.raises(UsafError, match="an unfinished usaf run with no checkpoint yet"):
+        load_trained_change(started)
     damaged = tmp_path / "damaged"
     shutil.copytree(run, damaged)
     (damaged / "manifest.json").unlink()

@@ -346,6 +346,11 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
         run_dir = path
         done = checkpoint_dirs(path, flag=flag)
         if not done:
+            if (path / SETTINGS_FILE).is_file():  # it was called "not a usaf run" (found in review)
+                raise UsafError(
+                    f"{flag} {path}: an unfinished usaf run with no checkpoint yet",
+                    "wait for its first checkpoint (--save-every), or resume it with the same usaf train command",
+                )
             raise UsafError(
                 f"{flag} {path}: not a usaf run (no manifest.json, no checkpoint)",
                 "pass the --out directory of usaf train, or one of its checkpoints/step-N",
