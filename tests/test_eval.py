@@ -821,3 +821,78 @@ def test_a_killed_cache_saves_temporary_is_cleared_by_the_next_save(tmp_path):
     result = PassResult(torch.zeros(2), torch.ones(2), {}, 2, 0.1)
     cache.save(entry, "k", {}, result)
     assert not stale.exists() and alive.exists() and (entry / cache.META_FILE).is_file()
+
+
+def test_a_run_given_a_tokens_file_and_a_delta_are_checked_and_evaluated_on_what_they_trained_on(trained, tmp_path):
+    """A run trained on ``--data TOKENS/train.jsonl`` (fingerprinted by the file's bytes): its tokens were passed
+    over (a file beside a manifest was taken for a directory's) so its held-out check said they could not be found
+    and a plain ``usaf eval`` was refused; a delta's check was skipped in silence (found in review). The run a delta
+    was exported from is followed while it holds the same change; gone, the report says why it was not checked."""
+    from usaf.artifacts.hashing import sha256_file
+
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    file = trained["tokens"] / "train.jsonl"
+    for record in manifest["inputs"]:
+        if record["role"] == "data":
+            record["path"] = str(file)
+    manifest["summary"]["data_fingerprint"] = sha256_file(file)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "report"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", run, "--workspace", tmp_path / "ws",
+                    "--out", out, "--no-plots", "--max-sequences", 8)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"using the tokens {trained['tokens']} (train.jsonl as --data, heldout.jsonl as --held-out)" in said
+    assert json.loads((out / "report.json").read_text())["heldout_in_training"] == 0  # checked: none trained on
+
+    delta = tmp_path / "delta"
+    assert invoke("export", "--model", trained["q"], "--checkpoint", run, "--format", "delta",
+                  "--out", delta).exit_code == 0  # fmt: skip
+    for name, then in (("followed", None), ("gone", lambda: shutil.rmtree(run))):
+        if then is not None:
+            then()
+        out = tmp_path / f"delta-{name}"
+        result = invoke("eval", "--model", trained["q"], "--checkpoint", delta, "--held-out", trained["tokens"],
+                        "--workspace", tmp_path / "ws", "--out", out, "--no-plots", "--max-sequences", 8)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        report = json.loads((out / "report.json").read_text())
+        if name == "followed":
+            assert report["heldout_in_training"] == 0 and report["overlap_note"] is None
+        else:
+            assert report["heldout_in_training"] is None
+            assert "the run it was exported from is not where it was" in report["overlap_note"]
+            assert "not checked against the run's training data" in " ".join(result.stderr.split())
+
+
+def test_an_out_that_is_or_holds_the_workspaces_cache_is_refused_before_any_pass(trained, tmp_path):
+    """``--out X --workspace X`` (both new): the passes wrote X/cache and the commit then refused X as a directory usaf
+    did not make, after the whole eval (found in review). Refused first now; --no-base-cache keeps no cache there, and
+    is the control."""
+    common = ["eval", "--model", trained["q"], "--checkpoint", trained["run"], "--held-out", trained["tokens"],
+              "--max-sequences", 4, "--no-plots"]  # fmt: skip
+    for out, workspace in ((tmp_path / "x", tmp_path / "x"), (tmp_path / "y", tmp_path / "y" / "inner")):
+        refused = invoke(*common, "--out", out, "--workspace", workspace)
+        assert refused.exit_code == 2 and "is or holds the workspace's cache" in refused.output, refused.output
+        assert not out.exists() and not (workspace / "cache").exists()
+    done = invoke(*common, "--out", tmp_path / "x", "--workspace", tmp_path / "x", "--no-base-cache")
+    assert done.exit_code == 0, done.output
+
+
+def test_the_training_curves_of_a_checkpoint_mark_the_step_evaluated(trained, tmp_path, monkeypatch):
+    """A checkpoint's eval plotted the whole run's curves, past the state evaluated, unmarked (found in review)."""
+    pytest.importorskip("matplotlib")
+    import usaf.stages.eval as stage
+
+    marked = []
+    real = stage.plot_curves
+    monkeypatch.setattr(stage, "plot_curves", lambda *a, **k: marked.append(k["evaluated_step"]) or real(*a, **k))
+    step = trained["run"] / "checkpoints" / "step-0000008"
+    for checkpoint in (step, trained["run"]):  # the finished run's end is the control: nothing to mark
+        out = tmp_path / checkpoint.name
+        result = invoke("eval", "--model", trained["q"], "--checkpoint", checkpoint, "--held-out", trained["tokens"],
+                        "--workspace", trained["workspace"], "--out", out, "--plots", "--max-sequences", 4)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert (out / "plots" / "training_curves.png").is_file()
+    assert marked == [8, None]

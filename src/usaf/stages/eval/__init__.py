@@ -35,7 +35,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.run import METRICS_FILE
+from usaf.artifacts.run import CHECKPOINTS_DIR, METRICS_FILE, step_of
 from usaf.backends import resolve_backend
 from usaf.config import source_of
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
@@ -100,6 +100,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
              "--held-out": config.held_out}  # fmt: skip
     writer = ArtifactWriter(out, overwrite=config.overwrite, inputs=given)
     writer.check_target()
+    _refuse_out_holding_the_cache(config, out, workspace)
     context = max_sequence_length(str(model_dir), tokenizer)
     inputs = read_inputs(config, workspace, model_dir, change, tokenizer, context, progress)
     found, overlap_note, training = _held_out_in_training(change, workspace, inputs, len(tokenizer), context, progress)
@@ -116,6 +117,19 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     if outcome.tuned_kept is not None:  # a stopped fine-tuned pass's work: the report holds it now
         cache.drop_kept(*outcome.tuned_kept)
     return written
+
+
+def _refuse_out_holding_the_cache(config: EvalConfig, out: Path, workspace: Path) -> None:
+    """An ``--out`` that is or holds the workspace's ``cache/`` (``--out X --workspace X``, both new): the passes
+    wrote the cache into it and the commit then refused it as a directory usaf did not make, after the whole eval
+    (hours on a real model; found in review). Refused before any pass."""
+    cache_root = (workspace / cache.CACHE_SUBDIR).parent.resolve()
+    if config.base_cache and cache_root.is_relative_to(out.resolve()):
+        raise UsafError(
+            f"--out {out}: is or holds the workspace's cache {cache_root}, where eval keeps its passes before the "
+            "report is written",
+            "pass an --out inside the workspace (its default) or elsewhere, or --no-base-cache",
+        )
 
 
 def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress, stop) -> _Outcome:
@@ -499,9 +513,12 @@ def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progre
     base_heldout = held[0].base.nll if held else None
     made = []
     if change is not None:
-        run_dir = change.source if (change.source / METRICS_FILE).is_file() else change.source.parent.parent
+        whole_run = (change.source / METRICS_FILE).is_file()  # a finished run: its end; else one of its checkpoints
+        run_dir = change.source if whole_run else change.source.parent.parent
         metrics = run_dir / METRICS_FILE
-        if metrics.is_file() and plot_curves(metrics, work / PLOTS_DIR / CURVES_FILE, base_heldout=base_heldout):
+        step = step_of(change.source, flag="--checkpoint") if change.source.parent.name == CHECKPOINTS_DIR else None
+        curves = work / PLOTS_DIR / CURVES_FILE
+        if metrics.is_file() and plot_curves(metrics, curves, base_heldout=base_heldout, evaluated_step=step):
             made.append(f"{PLOTS_DIR}/{CURVES_FILE}")
     plot_load(drift, work / PLOTS_DIR / LOAD_FILE)
     made.append(f"{PLOTS_DIR}/{LOAD_FILE}")

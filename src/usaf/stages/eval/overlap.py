@@ -12,18 +12,17 @@ found this way; the count is a floor, and said to be one.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from usaf.artifacts import RunManifest, TokensManifest, find_artifacts, load_verified
+from usaf.artifacts import DeltaManifest, RunManifest, TokensManifest, find_artifacts, load_verified
 from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.run import SETTINGS_FILE
+from usaf.artifacts.run import SETTINGS_FILE, load_trained_change
 from usaf.artifacts.tokens import TRAIN_FILE
 from usaf.data.tokens import iter_token_file
 from usaf.errors import UsafError
@@ -62,14 +61,19 @@ class RunData:
 
 def run_data(change) -> RunData | None:
     """The training data of the run behind ``change``: a finished run's manifest names it, an unfinished run's (or a
-    checkpoint's of either) ``run-settings.json`` records its fingerprint and ``--data``. None for a delta (or no
-    change), which records none."""
+    checkpoint's of either) ``run-settings.json`` records its fingerprint and ``--data``; a delta's, the run it was
+    exported from, where that is still there as it was. None otherwise (or no change)."""
     if change is None:
         return None
-    for run_dir in (change.source, change.source.parent.parent):  # the run itself, or one of its checkpoints/step-N
+    return _run_data_at(change.source, follow_delta=True)
+
+
+def _run_data_at(source: Path, *, follow_delta: bool) -> RunData | None:
+    for run_dir in (source, source.parent.parent):  # the run itself, or one of its checkpoints/step-N
         if (run_dir / MANIFEST_NAME).is_file():
-            if read_manifest_json(run_dir, flag="--checkpoint").get("kind") != RunManifest.KIND:
-                return None  # a delta
+            if read_manifest_json(run_dir, flag="--checkpoint").get("kind") != RunManifest.KIND:  # a delta
+                run = _exported_from(run_dir) if follow_delta and run_dir == source else None
+                return None if run is None else _run_data_at(run, follow_delta=False)
             manifest = load_verified(run_dir, RunManifest, flag="--checkpoint", hashes=False)
             recorded = [Path(i.path) for i in manifest.inputs if i.role == "data"]
             return RunData(run_dir, manifest.summary.data_fingerprint, recorded)
@@ -84,30 +88,62 @@ def run_data(change) -> RunData | None:
     return None
 
 
+def _exported_from(delta: Path) -> Path | None:
+    """The run (or checkpoint) a delta was exported from, where it still holds the same change; else None. A delta
+    records no training data of its own: its held-out check was skipped in silence (found in review)."""
+    try:
+        manifest = load_verified(delta, DeltaManifest, flag="--checkpoint", hashes=False)
+    except UsafError:
+        return None
+    for record in manifest.inputs:
+        source = Path(record.path)
+        if record.role != "change" or not source.is_dir():
+            continue
+        try:
+            if load_trained_change(source).fingerprint == record.fingerprint:
+                return source
+        except UsafError:  # gone, damaged, or something else now
+            return None
+    return None
+
+
 def training_tokens(change, workspace: Path) -> tuple[TrainingTokens | None, str | None]:
-    """``(the run's training tokens, None)``, or ``(None, why not)``; ``(None, None)`` where the change names no
-    training data at all (a delta directory, or no change)."""
+    """``(the run's training tokens, None)``, or ``(None, why not)``; ``(None, None)`` where there is no change."""
+    if change is None:
+        return None, None
     data = run_data(change)
     if data is None:
-        return None, None
+        if (change.source / MANIFEST_NAME).is_file():  # a delta: where a run's manifest is, its data is recorded
+            return None, (f"the delta {change.source} records no training data, and the run it was exported from is "
+                          "not where it was, holding the same change")  # fmt: skip
+        return None, f"{change.source} records no training data (no run-settings.json)"
     wanted, recorded = data.fingerprint, data.paths
-    for path in recorded:  # a tokens JSONL given as --data, fingerprinted by its bytes (not a tokens directory's)
-        if path.is_file() and not (path.parent / "manifest.json").is_file() and sha256_file(path) == wanted:
+    for path in recorded:  # where it ran: a tokens directory (given, or the one whose train.jsonl it found)
+        for directory in (path, path.parent):
+            if (found := _tokens_at(directory, wanted)) is not None:
+                return found, None
+    for path in recorded:  # a JSONL file given as --data, fingerprinted by its bytes (a tokens directory's file too)
+        if path.is_file() and sha256_file(path) == wanted:
             return TrainingTokens(path, None), None
-
-    def in_workspace():  # searched only when the recorded places do not hold them
-        yield from (found.path for found in find_artifacts(workspace, TokensManifest))
-
-    # where it ran (a tokens directory's train.jsonl, or the directory), then the workspace's tokens
-    for directory in itertools.chain((p.parent for p in recorded), recorded, in_workspace()):
-        if (directory / "manifest.json").is_file() and (directory / TRAIN_FILE).is_file():
-            try:
-                tokens = load_verified(directory, TokensManifest, flag="--checkpoint", hashes=False)
-            except UsafError:
-                continue
-            if tokens.fingerprint == wanted:
-                return TrainingTokens(directory / TRAIN_FILE, tokens.summary.train_sequences), None
+    for found_tokens in find_artifacts(workspace, TokensManifest):  # searched only when the recorded places fail
+        if (found := _tokens_at(found_tokens.path, wanted)) is not None:
+            return found, None
     return None, f"the tokens it trained on (fingerprint {wanted[:16]}) are not in the workspace or where it ran"
+
+
+def _tokens_at(directory: Path, fingerprint: str) -> TrainingTokens | None:
+    """``directory``'s train.jsonl where it is a tokens artifact of that fingerprint."""
+    if not (directory / MANIFEST_NAME).is_file() or not (directory / TRAIN_FILE).is_file():
+        return None
+    try:
+        tokens = load_verified(directory, TokensManifest, flag="--checkpoint", hashes=False)
+    except UsafError:
+        return None
+    return (
+        TrainingTokens(directory / TRAIN_FILE, tokens.summary.train_sequences)
+        if tokens.fingerprint == fingerprint
+        else None
+    )
 
 
 def held_out_overlap(

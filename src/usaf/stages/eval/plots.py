@@ -34,11 +34,15 @@ def _pyplot():
     return plt
 
 
-def plot_curves(metrics: Path, out: Path, *, base_heldout: float | None = None) -> bool:
+def plot_curves(
+    metrics: Path, out: Path, *, base_heldout: float | None = None, evaluated_step: int | None = None
+) -> bool:
     """Training loss per step and held-out loss; ``False`` when the run logged no step.
 
     ``base_heldout``: the base model's held-out NLL from this eval, drawn as the line to beat (it is on the
     same scale as the run's held-out loss only when the held-out sets are the same, as the label says).
+    ``evaluated_step``: the checkpoint evaluated, where it is not the run's end: marked, so a curve that goes on past
+    it is not read as the state evaluated (found in review).
     """
     train, held = read_metrics(metrics)
     if not train and not held:
@@ -51,9 +55,13 @@ def plot_curves(metrics: Path, out: Path, *, base_heldout: float | None = None) 
         ax.plot(*zip(*held), "o-", label="held-out loss", linewidth=1.5)
     if base_heldout is not None:
         ax.axhline(base_heldout, color="gray", linestyle="--", linewidth=1, label="base model, this eval's held-out")
+    title = f"training curves: {metrics.parent.name}"
+    if evaluated_step is not None:
+        ax.axvline(evaluated_step, color="black", linestyle=":", linewidth=1, label=f"evaluated: step {evaluated_step}")
+        title += f" (evaluated at step {evaluated_step})"
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
-    ax.set_title(f"training curves: {metrics.parent.name}")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

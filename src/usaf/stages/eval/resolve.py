@@ -10,9 +10,12 @@ from usaf.artifacts import (
     RunManifest,
     TokensManifest,
     find_artifacts,
+    load_verified,
     pick_latest,
 )
+from usaf.artifacts.outputs import manifest_kind
 from usaf.artifacts.run import load_trained_change
+from usaf.artifacts.tokens import TRAIN_FILE
 from usaf.artifacts.workspace import resolve_model
 from usaf.config import flag_name, refuse_unused, source_of
 from usaf.data.corpus import JSONL_SUFFIXES
@@ -20,7 +23,7 @@ from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
 from usaf.stages.change import check_change
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
-from usaf.stages.eval.overlap import run_data
+from usaf.stages.eval.overlap import run_data, training_tokens
 from usaf.stages.progress import Progress
 
 DEFAULT_SEQ_LEN = 512  # raw text packing: usaf tokenize's default (capped by the model's context)
@@ -142,9 +145,13 @@ def _unused_text_settings(config: Any, progress: Progress) -> None:
 
 
 def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> tuple[list[Path], list[Path]]:
-    """No --data/--held-out: the tokens the change's run trained on (finished or not, or one of its checkpoints),
-    else (a delta, which records none; no change) the newest for this tokenizer."""
+    """No --data/--held-out: the tokens the change's run trained on (finished or not, or one of its checkpoints, or
+    the run a delta was exported from) where they are found, else the newest for this tokenizer."""
     data = run_data(change)
+    if data is not None:
+        training, _ = training_tokens(change, workspace)
+        if training is not None:  # where it ran or in the workspace; a JSONL file too (found in review)
+            return _the_run_tokens(training.path, progress)
     trained = data.fingerprint if data is not None else None
     found = pick_latest(
         workspace,
@@ -154,13 +161,30 @@ def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> 
         wanted=" the run trained on" if trained else " made with this model's tokenizer",
     )
     if change is not None and data is None:
-        progress.note(f"--checkpoint {change.source} records no training data (a delta): the tokens below are the "
-                      "newest for this tokenizer, not known to be what it trained on")  # fmt: skip
-    if found.manifest.summary.heldout_sequences:
-        progress.note(f"using the tokens {found.path} (train.jsonl as --data, heldout.jsonl as --held-out)")
-        return [found.path], [found.path]
+        progress.note(f"--checkpoint {change.source} records no training data (a delta whose run is not where it "
+                      "was exported from): the tokens below are the newest for this tokenizer, not known to be what "
+                      "it trained on")  # fmt: skip
+    return _split_of(found.path, found.manifest.summary.heldout_sequences, progress)
+
+
+def _the_run_tokens(train_file: Path, progress: Progress) -> tuple[list[Path], list[Path]]:
+    """The tokens the run trained on (``train_file``): their directory with its held-out split, or the JSONL file it
+    was given alone."""
+    directory = train_file.parent
+    if train_file.name == TRAIN_FILE and manifest_kind(directory) == TokensManifest.KIND:
+        manifest = load_verified(directory, TokensManifest, flag="--data", hashes=False)
+        return _split_of(directory, manifest.summary.heldout_sequences, progress)
+    progress.note(f"using {train_file}, the JSONL the run trained on, as --data; it has no held-out split, so this "
+                  "measures the fit to the training text, not generalization (pass --held-out for one)")  # fmt: skip
+    return [train_file], []
+
+
+def _split_of(tokens: Path, heldout_sequences: int, progress: Progress) -> tuple[list[Path], list[Path]]:
+    if heldout_sequences:
+        progress.note(f"using the tokens {tokens} (train.jsonl as --data, heldout.jsonl as --held-out)")
+        return [tokens], [tokens]
     progress.note(
-        f"using the tokens {found.path} (train.jsonl as --data); they have no held-out split, so this measures the "
+        f"using the tokens {tokens} (train.jsonl as --data); they have no held-out split, so this measures the "
         "fit to the training text, not generalization (tokenize with --held-out or --held-out-frac for one)"
     )
-    return [found.path], []
+    return [tokens], []
