@@ -293,7 +293,9 @@ A stop signal ends a long stage at a boundary of its own and keeps what it did; 
 batch it is in, its lr test's finished probes (the probe it is in runs again) or how far `--cache`'s store got, in
 `.PLAN.usaf-partial/`; the rerun's plan is byte-identical to an uninterrupted run's (`pytest
 tests/test_score_resume.py`, a real SIGINT included). `usaf quantize` keeps the layers it finished. The other
-stages leave nothing and start over. A second signal leaves at once without saving; the last save stays intact.
+stages leave nothing and start over: SIGTERM and SIGHUP stop every command as Ctrl-C does (they ended one where
+it stood, and a stopped `usaf tokenize` left its half-written temporary output; `pytest tests/test_tokenize.py -k
+sigterm`). A second signal leaves at once without saving; the last save stays intact.
 
 ## Disk space
 

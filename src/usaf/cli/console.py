@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from usaf.errors import UsafError
+from usaf.errors import StopSignal, UsafError
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -37,9 +39,11 @@ def print_json(data: Any) -> None:
 
 @contextlib.contextmanager
 def handle_errors(verbose: bool = False) -> Iterator[None]:
-    """UsafError -> one red line (+ hint) and exit 2; Ctrl-C -> exit 130; bugs keep their traceback."""
+    """UsafError -> one red line (+ hint) and exit 2; Ctrl-C -> exit 130, SIGTERM -> 143, SIGHUP -> 129; bugs keep
+    their traceback."""
     try:
-        yield
+        with _stop_signals_as_ctrl_c():
+            yield
     except UsafError as e:
         _print_error(e, verbose)
         raise typer.Exit(UsafError.exit_code) from None
@@ -54,6 +58,34 @@ def handle_errors(verbose: bool = False) -> Iterator[None]:
         what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
         err.print(f"[yellow]{what}[/yellow]: nothing half-written was left behind")
         raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None
+
+
+# Ctrl-C raises KeyboardInterrupt by itself; these ended the process where it stood.
+_STOP_AS_CTRL_C = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def _stop_signals_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (kill, a scheduler, a container stop) and SIGHUP (a closed terminal) raise as Ctrl-C does, so what a
+    command was writing is cleaned up as after Ctrl-C. They killed the process where it stood: a tokenize stopped so
+    left its half-written temporary output (GBs) where no later run of another output removes it (found in review).
+    Long stages' own handlers (:class:`usaf.stages.stop.StopRequest`) take over while they run, to stop at a
+    boundary and save. A second signal ends the process at once (its default), as a second Ctrl-C does there."""
+    if threading.current_thread() is not threading.main_thread():  # Python's rule for signal handlers
+        yield
+        return
+
+    def stop(signum, frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise StopSignal(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in _STOP_AS_CTRL_C}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not installed from Python (then nothing to put back)
+                signal.signal(sig, handler)
 
 
 def _print_error(e: UsafError, verbose: bool) -> None:
