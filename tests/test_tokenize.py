@@ -227,14 +227,17 @@ def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path,
 
 
 def test_settings_of_directory_or_jsonl_inputs_without_any_are_refused_not_ignored(tmp_path, tok_dir, tokenizer):
-    """--source-depth names the sources of files under a directory input, --text-field/--source-field fields of JSONL
-    lines: over inputs without any they were accepted and unused (found in review). From USAF_* a note; over JSONL
+    """--source-depth names the sources of files under a directory input (--all-files and --no-follow-symlinks
+    decide its walk), --text-field/--source-field fields of JSONL lines, --decode-errors what a text file becomes:
+    over inputs without any they were accepted and unused (found in review). From USAF_* a note; over JSONL
     lines that are all pre-tokenized, --text-field is said after. Controls: a directory takes --source-depth, JSONL
     text lines --text-field, and nothing is said."""
     text = STDLIB / "shlex.py"
     for given, needle in ((("--source-depth", 0), "--source-depth 0: no input is a directory"),
                           (("--text-field", "body"), "--text-field body: no input is a JSONL file"),
-                          (("--source-field", "repo"), "--source-field repo: no input is a JSONL file")):  # fmt: skip
+                          (("--source-field", "repo"), "--source-field repo: no input is a JSONL file"),
+                          (("--all-files",), "--all-files: no input is a directory"),
+                          (("--no-follow-symlinks",), "--no-follow-symlinks: no input is a directory")):  # fmt: skip
         out = tmp_path / f"flag{given[0]}"
         assert_clean_failure(tokenize(text, "--model", tok_dir, *given, "--out", out), out, needle)
     noted = tokenize(text, "--model", tok_dir, "--out", tmp_path / "env", env={"USAF_SOURCE_DEPTH": "0"})
@@ -245,6 +248,9 @@ def test_settings_of_directory_or_jsonl_inputs_without_any_are_refused_not_ignor
     pre.write_text(json.dumps({"input_ids": ids}) + "\n")
     said = tokenize(pre, "--model", tok_dir, "--text-field", "body", "--out", tmp_path / "ids")
     assert said.exit_code == 0 and "--text-field body: no JSONL line was read by it" in said.stderr, said.output
+    out = tmp_path / "decode"  # JSONL must be UTF-8 whatever --decode-errors says: it decides only text files
+    assert_clean_failure(tokenize(pre, "--model", tok_dir, "--decode-errors", "replace", "--out", out), out,
+                         "--decode-errors replace: no input is a text file")  # fmt: skip
 
     texts = tmp_path / "texts.jsonl"
     texts.write_text(json.dumps({"body": "def g(y):\n    return y * 2\n" * 8}) + "\n")
@@ -252,7 +258,8 @@ def test_settings_of_directory_or_jsonl_inputs_without_any_are_refused_not_ignor
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.py").write_text("a = 1\n" * 40)
-    walked = tokenize(corpus, "--model", tok_dir, "--source-depth", 0, "--out", tmp_path / "walked")
+    walked = tokenize(corpus, "--model", tok_dir, "--source-depth", 0, "--all-files", "--no-follow-symlinks",
+                      "--decode-errors", "replace", "--out", tmp_path / "walked")  # fmt: skip
     for result in (read, walked):
         assert result.exit_code == 0 and "no input is" not in result.stderr, result.output
     assert "was read by it" not in read.stderr
@@ -687,3 +694,28 @@ def test_chat_templates_that_render_turns_by_their_place_label_every_reply(tmp_p
     assert_clean_failure(
         result, out.with_name("refused"), "chat.jsonl:1: the tokenizer's chat template does not render"
     )
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_leave_no_partial_output(tmp_path, tok_dir, name):
+    """kill, a scheduler, a container stop (SIGTERM) or a closed terminal (SIGHUP) ended tokenize where it stood, its
+    half-written temporary output left where no later run of another output removes it (found in review). They stop
+    it as Ctrl-C does: nothing left, the shell's status for the signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "usaf", "tokenize", STDLIB, "--model", tok_dir, "--out", out]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until its temporary output exists
+    assert proc.poll() is None and leftovers(tmp_path), "tokenize ended before it could be stopped"
+    time.sleep(0.5)  # inside the writing
+    proc.send_signal(getattr(signal, name))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + getattr(signal, name), stderr
+    assert f"stopped by {name}" in stderr
+    assert not out.exists() and leftovers(tmp_path) == []

@@ -93,9 +93,11 @@ def refuse_unused(settings: BaseModel, field: str, why: str, remedy: str, note: 
     silence. Nothing where it was not given."""
     if not was_given(settings, field):
         return
-    source = source_of(settings, field)
-    problem = f"{source} {getattr(settings, field)}: {why}"
+    source, value = source_of(settings, field), getattr(settings, field)
+    problem = f"{source} {value}: {why}"
     if source == flag_name(field):
+        if isinstance(value, bool):  # a switch: as typed (--all-files, --no-follow-symlinks), not "--all-files True"
+            problem = f"{flag_name(field) if value else '--no-' + flag_name(field)[2:]}: {why}"
         raise UsafError(problem, remedy)
     note(problem)
 

@@ -267,10 +267,18 @@ def _refuse_nothing_to_score(config: TokenizeConfig, totals: _Totals) -> None:
 
 
 def _refuse_unused_input_settings(config: TokenizeConfig, corpus: Corpus, progress: Progress) -> None:
-    """Settings of directory or JSONL inputs given where there are none: accepted and unused (found in review)."""
+    """Settings of directory, text or JSONL inputs given where there are none: accepted and unused (found in
+    review)."""
     if not any(path.is_dir() for path in config.inputs):
         refuse_unused(config, "source_depth", "no input is a directory (it names the sources of the files under one)",
                       "drop it: a file given by name is its own source", progress.note)  # fmt: skip
+        refuse_unused(config, "all_files", "no input is a directory (it reads what a directory's walk skips)",
+                      "drop it: a file given by name is read", progress.note)  # fmt: skip
+        refuse_unused(config, "follow_symlinks", "no input is a directory (it decides the links met under one)",
+                      "drop it: a file given by name is read, link or not", progress.note)  # fmt: skip
+    if not any(file.kind == "text" for file in corpus.files):
+        refuse_unused(config, "decode_errors", "no input is a text file (it decides what an undecodable text file "
+                      "becomes; JSONL must be UTF-8)", "drop it", progress.note)  # fmt: skip
     if not any(file.kind == "jsonl" for file in corpus.files):
         for field in ("text_field", "source_field"):
             refuse_unused(config, field, "no input is a JSONL file (it names a field of JSONL lines)", "drop it",
