@@ -719,3 +719,58 @@ def test_sigterm_and_sighup_leave_no_partial_output(tmp_path, tok_dir, name):
     assert proc.returncode == 128 + getattr(signal, name), stderr
     assert f"stopped by {name}" in stderr
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("what", ["directory", "file"])
+def test_a_directory_or_file_it_may_not_read_is_refused_naming_it(tmp_path, tok_dir, monkeypatch, what):
+    """A directory the walk may not list was dropped in silence, its files with it; a file it may not read was called
+    a disk error with "pass a path you may write to" (found in review). (As root nothing is unreadable: the refusal
+    is the OS's, simulated.) The control: the same tree, readable, is read whole."""
+    import os
+
+    corpus = tmp_path / "corpus"
+    (corpus / "locked").mkdir(parents=True)
+    (corpus / "a.py").write_text("a = 1\n" * 40)
+    (corpus / "locked" / "b.py").write_text("b = 2\n" * 40)
+    done = tokenize(corpus, "--model", tok_dir, "--out", tmp_path / "control")
+    assert done.exit_code == 0 and load_verified(tmp_path / "control", TokensManifest).summary.documents == 2
+    denied = corpus / "locked" if what == "directory" else corpus / "locked" / "b.py"
+    if what == "directory":
+        real = os.scandir
+        monkeypatch.setattr(os, "scandir", lambda path=".": _denied(path) if Path(path) == denied else real(path))
+    else:
+        real_open = Path.open
+        monkeypatch.setattr(
+            Path, "open", lambda self, *a, **k: _denied(self) if self == denied else real_open(self, *a, **k)
+        )
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(corpus, "--model", tok_dir, "--out", out), out,
+                         f"{denied}: cannot be read (Permission denied)", "--exclude")  # fmt: skip
+
+
+def _denied(path):
+    raise PermissionError(13, "Permission denied", str(path))
+
+
+def test_ndjson_is_read_as_jsonl_and_a_byte_order_mark_is_no_text(tmp_path, tok_dir, tokenizer):
+    """Line-delimited JSON named .ndjson was tokenized as plain text, JSON syntax and all, every label on; a text
+    file opening with a UTF-8 byte-order mark trained on three byte tokens of it (found in review). The controls:
+    the same conversation as .jsonl, the same text without the mark."""
+    conversation = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}
+    rows = {}
+    for suffix in (".jsonl", ".ndjson"):
+        chat = tmp_path / f"chat{suffix}"
+        chat.write_text(json.dumps(conversation) + "\n")
+        out = tmp_path / f"out{suffix}"
+        assert tokenize(chat, "--model", tok_dir, "--out", out).exit_code == 0
+        (rows[suffix],) = read_jsonl(out / "train.jsonl")
+    assert rows[".ndjson"]["input_ids"] == rows[".jsonl"]["input_ids"]
+    assert rows[".ndjson"]["labels"] == rows[".jsonl"]["labels"] and -100 in rows[".ndjson"]["labels"]
+
+    text = "def f(x):\n    return x\n" * 8
+    for name, data in (("plain", text.encode()), ("bom", b"\xef\xbb\xbf" + text.encode())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.py").write_bytes(data)
+        assert tokenize(tmp_path / name / "a.py", "--model", tok_dir, "--out", tmp_path / f"t-{name}").exit_code == 0
+    (plain,), (bom,) = read_jsonl(tmp_path / "t-plain" / "train.jsonl"), read_jsonl(tmp_path / "t-bom" / "train.jsonl")
+    assert bom["input_ids"] == plain["input_ids"] and tokenizer.decode(bom["input_ids"]).startswith("def f(x)")

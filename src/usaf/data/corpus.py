@@ -23,7 +23,7 @@ from usaf.data.jsonl import iter_jsonl_objects
 from usaf.errors import UsafError
 
 SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__"})
-JSONL_SUFFIXES = (".jsonl",)
+JSONL_SUFFIXES = (".jsonl", ".ndjson")  # .ndjson was tokenized as plain text, JSON syntax and all (found in review)
 _SNIFF_BYTES = 8192
 
 
@@ -63,9 +63,18 @@ class Document:
 
 
 def is_binary(path: Path) -> bool:
-    """Git's rule: a NUL byte in the first 8 KiB means binary."""
-    with path.open("rb") as f:
-        return b"\0" in f.read(_SNIFF_BYTES)
+    """Git's rule: a NUL byte in the first 8 KiB means binary. The first read of every corpus file: one it may not
+    read is refused here, naming it (it was a disk error's "pass a path you may write to"; found in review)."""
+    try:
+        with path.open("rb") as f:
+            return b"\0" in f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
+def unreadable(path: Path, e: OSError) -> UsafError:
+    return UsafError(f"{path}: cannot be read ({e.strerror or e})",
+                     "fix its permissions, or leave it out with --exclude")  # fmt: skip
 
 
 def _matches(rel: str, patterns: list[str]) -> bool:
@@ -134,7 +143,7 @@ class _Walk:
         if base and self._usaf_output(top):  # a linked directory (an input given by name was checked first)
             return
         rules = [] if self.all_files else [r for r in [git_rules(top, "")] if r is not None]
-        for dirpath, dirnames, filenames in os.walk(top):
+        for dirpath, dirnames, filenames in os.walk(top, onerror=_refuse_unreadable):
             if not self.first_visit(dirpath):  # a loop, or a directory another link or input already gave
                 dirnames[:] = []
                 continue
@@ -184,6 +193,11 @@ class _Walk:
         else:
             self.skipped_links.append(path)
         return True
+
+
+def _refuse_unreadable(e: OSError) -> None:
+    """A directory the walk may not list: its files were dropped in silence (found in review)."""
+    raise unreadable(Path(e.filename), e)
 
 
 def discover(
@@ -268,13 +282,13 @@ def input_names(inputs: list[Path]) -> dict[Path, str]:
 def read_text_document(file: CorpusFile, *, decode_errors: str) -> Document | None:
     """The file as one document; ``None`` if it is to be skipped (undecodable with 'skip')."""
     data = file.path.read_bytes()
-    try:
-        text = data.decode("utf-8")
+    try:  # -sig: a byte-order mark opening the file (Windows editors write one) is no text (found in review)
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         if decode_errors == "skip":
             return None
         if decode_errors == "replace":
-            text = data.decode("utf-8", errors="replace")
+            text = data.decode("utf-8-sig", errors="replace")
         else:
             raise UsafError(
                 f"{file.path}: not UTF-8 text (byte {e.start})",

@@ -20,7 +20,7 @@ from typing import Any
 from usaf.artifacts import TokensManifest, load_verified
 from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, check_tokenizer, check_tokens_file
-from usaf.data.corpus import discover
+from usaf.data.corpus import JSONL_SUFFIXES, discover
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.data.packing import IGNORE_INDEX
 from usaf.data.tokens import iter_token_file
@@ -134,7 +134,7 @@ def read_input(
 
 def _is_tokens_jsonl(path: Path) -> bool:
     """A ``.jsonl`` file whose first object holds ``input_ids`` (an empty one counts: it is reported empty)."""
-    if not path.name.lower().endswith(".jsonl"):
+    if not path.name.lower().endswith(JSONL_SUFFIXES):
         return False
     for _, obj, _ in iter_jsonl_objects(path):
         return "input_ids" in obj
