@@ -774,3 +774,31 @@ def test_ndjson_is_read_as_jsonl_and_a_byte_order_mark_is_no_text(tmp_path, tok_
         assert tokenize(tmp_path / name / "a.py", "--model", tok_dir, "--out", tmp_path / f"t-{name}").exit_code == 0
     (plain,), (bom,) = read_jsonl(tmp_path / "t-plain" / "train.jsonl"), read_jsonl(tmp_path / "t-bom" / "train.jsonl")
     assert bom["input_ids"] == plain["input_ids"] and tokenizer.decode(bom["input_ids"]).startswith("def f(x)")
+
+
+def test_a_jsonl_file_under_a_directory_input_is_named_with_its_way_out(tmp_path, tok_dir):
+    """A repository's .jsonl fixture stopped tokenize with a hint of --text-field alone; lines of one naming their own
+    source escaped their directory's held-out split in silence (found in review). Both are said now. The control: a
+    JSONL file named by itself gets the hint it had, and lines without a source of their own are said nothing of."""
+    repo = tmp_path / "repo"
+    for package in ("pkgA", "pkgB"):
+        (repo / package).mkdir(parents=True)
+        (repo / package / "mod.py").write_text(f"# {package}\n" + "x = 1\n" * 40)
+    fixture = repo / "pkgB" / "records.jsonl"
+    fixture.write_text(json.dumps({"id": 1, "value": "x"}) + "\n")
+    out = tmp_path / "out"
+    result = tokenize(repo, "--model", tok_dir, "--out", out)
+    assert_clean_failure(result, out, "records.jsonl:1: no 'text' field", "--exclude 'records.jsonl'")
+    named = tokenize(fixture, "--model", tok_dir, "--out", out)
+    assert_clean_failure(named, out, "records.jsonl:1: no 'text' field")
+    assert "--exclude" not in named.stderr
+
+    fixture.write_text(json.dumps({"text": "fixture text " * 20, "source": "other/thing"}) + "\n")
+    result = tokenize(repo, "--model", tok_dir, "--held-out", "pkgB", "--out", out)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert "1 line of JSONL files under the directory inputs name a source of their own" in said
+    assert f"{fixture}:1 is other/thing" in said
+    fixture.write_text(json.dumps({"text": "fixture text " * 20}) + "\n")
+    result = tokenize(repo, "--model", tok_dir, "--held-out", "pkgB", "--out", tmp_path / "control")
+    assert result.exit_code == 0 and "a source of their own" not in result.stderr, result.output

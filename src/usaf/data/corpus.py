@@ -33,6 +33,7 @@ class CorpusFile:
     kind: Literal["text", "jsonl"]
     source: str  # for JSONL: the fallback source of lines without a source field
     bytes: int
+    walked: bool = False  # found under a directory input (not named): a .jsonl there may be a project's own data
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def discover(
                 skipped.append(path)
                 continue
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.lower().endswith(JSONL_SUFFIXES) else "text"
-            files.append(CorpusFile(path, kind, source, path.stat().st_size))
+            files.append(CorpusFile(path, kind, source, path.stat().st_size, walked=not given.is_file()))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
     return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf)
 
@@ -356,10 +357,10 @@ def jsonl_document(
             raise UsafError(f"{where}: '{text_field}' is a {type(text).__name__}, not a string", "fix the line")
         return Document(source, where, nbytes, True, text=text)
     keys = ", ".join(sorted(obj)) or "none"
-    raise UsafError(
-        f"{where}: no '{text_field}' field (keys: {keys})",
-        "pass --text-field NAME, or give 'messages' (chat) or 'input_ids' (pre-tokenized)",
-    )
+    hint = "pass --text-field NAME, or give 'messages' (chat) or 'input_ids' (pre-tokenized)"
+    if file.walked:  # a repository's test fixture, say, not corpus lines (the hint sent its user to --text-field)
+        hint += f"; or --exclude '{file.path.name}': a JSONL file under a directory input is read as corpus lines"
+    raise UsafError(f"{where}: no '{text_field}' field (keys: {keys})", hint)
 
 
 def _int_list(value: Any) -> bool:

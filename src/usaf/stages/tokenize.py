@@ -63,16 +63,24 @@ class _Totals:
     undecodable: list[Path] = field(default_factory=list)  # text files skipped as not UTF-8 (--decode-errors skip)
 
 
-def _collect_sources(corpus: Corpus, config: TokenizeConfig) -> list[str]:
+def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress) -> list[str]:
     """Every source of the corpus (reads JSONL files once; text files' sources are known)."""
     sources = set()
+    own: list[str] = []  # lines of JSONL files under a directory input that name a source of their own
     for file in corpus.files:
         if file.kind == "text":
             sources.add(file.source)
             continue
-        for _, obj, _ in iter_jsonl_objects(file.path):
+        for number, obj, _ in iter_jsonl_objects(file.path):
             value = obj.get(config.source_field, obj.get("repo", file.source))
-            sources.add(value if isinstance(value, str) else file.source)
+            source = value if isinstance(value, str) else file.source
+            sources.add(source)
+            if file.walked and source != file.source:
+                own.append(f"{file.path}:{number} is {source}")
+    if own:  # held out, a directory's own source does not take them: said, not left to leak (found in review)
+        progress.note(f"{counted(len(own), 'line')} of JSONL files under the directory inputs name a source of their "
+                      f"own ('{config.source_field}' or 'repo'), held out or trained by it, not by their directory's "
+                      f"(e.g. {own[0]}); --exclude the files to leave them out")  # fmt: skip
     return sorted(sources)
 
 
@@ -326,7 +334,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
                       "drop --seed, or pass --held-out-frac F", progress.note)  # fmt: skip
     heldout: set[str] = set()
     if config.held_out or config.held_out_frac:
-        heldout = select_heldout(_collect_sources(corpus, config), config.held_out, config.held_out_frac, config.seed)
+        sources = _collect_sources(corpus, config, progress)
+        heldout = select_heldout(sources, config.held_out, config.held_out_frac, config.seed)
 
     out = config.out or default_output(workspace_dir(config.workspace), "tokens", config.inputs[0].resolve().name)
     totals = _Totals()
