@@ -148,18 +148,20 @@ def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> 
     """No --data/--held-out: the tokens the change's run trained on (finished or not, or one of its checkpoints, or
     the run a delta was exported from) where they are found, else the newest for this tokenizer."""
     data = run_data(change)
-    if data is not None:
-        training, _ = training_tokens(change, workspace)
-        if training is not None:  # where it ran or in the workspace; a JSONL file too (found in review)
-            return _the_run_tokens(training.path, progress)
     trained = data.fingerprint if data is not None else None
-    found = pick_latest(
-        workspace,
-        TokensManifest,
-        flag="--data",
-        accept=lambda m: m.summary.tokenizer.fingerprint == tok_fp and trained in (None, m.fingerprint),
-        wanted=" the run trained on" if trained else " made with this model's tokenizer",
-    )
+    try:
+        found = pick_latest(
+            workspace,
+            TokensManifest,
+            flag="--data",
+            accept=lambda m: m.summary.tokenizer.fingerprint == tok_fp and trained in (None, m.fingerprint),
+            wanted=" the run trained on" if trained else " made with this model's tokenizer",
+        )
+    except UsafError:  # not in the workspace: where the run read them, a JSONL file too (refused; found in review)
+        training = training_tokens(change, workspace)[0] if data is not None else None
+        if training is None:
+            raise
+        return _the_run_tokens(training.path, progress)
     if change is not None and data is None:
         progress.note(f"--checkpoint {change.source} records no training data (a delta whose run is not where it "
                       "was exported from): the tokens below are the newest for this tokenizer, not known to be what "
