@@ -802,3 +802,22 @@ def test_a_jsonl_file_under_a_directory_input_is_named_with_its_way_out(tmp_path
     fixture.write_text(json.dumps({"text": "fixture text " * 20}) + "\n")
     result = tokenize(repo, "--model", tok_dir, "--held-out", "pkgB", "--out", tmp_path / "control")
     assert result.exit_code == 0 and "a source of their own" not in result.stderr, result.output
+
+
+def test_special_tokens_strings_in_a_text_file_are_text_and_in_a_jsonl_text_field_special(tmp_path, tok_dir, tokenizer):
+    """A text file's "<|endoftext|>" was read as the EOS token, "<|im_start|>" as a chat turn: code about language
+    models put EOS mid-document and fake turns into the training text (found in review). In a JSONL text field,
+    where pre-rendered chat text goes, they stay special (the control)."""
+    text = 'EOS = "<|endoftext|>"\nTURN = "<|im_start|>user"\n' * 4
+    special = {tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>")}
+    (tmp_path / "code.py").write_text(text)
+    (tmp_path / "rendered.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    ids = {}
+    for name in ("code.py", "rendered.jsonl"):
+        out = tmp_path / f"out-{name}"
+        assert tokenize(tmp_path / name, "--model", tok_dir, "--out", out).exit_code == 0
+        (row,) = read_jsonl(out / "train.jsonl")
+        ids[name] = row["input_ids"]
+    assert not special & set(ids["code.py"][:-1]) and ids["code.py"][-1] == tokenizer.eos_token_id  # the separator
+    assert tokenizer.decode(ids["code.py"][:-1]) == text
+    assert special <= set(ids["rendered.jsonl"][:-1])

@@ -111,14 +111,15 @@ def select_heldout(sources: list[str], patterns: list[str], frac: float, seed: i
 
 
 def _text_batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
-    """Group consecutive plain-text documents (up to BATCH_BYTES); other documents go alone."""
+    """Group consecutive plain-text documents (up to BATCH_BYTES), text files' apart from JSONL text fields' (their
+    special tokens are read apart: :class:`_Tokenizer`); other documents go alone."""
     batch: list[Document] = []
     size = 0
     for doc in docs:
+        if batch and (doc.text is None or batch[-1].from_jsonl != doc.from_jsonl):
+            yield batch
+            batch, size = [], 0
         if doc.text is None:
-            if batch:
-                yield batch
-                batch, size = [], 0
             yield [doc]
             continue
         batch.append(doc)
@@ -131,11 +132,22 @@ def _text_batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
 
 
 class _Tokenizer:
-    """Turns documents into (ids, labels) pairs: text with EOS separators, chat, or pre-tokenized."""
+    """Turns documents into (ids, labels) pairs: text with EOS separators, chat, or pre-tokenized.
+
+    A text file's ``<|endoftext|>`` or ``<|im_start|>`` is its text: code about language models holds such strings,
+    and read as the special tokens they put an EOS mid-document and fake chat turns into the training text (found in
+    review). So text files are encoded by a copy of the tokenizer that reads special tokens' strings as text
+    (``encode_special_tokens``; a copy, as chat conversations are encoded meanwhile by the tokenizer itself). A JSONL
+    text field keeps them special: it is where pre-rendered chat text goes, its markers meant.
+    """
 
     def __init__(self, tokenizer: Any, config: TokenizeConfig, totals: _Totals) -> None:
+        from tokenizers import Tokenizer  # lazy: comes with transformers
+
         self.hf = tokenizer
         self.fast = tokenizer.backend_tokenizer
+        self.literal = Tokenizer.from_str(self.fast.to_str())  # special tokens' strings as text
+        self.literal.encode_special_tokens = True
         self.eos = tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
         self.config = config
@@ -146,7 +158,8 @@ class _Tokenizer:
         """The slow part, run on a worker thread (the Rust tokenizer releases the GIL)."""
         if batch[0].text is None:
             return None
-        return self.fast.encode_batch([d.text for d in batch], add_special_tokens=True)
+        encoder = self.fast if batch[0].from_jsonl else self.literal
+        return encoder.encode_batch([d.text for d in batch], add_special_tokens=True)
 
     def pairs(
         self, batch: list[Document], encodings: list[Any] | None
