@@ -896,3 +896,16 @@ def test_the_training_curves_of_a_checkpoint_mark_the_step_evaluated(trained, tm
         assert result.exit_code == 0, result.output
         assert (out / "plots" / "training_curves.png").is_file()
     assert marked == [8, None]
+
+
+def test_a_source_field_no_raw_jsonl_line_has_is_said(trained, tmp_path):
+    """eval's raw JSONL: --source-field NAME that no line has was unused in silence (found in review)."""
+    lines = tmp_path / "lines.jsonl"
+    text = (stdlib_dir() / "shlex.py").read_text()[:4000]
+    lines.write_text("".join(json.dumps({"text": text, "origin": f"o{i}"}) + "\n" for i in range(2)))
+    common = ["eval", "--model", trained["q"], "--held-out", lines, "--text-field", "text", "--no-plots",
+              "--workspace", tmp_path / "ws", "--seq-len", 32, "--max-sequences", 4]  # fmt: skip
+    said = invoke(*common, "--source-field", "nosuch", "--out", tmp_path / "said")
+    assert said.exit_code == 0 and "--source-field nosuch: no JSONL line has it" in " ".join(said.stderr.split())
+    read = invoke(*common, "--source-field", "origin", "--out", tmp_path / "read")  # the control
+    assert read.exit_code == 0 and "no JSONL line has it" not in read.stderr, read.output

@@ -821,3 +821,16 @@ def test_special_tokens_strings_in_a_text_file_are_text_and_in_a_jsonl_text_fiel
     assert not special & set(ids["code.py"][:-1]) and ids["code.py"][-1] == tokenizer.eos_token_id  # the separator
     assert tokenizer.decode(ids["code.py"][:-1]) == text
     assert special <= set(ids["rendered.jsonl"][:-1])
+
+
+def test_a_source_field_no_line_has_is_said(tmp_path, tok_dir):
+    """--source-field NAME that no JSONL line has was accepted and unused, every line falling back to 'repo' or its
+    file's name in silence (found in review; eval's raw JSONL alike). The control: a field the lines have."""
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"line {i} " * 30, "origin": f"o{i % 2}"}) + "\n" for i in range(4)))
+    said = tokenize(lines, "--model", tok_dir, "--source-field", "nosuch", "--out", tmp_path / "said")
+    assert said.exit_code == 0, said.output
+    assert "--source-field nosuch: no JSONL line has it" in " ".join(said.stderr.split())
+    read = tokenize(lines, "--model", tok_dir, "--source-field", "origin", "--out", tmp_path / "read")
+    assert read.exit_code == 0 and "no JSONL line has it" not in read.stderr, read.output
+    assert {s.source for s in load_verified(tmp_path / "read", TokensManifest).summary.sources} == {"o0", "o1"}

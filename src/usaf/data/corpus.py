@@ -61,6 +61,7 @@ class Document:
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     labels: list[int] | None = None
+    source_from_field: bool = False  # a JSONL line's own source, from --source-field (not 'repo' or its file)
 
 
 def is_binary(path: Path) -> bool:
@@ -327,6 +328,7 @@ def jsonl_document(
     source = obj.get(source_field, obj.get("repo", file.source))
     if not isinstance(source, str) or not source:
         raise UsafError(f"{where}: '{source_field}' must be a non-empty string", "fix the line")
+    named = source_field in obj
     if "input_ids" in obj:
         ids, labels = obj["input_ids"], obj.get("labels", obj["input_ids"])
         if not _int_list(ids) or not _int_list(labels) or len(ids) != len(labels) or not ids:
@@ -334,7 +336,7 @@ def jsonl_document(
                 f"{where}: 'input_ids' and 'labels' must be equal-length non-empty lists of integers",
                 "fix the line, or give raw text in a text field instead",
             )
-        return Document(source, where, nbytes, True, input_ids=ids, labels=labels)
+        return Document(source, where, nbytes, True, input_ids=ids, labels=labels, source_from_field=named)
     if "messages" in obj:
         messages = obj["messages"]
         ok = (
@@ -350,12 +352,12 @@ def jsonl_document(
                 f'{where}: \'messages\' must be a non-empty list of {{"role": str, "content": str}}',
                 "fix the line",
             )
-        return Document(source, where, nbytes, True, messages=messages)
+        return Document(source, where, nbytes, True, messages=messages, source_from_field=named)
     if text_field in obj:
         text = obj[text_field]
         if not isinstance(text, str):
             raise UsafError(f"{where}: '{text_field}' is a {type(text).__name__}, not a string", "fix the line")
-        return Document(source, where, nbytes, True, text=text)
+        return Document(source, where, nbytes, True, text=text, source_from_field=named)
     keys = ", ".join(sorted(obj)) or "none"
     hint = "pass --text-field NAME, or give 'messages' (chat) or 'input_ids' (pre-tokenized)"
     if file.walked:  # a repository's test fixture, say, not corpus lines (the hint sent its user to --text-field)

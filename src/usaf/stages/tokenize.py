@@ -437,9 +437,10 @@ def _tokenize_corpus(
     previous: Document | None = None
     text_seen = False  # a line of text, which --stride packs (pre-tokenized lines are sequences as they are)
     text_field_read = False  # a JSONL line's text, from --text-field (not its input_ids or messages)
+    source_field_read = False  # a JSONL line's source, from --source-field
 
     def process(batch: list[Document], encodings: list[Any] | None) -> None:
-        nonlocal tokens_seen, previous, text_seen, text_field_read
+        nonlocal tokens_seen, previous, text_seen, text_field_read, source_field_read
         for doc, ids, labels in encoder.pairs(batch, encodings):
             # A directory walk visits sources one after another: close the finished one now,
             # so memory holds one source's partial sequence, not every source's.
@@ -448,6 +449,7 @@ def _tokenize_corpus(
                 if finished is not None and (last := finished.flush()) is not None:
                     emit(last)
             previous = doc
+            source_field_read |= doc.source_from_field
             totals.documents += 1
             counts = totals.per_source.setdefault(doc.source, _Counts("heldout" if doc.source in heldout else "train"))
             counts.documents += 1
@@ -496,6 +498,9 @@ def _tokenize_corpus(
     if not text_field_read and was_given(config, "text_field") and any(f.kind == "jsonl" for f in corpus.files):
         progress.note(f"{source_of(config, 'text_field')} {config.text_field}: no JSONL line was read by it (each held "
                       "input_ids or messages)")  # fmt: skip
+    if not source_field_read and was_given(config, "source_field") and any(f.kind == "jsonl" for f in corpus.files):
+        progress.note(f"{source_of(config, 'source_field')} {config.source_field}: no JSONL line has it; their sources "
+                      "are their 'repo' fields or their files' names")  # fmt: skip
     if config.fix_shifted_labels and not totals.relabelled:  # else accepted and doing nothing (found in review)
         progress.note(f"{source_of(config, 'fix_shifted_labels')}: no pre-tokenized line had pre-shifted labels; "
                       "nothing was relabelled")  # fmt: skip

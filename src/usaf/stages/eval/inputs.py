@@ -13,7 +13,7 @@ import hashlib
 import json
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class TextSettings:
     text_field: str
     source_field: str
     all_files: bool = False  # directories: read what they skip by default too (usaf.data.ignore)
+    given: dict[str, str] = field(default_factory=dict)  # the JSONL settings set: name -> where (for tokenize's notes)
 
 
 def _is_usaf_artifact(directory: Path) -> bool:
@@ -161,6 +162,7 @@ def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, pr
         source_field=text.source_field,
         decode_errors="replace",  # eval reports on what it can read; one odd byte should not stop it
     )
+    config._sources = dict(text.given)  # a --text-field/--source-field no line has is said, as tokenize says it
     return [
         EvalSequence(set_name, s.source, s.input_ids, s.labels)
         for s in pack_corpus(corpus, config, tokenizer, progress)

@@ -87,6 +87,7 @@ def read_inputs(
         text_field=config.text_field or "text",
         source_field=config.source_field or "source",
         all_files=config.all_files,
+        given={name: source_of(config, name) for name in ("text_field", "source_field") if getattr(config, name)},
     )
     inputs = []
     for set_name, paths in ((DATA, data), (HELD_OUT, held_out)):
