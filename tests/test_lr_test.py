@@ -530,3 +530,28 @@ def test_a_tampered_probes_run_is_refused(inputs, plan, tmp_path, value):
     result = train(*inputs, tampered(plan[0], tmp_path, "probes_run", value), tmp_path / "run")
     assert result.exit_code == 2 and "probes_run" in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_the_samples_prefix_states_are_padded_at_each_use_not_copied_for_the_whole_test():
+    """The test held a padded copy of every microbatch's states beside the sample's (about twice the sample's states in
+    host memory, which score's memory plan counts once; found in review). It holds references and pads at each use,
+    to the same values as the copy (the control: lines without given states are computed once, as before)."""
+    from types import SimpleNamespace
+
+    from usaf.data.tokens import TokenLine
+    from usaf.engine.prefix import padded_states
+    from usaf.stages.lr_test import _on_device, _with_prefix
+
+    lines = [TokenLine(i, list(range(1, 4 + i)), list(range(1, 4 + i)), "s") for i in range(4)]
+    states = {line.line: torch.randn(len(line.input_ids), 8) for line in lines}
+    computed = []
+    compute = lambda ids, mask: computed.append(ids) or torch.zeros(*ids.shape, 8)  # noqa: E731
+    engine = SimpleNamespace(prefix=object(), device=torch.device("cpu"), prefix_states=compute)
+    groups = _with_prefix(engine, lines, 2, 0, states)
+    for microbatch, prefix in groups:
+        assert isinstance(prefix, list) and all(any(p is s for s in states.values()) for p in prefix)
+        expected = padded_states(prefix, microbatch.input_ids.shape[1])
+        assert torch.equal(_on_device(prefix, microbatch), expected)
+    assert computed == []
+    groups = _with_prefix(engine, lines, 2, 0, {0: states[0]})  # a microbatch without every line's states
+    assert len(computed) == 2 and all(isinstance(prefix, torch.Tensor) for _, prefix in groups)

@@ -267,26 +267,37 @@ def split(lines: list) -> tuple[list, list]:
     return train or held, held or train
 
 
+Prefix = torch.Tensor | list[torch.Tensor] | None  # a microbatch's states (B, T, H), or its lines' (t_i, H) to pad
+
+
 def _with_prefix(
     engine: Any, lines: list, microbatch: int, pad_id: int, states: Mapping[int, torch.Tensor] | None
-) -> list[tuple[Batch, torch.Tensor | None]]:
-    """Each microbatch of ``lines`` on the engine's device, with its frozen-prefix states ``(B, T, H)``: ``states``'
-    where it has every line of the microbatch, else computed once here (the prefix is frozen: every probe would
-    recompute the same states). They are kept in host memory, as train's prefix cache keeps them (the sample's
-    states at a large model's width would otherwise hold device memory)."""
+) -> list[tuple[Batch, Prefix]]:
+    """Each microbatch of ``lines`` on the engine's device, with its frozen-prefix states: ``states``' lines where it
+    has every line of the microbatch (padded at each use: a padded copy held for the whole test doubled the sample's
+    states in memory, which score's memory plan counts once), else ``(B, T, H)`` computed once here (the prefix is
+    frozen: every probe would recompute the same states). They are kept in host memory, as train's prefix cache
+    keeps them (the sample's states at a large model's width would otherwise hold device memory)."""
     device = engine.device
     out = []
     for first in range(0, len(lines), microbatch):
         group = lines[first : first + microbatch]
         b = collate(group, pad_id)
         b = Batch(b.input_ids.to(device), b.labels.to(device), b.attention_mask.to(device))
-        prefix = None
+        prefix: Prefix = None
         if engine.prefix is not None and states is not None and all(line.line in states for line in group):
-            prefix = padded_states([states[line.line] for line in group], b.input_ids.shape[1])
+            prefix = [states[line.line] for line in group]  # references: no copy
         elif engine.prefix is not None:
             prefix = engine.prefix_states(b.input_ids, b.attention_mask).cpu()
         out.append((b, prefix))
     return out
+
+
+def _on_device(prefix: Prefix, batch: Batch) -> torch.Tensor | None:
+    """A microbatch's states ``(B, T, H)`` on its device, padded here where they are its lines'."""
+    if isinstance(prefix, list):
+        prefix = padded_states(prefix, batch.input_ids.shape[1])
+    return None if prefix is None else prefix.to(batch.input_ids.device)
 
 
 @dataclass
@@ -332,8 +343,8 @@ def _probe(
             for p, grad in zip(params, first.grads, strict=True):
                 p.grad = None if grad is None else grad.clone()
         else:
-            batch, states = train[step % len(train)]
-            states = None if states is None else states.to(batch.input_ids.device)
+            batch, prefix = train[step % len(train)]
+            states = _on_device(prefix, batch)
             parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
             finite = bool(torch.isfinite(parts.loss.detach()))
             if step == 0 and first is not None:
@@ -354,8 +365,8 @@ def _probe(
 def _heldout(engine: Any, held: list) -> HeldOut:
     """The engine's cross-entropy on each held-back microbatch (one sequence each), summed over its tokens."""
     nll, tokens = [], []
-    for batch, states in held:
-        states = None if states is None else states.to(batch.input_ids.device)
+    for batch, prefix in held:
+        states = _on_device(prefix, batch)
         parts = engine.loss(batch.input_ids, batch.labels, batch.attention_mask, prefix_states=states)
         nll.append(float(parts.ce) * parts.tokens)
         tokens.append(float(parts.tokens))
