@@ -135,8 +135,9 @@ def test_negative_control_matching_lineage_is_accepted(world, tmp_path):
                     "--out", tmp_path / "eval")  # fmt: skip
     assert result.exit_code == 0, result.output
     for data in ("--data", world["tokens_a"] / "train.jsonl"), ("--held-out", world["tokens_a"] / "train.jsonl"):
+        out = tmp_path / f"eval-{data[0]}"
         result = invoke("eval", "--model", world["a"], "--checkpoint", world["run_a"], *data, "--no-plots",
-                        "--no-base-cache", "--workspace", tmp_path / "ws", "--out", tmp_path / f"eval-{data[0]}")  # fmt: skip
+                        "--no-base-cache", "--workspace", tmp_path / "ws", "--out", out)  # fmt: skip
         assert result.exit_code == 0, result.output
     result = invoke("tokenize", world["tokens_a"] / "train.jsonl", "--model", world["a"], "--out", tmp_path / "again")
     assert result.exit_code == 0, result.output

@@ -77,13 +77,16 @@ def read_delta(path: Path, manifest: DeltaManifest, *, flag: str) -> TrainedChan
     import torch
 
     # lazy: an import cycle (usaf.artifacts.run imports this module at its top)
-    from usaf.artifacts.run import TrainedChange
+    from usaf.artifacts.run import TrainedChange, check_finite
 
     try:
         tensors = load_safetensors(path / DELTA_FILE)
         routers = load_safetensors(path / ROUTERS_FILE)
     except UsafError as e:
         raise UsafError(f"{flag} {path}: unreadable delta ({e.message})", "export the delta again") from None
+    # as a run's checkpoint is: a shared or forged delta's NaN was a sampling traceback, NaN weights or empty text
+    check_finite(path / DELTA_FILE, tensors, flag=flag, hint="export the delta again from an intact run")
+    check_finite(path / ROUTERS_FILE, routers, flag=flag, hint="export the delta again from an intact run")
     summary = manifest.summary
     deltas = {}
     for record in summary.tensors:

@@ -208,8 +208,8 @@ def read_checkpoint(
         raise UsafError(f"{flag} {directory}: unreadable checkpoint ({getattr(e, 'message', e)})", hint) from None
     routers.pop(_NO_ROUTERS, None)
     deltas = _delta_records(tensors, directory, flag=flag, hint=hint)
-    _check_finite(directory / DELTAS_FILE, tensors, flag=flag, hint=hint)
-    _check_finite(directory / ROUTERS_FILE, routers, flag=flag, hint=hint)
+    check_finite(directory / DELTAS_FILE, tensors, flag=flag, hint=hint)
+    check_finite(directory / ROUTERS_FILE, routers, flag=flag, hint=hint)
     _check_step(directory, state, max_step, flag=flag, hint=hint)
     if full and not (isinstance(extra, dict) and all(key in extra for key in ("optimizer", "schedule", "rng"))):
         raise UsafError(
@@ -223,8 +223,8 @@ def read_checkpoint(
     )  # fmt: skip
 
 
-def _check_finite(path: Path, tensors: dict, *, flag: str, hint: str) -> None:
-    """Refuse a NaN or Inf in any floating tensor of a checkpoint file: applied, it makes NaN weights."""
+def check_finite(path: Path, tensors: dict, *, flag: str, hint: str) -> None:
+    """Refuse a NaN or Inf in any floating tensor of a checkpoint's or delta's file: applied, it makes NaN weights."""
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UsafError(f"{flag} {path}: {name} holds NaN or Inf values", hint)

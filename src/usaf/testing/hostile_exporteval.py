@@ -110,6 +110,19 @@ def _routers(shape_of: Callable[[int, int], tuple[int, ...]], *, layer_below: bo
     return forge
 
 
+def _nan_router() -> Forgery:
+    """A trained router for the delta's layer, of the right shape, one weight infinite."""
+    right_shape = _routers(lambda e, h: (e, h))
+
+    def forge(change: TrainedChange, summary: DeltaSummary, spec: FamilySpec):
+        change, summary = right_shape(change, summary, spec)
+        for router in change.routers.values():
+            router[0, 0] = float("inf")
+        return change, summary
+
+    return forge
+
+
 def _export_delta(name: str, forge: Forgery) -> Case:
     """``usaf export --checkpoint`` a forged delta (the directory is the needle: the message must name it)."""
     directory = name.replace(" ", "-").replace("'", "")
@@ -171,6 +184,8 @@ def cases() -> list[Case]:
     return [
         _export_delta("indices past its tensor's end", _deltas(lambda i, v: (i + 10**9, v))),
         _export_delta("unsorted indices", _deltas(lambda i, v: (i.flip(0), v))),
+        _export_delta("a NaN value", _deltas(lambda i, v: (i, v.index_fill(0, torch.tensor([1]), float("nan"))))),
+        _eval_delta("an infinite router weight", _nan_router()),
         _export_delta("values shorter than its indices", _deltas(lambda i, v: (i, v[:-1]))),
         _export_delta("a tensor the model does not have", _foreign_tensor()),
         _export_delta("a layer that is not a MoE layer", _layers([7])),
