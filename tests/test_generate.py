@@ -162,3 +162,28 @@ def test_sampling_is_not_cut_to_transformers_default_top_k():
     tokenizer = build_tiny_tokenizer()
     sampled = generation_config(GenerateConfig(prompt="x", top_p=1.0), tokenizer, Path("/nonexistent"), 8)
     assert sampled.top_k == 0 and sampled.do_sample and sampled.max_new_tokens == 8
+
+
+def test_with_the_chat_template_generation_stops_at_the_token_replies_end_with():
+    """Tokenize trains replies to end with the template's turn end (<|im_end|>); generation stopped only at the EOS
+    (<|endoftext|>, a Qwen3 base model's too) and went on inventing turns, the marker hidden (found in review). The
+    controls: the plain prompt stops at the EOS alone; a template whose replies end with plain text adds nothing."""
+    from pathlib import Path
+
+    from usaf.data.chat import turn_end_ids
+    from usaf.settings.generate import GenerateConfig
+    from usaf.stages.generate import generation_config
+    from usaf.testing import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end_ids(tokenizer) == [im_end] != [tokenizer.eos_token_id]
+    settings = GenerateConfig(prompt="x", temperature=0)
+    chat = generation_config(settings, tokenizer, Path("/nonexistent"), 8, chat=True)
+    plain = generation_config(settings, tokenizer, Path("/nonexistent"), 8)
+    assert chat.eos_token_id == [tokenizer.eos_token_id, im_end] and plain.eos_token_id == tokenizer.eos_token_id
+    qwen3 = build_tiny_tokenizer()
+    qwen3.chat_template = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    assert turn_end_ids(qwen3) == [im_end]
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}"
+    assert turn_end_ids(tokenizer) == []

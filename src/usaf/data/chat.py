@@ -117,3 +117,20 @@ def label_chat(tokenizer: Any, messages: list[dict[str, Any]], origin: str) -> t
         inside = span_index < len(spans) and spans[span_index][0] <= char_start < spans[span_index][1]
         labels.append(token_id if inside else IGNORE_INDEX)
     return list(enc.ids), labels
+
+
+def turn_end_ids(tokenizer: Any) -> list[int]:
+    """The special token a reply ends with under the tokenizer's chat template (``<|im_end|>``, ``<|eot_id|>``,
+    gpt-oss's ``<|return|>``), as a list of one id; empty where the template ends a reply with no special token.
+
+    Tokenize labels it as part of each reply ("learning to stop"), so a chat model stops there; generation stopped
+    only at the model's EOS (``<|endoftext|>`` for a Qwen3 base model) and went on inventing turns, the marker
+    hidden from the text (found in review)."""
+    with template_errors("the chat template"):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARKER}], tokenize=False
+        )
+    _, found, tail = rendered.partition(_MARKER)
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if found and tail else []
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids[:1] if ids and ids[0] in special else []

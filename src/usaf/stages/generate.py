@@ -20,7 +20,7 @@ from transformers import GenerationConfig, TextStreamer
 
 from usaf.backends import resolve_backend
 from usaf.config import refuse_unused, source_of
-from usaf.data.chat import template_errors
+from usaf.data.chat import template_errors, turn_end_ids
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.errors import UsafError
 from usaf.settings.generate import GenerateConfig
@@ -68,12 +68,18 @@ def _streamer(tokenizer: Any, on_text: Callable[[str], None]) -> Any:
     return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def generation_config(config: GenerateConfig, tokenizer: Any, model_dir: Path, max_new_tokens: int) -> Any:
+def generation_config(
+    config: GenerateConfig, tokenizer: Any, model_dir: Path, max_new_tokens: int, *, chat: bool = False
+) -> Any:
     """Sampling settings from the flags only (``max_new_tokens``: ``--max-new-tokens`` within the context);
-    end-of-sequence ids from the model's generation config."""
+    end-of-sequence ids from the model's generation config, and with the chat template (``chat``) the token its
+    replies end with (:func:`usaf.data.chat.turn_end_ids`)."""
     eos = tokenizer.eos_token_id
     if (model_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos  # e.g. Qwen's two end tokens
+    if chat:
+        ends = [eos] if isinstance(eos, int) else list(eos or [])
+        eos = ends + [i for i in turn_end_ids(tokenizer) if i not in ends]
     # top_k=0: transformers' default of 50 would cut every distribution to its 50 likeliest tokens, which --top-p
     # 1.0 does not ask for (found in review)
     sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": 0}
@@ -134,7 +140,7 @@ def run(
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            generation_config=generation_config(config, tokenizer, model_dir, max_new_tokens),
+            generation_config=generation_config(config, tokenizer, model_dir, max_new_tokens, chat=templated),
             streamer=streamer,
         )
     new = output[0, input_ids.shape[1] :].tolist()
