@@ -882,3 +882,44 @@ def test_a_lost_peer_keeps_the_flag_handlers_so_torchruns_sigterm_cannot_cut_the
     finally:  # every handler back, not SIGTERM's alone: the rest of the session keeps its Ctrl-C
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_workspace_plan_scored_on_other_data_is_not_taken_and_a_given_one_is_said(prepared, tmp_path):
+    """A plan's masks and lr are chosen on its data: `train --data B` took the workspace's plan scored on A in
+    silence, and said its prefix store held every training sequence (found in review). Passed over now (saying so)
+    and one scored on B; --plan A with --data B is the user's choice, said. The control: --data A takes it."""
+    from usaf.testing import stdlib_dir
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    ws = tmp_path / "ws"
+    shutil.copytree(plan, ws / "plan" / "scored")
+    other = tmp_path / "other-tokens"
+    made = invoke("tokenize", stdlib_dir() / "glob.py", "--model", qdir, "--seq-len", 32, "--out", other)
+    assert made.exit_code == 0, made.output
+    args = ["--model", qdir, "--workspace", ws, "--steps", 2, "--calib-samples", 8, "--train-from", 2]
+
+    same = invoke("train", *args, "--data", tokens, "--out", tmp_path / "same")
+    assert same.exit_code == 0 and "scoring now" not in same.stderr, same.output
+    passed = invoke("train", *args, "--data", other, "--out", tmp_path / "passed")
+    said = " ".join(passed.stderr.split())
+    assert passed.exit_code == 0 and "not using the plan" in said and "scored with other tokens" in said, said
+    assert "scoring now into" in said
+    given = invoke("train", *args[:-4], "--data", other, "--plan", plan, "--out", tmp_path / "given")
+    said = " ".join(given.stderr.split())
+    assert given.exit_code == 0 and f"--plan {plan}: scored with other tokens" in said, said
+
+
+def test_a_prefix_store_of_other_data_does_not_spare_the_frozen_layers():
+    """A --cache store of another --data, as large as this one, was taken for this data's: the frozen layers were left
+    unprepared and then run at every miss (found in review)."""
+    from types import SimpleNamespace
+
+    from usaf.stages.train.run import _computes_prefixes
+
+    def inputs(scored_on: str):
+        summary = SimpleNamespace(prefix_cache=SimpleNamespace(scope="data"), tokens_fingerprint=scored_on)
+        plan = SimpleNamespace(summary=summary)
+        return SimpleNamespace(plan=plan, data_fingerprint="A", data=[0] * 4, eval_data=None)
+
+    cache = SimpleNamespace(store=[0] * 4)
+    assert _computes_prefixes(cache, inputs("B")) and not _computes_prefixes(cache, inputs("A"))  # A: the control

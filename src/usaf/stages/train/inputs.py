@@ -359,10 +359,13 @@ class _Settler:
         given_plan = self.given[1] if self.given else None
         budgeted, steps, reselect_every = self.budgeted(config, given_plan, progress)  # before any scoring on the fly
         wanted = self.selection_given(config, budgeted, run_dir)
-        found = self.given or _found_plan(self.model, run_dir, config.workspace, progress, wanted)
+        found = self.given or _found_plan(self.model, run_dir, config.workspace, progress, wanted,
+                                          self.data_fingerprint)  # fmt: skip
         if found is None and not score_now:
             return None
         plan_dir, plan = found or _score_on_the_fly(self.score_settings(budgeted, run_dir), run_dir, progress, wanted)
+        if self.given is not None and (other := _data_difference(plan, self.data_fingerprint)):
+            progress.note(f"--plan {plan_dir}: scored with {other[0]}: its masks and lr were chosen on those")
         first = plan.summary.trainable_layers[0]
         if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
@@ -404,7 +407,7 @@ class _Settler:
             return None
         budgeted = self.budgeted(config, None, NullProgress())[0]
         wanted = self.selection_given(config, budgeted, run_dir)
-        if _found_plan(self.model, run_dir, config.workspace, NullProgress(), wanted) is not None:
+        if _found_plan(self.model, run_dir, config.workspace, NullProgress(), wanted, self.data_fingerprint):
             return None
         return run_identity(self.score_settings(budgeted, run_dir), model_fingerprint=self.model[1],
                             data_fingerprint=self.data_fingerprint, backend=self.backend,
@@ -412,13 +415,21 @@ class _Settler:
 
 
 def _found_plan(
-    model: tuple[Path, str], run_dir: Path, workspace: Path | None, progress: Progress, wanted: dict[str, Any]
+    model: tuple[Path, str],
+    run_dir: Path,
+    workspace: Path | None,
+    progress: Progress,
+    wanted: dict[str, Any],
+    data_fingerprint: str,
 ) -> tuple[Path, PlanManifest] | None:
     """Without ``--plan``: the one scored into RUN/plan by an earlier start, else the workspace's newest plan for
-    this model scored with the selection settings given (``wanted``; not one inside another run), else None.
+    this model scored on this data (``data_fingerprint``) with the selection settings given (``wanted``; not one
+    inside another run), else None.
 
     A plan scored with other selection settings than those given is never taken: the plan decides the masks, so
-    the given ``--frac`` (say) would be ignored. RUN/plan is this run's own: one with others is refused."""
+    the given ``--frac`` (say) would be ignored; nor one scored on other data, whose masks and lr were chosen on that
+    (it was taken in silence, its prefix store said to hold every training sequence; found in review). RUN/plan is
+    this run's own: one with others is refused."""
     if (run_dir / PLAN_DIR / "manifest.json").is_file():  # scored on the fly by an earlier, interrupted start
         path = run_dir / PLAN_DIR
         manifest = load_verified(path, PlanManifest, flag="--plan")
@@ -431,8 +442,19 @@ def _found_plan(
             )
         return path, manifest
     started = _started_with(run_dir)  # an interrupted run: the plan it started with before any newer one
+    def differences(plan: PlanManifest) -> list[str]:
+        return _selection_differences(plan, wanted) + _data_difference(plan, data_fingerprint)
+
     return resolve_plan(None, workspace, model, progress, outside=run_dir, prefer=started.get("plan_fingerprint"),
-                        differences=lambda m: _selection_differences(m, wanted))  # fmt: skip
+                        differences=differences)  # fmt: skip
+
+
+def _data_difference(plan: PlanManifest, data_fingerprint: str) -> list[str]:
+    """The plan's data where it is not this run's, in a user's words; empty where it is."""
+    scored_on = plan.summary.tokens_fingerprint
+    if scored_on == data_fingerprint:
+        return []
+    return [f"other tokens (fingerprint {scored_on[:16]}) than --data's ({data_fingerprint[:16]})"]
 
 
 def _selection_differences(plan: PlanManifest, wanted: dict[str, Any]) -> list[str]:

@@ -162,15 +162,27 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[A
     spill = inputs.run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
     cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
     if store is not None:
-        whose = "every training sequence: usaf score --cache" if record.scope == "data" else "the calibration sample"
+        whose = "the calibration sample"
+        if record.scope == "data":  # of its data: another --data's, said as such (found in review)
+            whose = ("every training sequence: usaf score --cache" if _store_holds_the_data(inputs)
+                     else "another --data's training sequences: those of this --data it holds are used")  # fmt: skip
         progress.note(f"prefix states of {len(store):,} sequences read from the plan ({whose})")
     return cache, inputs.model.fingerprint
 
 
 def _computes_prefixes(cache: Any, inputs: Any) -> bool:
-    """Whether the run will run its frozen layers: sequences the plan's store lacks (all but usaf score --cache's), or
-    held-out data (whose states the store never holds)."""
-    return cache.store is None or len(cache.store) < len(inputs.data) or inputs.eval_data is not None
+    """Whether the run will run its frozen layers: sequences the plan's store lacks (all but usaf score --cache's of
+    this very data: another data's store of as many sequences left the frozen layers quantized and ran them at every
+    miss, found in review), or held-out data (whose states the store never holds)."""
+    complete = cache.store is not None and _store_holds_the_data(inputs) and len(cache.store) >= len(inputs.data)
+    return not complete or inputs.eval_data is not None
+
+
+def _store_holds_the_data(inputs: Any) -> bool:
+    """The plan's store is ``usaf score --cache``'s of this run's data (its every training sequence)."""
+    summary = inputs.plan.summary
+    scope = summary.prefix_cache.scope if summary.prefix_cache is not None else None
+    return scope == "data" and summary.tokens_fingerprint == inputs.data_fingerprint
 
 
 def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
