@@ -923,3 +923,27 @@ def test_a_prefix_store_of_other_data_does_not_spare_the_frozen_layers():
 
     cache = SimpleNamespace(store=[0] * 4)
     assert _computes_prefixes(cache, inputs("B")) and not _computes_prefixes(cache, inputs("A"))  # A: the control
+
+
+def test_the_lr_taken_from_the_plan_says_a_fallback_and_another_router_setting():
+    """Train reported "lr 1.0e-03 (from the plan's lr test)" for a test whose every probe diverged (score had said
+    "not a measured choice"), and for a test run without the routers training before a run that trains them (found
+    in review). The control: a measured test of the same router setting is said as before."""
+    from types import SimpleNamespace
+
+    from usaf.artifacts.plan import LrTestRecord
+    from usaf.stages.train.config import TrainConfig
+    from usaf.stages.train.inputs import with_lr
+
+    def plan(losses, router=True):
+        test = LrTestRecord(lr=1e-3, candidates=[1e-3, 3e-3], heldout_losses=losses, base_loss=4.0, rule="r",
+                            steps=16, seconds=1.0)  # fmt: skip
+        return SimpleNamespace(summary=SimpleNamespace(lr_test=test), config={"router": router})
+
+    config = TrainConfig()
+    assert with_lr(config, plan([3.5, 3.6]))[1] == "the plan's lr test"
+    assert "a fallback: every probe diverged" in with_lr(config, plan([4.5, None]))[1]
+    assert "which ran without the routers training, and this run trains them" in with_lr(config, plan([3.5, 3.6],
+                                                                                                  router=False))[1]
+    lr, source = with_lr(config.model_copy(update={"router": False}), plan([3.5, 3.6]))
+    assert lr.lr == 1e-3 and "which ran with the routers training, and this run trains none" in source

@@ -252,6 +252,11 @@ def measured(result: LrTestResult) -> bool:
     return bool(_eligible(result.base_loss, result.candidates, result.losses))
 
 
+def recorded_measured(record: Any) -> bool:
+    """:func:`measured` of a plan's :class:`usaf.artifacts.plan.LrTestRecord`."""
+    return bool(_eligible(record.base_loss, record.candidates, record.heldout_losses))
+
+
 def split(lines: list) -> tuple[list, list]:
     """(probe lines, held-back lines): every ``HOLD_BACK``-th *source* of the sample held back, so the held-back
     loss rewards what transfers to other files of the domain, not what memorizes the probed files' own names (a

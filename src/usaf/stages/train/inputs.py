@@ -49,6 +49,7 @@ from usaf.settings import SELECTION_FIELDS
 from usaf.settings.fields import DEFAULT_TARGETS, EXPERTS_ONLY, parse_targets
 from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
+from usaf.stages.lr_test import recorded_measured
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.score_resume import ScoreProgress, run_identity, same_run
 from usaf.stages.train.budget import apply_budget
@@ -169,9 +170,16 @@ def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:
     if config.lr is not None:
         return config, source_of(config, "lr")
     test = plan.summary.lr_test
-    if test is not None:
-        return config.model_copy(update={"lr": test.lr}), "the plan's lr test"
-    return config.model_copy(update={"lr": DEFAULT_LR}), "the default: the plan has no lr test"
+    if test is None:
+        return config.model_copy(update={"lr": DEFAULT_LR}), "the default: the plan has no lr test"
+    source = "the plan's lr test"  # what it measured, said where it is not this run's choice (found in review):
+    if not recorded_measured(test):
+        source += ", a fallback: every probe diverged (pass a smaller --lr if the loss rises)"
+    scored_router = plan.config.get("router", True)  # the probes trained the routers, or not
+    if scored_router != config.router:
+        source += (f", which ran with{'' if scored_router else 'out'} the routers training, and this run trains "
+                   f"{'none' if scored_router else 'them'} (pass --lr to choose)")
+    return config.model_copy(update={"lr": test.lr}), source
 
 
 def _check_run_dir(
