@@ -479,3 +479,26 @@ def test_out_inside_the_base_given_by_path_is_refused(trained, tmp_path):
     result = invoke("export", "--model", qdir, "--checkpoint", run, "--base", source, "--out", source / "merged")
     assert result.exit_code == 2 and "lies inside the input --base" in result.stderr, result.output
     assert not (source / "merged").exists()
+
+
+def test_delta_entries_the_output_dtype_rounds_away_are_counted_and_said(bench, tmp_path):
+    """Written in bf16, a delta under half its weight's bf16 step vanishes: the export said "N delta entries applied"
+    and verified, the logits' check blind at that size (found in review: 2-3 % of the demo's entries). Counted and
+    said now; fp32 keeps them (the control), as do deltas of a size bf16 can hold."""
+    from usaf.testing import hostile_exporteval
+
+    tiny = hostile_exporteval.write_delta(
+        bench, tmp_path / "tiny", hostile_exporteval._deltas(lambda i, v: (i, v * 1e-7))
+    )
+    large = hostile_exporteval.write_delta(bench, tmp_path / "large")
+    common = ["--model", bench.quantized, "--no-verify"]
+    summaries = {}
+    for name, delta, dtype in (("tiny-bf16", tiny, "bfloat16"), ("tiny-f32", tiny, "float32"),
+                               ("large-bf16", large, "bfloat16")):  # fmt: skip
+        out = tmp_path / name
+        summaries[name] = export(*common, "--checkpoint", delta, "--dtype", dtype, "--out", out)["summary"]
+    said = [n for n in summaries["tiny-bf16"]["notes"] if "round away" in n]
+    assert summaries["tiny-bf16"]["expert_entries_rounded_away"] == 3 and said and "3 of the 3 delta entries" in said[0]
+    for name in ("tiny-f32", "large-bf16"):
+        assert summaries[name]["expert_entries_rounded_away"] == 0, name
+        assert not any("round away" in n for n in summaries[name]["notes"]), name

@@ -82,6 +82,11 @@ class HfExportSummary(Record):
         "(named from when only experts trained)"
     )
     expert_entries: int = Field(description="delta entries applied")
+    expert_entries_rounded_away: int | None = Field(
+        None,
+        description="delta entries whose written weight equals the written base: the output dtype rounded the change "
+        "away (None: an export from before it was counted)",
+    )
     router_tensors: int = Field(description="router tensors replaced by their trained values")
     tensors_copied: int = Field(description="tensors written as they were (byte-identical to their source)")
     notes: list[str] = Field(default_factory=list)

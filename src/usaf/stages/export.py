@@ -220,6 +220,8 @@ def _export_hf(
                 f"{counts.router_tensors}/{len(change.routers)} routers"
             )
         notes = list(counts.notes)
+        if (rounding := source.rounding_note()) is not None:
+            notes.append(rounding)
         notes += _model_files(base_dir or model_dir, art.dir, config.dtype)
         checked = None
         if config.verify:
@@ -250,6 +252,7 @@ def _export_hf(
             bytes=sum(r.bytes for r in records),
             expert_tensors_changed=counts.expert_tensors_changed,
             expert_entries=counts.expert_entries,
+            expert_entries_rounded_away=counts.entries_rounded_away,
             router_tensors=counts.router_tensors,
             tensors_copied=counts.tensors_copied,
             notes=notes,
