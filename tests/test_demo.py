@@ -89,3 +89,28 @@ def test_quick_caps_the_steps_and_held_out_sequences_not_given():
     assert capped.steps == 20 and capped.eval_sequences == 16
     plain = resolve_config(DemoConfig, section="demo", cli={}, env={})
     assert effective(plain) == plain and plain.steps > 20  # control: without --quick nothing is capped
+
+
+def test_a_stage_made_with_a_setting_not_given_now_is_not_reused(tmp_path, monkeypatch):
+    """`usaf demo --frac 0.05` then `usaf demo` reused the 0.05 plan and run and showed their result as the default's:
+    a setting not given now was not compared (found in review). The lr train takes from the plan's lr test is what an
+    unset lr means (the control: a run of the plan's lr is reused)."""
+    from types import SimpleNamespace
+
+    from usaf.errors import UsafError
+    from usaf.settings.score import ScoreConfig
+    from usaf.settings.train import TrainConfig
+    from usaf.stages import demo
+
+    def step(name, **recorded):
+        made = demo.DemoStep(name, [], tmp_path / name)
+        made.manifest = SimpleNamespace(config=recorded)
+        return made
+
+    monkeypatch.setattr(demo, "_plan_lr", lambda plan: 1e-3)
+    with pytest.raises(UsafError, match="frac 0.05 there, None now"):
+        demo._check_made_with("score", step("score", frac=0.05), ScoreConfig(), tmp_path, tmp_path / "plan")
+    demo._check_made_with("score", step("score", frac=None), ScoreConfig(), tmp_path, tmp_path / "plan")
+    with pytest.raises(UsafError, match="lr 0.5 there, 0.001 now"):
+        demo._check_made_with("train", step("train", lr=0.5), TrainConfig(), tmp_path, tmp_path / "plan")
+    demo._check_made_with("train", step("train", lr=1e-3), TrainConfig(), tmp_path, tmp_path / "plan")

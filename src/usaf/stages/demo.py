@@ -31,7 +31,7 @@ from usaf.settings.export import ExportConfig
 from usaf.settings.quantize import QuantizeConfig
 from usaf.settings.score import ScoreConfig
 from usaf.settings.tokenize import TokenizeConfig
-from usaf.settings.train import TrainConfig
+from usaf.settings.train import DEFAULT_LR, TrainConfig
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.quantize_parts import PARTIAL_SETTINGS
 from usaf.stages.score_resume import SETTINGS as SCORE_SETTINGS
@@ -142,7 +142,7 @@ def run(
         step = DemoStep(name, command, p[_ARTIFACT[name]])
         if (step.path / "manifest.json").is_file():
             step.manifest, step.reused = load_manifest(step.path), True
-            _check_made_with(name, step, settings, config.workspace)
+            _check_made_with(name, step, settings, config.workspace, p[_ARTIFACT["score"]])
             progress.note(f"{name}: reusing {step.path} (rerun with --overwrite to start over)")
         else:
             progress.note(f"{name}: {shell_line(command)}")
@@ -152,19 +152,30 @@ def run(
     return load_manifest(p["eval"]), p["eval"]
 
 
-def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path) -> None:
+def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path, plan: Path) -> None:
     """Refuse to reuse a stage made with other settings than this demo's (``--steps``, ``--quick``, ...): its result
-    would be shown as this run's. Compared: what the demo sets for the stage, against the stage's recorded config."""
+    would be shown as this run's. Compared: what the demo sets for the stage, against the stage's recorded config;
+    a setting not given now too (a stage made with ``--frac 0.05`` was reused by a demo without it, its result shown
+    as the default's; found in review), where the stage records it unset as unset: train records the lr it took
+    from the plan's lr test (``plan``), which is what the demo's unset lr means."""
     recorded = step.manifest.config
     wanted = settings.model_dump(mode="json")
+    if name == "train" and wanted.get("lr") is None:
+        wanted["lr"] = _plan_lr(plan)
     differ = [f"{key} {recorded.get(key)!r} there, {value!r} now" for key, value in wanted.items()
-              if value is not None and key in recorded and _named(recorded[key]) != _named(value)]  # fmt: skip
+              if key in recorded and _named(recorded[key]) != _named(value)]  # fmt: skip
     if differ:
         raise UsafError(
             f"--workspace {workspace}: its {name} stage ({step.path}) was made with other settings: "
             + "; ".join(differ),
             "rerun with the settings of before, or pass --overwrite to start over (or another --workspace)",
         )
+
+
+def _plan_lr(plan: Path) -> float:
+    """The lr train takes from the demo's plan (:func:`usaf.stages.train.inputs.with_lr`'s, without --lr)."""
+    test = load_manifest(plan).summary.lr_test
+    return test.lr if test is not None else DEFAULT_LR
 
 
 def _named(value: Any) -> Any:
