@@ -241,3 +241,59 @@ def test_without_out_the_same_command_finds_the_interrupted_output_in_the_worksp
     assert load_verified(target, PlanManifest).summary.frac == 0.1 and not interrupted.exists()
     assert len([p for p in (tmp_path / "plan").iterdir() if not p.name.startswith(".")]) == 2
 
+
+
+def test_overwrite_starts_over_an_interrupted_score_of_the_same_settings(setup, tmp_path, stop_at):
+    """--overwrite discarded saved work only where the settings differed; with the same ones it resumed, while inspect
+    said "--overwrite discards it", and no flag started over (found in review). The control: without it, the same
+    command resumes."""
+    out = tmp_path / "plan"
+    stop_at(3)
+    assert invoke(*args(setup, out)).exit_code == 130
+    stop_at(0)
+    over = invoke(*args(setup, out), "--overwrite")
+    assert over.exit_code == 0, over.output
+    assert "discarding the interrupted score's work" in over.stderr and "(--overwrite; its settings)" in over.stderr
+    assert "calibration batches done" not in over.stderr and not partial(out).exists()
+
+    again = tmp_path / "again"
+    stop_at(3)
+    assert invoke(*args(setup, again)).exit_code == 130
+    stop_at(0)
+    resumed = invoke(*args(setup, again))
+    assert resumed.exit_code == 0 and "calibration batches done" in resumed.stderr, resumed.output
+
+
+HOLD_THE_LOCK = """
+import pathlib, sys, time
+from usaf.artifacts.lock import OutputLock
+lock = OutputLock(pathlib.Path(sys.argv[1])).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_score_still_running_is_not_taken_for_an_interrupted_one(setup, tmp_path, stop_at):
+    """A second identical `usaf score` (no --out) said it was resuming the first, still running, then was refused,
+    naming an --out never given (found in review). A default output another process holds is passed over. The
+    control: free, the same command resumes it (test_without_out_the_same_command_finds_...)."""
+    import subprocess
+    import sys
+
+    qdir, tokens = setup
+    command = ["score", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--calib-samples", 8,
+               "--microbatch", 2, "--train-from", 2, "--no-lr-test"]  # fmt: skip
+    stop_at(3)
+    assert invoke(*command).exit_code == 130
+    (interrupted,) = (tmp_path / "plan").glob(".*.usaf-partial")
+    target = interrupted.parent / interrupted.name.removeprefix(".").removesuffix(".usaf-partial")
+    stop_at(0)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(target)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = invoke(*command)
+        assert result.exit_code == 0, result.output
+        assert "resuming" not in result.stderr and interrupted.is_dir()  # a new output; the running one's left alone
+    finally:
+        holder.kill()
+        holder.wait()

@@ -55,7 +55,7 @@ def test_a_workspace_lists_what_usaf_left_and_how_each_goes_on(workspace):
     assert "newest checkpoint: step 2 of 6" in run["detail"] and "usaf train --out" in run["next"]
     (score,) = by_state["interrupted"]
     assert score["kind"] == "plan" and "usaf score kept the calibration pass" in score["detail"]
-    assert Path(score["path"]).name.endswith(".usaf-partial") and "--overwrite discards it" in score["next"]
+    assert Path(score["path"]).name.endswith(".usaf-partial") and "with --overwrite it starts over" in score["next"]
     (kept,) = by_state["kept eval pass"]
     assert kept["detail"] == "the base pass after 1 microbatch" and "resumes it" in kept["next"]
     (leftover,) = by_state["leftover"]

@@ -31,6 +31,7 @@ from usaf.artifacts import (
     load_verified,
     workspace_dir,
 )
+from usaf.artifacts.lock import holder_of
 from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER
 from usaf.artifacts.plan import (
     LayerRouting,
@@ -272,7 +273,8 @@ def _output(config: ScoreConfig, label: str, identity: dict, progress: Progress)
     workspace = workspace_dir(config.workspace)
     found = _interrupted_output(workspace, label, identity)
     if found is not None:  # without --out every run gets a new name: the same command would not find its work
-        progress.note(f"resuming the interrupted score that was writing {found} (no --out given)")
+        what = "starting over (--overwrite)" if config.overwrite else "resuming"
+        progress.note(f"{what} the interrupted score that was writing {found} (no --out given)")
         return found
     return default_output(workspace, "plan", label)
 
@@ -281,6 +283,8 @@ def _interrupted_output(workspace: Path, label: str, identity: dict) -> Path | N
     """The default output an interrupted score with this ``identity`` was writing in the workspace (the newest), if
     its saved work is there: without ``--out`` every run gets a new name, so the same command would not find it."""
     for target in interrupted_outputs(workspace, "plan", label):
+        if holder_of(target) is not None:  # still being written: another name (it was called interrupted and then
+            continue  # refused, naming an --out never given; found in review)
         saved = ScoreProgress(ArtifactWriter.partial_dir(target), NullProgress())
         if saved.holds_work() and same_run(saved.recorded_identity(), identity):
             return target

@@ -132,15 +132,17 @@ class ScoreProgress:
         if directory is None:
             return saved
         recorded = saved.recorded_identity()
-        if recorded is not None and not same_run(recorded, identity) and saved.holds_work():
-            if not discard:
-                raise UsafError(
-                    f"--out {out}: an interrupted usaf score with other settings or inputs left its work in "
-                    f"{directory} ({_differences(recorded, identity)})",
-                    "rerun with its settings to resume it, or pass --overwrite to discard it",
-                )
-            progress.note(f"discarding the interrupted score's work in {directory} (--overwrite; other settings)")
-        if not same_run(recorded, identity):
+        same = recorded is not None and same_run(recorded, identity)
+        if recorded is not None and not same and saved.holds_work() and not discard:
+            raise UsafError(
+                f"--out {out}: an interrupted usaf score with other settings or inputs left its work in "
+                f"{directory} ({_differences(recorded, identity)})",
+                "rerun with its settings to resume it, or pass --overwrite to discard it",
+            )
+        if discard and saved.holds_work():  # its own settings too: --overwrite starts over, as inspect says (it
+            why = "its settings" if same else "other settings"  # resumed: found in review)
+            progress.note(f"discarding the interrupted score's work in {directory} (--overwrite; {why})")
+        if not same or discard:
             saved._clear()
             record = {**identity, THREADS_KEY: threads}  # beside the identity: a resume at another count is taken
             write_text_atomic(directory / SETTINGS, json.dumps(record, indent=1, sort_keys=True))

@@ -134,7 +134,7 @@ def _interrupted(partial: Path, target: Path) -> Entry | None:
     else:
         return None
     return Entry(partial, "interrupted", kind, f"{detail}; resumes into {target.name}", _size(partial),
-                 f"rerun the same command (with or without --out) to resume; {discard} discards it",
+                 f"rerun the same command with --out {target} to resume; with {discard} it starts over",
                  holder_of(target))  # fmt: skip
 
 
