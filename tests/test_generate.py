@@ -187,3 +187,30 @@ def test_with_the_chat_template_generation_stops_at_the_token_replies_end_with()
     assert turn_end_ids(qwen3) == [im_end]
     tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}"
     assert turn_end_ids(tokenizer) == []
+
+
+def test_memory_that_runs_out_is_one_line_with_the_ways_out(workspace, monkeypatch):
+    """generate loads the whole model on the device; out of memory there (a 12 GB card at Qwen3-30B-A3B's size) was
+    torch's traceback (found in review). One line now, naming torch's message; another error keeps its traceback
+    (the control: a bug must stay visible)."""
+    import torch
+
+    from usaf.stages import generate as stage
+
+    root, _, _ = workspace
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(stage, "model_with_change", out_of_memory)
+    result = invoke("generate", PROMPT, "--workspace", root)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and errors == ["error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)"]
+    assert "--device cpu" in result.stderr and "Traceback" not in result.stderr
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(stage, "model_with_change", bug)
+    result = invoke("generate", PROMPT, "--workspace", root)
+    assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)

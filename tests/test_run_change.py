@@ -91,6 +91,8 @@ def test_bad_run_directories(finished_run, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsafError, match="not a usaf run"):
         load_trained_change(tmp_path / "empty")
+    final = load_trained_change(run / "final")  # a finished run's final/: the run (a false error before)
+    assert final.fingerprint == load_trained_change(run).fingerprint and final.source == run
     started = tmp_path / "started"  # a run that wrote its settings, no checkpoint yet: not "not a usaf run"
     started.mkdir()
     shutil.copy(run / "run-settings.json", started / "run-settings.json")

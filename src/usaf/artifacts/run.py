@@ -328,6 +328,8 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
     path = Path(path)
     if not path.is_dir():
         raise UsafError(f"{flag} {path}: no such directory", "pass a run directory written by usaf train")
+    if path.name == FINAL_DIR and (path.parent / "manifest.json").is_file():  # RUN/final: the finished run itself
+        path = path.parent  # (its checkpoint's run was looked for two levels up; found in review)
     if (path / "manifest.json").is_file():
         if read_manifest_json(path, flag=flag)["kind"] == DeltaManifest.KIND:
             return read_delta(path, load_verified(path, DeltaManifest, flag=flag), flag=flag)

@@ -53,6 +53,12 @@ def handle_errors(verbose: bool = False) -> Iterator[None]:
             raise
         _print_error(translated, verbose)
         raise typer.Exit(UsafError.exit_code) from None
+    except RuntimeError as e:
+        translated = _out_of_memory(e)
+        if translated is None:
+            raise
+        _print_error(translated, verbose)
+        raise typer.Exit(UsafError.exit_code) from None
     except KeyboardInterrupt as e:
         name = getattr(e, "name", "SIGINT")
         what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
@@ -97,6 +103,20 @@ def _print_error(e: UsafError, verbose: bool) -> None:
     if e.hint:
         err.print("[yellow]hint:[/yellow] ", end="")
         err.print(e.hint, markup=False, emoji=False, highlight=False)
+
+
+def _out_of_memory(e: RuntimeError) -> UsafError | None:
+    """Last resort for memory that ran out where no stage plans for it (train retries a step at a smaller microbatch;
+    ``usaf generate`` loads the whole model on the device, and a 12 GB card gave torch's traceback; found in
+    review): one line with torch's own first line, and the ways out."""
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if type(e).__name__ != "OutOfMemoryError" and "can't allocate memory" not in message:
+        return None
+    return UsafError(
+        f"out of memory ({message[:200]})",
+        "lower --microbatch or --seq-len, pass --stream-experts where the command takes it, or --device cpu; "
+        "usaf plan MODEL says what fits",
+    )
 
 
 def _stray_disk_error(e: OSError) -> UsafError | None:
