@@ -297,3 +297,24 @@ def test_a_score_still_running_is_not_taken_for_an_interrupted_one(setup, tmp_pa
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_stopped_while_writing_the_plan_it_says_what_is_kept_and_resumes(setup, tmp_path, monkeypatch):
+    """Ctrl-C after the lr test, while the plan's files were written, said "nothing half-written was left behind"
+    of a kept, resumable partial directory (found in review). It says what is kept; the rerun resumes."""
+    from usaf.stages import score
+
+    out = tmp_path / "plan"
+    real = score._write_files
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(score, "_write_files", stopped)
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 130 and partial(out).is_dir()
+    said = " ".join(result.stderr.split())
+    assert f"interrupted while writing the plan: its work is saved in {partial(out)}" in said
+    monkeypatch.setattr(score, "_write_files", real)
+    resumed = invoke(*args(setup, out))
+    assert resumed.exit_code == 0 and "calibration batches done" in resumed.stderr, resumed.output

@@ -357,14 +357,20 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
         return load_verified(writer.target, PlanManifest, flag="--out"), writer.target
-    saved.clear_outputs()  # what a run that failed while writing left (written again)
-    _write_files(writer.dir, masks, accumulators, routing, full_maps=config.full_maps)
-    if config.cache is not False and engine.prefix is not None:
-        by_key = sample_states_by_key(engine, lines, sample_states or {}, model_fingerprint)
-        # under torchrun rank 0 writes the store alone (no collective stop check; its minute saves stay)
-        store_stop = stop if not world.active else None
-        summary = _with_prefix_store(summary, config, engine, by_key, data_file, writer.dir,
-                                     model_fingerprint, tokenizer, pad, progress, saved, store_stop)  # fmt: skip
+    try:
+        saved.clear_outputs()  # what a run that failed while writing left (written again)
+        _write_files(writer.dir, masks, accumulators, routing, full_maps=config.full_maps)
+        if config.cache is not False and engine.prefix is not None:
+            by_key = sample_states_by_key(engine, lines, sample_states or {}, model_fingerprint)
+            # under torchrun rank 0 writes the store alone (no collective stop check; its minute saves stay)
+            store_stop = stop if not world.active else None
+            summary = _with_prefix_store(summary, config, engine, by_key, data_file, writer.dir,
+                                         model_fingerprint, tokenizer, pad, progress, saved, store_stop)  # fmt: skip
+    except KeyboardInterrupt:  # stopped while writing the plan: "nothing half-written" was said of saved work
+        if saved.holds_work():  # (found in review): what is kept, and how to go on
+            progress.note(f"interrupted while writing the plan: its work is saved in {saved.directory}; run the same "
+                          "command to resume")  # fmt: skip
+        raise
     manifest = writer.commit(  # locked since run took the output
         PlanManifest,
         exclude=saved.bookkeeping(),
