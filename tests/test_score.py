@@ -323,3 +323,18 @@ def test_default_frac_rule():
     assert default_frac(round(MIN_ENTRIES / FLOOR_FRAC_CAP) // 2) == FLOOR_FRAC_CAP  # the cap
     assert default_frac(100) == FLOOR_FRAC_CAP  # never above the cap
     assert default_frac(int(MIN_ENTRIES / FRAC)) == FRAC  # exactly at the floor: unchanged
+
+
+def test_a_frac_under_one_weight_per_tensor_is_said(setup, tmp_path):
+    """--frac 1e-12 trained one weight in each tensor while the plan recorded frac 1e-12, said nowhere (found in
+    review). The control: a frac of whole weights says nothing."""
+    qdir, _, tokens = setup
+    common = ("--model", qdir, "--data", tokens, "--calib-samples", 8, "--train-from", 3, "--no-stability",
+              "--no-lr-test")  # fmt: skip
+    tiny = score(*common, "--frac", 1e-12, "--out", tmp_path / "tiny")
+    assert tiny.exit_code == 0, tiny.output
+    tensors = len(load_verified(tmp_path / "tiny", PlanManifest).summary.tensors)
+    said = " ".join(tiny.stderr.split())
+    assert f"frac 1e-12: under one weight in {tensors} of the {tensors} target tensors, each of which trains" in said
+    whole = score(*common, "--frac", 0.05, "--out", tmp_path / "whole")
+    assert whole.exit_code == 0 and "under one weight" not in whole.stderr, whole.output

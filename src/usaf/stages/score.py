@@ -324,6 +324,10 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     shapes = {name: w.shape for name, w in engine.weights.items()}
     layer_of = {name: loaded.spec.layer_of(name) for name in shapes}
     frac = _selected_share(config.frac, sum(numel(shape) for shape in shapes.values()), progress)
+    floored = [name for name, shape in shapes.items() if int(frac * numel(shape)) < 1]
+    if floored and config.budget in ("per-tensor", "per-expert"):  # the frac alone misstated what trains, in silence
+        progress.note(f"frac {frac:g}: under one weight in {len(floored)} of the {len(shapes)} target tensors, each "
+                      "of which trains one")  # fmt: skip  (found in review)
     pools = pool_size(shapes, frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
