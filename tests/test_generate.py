@@ -214,3 +214,20 @@ def test_memory_that_runs_out_is_one_line_with_the_ways_out(workspace, monkeypat
     monkeypatch.setattr(stage, "model_with_change", bug)
     result = invoke("generate", PROMPT, "--workspace", root)
     assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)
+
+
+def test_a_model_directory_usaf_does_not_take_is_named_with_the_way_on(tiny_model, tmp_path):
+    """--model an original Hugging Face directory or an export said only "not a usaf artifact" / "expected
+    'quantized_model'" (found in review): the hint says what usaf takes. The control: a directory of neither kind
+    keeps the generic hint."""
+    original = tiny_model("qwen3_moe", num_layers=2, tokenizer=True)
+    result = invoke("generate", PROMPT, "--model", original)
+    assert result.exit_code == 2 and "what usaf quantize makes of it" in " ".join(result.stderr.split())
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "manifest.json").write_text('{"kind": "hf_export", "schema_version": 1}')
+    result = invoke("generate", PROMPT, "--model", export)
+    assert result.exit_code == 2 and "loads with transformers" in " ".join(result.stderr.split())
+    (tmp_path / "empty").mkdir()
+    result = invoke("generate", PROMPT, "--model", tmp_path / "empty")
+    assert result.exit_code == 2 and "what usaf quantize makes" not in result.stderr, result.output

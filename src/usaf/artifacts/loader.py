@@ -23,10 +23,10 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
         raise UsafError(f"{flag} {path}: no such directory", "check the path")
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
-        raise UsafError(
-            f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})",
-            "point at a directory written by a usaf command; an interrupted run leaves none",
-        )
+        hint = "point at a directory written by a usaf command; an interrupted run leaves none"
+        if (path / "config.json").is_file():  # the model a user starts from (found in review: the hint named no way on)
+            hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
+        raise UsafError(f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})", hint)
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -59,10 +59,11 @@ def load_manifest(path: Path, expect: type[M] | None = None, *, flag: str = "pat
             "the file was edited; re-run the stage that made it",
         )
     if expect is not None and kind != expect.KIND:
-        raise UsafError(
-            f"{flag} {path}: is a '{kind}' artifact, expected '{expect.KIND}' (per its {MANIFEST_NAME})",
-            f"pass a directory made by the stage that writes '{expect.KIND}'",
-        )
+        hint = f"pass a directory made by the stage that writes '{expect.KIND}'"
+        if kind == "hf_export":  # an export is for transformers, not usaf (found in review)
+            hint += "; an exported model loads with transformers (AutoModelForCausalLM.from_pretrained)"
+        raise UsafError(f"{flag} {path}: is a '{kind}' artifact, expected '{expect.KIND}' (per its {MANIFEST_NAME})",
+                        hint)  # fmt: skip
     cls = expect or MANIFEST_KINDS.get(kind)
     if cls is None:
         raise UsafError(
