@@ -36,7 +36,7 @@ def combine(parts: Iterable[tuple[str, str]]) -> str:
 def sha256_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
     """One sha256 of named tensors' names, dtypes, shapes and bytes, in name order (a checkpoint's values, not how
     its files are laid out: the same tensors read from another file layout hash the same)."""
-    import torch
+    import torch  # lazy: usaf.artifacts reads manifests without torch (the hashing of files needs none)
 
     digest = hashlib.sha256()
     for name in sorted(tensors):
