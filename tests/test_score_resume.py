@@ -42,6 +42,13 @@ def args(setup, out: Path, *extra) -> list:
             "--microbatch", 2, "--train-from", 2, "--lr-test", "--lr-test-steps", STEPS, *extra]  # fmt: skip
 
 
+def workspace_command(setup, workspace: Path) -> list:
+    """A score without --out, its default output in ``workspace`` (no lr test: the pass is what is resumed)."""
+    qdir, tokens = setup
+    return ["score", "--workspace", workspace, "--model", qdir, "--data", tokens, "--calib-samples", 8,
+            "--microbatch", 2, "--train-from", 2, "--no-lr-test"]  # fmt: skip
+
+
 def partial(out: Path) -> Path:
     return out.parent / f".{out.name}.usaf-partial"
 
@@ -222,9 +229,7 @@ def test_without_out_the_same_command_finds_the_interrupted_output_in_the_worksp
     """A default output is named by its start time, so a rerun would get a new one and start over: the same command
     finds the workspace's interrupted score of the same settings and resumes it. Control: other settings start a new
     output and leave that saved work alone."""
-    qdir, tokens = setup
-    command = ["score", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--calib-samples", 8,
-               "--microbatch", 2, "--train-from", 2, "--no-lr-test"]  # fmt: skip
+    command = workspace_command(setup, tmp_path)
     stop_at(3)
     assert invoke(*command).exit_code == 130
     (interrupted,) = (tmp_path / "plan").glob(".*.usaf-partial")
@@ -280,9 +285,7 @@ def test_a_score_still_running_is_not_taken_for_an_interrupted_one(setup, tmp_pa
     import subprocess
     import sys
 
-    qdir, tokens = setup
-    command = ["score", "--workspace", tmp_path, "--model", qdir, "--data", tokens, "--calib-samples", 8,
-               "--microbatch", 2, "--train-from", 2, "--no-lr-test"]  # fmt: skip
+    command = workspace_command(setup, tmp_path)
     stop_at(3)
     assert invoke(*command).exit_code == 130
     (interrupted,) = (tmp_path / "plan").glob(".*.usaf-partial")

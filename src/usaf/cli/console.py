@@ -47,14 +47,8 @@ def handle_errors(verbose: bool = False) -> Iterator[None]:
     except UsafError as e:
         _print_error(e, verbose)
         raise typer.Exit(UsafError.exit_code) from None
-    except OSError as e:
-        translated = _stray_disk_error(e)
-        if translated is None:
-            raise
-        _print_error(translated, verbose)
-        raise typer.Exit(UsafError.exit_code) from None
-    except RuntimeError as e:
-        translated = _out_of_memory(e)
+    except (OSError, RuntimeError) as e:  # a full disk, or memory, where no stage answered it: else a bug
+        translated = _stray_disk_error(e) if isinstance(e, OSError) else _out_of_memory(e)
         if translated is None:
             raise
         _print_error(translated, verbose)
