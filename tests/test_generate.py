@@ -231,3 +231,13 @@ def test_a_model_directory_usaf_does_not_take_is_named_with_the_way_on(tiny_mode
     (tmp_path / "empty").mkdir()
     result = invoke("generate", PROMPT, "--model", tmp_path / "empty")
     assert result.exit_code == 2 and "what usaf quantize makes" not in result.stderr, result.output
+
+
+def test_a_template_that_will_not_render_a_reply_alone_leaves_the_eos_alone():
+    """turn_end_ids renders a one-reply conversation of its own: a template refusing it must not stop generate."""
+    from usaf.data.chat import turn_end_ids
+    from usaf.testing import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception('a system message first') }}"
+    assert turn_end_ids(tokenizer) == []

@@ -126,10 +126,13 @@ def turn_end_ids(tokenizer: Any) -> list[int]:
     Tokenize labels it as part of each reply ("learning to stop"), so a chat model stops there; generation stopped
     only at the model's EOS (``<|endoftext|>`` for a Qwen3 base model) and went on inventing turns, the marker
     hidden from the text (found in review)."""
-    with template_errors("the chat template"):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARKER}], tokenize=False
-        )
+    try:
+        with template_errors("the chat template"):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARKER}], tokenize=False
+            )
+    except UsafError:  # a template that will not render a reply alone: generation stops at the EOS, as it did
+        return []
     _, found, tail = rendered.partition(_MARKER)
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if found and tail else []
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
