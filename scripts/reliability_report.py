@@ -323,7 +323,9 @@ on another quantized model, `eval`/`export`/`generate --checkpoint` trained on a
 (another layer set has another fingerprint). `pytest tests/test_lineage.py`. A change is also checked against
 the model's own tensors before anything is written (`eval`, `export`, `generate` alike): its layers, delta
 tensors and indices, and each router (a router of a layer it trains, of the model's shape; a forged one was a
-traceback). `pytest tests/test_hostile_exporteval.py`.
+traceback); a delta's values and routers are finite, as a run's checkpoint's are (a NaN was a sampling traceback,
+empty text or NaN weights written, until 2026-12-06). `pytest tests/test_hostile_exporteval.py`. A tokens
+artifact's `train.jsonl` or `heldout.jsonl` given by itself is checked against the tokenizer as its directory is.
 
 `usaf inspect DIR --verify` re-hashes every file the manifest lists and exits 2 naming each missing,
 truncated or modified one (files not listed, such as a run's metrics and checkpoints, are named as a note),
