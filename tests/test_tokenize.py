@@ -615,14 +615,23 @@ def test_usaf_outputs_under_a_directory_input_are_never_read_and_one_given_is_re
     assert first.exit_code == 0, first.output
     earlier = Path(json.loads(first.stdout)["path"])
     assert earlier.parent == project / "tokens"
+    cache = project / "cache" / "eval-base" / "k"  # an eval's base-pass cache entry, as eval saves one
+    import torch
+
+    from usaf.stages.eval import cache as eval_cache
+    from usaf.stages.eval.passes import PassResult
+
+    eval_cache.save(
+        cache, "k", {}, PassResult(torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.int64), {}, 1, 0.0)
+    )
 
     for flags in ([], ["--all-files"]):
         out = tmp_path / f"again{len(flags)}"
         result = tokenize(project, "--model", tok_dir, "--seq-len", 64, "--out", out, *flags)
         assert result.exit_code == 0, result.output
-        assert "skipped 1 usaf output under the directory inputs" in " ".join(result.stderr.split())
+        assert "skipped 2 usaf outputs under the directory inputs" in " ".join(result.stderr.split())
         summary = load_verified(out, TokensManifest).summary
-        assert summary.documents == 2  # src/a.py and web/manifest.json; nothing of tokens/
+        assert summary.documents == 2  # src/a.py and web/manifest.json; nothing of tokens/ or the eval cache
         assert {s.source for s in summary.sources} == {"project/src", "project/web"}
 
     out = tmp_path / "out"

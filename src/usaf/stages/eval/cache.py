@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from usaf.artifacts.hashing import sha256_text
-from usaf.artifacts.outputs import TMP_TAG
+from usaf.artifacts.outputs import TMP_TAG, mark_usaf_made
 from usaf.artifacts.tensor_file import save_tensors
 from usaf.artifacts.writer import remove_stale_temporaries
 from usaf.data.batches import Batch
@@ -131,6 +131,7 @@ def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult, *
         meta = {"key": key, "parts": parts, "input_tokens": result.input_tokens, "seconds": result.seconds,
                 "batches": batches, "threads": torch.get_num_threads()}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        mark_usaf_made(tmp, "eval cache entry")  # so a walk of the workspace never reads base.json as text
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
