@@ -40,7 +40,7 @@ class NoteManifest(Manifest):
 
 
 def write_note(target: Path, text: str = "hello", *, origin: str = "a", overwrite: bool = False) -> NoteManifest:
-    with ArtifactWriter(target, overwrite=overwrite) as art:
+    with ArtifactWriter(target, kinds=(NoteManifest.KIND,), overwrite=overwrite) as art:
         (art.dir / "note.txt").write_text(text)
         (art.dir / "sub").mkdir()
         (art.dir / "sub" / "more.bin").write_bytes(b"\x00\x01" * 100)
@@ -66,7 +66,7 @@ def test_commit_writes_files_then_manifest_and_records_hashes(tmp_path):
 
 def test_failure_inside_the_writer_leaves_nothing(tmp_path):
     target = tmp_path / "out"
-    with pytest.raises(RuntimeError), ArtifactWriter(target) as art:
+    with pytest.raises(RuntimeError), ArtifactWriter(target, kinds=(NoteManifest.KIND,)) as art:
         (art.dir / "half.txt").write_text("partial")
         raise RuntimeError("crash mid-write")
     assert not target.exists()
@@ -239,7 +239,7 @@ def test_tokens_manifest_round_trips(tmp_path):
         heldout_sources=[],
         sources=[],
     )
-    with ArtifactWriter(tmp_path / "tok") as art:
+    with ArtifactWriter(tmp_path / "tok", kinds=(TokensManifest.KIND,)) as art:
         (art.dir / "train.jsonl").write_text("{}\n")
         art.commit(TokensManifest, inputs=[], config={}, environment=current_environment(), summary=summary)
     assert load_verified(tmp_path / "tok", TokensManifest).summary == summary

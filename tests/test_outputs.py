@@ -205,6 +205,47 @@ def test_overwrite_replaces_usafs_own_artifact_and_an_empty_directory_is_used(ws
     assert leftovers(tmp_path) == []
 
 
+_ANOTHER_KIND = {  # command -> (the artifact of another kind put at its --out, its arguments but --out)
+    "score": ("tokens", ["score", "--model", "{model}", "--data", "{tokens}", "--calib-samples", 2, "--no-stability",
+                         "--overwrite"]),
+    "train": ("plan", ["train", "--model", "{model}", "--data", "{tokens}", "--plan", "{plan}", "--steps", 1,
+                       "--overwrite"]),
+    "tokenize": ("plan", ["tokenize", "{corpus}", "--model", "{model}", "--overwrite"]),
+    "quantize": ("tokens", ["quantize", "{source}", "--method", "rtn", "--group-size", 8, "--force"]),
+    "export": ("tokens", ["export", "--model", "{model}", "--checkpoint", "{run}", "--overwrite"]),
+    "eval": ("plan", ["eval", "--model", "{model}", "--checkpoint", "{run}", "--data", "{tokens}", "--no-plots",
+                      "--overwrite"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(_ANOTHER_KIND))
+def test_overwrite_never_replaces_another_commands_artifact(ws, tiny_model, tmp_path, command):
+    """``usaf score --out TOKENS --overwrite`` replaced the tokens directory with a plan (found in review): the flag
+    replaces only what the command itself writes there."""
+    kind, args = _ANOTHER_KIND[command]
+    other = tmp_path / f"a-{kind}"
+    shutil.copytree(ws[kind], other)  # a copy: not an input of the command, so only its kind protects it
+    corpus = tmp_path / "x.py"
+    corpus.write_text("x = 1\n" * 20)
+    places = {**ws, "corpus": corpus, "source": tiny_model("qwen3_moe")}
+    before = snapshot(other)
+    result = invoke(*[a.format(**places) if isinstance(a, str) else a for a in args], "--out", other)
+    assert result.exit_code == 2, result.output
+    assert f"--out {other}: a usaf {kind} artifact;" in result.stderr, result.stderr
+    assert "replaces only what this command writes" in result.stderr, result.stderr
+    assert snapshot(other) == before and leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_export_in_its_other_format(ws, tmp_path):
+    """Negative control of the test above: export's two formats are both its own."""
+    out = tmp_path / "export"
+    args = ["export", "--model", ws["model"], "--checkpoint", ws["run"], "--out", out]
+    assert invoke(*args, "--format", "delta").exit_code == 0 and found_at(out).kind == "delta"
+    replaced = invoke(*args, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert found_at(out).kind == "hf_export" and leftovers(tmp_path) == []
+
+
 def test_train_overwrite_replaces_a_finished_run(ws, tmp_path):
     run = train_run(ws["model"], ws["tokens"], tmp_path, steps=2)
     again = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,

@@ -28,7 +28,10 @@ from usaf.artifacts.tokens import TokensManifest, TokensSummary
 from usaf.artifacts.workspace import default_output, find_artifacts, pick_latest, workspace_dir
 from usaf.artifacts.writer import ArtifactWriter
 
+EXPORT_KINDS = (HfExportManifest.KIND, DeltaManifest.KIND)  # usaf export's formats: its --overwrite replaces either
+
 __all__ = [
+    "EXPORT_KINDS",
     "MANIFEST_KINDS",
     "MANIFEST_NAME",
     "ArtifactWriter",

@@ -5,9 +5,10 @@ Every writer asks here before any work (and again at the moment it replaces anyt
 - :func:`check_not_an_input`: the output is not an input, does not contain one and does not lie inside
   one (``usaf quantize M --out M --force`` would otherwise delete the model it reads);
 - :func:`found_at`: what already is at the output, so that ``--overwrite``/``--force`` replaces only a
-  usaf artifact (a directory with a usaf ``manifest.json``, or a run usaf is still training) and refuses
-  a user's directory whatever the flag; a symbolic link is refused too (replacing it would either write
-  through it into its target or replace the link and leave the target behind);
+  usaf artifact (a directory with a usaf ``manifest.json``, or a run usaf is still training), and of the kind
+  the command writes (``usaf score --out TOKENS --overwrite`` would otherwise replace a tokens directory with a
+  plan), and refuses a user's directory whatever the flag; a symbolic link is refused too (replacing it would
+  either write through it into its target or replace the link and leave the target behind);
 - :func:`remove_usaf_made`: delete an output that :func:`found_at` says usaf made (rename, then delete, so
   a kill midway leaves a hidden ``.NAME.usaf-old-PID-*`` sibling that the next writer clears, never a
   half-deleted artifact under the real name).
@@ -19,7 +20,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -65,6 +66,7 @@ class Found:
 
     state: Literal["absent", "empty", "usaf", "foreign", "file", "link"]
     what: str = ""  # for messages: "a usaf plan artifact", "a directory usaf did not make (…)"
+    kind: str | None = None  # of a usaf artifact: its manifest's kind ("plan"), a marker's, "run" for an unfinished run
 
 
 def found_at(target: Path) -> Found:
@@ -81,9 +83,9 @@ def found_at(target: Path) -> Found:
     own = [name for name in entries if not is_bookkeeping(name)]
     if not own:  # only what killed usaf writes left behind (the next writer clears them)
         return Found("usaf", "an unfinished usaf output (only its temporaries)")
-    made = usaf_made(target, own)
+    made = _made(target, own)
     if made is not None:
-        return Found("usaf", made)
+        return Found("usaf", *made)
     shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
     count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
     return Found("foreign", f"a directory usaf did not make ({count}: {shown}; no usaf {MANIFEST_NAME})")
@@ -91,22 +93,28 @@ def found_at(target: Path) -> Found:
 
 def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
     """What usaf artifact ``directory`` is (``"a usaf plan artifact"``), or None if usaf did not make it."""
+    made = _made(directory, entries)
+    return made[0] if made is not None else None
+
+
+def _made(directory: Path, entries: list[str] | None = None) -> tuple[str, str] | None:
+    """:func:`usaf_made`'s words and the artifact's kind (:attr:`Found.kind`), or None."""
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 
     kind = manifest_kind(directory)
     if kind is not None:
-        return f"a usaf {kind} artifact"
+        return f"a usaf {kind} artifact", kind
     marker = _json_object(directory / MADE_MARKER)
     if marker is not None and isinstance(marker.get("kind"), str):
-        return f"a usaf-made {marker['kind']}"
+        return f"a usaf-made {marker['kind']}", marker["kind"]
     if (directory / SETTINGS_FILE).is_file():  # written when training starts (atomically; cut by old versions)
-        return "an unfinished usaf run"
+        return "an unfinished usaf run", "run"
     entries = entries if entries is not None else own_entries(directory)
     if entries == [PLAN_DIR] and manifest_kind(directory / PLAN_DIR) == "plan":
-        return "an unfinished usaf run (its plan scored, no step trained)"
+        return "an unfinished usaf run (its plan scored, no step trained)", "run"
     if entries == [f".{PLAN_DIR}{PARTIAL_TAG}"] and _score_partial(directory / entries[0]):
-        return "an unfinished usaf run (stopped while scoring its plan)"
+        return "an unfinished usaf run (stopped while scoring its plan)", "run"
     return None
 
 
@@ -119,9 +127,12 @@ def _score_partial(directory: Path) -> bool:
     return not own or SCORE_PARTIAL_MARKER in own
 
 
-def refuse_unless_replaceable(target: Path, found: Found, flag: str, *, overwrite: bool, overwrite_flag: str) -> None:
+def refuse_unless_replaceable(
+    target: Path, found: Found, flag: str, *, overwrite: bool, overwrite_flag: str, kinds: Collection[str] = ()
+) -> None:
     """The one refusal of an existing output, by what it is: a link, a file or a user's directory always; a usaf
-    artifact unless ``overwrite``. An empty directory is taken as it is."""
+    artifact unless ``overwrite``, and one of a kind not in ``kinds`` (what the command writes; empty: any) even
+    with it. An empty directory is taken as it is."""
     if found.state in ("link", "file"):
         raise UsafError(f"{flag} {target}: {found.what}; usaf writes only into a directory of its own",
                         f"pass another {flag}")  # fmt: skip
@@ -131,18 +142,28 @@ def refuse_unless_replaceable(target: Path, found: Found, flag: str, *, overwrit
     if found.state == "usaf" and not overwrite:
         raise UsafError(f"{flag} {target}: {found.what} already exists there",
                         f"pass another {flag}, or {overwrite_flag} to replace it")  # fmt: skip
+    if found.state == "usaf" and kinds and found.kind is not None and found.kind not in kinds:
+        wanted = " or ".join(kinds)
+        raise UsafError(f"{flag} {target}: {found.what}; {overwrite_flag} replaces only what this command writes "
+                        f"(kind {wanted}), never another command's output", f"pass another {flag} (delete {target} "
+                        "yourself if it is no longer needed)")  # fmt: skip
 
 
-def remove_usaf_made(target: Path, flag: str, *, overwrite_flag: str = "--overwrite") -> None:
-    """Delete ``target`` if it is an empty directory or usaf's own; refuse anything else."""
-    old = set_aside(target, flag, overwrite=True, overwrite_flag=overwrite_flag)
+def remove_usaf_made(
+    target: Path, flag: str, *, overwrite_flag: str = "--overwrite", kinds: Collection[str] = ()
+) -> None:
+    """Delete ``target`` if it is an empty directory or usaf's own (of one of ``kinds``, when given); refuse anything
+    else."""
+    old = set_aside(target, flag, overwrite=True, overwrite_flag=overwrite_flag, kinds=kinds)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def set_aside(target: Path, flag: str, *, overwrite: bool, overwrite_flag: str) -> Path | None:
+def set_aside(
+    target: Path, flag: str, *, overwrite: bool, overwrite_flag: str, kinds: Collection[str] = ()
+) -> Path | None:
     """Move what is at ``target`` to a hidden :func:`old_sibling` for deletion, where it may be replaced (else
-    refused); None when nothing is there.
+    refused, :func:`refuse_unless_replaceable` with ``kinds``); None when nothing is there.
 
     Looked at again once moved, under a name nobody else uses: between the first look and the rename another
     process may have put something else there (a user's directory), and what is deleted must be what was checked.
@@ -152,12 +173,12 @@ def set_aside(target: Path, flag: str, *, overwrite: bool, overwrite_flag: str) 
     found = found_at(target)
     if found.state == "absent":
         return None
-    refuse_unless_replaceable(target, found, flag, overwrite=overwrite, overwrite_flag=overwrite_flag)
+    refuse_unless_replaceable(target, found, flag, overwrite=overwrite, overwrite_flag=overwrite_flag, kinds=kinds)
     old = old_sibling(target)
     os.replace(target, old)
     moved = found_at(old)
     try:
-        refuse_unless_replaceable(target, moved, flag, overwrite=overwrite, overwrite_flag=overwrite_flag)
+        refuse_unless_replaceable(target, moved, flag, overwrite=overwrite, overwrite_flag=overwrite_flag, kinds=kinds)
     except UsafError as refusal:
         if os.path.lexists(target):  # taken again meanwhile: say where it is rather than replace either
             raise UsafError(f"{refusal.message} (it changed while usaf looked; it is now at {old})",

@@ -101,7 +101,7 @@ class ArtifactWriter:
 
     Example::
 
-        with ArtifactWriter(out, flag="--out", overwrite=False) as art:
+        with ArtifactWriter(out, kinds=("tokens",), flag="--out", overwrite=False) as art:
             (art.dir / "train.jsonl").write_text(...)
             manifest = art.commit(TokensManifest, inputs=[...], config={...},
                                   environment=current_environment(), summary=summary)
@@ -111,6 +111,7 @@ class ArtifactWriter:
         self,
         target: Path,
         *,
+        kinds: tuple[str, ...],
         flag: str = "--out",
         overwrite: bool = False,
         overwrite_flag: str = "--overwrite",
@@ -120,6 +121,8 @@ class ArtifactWriter:
     ) -> None:
         """Args:
         target: the artifact directory to create.
+        kinds: what the command writes there (manifest kinds, or a :meth:`commit_foreign` marker's): ``overwrite``
+            replaces a usaf artifact of these kinds only, never another command's output.
         flag: the flag the path came from, for messages.
         overwrite: replace an existing ``target`` (atomically, at commit), if usaf made it.
         overwrite_flag: the flag that sets ``overwrite``, for messages (``--force`` for quantize).
@@ -133,6 +136,7 @@ class ArtifactWriter:
         self.flag = flag
         self.overwrite = overwrite
         self.overwrite_flag = overwrite_flag
+        self.kinds = kinds
         self.inputs = inputs or {}
         self.lock = OutputLock(self.target, flag=flag)
         self.resumable = resumable
@@ -184,9 +188,8 @@ class ArtifactWriter:
             )
 
     def _check_replaceable(self) -> None:
-        refuse_unless_replaceable(
-            self.target, found_at(self.target), self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag
-        )
+        refuse_unless_replaceable(self.target, found_at(self.target), self.flag, overwrite=self.overwrite,
+                                  overwrite_flag=self.overwrite_flag, kinds=self.kinds)  # fmt: skip
 
     def __enter__(self) -> ArtifactWriter:
         check_not_an_input(self.target, self.flag, self.inputs)
@@ -260,7 +263,8 @@ class ArtifactWriter:
 
     def _move_into_place(self) -> None:
         # looked at again: it may have appeared or changed while we worked
-        old = set_aside(self.target, self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag)
+        old = set_aside(self.target, self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag,
+                        kinds=self.kinds)  # fmt: skip
         os.replace(self.dir, self.target)
         if old is not None:
             with contextlib.suppress(OSError):

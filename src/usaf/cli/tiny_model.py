@@ -8,6 +8,8 @@ from usaf.cli.flags import settings_command
 from usaf.cli.options import COMMAND_EXTRAS
 from usaf.errors import UsafError
 
+TINY_MODEL = "tiny model"  # the kind its usaf-made marker names (what OUT --overwrite may replace)
+
 
 def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
     from usaf.cli.console import handle_errors
@@ -26,13 +28,13 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
             raise UsafError(
                 f"--family {family}: not a supported family", f"choose one of {', '.join(SUPPORTED_FAMILIES)}"
             )
-        with ArtifactWriter(settings.out, flag="OUT", overwrite=settings.overwrite) as art:
+        with ArtifactWriter(settings.out, kinds=(TINY_MODEL,), flag="OUT", overwrite=settings.overwrite) as art:
             build_tiny_model(family, art.dir, num_layers=layers, seed=settings.seed)
             try:  # before the commit: a model usaf cannot train was left written, its rerun refused (found in review)
                 description = describe_model(art.dir)
             except UsafError as e:
                 raise UsafError(f"--family {family} --layers {layers}: {e.message}", "pass more --layers") from None
-            path = art.commit_foreign("tiny model")
+            path = art.commit_foreign(TINY_MODEL)
         if json_output:
             print_json({"path": str(path), "model": description.to_dict()})
         else:

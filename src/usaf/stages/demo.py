@@ -18,7 +18,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from usaf.artifacts import load_manifest
+from usaf.artifacts import (
+    EXPORT_KINDS,
+    EvalReportManifest,
+    PlanManifest,
+    QuantizedModelManifest,
+    RunManifest,
+    TokensManifest,
+    load_manifest,
+)
 from usaf.artifacts.outputs import remove_usaf_made
 from usaf.artifacts.writer import discard_partial
 from usaf.config import was_given
@@ -133,8 +141,8 @@ def run(
     config = effective(config)
     p = paths(config.workspace)
     if config.overwrite:
-        for path in p.values():  # each only if usaf made it: a user's directory there is refused, never deleted
-            remove_usaf_made(path, "--workspace")
+        for artifact, path in p.items():  # each only if usaf made it, of its kind: a user's directory is refused
+            remove_usaf_made(path, "--workspace", kinds=_KINDS[artifact])
             if discard_partial(path, _PARTIAL_MARKERS):  # an interrupted quantize's or score's saved work
                 progress.note(f"--overwrite: discarded the interrupted run's work for {path}")
     for name, settings in stage_settings(config).items():
@@ -230,3 +238,5 @@ def outcomes(config: DemoConfig, report: dict) -> list[Outcome]:
 _PARTIAL_MARKERS = (PARTIAL_SETTINGS, SCORE_SETTINGS)  # what quantize and score write first in a partial directory
 _ARTIFACT = {"tokenize": "tokens", "quantize": "quantized", "score": "plan", "train": "run", "eval": "eval",
              "export": "export"}  # fmt: skip
+_KINDS = {"tokens": (TokensManifest.KIND,), "quantized": (QuantizedModelManifest.KIND,), "plan": (PlanManifest.KIND,),
+          "run": (RunManifest.KIND,), "eval": (EvalReportManifest.KIND,), "export": EXPORT_KINDS}  # fmt: skip

@@ -214,8 +214,8 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         if out is not None:
             progress.note(f"resuming the interrupted quantization that was writing {out} (no --out given)")
     out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", label))
-    writer = ArtifactWriter(out, overwrite=config.force, overwrite_flag="--force", inputs={"MODEL": model_dir},
-                            resumable=True, markers=(PARTIAL_SETTINGS,))  # fmt: skip
+    writer = ArtifactWriter(out, kinds=(QuantizedModelManifest.KIND,), overwrite=config.force, overwrite_flag="--force",
+                            inputs={"MODEL": model_dir}, resumable=True, markers=(PARTIAL_SETTINGS,))  # fmt: skip
     with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it
         found = found_at(out)
         if found.state == "usaf" and not config.force:

@@ -57,7 +57,7 @@ def write_delta(bench: Bench, out: Path, forge: Forgery | None = None) -> Path:
     change, summary, spec = _valid_delta(bench)
     if forge is not None:
         change, summary = forge(change, summary, spec)
-    with ArtifactWriter(out) as art:
+    with ArtifactWriter(out, kinds=(DeltaManifest.KIND,)) as art:
         write_delta_files(art.dir, change)
         art.commit(DeltaManifest, inputs=[], config={}, environment=current_environment(), summary=summary)
     return out

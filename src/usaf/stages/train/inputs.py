@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from usaf.artifacts import PlanManifest, QuantizedModelManifest, default_output, load_verified, workspace_dir
+from usaf.artifacts import (
+    PlanManifest,
+    QuantizedModelManifest,
+    RunManifest,
+    default_output,
+    load_verified,
+    workspace_dir,
+)
 from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.outputs import (
     check_not_an_input,
@@ -208,9 +215,11 @@ def _new_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
 
 def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> None:
     found = found_at(run_dir)
-    refuse_unless_replaceable(run_dir, found, "--out", overwrite=True, overwrite_flag="--overwrite")  # links, files
+    # links, files, another command's output: refused whatever the flags
+    refuse_unless_replaceable(run_dir, found, "--out", overwrite=True, overwrite_flag="--overwrite",
+                              kinds=(RunManifest.KIND,))  # fmt: skip
     if config.overwrite and world.is_main:
-        remove_usaf_made(run_dir, "--out")
+        remove_usaf_made(run_dir, "--out", kinds=(RunManifest.KIND,))
     world.barrier("overwrite")
     found = found_at(run_dir)
     if (run_dir / "manifest.json").is_file():
