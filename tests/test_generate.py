@@ -107,6 +107,60 @@ def test_kv_cache_decoding_equals_full_forwards(workspace):
     assert cached.shape[1] == 24 and torch.equal(cached, uncached)
 
 
+def test_streamed_experts_give_the_same_text_and_copy_each_frozen_layer_once_a_token(workspace, monkeypatch):
+    """generate loaded every 4-bit expert onto the device in fp32 (Qwen3-30B-A3B: ~16 GB of experts, ~6 GB of fp32
+    weights: no 12 GB card held it; found in review). It places the model as eval and train do now: streamed, the
+    frozen layers' experts are copied to the device a layer ahead of each forward (real copies here, ``"copy"``),
+    and greedy decoding gives the same text as resident experts, with and without a change. Control: unstreamed,
+    nothing is copied."""
+    from dataclasses import replace
+
+    from usaf.engine import streaming
+    from usaf.settings.generate import GenerateConfig
+    from usaf.stages import engine_setup
+    from usaf.stages import generate as stage
+
+    root, qdir, run = workspace
+    closed = []  # (the streamed layers, what the streamer did), as each closes
+    real_close = streaming.ExpertStreamer.close
+
+    def close(self):
+        closed.append((self.layers, replace(self.stats)))
+        real_close(self)
+
+    monkeypatch.setattr(streaming.ExpertStreamer, "close", close)
+
+    def generations(stream):
+        monkeypatch.setattr(engine_setup, "choose_streaming", lambda requested, backend, size: (stream, None))
+        return [stage.run(GenerateConfig(prompt=PROMPT, model=qdir, workspace=root, temperature=0, max_new_tokens=12,
+                                         **({"checkpoint": run} if trained else {"no_checkpoint": True})))
+                for trained in (True, False)]  # fmt: skip
+
+    resident = generations(False)
+    assert closed == [] and not any(g.streamed for g in resident)
+    streamed = generations("copy")
+    assert [g.text for g in streamed] == [g.text for g in resident] and all(g.streamed for g in streamed)
+    (with_change, with_stats), (untrained, untrained_stats) = closed
+    assert with_change == (0, 1) and untrained == (0, 1, 2)  # the run trains layer 2: its base stays on the device
+    # one forward a new token, each running every streamed layer from a copy (the last one prefetches layer 0 for a
+    # next forward), at most two layers' copies alive at once
+    assert with_stats.order == [0, 1] * streamed[0].new_tokens
+    assert untrained_stats.order == [0, 1, 2] * streamed[1].new_tokens
+    assert with_stats.copies == len(with_stats.order) + 1 and untrained_stats.copies == len(untrained_stats.order) + 1
+    assert max(with_stats.max_alive, untrained_stats.max_alive) <= streaming.BUFFER_LAYERS
+
+
+def test_dtype_sets_the_weights_the_model_computes_in(workspace):
+    root, _, _ = workspace
+    args = (PROMPT, "--max-new-tokens", 6, "--temperature", 0, "--json")
+    default = json.loads(generate(*args, workspace=root).stdout)
+    half = json.loads(generate(*args, "--dtype", "bfloat16", workspace=root).stdout)
+    assert default["dtype"] == "float32" and half["dtype"] == "bfloat16"  # the CPU's policy, and the flag
+    assert half["new_tokens"] == 6 and not half["streamed"]
+    refused = invoke("generate", PROMPT, "--dtype", "float64", "--workspace", root)
+    assert refused.exit_code == 2 and "--dtype" in refused.stderr
+
+
 def test_bad_inputs(workspace, tmp_path):
     root, qdir, run = workspace
     result = invoke("generate", PROMPT, "--checkpoint", run, "--no-checkpoint", "--model", qdir)
@@ -190,9 +244,9 @@ def test_with_the_chat_template_generation_stops_at_the_token_replies_end_with()
 
 
 def test_memory_that_runs_out_is_one_line_with_the_ways_out(workspace, monkeypatch):
-    """generate loads the whole model on the device; out of memory there (a 12 GB card at Qwen3-30B-A3B's size) was
-    torch's traceback (found in review). One line now, naming torch's message; another error keeps its traceback
-    (the control: a bug must stay visible)."""
+    """Out of memory while generate loads the model (a 12 GB card at Qwen3-30B-A3B's size, before generate streamed
+    the experts there) was torch's traceback (found in review). One line now, naming torch's message; another error
+    keeps its traceback (the control: a bug must stay visible)."""
     import torch
 
     from usaf.stages import generate as stage
@@ -202,7 +256,7 @@ def test_memory_that_runs_out_is_one_line_with_the_ways_out(workspace, monkeypat
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(stage, "model_with_change", out_of_memory)
+    monkeypatch.setattr(stage, "load_for_engine", out_of_memory)
     result = invoke("generate", PROMPT, "--workspace", root)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and errors == ["error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)"]
@@ -211,7 +265,7 @@ def test_memory_that_runs_out_is_one_line_with_the_ways_out(workspace, monkeypat
     def bug(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(stage, "model_with_change", bug)
+    monkeypatch.setattr(stage, "load_for_engine", bug)
     result = invoke("generate", PROMPT, "--workspace", root)
     assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)
 

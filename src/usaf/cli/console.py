@@ -101,8 +101,8 @@ def _print_error(e: UsafError, verbose: bool) -> None:
 
 def _out_of_memory(e: RuntimeError) -> UsafError | None:
     """Last resort for memory that ran out where no stage plans for it (train retries a step at a smaller microbatch;
-    ``usaf generate`` loads the whole model on the device, and a 12 GB card gave torch's traceback; found in
-    review): one line with torch's own first line, and the ways out."""
+    ``usaf generate`` on a card its model does not fit gave torch's traceback; found in review): one line with
+    torch's own first line, and the ways out."""
     message = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if type(e).__name__ != "OutOfMemoryError" and "can't allocate memory" not in message:
         return None

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
-from usaf.settings.fields import cli
+from usaf.settings.fields import ComputeDtype, cli
 
 MIN_TEMPERATURE = 0.01
 
@@ -30,6 +30,11 @@ class GenerateConfig(StageConfig):
     seed: int = Field(0, ge=0, lt=2**32, description="Sampling seed: the same seed gives the same text.")
     chat: bool = Field(True, description="Apply the tokenizer's chat template if it has one.")
     device: str = f.device()
+    dtype: ComputeDtype = Field(
+        "auto", description="auto | float32 | bfloat16 | float16: the dtype of the weights kept unquantized and of the "
+        "dequantized experts; auto: bf16 where native, else fp16, on a GPU; fp32 on CPU (what eval and train use).",
+    )  # fmt: skip
+    stream_experts: bool | None = f.stream_experts()
 
     @model_validator(mode="after")
     def _one_checkpoint_choice(self) -> GenerateConfig:

@@ -18,6 +18,7 @@ from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, p
 from usaf.artifacts.quantized import open_quantized, read_base_index
 from usaf.artifacts.run import TrainedChange, load_trained_change
 from usaf.engine.engine import SparseEngine
+from usaf.engine.loading import LoadedModel
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
 from usaf.families.checkpoint import read_header
@@ -171,16 +172,23 @@ def model_with_change(
     files = open_quantized(model_dir)
     loaded = load_model(files, progress or NullProgress(), device=device, compute_dtype=dtype or torch.float32)
     if change is not None:
-        try:
-            engine = SparseEngine(
-                loaded,
-                trainable_layers=change.trainable_layers,
-                targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
-                train_router=bool(change.routers),
-            )
-            engine.apply_change(change)
-        except (KeyError, ValueError) as e:
-            raise UsafError(f"--checkpoint {change.source}: cannot be applied ({e})", "pass an intact run") from None
-        # The engine's state (resident bases, deltas, router masters) lives on the model's modules.
+        engine_with_change(loaded, change)  # its state (resident bases, deltas, routers) lives on the model's modules
     loaded.model.eval()
     return loaded.model
+
+
+def engine_with_change(loaded: LoadedModel, change: TrainedChange, **placement: Any) -> SparseEngine:
+    """An engine over ``loaded`` for the change's layers and targets, with the change applied; ``placement``: the
+    engine's expert placement (:func:`usaf.stages.engine_setup.load_for_engine`'s)."""
+    try:
+        engine = SparseEngine(
+            loaded,
+            trainable_layers=change.trainable_layers,
+            targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
+            train_router=bool(change.routers),
+            **placement,
+        )
+        engine.apply_change(change)
+    except (KeyError, ValueError) as e:
+        raise UsafError(f"--checkpoint {change.source}: cannot be applied ({e})", "pass an intact run") from None
+    return engine

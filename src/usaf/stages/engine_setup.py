@@ -11,7 +11,7 @@ import torch
 
 from usaf.artifacts.quantized import QuantizedFiles, open_quantized
 from usaf.engine.loading import LoadedModel, load_quantized_model, tensor_count
-from usaf.engine.streaming import choose_streaming
+from usaf.engine.streaming import ExpertStreamer, choose_streaming
 from usaf.memory_plan.weights import RESIDENT_SHARE  # of free memory dequantized experts may take (usaf plan's too)
 from usaf.stages.progress import Progress
 from usaf.units import human_bytes
@@ -44,6 +44,15 @@ def load_for_engine(
     )
     pin = stream and backend.capabilities.pinned_memory
     return loaded, {"stream_experts": stream, "pin_experts": pin}
+
+
+def stream_every_layer(loaded: LoadedModel, backend: Any, placement: dict[str, Any]) -> ExpertStreamer | None:
+    """Stream every MoE layer's experts (a pass where none trains), as :func:`load_for_engine` placed them; None when
+    they are not streamed. Close it to end the streaming."""
+    if not placement["stream_experts"]:
+        return None
+    return ExpertStreamer(loaded.model.model.layers, loaded.experts, list(loaded.experts), backend.device,
+                          pin=placement["pin_experts"], copy=placement["stream_experts"] == "copy")  # fmt: skip
 
 
 def make_resident(

@@ -1,16 +1,20 @@
 """``usaf generate``: sampled text from the quantized model with a trained change applied, streamed.
 
 The model is the one training and evaluation use (4-bit experts, the change's sparse deltas and routers
-through the engine), driven by transformers' own ``generate`` with its KV cache: usaf's experts
-implementation maps ``(T, H)`` routed tokens to ``(T, H)`` outputs with no state across calls, so a
-decoding step with one new token and cached keys/values is the same computation as a full forward
-(a test checks greedy decoding with and without the cache agree).
+through the engine), placed as they place it: the unquantized weights in the backend's compute dtype (bf16 on
+a GPU) and, where the 4-bit experts would take over half the free device memory (Qwen3-30B-A3B's ~16 GB on a
+12 GB card), the frozen layers' experts streamed from host memory a layer ahead (``--stream-experts``). It is
+driven by transformers' own ``generate`` with its KV cache: usaf's experts implementation maps ``(T, H)`` routed
+tokens to ``(T, H)`` outputs with no state across calls, so a decoding step with one new token and cached
+keys/values is the same computation as a full forward (a test checks greedy decoding with and without the cache
+agree, and streamed against resident).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +22,15 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, TextStreamer
 
+from usaf.artifacts.run import TrainedChange
 from usaf.backends import resolve_backend
 from usaf.config import refuse_unused, source_of
 from usaf.data.chat import template_errors, turn_end_ids
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.errors import UsafError
 from usaf.settings.generate import GenerateConfig
-from usaf.stages.change import model_with_change, resolve_model_and_change
+from usaf.stages.change import engine_with_change, resolve_model_and_change
+from usaf.stages.engine_setup import load_for_engine, stream_every_layer
 from usaf.stages.progress import NullProgress, Progress
 
 
@@ -40,6 +46,8 @@ class Generation:
     new_tokens: int
     seconds: float
     device: str
+    dtype: str  # of the unquantized weights, as the model holds them ("bfloat16")
+    streamed: bool  # whether the 4-bit experts were streamed from host memory
 
 
 def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> tuple[str, list[int], bool]:
@@ -111,6 +119,25 @@ def _within_context(config: GenerateConfig, prompt_tokens: int, context: int | N
     return config.max_new_tokens
 
 
+@contextlib.contextmanager
+def placed_model(
+    model_dir: Path, change: TrainedChange | None, backend: Any, config: GenerateConfig, progress: Progress
+) -> Iterator[tuple[Any, bool]]:
+    """The quantized model with ``change`` applied (or none), in eval mode, placed as eval and train place it
+    (``--dtype``, ``--stream-experts``); and whether its experts stream. The streaming ends on leaving."""
+    compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
+    loaded, placement = load_for_engine(model_dir, backend, compute, config.stream_experts, progress)
+    # with a change, its engine streams the frozen layers (a trained layer's base stays on the device)
+    engine = engine_with_change(loaded, change, **placement) if change is not None else None
+    streamer = engine.streamer if engine is not None else stream_every_layer(loaded, backend, placement)
+    loaded.model.eval()
+    try:
+        yield loaded.model, bool(placement["stream_experts"])
+    finally:
+        if streamer is not None:
+            streamer.close()
+
+
 def run(
     config: GenerateConfig, *, on_text: Callable[[str], None] | None = None, progress: Progress | None = None
 ) -> Generation:
@@ -131,18 +158,19 @@ def run(
     if config.chat and not templated:
         progress.note("the tokenizer has no chat template: the prompt is used as it is")
     max_new_tokens = _within_context(config, len(ids), max_sequence_length(str(model_dir), tokenizer), progress)
-    model = model_with_change(model_dir, change, device=backend.device, progress=progress)
     input_ids = torch.tensor([ids], device=backend.device)  # (1, T)
-    streamer = _streamer(tokenizer, on_text) if on_text is not None else None
-    torch.manual_seed(config.seed)  # sampling draws from torch's global generator: same seed, same text
-    started = time.perf_counter()
-    with torch.no_grad():
+    text_streamer = _streamer(tokenizer, on_text) if on_text is not None else None
+    with placed_model(model_dir, change, backend, config, progress) as (model, streamed), torch.no_grad():
+        torch.manual_seed(config.seed)  # sampling draws from torch's global generator: same seed, same text
+        started = time.perf_counter()
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             generation_config=generation_config(config, tokenizer, model_dir, max_new_tokens, chat=templated),
-            streamer=streamer,
+            streamer=text_streamer,
         )
+        seconds = time.perf_counter() - started
+        dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
     new = output[0, input_ids.shape[1] :].tolist()
     return Generation(
         model=model_dir,
@@ -153,6 +181,8 @@ def run(
         prompt_tokens=len(ids),
         text=tokenizer.decode(new, skip_special_tokens=True),
         new_tokens=len(new),
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         device=str(backend.device),
+        dtype=dtype,
+        streamed=streamed,
     )

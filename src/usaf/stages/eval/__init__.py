@@ -42,11 +42,10 @@ from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.distributed import world
 from usaf.engine.engine import SparseEngine
 from usaf.engine.prefix import PrefixTap
-from usaf.engine.streaming import ExpertStreamer
 from usaf.errors import UsafError
 from usaf.families.targets import targets_of
 from usaf.settings.eval import EvalConfig
-from usaf.stages.engine_setup import load_for_engine, make_resident
+from usaf.stages.engine_setup import load_for_engine, make_resident, stream_every_layer
 from usaf.stages.eval import cache, overlap, passes, plots  # module attributes, read at call time (tests patch them)
 from usaf.stages.eval.inputs import HELD_OUT, sequences_fingerprint
 from usaf.stages.eval.passes import (
@@ -160,7 +159,7 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     if base is not None:
         progress.note(f"base pass: reused from the cache {entry} (same model, sequences and settings)")
     else:
-        streamer = _stream_every_layer(loaded, backend, placement)
+        streamer = stream_every_layer(loaded, backend, placement)  # the base pass: every layer
         earlier = _resumed(entry, key, batches, "base", backend, progress)
         # the fine-tuned pass starts from the states this pass taps: of every batch, so not when resuming
         tap = _prefix_tap(loaded, change, batches, progress) if earlier is None else None
@@ -317,16 +316,6 @@ def _refuse_empty_change(change, model) -> None:
         f"--checkpoint {change.source}: changes nothing (its {change.expert_entries:,} delta values are all zero "
         "and its routers equal the base model's): the fine-tuned model would be the base model",
         "pass a checkpoint of a run that trained (check its loss in metrics.jsonl)",
-    )
-
-
-def _stream_every_layer(loaded, backend, placement: dict):
-    """The base pass streams every MoE layer (none trains); None when the experts are not streamed."""
-    if not placement["stream_experts"]:
-        return None
-
-    return ExpertStreamer(
-        loaded.model.model.layers, loaded.experts, list(loaded.experts), backend.device, pin=placement["pin_experts"]
     )
 
 
