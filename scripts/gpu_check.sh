@@ -6,7 +6,8 @@
 #   1. the CUDA-marked tests (pytest -m cuda): the engine's loss and sparse gradients on the GPU against the CPU for
 #      every family, the grouped paths (frozen and trainable layers) in bf16 at 128 experts against the loop, `usaf train` on the
 #      GPU learning and resuming exactly with --deterministic (within the run-to-run noise without it), `usaf eval`
-#      and `usaf score` (with its lr test) on the GPU against the CPU, streaming, the backend probe, dequantization;
+#      and `usaf score` (with its lr test) on the GPU against the CPU, `usaf generate` streamed and resident in the
+#      device's dtype, streaming, the backend probe, dequantization;
 #   2. the training steps at Qwen3-30B-A3B's real width (hidden 2048, 128 experts, top-8): first visit, cached (the
 #      trainable experts grouped, usaf.engine.grouped_deltas), cached one expert at a time, collecting, a reselection,
 #      and operators dispatched per step, against a peft LoRA step on the same layers -> benchmarks/results/steps-gpu.json,

@@ -336,3 +336,25 @@ def test_score_with_its_lr_test_runs_on_cuda(prepared, tmp_path):
     record = load_verified(out, PlanManifest).summary.lr_test
     assert record is not None and record.lr in record.candidates and record.steps > 0
     assert any(loss is not None for loss in record.heldout_losses)
+
+
+def test_generate_on_cuda_streams_in_the_devices_dtype_and_matches_resident(prepared, tmp_path):
+    """`usaf generate` as a user runs it on a GPU: the device's compute dtype (bf16 where native) and, streamed, the
+    frozen layers' experts copied to the device on a side stream; greedy text equal to resident experts'."""
+    from usaf.backends import resolve_backend
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
+                    "--steps", 4, "--save-every", 0)  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    outs = {}
+    for flag in ("--stream-experts", "--no-stream-experts"):
+        result = invoke("generate", "def parse(", "--model", qdir, "--checkpoint", run, "--device", "cuda",
+                        "--temperature", 0, "--max-new-tokens", 12, "--no-chat", "--json", flag)  # fmt: skip
+        assert result.exit_code == 0, explain(result)
+        outs[flag] = json.loads(result.stdout)
+    compute = str(resolve_backend("cuda").policy.compute).removeprefix("torch.")
+    assert all(out["dtype"] == compute and out["new_tokens"] > 0 for out in outs.values())
+    assert outs["--stream-experts"]["streamed"] and not outs["--no-stream-experts"]["streamed"]
+    assert outs["--stream-experts"]["text"] == outs["--no-stream-experts"]["text"]
