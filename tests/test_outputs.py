@@ -257,6 +257,21 @@ def test_train_overwrite_replaces_a_finished_run(ws, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_train_overwrite_refuses_to_delete_the_plan_it_is_given_inside_the_run(ws, tmp_path):
+    """``--plan RUN/plan --out RUN --overwrite`` (the plan a run scored on the fly, exempt from the never-an-input
+    rule) deleted the run and the plan with it, then crashed with a traceback (found in review). Refused before
+    anything is deleted; the control is the test above (--overwrite with a plan elsewhere replaces the run)."""
+    run = tmp_path / "run"
+    shutil.copytree(ws["run"], run)
+    shutil.copytree(ws["plan"], run / "plan")
+    before = snapshot(run)
+    result = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", run / "plan", "--steps", 1,
+                    "--out", run, "--overwrite")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"--plan {run / 'plan'} lies inside --out {run}, which --overwrite deletes" in result.stderr, result.stderr
+    assert snapshot(run) == before and leftovers(tmp_path) == []
+
+
 def test_what_usaf_made_is_recognised(ws, tmp_path):
     assert found_at(ws["run"]).what == "a usaf run artifact"
     assert found_at(ws["plan"]).what == "a usaf plan artifact"
