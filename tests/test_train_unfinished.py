@@ -79,6 +79,20 @@ def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):
     resumed = invoke(*command, "--out", run)
     assert resumed.exit_code == 0, explain(resumed)
     assert "resuming the unfinished run" not in resumed.stderr and f"(step 2 of {STEPS})" in resumed.stderr
+    assert "the run trained at" not in resumed.stderr  # the same split: the control of the test below
+
+
+def test_a_resume_at_another_microbatch_says_it_is_not_the_uninterrupted_run(prepared, tmp_path):
+    """The same global batch split otherwise resumes (README), but was said to be exact: each step's sums and RigL's
+    grow scores depend on the microbatch, and a resumed run reselected other weights (found in review)."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--plan", plan)
+    run, _ = stopped_at_step_2(command, tmp_path)
+    resumed = invoke(*command, "--out", run, "--microbatch", 1, "--grad-accum", 2)
+    assert resumed.exit_code == 0, explain(resumed)
+    said = " ".join(resumed.stderr.split())
+    assert f"(step 2 of {STEPS})" in said and "--microbatch 1: the run trained at 2 until now" in said, said
+    assert "(--microbatch 2 continues it exactly)" in said
 
 
 def test_resume_at_an_out_holding_no_run_is_refused_and_at_the_stopped_run_resumes(prepared, tmp_path):

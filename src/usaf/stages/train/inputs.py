@@ -138,6 +138,8 @@ def resolve_inputs(
     world.refuse_unless_same({"--plan": settled.plan.fingerprint, "steps": settled.steps}, SAME_INPUTS)  # a found one
     config, record = settled.config, settled.record
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
+    if resume_from is not None and (note := _other_split(_started_with(run_dir), record)):
+        progress.note(note)
     if resume_from is None and settled.plan_dir == run_dir / PLAN_DIR:  # scored on the fly into this run: its
         _record_settings(run_dir, record, world)  # settings now, so the same command finds it if stopped before a step
     return TrainInputs(
@@ -590,8 +592,21 @@ def _settings_fingerprint(
     if keep["targets"] is None:  # not given: spelled as the fixed default was before it followed the model (the plan's
         keep["targets"] = ",".join(DEFAULT_TARGETS)  # fingerprint pins what trains), so a run from then still resumes
     global_batch = config.microbatch * config.grad_accum * world.size
-    return {**keep, "global_batch": global_batch, "model_fingerprint": model_fp, "plan_fingerprint": plan.fingerprint,
-            "data_fingerprint": data_fp}  # fmt: skip
+    return {**keep, "global_batch": global_batch, "microbatch": config.microbatch, "model_fingerprint": model_fp,
+            "plan_fingerprint": plan.fingerprint, "data_fingerprint": data_fp}  # fmt: skip
+
+
+def _other_split(previous: dict, record: dict) -> str | None:
+    """The note for a resume at another ``--microbatch`` (the same global batch): it continues, but not as the run
+    would have. Exact only at the same microbatch: each forward's sums, and RigL's grow scores (a sum over the
+    microbatches of each one's gradient magnitude), depend on it; a resume at another one was said to be exact and
+    reselected other weights (found in review)."""
+    was, now = previous.get("microbatch"), record["microbatch"]
+    if was is None or was == now:  # not recorded: a run started before 2026-12-06
+        return None
+    return (f"--microbatch {now}: the run trained at {was} until now. The same sequences a step, but each step's "
+            "sums and RigL's grow scores (summed over microbatches) are other ones, so the result differs from an "
+            f"uninterrupted run's (--microbatch {was} continues it exactly)")
 
 
 def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) -> Path | None:
@@ -615,9 +630,10 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
 
 
 # Recorded, not compared on resume: the inputs' paths (their fingerprints pin what they hold: a path spelled
-# relative or absolute refused the same run; found in review) and when checkpoints and held-out losses are written
-# (nothing trained depends on them).
-RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every"})
+# relative or absolute refused the same run; found in review), when checkpoints and held-out losses are written
+# (nothing trained depends on them), and the microbatch (another one at the same global batch resumes, with a note:
+# _other_split).
+RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch"})
 RECORDED_SINCE = frozenset({"compute_dtype"})  # 2026-12-06
 
 
