@@ -59,6 +59,24 @@ def test_train_reads_every_prefix_state_from_the_plan_and_learns_the_same(setup,
     assert cached.final_loss == pytest.approx(plain.final_loss, abs=1e-5)
 
 
+def test_a_store_keyed_for_other_cuts_is_said_to_miss_and_the_frozen_layers_are_prepared(setup, tmp_path):
+    """``--seq-len`` (or ``--dtype``) keys every state otherwise than score's --cache did: the run said the store held
+    every training sequence, missed every one, and left the frozen layers 4-bit for the misses (found in review).
+    The control: the same plan without --seq-len is served whole and prepares nothing."""
+    qdir, tokens = setup
+    assert score(qdir, tokens, tmp_path / "cached", "--cache").exit_code == 0
+    whole = train(qdir, tokens, tmp_path / "cached", tmp_path / "whole", "--steps", 2)
+    said = " ".join(whole.output.split())
+    assert whole.exit_code == 0 and "(every training sequence: usaf score --cache)" in said, said
+    assert "frozen MoE layers' experts dequantized" not in said
+    cut = train(qdir, tokens, tmp_path / "cached", tmp_path / "cut", "--steps", 2, "--seq-len", 24)
+    said = " ".join(cut.output.split())
+    assert cut.exit_code == 0 and "usaf score --cache, but 0 of " in said, said
+    assert "2 frozen MoE layers' experts dequantized" in said
+    summary = load_verified(tmp_path / "cut", RunManifest).summary
+    assert summary.prefix_cache_hits == 0 and summary.prefix_cache_misses == 2 * 2
+
+
 def test_by_default_the_plan_keeps_the_calibration_samples_states_and_train_reads_them(setup, tmp_path):
     """No flag: the store holds exactly the sample's states, each the sequence's own (computed alone) to rounding;
     a one-epoch run reads those and computes the rest, and learns what a run without the store learns."""

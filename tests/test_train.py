@@ -922,7 +922,8 @@ def test_a_prefix_store_of_other_data_does_not_spare_the_frozen_layers():
         return SimpleNamespace(plan=plan, data_fingerprint="A", data=[0] * 4, eval_data=None)
 
     cache = SimpleNamespace(store=[0] * 4)
-    assert _computes_prefixes(cache, inputs("B")) and not _computes_prefixes(cache, inputs("A"))  # A: the control
+    assert _computes_prefixes(cache, inputs("B"), True) and not _computes_prefixes(cache, inputs("A"), True)  # control
+    assert _computes_prefixes(cache, inputs("A"), False)  # keyed otherwise (--seq-len, --dtype): _store_probe
 
 
 def test_the_lr_taken_from_the_plan_says_a_fallback_and_another_router_setting():

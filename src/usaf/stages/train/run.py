@@ -78,8 +78,8 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
         if threads is not None:
             progress.note(threads)
     engine = _engine(inputs, backend, compute, progress)
-    prefix = _prefix(engine, inputs, world, progress)  # its store is checked before the run directory is made
-    if prefix is not None and _computes_prefixes(prefix[0], inputs):
+    prefix, served = _prefix(engine, inputs, world, progress)  # its store is checked before the run directory is made
+    if prefix is not None and _computes_prefixes(prefix[0], inputs, served):
         frozen_layers_resident(engine, backend, progress)
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
@@ -148,33 +148,61 @@ def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
     return engine
 
 
-def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[Any, str] | None:
-    """(the frozen-prefix cache, the model's fingerprint) when the engine has a frozen prefix, else None."""
+def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[tuple[Any, str] | None, bool]:
+    """(the frozen-prefix cache, the model's fingerprint) when the engine has a frozen prefix, else None; and whether
+    the plan's store holds the states of the run's sequences as the run keys them (:func:`_store_probe`)."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
     from usaf.artifacts.prefix_store import open_store
     from usaf.engine.prefix import PrefixCache
 
     if engine.prefix is None:
-        return None
+        return None, False
     hidden = engine.model.get_input_embeddings().embedding_dim  # the width of every stored state
     record = inputs.plan.summary.prefix_cache
     store = open_store(inputs.plan_dir, record, hidden_size=hidden)  # what usaf score kept
     spill = inputs.run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
     cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
+    served = False
     if store is not None:
         whose = "the calibration sample"
-        if record.scope == "data":  # of its data: another --data's, said as such (found in review)
-            whose = ("every training sequence: usaf score --cache" if _store_holds_the_data(inputs)
-                     else "another --data's training sequences: those of this --data it holds are used")  # fmt: skip
+        if record.scope == "data" and not _store_holds_the_data(inputs):  # another --data's, said (found in review)
+            whose = "another --data's training sequences: those of this --data it holds are used"
+        elif record.scope == "data":
+            held, looked_up = _store_probe(engine, inputs, store)
+            served = held == looked_up
+            whose = "every training sequence: usaf score --cache" if served else (
+                f"usaf score --cache, but {held} of {looked_up} of this run's sequences looked up are there: the "
+                "states were computed for other token cuts or another dtype or library version (--seq-len, --dtype, "
+                "torch, transformers): the frozen layers run for the rest")  # fmt: skip
         progress.note(f"prefix states of {len(store):,} sequences read from the plan ({whose})")
-    return cache, inputs.model.fingerprint
+    return (cache, inputs.model.fingerprint), served
 
 
-def _computes_prefixes(cache: Any, inputs: Any) -> bool:
+STORE_PROBE = 16  # training sequences looked up in a --cache store before the run counts on it for all of them
+
+
+def _store_probe(engine: Any, inputs: Any, store: Any) -> tuple[int, int]:
+    """How many of up to :data:`STORE_PROBE` training sequences, spread over the data and cut as the run cuts them
+    (``--seq-len``), the store holds under the keys this run computes (their tokens, the dtype, torch's and
+    transformers' versions: ``engine.prefix_key``), and how many were looked up. A store of this very data missed
+    every state under ``--seq-len`` or ``--dtype`` while the run said it held them, and left the frozen layers
+    quantized for the misses (found in review)."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    import torch
+
+    n, cut = len(inputs.data), inputs.config.seq_len
+    rows = sorted({i * n // STORE_PROBE for i in range(min(n, STORE_PROBE))})
+    keys = [engine.prefix_key(torch.tensor(inputs.data[i].input_ids[:cut]), inputs.model.fingerprint) for i in rows]
+    return sum(key in store for key in keys), len(keys)
+
+
+def _computes_prefixes(cache: Any, inputs: Any, served: bool) -> bool:
     """Whether the run will run its frozen layers: sequences the plan's store lacks (all but usaf score --cache's of
-    this very data: another data's store of as many sequences left the frozen layers quantized and ran them at every
-    miss, found in review), or held-out data (whose states the store never holds)."""
-    complete = cache.store is not None and _store_holds_the_data(inputs) and len(cache.store) >= len(inputs.data)
+    this very data, ``served`` as the run keys its states: another data's store of as many sequences left the frozen
+    layers quantized and ran them at every miss, found in review), or held-out data (whose states the store never
+    holds)."""
+    complete = (cache.store is not None and served and _store_holds_the_data(inputs)
+                and len(cache.store) >= len(inputs.data))  # fmt: skip
     return not complete or inputs.eval_data is not None
 
 
