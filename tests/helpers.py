@@ -137,8 +137,8 @@ class RecordingProgress(NullProgress):
         super().__init__()
         self.events: list = []
 
-    def start(self, description: str, total: int | None, unit: str) -> None:
-        self.events.append((description, total, unit))
+    def start(self, description: str, total: int | None, unit: str, *, done: int = 0) -> None:
+        self.events.append((description, total, unit, done) if done else (description, total, unit))
 
     def advance(self, amount: int, **counters: float) -> None:
         self.events.append((amount, counters))

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FAMILIES
-from helpers import explain, invoke
+from helpers import ctrl_c_at_step, explain, invoke
 from usaf.artifacts import RunManifest, load_verified
 
 
@@ -93,6 +93,22 @@ def test_the_progress_bar_shows_the_mean_loss_of_the_last_20_steps(prepared, tmp
     assert len(shown) == len(losses) == 25
     assert shown[2] == pytest.approx(sum(losses[:3]) / 3) and shown[-1] == pytest.approx(sum(losses[-20:]) / 20)
     assert shown[-1] != pytest.approx(losses[-1])  # the control: not the last step's own
+    assert [counters["tokens"] for amount, counters in progress.events[begin + 1 : end] if amount == 1][:3] == [
+        m["tokens"] for m in metrics(tmp_path / "run") if "loss" in m][:3]  # fmt: skip
+
+    # Resumed at step 10, the bar starts there, and counts (for its tokens/s) the tokens of this start: it counted the
+    # run's from step 0 in this start's seconds (a resumed run showed 137,624 tokens/s; found in review).
+    resumed = RecordingProgress()
+    config = TrainConfig(model=qdir, data=tokens, plan=plan, out=tmp_path / "resumed", steps=25, reselect_every=0,
+                         device="cpu")  # fmt: skip
+    with ctrl_c_at_step(10), pytest.raises(KeyboardInterrupt):
+        train_run(config, progress=RecordingProgress())
+    train_run(config, progress=resumed)
+    begin = resumed.events.index(("training", 25, "steps", 10))
+    end = resumed.events.index("finish", begin)
+    counted = [counters["tokens"] for amount, counters in resumed.events[begin + 1 : end] if amount == 1]
+    at = [m["tokens"] for m in metrics(tmp_path / "resumed") if "loss" in m]
+    assert len(counted) == 15 and counted == [tokens - at[9] for tokens in at[10:]]
 
 
 def test_loss_ends_average_a_quarter_of_the_steps_at_most_50():
@@ -134,6 +150,12 @@ def test_resume_is_exact(prepared, tmp_path, monkeypatch, interrupt_at):
         include={"first_losses_mean", "last_losses_mean"}).values())] * 2  # fmt: skip
     a, b = final_deltas(straight), final_deltas(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The summary's time and rate are of the resumed start: it divided every step's tokens by the resumed part's
+    # seconds (found in review). The straight run's are the whole run's (the control).
+    at = next(m["tokens"] for m in metrics(resumed) if m.get("step") == interrupt_at and "tokens" in m)
+    assert (ends[0].resumed_at_step, ends[0].session_tokens) == (None, ends[0].tokens)
+    assert (ends[1].resumed_at_step, ends[1].session_tokens) == (interrupt_at, ends[1].tokens - at)
+    assert f"wall time since the resume at step {interrupt_at}" in " ".join(result.output.split())
 
 
 def test_an_interrupted_run_resumes_with_what_it_started_with_and_a_refusal_says_what_differs(

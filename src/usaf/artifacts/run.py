@@ -84,7 +84,12 @@ class RunSummary(Record):
     world_size: int = Field(1, ge=1, description="data-parallel processes (torchrun) of the run's last start")
     lr: float | None = Field(None, description="the deltas' peak lr the run used (None: a run of an older usaf)")
     lr_source: str | None = Field(None, description="where that lr came from: --lr, USAF_LR, the plan's lr test, ...")
-    seconds: float
+    seconds: float = Field(description="wall time of the run's last start (a resumed run: since its resume)")
+    resumed_at_step: int | None = Field(
+        None, description="the step the run's last start resumed at: seconds, session_tokens and the prefix-cache "
+        "counts are from there on; None: trained from step 0 in one start",
+    )  # fmt: skip
+    session_tokens: int | None = Field(None, description="tokens trained in seconds (None: a run of an older usaf)")
 
 
 @register

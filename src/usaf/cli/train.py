@@ -36,11 +36,13 @@ def _print_summary(console, manifest, path: Path) -> None:
     table = Table(title=f"run → {path}", title_justify="left", show_header=False)
     table.add_column(justify="left")
     table.add_column(justify="right")
-    rate = s.tokens / s.seconds if s.seconds else 0.0
+    trained = s.session_tokens if s.session_tokens is not None else s.tokens  # in s.seconds
+    rate = trained / s.seconds if s.seconds else 0.0
+    since = f" since the resume at step {s.resumed_at_step}" if s.resumed_at_step is not None else ""
     rows = [
         ("steps (skipped)", f"{s.steps} ({s.skipped_steps})"),
         ("tokens", f"{s.tokens:,}"),
-        ("wall time (with loading and scoring)", f"{s.seconds:,.0f} s ({rate:,.0f} tokens/s)"),
+        (f"wall time{since} (with loading and scoring)", f"{s.seconds:,.0f} s ({rate:,.0f} tokens/s)"),
     ]
     if s.loss_window is not None:  # one step's loss is one microbatch's: the ends' means say where training went
         rows.append((f"train loss, mean of the first → last {s.loss_window} steps",
@@ -59,7 +61,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         ("dropped-and-kept entries", f"{s.frozen_entries:,}"),
     ]
     if s.prefix_cache_hits is not None:
-        rows.append(("prefix cache hits / misses", f"{s.prefix_cache_hits:,} / {s.prefix_cache_misses:,}"))
+        rows.append((f"prefix cache hits / misses{since}", f"{s.prefix_cache_hits:,} / {s.prefix_cache_misses:,}"))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

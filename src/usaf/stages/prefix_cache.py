@@ -77,9 +77,7 @@ def write_store(
             save(lines)
 
     def states():
-        progress.start("prefix cache", total, "sequences")
-        if done:
-            progress.advance(done)
+        progress.start("prefix cache", total, "sequences", done=done)
         pending = []
         for n, line in enumerate(iter_token_file(data_file, vocab_size=vocab_size)):
             if n < done:

@@ -6,8 +6,9 @@ from typing import Protocol
 
 
 class Progress(Protocol):
-    def start(self, description: str, total: int | None, unit: str) -> None:
-        """Begin a phase of ``total`` units (``None``: unknown)."""
+    def start(self, description: str, total: int | None, unit: str, *, done: int = 0) -> None:
+        """Begin a phase of ``total`` units (``None``: unknown), ``done`` of them already (a resumed phase: shown as
+        done, not counted in the rate)."""
 
     def advance(self, amount: int, **counters: float) -> None:
         """``amount`` more units done; int ``counters`` are running totals (tokens), floats current values (loss)."""
@@ -25,7 +26,7 @@ class NullProgress:
     def __init__(self) -> None:
         self.notes: list[str] = []
 
-    def start(self, description: str, total: int | None, unit: str) -> None:
+    def start(self, description: str, total: int | None, unit: str, *, done: int = 0) -> None:
         pass
 
     def advance(self, amount: int, **counters: float) -> None:

@@ -136,9 +136,7 @@ def _counted(
 ) -> Iterator[tuple]:  # fmt: skip
     """``(half, input_ids, labels, mask)`` of each item after the first ``done``, counted on a progress bar and in
     ``finished[0]`` once its backward is over; a stop request is raised between two rounds, never inside one."""
-    progress.start("scoring", len(items), "batches")
-    if done:
-        progress.advance(done)
+    progress.start("scoring", len(items), "batches", done=done)
     tokens = 0
     for i in range(rounds.first, rounds.count):
         stop.check()
@@ -497,9 +495,8 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
         progress.note(f"lr test: {len(done)} of {len(CANDIDATES)} probes done by the interrupted run")
     else:
         progress.note(f"lr test: up to {len(CANDIDATES)} probes of {steps} steps on the calibration sample")
-    progress.start("lr test", len(CANDIDATES) * steps, "steps")  # fewer where a probe diverges: the rest not run
-    if done:
-        progress.advance(len(done) * steps)
+    # fewer where a probe diverges: the rest not run
+    progress.start("lr test", len(CANDIDATES) * steps, "steps", done=len(done) * steps)
     start = time.perf_counter()
 
     def step(lr: float) -> None:

@@ -25,8 +25,7 @@ SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each re
 
 def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
     """Train from ``trainer.state.step`` to ``steps``; a stop request saves a checkpoint, then KeyboardInterrupt."""
-    progress.start("training", steps, "steps")
-    progress.advance(trainer.state.step)
+    progress.start("training", steps, "steps", done=trainer.state.step)
     stop = StopRequest(trainer.world)
     try:
         with stop:  # also around the save below: a repeated signal (torchrun forwards one) must not cut it short
@@ -55,7 +54,7 @@ SHOWN_LOSS = f"loss ({SHOWN_LOSS_STEPS}-step mean)"
 
 
 def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> None:
-    first = trainer.state.step
+    first, tokens_before = trainer.state.step, trainer.state.tokens  # a resumed run's: the rate counts this start's
     recent: deque[float] = deque(maxlen=SHOWN_LOSS_STEPS)  # since this start: display only, not resumed
     while trainer.state.step < steps:
         stop.check()
@@ -79,7 +78,7 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
         if not record.get("skipped", False):
             recent.append(record["loss"])
         shown = {SHOWN_LOSS: sum(recent) / len(recent)} if recent else {}
-        progress.advance(1, tokens=trainer.state.tokens, **shown)
+        progress.advance(1, tokens=trainer.state.tokens - tokens_before, **shown)
 
 
 def collecting(step: int, every: int, steps: int, fraction: float) -> bool:

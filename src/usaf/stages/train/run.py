@@ -111,8 +111,9 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     progress.note(f"lr {config.lr:.1e} (from {inputs.lr_source})"
                   + (f", router lr {config.router_lr:g}" if config.router else ""))  # fmt: skip
 
+    began = (trainer.state.step, trainer.state.tokens)  # a resumed run's: its summary's time and rate are from there
     loop.run_loop(trainer, inputs.steps, progress)
-    return _finish(inputs, trainer, backend, time.perf_counter() - start)
+    return _finish(inputs, trainer, backend, time.perf_counter() - start, began)
 
 
 def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
@@ -252,8 +253,12 @@ def loss_ends(losses: list[float]) -> tuple[int | None, float | None, float | No
     return window, sum(losses[:window]) / window, sum(losses[-window:]) / window
 
 
-def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[RunManifest, Path]:
-    """The held-out loss of the final weights, ``final/``, and (rank 0) the run's manifest."""
+def _finish(
+    inputs: Any, trainer: Any, backend: Any, seconds: float, began: tuple[int, int]
+) -> tuple[RunManifest, Path]:
+    """The held-out loss of the final weights, ``final/``, and (rank 0) the run's manifest; ``began``: the step and
+    tokens this start trained from (a resumed run's summary said its whole tokens came in this start's seconds:
+    twice the rate; found in review)."""
     state, run_dir = trainer.state, inputs.run_dir
     if trainer.eval_data is not None and (not state.eval_losses or state.eval_losses[-1][0] != state.step):
         loss = trainer.evaluate()  # the held-out loss of the final weights, always reported
@@ -297,6 +302,8 @@ def _finish(inputs: Any, trainer: Any, backend: Any, seconds: float) -> tuple[Ru
         lr=inputs.config.lr,
         lr_source=inputs.lr_source,
         seconds=seconds,
+        resumed_at_step=began[0] if inputs.resume_from is not None else None,
+        session_tokens=state.tokens - began[1],
     )
     manifest = write_manifest(
         run_dir,
