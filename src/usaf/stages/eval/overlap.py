@@ -11,10 +11,7 @@ found this way; the count is a floor, and said to be one.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.run import SETTINGS_FILE, load_trained_change
 from usaf.artifacts.tokens import TRAIN_FILE
-from usaf.data.tokens import iter_token_file
+from usaf.data.seen import TrainingTokens, sequence_digest, training_digests
 from usaf.errors import UsafError
 from usaf.stages.eval.inputs import HELD_OUT, EvalInput
 from usaf.stages.progress import Progress
@@ -38,16 +35,6 @@ class Overlap:
     found: int
     held_out: int
     per_input: dict[str, int]  # held-out input path -> its sequences found
-
-
-def _digest(ids: Iterable[int]) -> bytes:
-    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class TrainingTokens:
-    path: Path  # the train.jsonl of the tokens the run trained on, or the tokens JSONL it was given
-    sequences: int | None  # None: not recorded (a JSONL file)
 
 
 @dataclass(frozen=True)
@@ -154,16 +141,11 @@ def held_out_overlap(
     held = [item for item in inputs if item.set == HELD_OUT]
     for item in held:
         for sequence in item.sequences:
-            wanted.setdefault(_digest(sequence.input_ids), []).append(str(item.path))
+            wanted.setdefault(sequence_digest(sequence.input_ids), []).append(str(item.path))
     per_input = {str(item.path): 0 for item in held}
-    progress.start("checking held-out against the training tokens", training.sequences, "sequences")
-    try:
-        for line in iter_token_file(training.path, vocab_size=vocab_size, context=context):
-            for path in wanted.pop(_digest(line.input_ids), []):  # popped: each held-out sequence counts once
-                per_input[path] += 1
-            progress.advance(1)
-    finally:
-        progress.finish()
+    for digest in training_digests(training, vocab_size, context, progress):
+        for path in wanted.pop(digest, []):  # popped: each held-out sequence counts once
+            per_input[path] += 1
     return Overlap(training.path, sum(per_input.values()), sum(len(item.sequences) for item in held), per_input)
 
 

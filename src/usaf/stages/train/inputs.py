@@ -46,6 +46,7 @@ from usaf.artifacts.workspace import (
 from usaf.artifacts.writer import ArtifactWriter, remove_stale_temporaries_inside, write_text_atomic
 from usaf.config import flag_name, refuse_unused, source_of, was_given
 from usaf.data.dataset import TokenDataset
+from usaf.data.seen import TrainingTokens, found_in_training
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.distributed import SAME_INPUTS, World, world
 from usaf.engine.reselect import update_fraction
@@ -121,6 +122,8 @@ def resolve_inputs(
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
+    if eval_data is not None:
+        _say_eval_overlap(eval_data, TrainingTokens(data_file, len(data)), len(tokenizer), context, progress)
     model = (model_dir, model_manifest.fingerprint)
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
     source = config.data if config.data is not None else data_file.parent
@@ -242,6 +245,17 @@ def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> Non
 
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
+
+
+def _say_eval_overlap(eval_data: Any, training: Any, vocab_size: int, context: int | None, progress: Progress) -> None:
+    """A note when held-out sequences are training sequences (the same token ids): their loss measures the fit."""
+    sequences = (eval_data[i].input_ids for i in range(len(eval_data)))
+    found = found_in_training(sequences, training, vocab_size=vocab_size, context=context, progress=progress)
+    if found:
+        progress.note(f"--eval-data {eval_data.path}: {found:,} of its {len(eval_data):,} sequences are training "
+                      f"sequences of --data {training.path}: for them the held-out loss measures the fit to the "
+                      "training text, not generalization (hold sources out at tokenize: --held-out, --held-out-frac; "
+                      "a tokens directory as --eval-data uses its heldout.jsonl)")  # fmt: skip
 
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
