@@ -8,12 +8,11 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from usaf.data.tokens import iter_token_file
 
-if TYPE_CHECKING:  # the stages' protocol, for the annotations only: the data layer imports no stage
-    from usaf.stages.progress import Progress
+Progress = Any  # a usaf.stages.progress.Progress: the data layer imports no stage module
 
 
 @dataclass(frozen=True)
