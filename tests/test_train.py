@@ -111,6 +111,28 @@ def test_the_progress_bar_shows_the_mean_loss_of_the_last_20_steps(prepared, tmp
     assert len(counted) == 15 and counted == [tokens - at[9] for tokens in at[10:]]
 
 
+def test_the_held_out_loss_is_shown_as_it_runs(prepared, tmp_path):
+    """Held-out evaluation ran in silence (minutes at a real model's size; found in review): before and after
+    training a phase of its own, counting the held-out sequences; inside the training bar a note, then its result."""
+    from helpers import RecordingProgress
+    from usaf.stages.train import TrainConfig
+    from usaf.stages.train import run as train_run
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    progress = RecordingProgress()
+    train_run(TrainConfig(model=qdir, data=tokens, plan=plan, out=tmp_path / "run", steps=4, reselect_every=0,
+                          eval_data=tokens, eval_every=3, device="cpu"), progress=progress)  # fmt: skip
+    held = len((tokens / "heldout.jsonl").read_text().splitlines())
+    losses = {m["step"]: m["eval_loss"] for m in metrics(tmp_path / "run") if "eval_loss" in m}
+    assert sorted(losses) == [0, 3, 4]
+    for step in (0, 4):  # a phase each, advanced by microbatch to every held-out sequence
+        begin = progress.events.index((f"held-out loss at step {step}", held, "sequences"))
+        end = progress.events.index("finish", begin)
+        assert sum(amount for amount, _ in progress.events[begin + 1 : end]) == held
+    assert f"step 3: held-out loss over {held:,} sequences" in progress.notes
+    assert [f"step {s}: held-out loss {loss:.4f}" in progress.notes for s, loss in losses.items()] == [True] * 3
+
+
 def test_loss_ends_average_a_quarter_of_the_steps_at_most_50():
     from usaf.stages.train.run import loss_ends
 

@@ -69,7 +69,7 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
         if every and done % every == 0 and done < steps:
             _reselect(trainer, steps)
         if config.eval_every and done % config.eval_every == 0:
-            loss = trainer.evaluate()
+            loss = held_out_loss(trainer, progress, within=True)
             if loss is not None:
                 trainer.state.eval_losses.append([done, loss])
                 trainer.log({"step": done, "eval_loss": loss})
@@ -79,6 +79,27 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
             recent.append(record["loss"])
         shown = {SHOWN_LOSS: sum(recent) / len(recent)} if recent else {}
         progress.advance(1, tokens=trainer.state.tokens - tokens_before, **shown)
+
+
+def held_out_loss(trainer: Any, progress: Progress, *, within: bool = False) -> float | None:
+    """The held-out loss of the weights now, shown as it runs (minutes at a real model's size, in silence before;
+    found in review): a phase of its own before and after training, a note ``within`` the training bar (a phase
+    would end it). None without held-out data."""
+    if trainer.eval_data is None:
+        return None
+    step = trainer.state.step
+    if within:
+        progress.note(f"step {step}: held-out loss over {len(trainer.eval_data):,} sequences")
+        loss = trainer.evaluate()
+    else:
+        progress.start(f"held-out loss at step {step}", trainer.eval_share(), "sequences")
+        try:
+            loss = trainer.evaluate(on_batch=progress.advance)
+        finally:
+            progress.finish()
+    if loss is not None:
+        progress.note(f"step {step}: held-out loss {loss:.4f}")
+    return loss
 
 
 def collecting(step: int, every: int, steps: int, fraction: float) -> bool:

@@ -102,7 +102,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
                           "only within the device's run-to-run noise (its sums' order varies)")  # fmt: skip
     if world.is_main:  # steps after the checkpoint are logged again; from nothing, all (the step-0 held-out loss too)
         trim_metrics(run_dir, trainer.state.step if inputs.resume_from is not None else -1)
-    _held_out_before_training(trainer)
+    _held_out_before_training(trainer, progress)
     per_step = inputs.per_step
     if world.active:
         progress.note(f"data parallel: {world.size} processes ({world.backend}), {per_step} sequences per step "
@@ -113,7 +113,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
 
     began = (trainer.state.step, trainer.state.tokens)  # a resumed run's: its summary's time and rate are from there
     loop.run_loop(trainer, inputs.steps, progress)
-    return _finish(inputs, trainer, backend, time.perf_counter() - start, began)
+    return _finish(inputs, trainer, backend, time.perf_counter() - start, began, progress)
 
 
 def _engine(inputs: Any, backend: Any, compute: Any, progress: Progress) -> Any:
@@ -228,13 +228,16 @@ def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
     )
 
 
-def _held_out_before_training(trainer: Any) -> None:
+def _held_out_before_training(trainer: Any, progress: Progress) -> None:
     """The untrained model's held-out loss, at step 0 (every rank: it is all-reduced), so the run's held-out losses
     go from before training to after it; with only the final one (``--eval-every 0``) the summary showed it twice."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    from usaf.stages.train import loop
+
     state = trainer.state
     if trainer.eval_data is None or state.step != 0 or state.eval_losses:
         return
-    loss = trainer.evaluate()
+    loss = loop.held_out_loss(trainer, progress)
     if loss is not None:
         state.eval_losses.append([0, loss])
         trainer.log({"step": 0, "eval_loss": loss})
@@ -254,14 +257,17 @@ def loss_ends(losses: list[float]) -> tuple[int | None, float | None, float | No
 
 
 def _finish(
-    inputs: Any, trainer: Any, backend: Any, seconds: float, began: tuple[int, int]
+    inputs: Any, trainer: Any, backend: Any, seconds: float, began: tuple[int, int], progress: Progress
 ) -> tuple[RunManifest, Path]:
     """The held-out loss of the final weights, ``final/``, and (rank 0) the run's manifest; ``began``: the step and
     tokens this start trained from (a resumed run's summary said its whole tokens came in this start's seconds:
     twice the rate; found in review)."""
+    # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    from usaf.stages.train import loop
+
     state, run_dir = trainer.state, inputs.run_dir
     if trainer.eval_data is not None and (not state.eval_losses or state.eval_losses[-1][0] != state.step):
-        loss = trainer.evaluate()  # the held-out loss of the final weights, always reported
+        loss = loop.held_out_loss(trainer, progress)  # the held-out loss of the final weights, always reported
         state.eval_losses.append([state.step, loss])
         trainer.log({"step": state.step, "eval_loss": loss})
     final = trainer.save_checkpoint(run_dir / FINAL_DIR)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -346,26 +347,36 @@ class Trainer:
         return new
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Token-weighted held-out loss (no gradients; not counted in step time)."""
+    def evaluate(self, on_batch: Callable[[int], None] | None = None) -> float | None:
+        """Token-weighted held-out loss (no gradients; not counted in step time); ``on_batch``: called with the
+        sequences of each microbatch this rank has evaluated."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return None
         loads = [state.tokens_per_expert.clone() for state in self.engine.loaded.experts.values()]
         try:
-            return self._evaluate()
+            return self._evaluate(on_batch)
         finally:  # held-out forwards do not count in the training routing window
             for state, saved in zip(self.engine.loaded.experts.values(), loads):
                 state.tokens_per_expert.copy_(saved)
 
-    def _evaluate(self) -> float:
+    def eval_share(self) -> int:
+        """The held-out sequences this rank evaluates."""
+        return sum(len(rows) for rows in self._eval_rows())
+
+    def _eval_rows(self) -> list[range]:
+        """This rank's share of the held-out microbatches, as dataset rows."""
+        size, n = self.microbatch, len(self.eval_data)
+        return [range(start, min(start + size, n)) for start in range(0, n, size)][self.world.rank :: self.world.size]
+
+    def _evaluate(self, on_batch: Callable[[int], None] | None) -> float:
         total = tokens = 0.0
-        size = self.microbatch
-        starts = range(0, len(self.eval_data), size)
-        for start in starts[self.world.rank :: self.world.size]:  # every rank its share of the microbatches
-            lines = self._cut([self.eval_data[i] for i in range(start, min(start + size, len(self.eval_data)))])
+        for rows in self._eval_rows():  # every rank its share of the microbatches
+            lines = self._cut([self.eval_data[i] for i in rows])
             parts = self._loss(collate(lines, self.pad_id))
             total += float(parts.ce) * parts.tokens
             tokens += parts.tokens
+            if on_batch is not None:
+                on_batch(len(rows))
         total, tokens = self.world.sum_floats([total, tokens], "held-out loss all-reduce")
         return total / max(tokens, 1)
 
