@@ -46,6 +46,18 @@ def test_list_values_from_env_as_commas_or_json():
     assert resolve_config(Demo, section="demo", cli={}, env={"USAF_LAYERS": "[4,5]"}).layers == [4, 5]
 
 
+def test_a_whole_number_choice_from_env_is_a_number():
+    """USAF_NBITS=4 was refused for every value ("Input should be 2, 3, 4 or 8": the string '4' is not the number);
+    a value outside the choices is still refused, naming the variable (the control)."""
+    from usaf.settings.quantize import QuantizeConfig
+
+    given = {"model": "m"}
+    assert resolve_config(QuantizeConfig, section="quantize", cli=given, env={"USAF_NBITS": " 3"}).nbits == 3
+    for bad in ("5", "four"):
+        with pytest.raises(UsafError, match="USAF_NBITS"):
+            resolve_config(QuantizeConfig, section="quantize", cli=given, env={"USAF_NBITS": bad})
+
+
 def test_every_problem_is_reported_with_its_source(tmp_path):
     file = toml(tmp_path, "[demo]\nsteps = 0\n")
     with pytest.raises(UsafError) as e:

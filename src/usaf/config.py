@@ -162,7 +162,20 @@ def _parse_env_value(raw: str, annotation: Any) -> Any:
             except json.JSONDecodeError:
                 pass
         return [part.strip() for part in raw.split(",") if part.strip()]
+    if _literal_ints(annotation):  # pydantic converts "4" for an int field, not for Literal[2, 3, 4, 8]: USAF_NBITS=4
+        try:  # was refused for every value (found in review)
+            return int(raw.strip())
+        except ValueError:
+            return raw  # refused by the field, naming it
     return raw
+
+
+def _literal_ints(annotation: Any) -> bool:
+    """Whether the field is a ``Literal`` of whole numbers (``Literal[2, 3, 4, 8]``, or one of them or None)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_literal_ints(a) for a in typing.get_args(annotation))
+    values = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else ()
+    return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _takes_bool(annotation: Any) -> bool:
