@@ -348,6 +348,7 @@ def render_configuration(out: Any, conf: dict[str, Any]) -> None:
         table.add_row("[green]can[/green]", line)
     for line in conf["cannot"]:
         table.add_row("[yellow]cannot[/yellow]", line)
+    out.print(table)  # built and never printed since a merge (found in review): the README's known gaps live here
 
 
 def _render_distributed(info: dict[str, Any]) -> None:
