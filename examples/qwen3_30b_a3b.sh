@@ -8,8 +8,10 @@
 # streamed to the GPU one layer ahead (--stream-experts; chosen by default when they would take over half
 # the free device memory), so a 12 GB card with 32 GB of RAM is the target: `usaf plan Qwen/Qwen3-30B-A3B
 # --vram 12GiB --ram 32GiB` shows the predicted peaks. Streaming on a real GPU is not measured yet (no GPU
-# was available to the project; scripts/gpu_check.sh is ready). The settings below: the top 4 of 48 layers
-# trainable (their dequantized bases: ~4.8 GB in bf16), microbatch 1 x 8 accumulation at 512 tokens.
+# was available to the project; scripts/gpu_check.sh is ready). The settings below: the top 3 of 48 layers
+# trainable (their dequantized bases: ~3.4 GB in bf16), microbatch 1 x 8 accumulation at 512 tokens; `usaf plan
+# Qwen/Qwen3-30B-A3B --vram 12GiB --ram 32GiB --train-from 45 --microbatch 1 --group-size 64` predicts score's peak
+# at 10.4 GiB of the 11.4 usable (4 layers would need 12.4: nothing fits).
 set -euo pipefail
 
 CODE_DIR=${1:?usage: $0 PATH_TO_YOUR_CODE [HELD_OUT_SOURCE ...]}
@@ -20,7 +22,7 @@ for source in "$@"; do held_out+=(--held-out "$source"); done
 
 usaf tokenize "$CODE_DIR" --model Qwen/Qwen3-30B-A3B --seq-len 512 --include '*.py' "${held_out[@]}"
 usaf quantize Qwen/Qwen3-30B-A3B --method hqq --nbits 4 --group-size 64
-usaf score --frac 0.005 --train-from 44 --calib-samples 64 --microbatch 1 --cache
+usaf score --frac 0.005 --train-from 45 --calib-samples 64 --microbatch 1 --cache
 eval_data=()  # a held-out loss during training needs a held-out split (an empty one is refused)
 if [ ${#held_out[@]} -gt 0 ]; then
     eval_data=(--eval-data "$(ls -d "$USAF_WORKSPACE"/tokens/* | tail -1)" --eval-every 100)
