@@ -272,6 +272,27 @@ def test_cli_plans_qwen3_30b_a3b_as_json():
     assert any(c.startswith(f"usaf train --microbatch {data['settings']['microbatch']} ") for c in data["commands"])
 
 
+def test_the_qwen3_example_fits_the_card_it_targets_by_the_planners_account():
+    """examples/qwen3_30b_a3b.sh promised a 12 GB card with settings usaf plan said would not fit (4 trainable layers:
+    score 1 GiB short; found in review). Its quantize and score flags, planned for that card, fit; one more layer
+    does not (the control)."""
+    import re
+    import shlex
+
+    script = (Path(__file__).resolve().parents[1] / "examples" / "qwen3_30b_a3b.sh").read_text()
+    flags = {}
+    for command in ("quantize", "score"):
+        words = shlex.split(next(line for line in script.splitlines() if line.startswith(f"usaf {command} ")))
+        flags |= {w: words[i + 1] for i, w in enumerate(words) if w in ("--group-size", "--train-from", "--microbatch")}
+    assert set(flags) == {"--group-size", "--train-from", "--microbatch"}, flags
+    card = ["plan", QWEN3_30B, "--vram", "12GiB", "--ram", "32GiB", "--json"]
+    planned = invoke(*card, *[part for item in flags.items() for part in item])
+    assert planned.exit_code == 0 and json.loads(planned.stdout)["fits"], planned.output
+    deeper = {**flags, "--train-from": str(int(flags["--train-from"]) - 1)}
+    assert invoke(*card, *[part for item in deeper.items() for part in item]).exit_code == 2
+    assert re.search(r"12 GB card", script)
+
+
 def test_cli_refuses_samples_where_no_frozen_prefix_is_sized():
     """--samples sizes the prefix cache: with --train-from 0 there is none, and it was accepted and unused (found in
     review). Control: with a frozen prefix it is taken."""
