@@ -165,12 +165,16 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
     assert result.exit_code == 130 and not resumed.exists()
     partial = tmp_path / ".resumed.usaf-partial"
     assert sorted(p.name for p in (partial / "layers").iterdir()) == ["layer-00000.pt", "layer-00001.pt"]
+    said = " ".join(result.stderr.split())  # what is kept and how to go on (found in review: nothing said it)
+    assert "the 4 MoE layers left" in said and f"2 of 4 MoE layers quantized and kept in {partial}" in said, said
+    other = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "16")  # the kept settings, named
+    assert other.exit_code == 2 and "--group-size 8, not 16" in " ".join(other.stderr.split()), other.stderr
 
     saved.clear()
     monkeypatch.setattr(stage, "_save_layer", lambda path, *a: saved.append(path.name) or real(path, *a))
     result = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8")
     assert result.exit_code == 0, result.output
-    assert "resuming" in result.stderr
+    assert "resuming" in result.stderr and "the 2 MoE layers left" in " ".join(result.stderr.split())  # not 4
     assert saved == ["layer-00002.pt", "layer-00003.pt"]  # layers 0 and 1 were not quantized again
     assert not partial.exists()
     digests = load_verified(resumed, QuantizedModelManifest).summary.expert_digests  # export --base checks them

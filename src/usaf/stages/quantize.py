@@ -10,10 +10,12 @@ run leaves ``.NAME.usaf-partial`` and the same command resumes from it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import sha256_tensors
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import found_at, manifest_kind
+from usaf.artifacts.outputs import check_not_an_input, found_at, manifest_kind
 from usaf.artifacts.quantized import (
     EXPERTS_FILE,
     QuantizedModelManifest,
@@ -101,6 +103,19 @@ def _same_work(recorded: dict[str, Any], settings: dict[str, Any], files: dict[s
     return mine == settings and recorded.get(SOURCE_FILES, files) == files
 
 
+def _differences(recorded: dict[str, Any], settings: dict[str, Any], files: dict[str, Any]) -> str:
+    """What keeps an interrupted run's work from this run's, in flags (it said only "other settings", and nothing
+    said which: its layers were lost to --force; found in review)."""
+    flags = {"method": "--method", "nbits": "--nbits", "group_size": "--group-size"}
+    said = [f"{flags[key]} {recorded[key]}, not {settings[key]}" for key in flags
+            if key in recorded and recorded[key] != settings.get(key)]  # fmt: skip
+    if recorded.get("source") != settings.get("source"):
+        said.append("another model")
+    elif recorded.get(SOURCE_FILES, files) != files:
+        said.append("the model's files changed since")
+    return "; ".join(said) or "other settings"
+
+
 def _partial_settings(partial: Path) -> dict[str, Any] | None:
     """The settings an interrupted run recorded in its partial directory (None: none readable)."""
     try:
@@ -153,19 +168,40 @@ def _done_bytes(partial: Path) -> int:
     return sum(p.stat().st_size for p in partial.rglob("*") if p.is_file())
 
 
-def _estimate_note(layer_tensor: torch.Tensor, config: QuantizeConfig, device: torch.device, slices: int) -> str:
-    """Quantize one expert slice to time it, and extrapolate to the whole model."""
-    one = layer_tensor[:1].float()
-    start = time.perf_counter()
-    quantize_experts(one, method=config.method, nbits=config.nbits, group_size=config.group_size, device=device)
-    per_slice = time.perf_counter() - start
-    total = per_slice * slices
+def _estimate_note(weights: dict[str, torch.Tensor], config: QuantizeConfig, device: torch.device, layers: int) -> str:
+    """Quantize one expert slice of each of a layer's tensors to time them, and extrapolate to the ``layers`` left.
+
+    Each tensor is timed: pricing every slice as gate_up's (twice down's size) overestimated Qwen3-30B-A3B's run by
+    half, and counting the layers a resumed run had already saved overestimated it more (found in review)."""
+    per_layer = 0.0
+    for w in weights.values():  # (E, ., .) each
+        start = time.perf_counter()
+        with contextlib.suppress(ValueError):  # a damaged slice: the layer's own quantization names it, one line
+            quantize_experts(w[:1].float(), method=config.method, nbits=config.nbits, group_size=config.group_size,
+                             device=device)  # fmt: skip
+        per_layer += (time.perf_counter() - start) * w.shape[0]
+    total = per_layer * layers
     hours, rest = divmod(int(total), 3600)
     hint = "; --method rtn is much faster on CPU" if config.method == "hqq" else ""
+    slices = layers * sum(w.shape[0] for w in weights.values())
     return (
-        f"estimated {hours}h{rest // 60:02d}m{rest % 60:02d}s on CPU for {slices} expert slices "
-        f"({per_slice:.2f} s per {list(one.shape[1:])} slice, {config.method}){hint}"
+        f"estimated {hours}h{rest // 60:02d}m{rest % 60:02d}s on CPU for the {layers} MoE layers left ({slices} expert "
+        f"slices, {per_layer:.1f} s a layer, {config.method}){hint}"
     )
+
+
+@contextlib.contextmanager
+def _kept_on_stop(work: Path, layers: int, progress: Progress) -> Iterator[None]:
+    """On Ctrl-C (or SIGTERM), say how many layers are kept and how to go on: it said only that nothing half-written
+    was left, and a rerun with other settings was refused without naming the kept ones (found in review)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = sum(1 for _ in (work / LAYERS_DIR).glob("layer-*.pt")) if (work / LAYERS_DIR).is_dir() else 0
+        progress.finish()
+        progress.note(f"interrupted: {kept} of {layers} MoE layers quantized and kept in {work}; run the same command "
+                      "to resume (--force starts over)")  # fmt: skip
+        raise
 
 
 def _save_layer(path: Path, layer: dict[str, Any]) -> None:
@@ -217,6 +253,8 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     writer = ArtifactWriter(out, kinds=(QuantizedModelManifest.KIND,), overwrite=config.force, overwrite_flag="--force",
                             inputs={"MODEL": model_dir}, resumable=True, markers=(PARTIAL_SETTINGS,))  # fmt: skip
     with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it
+        # first: --out MODEL of a usaf-made model was told to pass --resume or --force, both refused (found in review)
+        check_not_an_input(out, "--out", {"MODEL": model_dir})
         found = found_at(out)
         if found.state == "usaf" and not config.force:
             if config.resume:
@@ -251,7 +289,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
                 if not same and not config.force:
                     raise UsafError(
                         f"--out {out}: an interrupted run with other settings or another model (or the model's "
-                        f"files changed since) left {partial}",
+                        f"files changed since) left {partial}: {_differences(recorded, settings, files)}",
                         "rerun with its settings to resume it, or pass --force to discard it",
                     )
                 shutil.rmtree(partial)
@@ -269,8 +307,9 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
             if art.resumed:
                 progress.note(f"resuming the interrupted run in {art.dir}")
-            records, packing, digests = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device,
-                                                         progress)  # fmt: skip
+            with _kept_on_stop(art.dir, len(plan.experts), progress):
+                records, packing, digests = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device,
+                                                             progress)  # fmt: skip
             write_base_shards(shards, model_dir, infos, art.dir, progress)
             _assemble_experts(plan, art.dir, progress)
             copy_model_files(model_dir, art.dir)
@@ -332,8 +371,9 @@ def _quantize_layers(
             del on_disk
             weights = {t.target: fused[t.target] for t in _weight_tensors(layer)}
             if not estimated:
-                slices = len(plan.experts) * len(weights) * layer.num_experts
-                progress.note(_estimate_note(next(iter(weights.values())), config, device, slices))
+                later = plan.experts[done - 1 :]
+                left = sum(not (layers_dir / f"layer-{each.layer:05d}.pt").is_file() for each in later)
+                progress.note(_estimate_note(weights, config, device, left))
                 estimated = True
             entries, errors = {}, {}
             for name, w in weights.items():
