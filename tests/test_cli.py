@@ -94,6 +94,15 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     described = json.loads(result.stdout)["model"]
     assert described["spec"]["family"] == "mixtral"
     assert sum(p.numel() for p in model.parameters()) == described["total_params"]
+    # Another tool's manifest.json beside the model was taken for a broken usaf artifact (found in review); one of
+    # usaf's, cut short, still is (the control: its damage is said)
+    (out / "manifest.json").write_text('{"name": "my model", "files": 12}')
+    result = invoke("inspect", out, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["model"]["spec"]["family"] == "mixtral", result.output
+    (out / "manifest.json").write_text('{"kind": "hf_export", "usaf_vers')
+    result = invoke("inspect", out)
+    assert result.exit_code == 2 and "manifest.json" in result.stderr, result.output
+    (out / "manifest.json").unlink()
     # Existing output and unknown families: one clear line, exit 2, nothing written.
     result = invoke("tiny-model", out)
     assert result.exit_code == 2 and "already exists" in result.stderr
