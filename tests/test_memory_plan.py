@@ -293,6 +293,16 @@ def test_the_qwen3_example_fits_the_card_it_targets_by_the_planners_account():
     assert re.search(r"12 GB card", script)
 
 
+def test_each_memory_table_gives_its_own_verdict():
+    """Short of device memory only, the host table said "does NOT fit" too, and a shortfall under 0.01 GiB read
+    "0.00 GiB short" (found in review)."""
+    result = invoke("plan", QWEN3_30B, "--vram", "12GiB", "--ram", "64GiB", "--train-from", 44)
+    assert result.exit_code == 2, result.output
+    assert "predicted peak device memory, GiB (does NOT fit)" in result.stdout
+    assert "predicted peak host memory, GiB (fits)" in result.stdout  # the host's peaks are under its budget
+    assert "GiB of device memory" in result.stderr and "0.00 GiB short" not in result.stderr
+
+
 def test_cli_refuses_samples_where_no_frozen_prefix_is_sized():
     """--samples sizes the prefix cache: with --train-from 0 there is none, and it was accepted and unused (found in
     review). Control: with a frozen prefix it is taken."""

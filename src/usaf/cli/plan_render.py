@@ -80,9 +80,10 @@ def setting_rows(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[tup
 
 def render(console: Any, plan: Plan, facts: ModelFacts, source: ModelSource) -> None:
     t = plan.target
-    verdict = "fits" if plan.fits else "does NOT fit"
     sides = (("device", t.device_budget), ("host", t.host_budget)) if t.separate_device else (("host", t.host_budget),)
-    for side, budget in sides:
+    for side, budget in sides:  # each side's own verdict: a host table said "does NOT fit" for a short device
+        peaks = [s.device_peak if side == "device" else s.host_peak for s in plan.stages]  # (found in review)
+        verdict = "fits" if max(peaks, default=0) <= t.usable(budget) else "does NOT fit"
         console.print(_side_table(plan, side, t.usable(budget), f"predicted peak {side} memory, GiB ({verdict})"))
     _render_settings(console, plan, facts, source)
 

@@ -154,9 +154,11 @@ def _shortfalls(t: Target, stages: tuple[st.StagePlan, ...]) -> list[str]:
         for what, need, budget, flag in checks:
             usable = t.usable(budget)
             if need > usable:
+                short = need - usable  # under 0.01 GiB read "0.00 GiB short" (found in review)
+                shortfall = f"{gib(short)} GiB" if short >= 2**30 // 100 else f"{max(short // 2**20, 1)} MiB"
                 out.append(
                     f"{plan.stage} needs {gib(need)} GiB of {what}; {flag} {gib(budget)} GiB leaves {gib(usable)} "
-                    f"after the {RESERVE:.0%} reserve: {gib(need - usable)} GiB short"
+                    f"after the {RESERVE:.0%} reserve: {shortfall} short"
                 )
     return out
 
