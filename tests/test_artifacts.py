@@ -170,6 +170,31 @@ def test_verification_catches_truncation_and_modification(tmp_path):
         load_verified(target, NoteManifest)
 
 
+def test_hashing_an_output_and_checking_it_are_phases_of_bytes(tmp_path):
+    """At a real model's size the commit's hashing and inspect's check took a minute or more in silence (found in
+    review): each is a phase over the files' bytes, advanced as they are read. The checks' results and order are
+    those without a progress (the control)."""
+    from helpers import RecordingProgress
+
+    target = tmp_path / "note"
+    progress = RecordingProgress()
+    with ArtifactWriter(target, kinds=(NoteManifest.KIND,)) as art:
+        (art.dir / "note.txt").write_text("hello")
+        (art.dir / "big.bin").write_bytes(b"\x01" * (3 << 20))  # several hashing blocks
+        manifest = art.commit(NoteManifest, progress=progress, inputs=[], config={},
+                              environment=current_environment(), summary={})  # fmt: skip
+    total = 5 + (3 << 20)
+    assert progress.events[0] == ("hashing the output", total, "bytes") and progress.events[-1] == "finish"
+    advances = [amount for amount, _ in progress.events[1:-1]]
+    assert sum(advances) == total and len(advances) >= 4
+    (target / "note.txt").write_text("HELLO")  # same size, modified
+    checking = RecordingProgress()
+    checks = verify_files(target, manifest, progress=checking)
+    assert checks == verify_files(target, manifest) and [c.ok for c in checks] == [True, False]
+    assert checking.events[0] == ("checking sha256", total, "bytes")
+    assert sum(amount for amount, _ in checking.events[1:-1]) == total
+
+
 def test_inspect_prints_and_verifies(tmp_path):
     target = tmp_path / "note"
     write_note(target, origin="src-a")

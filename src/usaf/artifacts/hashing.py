@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -13,12 +14,29 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """``on_bytes``: called with each block's size as it is hashed (a progress bar's bytes)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(_CHUNK):
             digest.update(block)
+            if on_bytes is not None:
+                on_bytes(len(block))
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def hashing_phase(progress: Any, what: str, files: list[Path]) -> Iterator[Callable[[int], None] | None]:
+    """A progress phase over ``files``' bytes (none where ``progress`` is None), yielding its advance for
+    :func:`sha256_file`: GBs at a real model's size were hashed in silence, a minute or more (found in review)."""
+    if progress is None:
+        yield None
+        return
+    progress.start(what, sum(f.stat().st_size for f in files), "bytes")
+    try:
+        yield progress.advance
+    finally:
+        progress.finish()
 
 
 def sha256_text(text: str) -> str:

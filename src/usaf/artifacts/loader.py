@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from pydantic import ValidationError
 
-from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
 from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
 from usaf.artifacts.safety import contained
 from usaf.errors import UsafError
@@ -94,20 +94,27 @@ class FileCheck:
     problem: str = ""
 
 
-def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True) -> list[FileCheck]:
-    """Check every file the manifest lists: present, same size, and (``hashes``) same sha256."""
+def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True, progress: Any = None) -> list[FileCheck]:
+    """Check every file the manifest lists: present, same size, and (``hashes``) same sha256, hashed as a phase of
+    ``progress`` when given."""
     checks = []
+    present = []  # (record, file) of the right size: the ones hashed
     for record in manifest.files:
         file = contained(Path(path), record.path, where=f"{Path(path) / MANIFEST_NAME}")
         if not file.is_file():
             checks.append(FileCheck(record.path, False, "missing"))
         elif (size := file.stat().st_size) != record.bytes:
             checks.append(FileCheck(record.path, False, f"{size} bytes, manifest says {record.bytes} (truncated?)"))
-        elif hashes and sha256_file(file) != record.sha256:
-            checks.append(FileCheck(record.path, False, "sha256 differs from the manifest (modified)"))
         else:
-            checks.append(FileCheck(record.path, True))
-    return checks
+            present.append((record, file))
+    with hashing_phase(progress if hashes else None, "checking sha256", [f for _, f in present]) as on_bytes:
+        for record, file in present:
+            if hashes and sha256_file(file, on_bytes) != record.sha256:
+                checks.append(FileCheck(record.path, False, "sha256 differs from the manifest (modified)"))
+            else:
+                checks.append(FileCheck(record.path, True))
+    order = {record.path: i for i, record in enumerate(manifest.files)}
+    return sorted(checks, key=lambda check: order[check.path])  # the manifest's order, as before
 
 
 def fingerprint_problem(manifest: Manifest) -> str | None:

@@ -22,7 +22,7 @@ import psutil
 
 from usaf._version import __version__
 from usaf.artifacts.disk import raise_disk_error, removed_on_failure
-from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
 from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, Manifest
 from usaf.artifacts.outputs import (
@@ -226,18 +226,21 @@ class ArtifactWriter:
         finally:
             self.lock.release()
 
-    def file_records(self, exclude: tuple[str, ...] = ()) -> list[FileRecord]:
-        """Every file but those under the top-level names ``exclude``."""
+    def file_records(self, exclude: tuple[str, ...] = (), progress: Any = None) -> list[FileRecord]:
+        """Every file but those under the top-level names ``exclude`` (hashed on ``progress``, if given)."""
         files = (p for p in self.dir.rglob("*") if p.is_file() and p.relative_to(self.dir).parts[0] not in exclude)
-        return record_files(self.dir, files)
+        return record_files(self.dir, files, progress)
 
-    def commit(self, manifest_cls: type[M], *, exclude: tuple[str, ...] = (), **fields: Any) -> M:
-        """Hash the files, write the manifest last, and move the directory into place.
+    def commit(
+        self, manifest_cls: type[M], *, exclude: tuple[str, ...] = (), progress: Any = None, **fields: Any
+    ) -> M:
+        """Hash the files (a phase of ``progress``, if given), write the manifest last, and move the directory into
+        place.
 
         ``exclude``: bookkeeping files or directories of a resumable writer (top level), kept until the manifest is
         written, so a kill while hashing still finds them, then deleted before the rename.
         """
-        manifest = write_manifest(self.dir, manifest_cls, self.file_records(exclude), **fields)
+        manifest = write_manifest(self.dir, manifest_cls, self.file_records(exclude, progress), **fields)
         self.drop(exclude)
         self._move_into_place()
         self.committed = True
@@ -271,14 +274,13 @@ class ArtifactWriter:
                 shutil.rmtree(old)
 
 
-def record_files(root: Path, paths: Any) -> list[FileRecord]:
-    """Size and sha256 of each file (paths under ``root``), sorted, the manifest itself excluded."""
-    records = []
-    for path in sorted(paths):
-        rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST_NAME:
-            records.append(FileRecord(path=rel, bytes=path.stat().st_size, sha256=sha256_file(path)))
-    return records
+def record_files(root: Path, paths: Any, progress: Any = None) -> list[FileRecord]:
+    """Size and sha256 of each file (paths under ``root``), sorted, the manifest itself excluded; hashed as a phase
+    of ``progress`` when given."""
+    files = [path for path in sorted(paths) if path.relative_to(root).as_posix() != MANIFEST_NAME]
+    with hashing_phase(progress, "hashing the output", files) as on_bytes:
+        return [FileRecord(path=path.relative_to(root).as_posix(), bytes=path.stat().st_size,
+                           sha256=sha256_file(path, on_bytes)) for path in files]  # fmt: skip
 
 
 def write_manifest(directory: Path, manifest_cls: type[M], files: list[FileRecord], **fields: Any) -> M:

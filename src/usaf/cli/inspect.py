@@ -129,9 +129,10 @@ def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
     from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
     from usaf.artifacts.loader import fingerprint_problem, listing_problem
     from usaf.cli.console import out, print_json
+    from usaf.cli.progress import RichProgress
 
     manifest = load_manifest(path)
-    checks = verify_files(path, manifest, hashes=hashes)
+    checks = verify_files(path, manifest, hashes=hashes, progress=RichProgress())
     bad = [c for c in checks if not c.ok]
     problem = listing_problem(manifest) or fingerprint_problem(manifest)  # no file read: checked with --no-hash too
     if as_json:
@@ -178,9 +179,10 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
     from usaf.artifacts.loader import fingerprint_problem, listing_problem, unlisted_files
     from usaf.cli.console import note, out, print_json
+    from usaf.cli.progress import RichProgress
 
     manifest = load_manifest(path)
-    checks = verify_files(path, manifest, hashes=True)
+    checks = verify_files(path, manifest, hashes=True, progress=RichProgress())
     bad = [c for c in checks if not c.ok]
     problem = listing_problem(manifest) or fingerprint_problem(manifest)  # the files match, the manifest lies
     extra = unlisted_files(path, manifest)

@@ -262,6 +262,7 @@ def _export_hf(
         )
         manifest = art.commit(
             HfExportManifest,
+            progress=progress,
             inputs=inputs,
             config=config.model_dump(mode="json"),
             environment=current_environment(**backend.recorded(torch.float32)) if backend else current_environment(),

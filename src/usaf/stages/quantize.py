@@ -318,6 +318,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             manifest = art.commit(
                 QuantizedModelManifest,
                 exclude=BOOKKEEPING,
+                progress=progress,
                 inputs=[InputRecord(role="model", kind="hf_model", path=config.model, fingerprint=source.fingerprint)],
                 config=config.model_dump(mode="json"),
                 environment=current_environment(**backend.recorded(torch.float32)),

@@ -376,6 +376,7 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     manifest = writer.commit(  # locked since run took the output
         PlanManifest,
         exclude=saved.bookkeeping(),
+        progress=progress,  # --cache's prefix store: GBs
         inputs=[
             InputRecord(
                 role="model", kind="quantized_model", path=str(settled.model_dir), fingerprint=model_fingerprint
