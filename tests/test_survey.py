@@ -79,6 +79,22 @@ def test_one_unfinished_run_or_interrupted_output_is_described_alone(workspace):
     assert entry["state"] == "interrupted" and entry["path"] == str(partial)
 
 
+def test_a_quantize_killed_between_its_manifest_and_its_rename_is_seen(prepared, tmp_path):
+    """Killed after its manifest was written, before the rename, a quantize left a whole model in its partial
+    directory that inspect did not see ("no such file or directory"; found in review), though the rerun finishes it
+    (the crash harness kills there, docs/RELIABILITY.md). Listed in the workspace too, alone (nothing else there)."""
+    import shutil
+
+    qdir, _, _ = prepared("qwen3_moe")
+    target = tmp_path / "quantized_model" / "q"
+    partial = target.parent / ".q.usaf-partial"
+    shutil.copytree(qdir, partial)
+    (entry,) = surveyed(target)
+    assert entry["state"] == "interrupted" and entry["kind"] == "quantized_model", entry
+    assert "only the rename into place is missing" in entry["detail"] and f"--out {target}" in entry["next"]
+    assert [e["path"] for e in surveyed(tmp_path)] == [str(partial)]
+
+
 def test_a_directory_usaf_did_not_make_is_still_refused(workspace):
     """The control: nothing of usaf's in it, so inspect says what it always said."""
     result = invoke("inspect", workspace / "notes")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from usaf.artifacts.lock import holder_of
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import OLD_TAG, PARTIAL_TAG, TMP_TAG, usaf_made
+from usaf.artifacts.outputs import OLD_TAG, PARTIAL_TAG, TMP_TAG, manifest_kind, usaf_made
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, checkpoint_dirs
 from usaf.errors import UsafError
 from usaf.stages.eval.cache import CACHE_SUBDIR, META_FILE, TUNED_SUBDIR
@@ -131,6 +131,9 @@ def _interrupted(partial: Path, target: Path) -> Entry | None:
     elif (partial / PARTIAL_SETTINGS).is_file():
         layers = len(list((partial / LAYERS_DIR).glob("*"))) if (partial / LAYERS_DIR).is_dir() else 0
         kind, detail, discard = "quantized_model", f"usaf quantize kept {layers} quantized layers", "--force"
+    elif manifest_kind(partial) == "quantized_model":  # killed between its manifest and the rename: unseen before
+        kind, discard = "quantized_model", "--force"  # (found in review); quantize's rerun only renames it
+        detail = "usaf quantize finished it (its manifest is written), only the rename into place is missing"
     else:
         return None
     return Entry(partial, "interrupted", kind, f"{detail}; resumes into {target.name}", _size(partial),
