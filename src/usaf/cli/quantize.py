@@ -39,7 +39,8 @@ def _print_summary(console, manifest, path: Path) -> None:
     )
     adjusted = s.group_sizes_adjusted
     if adjusted:
-        more = f" and {len(adjusted) - 4} more (the table gives each)" if len(adjusted) > 4 else ""
+        # the table shows 16 tensors at most: the rest are in the manifest (it said "the table gives each"; review)
+        more = f" and {len(adjusted) - 4} more (usaf inspect {path} --json lists each)" if len(adjusted) > 4 else ""
         console.print(f"group size adjusted to divide the input width: {', '.join(adjusted[:4])}{more}")
 
 
