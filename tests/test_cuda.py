@@ -278,11 +278,7 @@ def test_train_on_cuda_resumes_within_the_devices_own_noise(prepared, tmp_path):
 def test_eval_on_cuda_equals_the_cpus(prepared, tmp_path, monkeypatch):
     """`usaf eval` in float32 (USE_AMP=0) on the GPU and on the CPU: the same rows within float32 summation order."""
     monkeypatch.setenv("USE_AMP", "0")
-    qdir, tokens, plan = prepared("qwen3_moe")
-    run = tmp_path / "run"
-    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
-                    "--steps", 6, "--save-every", 0)  # fmt: skip
-    assert result.exit_code == 0, explain(result)
+    qdir, tokens, run = _trained(prepared, tmp_path, steps=6)
     reports = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"report-{device}"
@@ -343,11 +339,7 @@ def test_generate_on_cuda_streams_in_the_devices_dtype_and_matches_resident(prep
     frozen layers' experts copied to the device on a side stream; greedy text equal to resident experts'."""
     from usaf.backends import resolve_backend
 
-    qdir, tokens, plan = prepared("qwen3_moe")
-    run = tmp_path / "run"
-    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
-                    "--steps", 4, "--save-every", 0)  # fmt: skip
-    assert result.exit_code == 0, explain(result)
+    qdir, _, run = _trained(prepared, tmp_path, steps=4)
     outs = {}
     for flag in ("--stream-experts", "--no-stream-experts"):
         result = invoke("generate", "def parse(", "--model", qdir, "--checkpoint", run, "--device", "cuda",
@@ -358,3 +350,13 @@ def test_generate_on_cuda_streams_in_the_devices_dtype_and_matches_resident(prep
     assert all(out["dtype"] == compute and out["new_tokens"] > 0 for out in outs.values())
     assert outs["--stream-experts"]["streamed"] and not outs["--no-stream-experts"]["streamed"]
     assert outs["--stream-experts"]["text"] == outs["--no-stream-experts"]["text"]
+
+
+def _trained(prepared, tmp_path, *, steps: int):
+    """(the quantized model, its tokens, a run of ``steps`` trained on them, on the default device)."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--out", run, "--lr", 0.05,
+                    "--steps", steps, "--save-every", 0)  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    return qdir, tokens, run

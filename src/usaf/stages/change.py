@@ -181,14 +181,20 @@ def engine_with_change(loaded: LoadedModel, change: TrainedChange, **placement: 
     """An engine over ``loaded`` for the change's layers and targets, with the change applied; ``placement``: the
     engine's expert placement (:func:`usaf.stages.engine_setup.load_for_engine`'s)."""
     try:
-        engine = SparseEngine(
-            loaded,
-            trainable_layers=change.trainable_layers,
-            targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
-            train_router=bool(change.routers),
-            **placement,
-        )
+        engine = engine_for_change(loaded, change, **placement)
         engine.apply_change(change)
     except (KeyError, ValueError) as e:
         raise UsafError(f"--checkpoint {change.source}: cannot be applied ({e})", "pass an intact run") from None
     return engine
+
+
+def engine_for_change(loaded: LoadedModel, change: TrainedChange, **placement: Any) -> SparseEngine:
+    """An engine over ``loaded`` for the change's layers, targets and routers, the change not applied yet (it raises
+    ``KeyError``/``ValueError`` for a change that does not fit the model)."""
+    return SparseEngine(
+        loaded,
+        trainable_layers=change.trainable_layers,
+        targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
+        train_router=bool(change.routers),
+        **placement,
+    )

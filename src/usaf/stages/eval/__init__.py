@@ -40,11 +40,10 @@ from usaf.backends import resolve_backend
 from usaf.config import source_of
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
 from usaf.distributed import world
-from usaf.engine.engine import SparseEngine
 from usaf.engine.prefix import PrefixTap
 from usaf.errors import UsafError
-from usaf.families.targets import targets_of
 from usaf.settings.eval import EvalConfig
+from usaf.stages.change import engine_for_change
 from usaf.stages.engine_setup import load_for_engine, make_resident, stream_every_layer
 from usaf.stages.eval import cache, overlap, passes, plots  # module attributes, read at call time (tests patch them)
 from usaf.stages.eval.inputs import HELD_OUT, sequences_fingerprint
@@ -351,13 +350,7 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
     # first: a kept part sets the thread count, and the logit check below is part of the report
     earlier = _resumed(keeping.entry, keeping.key, batches, "fine-tuned", backend, progress)
     try:
-        engine = SparseEngine(
-            loaded,
-            trainable_layers=change.trainable_layers,
-            targets=targets_of(change.deltas, loaded.spec, change.trainable_layers),
-            train_router=bool(change.routers),
-            **placement,
-        )
+        engine = engine_for_change(loaded, change, **placement)
         # the batch of the most real tokens: a short one may route through none of the changed experts
         probe = max(batches, key=lambda b: int(b.attention_mask.sum()))
         before = batch_hidden(engine.model, probe, backend.device)  # (B, S, H) of the engine without change
