@@ -237,7 +237,13 @@ def test_overwrite_never_replaces_another_commands_artifact(ws, tiny_model, tmp_
     result = invoke(*[a.format(**places) if isinstance(a, str) else a for a in args], "--out", other)
     assert result.exit_code == 2, result.output
     assert f"--out {other}: a usaf {kind} artifact;" in result.stderr, result.stderr
-    assert "replaces only what this command writes" in result.stderr, result.stderr
+    assert "replaces only what this command writes there" in result.stderr, result.stderr
+    assert snapshot(other) == before and leftovers(tmp_path) == []
+    # without the flag too, and the flag is never offered for it (it offered --overwrite, then refused it; review)
+    flagless = [a for a in args if a not in ("--overwrite", "--force")]
+    result = invoke(*[a.format(**places) if isinstance(a, str) else a for a in flagless], "--out", other)
+    assert result.exit_code == 2 and "replaces only what this command writes there" in result.stderr, result.stderr
+    assert "--overwrite" not in result.stderr and "--force" not in result.stderr and "--resume" not in result.stderr
     assert snapshot(other) == before and leftovers(tmp_path) == []
 
 

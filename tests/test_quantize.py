@@ -152,6 +152,18 @@ def _interrupt_after_two_layers(stage, monkeypatch) -> tuple[list[str], object]:
     return saved, real
 
 
+def test_stopped_with_force_the_note_says_to_resume_without_it(tiny_model, tmp_path, monkeypatch):
+    """The note said "run the same command to resume", and the same command, with --force, discarded the kept layers
+    (found in review). The control: without --force, the same command resumes (the test below)."""
+    import usaf.stages.quantize as stage
+
+    _interrupt_after_two_layers(stage, monkeypatch)
+    result = quantize(tiny_model("qwen3_moe", num_layers=4), "--out", tmp_path / "q", "--method", "rtn", "--force")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 130 and "2 of 4 MoE layers quantized and kept" in said, said
+    assert "run the same command without --force to resume (with it, it starts over)" in said
+
+
 def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, monkeypatch):
     import usaf.stages.quantize as stage
 

@@ -95,6 +95,24 @@ def test_a_quantize_killed_between_its_manifest_and_its_rename_is_seen(prepared,
     assert [e["path"] for e in surveyed(tmp_path)] == [str(partial)]
 
 
+def test_a_score_killed_between_its_manifest_and_its_rename_is_seen(prepared, tmp_path):
+    """The same for score: unseen by inspect, and a run directory holding only such a plan partial was "a directory
+    usaf did not make", which train could neither use nor replace (found in review)."""
+    import shutil
+
+    from usaf.artifacts.outputs import found_at
+
+    _, _, plan = prepared("qwen3_moe")
+    target = tmp_path / "plan" / "p"
+    partial = target.parent / ".p.usaf-partial"
+    shutil.copytree(plan, partial)
+    (entry,) = surveyed(target)
+    assert entry["state"] == "interrupted" and entry["kind"] == "plan" and "a rerun scores again" in entry["detail"]
+    run = tmp_path / "run"
+    shutil.copytree(plan, run / ".plan.usaf-partial")
+    assert found_at(run).state == "usaf", found_at(run)
+
+
 def test_a_directory_usaf_did_not_make_is_still_refused(workspace):
     """The control: nothing of usaf's in it, so inspect says what it always said."""
     result = invoke("inspect", workspace / "notes")

@@ -80,6 +80,16 @@ def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):
     assert resumed.exit_code == 0, explain(resumed)
     assert "resuming the unfinished run" not in resumed.stderr and f"(step 2 of {STEPS})" in resumed.stderr
     assert "the run trained at" not in resumed.stderr  # the same split: the control of the test below
+    assert "run the same command to resume" in " ".join(stopped.stderr.split())
+
+
+def test_stopped_with_overwrite_the_note_says_to_resume_without_it(prepared, tmp_path):
+    """"run the same command to resume", and the same command, with --overwrite, deleted the run it said was saved
+    (found in review). The test above is the control."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    _, stopped = stopped_at_step_2([*train(tmp_path, qdir, tokens, "--plan", plan), "--overwrite"], tmp_path)
+    said = " ".join(stopped.stderr.split())
+    assert "run the same command without --overwrite to resume (with it, it starts over)" in said, said
 
 
 def test_a_resume_at_another_microbatch_says_it_is_not_the_uninterrupted_run(prepared, tmp_path):
@@ -93,6 +103,17 @@ def test_a_resume_at_another_microbatch_says_it_is_not_the_uninterrupted_run(pre
     said = " ".join(resumed.stderr.split())
     assert f"(step 2 of {STEPS})" in said and "--microbatch 1: the run trained at 2 until now" in said, said
     assert "(--microbatch 2 continues it exactly)" in said
+
+
+def test_the_split_note_compares_what_the_run_computed_with_what_this_start_computes():
+    """An out-of-memory retry's microbatch, kept in the checkpoint, overrides --microbatch on resume: the note compared
+    the flag with the first start's flag, both untrue then (found in review)."""
+    from usaf.stages.train.inputs import other_split
+
+    assert other_split(2, 2, 2) is None and other_split(None, 1, 1) is None  # the same; a run from before the record
+    assert "the run trained at 2 until now" in other_split(2, 1, 1)
+    overridden = "--microbatch 4: the run goes on at its checkpoint's 2 (an out-of-memory retry chose it)"
+    assert other_split(2, 2, 4) == overridden
 
 
 def test_resume_at_an_out_holding_no_run_is_refused_and_at_the_stopped_run_resumes(prepared, tmp_path):

@@ -120,11 +120,13 @@ def _made(directory: Path, entries: list[str] | None = None) -> tuple[str, str] 
 
 def _score_partial(directory: Path) -> bool:
     """Whether ``directory`` is score's partial directory: it holds the settings file score writes first, or
-    nothing but usaf's temporaries (a kill before that file was in place)."""
+    nothing but usaf's temporaries (a kill before that file was in place), or a plan's manifest (a kill after the
+    manifest, before the rename, with the settings file gone: a run holding it was "a directory usaf did not
+    make"; found in review)."""
     if not directory.is_dir() or directory.is_symlink():
         return False
     own = own_entries(directory)
-    return not own or SCORE_PARTIAL_MARKER in own
+    return not own or SCORE_PARTIAL_MARKER in own or manifest_kind(directory) == "plan"
 
 
 def refuse_unless_replaceable(
@@ -139,14 +141,15 @@ def refuse_unless_replaceable(
     if found.state == "foreign":
         raise UsafError(f"{flag} {target}: {found.what}; usaf never replaces or deletes it, with or without "
                         f"{overwrite_flag}", f"pass another {flag}: a new or an empty directory")  # fmt: skip
+    if found.state == "usaf" and kinds and found.kind is not None and found.kind not in kinds:
+        # before the flag's refusal, which offered the flag this one then refuses (found in review)
+        wanted = " or ".join(kinds)
+        raise UsafError(f"{flag} {target}: {found.what}; usaf replaces only what this command writes there (kind "
+                        f"{wanted}), never another command's output, whatever the flags", f"pass another {flag} "
+                        f"(delete {target} yourself if it is no longer needed)")  # fmt: skip
     if found.state == "usaf" and not overwrite:
         raise UsafError(f"{flag} {target}: {found.what} already exists there",
                         f"pass another {flag}, or {overwrite_flag} to replace it")  # fmt: skip
-    if found.state == "usaf" and kinds and found.kind is not None and found.kind not in kinds:
-        wanted = " or ".join(kinds)
-        raise UsafError(f"{flag} {target}: {found.what}; {overwrite_flag} replaces only what this command writes "
-                        f"(kind {wanted}), never another command's output", f"pass another {flag} (delete {target} "
-                        "yourself if it is no longer needed)")  # fmt: skip
 
 
 def remove_usaf_made(

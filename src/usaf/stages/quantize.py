@@ -26,7 +26,7 @@ from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import sha256_tensors
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import check_not_an_input, found_at, manifest_kind
+from usaf.artifacts.outputs import check_not_an_input, found_at, manifest_kind, refuse_unless_replaceable
 from usaf.artifacts.quantized import (
     EXPERTS_FILE,
     QuantizedModelManifest,
@@ -53,6 +53,7 @@ from usaf.stages.quantize_parts import (
     source_record,
     write_base_shards,
 )
+from usaf.stages.stop import rerun_to_resume
 
 LAYERS_DIR = "layers"
 # Kept until the manifest is written: a kill while the model's files are copied and hashed (minutes at 30B) once
@@ -191,7 +192,7 @@ def _estimate_note(weights: dict[str, torch.Tensor], config: QuantizeConfig, dev
 
 
 @contextlib.contextmanager
-def _kept_on_stop(work: Path, layers: int, progress: Progress) -> Iterator[None]:
+def _kept_on_stop(work: Path, layers: int, progress: Progress, *, force: bool) -> Iterator[None]:
     """On Ctrl-C (or SIGTERM), say how many layers are kept and how to go on: it said only that nothing half-written
     was left, and a rerun with other settings was refused without naming the kept ones (found in review)."""
     try:
@@ -199,8 +200,8 @@ def _kept_on_stop(work: Path, layers: int, progress: Progress) -> Iterator[None]
     except KeyboardInterrupt:
         kept = sum(1 for _ in (work / LAYERS_DIR).glob("layer-*.pt")) if (work / LAYERS_DIR).is_dir() else 0
         progress.finish()
-        progress.note(f"interrupted: {kept} of {layers} MoE layers quantized and kept in {work}; run the same command "
-                      "to resume (--force starts over)")  # fmt: skip
+        again = rerun_to_resume("--force" if force else None)
+        progress.note(f"interrupted: {kept} of {layers} MoE layers quantized and kept in {work}; {again}")
         raise
 
 
@@ -256,6 +257,8 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         # first: --out MODEL of a usaf-made model was told to pass --resume or --force, both refused (found in review)
         check_not_an_input(out, "--out", {"MODEL": model_dir})
         found = found_at(out)
+        if found.state == "usaf":  # another command's output: refused before --resume or --force is offered for it
+            refuse_unless_replaceable(out, found, "--out", overwrite=True, overwrite_flag="--force", kinds=writer.kinds)
         if found.state == "usaf" and not config.force:
             if config.resume:
                 manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
@@ -307,7 +310,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
             if art.resumed:
                 progress.note(f"resuming the interrupted run in {art.dir}")
-            with _kept_on_stop(art.dir, len(plan.experts), progress):
+            with _kept_on_stop(art.dir, len(plan.experts), progress, force=config.force):
                 records, packing, digests = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device,
                                                              progress)  # fmt: skip
             write_base_shards(shards, model_dir, infos, art.dir, progress)

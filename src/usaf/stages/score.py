@@ -470,7 +470,7 @@ def _calibration_pass(engine, items, every: int, settings, halves_wanted: bool, 
         kept = world.gather_objects((saved.directory is not None and save(), done + finished[0]), "the saved pass")
         if all(ok for ok, _ in kept):
             progress.note(f"interrupted: saved the calibration pass ({sum(n for _, n in kept)} of {every} batches) "
-                          f"in {saved.directory}; run the same command to resume")  # fmt: skip
+                          f"in {saved.directory}; {saved.rerun}")  # fmt: skip
         raise
     if finished[0]:  # the pass's end: an interrupt or a kill later on does not cost it
         save()
@@ -518,7 +518,7 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
         if saved.holds_work():
             probes = "probe" if finished[0] == 1 else "probes"
             progress.note(f"interrupted: saved the calibration pass and {finished[0]} finished lr-test {probes} in "
-                          f"{saved.directory}; run the same command to resume")  # fmt: skip
+                          f"{saved.directory}; {saved.rerun}")  # fmt: skip
         raise
     finally:
         progress.finish()
@@ -567,7 +567,7 @@ def _with_prefix_store(summary, config, engine, by_key, data_file, work, model_f
             progress.finish()
             if (store := saved.store()) is not None:
                 progress.note(f"interrupted: saved the plan's work and its prefix store's first {store['lines']:,} "
-                              f"sequences in {saved.directory}; run the same command to resume")  # fmt: skip
+                              f"sequences in {saved.directory}; {saved.rerun}")  # fmt: skip
             raise
     else:
         stored = write_sample_store(engine, by_key, work, model_fingerprint=model_fingerprint, progress=progress)

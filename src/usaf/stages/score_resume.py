@@ -51,6 +51,7 @@ from usaf.errors import UsafError
 from usaf.quant.ptfile import StreamingTorchSave
 from usaf.stages.lr_test import HeldOut
 from usaf.stages.progress import Progress
+from usaf.stages.stop import rerun_to_resume
 
 SETTINGS = SCORE_PARTIAL_MARKER  # "score-settings.json", written first
 CALIBRATION = "score-calibration.pt"
@@ -113,6 +114,7 @@ class ScoreProgress:
         self.progress = progress
         self.rank = rank
         self.calibration_file = CALIBRATION if rank == 0 else RANK_CALIBRATION.format(rank)
+        self.rerun = rerun_to_resume()  # how a stop's note says to go on (open: without --overwrite where given)
 
     @classmethod
     def open(
@@ -129,6 +131,7 @@ class ScoreProgress:
         with ``discard`` (--overwrite). Records the identity for the next run, with ``threads`` (torch's intra-op
         threads on the CPU, which a resume runs at again: :meth:`recorded_threads`)."""
         saved = cls(directory, progress)
+        saved.rerun = rerun_to_resume("--overwrite" if discard else None)
         if directory is None:
             return saved
         recorded = saved.recorded_identity()

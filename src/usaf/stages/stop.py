@@ -64,3 +64,12 @@ class StopRequest:
         requested = self.requested if alone else self.world.any(self.requested)
         if requested:  # a rank that got none stops for its peers: as Ctrl-C
             raise StopSignal(self.signum or signal.SIGINT)
+
+
+def rerun_to_resume(starts_over: str | None = None) -> str:
+    """How to go on after a stop, for its note: the same command, or, where it was given a flag that starts over
+    (``--overwrite``, ``--force``), the same command without it; rerun with that flag, the note's "same command"
+    discarded the work it said was kept (found in review)."""
+    if starts_over is None:
+        return "run the same command to resume"
+    return f"run the same command without {starts_over} to resume (with it, it starts over)"

@@ -134,6 +134,9 @@ def _interrupted(partial: Path, target: Path) -> Entry | None:
     elif manifest_kind(partial) == "quantized_model":  # killed between its manifest and the rename: unseen before
         kind, discard = "quantized_model", "--force"  # (found in review); quantize's rerun only renames it
         detail = "usaf quantize finished it (its manifest is written), only the rename into place is missing"
+    elif manifest_kind(partial) == "plan":  # the same for score, whose rerun scores again (its settings are gone)
+        kind, discard = "plan", "--overwrite"
+        detail = "usaf score finished it (its manifest is written), only the rename is missing; a rerun scores again"
     else:
         return None
     return Entry(partial, "interrupted", kind, f"{detail}; resumes into {target.name}", _size(partial),

@@ -122,7 +122,7 @@ def resolve_inputs(
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
-    if eval_data is not None:
+    if eval_data is not None and world.is_main:  # a note: rank 0's (every rank read the whole data again)
         _say_eval_overlap(eval_data, TrainingTokens(data_file, len(data)), len(tokenizer), context, progress)
     model = (model_dir, model_manifest.fingerprint)
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
@@ -141,8 +141,8 @@ def resolve_inputs(
     world.refuse_unless_same({"--plan": settled.plan.fingerprint, "steps": settled.steps}, SAME_INPUTS)  # a found one
     config, record = settled.config, settled.record
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
-    if resume_from is not None and (note := _other_split(_started_with(run_dir), record)):
-        progress.note(note)
+    if resume_from is not None:  # the microbatch the run started with stays recorded (run._say_split compares)
+        record = {**record, "microbatch": _started_with(run_dir).get("microbatch", record["microbatch"])}
     if resume_from is None and settled.plan_dir == run_dir / PLAN_DIR:  # scored on the fly into this run: its
         _record_settings(run_dir, record, world)  # settings now, so the same command finds it if stopped before a step
     return TrainInputs(
@@ -610,17 +610,20 @@ def _settings_fingerprint(
             "plan_fingerprint": plan.fingerprint, "data_fingerprint": data_fp}  # fmt: skip
 
 
-def _other_split(previous: dict, record: dict) -> str | None:
-    """The note for a resume at another ``--microbatch`` (the same global batch): it continues, but not as the run
-    would have. Exact only at the same microbatch: each forward's sums, and RigL's grow scores (a sum over the
-    microbatches of each one's gradient magnitude), depend on it; a resume at another one was said to be exact and
-    reselected other weights (found in review)."""
-    was, now = previous.get("microbatch"), record["microbatch"]
-    if was is None or was == now:  # not recorded: a run started before 2026-12-06
+def other_split(ran_at: int | None, now: int, given: int) -> str | None:
+    """The note for a resume whose microbatches are not those the run trained with until now (``ran_at``: its
+    checkpoint's, an out-of-memory retry's, else the one it started with; None: a run started before 2026-12-06):
+    it continues, but not as the run would have. Exact only at the same microbatch: each forward's sums, and RigL's
+    grow scores (a sum over the microbatches of each one's gradient magnitude), depend on it; a resume at another one
+    was said to be exact and reselected other weights (found in review). ``now``: what this start computes,
+    ``given``: ``--microbatch`` (a checkpoint's out-of-memory choice overrides it)."""
+    if given != now:
+        return f"--microbatch {given}: the run goes on at its checkpoint's {now} (an out-of-memory retry chose it)"
+    if ran_at is None or ran_at == now:
         return None
-    return (f"--microbatch {now}: the run trained at {was} until now. The same sequences a step, but each step's "
+    return (f"--microbatch {now}: the run trained at {ran_at} until now. The same sequences a step, but each step's "
             "sums and RigL's grow scores (summed over microbatches) are other ones, so the result differs from an "
-            f"uninterrupted run's (--microbatch {was} continues it exactly)")
+            f"uninterrupted run's (--microbatch {ran_at} continues it exactly)")
 
 
 def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) -> Path | None:

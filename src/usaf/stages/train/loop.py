@@ -16,7 +16,7 @@ from usaf.distributed import PeerLost, merge_scores
 from usaf.engine.reselect import collect_scores, reselect, update_fraction
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
-from usaf.stages.stop import StopRequest
+from usaf.stages.stop import StopRequest, rerun_to_resume
 from usaf.stages.train.resume import latest_checkpoint
 from usaf.units import human_bytes
 
@@ -35,7 +35,8 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
                 saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
                 if trainer.collector is not None:
                     trainer.collector.close()
-                note = f"interrupted: saved {saved} (step {trainer.state.step}); run the same command to resume"
+                again = rerun_to_resume("--overwrite" if trainer.config.overwrite else None)
+                note = f"interrupted: saved {saved} (step {trainer.state.step}); {again}"
                 if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
                     note += f" (or pass --out {trainer.run_dir})"
                 progress.finish()  # the bar as it stopped, then the note
@@ -92,7 +93,8 @@ def held_out_loss(trainer: Any, progress: Progress, *, within: bool = False) -> 
         progress.note(f"step {step}: held-out loss over {len(trainer.eval_data):,} sequences")
         loss = trainer.evaluate()
     else:
-        progress.start(f"held-out loss at step {step}", trainer.eval_share(), "sequences")
+        share = f" (this process's share of {len(trainer.eval_data):,})" if trainer.world.active else ""
+        progress.start(f"held-out loss at step {step}{share}", trainer.eval_share(), "sequences")
         try:
             loss = trainer.evaluate(on_batch=progress.advance)
         finally:

@@ -68,6 +68,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     from usaf.engine.loss_scale import DynamicLossScaler
     from usaf.stages.engine_setup import frozen_layers_resident
     from usaf.stages.train import loop
+    from usaf.stages.train.inputs import other_split
     from usaf.stages.train.resume import recorded_threads
     from usaf.stages.train.trainer import Trainer
 
@@ -97,6 +98,9 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     if inputs.resume_from is not None:
         trainer.load_checkpoint(inputs.resume_from)
         progress.note(f"resuming from {inputs.resume_from} (step {trainer.state.step} of {inputs.steps})")
+        ran_at = trainer.state.microbatch or inputs.settings_record.get("microbatch")  # recorded at the run's start
+        if (split := other_split(ran_at, trainer.microbatch, config.microbatch)) is not None:
+            progress.note(split)
         if not (config.deterministic or backend.capabilities.reproducible):
             progress.note(f"on {backend.name} without --deterministic the resumed run equals an uninterrupted one "
                           "only within the device's run-to-run noise (its sums' order varies)")  # fmt: skip
