@@ -171,3 +171,42 @@ def test_train_killed_while_writing_its_settings_or_first_checkpoint_restarts_cl
     assert "resuming" not in result.stderr  # no checkpoint: started over
     steps = lambda r: [json.loads(line)["step"] for line in (r / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert steps(again) == steps(straight) == [1, 2]
+
+
+def test_a_stop_signal_while_an_error_is_printed_does_not_cut_it():
+    """torchrun's SIGTERM, sent as a peer died, reached rank 0 while it turned the failed collective into its message:
+    the CLI's signal handling had ended and the default handler killed it first (exit -15, no message; a flaky
+    test_distributed test, 2026-12-06). The error is printed with stop signals ignored; the control: the same
+    signal before the error still stops the command as Ctrl-C does (exit 143)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        import typer
+        import usaf.cli.console as console
+        from usaf.errors import UsafError
+
+        real = console._print_error
+        def print_after_sigterm(e, verbose):
+            os.kill(os.getpid(), signal.SIGTERM)
+            real(e, verbose)
+        console._print_error = print_after_sigterm
+        try:
+            with console.handle_errors():
+                if sys.argv[1] == "before":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                raise UsafError("another process of the run stopped", "rerun to resume")
+        except typer.Exit as e:
+            sys.exit(e.exit_code)
+        """
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    during = subprocess.run([sys.executable, "-c", script, "during"], capture_output=True, text=True, env=env)
+    assert during.returncode == 2 and "another process of the run stopped" in during.stderr, during
+    before = subprocess.run([sys.executable, "-c", script, "before"], capture_output=True, text=True, env=env)
+    assert before.returncode == 143 and "stopped by SIGTERM" in before.stderr, before

@@ -860,9 +860,9 @@ def test_a_signal_during_the_stop_checkpoint_does_not_cut_it_short():
 
     world = types.SimpleNamespace(active=True, any=lambda flag: True)  # every rank asked to stop
     trainer = types.SimpleNamespace(
-        world=world, state=types.SimpleNamespace(step=5), s=None, collector=None,
+        world=world, state=types.SimpleNamespace(step=5, tokens=0), s=None, collector=None,
         checkpoint_dir=lambda: "checkpoints/step-0000005", save_checkpoint=save_checkpoint, run_dir=None,
-        config=types.SimpleNamespace(out="run"),
+        config=types.SimpleNamespace(out="run", overwrite=False),
     )  # fmt: skip
     progress = NullProgress()
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a job started in the background

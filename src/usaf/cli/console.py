@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +40,30 @@ def print_json(data: Any) -> None:
 @contextlib.contextmanager
 def handle_errors(verbose: bool = False) -> Iterator[None]:
     """UsafError -> one red line (+ hint) and exit 2; Ctrl-C -> exit 130, SIGTERM -> 143, SIGHUP -> 129; bugs keep
-    their traceback."""
-    try:
-        with _stop_signals_as_ctrl_c():
+    their traceback.
+
+    The error is printed inside the signal handling, with stop signals ignored meanwhile: printed after it, the
+    default handler was back, and torchrun's SIGTERM (sent as a peer died) ended rank 0 before it said which
+    checkpoint is the newest (a flaky test, found 2026-12-06)."""
+    with _stop_signals_as_ctrl_c() as reporting:
+        try:
             yield
-    except UsafError as e:
-        _print_error(e, verbose)
-        raise typer.Exit(UsafError.exit_code) from None
-    except (OSError, RuntimeError) as e:  # a full disk, or memory, where no stage answered it: else a bug
-        translated = _stray_disk_error(e) if isinstance(e, OSError) else _out_of_memory(e)
-        if translated is None:
-            raise
-        _print_error(translated, verbose)
-        raise typer.Exit(UsafError.exit_code) from None
-    except KeyboardInterrupt as e:
-        name = getattr(e, "name", "SIGINT")
-        what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
-        err.print(f"[yellow]{what}[/yellow]: nothing half-written was left behind")
-        raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None
+        except UsafError as e:
+            reporting()
+            _print_error(e, verbose)
+            raise typer.Exit(UsafError.exit_code) from None
+        except (OSError, RuntimeError) as e:  # a full disk, or memory, where no stage answered it: else a bug
+            translated = _stray_disk_error(e) if isinstance(e, OSError) else _out_of_memory(e)
+            if translated is None:
+                raise
+            reporting()
+            _print_error(translated, verbose)
+            raise typer.Exit(UsafError.exit_code) from None
+        except KeyboardInterrupt as e:  # a second signal now ends the process (the first one's handler reset it)
+            name = getattr(e, "name", "SIGINT")
+            what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+            err.print(f"[yellow]{what}[/yellow]: nothing half-written was left behind")
+            raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None
 
 
 # Ctrl-C raises KeyboardInterrupt by itself; these ended the process where it stood.
@@ -65,23 +71,30 @@ _STOP_AS_CTRL_C = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") 
 
 
 @contextlib.contextmanager
-def _stop_signals_as_ctrl_c() -> Iterator[None]:
+def _stop_signals_as_ctrl_c() -> Iterator[Callable[[], None]]:
     """SIGTERM (kill, a scheduler, a container stop) and SIGHUP (a closed terminal) raise as Ctrl-C does, so what a
     command was writing is cleaned up as after Ctrl-C. They killed the process where it stood: a tokenize stopped so
     left its half-written temporary output (GBs) where no later run of another output removes it (found in review).
     Long stages' own handlers (:class:`usaf.stages.stop.StopRequest`) take over while they run, to stop at a
-    boundary and save. A second signal ends the process at once (its default), as a second Ctrl-C does there."""
+    boundary and save. A second signal ends the process at once (its default), as a second Ctrl-C does there.
+
+    Yields ``reporting``: call it once the command is over and only reports its end; the signals are ignored from
+    then until the context exits, so the last line is said."""
     if threading.current_thread() is not threading.main_thread():  # Python's rule for signal handlers
-        yield
+        yield lambda: None
         return
 
     def stop(signum, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         raise StopSignal(signum)
 
+    def reporting() -> None:
+        for sig in _STOP_AS_CTRL_C:
+            signal.signal(sig, signal.SIG_IGN)
+
     previous = {sig: signal.signal(sig, stop) for sig in _STOP_AS_CTRL_C}
     try:
-        yield
+        yield reporting
     finally:
         for sig, handler in previous.items():
             if handler is not None:  # None: not installed from Python (then nothing to put back)
