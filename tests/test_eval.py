@@ -706,7 +706,8 @@ def test_out_is_refused_where_it_is_or_lies_in_what_eval_reads_found_in_the_work
     step = sorted((trained["run"] / "checkpoints").iterdir())[-1]
     common = ["eval", "--model", trained["q"], "--workspace", workspace, "--max-sequences", 4, "--no-plots"]
     for out, extra, named in [
-        (tokens, ["--overwrite"], "is the input --data"),
+        # refused as another command's output (tokens) before the workspace's inputs are resolved
+        (tokens, ["--overwrite"], "a usaf tokens artifact; usaf replaces only what this command writes there"),
         (tokens / "report", [], "lies inside the input --data"),
         (trained["run"] / "report", ["--held-out", trained["tokens"]], "lies inside the input the run of --checkpoint"),
     ]:
