@@ -141,7 +141,7 @@ def resolve_inputs(
     world.refuse_unless_same({"--plan": settled.plan.fingerprint, "steps": settled.steps}, SAME_INPUTS)  # a found one
     config, record = settled.config, settled.record
     resume_from = _resume_point(run_dir, record, world, latest_checkpoint)
-    if resume_from is not None:  # the microbatch the run started with stays recorded (run._say_split compares)
+    if resume_from is not None:  # the microbatch the run started with stays recorded (other_split compares, in run)
         record = {**record, "microbatch": _started_with(run_dir).get("microbatch", record["microbatch"])}
     if resume_from is None and settled.plan_dir == run_dir / PLAN_DIR:  # scored on the fly into this run: its
         _record_settings(run_dir, record, world)  # settings now, so the same command finds it if stopped before a step
@@ -649,7 +649,7 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
 # Recorded, not compared on resume: the inputs' paths (their fingerprints pin what they hold: a path spelled
 # relative or absolute refused the same run; found in review), when checkpoints and held-out losses are written
 # (nothing trained depends on them), and the microbatch (another one at the same global batch resumes, with a note:
-# _other_split).
+# other_split).
 RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch"})
 RECORDED_SINCE = frozenset({"compute_dtype"})  # 2026-12-06
 
