@@ -247,7 +247,6 @@ def test_without_out_the_same_command_finds_the_interrupted_output_in_the_worksp
     assert len([p for p in (tmp_path / "plan").iterdir() if not p.name.startswith(".")]) == 2
 
 
-
 def test_overwrite_starts_over_an_interrupted_score_of_the_same_settings(setup, tmp_path, stop_at):
     """--overwrite discarded saved work only where the settings differed; with the same ones it resumed, while inspect
     said "--overwrite discards it", and no flag started over (found in review). The control: without it, the same
@@ -321,3 +320,85 @@ def test_stopped_while_writing_the_plan_it_says_what_is_kept_and_resumes(setup, 
     monkeypatch.setattr(score, "_write_files", real)
     resumed = invoke(*args(setup, out))
     assert resumed.exit_code == 0 and "calibration batches done" in resumed.stderr, resumed.output
+
+
+@pytest.fixture
+def stopped_before_the_rename(monkeypatch):
+    """``stop(command)``: run ``command`` with Ctrl-C (as a kill would) after the plan's manifest was written and its
+    bookkeeping dropped, before the rename: the partial directory holds a finished plan and nothing else."""
+    from usaf.artifacts.writer import ArtifactWriter
+
+    def stop(command: list) -> None:
+        with monkeypatch.context() as patched:
+            patched.setattr(ArtifactWriter, "_move_into_place",
+                            lambda self: (_ for _ in ()).throw(KeyboardInterrupt))  # fmt: skip
+            result = invoke(*command)
+        assert result.exit_code == 130, result.output
+
+    return stop
+
+
+def finished_in(directory: Path) -> bool:
+    """A partial directory holding a plan's manifest and none of score's bookkeeping."""
+    names = {p.name for p in directory.iterdir()}
+    return "manifest.json" in names and not names & {SETTINGS, CALIBRATION, PROBES, STORE}
+
+
+def test_killed_between_the_manifest_and_the_rename_the_finished_plan_is_moved_into_place(
+    setup, straight, tmp_path, stopped_before_the_rename, monkeypatch
+):
+    """It was scored again from nothing (its bookkeeping was gone; found in review). The rerun verifies the finished
+    plan and moves it into place without scoring."""
+    from usaf.stages import score
+
+    out = tmp_path / "plan"
+    stopped_before_the_rename(args(setup, out))
+    assert not out.exists() and finished_in(partial(out))
+    monkeypatch.setattr(score, "_score", lambda *a, **k: pytest.fail("scored again"))
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 0, result.output
+    assert "the interrupted score had finished its plan" in " ".join(result.stderr.split())
+    assert not partial(out).exists() and leftovers(tmp_path) == []
+    same_plan(out, straight)
+    load_verified(out, PlanManifest)
+
+
+def test_a_finished_plan_of_other_settings_is_refused_and_a_damaged_one_scored_again(
+    setup, straight, tmp_path, stopped_before_the_rename
+):
+    """Controls: other settings are refused as their saved work is (naming the setting); --overwrite discards it;
+    a plan whose files no longer match its manifest is not taken for finished, and is scored again."""
+    out = tmp_path / "plan"
+    stopped_before_the_rename(args(setup, out))
+    other = [*args(setup, out), "--no-stability"]
+    result = invoke(*other)
+    assert result.exit_code == 2 and "finished its plan" in result.stderr, result.output
+    assert "--stability True there, False now" in " ".join(result.stderr.split())
+    assert finished_in(partial(out)) and not out.exists()  # nothing taken or deleted
+
+    result = invoke(*other, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert "discarding the finished plan" in " ".join(result.stderr.split())
+    assert load_verified(out, PlanManifest).config["stability"] is False
+
+    out = tmp_path / "damaged"
+    stopped_before_the_rename(args(setup, out))
+    mask = next(p for p in partial(out).iterdir() if p.suffix == ".safetensors")
+    mask.write_bytes(mask.read_bytes()[:-8])  # truncated: the manifest's sha256 no longer matches
+    result = invoke(*args(setup, out))
+    assert result.exit_code == 0, result.output
+    assert "had finished its plan" not in result.stderr and "calibration" in result.stderr
+    same_plan(out, straight)
+
+
+def test_without_out_a_finished_plan_left_in_the_workspace_is_found(setup, tmp_path, stopped_before_the_rename):
+    """Without --out every run gets a new name: the rerun would have scored into another one, leaving the finished
+    plan where nothing finds it."""
+    workspace = tmp_path / "ws"
+    stopped_before_the_rename(workspace_command(setup, workspace))
+    (left,) = (workspace / "plan").iterdir()
+    assert left.name.endswith(".usaf-partial") and finished_in(left)
+    result = invoke(*workspace_command(setup, workspace))
+    assert result.exit_code == 0, result.output
+    assert "had finished its plan" in " ".join(result.stderr.split())
+    assert [p.name for p in (workspace / "plan").iterdir()] == [left.name[1:].removesuffix(".usaf-partial")]

@@ -193,6 +193,33 @@ def test_stopped_while_scoring_on_the_fly_the_same_command_resumes_the_score(pre
     assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 2
 
 
+def test_stopped_after_scoring_on_the_fly_before_the_plan_s_rename_the_same_command_takes_the_plan(
+    prepared, tmp_path, monkeypatch
+):
+    """Stopped between the plan's manifest and its rename (its bookkeeping gone): the same command without --out
+    found no unfinished run there and started a new one, scoring again (found in review). It finds the run and moves
+    the finished plan into place without scoring."""
+    from usaf.artifacts.writer import ArtifactWriter
+    from usaf.stages import score
+
+    qdir, tokens, _ = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--calib-samples", 8, "--microbatch", 2, "--train-from", 2)
+    with monkeypatch.context() as patched:
+        patched.setattr(ArtifactWriter, "_move_into_place", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+        stopped = invoke(*command)
+    assert stopped.exit_code == 130, explain(stopped)
+    (run,) = runs(tmp_path)
+    partial = run / ".plan.usaf-partial"
+    assert [p.name for p in run.iterdir()] == [partial.name] and (partial / "manifest.json").is_file()
+
+    monkeypatch.setattr(score, "_score", lambda *a, **k: pytest.fail("scored again"))
+    resumed = invoke(*command)
+    assert resumed.exit_code == 0, explain(resumed)
+    said = " ".join(resumed.stderr.split())
+    assert f"resuming the unfinished run {run} (no --out given)" in said and "had finished its plan" in said
+    assert load_verified(run, RunManifest).summary.steps == STEPS and runs(tmp_path) == [run]
+
+
 def test_stopped_while_scoring_on_the_fly_with_out_resumes_and_overwrite_replaces(prepared, tmp_path, stop_scoring_at):
     """With --out: the rerun resumes the stopped score inside RUN (it was refused as a directory usaf did not make
     before), and --overwrite may replace such a directory; killed before score's settings file was in place (only its

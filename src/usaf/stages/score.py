@@ -32,6 +32,7 @@ from usaf.artifacts import (
     workspace_dir,
 )
 from usaf.artifacts.lock import holder_of
+from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER
 from usaf.artifacts.plan import (
     LayerRouting,
@@ -59,7 +60,15 @@ from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, cannot_measure, first_divergence, measured, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
 from usaf.stages.progress import NullProgress, Progress
-from usaf.stages.score_resume import SavedCalibration, SavedProbes, ScoreProgress, run_identity, same_run
+from usaf.stages.score_resume import (
+    SavedCalibration,
+    SavedProbes,
+    ScoreProgress,
+    finished_plan,
+    finished_there,
+    run_identity,
+    same_run,
+)
 from usaf.stages.stop import StopRequest
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -248,13 +257,18 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
                       data_fingerprint, lines, start)  # fmt: skip
     with contextlib.ExitStack() as held:
 
-        def take() -> None:  # rank 0: the output locked from here to the commit, the saved work checked
+        def take() -> PlanManifest | None:  # rank 0: the output locked from here to the commit, the work checked
             held.enter_context(writer)
             held.push(_dropped_unless_saved(writer))
+            if writer.resumed and (finished := _moved_finished_plan(writer, identity, config.overwrite, progress)):
+                return finished
             ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress,
                                threads=backend.compute_threads())  # fmt: skip
+            return None
 
-        world.decided_by_main(take, "the output taken")
+        finished = world.decided_by_main(take, "the output taken")
+        if finished is not None:  # killed before its rename: the plan was finished
+            return finished, writer.target
         saved = ScoreProgress(writer.dir, progress, rank=world.rank)  # under torchrun, each rank its own share
         if saved.holds_work():  # before any sum: on the CPU the saved work's bits were made at its thread count
             note = backend.same_threads_as(saved.recorded_threads(), "the interrupted score")
@@ -283,17 +297,37 @@ def _interrupted_output(workspace: Path, label: str, identity: dict) -> Path | N
     for target in interrupted_outputs(workspace, "plan", label):
         if holder_of(target) is not None:  # still being written: another name (it was called interrupted and then
             continue  # refused, naming an --out never given; found in review)
-        saved = ScoreProgress(ArtifactWriter.partial_dir(target), NullProgress())
+        partial = ArtifactWriter.partial_dir(target)
+        saved = ScoreProgress(partial, NullProgress())
         if saved.holds_work() and same_run(saved.recorded_identity(), identity):
+            return target
+        if finished_there(partial, identity):  # killed before its rename, its bookkeeping gone
             return target
     return None
 
 
+def _moved_finished_plan(
+    writer: ArtifactWriter, identity: dict, overwrite: bool, progress: Progress
+) -> PlanManifest | None:
+    """The finished plan of this run that the partial directory held (killed between its manifest and its rename),
+    now moved into place; None where it held none."""
+    manifest = finished_plan(writer.dir, identity, out=writer.target, discard=overwrite, progress=progress)
+    if manifest is None:
+        return None
+    writer.drop(ScoreProgress(writer.dir, progress).bookkeeping())  # what a kill after the manifest left, if any
+    writer.commit_foreign()  # only the rename was missing
+    progress.note(f"the interrupted score had finished its plan; moved it into place as {writer.target}")
+    return manifest
+
+
 def _dropped_unless_saved(writer: ArtifactWriter):
-    """An exit callback: a failed run's partial directory goes, unless it holds saved work that a rerun resumes."""
+    """An exit callback: a failed run's partial directory goes, unless it holds saved work that a rerun resumes, or
+    a finished plan (stopped between its manifest and its rename) that a rerun moves into place."""
 
     def drop(exc_type, exc, tb) -> None:
-        if exc is not None and not writer.committed and not ScoreProgress(writer.dir, NullProgress()).holds_work():
+        if exc is None or writer.committed or (writer.dir / MANIFEST_NAME).is_file():  # a finished plan: moved on rerun
+            return
+        if not ScoreProgress(writer.dir, NullProgress()).holds_work():
             shutil.rmtree(writer.dir, ignore_errors=True)
 
     return drop
@@ -324,8 +358,10 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     frac = _selected_share(config.frac, sum(numel(shape) for shape in shapes.values()), progress)
     floored = [name for name, shape in shapes.items() if int(frac * numel(shape)) < 1]
     if floored and config.budget in ("per-tensor", "per-expert"):  # the frac alone misstated what trains, in silence
-        progress.note(f"frac {frac:g}: under one weight in {len(floored)} of the {len(shapes)} target tensors, each "
-                      "of which trains one")  # fmt: skip  (found in review)
+        progress.note(
+            f"frac {frac:g}: under one weight in {len(floored)} of the {len(shapes)} target tensors, each "
+            "of which trains one"
+        )  # fmt: skip  (found in review)
     pools = pool_size(shapes, frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

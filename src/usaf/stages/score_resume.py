@@ -22,6 +22,10 @@ byte-identical to an uninterrupted run's.
 - ``score-store.json``: with ``--cache``, how far the store of every sequence's prefix states got (lines of the data
   done, the index so far, the bytes of the states file to keep), saved every minute and at a stop request.
 
+A run killed after its plan's manifest was written, with the bookkeeping gone and only the rename left, leaves a
+finished plan there: the same command verifies it and moves it into place (:func:`finished_plan`), where it was
+scored again before.
+
 Tensors and plain values only, read back with ``torch.load(weights_only=True)``. Under torchrun the number of
 processes is part of the identity (each rank resumes its own share of the pass); rank 0 alone writes the settings,
 and runs the lr test and writes the store alone, so their files are its own.
@@ -41,7 +45,10 @@ import transformers
 
 from usaf._version import __version__
 from usaf.artifacts.disk import cause_of
+from usaf.artifacts.loader import load_manifest, load_verified
+from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER
+from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.prefix_store import STATES_FILE
 from usaf.artifacts.writer import write_text_atomic
 from usaf.backends.cpu import thread_count
@@ -331,6 +338,65 @@ def same_run(recorded: dict[str, Any] | None, identity: dict[str, Any]) -> bool:
     if VERSIONS_KEY not in recorded:  # saved before the versions were recorded: resumes as it did then
         identity = {key: value for key, value in identity.items() if key != VERSIONS_KEY}
     return recorded == identity
+
+
+def finished_plan(
+    directory: Path, identity: dict[str, Any], *, out: Path, discard: bool, progress: Progress
+) -> PlanManifest | None:
+    """The plan a run with this ``identity`` finished in its partial ``directory`` (manifest written, killed before
+    the rename), verified: None where there is none, or its files do not match its manifest (the manifest goes: the
+    plan is written again), or ``discard`` (--overwrite starts over). A finished plan of other settings or inputs is
+    refused as their saved work is (:meth:`ScoreProgress.open`)."""
+    if not (directory / MANIFEST_NAME).is_file():
+        return None
+    try:
+        manifest = load_verified(directory, PlanManifest, flag="--out")
+    except UsafError:  # killed while the manifest was written, or files changed since: not a finished plan
+        (directory / MANIFEST_NAME).unlink()
+        return None
+    recorded, asked = plan_identity(manifest), as_a_plan_records(identity)
+    if discard:
+        progress.note(f"discarding the finished plan of an interrupted score in {directory} (--overwrite)")
+        return None
+    if not same_run(recorded, asked):
+        raise UsafError(
+            f"--out {out}: an interrupted usaf score with other settings or inputs finished its plan in {directory} "
+            f"and was stopped before moving it into place ({_differences(recorded, asked)})",
+            "rerun with its settings to finish it, or pass --overwrite to discard it",
+        )
+    return manifest
+
+
+def finished_there(directory: Path, identity: dict[str, Any]) -> bool:
+    """Whether the partial ``directory`` holds a plan's manifest written by a run with this ``identity`` (read, not
+    verified: :func:`finished_plan` verifies it when the run takes it)."""
+    try:
+        manifest = load_manifest(directory, PlanManifest)
+    except (UsafError, ValueError):  # none, unreadable, or another kind
+        return False
+    return same_run(plan_identity(manifest), as_a_plan_records(identity))
+
+
+def as_a_plan_records(identity: dict[str, Any]) -> dict[str, Any]:
+    """``identity`` as :func:`plan_identity` can compare it: without torchrun's processes, which a plan does not
+    record (a finished plan is taken whatever number of processes scored it)."""
+    return {key: value for key, value in identity.items() if key != "processes"}
+
+
+def plan_identity(manifest: PlanManifest) -> dict[str, Any]:
+    """The :func:`run_identity` (processes left out) of the run that wrote ``manifest``: what its manifest records
+    of its settings, inputs, device and versions."""
+    fingerprints = {record.role: record.fingerprint for record in manifest.inputs}
+    environment = manifest.environment
+    return {
+        "usaf": manifest.usaf_version,
+        "model_fingerprint": fingerprints.get("model"),
+        "data_fingerprint": fingerprints.get("data"),
+        "device": environment.device,
+        "dtype": environment.dtype,
+        "settings": {key: value for key, value in manifest.config.items() if key not in NOT_RECORDED},
+        VERSIONS_KEY: {"torch": environment.torch, "transformers": environment.transformers},
+    }
 
 
 def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:

@@ -59,7 +59,7 @@ from usaf.settings.train import DEFAULT_LR
 from usaf.stages import score
 from usaf.stages.lr_test import recorded_measured
 from usaf.stages.progress import NullProgress, Progress
-from usaf.stages.score_resume import ScoreProgress, run_identity, same_run
+from usaf.stages.score_resume import ScoreProgress, finished_there, run_identity, same_run
 from usaf.stages.train.budget import apply_budget
 from usaf.stages.train.config import TrainConfig
 from usaf.stages.train.resume import latest_checkpoint
@@ -189,8 +189,10 @@ def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:
         source += ", a fallback: every probe diverged (pass a smaller --lr if the loss rises)"
     scored_router = plan.config.get("router", True)  # the probes trained the routers, or not
     if scored_router != config.router:
-        source += (f", which ran with{'' if scored_router else 'out'} the routers training, and this run trains "
-                   f"{'none' if scored_router else 'them'} (pass --lr to choose)")
+        source += (
+            f", which ran with{'' if scored_router else 'out'} the routers training, and this run trains "
+            f"{'none' if scored_router else 'them'} (pass --lr to choose)"
+        )
     return config.model_copy(update={"lr": test.lr}), source
 
 
@@ -208,6 +210,7 @@ def _check_run_dir(
         raise UsafError(f"--plan {config.plan} lies inside --out {run_dir}, which --overwrite deletes before training "
                         "(the plan with it)", "copy the plan elsewhere and pass that --plan, or drop --plan to score "
                         "anew, or drop --overwrite to resume the run")  # fmt: skip
+
     def lock() -> None:  # one run per directory; a refusal raised on every rank (rank 1 waited at a barrier for a
         held.enter_context(OutputLock(run_dir, flag="--out"))  # rank 0 that had left, and reported a peer died)
 
@@ -479,6 +482,7 @@ def _found_plan(
             )
         return path, manifest
     started = _started_with(run_dir)  # an interrupted run: the plan it started with before any newer one
+
     def differences(plan: PlanManifest) -> list[str]:
         return _selection_differences(plan, wanted) + _data_difference(plan, data_fingerprint)
 
@@ -534,6 +538,7 @@ def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) 
     """Without ``--out``: the workspace's newest unfinished run that this same command would continue (rank 0
     looks; every rank takes its answer). A default run directory is named by its start time, so without this a
     rerun would start over in a new one."""
+
     def look() -> Path | None:
         candidates = unfinished_outputs(workspace_dir(config.workspace), "run", settler.model[0].name)
         return next((c for c in candidates if not _in_use(c) and _continues(c, config, settler)), None)
@@ -555,7 +560,8 @@ def _in_use(run_dir: Path) -> bool:
 
 def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
     """Whether ``candidate`` holds this command's run: its recorded settings equal this run's there, or it holds
-    only this run's plan stopped while scoring, with score's recorded settings equal to what this run scores with."""
+    only this run's plan stopped while scoring (its saved work, or the plan finished but for its rename), with
+    score's recorded settings equal to what this run scores with."""
     try:
         saved = candidate / SETTINGS_FILE
         if saved.is_file():
@@ -565,7 +571,12 @@ def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
         if own_entries(candidate) != [partial.name]:
             return False
         identity = settler.scores_into(config, candidate)
-        return identity is not None and same_run(ScoreProgress(partial, NullProgress()).recorded_identity(), identity)
+        if identity is None:
+            return False
+        # its saved work, or a plan finished there but for its rename
+        return same_run(ScoreProgress(partial, NullProgress()).recorded_identity(), identity) or finished_there(
+            partial, identity
+        )
     except (UsafError, OSError):  # a plan in it broken or for another model, a directory gone: not this run
         return False
 
@@ -577,9 +588,7 @@ def _record_settings(run_dir: Path, record: dict, world: World) -> None:
     world.barrier("run settings")
 
 
-def _settings_fingerprint(
-    config: TrainConfig, model_fp: str, plan: PlanManifest, data_fp: str, world: World
-) -> dict:
+def _settings_fingerprint(config: TrainConfig, model_fp: str, plan: PlanManifest, data_fp: str, world: World) -> dict:
     """What a resumed run must share with the interrupted one.
 
     The split of a step's sequences into processes and microbatches is left out: only the global batch
@@ -621,9 +630,11 @@ def other_split(ran_at: int | None, now: int, given: int) -> str | None:
         return f"--microbatch {given}: the run goes on at its checkpoint's {now} (an out-of-memory retry chose it)"
     if ran_at is None or ran_at == now:
         return None
-    return (f"--microbatch {now}: the run trained at {ran_at} until now. The same sequences a step, but each step's "
-            "sums and RigL's grow scores (summed over microbatches) are other ones, so the result differs from an "
-            f"uninterrupted run's (--microbatch {ran_at} continues it exactly)")
+    return (
+        f"--microbatch {now}: the run trained at {ran_at} until now. The same sequences a step, but each step's "
+        "sums and RigL's grow scores (summed over microbatches) are other ones, so the result differs from an "
+        f"uninterrupted run's (--microbatch {ran_at} continues it exactly)"
+    )
 
 
 def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) -> Path | None:
