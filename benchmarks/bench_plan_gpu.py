@@ -301,6 +301,39 @@ def streaming(config: dict, device: torch.device, trainable: int, microbatch: in
     return result  # the caller collects the engine's memory
 
 
+def decoding(config: dict, device: torch.device, repeats: int, arm: str) -> dict:
+    """A decoding forward (one token, every layer frozen, as ``usaf generate`` without a change): the time per
+    forward with the 4-bit experts on the device (``arm`` "resident"), streamed a whole layer ahead ("layers": what
+    every forward did until 2026-12-06) or streamed reading the routed experts alone ("routed": what a forward of
+    few tokens does since), and the bytes of layer copies each moved."""
+    from usaf.engine.streaming import ExpertStreamer
+
+    cuda = device.type == "cuda"
+    stream = arm != "resident"
+    loaded = build_loaded(config, device, torch.bfloat16, experts_device=torch.device("cpu") if stream else None)
+    streamer = None
+    if stream:
+        streamer = ExpertStreamer(loaded.model.model.layers, loaded.experts, list(loaded.experts), device, pin=cuda,
+                                  copy=not cuda, top_k=loaded.spec.top_k if arm == "routed" else None)  # fmt: skip
+    ids = torch.randint(1, config["vocab_size"], (1, 1), generator=torch.Generator().manual_seed(0)).to(device)
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):  # the first: a warm-up
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loaded.model(ids)
+            if cuda:
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+    result = {"arm": arm, "forward_seconds": times, "ms_per_token": 1000 * statistics.median(times)}
+    if streamer is not None:
+        result["streamer"] = streamer.stats.as_dict()
+        streamer.close()
+    return result
+
+
 def quantize_speed(config: dict, device: torch.device, repeats: int) -> dict:
     """``usaf quantize``'s HQQ on one layer's fused gate_up tensor of this width, on ``device``: MB/s of bf16 source."""
     from usaf.quant import quantize_experts
@@ -347,8 +380,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small widths (a smoke test, e.g. on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="[benchmarks/results/plan-gpu.json]")
     parser.add_argument("--streaming", action="store_true",
-                        help="also time steps with the experts streamed from host memory vs on the device, and "
-                        "HQQ quantization speed")  # fmt: skip
+                        help="also time steps and a decoding forward with the experts streamed from host memory vs "
+                        "on the device, and HQQ quantization speed")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per streaming arm")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -393,6 +426,16 @@ def main() -> None:
             print(f"streaming {'on ' if stream else 'off'}: uncached {r['uncached_tokens_per_s']:.0f} tok/s, "
                   f"cached {r['cached_tokens_per_s']:.0f} tok/s"
                   + (f", peak {r['max_memory_allocated'] / MIB:.0f} MiB" if "max_memory_allocated" in r else ""),
+                  flush=True)  # fmt: skip
+        results["decoding"] = []
+        for arm in ("resident", "layers", "routed") * 2:  # interleaved: the machine's state drifts
+            r = decoding(config, device, 3 * args.repeats, arm)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            results["decoding"].append(r)
+            moved = r.get("streamer", {}).get("bytes", 0) / MIB
+            print(f"decoding, experts {arm}: {r['ms_per_token']:.1f} ms a token, {moved:.0f} MiB of layer copies",
                   flush=True)  # fmt: skip
         results["quantize"] = quantize_speed(config, device, args.repeats)
         print(f"HQQ quantize on {device}: {results['quantize']['mb_per_s']:.1f} MB/s of bf16 source", flush=True)

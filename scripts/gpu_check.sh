@@ -17,8 +17,9 @@
 #      and at the real width, per forward at blocks of 16 MiB to 1 GiB against resident experts, with operators
 #      and device syncs per forward -> benchmarks/results/frozen-gpu-real-width.json;
 #   4. the planner's GPU benchmark: predicted device peak vs torch.cuda.max_memory_allocated at the real width,
-#      step times with the frozen experts streamed from pinned host memory vs on the device, HQQ quantization MB/s
-#      on the GPU -> benchmarks/results/plan-gpu.json;
+#      step times with the frozen experts streamed from pinned host memory vs on the device, a decoding forward (one
+#      token) with the experts resident, streamed by whole layers and streamed reading the routed experts alone, HQQ
+#      quantization MB/s on the GPU -> benchmarks/results/plan-gpu.json;
 #   5. usaf plan for Qwen3-30B-A3B on this machine's GPU (its --vram read from the device).
 # Every step runs whatever the one before it did (each has its own time limit); the exit status is the first
 # failure's. Logs and results are also copied to $OUT when that is set, as each step ends.

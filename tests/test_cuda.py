@@ -352,6 +352,29 @@ def test_generate_on_cuda_streams_in_the_devices_dtype_and_matches_resident(prep
     assert outs["--stream-experts"]["text"] == outs["--no-stream-experts"]["text"]
 
 
+def test_streamed_decoding_on_cuda_reads_routed_experts_from_pinned_host_memory(quantized, monkeypatch):
+    """A new token's forward (1 token, top-2 of 16 experts) reads its routed experts from the pinned host codes
+    instead of copying each layer on the side stream; the prompt's forward copies. The same greedy text as resident
+    experts (the CPU test: tests/test_generate.py)."""
+    from dataclasses import replace
+
+    from usaf.engine import streaming
+    from usaf.settings.generate import GenerateConfig
+    from usaf.stages import generate as stage
+
+    qdir = quantized("qwen3_moe", num_layers=2, tokenizer=True, num_experts=16)
+    closed = []
+    real_close = streaming.ExpertStreamer.close
+    monkeypatch.setattr(streaming.ExpertStreamer, "close", lambda self: (closed.append(replace(self.stats)),
+                                                                         real_close(self)))  # fmt: skip
+    texts = {stream: stage.run(GenerateConfig(prompt="def parse(", model=qdir, no_checkpoint=True, device="cuda",
+                                              temperature=0, max_new_tokens=8, stream_experts=stream)).text
+             for stream in (True, False)}  # fmt: skip
+    assert texts[True] == texts[False]
+    (stats,) = closed
+    assert stats.routed_only > 0 and stats.copies == 3, stats
+
+
 def _trained(prepared, tmp_path, *, steps: int):
     """(the quantized model, its tokens, a run of ``steps`` trained on them, on the default device)."""
     qdir, tokens, plan = prepared("qwen3_moe")

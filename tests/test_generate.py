@@ -186,7 +186,6 @@ def test_a_prompt_beyond_the_context_a_refusing_template_and_a_tiny_temperature_
     assert tiny.exit_code == 2 and "0 for greedy decoding" in tiny.stderr, tiny.output
 
 
-
 def test_a_chat_template_that_refuses_the_conversation_is_one_line_naming_it():
     """Gemma's and Mistral's templates raise_exception('System role not supported'): a jinja2 traceback in generate
     and in tokenize's chat lines (found in review). The control: the template as it was renders."""
@@ -295,3 +294,34 @@ def test_a_template_that_will_not_render_a_reply_alone_leaves_the_eos_alone():
     tokenizer = build_tiny_tokenizer()
     tokenizer.chat_template = "{{ raise_exception('a system message first') }}"
     assert turn_end_ids(tokenizer) == []
+
+
+def test_streamed_decoding_reads_each_new_token_s_routed_experts_without_copying_layers(quantized, monkeypatch):
+    """With 16 experts and top-2, a new token's forward routes to at most 2 of each layer's 16: it reads them from
+    host memory, where it copied each whole layer (found in review); the prompt's forward still copies every layer,
+    a layer ahead. The same greedy text as resident experts."""
+    from dataclasses import replace
+
+    from usaf.engine import streaming
+    from usaf.settings.generate import GenerateConfig
+    from usaf.stages import engine_setup
+    from usaf.stages import generate as stage
+
+    qdir = quantized("qwen3_moe", num_layers=2, tokenizer=True, num_experts=16)
+    closed = []
+    real_close = streaming.ExpertStreamer.close
+    monkeypatch.setattr(streaming.ExpertStreamer, "close", lambda self: (closed.append(replace(self.stats)),
+                                                                         real_close(self)))  # fmt: skip
+
+    def generation(stream):
+        monkeypatch.setattr(engine_setup, "choose_streaming", lambda requested, backend, size: (stream, None))
+        return stage.run(GenerateConfig(prompt=PROMPT, model=qdir, no_checkpoint=True, temperature=0,
+                                        max_new_tokens=6))  # fmt: skip
+
+    resident, streamed = generation(False), generation("copy")
+    assert streamed.text == resident.text and streamed.streamed and streamed.new_tokens > 1
+    (stats,) = closed
+    decoded = streamed.new_tokens - 1  # the first new token comes from the prompt's forward
+    assert stats.order == [0, 1] * (1 + decoded)
+    # the prompt's two layers, and layer 0 prefetched by its last (which the first new token uses)
+    assert stats.copies == 2 + 1 and stats.routed_only == 2 * decoded - 1

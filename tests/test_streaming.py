@@ -203,3 +203,37 @@ def test_wide_experts_stream_on_the_cpu_too(quantized):
     plain = engine(quantized, model=WIDE_EXPERTS)
     streamed = engine(quantized, model=WIDE_EXPERTS, stream_experts="copy")
     assert loss_and_grads(plain, *batch())[0] == pytest.approx(loss_and_grads(streamed, *batch())[0], abs=1e-6)
+
+
+def test_a_forward_of_few_tokens_reads_its_routed_experts_from_host_memory(quantized):
+    """Decoding (one new token a forward) copied every expert of each frozen layer for the top-k it routes to
+    (found in review: at Qwen3-30B-A3B's size about 15 GB a token). A forward whose tokens times top-k are at most a
+    quarter of the experts leaves the codes in host memory, where the dequantization selects the routed ones: no
+    layer copy, the same loss. Control: a batch of many tokens copies every layer, as before."""
+    plain, streamed = (
+        engine(quantized, model=WIDE_EXPERTS),
+        engine(quantized, model=WIDE_EXPERTS, stream_experts="copy"),
+    )
+    streamer = streamed.streamer
+    assert streamer.top_k == 2 and streamer.layers == (0, 1, 2, 3)  # 64 experts: up to 8 tokens read routed ones
+    used = {}  # layer -> data_ptr of the codes its experts forward read
+
+    for layer in streamer.layers:
+        experts = streamed.model.model.layers[layer].mlp.experts
+        experts.register_forward_pre_hook(
+            lambda m, a, layer=layer: used.__setitem__(layer, m.usaf_experts.gate_up.q.codes.data_ptr())
+        )
+    host = {layer: streamer._host[layer][0].codes.data_ptr() for layer in streamer.layers}
+    ids, labels = batch()
+    few_ids, few_labels = ids[:1, :8], labels[:1, :8]  # 8 tokens x top-2 = 16 of 64 experts at most
+    with torch.no_grad():
+        assert float(plain.loss(few_ids, few_labels).loss) == float(streamed.loss(few_ids, few_labels).loss)
+    assert used == host  # read where they are
+    s = streamer.stats
+    assert s.routed_only == 4 and s.copies == 0 and s.bytes == 0 and s.order == [0, 1, 2, 3]
+
+    with torch.no_grad():  # control: 9 tokens may route to 18 experts, over a quarter
+        assert float(plain.loss(ids[:1, :9], labels[:1, :9]).loss) == float(
+            streamed.loss(ids[:1, :9], labels[:1, :9]).loss
+        )
+    assert s.routed_only == 4 and s.copies == 5 and all(used[layer] != host[layer] for layer in streamer.layers)

@@ -161,7 +161,7 @@ class SparseEngine:
                     weight.q = weight.q.to("cpu")
             self.streamer = ExpertStreamer(
                 self.model.model.layers, loaded.experts, frozen, device, pin=pin_experts,
-                copy=stream_experts == "copy",
+                copy=stream_experts == "copy", top_k=spec.top_k,
             )  # fmt: skip
         self.head = HeadInput.of(self.model.get_output_embeddings())
         first = self.layers[0]

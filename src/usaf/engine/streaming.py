@@ -17,6 +17,13 @@ makes their hooks copy nothing — the layer modules are still called, only thei
 state through — so streaming costs nothing there; it serves prefix capture, ``usaf score`` and
 ``usaf eval``'s forwards.
 
+A forward of few tokens (decoding: ``usaf generate``'s one new token a step) routes to a few experts of each
+layer: copying the whole layer would move all of them for those few (at Qwen3-30B-A3B's size about 15 GB a token,
+top-8 of 128 reads 6 % of that). Where the tokens times the top-k are at most ``ROUTED_ONLY_SHARE`` of the experts,
+the layer is not copied: its codes stay in host memory, and the frozen forward's dequantization selects the routed
+experts there and moves only those (:func:`usaf.quant.dequantize`, as a trainable layer's fold does), synchronously,
+so nothing is prefetched for such a forward. The same numbers either way (the same dequantization of the same codes).
+
 Without a separate device (CPU) there is nothing to stream and the stages do not install it; ``copy=True``
 with a CPU device runs the same mechanism with copies in host memory — how the tests check it without a GPU.
 """
@@ -37,6 +44,10 @@ from usaf.quant import QuantizedTensor
 from usaf.units import human_bytes
 
 BUFFER_LAYERS = 2  # one layer in use, one in flight (the planner's "4-bit streaming buffer")
+# A forward that can route to at most this share of a layer's experts reads them from host memory instead of copying
+# the layer. Chosen by arithmetic, not yet measured on a GPU: a quarter of the bytes or less, moved synchronously from
+# pageable memory (roughly half the speed of a pinned asynchronous copy), should still take half the time or less.
+ROUTED_ONLY_SHARE = 0.25
 
 
 @dataclass
@@ -48,6 +59,7 @@ class StreamStats:
     waited: int = 0  # forwards that had to start their own copy first
     bytes: int = 0  # host -> device bytes moved
     max_alive: int = 0  # most layer copies on the device at once (at most BUFFER_LAYERS)
+    routed_only: int = 0  # forwards of few tokens that read their routed experts from host memory (no layer copy)
     order: list[int] = field(default_factory=list)  # layers in the order their forwards began
 
     def as_dict(self) -> dict:
@@ -75,6 +87,8 @@ class ExpertStreamer:
         pin: keep the host copies in page-locked memory (needed for asynchronous copies).
         overlap: copy on a side stream (default: where the device has one, :func:`has_copy_stream`).
         copy: force real copies even when ``device`` is host memory (tests).
+        top_k: experts routed per token; with it, a forward of few tokens reads only its routed experts from host
+            memory (``ROUTED_ONLY_SHARE``); None: every forward copies its layer.
     """
 
     def __init__(
@@ -87,8 +101,10 @@ class ExpertStreamer:
         pin: bool = False,
         overlap: bool | None = None,
         copy: bool = False,
+        top_k: int | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.top_k = top_k
         self.layers = tuple(sorted(layers))
         self._states = {layer: experts[layer] for layer in self.layers}
         self._copy_always = copy
@@ -106,7 +122,7 @@ class ExpertStreamer:
         self._handles = []
         for layer in self.layers:
             module = decoder_layers[layer]
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(layer)))
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(layer)))
 
     @property
@@ -140,8 +156,9 @@ class ExpertStreamer:
     # -- hooks ----------------------------------------------------------------------------------------
 
     def _pre_hook(self, layer: int):
-        def hook(module, args):
-            self._enter(layer)
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")  # (B, T, H)
+            self._enter(layer, hidden.numel() // hidden.shape[-1] if isinstance(hidden, torch.Tensor) else None)
 
         return hook
 
@@ -151,10 +168,15 @@ class ExpertStreamer:
 
         return hook
 
-    def _enter(self, layer: int) -> None:
+    def _enter(self, layer: int, tokens: int | None = None) -> None:
         if layer < self._skip_below:
             return  # this layer's forward passes the injected state through: its experts are not needed
         copy = self._copies.pop(layer, None)
+        few = self._routed_only(layer, tokens)
+        if copy is None and few:  # the codes stay in host memory: the forward's dequantization moves the routed
+            self.stats.routed_only += 1  # experts alone
+            self.stats.order.append(layer)
+            return
         if copy is None:
             copy = self._start(layer)
             self.stats.waited += 1
@@ -166,8 +188,8 @@ class ExpertStreamer:
         state.gate_up.q, state.down.q = copy.gate_up, copy.down
         self._in_use = layer
         self.stats.order.append(layer)
-        following = self._following(layer)
-        if following is not None and following not in self._copies:
+        following = self._following(layer)  # a forward of few tokens (one whose copy was prefetched) starts none:
+        if following is not None and following not in self._copies and not few:  # the next reads routed experts
             self._copies[following] = self._start(following)
         self.stats.max_alive = max(self.stats.max_alive, self.alive)
 
@@ -177,6 +199,12 @@ class ExpertStreamer:
         state = self._states[layer]
         state.gate_up.q, state.down.q = self._host[layer]  # the device copy is freed with its last reference
         self._in_use = None
+
+    def _routed_only(self, layer: int, tokens: int | None) -> bool:
+        """Whether a forward of ``tokens`` tokens routes to at most ``ROUTED_ONLY_SHARE`` of the layer's experts."""
+        if self.top_k is None or tokens is None:
+            return False
+        return tokens * self.top_k <= ROUTED_ONLY_SHARE * self._host[layer][0].shape[0]
 
     def _following(self, layer: int) -> int | None:
         """The next streamed layer a forward will reach (the first again after the last: the next forward)."""

@@ -52,7 +52,8 @@ def stream_every_layer(loaded: LoadedModel, backend: Any, placement: dict[str, A
     if not placement["stream_experts"]:
         return None
     return ExpertStreamer(loaded.model.model.layers, loaded.experts, list(loaded.experts), backend.device,
-                          pin=placement["pin_experts"], copy=placement["stream_experts"] == "copy")  # fmt: skip
+                          pin=placement["pin_experts"], copy=placement["stream_experts"] == "copy",
+                          top_k=loaded.spec.top_k)  # fmt: skip
 
 
 def make_resident(
