@@ -114,3 +114,78 @@ def test_a_stage_made_with_a_setting_not_given_now_is_not_reused(tmp_path, monke
     with pytest.raises(UsafError, match="lr 0.5 there, 0.001 now"):
         demo._check_made_with("train", step("train", lr=0.5), TrainConfig(), tmp_path, tmp_path / "plan")
     demo._check_made_with("train", step("train", lr=1e-3), TrainConfig(), tmp_path, tmp_path / "plan")
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.fixture
+def finished_demo(tmp_path, monkeypatch):
+    """A demo workspace whose tokenize, quantize and score stages are finished (manifests of their kinds) and whose
+    stages, if any runs, raise ``_Stopped``: what the demo deletes or refuses before running is under test."""
+    from usaf.stages import demo
+
+    workspace = tmp_path / "demo"
+    paths = demo.paths(workspace)
+    for artifact, kind in (("tokens", "tokens"), ("quantized", "quantized_model"), ("plan", "plan")):
+        paths[artifact].mkdir(parents=True)
+        (paths[artifact] / "manifest.json").write_text(json.dumps({"kind": kind, "usaf_version": "0"}))
+
+    class Stage:
+        @staticmethod
+        def run(settings, progress):
+            raise _Stopped
+
+    monkeypatch.setattr(demo.importlib, "import_module", lambda name: Stage)
+    return workspace, paths
+
+
+def test_what_a_later_stage_would_refuse_is_refused_before_overwrite_deletes_anything(finished_demo):
+    """`usaf demo --overwrite` deleted the finished tokens, quantized model and plan, then refused the user's directory
+    at run/demo (found in review); a bad --device the same, after tokenize had run again. Both are refused first,
+    naming --workspace and --device. Control: with the user's directory gone, --overwrite deletes the stages."""
+    from usaf.errors import UsafError
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    workspace, paths = finished_demo
+    paths["run"].mkdir(parents=True)
+    (paths["run"] / "notes.txt").write_text("mine")
+    finished = [paths[name] / "manifest.json" for name in ("tokens", "quantized", "plan")]
+    with pytest.raises(UsafError, match=r"--workspace .*run/demo: a directory usaf did not make"):
+        demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
+    assert all(f.is_file() for f in finished) and (paths["run"] / "notes.txt").read_text() == "mine"
+
+    (paths["run"] / "notes.txt").unlink()
+    with pytest.raises(UsafError, match="--device foo"):
+        demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True, device="foo"))
+    assert all(f.is_file() for f in finished)
+
+    with pytest.raises(_Stopped):  # control: nothing in the way, so the stages are deleted and the first runs
+        demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
+    assert not any(f.exists() for f in finished)
+
+
+def test_a_workspace_that_is_a_file_and_a_file_at_a_stage_s_output_are_refused_before_any_stage_runs(
+    finished_demo, tmp_path
+):
+    """A file as --workspace was named as a tokens --out the lock could not be made in, and a file at plan/demo was
+    found after tokenize and quantize ran, as "pass another --out", a flag demo does not have (found in review)."""
+    from usaf.errors import UsafError
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    afile = tmp_path / "config.json"
+    afile.write_text("{}")
+    for workspace, where in ((afile, "it"), (afile / "sub", str(afile))):
+        with pytest.raises(UsafError, match=f"--workspace {workspace}: {where} is a file, not a directory"):
+            demo.run(DemoConfig(workspace=workspace, quick=True))
+    workspace, paths = finished_demo
+    (paths["tokens"] / "manifest.json").unlink()  # a stage to run before the plan's
+    paths["tokens"].rmdir()
+    paths["run"].parent.mkdir()
+    paths["run"].write_text("x")
+    with pytest.raises(UsafError, match=r"--workspace .*run/demo: a file, not a directory") as refused:
+        demo.run(DemoConfig(workspace=workspace, quick=True))
+    assert refused.value.hint == "pass another --workspace"

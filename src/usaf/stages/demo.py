@@ -27,9 +27,10 @@ from usaf.artifacts import (
     TokensManifest,
     load_manifest,
 )
-from usaf.artifacts.outputs import remove_usaf_made
+from usaf.artifacts.outputs import found_at, refuse_unless_replaceable, remove_usaf_made
 from usaf.artifacts.writer import discard_partial
-from usaf.config import was_given
+from usaf.backends import resolve_backend
+from usaf.config import source_of, was_given
 from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
 from usaf.errors import UsafError
 from usaf.settings.argv import command_line
@@ -140,6 +141,7 @@ def run(
     progress = progress or NullProgress()
     config = effective(config)
     p = paths(config.workspace)
+    _refuse_before_any_work(config, p)
     if config.overwrite:
         for artifact, path in p.items():  # each only if usaf made it, of its kind: a user's directory is refused
             remove_usaf_made(path, "--workspace", kinds=_KINDS[artifact])
@@ -158,6 +160,27 @@ def run(
         if on_step is not None:
             on_step(step)
     return load_manifest(p["eval"]), p["eval"]
+
+
+def _refuse_before_any_work(config: DemoConfig, p: dict[str, Path]) -> None:
+    """What a stage would refuse only when its turn came, refused before any stage runs or ``--overwrite`` deletes
+    anything: a ``--workspace`` that is a file, a ``--device`` this machine lacks, a stage's output that usaf may not
+    replace (a user's directory or file, a link, another command's artifact). Each stage refused its own, after the
+    stages before it had run, and with ``--overwrite`` after every finished stage was deleted (found in review)."""
+    existing = config.workspace.absolute()
+    while not existing.exists():  # the first of it that exists: a file there (or above it) stops every stage
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsafError(
+            f"--workspace {config.workspace}: {'it' if existing == config.workspace.absolute() else existing} is a "
+            "file, not a directory",
+            "pass a directory (new, or a demo workspace) as --workspace",
+        )
+    resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
+    for artifact, path in p.items():
+        if artifact != "export" or config.export:  # passes: absent, empty, a demo artifact of the stage's kind
+            refuse_unless_replaceable(path, found_at(path), "--workspace", overwrite=True, overwrite_flag="--overwrite",
+                                      kinds=_KINDS[artifact])  # fmt: skip
 
 
 def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path, plan: Path) -> None:
