@@ -338,3 +338,26 @@ def test_a_frac_under_one_weight_per_tensor_is_said(setup, tmp_path):
     assert f"frac 1e-12: under one weight in {tensors} of the {tensors} target tensors, each of which trains" in said
     whole = score(*common, "--frac", 0.05, "--out", tmp_path / "whole")
     assert whole.exit_code == 0 and "under one weight" not in whole.stderr, whole.output
+
+
+def test_a_tensor_nothing_was_selected_from_has_no_stability_and_a_shared_budget_says_who_lost_out(setup, tmp_path):
+    """Under --budget per-layer with attention among the targets, attention's larger scores took a layer's whole
+    budget: the experts' tensors got no weights, without a word, and counted as perfectly stable (1.0) in the mean
+    (found in review). A tensor neither the plan nor a half chose from has no stability ("-"), the mean is over
+    the others, and a note names the tensors the plan gave nothing. Control: the tensors that got weights keep their
+    measured stability."""
+    qdir, _, tokens = setup
+    plan = tmp_path / "plan"
+    result = score("--model", qdir, "--data", tokens, "--frac", 0.01, "--budget", "per-layer", "--targets",
+                   "experts,attention", "--calib-samples", 16, "--train-from", 3, "--out", plan)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = load_verified(plan, PlanManifest).summary
+    empty = [t for t in summary.tensors if t.selected == 0]
+    unmeasured = [t for t in summary.tensors if t.stability is None]  # neither the plan nor a half chose from them
+    measured = [t for t in summary.tensors if t.stability is not None]
+    assert unmeasured and measured, "the setup no longer leaves a tensor without weights: the test checks nothing"
+    assert all(t.selected == 0 for t in unmeasured) and all(t in measured for t in summary.tensors if t.selected)
+    assert summary.stability_mean == pytest.approx(sum(t.stability for t in measured) / len(measured))
+    said = " ".join(result.stderr.split())
+    assert f"--budget per-layer: {len(empty)} of the {len(summary.tensors)} target tensors got no weights" in said
+    assert f"the mean over {len(measured)} tensors" in " ".join(result.stdout.split())

@@ -41,7 +41,11 @@ class TensorSelection(Record):
     candidates: int = Field(description="ranked candidates kept in the importance map")
     per_expert: list[int] = Field(description="selected entries per expert")
     certified: bool = Field(description="the selection is provably the true top-k of the streamed statistic")
-    stability: float | None = Field(None, description="Jaccard overlap of the masks of the two calibration halves")
+    stability: float | None = Field(
+        None,
+        description="Jaccard overlap of the masks of the two calibration halves (None: not measured, or nothing "
+        "selected in the plan or either half)",
+    )
 
 
 class LayerRouting(Record):
@@ -108,7 +112,7 @@ class PlanSummary(Record):
     expert_entries: int = Field(description="delta entries over every target (the experts' and any other)")
     router_params: int
     trainable_params: int = Field(description="delta entries + router parameters")
-    stability_mean: float | None
+    stability_mean: float | None = Field(description="the mean of the tensors' stability, over those that have one")
     routing: list[LayerRouting]
     prefix_cache: PrefixCacheRecord | None = Field(
         None, description="frozen-prefix states stored for usaf train (the calibration sample's, or --cache: all)"

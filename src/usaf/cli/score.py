@@ -9,6 +9,11 @@ from usaf.settings.train import DEFAULT_LR
 from usaf.units import human_bytes
 
 
+def _measured(s) -> int:
+    """The tensors whose stability was measured (not those nothing was selected from)."""
+    return sum(1 for t in s.tensors if t.stability is not None)
+
+
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
 
@@ -41,7 +46,8 @@ def _print_summary(console, manifest, path: Path) -> None:
         f"weights = {s.trainable_params:,} trainable "
         f"({s.budget}, frac {s.frac:.4g}{_floor_note(s)}, |{s.statistic}| over {s.calib_samples} sequences / "
         f"{s.calib_tokens:,} tokens"
-        + (f"; mask stability {s.stability_mean:.3f}" if s.stability_mean is not None else "")
+        + (f"; mask stability {s.stability_mean:.3f}, the mean over {_measured(s)} tensors"
+           if s.stability_mean is not None else "")  # fmt: skip
         + ")"
     )
     console.print("hottest experts: " + "; ".join(hottest))

@@ -447,11 +447,19 @@ def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file,
         if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
             hint += " (attention's q/k learn only past a sequence's first token: longer lines, or --targets experts)"
         raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
+    empty = [name for name, mask in masks.items() if mask.numel() == 0]
+    if empty and budget in ("per-layer", "global"):  # a shared budget may go to some tensors only: say which lost out
+        shown = ", ".join(empty[:3]) + (", ..." if len(empty) > 3 else "")
+        progress.note(f"--budget {budget}: {len(empty)} of the {len(masks)} target tensors got no weights (the "
+                      f"others scored higher) and will not train: {shown}")  # fmt: skip  (found in review)
     stability: dict[str, float] = {}
     if halves:
         try:
             a, b = (select(h, frac=frac, mode=budget, layer_of=layer_of) for h in halves)
-            stability = {name: jaccard(a[name], b[name]) for name in masks}
+            # a tensor none of the three selections chose from has no stability: it counted as 1.0, perfectly
+            # stable, in the mean (found in review)
+            stability = {name: jaccard(a[name], b[name]) for name in masks
+                         if masks[name].numel() or a[name].numel() or b[name].numel()}  # fmt: skip
         except SelectionError as e:
             progress.note(f"stability not measured: a half-size sample cannot fill the budget ({e})")
     return masks, stability
