@@ -116,6 +116,30 @@ def test_eval_out_containing_its_run_is_refused(ws, tmp_path):
     assert snapshot(ws["run"]) == before
 
 
+@pytest.mark.parametrize("command", ["score", "eval", "tokenize", "train"])
+def test_an_out_inside_an_artifact_that_is_no_input_is_refused(ws, tmp_path, command):
+    """`usaf score --out RUN/final/plan` wrote a plan into a finished run it did not read, which then held files its
+    manifest did not list (found in review). Refused for every command, naming the artifact. Control: the same
+    command with an --out beside the run passes this check (it fails later, or not at all, for its own reasons)."""
+    run = tmp_path / "run"
+    shutil.copytree(ws["run"], run)
+    inside = run / "final" / "mine"
+    before = snapshot(run)
+    args = {
+        "score": ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"],
+        "eval": ["eval", "--model", ws["model"], "--checkpoint", ws["run"], "--data", ws["tokens"], "--no-plots"],
+        "tokenize": ["tokenize", Path(__file__), "--model", ws["model"]],
+        "train": ["train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1],
+    }[command]
+    result = invoke(*args, "--out", inside)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--out {inside} lies inside {run}, a usaf run artifact" in said, said
+    assert snapshot(run) == before and not inside.exists()
+    beside = invoke(*args, "--out", tmp_path / "beside")
+    assert "lies inside" not in beside.stderr, beside.output
+
+
 # -- --overwrite replaces only what usaf made -------------------------------------------------------------------
 
 

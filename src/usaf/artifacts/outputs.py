@@ -40,7 +40,8 @@ InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag ->
 
 
 def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
-    """Refuse an output that is, contains or lies inside one of ``inputs`` (compared after resolving links)."""
+    """Refuse an output that is, contains or lies inside one of ``inputs`` (compared after resolving links), or lies
+    inside any usaf artifact (:func:`check_not_inside_an_artifact`), the input named first where both hold."""
     out = _real(target)
     for name, path in _each_path(inputs):
         if not os.path.lexists(path):
@@ -58,6 +59,33 @@ def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
             f"{flag} {target} {shape} the input {name} {path}: writing there would replace or mix with that input",
             f"pass a {flag} outside every input",
         )
+    check_not_inside_an_artifact(target, flag)
+
+
+def check_not_inside_an_artifact(target: Path, flag: str) -> None:
+    """Refuse an output inside a finished usaf artifact (one with a manifest, or an export's marker), an input of
+    this command or not: its files would join the artifact's unlisted, and a command that replaced or deleted the
+    artifact would take them too. ``usaf score --out RUN/final/plan`` wrote a plan into a trained run (found in
+    review). An unfinished run is no artifact yet: train scores its own plan into ``RUN/plan``."""
+    for parent in _real(target).parents:
+        made = _finished(parent)
+        if made is not None:
+            raise UsafError(
+                f"{flag} {target} lies inside {parent}, {made[0]}: writing there would add files its manifest does "
+                "not list",
+                f"pass a {flag} outside every usaf artifact",
+            )
+
+
+def _finished(directory: Path) -> tuple[str, str] | None:
+    """A finished usaf artifact's words and kind (its manifest's, or an export's marker's), or None."""
+    kind = manifest_kind(directory)
+    if kind is not None:
+        return f"a usaf {kind} artifact", kind
+    marker = _json_object(directory / MADE_MARKER)
+    if marker is not None and isinstance(marker.get("kind"), str):
+        return f"a usaf-made {marker['kind']}", marker["kind"]
+    return None
 
 
 @dataclass(frozen=True)
@@ -102,12 +130,9 @@ def _made(directory: Path, entries: list[str] | None = None) -> tuple[str, str] 
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 
-    kind = manifest_kind(directory)
-    if kind is not None:
-        return f"a usaf {kind} artifact", kind
-    marker = _json_object(directory / MADE_MARKER)
-    if marker is not None and isinstance(marker.get("kind"), str):
-        return f"a usaf-made {marker['kind']}", marker["kind"]
+    finished = _finished(directory)
+    if finished is not None:
+        return finished
     if (directory / SETTINGS_FILE).is_file():  # written when training starts (atomically; cut by old versions)
         return "an unfinished usaf run", "run"
     entries = entries if entries is not None else own_entries(directory)
