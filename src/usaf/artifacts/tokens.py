@@ -28,7 +28,8 @@ class SourceCount(Record):
     documents: int
     sequences: int
     tokens: int
-    loss_tokens: int = Field(description="tokens whose label is not -100")
+    loss_tokens: int = Field(description="positions with a loss: a label not -100, the sequence's first excepted "
+                             "(nothing before it predicts it)")
 
 
 class TokensSummary(Record):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.data.jsonl import iter_jsonl_objects
-from usaf.data.packing import IGNORE_INDEX
+from usaf.data.packing import IGNORE_INDEX, scored_targets  # noqa: F401 (scored_targets: imported from here)
 from usaf.errors import UsafError
 
 _MIN_EVIDENCE = 4  # scored positions needed before calling a line shifted
@@ -69,11 +69,6 @@ class TokenLine:
     input_ids: list[int]
     labels: list[int]
     source: str
-
-
-def scored_targets(labels: list[int]) -> int:
-    """Positions with a loss: labels 1.. not -100 (label 0 has no earlier position to predict it)."""
-    return max(len(labels) - 1, 0) - labels[1:].count(IGNORE_INDEX)  # list.count: one C pass over a long line
 
 
 def check_token_values(where: str, ids: list[int], labels: list[int], *, vocab_size: int) -> None:
