@@ -416,6 +416,7 @@ def test_undecodable_file(tmp_path, tok_dir):
     [
         ("[1, 2, 3]", ["bad.jsonl:2", "a JSON list, not an object"]),
         ('{"text": "ok"', ["bad.jsonl:2", "not valid JSON"]),
+        ('{"text": "a\tb"}', ["bad.jsonl:2", "(Invalid control character at column 12)"]),  # said "at at" (review)
         (
             '{"body": "no text field", "id": 3}',
             ["bad.jsonl:2", "no 'text' field", "keys: body, id", "--text-field"],

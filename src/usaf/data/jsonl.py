@@ -33,7 +33,8 @@ def iter_jsonl_objects(path: Path, *, what: str = "JSONL") -> Iterator[tuple[int
                 raise UsafError(f"{path}:{number}: not UTF-8 text", f"{what} files must be UTF-8") from None
             except json.JSONDecodeError as e:
                 raise UsafError(
-                    f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})",
+                    # some of json's messages end in " at" ("Invalid control character at"): said "at at column"
+                    f"{path}:{number}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})",
                     f"each line of a {what} file must be one JSON object",
                 ) from None
             except RecursionError:  # '[[[[...' nested deeper than Python's parser recurses
