@@ -407,8 +407,12 @@ def test_undecodable_file(tmp_path, tok_dir):
     summary = load_verified(out, TokensManifest).summary
     assert (summary.documents, summary.skipped_undecodable_files) == (1, 1)
     out2 = tmp_path / "out2"
-    assert tokenize(corpus, "--model", tok_dir, "--out", out2, "--decode-errors", "replace").exit_code == 0
-    assert load_verified(out2, TokensManifest).summary.documents == 2
+    replaced = tokenize(corpus, "--model", tok_dir, "--out", out2, "--decode-errors", "replace")
+    assert replaced.exit_code == 0, replaced.output
+    said = " ".join(replaced.stderr.split())
+    assert "1 file not UTF-8, read with their undecodable bytes replaced by U+FFFD (--decode-errors replace)" in said
+    summary = load_verified(out2, TokensManifest).summary
+    assert (summary.documents, summary.skipped_undecodable_files, summary.replaced_undecodable_files) == (2, 0, 1)
 
 
 @pytest.mark.parametrize(

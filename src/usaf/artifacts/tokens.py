@@ -52,6 +52,9 @@ class TokensSummary(Record):
     )
     skipped_empty_documents: int
     skipped_undecodable_files: int = Field(0, description="text files not UTF-8, skipped (--decode-errors skip)")
+    replaced_undecodable_files: int = Field(
+        0, description="text files not UTF-8, read with their bad bytes replaced by U+FFFD (--decode-errors replace)"
+    )
     relabelled_shifted_lines: int = Field(description="pre-tokenized lines whose pre-shifted labels were unshifted")
     heldout_sources: list[str]
     sources: list[SourceCount]

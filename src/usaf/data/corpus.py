@@ -281,12 +281,17 @@ def input_names(inputs: list[Path]) -> dict[Path, str]:
             depth[given] += 1
 
 
-def read_text_document(file: CorpusFile, *, decode_errors: str) -> Document | None:
-    """The file as one document; ``None`` if it is to be skipped (undecodable with 'skip')."""
+def read_text_document(
+    file: CorpusFile, *, decode_errors: str, on_undecodable: Callable[[Path], None] | None = None
+) -> Document | None:
+    """The file as one document; ``None`` if it is to be skipped (undecodable with 'skip'). A file that is not UTF-8,
+    skipped or read with its bad bytes replaced, is handed to ``on_undecodable``, to be counted and said."""
     data = file.path.read_bytes()
     try:  # -sig: a byte-order mark opening the file (Windows editors write one) is no text (found in review)
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        if decode_errors in ("skip", "replace") and on_undecodable is not None:
+            on_undecodable(file.path)
         if decode_errors == "skip":
             return None
         if decode_errors == "replace":
@@ -377,14 +382,12 @@ def iter_documents(
     decode_errors: str,
     on_undecodable: Callable[[Path], None] | None = None,
 ) -> Iterator[Document]:
-    """The file's documents; a text file skipped as undecodable (``--decode-errors skip``) is handed to
-    ``on_undecodable``, to be counted and said."""
+    """The file's documents; a text file that is not UTF-8, skipped or read with its bad bytes replaced
+    (``--decode-errors``), is handed to ``on_undecodable``, to be counted and said."""
     if file.kind == "text":
-        doc = read_text_document(file, decode_errors=decode_errors)
+        doc = read_text_document(file, decode_errors=decode_errors, on_undecodable=on_undecodable)
         if doc is not None:
             yield doc
-        elif on_undecodable is not None:
-            on_undecodable(file.path)
         return
     for number, obj, nbytes in iter_jsonl_objects(file.path):
         yield jsonl_document(file, number, obj, nbytes, text_field=text_field, source_field=source_field)

@@ -60,7 +60,7 @@ class _Totals:
     input_bytes: int = 0
     skipped_empty: int = 0
     relabelled: int = 0
-    undecodable: list[Path] = field(default_factory=list)  # text files skipped as not UTF-8 (--decode-errors skip)
+    undecodable: list[Path] = field(default_factory=list)  # text files not UTF-8, skipped or replaced (--decode-errors)
 
 
 def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress) -> list[str]:
@@ -373,7 +373,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
         if totals.documents == 0 or not any(c.sequences for c in totals.per_source.values()):
             raise UsafError(
                 f"empty corpus: {len(corpus.files)} files held no text (empty documents: {totals.skipped_empty}, "
-                f"not UTF-8 and skipped: {len(totals.undecodable)})",
+                f"not UTF-8 and skipped: {_skipped_undecodable(config, totals)})",
                 "check the inputs",
             )
         summary = _summary(config, tokenizer, corpus, heldout, totals)
@@ -410,6 +410,11 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             summary=summary,
         )
     return manifest, art.target
+
+
+def _skipped_undecodable(config: TokenizeConfig, totals: _Totals) -> int:
+    """Text files skipped as not UTF-8 (``--decode-errors skip``; with ``replace`` they are read)."""
+    return len(totals.undecodable) if config.decode_errors == "skip" else 0
 
 
 def pack_corpus(corpus: Corpus, config: TokenizeConfig, tokenizer: Any, progress: Progress) -> list[Sequence]:
@@ -492,9 +497,11 @@ def _tokenize_corpus(
         if (last := packer.flush()) is not None:
             emit(last)
     progress.finish()
-    if totals.undecodable:  # skipped as asked, never in silence
-        progress.note(f"{counted(len(totals.undecodable), 'file')} not UTF-8, skipped (--decode-errors skip), e.g. "
-                      f"{totals.undecodable[0]}")  # fmt: skip
+    if totals.undecodable:  # skipped or replaced as asked, never in silence (eval replaced in silence; review)
+        done = ("skipped" if config.decode_errors == "skip" else "read with their undecodable bytes replaced by "
+                "U+FFFD") + (f" ({source_of(config, 'decode_errors')} {config.decode_errors})"
+                             if was_given(config, "decode_errors") else "")  # fmt: skip
+        progress.note(f"{counted(len(totals.undecodable), 'file')} not UTF-8, {done}, e.g. {totals.undecodable[0]}")
     if not text_field_read and was_given(config, "text_field") and any(f.kind == "jsonl" for f in corpus.files):
         progress.note(f"{source_of(config, 'text_field')} {config.text_field}: no JSONL line was read by it (each held "
                       "input_ids or messages)")  # fmt: skip
@@ -544,7 +551,8 @@ def _summary(
         skipped_binary_files=len(corpus.skipped_binary),
         skipped_by_default={reason: len(paths) for reason, paths in corpus.skipped_default.items()},
         skipped_empty_documents=totals.skipped_empty,
-        skipped_undecodable_files=len(totals.undecodable),
+        skipped_undecodable_files=_skipped_undecodable(config, totals),
+        replaced_undecodable_files=len(totals.undecodable) - _skipped_undecodable(config, totals),
         relabelled_shifted_lines=totals.relabelled,
         heldout_sources=sorted(heldout),
         sources=sources,
