@@ -317,6 +317,22 @@ def test_a_held_out_fraction_far_from_the_tokens_share_is_said(tmp_path, tok_dir
     assert "differ in size" not in notes["even"]
 
 
+def test_a_fraction_under_one_whole_source_is_said_as_such_with_flags_that_apply(tmp_path, tok_dir):
+    """Four sources of one size and --held-out-frac 0.05: one whole source (25 %) is held out. The note blamed the
+    sources' sizes and offered another --seed (which holds out another quarter) and --source-depth (refused for a
+    file input; found in review). It names the cause and offers only what applies."""
+    import json as _json
+
+    data = tmp_path / "data.jsonl"
+    text = (STDLIB / "textwrap.py").read_text()[:4000]
+    data.write_text("".join(_json.dumps({"text": text, "source": f"s{i}"}) + "\n" for i in range(4)))
+    result = tokenize(data, "--model", tok_dir, "--held-out-frac", 0.05, "--seq-len", 64, "--out", tmp_path / "o")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert "--held-out-frac 0.05 held out 1 of 4 sources" in said and "at least one whole source is held out" in said
+    assert "differ in size" not in said and "--source-depth" not in said and "--seed" not in said
+
+
 def test_binary_files_are_skipped_and_counted_and_globs_filter(tmp_path, tok_dir):
     corpus = tmp_path / "corpus"
     (corpus / "pkg").mkdir(parents=True)

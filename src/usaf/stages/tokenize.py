@@ -267,10 +267,16 @@ def _note_uneven_heldout(config: TokenizeConfig, summary: TokensSummary, progres
     if config.held_out_frac / 3 <= share <= 3 * config.held_out_frac:
         return
     held = sum(1 for c in summary.sources if c.split == "heldout")
+    deeper = ", or a larger --source-depth" if any(Path(p).is_dir() for p in config.inputs) else ""  # refused else
+    if held / len(summary.sources) > 3 * config.held_out_frac:  # the fraction asks for less than one whole source
+        why = (f"at least one whole source is held out, and one is {100 / len(summary.sources):.2g} % of the "
+               f"sources; for a smaller held-out set pass --held-out SOURCE{deeper}, or more sources")
+    else:  # the sources' share is near the fraction: their sizes differ (another seed draws others)
+        why = (f"the sources differ in size; for a held-out set of about that share pass --held-out SOURCE ..., "
+               f"another --seed{deeper}")
     progress.note(
         f"--held-out-frac {config.held_out_frac:g} held out {held} of {len(summary.sources)} sources but "
-        f"{100 * share:.2g} % of the tokens ({summary.heldout_tokens:,}): the sources differ in size; for a held-out "
-        "set of about that share pass --held-out SOURCE ..., another --seed, or a larger --source-depth"
+        f"{100 * share:.2g} % of the tokens ({summary.heldout_tokens:,}): {why}"
     )
 
 
