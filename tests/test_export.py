@@ -9,6 +9,7 @@ touch must be the original's bytes and the touched ones original + delta exactly
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import stat
 
@@ -172,11 +173,23 @@ def test_delta_applied_later_writes_the_same_directory(family, trained, tmp_path
 
 
 def test_dtype_override_and_small_shards(trained, tmp_path):
+    """Shards over --max-shard-gib (a layer's experts are written whole) went over it in silence (found in
+    review): a note counts them, and only them."""
     source, qdir, run = trained("qwen3_moe")
     out = tmp_path / "bf16"
-    export("--model", qdir, "--checkpoint", run, "--out", out, "--dtype", "bfloat16", "--max-shard-gib", 0.00005)
+    args = ("--model", qdir, "--checkpoint", run, "--dtype", "bfloat16", "--max-shard-gib", 0.00001)
+    # 10 KiB: the ~600 KiB model in many shards, a layer's experts (its largest unit) alone over it
+    result = invoke("export", *args, "--out", out)
+    assert result.exit_code == 0, result.output
     summary = load_verified(out, HfExportManifest).summary
-    assert len(summary.shards) > 2  # ~50 KiB shards of a ~600 KiB model
+    assert len(summary.shards) > 2
+    limit = 0.00001 * 2**30
+    surely_over = [s for s in summary.shards if s.bytes > limit + 2**12]  # the file's header is not the limit's
+    maybe_over = [s for s in summary.shards if s.bytes > limit]
+    assert surely_over, "no shard went over the limit: the note is untested"
+    said = re.search(r"--max-shard-gib 1e-05: (\d+) of the (\d+) shards are larger", " ".join(result.stderr.split()))
+    assert said is not None, result.stderr
+    assert len(surely_over) <= int(said[1]) <= len(maybe_over) and int(said[2]) == len(summary.shards)
     assert {info.dtype for info in read_checkpoint(out).values()} == {"BF16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     index = json.loads((out / "model.safetensors.index.json").read_text())

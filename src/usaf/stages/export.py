@@ -206,7 +206,9 @@ def _export_hf(
         source = QuantizedSource(model_dir, spec, change, dtype)
     # not "auto", which picks a GPU, where fp32 models rarely fit; none without verification, which alone computes
     backend = resolve_backend(config.device or "cpu", source=source_of(config, "device")) if config.verify else None
-    shards = plan_shards(source.units, int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30))
+    max_bytes = int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30)
+    shards = plan_shards(source.units, max_bytes)
+    _note_oversized_shards(shards, max_bytes, config, progress)
     # before any shard is written: the whole model at its output dtype, plus a little for config and tokenizer
     writer.needed = sum(u.nbytes for u in source.units) + 2**20  # also named if the disk fills anyway
     check_free_space(writer.target, writer.needed, what="the exported model")
@@ -274,6 +276,16 @@ def _export_hf(
 # The reloaded export in fp32 is the largest of the models verification loads (one after another): every parameter
 # at 4 bytes, and a margin for the activations of the probe and the allocator.
 VERIFY_MARGIN = 1.1
+
+
+def _note_oversized_shards(shards: list, max_bytes: int, config: ExportConfig, progress: Progress) -> None:
+    """Shards over ``--max-shard-gib`` (went over it in silence; found in review): a unit, such as one MoE layer's
+    experts, is produced together and never split across files."""
+    over = [sum(u.nbytes for u in shard) for shard in shards if sum(u.nbytes for u in shard) > max_bytes]
+    if over:
+        progress.note(f"{source_of(config, 'max_shard_gib')} {config.max_shard_gib or DEFAULT_SHARD_GIB:g}: "
+                      f"{len(over)} of the {len(shards)} shards are larger (up to {human_bytes(max(over))}): one "
+                      "layer's experts, or one tensor, are written whole into one shard")  # fmt: skip
 
 
 def _check_verify_memory(qmanifest: QuantizedModelManifest, backend: Any) -> None:
