@@ -130,7 +130,7 @@ def finished_demo(tmp_path, monkeypatch):
     paths = demo.paths(workspace)
     for artifact, kind in (("tokens", "tokens"), ("quantized", "quantized_model"), ("plan", "plan")):
         paths[artifact].mkdir(parents=True)
-        (paths[artifact] / "manifest.json").write_text(json.dumps({"kind": kind, "usaf_version": "0"}))
+        (paths[artifact] / "manifest.json").write_text(json.dumps({"kind": kind, "usaf_version": "0", "files": []}))
 
     class Stage:
         @staticmethod
@@ -189,3 +189,17 @@ def test_a_workspace_that_is_a_file_and_a_file_at_a_stage_s_output_are_refused_b
     with pytest.raises(UsafError, match=r"--workspace .*run/demo: a file, not a directory") as refused:
         demo.run(DemoConfig(workspace=workspace, quick=True))
     assert refused.value.hint == "pass another --workspace"
+
+
+def test_overwrite_refuses_a_stage_holding_a_file_usaf_did_not_write_before_deleting_any(finished_demo):
+    """A file a user put into a finished stage's directory was deleted with it by --overwrite (found in review)."""
+    from usaf.errors import UsafError
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    workspace, paths = finished_demo
+    (paths["plan"] / "notes.md").write_text("mine")
+    finished = [paths[name] / "manifest.json" for name in ("tokens", "quantized", "plan")]
+    with pytest.raises(UsafError, match=r"plan/demo: a usaf plan artifact holding 1 file usaf did not write there"):
+        demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
+    assert all(f.is_file() for f in finished) and (paths["plan"] / "notes.md").read_text() == "mine"

@@ -271,6 +271,42 @@ def test_overwrite_never_replaces_another_commands_artifact(ws, tiny_model, tmp_
     assert snapshot(other) == before and leftovers(tmp_path) == []
 
 
+_OWN_KIND = {  # command -> (its own artifact put at its --out, its arguments but --out, the flag that replaces)
+    "score": ("plan", ["score", "--model", "{model}", "--data", "{tokens}", "--calib-samples", 2, "--no-stability"],
+              "--overwrite"),
+    "train": ("run", ["train", "--model", "{model}", "--data", "{tokens}", "--plan", "{plan}", "--steps", 1],
+              "--overwrite"),
+    "tokenize": ("tokens", ["tokenize", "{corpus}", "--model", "{model}"], "--overwrite"),
+    "quantize": ("model", ["quantize", "{source}", "--method", "rtn", "--group-size", 8], "--force"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(_OWN_KIND))
+def test_overwrite_never_deletes_files_a_user_added_to_a_usaf_artifact(ws, tiny_model, tmp_path, command):
+    """A model card added to an export, notes in an eval report or a tokens directory: ``--overwrite`` deleted them
+    with the artifact (found in review). Refused, naming them, before any work; the flag is not offered for it
+    either. Control: with the file moved out, the flag replaces the artifact."""
+    kind, args, flag = _OWN_KIND[command]
+    own = tmp_path / f"a-{kind}"
+    shutil.copytree(ws[kind], own)
+    (own / "notes").mkdir()
+    (own / "notes" / "README.md").write_text("my model card\n")
+    corpus = tmp_path / "x.py"
+    corpus.write_text("x = 1\n" * 20)
+    places = {**ws, "corpus": corpus, "source": tiny_model("qwen3_moe")}
+    args = [a.format(**places) if isinstance(a, str) else a for a in args]
+    before = snapshot(own)
+    for flags in ([flag], []):
+        result = invoke(*args, *flags, "--out", own)
+        assert result.exit_code == 2, result.output
+        said = " ".join(result.stderr.split())
+        assert f"--out {own}: a usaf" in said and "holding 1 file usaf did not write there (notes/README.md)" in said
+        assert f"move them out of {own}" in said and snapshot(own) == before and leftovers(tmp_path) == []
+    shutil.rmtree(own / "notes")
+    replaced = invoke(*args, flag, "--out", own)
+    assert replaced.exit_code == 0, replaced.output
+
+
 def test_overwrite_replaces_export_in_its_other_format(ws, tmp_path):
     """Negative control of the test above: export's two formats are both its own."""
     out = tmp_path / "export"

@@ -95,6 +95,7 @@ class Found:
     state: Literal["absent", "empty", "usaf", "foreign", "file", "link"]
     what: str = ""  # for messages: "a usaf plan artifact", "a directory usaf did not make (…)"
     kind: str | None = None  # of a usaf artifact: its manifest's kind ("plan"), a marker's, "run" for an unfinished run
+    added: tuple[str, ...] = ()  # in a usaf artifact: files usaf did not write there (a user's, which no flag deletes)
 
 
 def found_at(target: Path) -> Found:
@@ -113,7 +114,7 @@ def found_at(target: Path) -> Found:
         return Found("usaf", "an unfinished usaf output (only its temporaries)")
     made = _made(target, own)
     if made is not None:
-        return Found("usaf", *made)
+        return Found("usaf", *made, added=added_files(target, made[1]))
     shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
     count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
     return Found("foreign", f"a directory usaf did not make ({count}: {shown}; no usaf {MANIFEST_NAME})")
@@ -155,11 +156,20 @@ def _score_partial(directory: Path) -> bool:
 
 
 def refuse_unless_replaceable(
-    target: Path, found: Found, flag: str, *, overwrite: bool, overwrite_flag: str, kinds: Collection[str] = ()
+    target: Path,
+    found: Found,
+    flag: str,
+    *,
+    overwrite: bool,
+    overwrite_flag: str,
+    kinds: Collection[str] = (),
+    replacing: bool = True,
 ) -> None:
     """The one refusal of an existing output, by what it is: a link, a file or a user's directory always; a usaf
-    artifact unless ``overwrite``, and one of a kind not in ``kinds`` (what the command writes; empty: any) even
-    with it. An empty directory is taken as it is."""
+    artifact unless ``overwrite``, one of a kind not in ``kinds`` (what the command writes; empty: any) even with it,
+    and one holding files usaf did not write there (:attr:`Found.added`) where the caller would replace it
+    (``replacing``; False for a look before work that may resume or reuse it, in place). An empty directory is taken
+    as it is."""
     if found.state in ("link", "file"):
         raise UsafError(f"{flag} {target}: {found.what}; usaf writes only into a directory of its own",
                         f"pass another {flag}")  # fmt: skip
@@ -172,6 +182,12 @@ def refuse_unless_replaceable(
         raise UsafError(f"{flag} {target}: {found.what}; usaf replaces only what this command writes there (kind "
                         f"{wanted}), never another command's output, whatever the flags", f"pass another {flag} "
                         f"(delete {target} yourself if it is no longer needed)")  # fmt: skip
+    if found.state == "usaf" and found.added and replacing:  # before the flag is offered: it would delete them
+        shown = ", ".join(found.added[:3]) + (", …" if len(found.added) > 3 else "")
+        count = f"{len(found.added)} {'file' if len(found.added) == 1 else 'files'}"
+        raise UsafError(f"{flag} {target}: {found.what} holding {count} usaf did not write there ({shown}); usaf never "
+                        f"deletes them, with or without {overwrite_flag}",
+                        f"move them out of {target}, or pass another {flag}")  # fmt: skip
     if found.state == "usaf" and not overwrite:
         raise UsafError(f"{flag} {target}: {found.what} already exists there",
                         f"pass another {flag}, or {overwrite_flag} to replace it")  # fmt: skip
@@ -217,8 +233,41 @@ def set_aside(
 
 
 def mark_usaf_made(directory: Path, kind: str) -> None:
-    """Record in a directory of another tool's format that usaf made it (so ``--overwrite`` may replace it)."""
-    (Path(directory) / MADE_MARKER).write_text(json.dumps({"kind": kind, "usaf_version": __version__}) + "\n")
+    """Record in a directory of another tool's format that usaf made it (so ``--overwrite`` may replace it), and the
+    files it wrote (so one added later is known: :func:`added_files`)."""
+    files = sorted(_files_under(Path(directory)))
+    record = {"kind": kind, "usaf_version": __version__, "files": files}
+    (Path(directory) / MADE_MARKER).write_text(json.dumps(record) + "\n")
+
+
+def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
+    """Files in the usaf artifact ``directory`` that usaf did not write there: neither listed by its manifest (or
+    its marker, where that lists them) nor usaf's bookkeeping, nor a run's working files (its settings, metrics,
+    checkpoints and on-the-fly plan, which its manifest does not list). ``--overwrite`` deleted them with the
+    artifact: a model card added to an export, notes in an eval report (found in review)."""
+    # lazy: artifacts.run imports the writer, which imports this module
+    from usaf.artifacts.run import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, PLAN_DIR, SETTINGS_FILE
+
+    working = {METRICS_FILE, SETTINGS_FILE, CHECKPOINTS_DIR, PLAN_DIR, f".{PLAN_DIR}{PARTIAL_TAG}"}
+    record = _json_object(directory / MANIFEST_NAME) or _json_object(directory / MADE_MARKER) or {}
+    listed = record.get("files")
+    if not isinstance(listed, list):
+        if kind != "run":  # a marker from before the files were recorded: nothing to compare with
+            return ()
+        listed, working = [], working | {FINAL_DIR}  # an unfinished run: only its own names
+    known = {entry["path"] if isinstance(entry, dict) else entry for entry in listed} | {MANIFEST_NAME, MADE_MARKER}
+    if kind != "run":
+        working = set()
+    return tuple(sorted(rel for rel in _files_under(directory) if rel not in known
+                        and rel.split("/")[0] not in working))  # fmt: skip
+
+
+def _files_under(directory: Path) -> Iterable[str]:
+    """Every file (or link) under ``directory``, relative, but usaf's bookkeeping."""
+    for path in directory.rglob("*"):
+        rel = path.relative_to(directory)
+        if (path.is_file() or path.is_symlink()) and not any(is_bookkeeping(part) for part in rel.parts):
+            yield rel.as_posix()
 
 
 def old_sibling(target: Path) -> Path:

@@ -180,7 +180,7 @@ def _refuse_before_any_work(config: DemoConfig, p: dict[str, Path]) -> None:
     for artifact, path in p.items():
         if artifact != "export" or config.export:  # passes: absent, empty, a demo artifact of the stage's kind
             refuse_unless_replaceable(path, found_at(path), "--workspace", overwrite=True, overwrite_flag="--overwrite",
-                                      kinds=_KINDS[artifact])  # fmt: skip
+                                      kinds=_KINDS[artifact], replacing=config.overwrite)  # fmt: skip
 
 
 def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path, plan: Path) -> None:

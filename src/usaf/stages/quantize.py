@@ -258,7 +258,8 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         check_not_an_input(out, "--out", {"MODEL": model_dir})
         found = found_at(out)
         if found.state == "usaf":  # another command's output: refused before --resume or --force is offered for it
-            refuse_unless_replaceable(out, found, "--out", overwrite=True, overwrite_flag="--force", kinds=writer.kinds)
+            refuse_unless_replaceable(out, found, "--out", overwrite=True, overwrite_flag="--force", kinds=writer.kinds,
+                                      replacing=not config.resume)  # added files: kept by --resume alone
         if found.state == "usaf" and not config.force:
             if config.resume:
                 manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)

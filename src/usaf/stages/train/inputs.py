@@ -229,7 +229,8 @@ def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> Non
     found = found_at(run_dir)
     # links, files, another command's output: refused whatever the flags
     refuse_unless_replaceable(run_dir, found, "--out", overwrite=True, overwrite_flag="--overwrite",
-                              kinds=(RunManifest.KIND,))  # fmt: skip
+                              kinds=(RunManifest.KIND,),  # added files: where the run would be replaced, or the
+                              replacing=config.overwrite or (run_dir / "manifest.json").is_file())  # flag offered
     if config.overwrite and world.is_main:
         remove_usaf_made(run_dir, "--out", kinds=(RunManifest.KIND,))
     world.barrier("overwrite")
