@@ -325,3 +325,34 @@ def test_streamed_decoding_reads_each_new_token_s_routed_experts_without_copying
     assert stats.order == [0, 1] * (1 + decoded)
     # the prompt's two layers, and layer 0 prefetched by its last (which the first new token uses)
     assert stats.copies == 2 + 1 and stats.routed_only == 2 * decoded - 1
+
+
+def test_without_a_finished_run_an_unfinished_one_is_named_with_the_way_to_use_it(workspace, tmp_path):
+    """A workspace whose only run was stopped (checkpoints, no manifest): generate said there was no run at all,
+    and eval evaluated the base model alone without a word (found in review). Both name the run and the flag that
+    uses its newest checkpoint, which then works. Control: a workspace without any run says no such thing."""
+    from helpers import ctrl_c_at_step
+
+    root, qdir, _ = workspace
+    ws = tmp_path / "ws"
+    shutil.copytree(qdir, ws / "quantized_model" / "tiny")
+    model = ws / "quantized_model" / "tiny"
+    bare = invoke("generate", PROMPT, "--workspace", ws, "--max-new-tokens", 2)
+    assert bare.exit_code == 2 and "unfinished run" not in bare.stderr, bare.output  # the control
+    with ctrl_c_at_step(2):
+        stopped = invoke("train", "--model", model, "--data", root / "tokens", "--plan", root / "plan", "--out",
+                         ws / "run" / "stopped", "--steps", 6, "--save-every", 1, "--lr", 0.05)  # fmt: skip
+    assert stopped.exit_code == 130, stopped.output
+    run = ws / "run" / "stopped"
+    result = invoke("generate", PROMPT, "--workspace", ws, "--max-new-tokens", 2)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert f"the unfinished run {run} has checkpoints (the newest: step-0000002)" in said
+    assert f"pass --checkpoint {run} to use it" in said
+    assert invoke("generate", PROMPT, "--workspace", ws, "--checkpoint", run, "--max-new-tokens", 2).exit_code == 0
+    evaluated = invoke("eval", "--workspace", ws, "--data", root / "tokens", "--max-sequences", 2, "--no-plots",
+                       "--out", tmp_path / "report")  # fmt: skip
+    assert evaluated.exit_code == 0, evaluated.output
+    said = " ".join(evaluated.stderr.split())
+    assert "no finished run for this model, so the base model alone: the unfinished run" in said
+    assert f"--checkpoint {run} evaluates it" in said

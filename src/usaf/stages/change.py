@@ -16,7 +16,7 @@ from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
 from usaf.artifacts.quantized import open_quantized, read_base_index
-from usaf.artifacts.run import TrainedChange, load_trained_change
+from usaf.artifacts.run import SETTINGS_FILE, TrainedChange, load_trained_change
 from usaf.engine.engine import SparseEngine
 from usaf.engine.loading import LoadedModel
 from usaf.errors import UsafError
@@ -59,18 +59,48 @@ def resolve_model_and_change(
         model, manifest = found.path, found.manifest
         progress.note(f"using the quantized model {model} (newest in the workspace)")
     if use_change and change is None:
-        run = pick_latest(
-            ws,
-            RunManifest,
-            flag="--checkpoint",
-            accept=lambda m: m.summary.model_fingerprint == manifest.fingerprint,
-            wanted=" trained on this model",
-        )
+        try:
+            run = pick_latest(
+                ws,
+                RunManifest,
+                flag="--checkpoint",
+                accept=lambda m: m.summary.model_fingerprint == manifest.fingerprint,
+                wanted=" trained on this model",
+            )
+        except UsafError as none:  # an unfinished run's checkpoints were not looked at: "no run" (found in review)
+            unfinished = unfinished_runs(ws, manifest.fingerprint)
+            if not unfinished:
+                raise
+            raise UsafError(f"{none.message}; {unfinished_note(unfinished[0])}",
+                            f"pass --checkpoint {unfinished[0].source.parent.parent} to use it, or finish the run "
+                            "with the train command that started it") from None  # fmt: skip
         progress.note(f"using the run {run.path} (newest trained on this model)")
         change = load_trained_change(run.path, flag="--checkpoint")
     if change is not None:
         check_change(change, manifest, model)
     return Path(model), manifest, change
+
+
+def unfinished_runs(workspace: Path, model_fingerprint: str) -> list[TrainedChange]:
+    """The newest checkpoint of each unfinished run in the workspace trained on the model of ``model_fingerprint``
+    (a run directory holding train's settings and no manifest, at depth 1 or 2), newest run first."""
+    found = []
+    for settings in [*workspace.glob(f"*/{SETTINGS_FILE}"), *workspace.glob(f"*/*/{SETTINGS_FILE}")]:
+        run_dir = settings.parent
+        if (run_dir / "manifest.json").exists() or run_dir.name.startswith("."):
+            continue
+        try:
+            change = load_trained_change(run_dir, flag="--checkpoint")
+        except UsafError:  # no checkpoint yet, or a damaged one: nothing to use
+            continue
+        if change.model_fingerprint == model_fingerprint:
+            found.append((settings.stat().st_mtime, change))
+    return [change for _, change in sorted(found, key=lambda pair: pair[0], reverse=True)]
+
+
+def unfinished_note(change: TrainedChange) -> str:
+    """What an unfinished run offers, for a message: its run directory and newest checkpoint."""
+    return f"the unfinished run {change.source.parent.parent} has checkpoints (the newest: {change.source.name})"
 
 
 def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model: Path) -> None:

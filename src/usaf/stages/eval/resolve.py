@@ -21,7 +21,7 @@ from usaf.config import flag_name, refuse_unused, source_of
 from usaf.data.corpus import JSONL_SUFFIXES
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
-from usaf.stages.change import check_change
+from usaf.stages.change import check_change, unfinished_note, unfinished_runs
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
 from usaf.stages.eval.overlap import run_data, training_tokens
 from usaf.stages.progress import Progress
@@ -59,6 +59,9 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
         if runs:
             change = load_trained_change(runs[0].path, flag="--checkpoint")
             progress.note(f"using the run {runs[0].path} (newest finished run for this model)")
+        elif unfinished := unfinished_runs(workspace, manifest.fingerprint):  # base alone, and why (found in review)
+            progress.note(f"no finished run for this model, so the base model alone: {unfinished_note(unfinished[0])};"
+                          f" --checkpoint {unfinished[0].source.parent.parent} evaluates it")  # fmt: skip
     if change is not None:  # export's and generate's checks: its model, tensors, indices and routers
         check_change(change, manifest, model_dir)
     return model_dir, manifest, change
