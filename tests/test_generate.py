@@ -356,3 +356,26 @@ def test_without_a_finished_run_an_unfinished_one_is_named_with_the_way_to_use_i
     said = " ".join(evaluated.stderr.split())
     assert "no finished run for this model, so the base model alone: the unfinished run" in said
     assert f"--checkpoint {run} evaluates it" in said
+
+
+def test_a_damaged_tokenizer_in_a_usaf_model_is_named_as_such(workspace, tmp_path):
+    """A tokenizer.json changed in a quantized model was answered "pass a model directory holding tokenizer.json",
+    which it was (found in review, from usaf generate). The file that no longer matches the manifest is named, with
+    the way back. Control: the same damage in a directory usaf did not make keeps the general hint."""
+    _, qdir, _ = workspace
+    (tmp_path / "x.py").write_text("x = 1\n" * 20)
+    for made_by_usaf in (True, False):
+        model = tmp_path / f"model-{made_by_usaf}"
+        shutil.copytree(qdir, model)
+        if not made_by_usaf:
+            (model / "manifest.json").unlink()
+        raw = bytearray((model / "tokenizer.json").read_bytes())
+        raw[40:48] = b"XXXXXXXX"
+        (model / "tokenizer.json").write_bytes(bytes(raw))
+        # tokenize takes any tokenizer directory (generate refuses one usaf did not make before reading it)
+        result = invoke("tokenize", tmp_path / "x.py", "--model", model, "--out", tmp_path / f"t-{made_by_usaf}")
+        assert result.exit_code == 2, result.output
+        said = " ".join(result.stderr.split())
+        assert "no usable tokenizer" in said
+        named = "its tokenizer.json no longer matches the usaf manifest there" in said
+        assert named == made_by_usaf and ("usaf quantize" in said) == made_by_usaf, said

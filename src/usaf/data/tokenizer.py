@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from usaf.artifacts.hashing import sha256_text
+from usaf.artifacts.hashing import sha256_file, sha256_text
 from usaf.artifacts.tokens import TokenizerRecord
 from usaf.errors import UsafError
 from usaf.families.modules import transformers_major
@@ -52,6 +52,13 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
                     f"{flag} {model}: its tokenizer is defined by Python code in the model repository "
                     f"(auto_map in tokenizer_config.json), which usaf does not run by default ({first})",
                     "pass --trust-remote-code to usaf tokenize only if you trust that code",
+                ) from None
+            changed = _changed_since_made(local) if local.is_dir() else []
+            if changed:  # the hint said to pass a directory holding tokenizer.json, which it did (found in review)
+                raise UsafError(
+                    f"{flag} {model}: no usable tokenizer ({first}): its {', '.join(changed)} no longer "
+                    f"{'matches' if len(changed) == 1 else 'match'} the usaf manifest there (changed or damaged since)",
+                    "restore the file, or rerun the usaf command that made the directory (usaf quantize)",
                 ) from None
             raise UsafError(
                 f"{flag} {model}: no usable tokenizer ({first})",
@@ -149,3 +156,14 @@ def tokenizer_record(model: str, tokenizer: Any) -> TokenizerRecord:
         eos_token_id=tokenizer.eos_token_id,
         model_max_length=limit if isinstance(limit, int) and limit < _UNBOUNDED else None,
     )
+
+
+def _changed_since_made(directory: Path) -> list[str]:
+    """The tokenizer files a usaf manifest in ``directory`` lists whose sha256 differs now (or which are gone)."""
+    try:
+        files = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))["files"]
+        listed = {f["path"]: f["sha256"] for f in files if str(f["path"]).startswith(("tokenizer", "vocab", "merges"))}
+    except (OSError, ValueError, KeyError, TypeError):  # no usaf manifest, or not one of this shape: nothing known
+        return []
+    return sorted(name for name, digest in listed.items()
+                  if not (directory / name).is_file() or sha256_file(directory / name) != digest)  # fmt: skip
