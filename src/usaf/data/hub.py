@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from usaf.errors import UsafError
@@ -24,6 +28,38 @@ HUB_PATTERNS = [
 # The patterns match paths: "*.safetensors" took a repository's subfolders too (gpt-oss-20b's original/ holds a
 # second copy of its weights, ~13 GB; found in review). usaf reads a model's top level only.
 HUB_IGNORED = ["*/*"]
+
+
+@contextlib.contextmanager
+def hub_logs_quiet() -> Iterator[None]:
+    """Within the block, huggingface_hub's own log lines are not printed: where the hub cannot be reached its retries
+    printed "'[Errno -2] ...' thrown while requesting HEAD https://huggingface.co/..." and "Retrying in 1s", five
+    times over, before usaf's one error line (found in review). The first retry is said once, in usaf's words, as
+    the retries take most of a minute. Errors still raise."""
+    hub, http = logging.getLogger("huggingface_hub"), logging.getLogger("huggingface_hub.utils._http")
+    saved = hub.level, http.level, http.propagate
+    retries = _FirstRetry()
+    hub.setLevel(logging.ERROR)
+    http.setLevel(logging.WARNING)  # its retries reach the handler below, and no other
+    http.propagate = False
+    http.addHandler(retries)
+    try:
+        yield
+    finally:
+        http.removeHandler(retries)
+        hub.level, http.level, http.propagate = saved
+
+
+class _FirstRetry(logging.Handler):
+    """Says, once, that the hub is being retried."""
+
+    said = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.said and "Retry" in record.getMessage():
+            self.said = True
+            print("the Hugging Face hub does not answer: huggingface_hub retries for up to a minute "
+                  "(HF_HUB_OFFLINE=1 reads the local cache alone)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def looks_like_path(model: str) -> bool:
@@ -49,8 +85,9 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = Fal
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED,
-                                      local_files_only=cache_only))  # fmt: skip
+        with hub_logs_quiet():
+            return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED,
+                                          local_files_only=cache_only))  # fmt: skip
     except HFValidationError:
         raise UsafError(f"{flag} {model}: neither a directory nor a valid hub id", "check the spelling") from None
     except LocalEntryNotFoundError:

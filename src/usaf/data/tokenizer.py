@@ -8,6 +8,7 @@ from typing import Any
 
 from usaf.artifacts.hashing import sha256_file, sha256_text
 from usaf.artifacts.tokens import TokenizerRecord
+from usaf.data.hub import hub_logs_quiet
 from usaf.errors import UsafError
 from usaf.families.modules import transformers_major
 
@@ -42,7 +43,8 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
             "copy the model's tokenizer files next to its config.json",
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        with hub_logs_quiet():  # a hub id: its retries' log lines are not usaf's error
+            tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         tokenizer = _saved_by_transformers_5(model, e)
         if tokenizer is None:

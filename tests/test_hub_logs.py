@@ -1,0 +1,43 @@
+"""huggingface_hub's own log lines under usaf (usaf.data.hub.hub_logs_quiet): where the hub cannot be reached its
+retries printed five pairs of lines before usaf's one error line (found in review, `usaf tokenize --model ORG/NAME`
+offline). No network here: the retries' log records are emitted as huggingface_hub emits them."""
+
+from __future__ import annotations
+
+import logging
+
+import huggingface_hub  # noqa: F401 (its logging setup: the handlers a user's run has)
+
+from usaf.data.hub import hub_logs_quiet
+
+HTTP = "huggingface_hub.utils._http"
+
+
+def retries() -> None:
+    http = logging.getLogger(HTTP)
+    for attempt in range(1, 4):
+        http.warning("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/x")
+        http.warning(f"Retrying in {attempt}s [Retry {attempt}/5].")
+    logging.getLogger("huggingface_hub.file_download").warning("some other hub warning")
+
+
+def test_the_retries_are_said_once_in_usafs_words_and_the_loggers_restored(capfd):
+    before = [(logging.getLogger(n).level, logging.getLogger(n).propagate) for n in ("huggingface_hub", HTTP)]
+    with hub_logs_quiet():
+        retries()
+    said = capfd.readouterr().err
+    assert said.count("the Hugging Face hub does not answer") == 1, said
+    assert "thrown while requesting" not in said and "Retrying in" not in said and "other hub warning" not in said
+    assert [(logging.getLogger(n).level, logging.getLogger(n).propagate) for n in ("huggingface_hub", HTTP)] == before
+    assert not any(type(h).__name__ == "_FirstRetry" for h in logging.getLogger(HTTP).handlers)
+
+
+def test_outside_the_block_the_hub_logs_as_it_does(capfd):
+    """Control: the records above reach huggingface_hub's handlers when usaf does not quiet them."""
+    logging.getLogger("huggingface_hub").addHandler(handler := logging.StreamHandler())
+    try:
+        retries()
+    finally:
+        logging.getLogger("huggingface_hub").removeHandler(handler)
+    said = capfd.readouterr().err
+    assert "Retrying in 1s" in said and "the Hugging Face hub does not answer" not in said
