@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from helpers import invoke
 from usaf import __version__
 
@@ -47,6 +49,27 @@ def test_version_and_module_entry_point():
     assert invoke("--version").stdout.strip() == f"usaf {__version__}"
     proc = subprocess.run([sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == f"usaf {__version__}"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["inspect", "/nonexistent"]], ids=["done", "refused"])
+def test_a_stop_signal_once_the_command_is_over_is_ignored(argv):
+    """Ctrl-C after a finished export, in the interpreter's teardown (a second or more with torch loaded), exited 130
+    without a word (found in review): once the command is over, done or refused, stop signals are ignored and the
+    exit status is its own. A real SIGINT is sent to the process itself after main() returns; the control, before
+    main() runs, shows Python's default handler in place."""
+    code = (
+        "import os, signal, sys\n"
+        "from usaf.cli.app import main\n"
+        "print('before', signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
+        f"sys.argv = ['usaf', *{argv!r}]\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    status = e.code\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('after', signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)\n"
+        "sys.exit(status)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "before True" in proc.stdout and "after True" in proc.stdout, (proc.stdout, proc.stderr)
+    assert proc.returncode == (0 if argv == ["--version"] else 2), proc.stderr
 
 
 def test_cli_import_does_not_load_heavy_modules():

@@ -6,6 +6,7 @@ A command is listed here only once it works; later stages add their module and o
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated
 
 import typer
@@ -58,4 +59,17 @@ app.command("tiny-model")(tiny_model.command)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        _over()
+
+
+def _over() -> None:
+    """The command is over: its output committed, or its error said. A stop signal from here on, during the
+    interpreter's teardown (a second or more with torch loaded), ended the process at 130 without a word after a
+    finished export, which a script then took for a failure (found in review): it is ignored, and the exit status
+    is the command's."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
