@@ -89,9 +89,11 @@ pickle that runs code, another structure or moments of another size) is refused 
 ### Outputs: never an input, never a user's directory, one writer
 
 Every command that writes (`tokenize`, `quantize`, `score`, `train`, `eval`, `export`, `tiny-model`) refuses an
-`--out` that is, contains or lies inside one of its inputs (links resolved), refuses to replace anything usaf
-did not make whatever `--overwrite`/`--force` says (a directory without a usaf manifest, a file, a symbolic
-link, a dangling link) or another command's kind of output (`score --out TOKENS --overwrite`), and refuses an
+`--out` that is, contains or lies inside one of its inputs (links resolved) or lies inside any finished usaf
+artifact (`score --out RUN/final/plan`), refuses to replace anything usaf did not make whatever
+`--overwrite`/`--force` says (a directory without a usaf manifest, a file, a symbolic link, a dangling link),
+another command's kind of output (`score --out TOKENS --overwrite`) or its own kind holding a file usaf did not
+write there (a model card added to an export), and refuses an
 output another usaf process is writing, naming its PID (an OS lock on
 `.NAME.usaf-lock`, released on any exit, a SIGKILL included). The hostile-input catalogue has these as its
 "output paths" readers, each case checking afterwards that the inputs and the user's files are byte for byte

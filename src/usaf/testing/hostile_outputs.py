@@ -187,6 +187,37 @@ def _locked_case(command: str) -> Case:
     return Case(REPLACE, f"{command}: --out another process is writing", build, "another usaf process", after=after)
 
 
+def _inside_artifact_case(command: str) -> Case:
+    """``--out`` inside a finished usaf artifact the command does not read: a run (a plan for eval and export, which
+    read the run), which would then hold files its manifest does not list."""
+    host = "plan" if command in ("eval", "export") else "run"
+
+    def build(bench: Bench, case_dir: Path) -> list[str]:
+        paths = _inputs(bench, case_dir)
+        _BEFORE[str(case_dir)] = _snapshot(case_dir / INPUTS)
+        return _command(command, paths, paths[host] / "sub") + [_flag(command)]
+
+    name = f"{command}: --out inside a usaf {host} it does not read, with {_flag(command)}"
+    return Case(COLLISION, name, build, "would add files its manifest does not list", after=_intact)
+
+
+OWN_KIND = {"quantize": "quantized", "score": "plan", "train": "run"}  # the commands' own artifacts among the inputs
+
+
+def _added_file_case(command: str) -> Case:
+    """``--out`` at an artifact of the command's own kind that holds a file of the user's (a model card, notes):
+    the flag would have deleted it with the artifact."""
+
+    def build(bench: Bench, case_dir: Path) -> list[str]:
+        paths = _inputs(bench, case_dir)
+        (paths[OWN_KIND[command]] / USER_FILE).write_text("my own notes\n")
+        _BEFORE[str(case_dir)] = _snapshot(case_dir / INPUTS)
+        return _command(command, paths, paths[OWN_KIND[command]]) + [_flag(command)]
+
+    name = f"{command}: --out is its own kind of artifact holding a user's file, with {_flag(command)}"
+    return Case(REPLACE, name, build, "usaf did not write there", after=_intact)
+
+
 WRITERS = ("tokenize", "quantize", "score", "train", "eval", "export", "tiny-model")
 EXISTING = ("a user's directory", "a file", "a link to a user's directory", "a dangling link")
 
@@ -202,4 +233,7 @@ def cases() -> list[Case]:
             found.append(_existing_case(command, what, replace=True))
         found.append(_existing_case(command, "a user's directory", replace=False))
         found.append(_locked_case(command))
+        found.append(_inside_artifact_case(command))
+        if command in OWN_KIND:
+            found.append(_added_file_case(command))
     return found
