@@ -307,6 +307,23 @@ def test_overwrite_never_deletes_files_a_user_added_to_a_usaf_artifact(ws, tiny_
     assert replaced.exit_code == 0, replaced.output
 
 
+def test_a_runs_own_prefix_spill_files_are_not_taken_for_a_users(ws, tmp_path):
+    """train writes its prefix states beyond --prefix-cache-gib to RUN/prefix-cache.bin (a rank's under torchrun)
+    until the run finishes: the first version of the check above counted them as a user's, and refused to start an
+    interrupted run over (found in review). Control: a user's file beside them is still named."""
+    run = tmp_path / "run"
+    shutil.copytree(ws["run"], run)
+    for name in ("prefix-cache.bin", "prefix-cache-rank1.bin"):
+        (run / name).write_bytes(b"states")
+    assert found_at(run).added == ()
+    (run / "prefix-cache-mine.bin").write_bytes(b"mine")
+    assert found_at(run).added == ("prefix-cache-mine.bin",)
+    (run / "prefix-cache-mine.bin").unlink()
+    replaced = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1,
+                      "--out", run, "--overwrite")  # fmt: skip
+    assert replaced.exit_code == 0, replaced.output
+
+
 def test_overwrite_replaces_export_in_its_other_format(ws, tmp_path):
     """Negative control of the test above: export's two formats are both its own."""
     out = tmp_path / "export"

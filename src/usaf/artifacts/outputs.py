@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Collection, Iterable, Mapping
@@ -246,8 +247,18 @@ def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
     checkpoints and on-the-fly plan, which its manifest does not list). ``--overwrite`` deleted them with the
     artifact: a model card added to an export, notes in an eval report (found in review)."""
     # lazy: artifacts.run imports the writer, which imports this module
-    from usaf.artifacts.run import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, PLAN_DIR, SETTINGS_FILE
+    from usaf.artifacts.run import (
+        CHECKPOINTS_DIR,
+        FINAL_DIR,
+        METRICS_FILE,
+        PLAN_DIR,
+        PREFIX_SPILL,
+        PREFIX_SPILL_RANK,
+        SETTINGS_FILE,
+    )
 
+    # its prefix states' spill file too (deleted when the run finishes; a rank's kept where a resume had fewer ranks)
+    spills = re.compile(re.escape(PREFIX_SPILL) + "|" + re.escape(PREFIX_SPILL_RANK).replace(r"\{\}", r"\d+"))
     working = {METRICS_FILE, SETTINGS_FILE, CHECKPOINTS_DIR, PLAN_DIR, f".{PLAN_DIR}{PARTIAL_TAG}"}
     record = _json_object(directory / MANIFEST_NAME) or _json_object(directory / MADE_MARKER) or {}
     listed = record.get("files")
@@ -258,8 +269,8 @@ def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
     known = {entry["path"] if isinstance(entry, dict) else entry for entry in listed} | {MANIFEST_NAME, MADE_MARKER}
     if kind != "run":
         working = set()
-    return tuple(sorted(rel for rel in _files_under(directory) if rel not in known
-                        and rel.split("/")[0] not in working))  # fmt: skip
+    return tuple(sorted(rel for rel in _files_under(directory) if rel not in known and rel.split("/")[0] not in working
+                        and not (kind == "run" and spills.fullmatch(rel))))  # fmt: skip
 
 
 def _files_under(directory: Path) -> Iterable[str]:

@@ -17,6 +17,8 @@ from usaf.artifacts.plan import check_masks_fit, check_plan_layers, read_masks
 from usaf.artifacts.run import (
     FINAL_DIR,
     METRICS_FILE,
+    PREFIX_SPILL,
+    PREFIX_SPILL_RANK,
     SETTINGS_FILE,
     ReselectionRecord,
     RunSummary,
@@ -165,7 +167,7 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[t
     hidden = engine.model.get_input_embeddings().embedding_dim  # the width of every stored state
     record = inputs.plan.summary.prefix_cache
     store = open_store(inputs.plan_dir, record, hidden_size=hidden)  # what usaf score kept
-    spill = inputs.run_dir / (f"prefix-cache-rank{world.rank}.bin" if world.active else "prefix-cache.bin")
+    spill = inputs.run_dir / (PREFIX_SPILL_RANK.format(world.rank) if world.active else PREFIX_SPILL)
     cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
     served = False
     if store is not None:
