@@ -402,3 +402,21 @@ def test_without_out_a_finished_plan_left_in_the_workspace_is_found(setup, tmp_p
     assert result.exit_code == 0, result.output
     assert "had finished its plan" in " ".join(result.stderr.split())
     assert [p.name for p in (workspace / "plan").iterdir()] == [left.name[1:].removesuffix(".usaf-partial")]
+
+
+def test_a_finished_plan_discarded_by_overwrite_is_gone_when_that_run_stops(
+    setup, tmp_path, stopped_before_the_rename, stop_at
+):
+    """--overwrite said it discarded the finished plan, and left its manifest: stopped in its calibration pass, the
+    rerun without the flag (as the stop note says) took that old plan for finished work (found in review). The
+    rerun resumes the new pass instead."""
+    out = tmp_path / "plan"
+    stopped_before_the_rename(args(setup, out))
+    stop_at(3)
+    result = invoke(*args(setup, out), "--overwrite")
+    assert result.exit_code == 130 and "discarding the finished plan" in " ".join(result.stderr.split())
+    assert not (partial(out) / "manifest.json").exists()
+    stop_at(0)
+    resumed = invoke(*args(setup, out))
+    assert resumed.exit_code == 0, resumed.output
+    assert "had finished its plan" not in resumed.stderr and "2 of 4 calibration batches done" in resumed.stderr

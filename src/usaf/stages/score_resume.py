@@ -355,7 +355,8 @@ def finished_plan(
         (directory / MANIFEST_NAME).unlink()
         return None
     recorded, asked = plan_identity(manifest), as_a_plan_records(identity)
-    if discard:
+    if discard:  # its manifest goes now: kept, a stop of this run left it to be taken (or refused) by the next
+        (directory / MANIFEST_NAME).unlink()  # (found in review); the plan's files are cleared before the new ones
         progress.note(f"discarding the finished plan of an interrupted score in {directory} (--overwrite)")
         return None
     if not same_run(recorded, asked):
