@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-import huggingface_hub  # noqa: F401 (its logging setup: the handlers a user's run has)
+import huggingface_hub  # its logging setup: the handlers a user's run has
 
 from usaf.data.hub import hub_logs_quiet
 
@@ -41,3 +41,28 @@ def test_outside_the_block_the_hub_logs_as_it_does(capfd):
         logging.getLogger("huggingface_hub").removeHandler(handler)
     said = capfd.readouterr().err
     assert "Retrying in 1s" in said and "the Hugging Face hub does not answer" not in said
+
+
+def test_a_rate_limit_is_not_called_a_hub_that_does_not_answer(capfd):
+    """The hub answered (HTTP 429): its wait may be longer than a minute, and it is not unreachable."""
+    with hub_logs_quiet():
+        logging.getLogger(HTTP).warning("Rate limited. Waiting 90.0s before retry [Retry 1/5].")
+    assert "does not answer" not in capfd.readouterr().err
+
+
+def test_usaf_plan_of_a_hub_id_says_the_retries_once(monkeypatch, capfd):
+    """`usaf plan ORG/NAME` offline printed the hub's retry lines too (found in review of the fix for tokenize)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from helpers import invoke
+
+    def download(repo, filename, **kwargs):
+        retries()
+        raise LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, filename, **kwargs: None)
+    result = invoke("plan", "someorg/somemodel")
+    said = result.stderr + capfd.readouterr().err
+    assert result.exit_code == 2 and "its config.json is not in the local Hugging Face cache" in said, said
+    assert said.count("the Hugging Face hub does not answer") == 1 and "Retrying in" not in said

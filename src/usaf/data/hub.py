@@ -56,7 +56,7 @@ class _FirstRetry(logging.Handler):
     said = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not self.said and "Retry" in record.getMessage():
+        if not self.said and record.getMessage().startswith("Retrying in"):  # not "Rate limited": the hub answered
             self.said = True
             print("the Hugging Face hub does not answer: huggingface_hub retries for up to a minute "
                   "(HF_HUB_OFFLINE=1 reads the local cache alone)", file=sys.stderr, flush=True)  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import MANIFEST_NAME, QuantizedModelManifest, load_manifest
-from usaf.data.hub import looks_like_path
+from usaf.data.hub import hub_logs_quiet, looks_like_path
 from usaf.errors import UsafError
 from usaf.families import load_model_config
 
@@ -106,7 +106,8 @@ def _hub_config(repo: str) -> dict[str, Any]:
 
     try:
         cached = try_to_load_from_cache(repo, "config.json")
-        path = cached if isinstance(cached, str) else hf_hub_download(repo, "config.json")
+        with hub_logs_quiet():  # the hub's retry lines are not usaf's error
+            path = cached if isinstance(cached, str) else hf_hub_download(repo, "config.json")
     except HFValidationError:
         raise UsafError(f"MODEL {repo}: neither a directory nor a valid hub id", "check the spelling") from None
     except LocalEntryNotFoundError:
