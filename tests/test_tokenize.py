@@ -333,6 +333,30 @@ def test_a_fraction_under_one_whole_source_is_said_as_such_with_flags_that_apply
     assert "differ in size" not in said and "--source-depth" not in said and "--seed" not in said
 
 
+def test_a_tiny_source_drawn_among_many_is_said_as_sizes_not_as_too_large_a_share(tmp_path, tok_dir):
+    """Ten sources, one of a single line, --held-out-frac 0.02: one source (10 %) held out, but when it is the tiny
+    one the tokens held out are far fewer than asked, and the note told how to get a smaller set (found in
+    review). It says the sizes differ and offers another seed."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (STDLIB / "textwrap.py").read_text()[:3000]
+    for i in range(9):
+        (corpus / f"m{i}.py").write_text(text)
+    (corpus / "tiny.py").write_text("x = 1\n")
+    for seed in range(40):
+        out = tmp_path / f"o{seed}"
+        result = tokenize(corpus, "--model", tok_dir, "--held-out-frac", 0.02, "--seed", seed, "--seq-len", 64,
+                          "--out", out)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        if load_verified(out, TokensManifest).summary.heldout_sources == ["corpus/tiny.py"]:
+            break
+    else:
+        pytest.fail("no seed held out the tiny source")
+    said = " ".join(result.stderr.split())
+    assert "held out 1 of 10 sources but" in said and "the sources differ in size" in said and "--seed" in said
+    assert "smaller held-out set" not in said
+
+
 def test_binary_files_are_skipped_and_counted_and_globs_filter(tmp_path, tok_dir):
     corpus = tmp_path / "corpus"
     (corpus / "pkg").mkdir(parents=True)

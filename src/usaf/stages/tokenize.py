@@ -268,7 +268,8 @@ def _note_uneven_heldout(config: TokenizeConfig, summary: TokensSummary, progres
         return
     held = sum(1 for c in summary.sources if c.split == "heldout")
     deeper = ", or a larger --source-depth" if any(Path(p).is_dir() for p in config.inputs) else ""  # refused else
-    if held / len(summary.sources) > 3 * config.held_out_frac:  # the fraction asks for less than one whole source
+    # too large because the fraction asks for less than one whole source (too small: a small source drawn)
+    if share > config.held_out_frac and held / len(summary.sources) > 3 * config.held_out_frac:
         why = (f"at least one whole source is held out, and one is {100 / len(summary.sources):.2g} % of the "
                f"sources; for a smaller held-out set pass --held-out SOURCE{deeper}, or more sources")
     else:  # the sources' share is near the fraction: their sizes differ (another seed draws others)
