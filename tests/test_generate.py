@@ -379,3 +379,10 @@ def test_a_damaged_tokenizer_in_a_usaf_model_is_named_as_such(workspace, tmp_pat
         assert "no usable tokenizer" in said
         named = "its tokenizer.json no longer matches the usaf manifest there" in said
         assert named == made_by_usaf and ("usaf quantize" in said) == made_by_usaf, said
+    # the command named is the one that made the directory (it said usaf quantize of an export; found in review)
+    export = tmp_path / "model-True"
+    manifest = json.loads((export / "manifest.json").read_text())
+    (export / "manifest.json").write_text(json.dumps({**manifest, "kind": "hf_export"}))
+    result = invoke("tokenize", tmp_path / "x.py", "--model", export, "--out", tmp_path / "t-export")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "(usaf export)" in said and "usaf quantize" not in said, said

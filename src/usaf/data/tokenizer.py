@@ -55,12 +55,12 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
                     f"(auto_map in tokenizer_config.json), which usaf does not run by default ({first})",
                     "pass --trust-remote-code to usaf tokenize only if you trust that code",
                 ) from None
-            changed = _changed_since_made(local) if local.is_dir() else []
+            changed, maker = _changed_since_made(local) if local.is_dir() else ([], "")
             if changed:  # the hint said to pass a directory holding tokenizer.json, which it did (found in review)
                 raise UsafError(
                     f"{flag} {model}: no usable tokenizer ({first}): its {', '.join(changed)} no longer "
                     f"{'matches' if len(changed) == 1 else 'match'} the usaf manifest there (changed or damaged since)",
-                    "restore the file, or rerun the usaf command that made the directory (usaf quantize)",
+                    f"restore the file, or rerun the usaf command that made the directory{maker}",
                 ) from None
             raise UsafError(
                 f"{flag} {model}: no usable tokenizer ({first})",
@@ -160,12 +160,16 @@ def tokenizer_record(model: str, tokenizer: Any) -> TokenizerRecord:
     )
 
 
-def _changed_since_made(directory: Path) -> list[str]:
-    """The tokenizer files a usaf manifest in ``directory`` lists whose sha256 differs now (or which are gone)."""
+def _changed_since_made(directory: Path) -> tuple[list[str], str]:
+    """The tokenizer files a usaf manifest in ``directory`` lists whose sha256 differs now (or which are gone), and
+    the command that made it, for the hint (" (usaf quantize)"; empty where the kind names none)."""
     try:
-        files = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))["files"]
-        listed = {f["path"]: f["sha256"] for f in files if str(f["path"]).startswith(("tokenizer", "vocab", "merges"))}
+        manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+        listed = {f["path"]: f["sha256"] for f in manifest["files"]
+                  if str(f["path"]).startswith(("tokenizer", "vocab", "merges"))}  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):  # no usaf manifest, or not one of this shape: nothing known
-        return []
-    return sorted(name for name, digest in listed.items()
-                  if not (directory / name).is_file() or sha256_file(directory / name) != digest)  # fmt: skip
+        return [], ""
+    changed = sorted(name for name, digest in listed.items()
+                     if not (directory / name).is_file() or sha256_file(directory / name) != digest)  # fmt: skip
+    maker = {"quantized_model": " (usaf quantize)", "hf_export": " (usaf export)"}.get(manifest.get("kind"), "")
+    return changed, maker
