@@ -7,7 +7,9 @@ model fingerprint the change records against the model's own, and names both whe
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
 from usaf.artifacts.quantized import open_quantized, read_base_index
-from usaf.artifacts.run import SETTINGS_FILE, TrainedChange, load_trained_change
+from usaf.artifacts.run import SETTINGS_FILE, TrainedChange, checkpoint_dirs, load_trained_change
 from usaf.engine.engine import SparseEngine
 from usaf.engine.loading import LoadedModel
 from usaf.errors import UsafError
@@ -72,7 +74,7 @@ def resolve_model_and_change(
             if not unfinished:
                 raise
             raise UsafError(f"{none.message}; {unfinished_note(unfinished[0])}",
-                            f"pass --checkpoint {unfinished[0].source.parent.parent} to use it, or finish the run "
+                            f"pass --checkpoint {unfinished[0].path} to use it, or finish the run "
                             "with the train command that started it") from None  # fmt: skip
         progress.note(f"using the run {run.path} (newest trained on this model)")
         change = load_trained_change(run.path, flag="--checkpoint")
@@ -81,26 +83,36 @@ def resolve_model_and_change(
     return Path(model), manifest, change
 
 
-def unfinished_runs(workspace: Path, model_fingerprint: str) -> list[TrainedChange]:
-    """The newest checkpoint of each unfinished run in the workspace trained on the model of ``model_fingerprint``
-    (a run directory holding train's settings and no manifest, at depth 1 or 2), newest run first."""
+@dataclass(frozen=True)
+class UnfinishedRun:
+    """A stopped run in the workspace: its directory and its newest complete checkpoint."""
+
+    path: Path
+    newest: Path
+
+
+def unfinished_runs(workspace: Path, model_fingerprint: str) -> list[UnfinishedRun]:
+    """The unfinished runs in the workspace trained on the model of ``model_fingerprint`` (a run directory holding
+    train's settings, no manifest, and a complete checkpoint, at depth 1 or 2), newest first. Read from their
+    settings and checkpoint names alone: a checkpoint's deltas are loaded where one is used."""
     found = []
     for settings in [*workspace.glob(f"*/{SETTINGS_FILE}"), *workspace.glob(f"*/*/{SETTINGS_FILE}")]:
         run_dir = settings.parent
         if (run_dir / "manifest.json").exists() or run_dir.name.startswith("."):
             continue
         try:
-            change = load_trained_change(run_dir, flag="--checkpoint")
-        except UsafError:  # no checkpoint yet, or a damaged one: nothing to use
+            recorded = json.loads(settings.read_text(encoding="utf-8")).get("model_fingerprint")
+            done = checkpoint_dirs(run_dir, flag="--checkpoint")
+        except (OSError, ValueError, AttributeError, UsafError):  # unreadable: nothing to offer
             continue
-        if change.model_fingerprint == model_fingerprint:
-            found.append((settings.stat().st_mtime, change))
-    return [change for _, change in sorted(found, key=lambda pair: pair[0], reverse=True)]
+        if recorded == model_fingerprint and done:
+            found.append((settings.stat().st_mtime, UnfinishedRun(run_dir, done[-1])))
+    return [run for _, run in sorted(found, key=lambda pair: pair[0], reverse=True)]
 
 
-def unfinished_note(change: TrainedChange) -> str:
+def unfinished_note(run: UnfinishedRun) -> str:
     """What an unfinished run offers, for a message: its run directory and newest checkpoint."""
-    return f"the unfinished run {change.source.parent.parent} has checkpoints (the newest: {change.source.name})"
+    return f"the unfinished run {run.path} has checkpoints (the newest: {run.newest.name})"
 
 
 def check_change(change: TrainedChange, manifest: QuantizedModelManifest, model: Path) -> None:

@@ -61,7 +61,7 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
             progress.note(f"using the run {runs[0].path} (newest finished run for this model)")
         elif unfinished := unfinished_runs(workspace, manifest.fingerprint):  # base alone, and why (found in review)
             progress.note(f"no finished run for this model, so the base model alone: {unfinished_note(unfinished[0])};"
-                          f" --checkpoint {unfinished[0].source.parent.parent} evaluates it")  # fmt: skip
+                          f" --checkpoint {unfinished[0].path} evaluates it")  # fmt: skip
     if change is not None:  # export's and generate's checks: its model, tensors, indices and routers
         check_change(change, manifest, model_dir)
     return model_dir, manifest, change
