@@ -66,10 +66,11 @@ def main() -> None:
 
 
 def _over() -> None:
-    """The command is over: its output committed, or its error said. A stop signal from here on, during the
-    interpreter's teardown (a second or more with torch loaded), ended the process at 130 without a word after a
-    finished export, which a script then took for a failure (found in review): it is ignored, and the exit status
-    is the command's."""
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+    """The command is over: its output committed, or its error said. A Ctrl-C from here on, during the interpreter's
+    teardown (a second or more with torch loaded), ended the process at 130 without a word after a finished export,
+    which a script then took for a failure (found in review): it is ignored, and so is a closed terminal's SIGHUP,
+    and the exit status is the command's. SIGTERM keeps its default: a supervisor (torchrun, a scheduler) can always
+    end a teardown that hangs."""
+    for name in ("SIGINT", "SIGHUP"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
