@@ -720,18 +720,23 @@ def test_out_is_refused_where_it_is_or_lies_in_what_eval_reads_found_in_the_work
     tokens = workspace / "tokens" / "t"
     shutil.copytree(trained["tokens"], tokens)
     step = sorted((trained["run"] / "checkpoints").iterdir())[-1]
+    unfinished = _unfinished(trained["run"], tmp_path / "unfinished")  # no artifact yet: only the input check holds
+    unfinished_step = unfinished / "checkpoints" / step.name
     common = ["eval", "--model", trained["q"], "--workspace", workspace, "--max-sequences", 4, "--no-plots"]
-    for out, extra, named in [
+    for out, checkpoint, extra, named in [
         # refused as another command's output (tokens) before the workspace's inputs are resolved
-        (tokens, ["--overwrite"], "a usaf tokens artifact; usaf replaces only what this command writes there"),
-        (tokens / "report", [], "lies inside the input --data"),
-        (trained["run"] / "report", ["--held-out", trained["tokens"]], "lies inside the input the run of --checkpoint"),
-    ]:
-        refused = invoke(*common, "--checkpoint", step, *extra, "--out", out)
+        (tokens, step, ["--overwrite"], "a usaf tokens artifact; usaf replaces only what this command writes there"),
+        # inside a finished artifact: refused as such since 2026-12-06, an input or not
+        (tokens / "report", step, [], f"lies inside {tokens}, a usaf tokens artifact"),
+        (trained["run"] / "report", step, ["--held-out", trained["tokens"]], f"lies inside {trained['run']}, a usaf"),
+        (unfinished / "report", unfinished_step, ["--held-out", trained["tokens"]],
+         "lies inside the input the run of --checkpoint"),
+    ]:  # fmt: skip
+        refused = invoke(*common, "--checkpoint", checkpoint, *extra, "--out", out)
         message = " ".join(refused.stderr.split())
         assert refused.exit_code == 2 and named in message, (out, refused.output)
     assert (tokens / "manifest.json").is_file() and not (tokens / "report").exists()
-    assert not (trained["run"] / "report").exists()
+    assert not (trained["run"] / "report").exists() and not (unfinished / "report").exists()
     done = invoke(*common, "--checkpoint", step, "--out", tmp_path / "report")
     assert done.exit_code == 0, done.output
 
