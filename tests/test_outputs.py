@@ -127,7 +127,8 @@ def test_an_out_inside_an_artifact_that_is_no_input_is_refused(ws, tmp_path, com
     before = snapshot(run)
     args = {
         "score": ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"],
-        "eval": ["eval", "--model", ws["model"], "--checkpoint", ws["run"], "--data", ws["tokens"], "--no-plots"],
+        "eval": ["eval", "--model", ws["model"], "--checkpoint", ws["run"], "--data", ws["tokens"], "--no-plots",
+                 "--workspace", tmp_path / "ws"],  # its base-pass cache: not in the directory pytest runs in
         "tokenize": ["tokenize", Path(__file__), "--model", ws["model"]],
         "train": ["train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1],
     }[command]
