@@ -524,3 +524,21 @@ def test_train_scoring_on_the_fly_that_fails_leaves_no_run_directory(ws, tmp_pat
                     "--workspace", tmp_path / "empty-workspace", "--out", run)  # fmt: skip
     assert result.exit_code == 2 and "99" in result.stderr, result.output
     assert not run.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("files", [[{"size": 1}], [["a", "b"]], [{"path": ["x"]}], [7, None]])
+def test_an_edited_manifest_s_file_list_is_no_crash_where_an_output_is_looked_at(tmp_path, files):
+    """The files a manifest lists decide what usaf wrote there (added_files): an edited list of another shape is
+    answered as a listing of nothing (every file then counts as added), never a traceback. Control: a list of
+    records names exactly the file it lacks."""
+    import json
+
+    out = tmp_path / "plan"
+    out.mkdir()
+    (out / "masks.safetensors").write_bytes(b"x")
+    (out / "manifest.json").write_text(json.dumps({"kind": "plan", "usaf_version": "0", "files": files}))
+    assert found_at(out).added == ("masks.safetensors",)
+    listed = [{"path": "masks.safetensors", "size": 1}]
+    (out / "manifest.json").write_text(json.dumps({"kind": "plan", "usaf_version": "0", "files": listed}))
+    (out / "notes.txt").write_text("mine")
+    assert found_at(out).added == ("notes.txt",)

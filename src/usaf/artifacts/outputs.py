@@ -244,8 +244,8 @@ def mark_usaf_made(directory: Path, kind: str) -> None:
 def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
     """Files in the usaf artifact ``directory`` that usaf did not write there: neither listed by its manifest (or
     its marker, where that lists them) nor usaf's bookkeeping, nor a run's working files (its settings, metrics,
-    checkpoints and on-the-fly plan, which its manifest does not list). ``--overwrite`` deleted them with the
-    artifact: a model card added to an export, notes in an eval report (found in review)."""
+    checkpoints, on-the-fly plan and prefix-state spill files, which its manifest does not list). ``--overwrite``
+    deleted them with the artifact: a model card added to an export, notes in an eval report (found in review)."""
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import (
         CHECKPOINTS_DIR,
@@ -266,7 +266,9 @@ def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
         if kind != "run":  # a marker from before the files were recorded: nothing to compare with
             return ()
         listed, working = [], working | {FINAL_DIR}  # an unfinished run: only its own names
-    known = {entry["path"] if isinstance(entry, dict) else entry for entry in listed} | {MANIFEST_NAME, MADE_MARKER}
+    # a manifest's records or a marker's paths; an edited list of another shape lists nothing, and is no crash
+    paths = (entry.get("path") if isinstance(entry, dict) else entry for entry in listed)
+    known = {path for path in paths if isinstance(path, str)} | {MANIFEST_NAME, MADE_MARKER}
     if kind != "run":
         working = set()
     return tuple(sorted(rel for rel in _files_under(directory) if rel not in known and rel.split("/")[0] not in working
