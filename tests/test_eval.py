@@ -931,3 +931,38 @@ def test_a_source_field_no_raw_jsonl_line_has_is_said(trained, tmp_path):
     assert said.exit_code == 0 and "--source-field nosuch: no JSONL line has it" in " ".join(said.stderr.split())
     read = invoke(*common, "--source-field", "origin", "--out", tmp_path / "read")  # the control
     assert read.exit_code == 0 and "no JSONL line has it" not in read.stderr, read.output
+
+
+def test_the_training_split_eval_picks_itself_is_a_seeded_sample(trained, report, tmp_path, monkeypatch):
+    """Without --data/--held-out eval takes the run's tokens; their training split, most of a user's data and run
+    twice, is sampled (``TRAINING_SAMPLE``, shrunk here to fit the tiny split), the held-out split is whole, and the
+    note, report.json and report.md say so. Controls: the same tokens given as --data are evaluated whole (the
+    ``report`` fixture), and a given --max-sequences samples both splits, with no default-sample note."""
+    from usaf.stages.eval import resolve
+
+    manifest = json.loads((trained["tokens"] / "manifest.json").read_text())["summary"]
+    whole, held = manifest["train_sequences"], manifest["heldout_sequences"]
+    monkeypatch.setattr(resolve, "TRAINING_SAMPLE", 6)
+    assert whole > 6 and held > 6
+    out = tmp_path / "picked"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--workspace", tmp_path / "ws",
+                    "--out", out, "--no-plots")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--data: a seeded sample of 6 of the {whole:,} training sequences" in said
+    assert f"--data {trained['tokens']} --held-out {trained['tokens']} evaluates all of them" in said
+    inputs = {i["set"]: i for i in json.loads((out / "report.json").read_text())["inputs"]}
+    assert (inputs["data"]["sequences"], inputs["data"]["sampled_from"]) == (6, whole)
+    assert (inputs["held-out"]["sequences"], inputs["held-out"]["sampled_from"]) == (held, None)
+    assert f"6 sequences (a seeded sample of its {whole:,})" in (out / "report.md").read_text()
+
+    given = {i["set"]: i for i in report[2]["inputs"]}  # control: --data TOKENS is evaluated whole
+    assert (given["data"]["sequences"], given["data"]["sampled_from"]) == (whole, None)
+    out = tmp_path / "max"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--workspace", tmp_path / "ws",
+                    "--out", out, "--no-plots", "--max-sequences", 4)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "seeded sample of" not in " ".join(result.stderr.split())
+    inputs = {i["set"]: i for i in json.loads((out / "report.json").read_text())["inputs"]}
+    assert [(i["sequences"], i["sampled_from"]) for i in inputs.values()] == [(4, whole), (4, held)]
+

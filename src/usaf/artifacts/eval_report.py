@@ -68,6 +68,11 @@ class InputSummary(Record):
     fingerprint: str
     sequences: int
     tokens: int = Field(description="scored tokens")
+    sampled_from: int | None = Field(
+        None,
+        description="the sequences the input holds, where a seeded sample of them was evaluated (--max-sequences, or "
+        "eval's default sample of a training split it picked itself); None: all of them",
+    )
 
 
 class PassSummary(Record):

@@ -516,6 +516,7 @@ def _input_summary(item) -> InputSummary:
         fingerprint=item.fingerprint,
         sequences=len(item.sequences),
         tokens=sum(s.scored for s in item.sequences),
+        sampled_from=item.sampled_from,
     )
 
 

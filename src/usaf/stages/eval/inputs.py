@@ -52,6 +52,7 @@ class EvalInput:
     kind: str  # "tokens" (artifact), "tokens-jsonl", "text"
     fingerprint: str
     sequences: list[EvalSequence]
+    sampled_from: int | None = None  # the sequences the input holds, where a sample of them is evaluated
 
     @property
     def flag(self) -> str:
@@ -94,8 +95,10 @@ def read_input(
     max_sequences: int | None,
     seed: int,
     progress: Progress,
+    sampled_by: str = "--max-sequences",
 ) -> EvalInput:
-    """One ``--data``/``--held-out`` path as sequences, validated (vocabulary, length, non-empty)."""
+    """One ``--data``/``--held-out`` path as sequences, validated (vocabulary, length, non-empty): all of them, or a
+    seeded sample of ``max_sequences`` (``sampled_by``: what asked for it, for the messages)."""
     flag = FLAGS[set_name]
     if not path.exists():
         raise UsafError(f"{flag} {path}: no such file or directory", "pass a tokens directory, JSONL or text files")
@@ -113,7 +116,11 @@ def read_input(
     else:
         lines = iter(_pack_text(path, set_name, tokenizer, text, progress))
         kind, fingerprint = "text", ""
-    sequences = _sample(lines, max_sequences, seed) if max_sequences else list(lines)
+    held = 0
+    if max_sequences:
+        sequences, held = _sample(lines, max_sequences, seed)
+    else:
+        sequences = list(lines)
     if not sequences:
         where = file if kind == "tokens" else path
         raise UsafError(
@@ -122,7 +129,7 @@ def read_input(
         )
     if not any(s.scored for s in sequences):  # a tokens file has some (its reader checks): not this sample or text
         where = file if kind == "tokens" else path
-        which = f"the {len(sequences)} sequences sampled by --max-sequences" if max_sequences else "its sequences"
+        which = f"the {len(sequences)} sequences sampled by {sampled_by}" if max_sequences else "its sequences"
         raise UsafError(
             f"{flag} {where}: {which} have no token to score (labels all -100, or 1-token sequences): the report "
             "would be empty",
@@ -130,7 +137,7 @@ def read_input(
         )
     if kind == "text":  # what was evaluated is the packed text: fingerprint that
         fingerprint = sequences_fingerprint(sequences)
-    return EvalInput(set_name, path, kind, fingerprint, sequences)
+    return EvalInput(set_name, path, kind, fingerprint, sequences, held if held > len(sequences) else None)
 
 
 def _is_tokens_jsonl(path: Path) -> bool:
@@ -169,16 +176,17 @@ def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, pr
     ]
 
 
-def _sample(items: Iterable[EvalSequence], count: int, seed: int) -> list[EvalSequence]:
-    """``count`` items uniformly at random in one pass (reservoir), kept in input order."""
+def _sample(items: Iterable[EvalSequence], count: int, seed: int) -> tuple[list[EvalSequence], int]:
+    """``count`` items uniformly at random in one pass (reservoir), kept in input order; and how many there were."""
     rng = random.Random(seed)
     reservoir: list[tuple[int, EvalSequence]] = []
-    for seen, item in enumerate(items):
+    seen = 0
+    for seen, item in enumerate(items, start=1):
         if len(reservoir) < count:
             reservoir.append((seen, item))
-        elif (j := rng.randrange(seen + 1)) < count:
+        elif (j := rng.randrange(seen)) < count:
             reservoir[j] = (seen, item)
-    return [item for _, item in sorted(reservoir, key=lambda pair: pair[0])]
+    return [item for _, item in sorted(reservoir, key=lambda pair: pair[0])], seen
 
 
 def sequences_fingerprint(sequences: Iterable[EvalSequence]) -> str:

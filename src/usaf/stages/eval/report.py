@@ -167,9 +167,9 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
     lines.append(f"- base pass: {how}" + (f" (`{s.base_cache}`)" if s.base_cache else " (cache off)"))
     lines.append("- experts: " + ("dequantized once (resident)" if s.experts_resident else "dequantized per forward"))
     for item in s.inputs:
-        lines.append(
-            f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences, {item.tokens:,} scored tokens"
-        )
+        sample = f" (a seeded sample of its {item.sampled_from:,})" if item.sampled_from else ""
+        lines.append(f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences{sample}, "
+                     f"{item.tokens:,} scored tokens")  # fmt: skip
     if s.overlap_note is not None:
         lines.append(("- **warning**: " if s.heldout_in_training else "- ") + s.overlap_note)
     lines.append(

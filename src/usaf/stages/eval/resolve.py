@@ -28,6 +28,10 @@ from usaf.stages.progress import Progress
 
 DEFAULT_SEQ_LEN = 512  # raw text packing: usaf tokenize's default (capped by the model's context)
 TEXT_FLAGS = ("seq_len", "source_depth", "text_field", "source_field")  # settings of raw-text inputs only
+# Sequences of a training split evaluated when eval picks the run's tokens itself (not given --data/--held-out): the
+# whole split is most of a user's data, run twice. The figure behind it: docs/BENCHMARKS.md, "A sample of the
+# training split".
+TRAINING_SAMPLE = 512
 
 
 def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[Path, Any, Any]:
@@ -76,7 +80,8 @@ def read_inputs(
     """
     tok_fp = tokenizer_fingerprint(tokenizer)
     data, held_out = list(config.data), list(config.held_out)
-    if not data and not held_out:
+    picked = not data and not held_out  # the run's tokens, chosen here: their training split is sampled
+    if picked:
         data, held_out = default_tokens(workspace, change, tok_fp, progress)
     if context is not None and config.seq_len is not None and config.seq_len > context:
         raise UsafError(
@@ -95,25 +100,37 @@ def read_inputs(
     inputs = []
     for set_name, paths in ((DATA, data), (HELD_OUT, held_out)):
         for path in paths:
-            inputs.append(
-                read_input(
-                    path,
-                    set_name,
-                    tokenizer=tokenizer,
-                    tokenizer_fingerprint=tok_fp,
-                    context=context,
-                    text=text,
-                    max_sequences=config.max_sequences,
-                    seed=config.seed,
-                    progress=progress,
-                )
+            sample, sampled_by = config.max_sequences, "--max-sequences"
+            if picked and set_name == DATA and sample is None:
+                sample, sampled_by = TRAINING_SAMPLE, "eval's default sample of a training split"
+            item = read_input(
+                path,
+                set_name,
+                tokenizer=tokenizer,
+                tokenizer_fingerprint=tok_fp,
+                context=context,
+                text=text,
+                max_sequences=sample,
+                seed=config.seed,
+                progress=progress,
+                sampled_by=sampled_by,
             )
+            if sample != config.max_sequences and item.sampled_from is not None:
+                progress.note(_training_sample_note(item, held_out))
+            inputs.append(item)
     raw = [item.path for item in inputs if item.kind == "text"]
     if not raw:
         _unused_text_settings(config, progress)
     else:
         _unused_by_the_raw_inputs(config, raw, progress)
     return inputs
+
+
+def _training_sample_note(item: EvalInput, held_out: list[Path]) -> str:
+    both = f" --held-out {held_out[0]}" if held_out else ""
+    return (f"--data: a seeded sample of {len(item.sequences):,} of the {item.sampled_from:,} training sequences (what "
+            f"the run fits; the interval says how close the whole split is): --data {item.path}{both} evaluates "
+            "all of them, --max-sequences N another sample")  # fmt: skip
 
 
 def _unused_by_the_raw_inputs(config: Any, raw: list[Path], progress: Progress) -> None:
