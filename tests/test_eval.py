@@ -966,3 +966,28 @@ def test_the_training_split_eval_picks_itself_is_a_seeded_sample(trained, report
     inputs = {i["set"]: i for i in json.loads((out / "report.json").read_text())["inputs"]}
     assert [(i["sequences"], i["sampled_from"]) for i in inputs.values()] == [(4, whole), (4, held)]
 
+
+def test_routing_sets_beyond_the_ram_are_refused_before_any_pass_naming_a_sample_that_fits(
+    trained, report, tmp_path, monkeypatch
+):
+    """The passes keep every token's top-k set of every MoE layer (384 bytes a token and pass on Qwen3-30B-A3B): an
+    eval over more than the RAM holds failed hours in. Refused before the first pass now, naming the --max-sequences
+    that fits; that value then runs (the control), as does the same eval with RAM to spare (the ``report`` fixture)."""
+    from types import SimpleNamespace
+
+    from usaf.stages.eval import memory
+
+    tokens = report[2]["base_pass"]["input_tokens"]
+    per_token = 3 * 2 * 2  # 3 MoE layers, top-2, uint8, base and fine-tuned passes
+    available = tokens * per_token / 2  # the routing sets take 2 / 0.75 of it
+    monkeypatch.setattr(memory, "psutil", SimpleNamespace(virtual_memory=lambda: SimpleNamespace(available=available)))
+    out = tmp_path / "report"
+    refused = _eval(trained, tmp_path / "ws", out)
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and f"for each of {tokens:,} tokens), over 75% of the" in said, refused.output
+    assert not out.exists() and not (tmp_path / "ws" / "cache").exists()  # no pass ran
+    fits = int(said.split("pass --max-sequences ")[1].split()[0])
+    result = _eval(trained, tmp_path / "ws", out, "--max-sequences", fits)
+    assert result.exit_code == 0, result.output
+    evaluated = json.loads((out / "report.json").read_text())["base_pass"]["input_tokens"]
+    assert evaluated * per_token <= 0.75 * available < (evaluated + 2 * 32) * per_token  # fits, and not by far

@@ -22,6 +22,16 @@ import torch
 from usaf.engine.experts import LayerExperts
 
 
+def set_dtype(num_experts: int) -> torch.dtype:
+    """The dtype a kept top-k set's expert indices are stored in: uint8 up to 256 experts, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+def kept_bytes_per_token(experts: Mapping[int, LayerExperts], top_k: int) -> int:
+    """Bytes a :class:`RoutingCapture` keeps per real token of one pass: a top-k set of every MoE layer."""
+    return sum(top_k * set_dtype(state.num_experts).itemsize for state in experts.values())
+
+
 class RoutingCapture:
     """Context manager collecting sorted top-k sets per MoE layer for the real tokens of each batch.
 
@@ -49,7 +59,7 @@ class RoutingCapture:
     def _sink(self, layer: int, top_k_index: torch.Tensor) -> None:
         # Sorted, so a set compares equal whatever order the router listed it in. Stored small (uint8 up to 256
         # experts, else int16): a pass keeps k of them per token and layer, and the base cache stores them.
-        dtype = torch.uint8 if self.experts[layer].num_experts <= 256 else torch.int16
+        dtype = set_dtype(self.experts[layer].num_experts)
         self._pending.setdefault(layer, []).append(top_k_index.detach().sort(dim=-1).values.to("cpu", dtype))
 
     def take(self, attention_mask: torch.Tensor) -> dict[int, torch.Tensor]:

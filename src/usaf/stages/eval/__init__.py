@@ -45,7 +45,7 @@ from usaf.errors import UsafError
 from usaf.settings.eval import EvalConfig
 from usaf.stages.change import engine_for_change
 from usaf.stages.engine_setup import load_for_engine, make_resident, stream_every_layer
-from usaf.stages.eval import cache, overlap, passes, plots  # module attributes, read at call time (tests patch them)
+from usaf.stages.eval import cache, memory, overlap, passes, plots  # modules, read at call time (tests patch them)
 from usaf.stages.eval.inputs import HELD_OUT, sequences_fingerprint
 from usaf.stages.eval.passes import (
     batch_hidden,
@@ -144,6 +144,7 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, stream, progress)
     if change is not None:
         _refuse_empty_change(change, loaded.model)  # before a base pass that would be wasted
+    memory.check_routing_fits(inputs, loaded.experts, loaded.spec.top_k, 1 + (change is not None))
     input_tokens = sum(b.tokens for b in batches)
     base = cache.load(entry, key, sequences=len(sequences), input_tokens=input_tokens) if entry else None
     resident = False
