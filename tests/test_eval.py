@@ -991,3 +991,24 @@ def test_routing_sets_beyond_the_ram_are_refused_before_any_pass_naming_a_sample
     assert result.exit_code == 0, result.output
     evaluated = json.loads((out / "report.json").read_text())["base_pass"]["input_tokens"]
     assert evaluated * per_token <= 0.75 * available < (evaluated + 2 * 32) * per_token  # fits, and not by far
+
+
+def test_dtype_sets_what_both_passes_compute_in_and_keys_the_base_cache(trained, tmp_path):
+    """``--dtype`` (train and generate had it; eval computed in the backend's dtype alone, so a run trained with
+    ``--dtype float32`` on a GPU was evaluated in bf16). bfloat16 on the CPU moves the numbers (a --dtype accepted and
+    ignored would give auto's bit for bit), is recorded, and does not reuse auto's fp32 base pass."""
+    reports = {}
+    for dtype in ("auto", "bfloat16"):
+        out = tmp_path / dtype
+        result = _eval(trained, tmp_path / "ws", out, "--max-sequences", 6, "--dtype", dtype)
+        assert result.exit_code == 0, result.output
+        reports[dtype] = json.loads((out / "report.json").read_text())
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["environment"]["dtype"] == reports[dtype]["compute_dtype"]
+    auto, bf16 = reports["auto"], reports["bfloat16"]
+    assert (auto["compute_dtype"], bf16["compute_dtype"]) == ("float32", "bfloat16")
+    assert not bf16["base_cached"] and bf16["base_cache_key"] != auto["base_cache_key"]
+    rows = [(a["base"]["nll"], b["base"]["nll"], a["tuned"]["nll"], b["tuned"]["nll"])
+            for a, b in zip(auto["rows"], bf16["rows"], strict=True)]  # fmt: skip
+    assert all(0 < abs(ab - bb) < 0.05 and 0 < abs(at - bt) < 0.05 for ab, bb, at, bt in rows)
+    assert "computed in bfloat16" in (tmp_path / "bfloat16" / "report.md").read_text()

@@ -361,3 +361,34 @@ def test_a_tensor_nothing_was_selected_from_has_no_stability_and_a_shared_budget
     said = " ".join(result.stderr.split())
     assert f"--budget per-layer: {len(empty)} of the {len(summary.tensors)} target tensors got no weights" in said
     assert f"the mean over {len(measured)} tensors" in " ".join(result.stdout.split())
+
+
+def test_dtype_sets_what_score_computes_in_and_train_scores_on_the_fly_in_its_own(setup, tmp_path):
+    """``--dtype`` (train had it; score computed in the backend's dtype alone, so ``train --dtype float32`` on a GPU
+    scored its plan in bf16, whose prefix store the fp32 run then missed on every sequence). bfloat16 on the CPU moves
+    every weight's statistic (a --dtype accepted and ignored would give auto's bit for bit) and is recorded by the plan,
+    its prefix store and train's on-the-fly plan; auto's are the control."""
+    from usaf.artifacts.plan import FULL_MAPS_FILE
+
+    qdir, _, tokens = setup
+    args = ["--model", qdir, "--data", tokens, "--calib-samples", 8, "--train-from", 3, "--no-stability", "--cache",
+            "--full-maps"]  # fmt: skip
+    plans = {}
+    for dtype in ("auto", "bfloat16"):
+        result = score(*args, "--dtype", dtype, "--out", tmp_path / dtype)
+        assert result.exit_code == 0, result.output
+        plans[dtype] = load_verified(tmp_path / dtype, PlanManifest)
+    auto, bf16 = plans["auto"], plans["bfloat16"]
+    assert (auto.environment.dtype, bf16.environment.dtype) == ("float32", "bfloat16")
+    assert (auto.summary.prefix_cache.dtype, bf16.summary.prefix_cache.dtype) == ("float32", "bfloat16")
+    maps = [load_file(str(tmp_path / dtype / FULL_MAPS_FILE)) for dtype in plans]
+    assert maps[0].keys() == maps[1].keys()
+    for name, exact in maps[0].items():
+        moved = (maps[1][name].float() - exact.float()).norm() / exact.float().norm()
+        assert 0 < moved < 0.1, name
+
+    run = tmp_path / "run"
+    result = invoke("train", "--model", qdir, "--data", tokens, "--calib-samples", 8, "--train-from", 3,
+                    "--steps", 2, "--lr", 1e-3, "--dtype", "bfloat16", "--out", run)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert load_verified(run / "plan", PlanManifest).environment.dtype == "bfloat16"

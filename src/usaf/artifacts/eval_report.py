@@ -100,6 +100,9 @@ class EvalSummary(Record):
         description="max |tuned - base| logit on the batch of the most real tokens (> 0: applied)"
     )
     experts_resident: bool = Field(description="experts dequantized once (else per forward, or no pass ran)")
+    compute_dtype: str | None = Field(
+        None, description="the dtype both passes computed in (--dtype); None: a report from before it was recorded"
+    )
     inputs: list[InputSummary]
     rows: list[ResultRow]
     routing: list[LayerDrift]

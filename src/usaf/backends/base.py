@@ -166,6 +166,10 @@ class Backend:
         to show, if any. Nothing to do where the device computes."""
         return None
 
+    def compute_dtype(self, setting: str = "auto") -> torch.dtype:
+        """What a ``--dtype`` setting computes in here: the policy's compute dtype for ``auto``."""
+        return self.policy.compute if setting == "auto" else getattr(torch, setting)
+
     def recorded(self, dtype: torch.dtype | None = None) -> dict[str, str]:
         """What an artifact's environment and a resume's identity record of this device: ``backend``, ``device``
         and ``dtype`` (the policy's compute dtype unless ``dtype``: what the stage computed in)."""

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
-from usaf.settings.fields import cli
+from usaf.settings.fields import ComputeDtype, cli
 
 
 class EvalConfig(StageConfig):
@@ -72,6 +72,10 @@ class EvalConfig(StageConfig):
     )
     stream_experts: bool | None = f.stream_experts()
     device: str = f.device()
+    dtype: ComputeDtype = Field(
+        "auto", description="auto | float32 | bfloat16 | float16: the dtype of the weights kept unquantized and of the "
+        "dequantized experts, in both passes; auto: bf16 where native, else fp16, on a GPU; fp32 on CPU.",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _placement(self) -> EvalConfig:

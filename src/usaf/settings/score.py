@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
-from usaf.settings.fields import Budget, DistBackend, Statistic, Targets, cli
+from usaf.settings.fields import Budget, ComputeDtype, DistBackend, Statistic, Targets, cli
 
 LR_TEST_STEPS = 16  # per probe: 4 probes x 16 steps at the default microbatch 4 (docs/ARCHITECTURE.md, usaf score)
 
@@ -32,6 +32,10 @@ class ScoreConfig(StageConfig):
     targets: Targets | None = f.targets()
     router: bool = Field(True, description="Train the routers too (counted in the plan).")
     device: str = f.device()
+    dtype: ComputeDtype = Field(
+        "auto", description="auto | float32 | bfloat16 | float16: what the calibration pass and the lr test compute in "
+        "(train's --dtype); auto: bf16 where native, else fp16, on a GPU; fp32 on CPU.",
+    )  # fmt: skip
     microbatch: int = Field(4, ge=1, description="Sequences per backward.")
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the calibration sample.")
     candidates_factor: int = Field(

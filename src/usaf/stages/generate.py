@@ -125,7 +125,7 @@ def placed_model(
 ) -> Iterator[tuple[Any, bool]]:
     """The quantized model with ``change`` applied (or none), in eval mode, placed as eval and train place it
     (``--dtype``, ``--stream-experts``); and whether its experts stream. The streaming ends on leaving."""
-    compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
+    compute = backend.compute_dtype(config.dtype)
     loaded, placement = load_for_engine(model_dir, backend, compute, config.stream_experts, progress)
     # with a change, its engine streams the frozen layers (a trained layer's base stays on the device)
     engine = engine_with_change(loaded, change, **placement) if change is not None else None

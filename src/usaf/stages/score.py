@@ -338,8 +338,8 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     config, world, backend, progress = settled.config, settled.world, settled.backend, settled.progress
     lines, data_file, tokenizer = settled.lines, settled.data_file, settled.tokenizer
     model_fingerprint = settled.model_manifest.fingerprint
-    loaded, placement = load_for_engine(settled.model_dir, backend, backend.policy.compute, config.stream_experts,
-                                        progress)  # fmt: skip
+    loaded, placement = load_for_engine(settled.model_dir, backend, backend.compute_dtype(config.dtype),
+                                        config.stream_experts, progress)  # fmt: skip
     layers = trainable_layers(config, loaded.spec)
     targets = resolve_targets(config.targets, loaded.spec)
     try:
@@ -420,7 +420,7 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
             InputRecord(role="data", kind="tokens", path=str(data_file), fingerprint=settled.data_fingerprint),
         ],
         config=config.model_dump(mode="json"),
-        environment=current_environment(**backend.recorded(), seed=config.seed),
+        environment=current_environment(**backend.recorded(backend.compute_dtype(config.dtype)), seed=config.seed),
         summary=summary,
     )
     world.barrier("plan written")

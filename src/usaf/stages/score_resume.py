@@ -79,7 +79,7 @@ def run_identity(
     """What a saved score's work depends on (``score-settings.json``). ``processes``: torchrun's ranks, each of which
     saves its own share of the pass (recorded above one only, so one process's record is what it always was)."""
     settings = {k: v for k, v in config.model_dump(mode="json").items() if k not in NOT_RECORDED}
-    device = backend.recorded()
+    device = backend.recorded(backend.compute_dtype(config.dtype))
     identity = {
         "usaf": __version__,
         "model_fingerprint": model_fingerprint,

@@ -136,12 +136,13 @@ def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, p
     sequences = [s for item in inputs for s in item.sequences]
     batches = batches_of(sequences, config.microbatch, pad)
     data_fp = sequences_fingerprint(sequences)
-    key_parts = _cache_key_parts(model_fp, data_fp, config.microbatch, backend)
+    compute = backend.compute_dtype(config.dtype)
+    key_parts = _cache_key_parts(model_fp, data_fp, config.microbatch, backend, compute)
     key = cache.cache_key(key_parts)
     entry = cache.entry_dir(workspace, key) if config.base_cache else None
 
     stream = False if config.resident else config.stream_experts
-    loaded, placement = load_for_engine(model_dir, backend, backend.policy.compute, stream, progress)
+    loaded, placement = load_for_engine(model_dir, backend, compute, stream, progress)
     if change is not None:
         _refuse_empty_change(change, loaded.model)  # before a base pass that would be wasted
     memory.check_routing_fits(inputs, loaded.experts, loaded.spec.top_k, 1 + (change is not None))
@@ -284,14 +285,14 @@ def _label(model_dir: Path, change) -> str:
     return change.source.name if change is not None else f"{model_dir.name}-base"
 
 
-def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend) -> dict:
+def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend, compute: torch.dtype) -> dict:
     return {
         "model": model_fp,
         "sequences": data_fp,
         "microbatch": microbatch,
         "device": backend.device.type,
         "device_name": backend.device_name,  # the card (or CPU): kernels differ, and cached NLLs with them (in review)
-        "dtype": str(backend.policy.compute).removeprefix("torch."),
+        "dtype": str(compute).removeprefix("torch."),
         "usaf": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -443,6 +444,7 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
             base_cached=o.base.cached,
             max_logit_change=o.logit_change,
             experts_resident=o.resident,
+            compute_dtype=str(backend.compute_dtype(config.dtype)).removeprefix("torch."),
             inputs=[_input_summary(item) for item in o.inputs],
             rows=rows,
             routing=drift,
@@ -463,7 +465,7 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
             EvalReportManifest,
             inputs=_input_records(o),
             config=config.model_dump(mode="json"),
-            environment=current_environment(**backend.recorded(), seed=config.seed),
+            environment=current_environment(**backend.recorded(backend.compute_dtype(config.dtype)), seed=config.seed),
             summary=summary,
         )
     return manifest, art.target

@@ -165,7 +165,8 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines.append(f"- checkpoint applied: max |Δ logit| on the longest batch = {s.max_logit_change:.3g}")
     how = "reused from the cache" if s.base_cached else "computed"
     lines.append(f"- base pass: {how}" + (f" (`{s.base_cache}`)" if s.base_cache else " (cache off)"))
-    lines.append("- experts: " + ("dequantized once (resident)" if s.experts_resident else "dequantized per forward"))
+    lines.append("- experts: " + ("dequantized once (resident)" if s.experts_resident else "dequantized per forward")
+                 + (f"; computed in {s.compute_dtype}" if s.compute_dtype else ""))  # fmt: skip
     for item in s.inputs:
         sample = f" (a seeded sample of its {item.sampled_from:,})" if item.sampled_from else ""
         lines.append(f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences{sample}, "

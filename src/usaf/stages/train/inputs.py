@@ -415,13 +415,12 @@ class _Settler:
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
         # silence (found in review); recorded by runs started since, compared where recorded
-        record["compute_dtype"] = (str(self.backend.policy.compute).removeprefix("torch.") if config.dtype == "auto"
-                                   else config.dtype)  # fmt: skip
+        record["compute_dtype"] = str(self.backend.compute_dtype(config.dtype)).removeprefix("torch.")
         return _Settled(config, plan_dir, plan, steps, reselect_every, lr_source, record)
 
     def score_settings(self, config: TrainConfig, run_dir: Path) -> score.ScoreConfig:
         """What train scores a plan with when it has none: into RUN/plan, with the settings score shares."""
-        options = (*SELECTION_FIELDS, "router", "device", "seed", "stream_experts")
+        options = (*SELECTION_FIELDS, "router", "device", "dtype", "seed", "stream_experts")  # scored as it trains
         return score.ScoreConfig(
             model=self.model[0],
             data=self.source,

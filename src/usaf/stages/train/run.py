@@ -75,7 +75,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     from usaf.stages.train.trainer import Trainer
 
     config, run_dir = inputs.config, inputs.run_dir
-    compute = backend.policy.compute if config.dtype == "auto" else getattr(torch, config.dtype)
+    compute = backend.compute_dtype(config.dtype)
     if inputs.resume_from is not None:  # before any sum: on the CPU its bits need the run's thread count
         threads = backend.same_threads_as(recorded_threads(inputs.resume_from), "the run")
         if threads is not None:
