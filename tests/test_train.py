@@ -996,3 +996,32 @@ def test_the_lr_taken_from_the_plan_says_a_fallback_and_another_router_setting()
                                                                                                   router=False))[1]
     lr, source = with_lr(config.model_copy(update={"router": False}), plan([3.5, 3.6]))
     assert lr.lr == 1e-3 and "which ran with the routers training, and this run trains none" in source
+
+
+def test_a_stop_during_the_final_held_out_loss_saves_every_step_and_the_rerun_finishes_as_a_straight_run(
+    prepared, tmp_path, monkeypatch
+):
+    """Ctrl-C while the final weights' held-out loss ran (minutes at a real model's size) was outside the loop's stop
+    handling: every step since the last checkpoint was lost and the note said nothing was (found in review). Now
+    it saves a checkpoint at the last step and the rerun resumes there, evaluates and ends as a straight run."""
+    from helpers import stop_at_check
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 4, "--eval-data", tokens, "--microbatch", 1]
+    straight = tmp_path / "straight"
+    assert train(qdir, tokens, plan, straight, *args).exit_code == 0
+    run = tmp_path / "run"
+    stop_at_check(monkeypatch, 4 + 2)  # before each of the 4 steps, then after the final pass's 2nd microbatch
+    result = train(qdir, tokens, plan, run, *args)
+    assert result.exit_code == 130, explain(result)
+    said = " ".join(result.stderr.split())
+    assert "held-out loss at step 4" in said and f"interrupted: saved {run / 'checkpoints' / 'step-0000004'}" in said
+    assert not (run / "final").exists() and not (run / "manifest.json").exists()
+    monkeypatch.undo()
+    result = train(qdir, tokens, plan, run, *args)
+    assert result.exit_code == 0, explain(result)
+    assert "resuming from" in result.stderr
+    ends = [load_verified(r, RunManifest).summary for r in (straight, run)]
+    assert ends[0].eval_losses == ends[1].eval_losses and ends[1].steps == 4
+    a, b = final_deltas(straight), final_deltas(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -32,15 +32,7 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
             try:
                 _steps(trainer, steps, progress, stop)
             except KeyboardInterrupt:
-                saved = trainer.save_checkpoint(trainer.checkpoint_dir())  # with the scores collected so far
-                if trainer.collector is not None:
-                    trainer.collector.close()
-                again = rerun_to_resume("--overwrite" if trainer.config.overwrite else None)
-                note = f"interrupted: saved {saved} (step {trainer.state.step}); {again}"
-                if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
-                    note += f" (or pass --out {trainer.run_dir})"
-                progress.finish()  # the bar as it stopped, then the note
-                progress.note(note)
+                _save_at_stop(trainer, progress)
                 raise
     except PeerLost as e:
         last = latest_checkpoint(trainer.run_dir)
@@ -48,6 +40,36 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
         raise UsafError(f"{e.message}; {where}", e.hint) from None
     finally:
         progress.finish()
+
+
+def _save_at_stop(trainer: Any, progress: Progress) -> None:
+    """A stop request's checkpoint of the steps done (with the scores collected so far) and the note saying so."""
+    saved = trainer.save_checkpoint(trainer.checkpoint_dir())
+    if trainer.collector is not None:
+        trainer.collector.close()
+    again = rerun_to_resume("--overwrite" if trainer.config.overwrite else None)
+    note = f"interrupted: saved {saved} (step {trainer.state.step}); {again}"
+    if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
+        note += f" (or pass --out {trainer.run_dir})"
+    progress.finish()  # the bar as it stopped, then the note
+    progress.note(note)
+
+
+def final_held_out_loss(trainer: Any, progress: Progress) -> float | None:
+    """:func:`held_out_loss` of the final weights, stopped as training is: a stop request during it saves a
+    checkpoint of every step (the rerun resumes there and evaluates again) and raises. Outside the loop's stop
+    handling before, Ctrl-C there lost every step since the last checkpoint, and the note said nothing was
+    (found in review, 2026-12-07). One process checks between microbatches; torchrun's ranks, whose shares may
+    differ in length, agree after the pass."""
+    stop = StopRequest(trainer.world)
+    with stop:
+        try:
+            loss = held_out_loss(trainer, progress, stop=None if trainer.world.active else stop)
+            stop.check()
+        except KeyboardInterrupt:
+            _save_at_stop(trainer, progress)
+            raise
+    return loss
 
 
 SHOWN_LOSS_STEPS = 20  # the progress bar's loss: the mean of the last this many steps' (one step's is noisy)
@@ -82,10 +104,12 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
         progress.advance(1, tokens=trainer.state.tokens - tokens_before, **shown)
 
 
-def held_out_loss(trainer: Any, progress: Progress, *, within: bool = False) -> float | None:
+def held_out_loss(
+    trainer: Any, progress: Progress, *, within: bool = False, stop: StopRequest | None = None
+) -> float | None:
     """The held-out loss of the weights now, shown as it runs (minutes at a real model's size, in silence before;
     found in review): a phase of its own before and after training, a note ``within`` the training bar (a phase
-    would end it). None without held-out data."""
+    would end it). None without held-out data. ``stop``: checked (this process alone) after each microbatch."""
     if trainer.eval_data is None:
         return None
     step = trainer.state.step
@@ -95,8 +119,14 @@ def held_out_loss(trainer: Any, progress: Progress, *, within: bool = False) -> 
     else:
         share = f" (this process's share of {len(trainer.eval_data):,})" if trainer.world.active else ""
         progress.start(f"held-out loss at step {step}{share}", trainer.eval_share(), "sequences")
+
+        def done(sequences: int) -> None:
+            progress.advance(sequences)
+            if stop is not None:
+                stop.check(alone=True)
+
         try:
-            loss = trainer.evaluate(on_batch=progress.advance)
+            loss = trainer.evaluate(on_batch=done)
         finally:
             progress.finish()
     if loss is not None:

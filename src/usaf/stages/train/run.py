@@ -273,7 +273,7 @@ def _finish(
 
     state, run_dir = trainer.state, inputs.run_dir
     if trainer.eval_data is not None and (not state.eval_losses or state.eval_losses[-1][0] != state.step):
-        loss = loop.held_out_loss(trainer, progress)  # the held-out loss of the final weights, always reported
+        loss = loop.final_held_out_loss(trainer, progress)  # of the final weights, always reported
         state.eval_losses.append([state.step, loss])
         trainer.log({"step": state.step, "eval_loss": loss})
     final = trainer.save_checkpoint(run_dir / FINAL_DIR)
