@@ -542,3 +542,51 @@ def test_an_edited_manifest_s_file_list_is_no_crash_where_an_output_is_looked_at
     (out / "manifest.json").write_text(json.dumps({"kind": "plan", "usaf_version": "0", "files": listed}))
     (out / "notes.txt").write_text("mine")
     assert found_at(out).added == ("notes.txt",)
+
+
+def test_files_a_user_put_in_a_runs_checkpoints_plan_or_unfinished_final_are_named_not_deleted(ws, tmp_path):
+    """A run's checkpoints/, on-the-fly plan/ and (unfinished) final/ counted as usaf's whole: ``--overwrite`` deleted
+    notes put there (found in review). Only a checkpoint's own files and the plan's listed ones are usaf's now.
+    Controls: the run's own files are never named, and a run without the notes is replaced."""
+    run = tmp_path / "run"
+    shutil.copytree(ws["run"], run)
+    shutil.copytree(ws["plan"], run / "plan")  # where a run scores its plan on the fly
+    assert found_at(run).added == ()
+    step = next((run / "checkpoints").iterdir())
+    notes = ["checkpoints/NOTES.md", f"checkpoints/{step.name}/extra/a.txt", "plan/NOTES.md"]
+    for rel in notes:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("mine\n")
+    assert found_at(run).added == tuple(sorted(notes))
+    args = ["train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1, "--out", run]
+    refused = invoke(*args, "--overwrite")
+    assert refused.exit_code == 2 and "holding 3 files usaf did not write there" in " ".join(refused.stderr.split())
+    assert all((run / rel).is_file() for rel in notes)
+
+    (run / "manifest.json").unlink()  # unfinished: final/ is a checkpoint's, not the manifest's
+    (run / "final" / "mine.txt").write_text("mine\n")
+    assert found_at(run).added == tuple(sorted([*notes, "final/mine.txt"]))
+    for rel in [*notes, "final/mine.txt"]:
+        (run / rel).unlink()
+    replaced = invoke(*args, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+
+
+def test_a_checkpoint_written_again_keeps_the_files_a_user_put_in_it(tmp_path):
+    """A resumed run writes the step of an incomplete checkpoint again, deleting the directory first: a user's file
+    in it went with it (found in review). It is carried into the new checkpoint; the stale checkpoint files are not."""
+    import torch
+
+    from usaf.artifacts.run import Checkpoint, write_checkpoint
+
+    step = tmp_path / "step-0000004"
+    step.mkdir()
+    (step / "mine.txt").write_text("mine\n")
+    (step / "state.json").write_text("{}")  # a stale file of usaf's: replaced
+    checkpoint = Checkpoint(deltas={}, routers={}, state={"step": 4}, optimizer={}, schedule={},
+                            rng=torch.get_rng_state())  # fmt: skip
+    write_checkpoint(step, checkpoint)
+    assert (step / "mine.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in step.iterdir()) == sorted(["mine.txt", "deltas.safetensors", "routers.safetensors",
+                                                             "optimizer.pt", "state.json"])  # fmt: skip
+    assert (step / "state.json").read_text() != "{}"

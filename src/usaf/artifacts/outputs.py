@@ -244,10 +244,31 @@ def mark_usaf_made(directory: Path, kind: str) -> None:
 def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
     """Files in the usaf artifact ``directory`` that usaf did not write there: neither listed by its manifest (or
     its marker, where that lists them) nor usaf's bookkeeping, nor a run's working files (its settings, metrics,
-    checkpoints, on-the-fly plan and prefix-state spill files, which its manifest does not list). ``--overwrite``
-    deleted them with the artifact: a model card added to an export, notes in an eval report (found in review)."""
+    checkpoints' files, on-the-fly plan and prefix-state spill files, which its manifest does not list). ``--overwrite``
+    deleted them with the artifact: a model card added to an export, notes in an eval report, notes in a run's
+    ``checkpoints/`` or its plan (found in review)."""
+    record = _json_object(directory / MANIFEST_NAME) or _json_object(directory / MADE_MARKER) or {}
+    listed = record.get("files")
+    if not isinstance(listed, list):
+        if kind != "run":  # a marker from before the files were recorded: nothing to compare with
+            return ()
+        listed = []  # an unfinished run: only its own working files
+    # a manifest's records or a marker's paths; an edited list of another shape lists nothing, and is no crash
+    paths = (entry.get("path") if isinstance(entry, dict) else entry for entry in listed)
+    known = {path for path in paths if isinstance(path, str)} | {MANIFEST_NAME, MADE_MARKER}
+    added = [rel for rel in _files_under(directory) if rel not in known]
+    if kind == "run":
+        added = [rel for rel in added if not _run_working_file(rel)] + _added_to_the_runs_plan(directory)
+    return tuple(sorted(added))
+
+
+def _run_working_file(rel: str) -> bool:
+    """A file a run writes that its manifest does not list: settings, metrics, prefix-state spills, a checkpoint's
+    files (``checkpoints/step-N/``, ``final/`` before the run ends, and the ``.tmp`` a killed write leaves), and its
+    on-the-fly plan's (:func:`_added_to_the_runs_plan` looks inside that)."""
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import (
+        CHECKPOINT_FILES,
         CHECKPOINTS_DIR,
         FINAL_DIR,
         METRICS_FILE,
@@ -257,22 +278,20 @@ def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
         SETTINGS_FILE,
     )
 
-    # its prefix states' spill file too (deleted when the run finishes; a rank's kept where a resume had fewer ranks)
-    spills = re.compile(re.escape(PREFIX_SPILL) + "|" + re.escape(PREFIX_SPILL_RANK).replace(r"\{\}", r"\d+"))
-    working = {METRICS_FILE, SETTINGS_FILE, CHECKPOINTS_DIR, PLAN_DIR, f".{PLAN_DIR}{PARTIAL_TAG}"}
-    record = _json_object(directory / MANIFEST_NAME) or _json_object(directory / MADE_MARKER) or {}
-    listed = record.get("files")
-    if not isinstance(listed, list):
-        if kind != "run":  # a marker from before the files were recorded: nothing to compare with
-            return ()
-        listed, working = [], working | {FINAL_DIR}  # an unfinished run: only its own names
-    # a manifest's records or a marker's paths; an edited list of another shape lists nothing, and is no crash
-    paths = (entry.get("path") if isinstance(entry, dict) else entry for entry in listed)
-    known = {path for path in paths if isinstance(path, str)} | {MANIFEST_NAME, MADE_MARKER}
-    if kind != "run":
-        working = set()
-    return tuple(sorted(rel for rel in _files_under(directory) if rel not in known and rel.split("/")[0] not in working
-                        and not (kind == "run" and spills.fullmatch(rel))))  # fmt: skip
+    spill = re.escape(PREFIX_SPILL) + "|" + re.escape(PREFIX_SPILL_RANK).replace(r"\{\}", r"\d+")
+    checkpoint = rf"({re.escape(CHECKPOINTS_DIR)}/step-\d+|{re.escape(FINAL_DIR)})(\.tmp)?/"
+    files = "|".join(re.escape(name) for name in CHECKPOINT_FILES)
+    plans = rf"({re.escape(PLAN_DIR)}|\.{re.escape(PLAN_DIR)}{re.escape(PARTIAL_TAG)})/.*"
+    own = rf"{re.escape(METRICS_FILE)}|{re.escape(SETTINGS_FILE)}|{spill}|{checkpoint}({files})|{plans}"
+    return re.fullmatch(own, rel) is not None
+
+
+def _added_to_the_runs_plan(run: Path) -> list[str]:
+    """Files added to the plan a run scored on the fly (a plan artifact of its own), relative to the run."""
+    from usaf.artifacts.run import PLAN_DIR  # lazy: as above
+
+    plan = run / PLAN_DIR
+    return [f"{PLAN_DIR}/{rel}" for rel in added_files(plan, "plan")] if plan.is_dir() else []
 
 
 def _files_under(directory: Path) -> Iterable[str]:

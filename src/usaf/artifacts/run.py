@@ -48,6 +48,7 @@ DELTAS_FILE = "deltas.safetensors"  # "<name>.<part>_indices"/"<name>.<part>_val
 ROUTERS_FILE = "routers.safetensors"  # in-memory router name -> fp32 master weight
 OPTIMIZER_FILE = "optimizer.pt"  # optimizer, schedule, RNG, loss scale, partial grow scores (weights_only)
 STATE_FILE = "state.json"  # the trainer's counters and histories
+CHECKPOINT_FILES = (DELTAS_FILE, ROUTERS_FILE, OPTIMIZER_FILE, STATE_FILE)  # a checkpoint directory's, all of them
 
 
 class ReselectionRecord(Record):
@@ -177,7 +178,10 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
         save_tensors(routers, str(tmp / ROUTERS_FILE))
         torch.save(extra, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
-    if directory.exists():
+    if directory.exists():  # a step written again after a resume: what else is in it is a user's, and stays
+        for entry in directory.iterdir():
+            if entry.name not in CHECKPOINT_FILES:
+                os.replace(entry, tmp / entry.name)
         shutil.rmtree(directory)
     os.replace(tmp, directory)
 
