@@ -1025,3 +1025,41 @@ def test_a_stop_during_the_final_held_out_loss_saves_every_step_and_the_rerun_fi
     assert ends[0].eval_losses == ends[1].eval_losses and ends[1].steps == 4
     a, b = final_deltas(straight), final_deltas(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("damage", ["step-of-another-type", "loss-of-another-type", "removed", "a-directory", None])
+def test_a_damaged_training_log_is_no_traceback_and_missing_steps_are_said(prepared, tmp_path, monkeypatch, damage):
+    """``metrics.jsonl`` of an interrupted run edited (a step or a loss of another type: tracebacks, one after the
+    whole run), removed (the summary's loss means were of fewer steps, unsaid) or a directory (a traceback): found in
+    review. Damaged lines are skipped and the summary says how many steps its loss means cover; a directory is one
+    error line. Control (None): an undamaged log, no such note."""
+    from helpers_trained import interrupt_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 8, "--save-every", 2]
+    run = tmp_path / "run"
+    assert interrupt_at(5, lambda: train(qdir, tokens, plan, run, *args), monkeypatch).exit_code == 130
+    log = run / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if '"loss"' in line)
+    if damage == "step-of-another-type":
+        lines[first] = json.dumps({"step": "x", "loss": 1.0})
+    elif damage == "loss-of-another-type":
+        lines[first] = json.dumps({"step": 1, "loss": "abc"})
+    if damage in ("step-of-another-type", "loss-of-another-type"):
+        log.write_text("\n".join(lines) + "\n")
+    elif damage == "removed":
+        log.unlink()
+    elif damage == "a-directory":
+        log.unlink()
+        log.mkdir()
+    result = train(qdir, tokens, plan, run, *args)
+    said = " ".join(result.stderr.split())
+    if damage == "a-directory":
+        assert result.exit_code == 2 and f"--out {run}: its training log metrics.jsonl is not a file" in said, said
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        return
+    assert result.exit_code == 0, explain(result)
+    kept = {None: 8, "step-of-another-type": 7, "loss-of-another-type": 7, "removed": 3}[damage]
+    note = f"metrics.jsonl holds the loss of {kept} of the run's 8 trained steps"
+    assert (note in said) == (damage is not None), said

@@ -427,22 +427,31 @@ def _read_checkpoint(
 def read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """``(step, loss)`` of training steps and ``(step, eval_loss)`` from a run's ``metrics.jsonl``.
 
-    Lines that are not step or eval records (reselections) or not JSON (a line cut by a crash) are skipped:
-    the plot shows what the run logged.
+    Lines that are not step or eval records (reselections), not JSON (a line cut by a crash) or whose step or loss
+    is not a number (an edited line: a traceback after the whole run before; found in review) are skipped: the plot
+    shows what the run logged.
     """
     train, held = [], []
-    for raw in path.read_text(encoding="utf-8").splitlines():
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(raw)
         except ValueError:
             continue
-        if not isinstance(record, dict) or "step" not in record:
+        if not isinstance(record, dict) or not _is_int(record.get("step")):
             continue
-        if "eval_loss" in record and record["eval_loss"] is not None:
-            held.append((int(record["step"]), float(record["eval_loss"])))
-        elif "loss" in record and not record.get("skipped", False):
-            train.append((int(record["step"]), float(record["loss"])))
+        if _is_number(record.get("eval_loss")):
+            held.append((record["step"], float(record["eval_loss"])))
+        elif _is_number(record.get("loss")) and not record.get("skipped", False):
+            train.append((record["step"], float(record["loss"])))
     return train, held
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def trim_metrics(run_dir: Path, step: int) -> int:
@@ -464,7 +473,7 @@ def trim_metrics(run_dir: Path, step: int) -> int:
             at = record["step"] if "step" in record else record["reselection"]["step"]
         except (ValueError, KeyError, TypeError):
             at = None  # not a step record: kept
-        if at is not None and at > step:
+        if _is_int(at) and at > step:  # an edited step of another type is no step record either (found in review)
             dropped += 1
         else:
             kept.append(line)

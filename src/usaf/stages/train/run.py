@@ -107,6 +107,9 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
             progress.note(f"on {backend.name} without --deterministic the resumed run equals an uninterrupted one "
                           "only within the device's run-to-run noise (its sums' order varies)")  # fmt: skip
     if world.is_main:  # steps after the checkpoint are logged again; from nothing, all (the step-0 held-out loss too)
+        if (run_dir / METRICS_FILE).exists() and not (run_dir / METRICS_FILE).is_file():  # a traceback in the 1st step
+            raise UsafError(f"--out {run_dir}: its training log {METRICS_FILE} is not a file",
+                            "move it out of the run directory; the run writes it again")  # fmt: skip
         trim_metrics(run_dir, trainer.state.step if inputs.resume_from is not None else -1)
     _held_out_before_training(trainer, progress)
     per_step = inputs.per_step
@@ -288,7 +291,11 @@ def _finish(
         return load_verified(run_dir, RunManifest, flag="--out"), run_dir
     counts = trainer.engine.trainable_count()
     model_fp = inputs.model.fingerprint
-    window, first_mean, last_mean = loss_ends([loss for _, loss in read_metrics(run_dir / METRICS_FILE)[0]])
+    logged = read_metrics(run_dir / METRICS_FILE)[0] if (run_dir / METRICS_FILE).is_file() else []
+    window, first_mean, last_mean = loss_ends([loss for _, loss in logged])
+    if (trained := state.step - state.skipped) > len({step for step, _ in logged}):  # the summary says of what
+        progress.note(f"{METRICS_FILE} holds the loss of {len({s for s, _ in logged}):,} of the run's {trained:,} "
+                      "trained steps (lines removed or damaged): the loss means below are of those")  # fmt: skip
     summary = RunSummary(
         model_fingerprint=model_fp,
         plan_fingerprint=inputs.plan.fingerprint,
