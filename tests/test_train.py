@@ -1063,3 +1063,28 @@ def test_a_damaged_training_log_is_no_traceback_and_missing_steps_are_said(prepa
     kept = {None: 8, "step-of-another-type": 7, "loss-of-another-type": 7, "removed": 3}[damage]
     note = f"metrics.jsonl holds the loss of {kept} of the run's 8 trained steps"
     assert (note in said) == (damage is not None), said
+
+
+def test_a_run_resumes_from_another_directory_and_with_the_device_and_dtype_spelled_as_resolved(
+    prepared, tmp_path, monkeypatch
+):
+    """A relative --eval-data was recorded as typed, so the run did not resume from another working directory; and
+    ``--device cpu`` or ``--dtype float32`` on a run started with auto (the same device and dtype here) was "another
+    run" (found in review). Control: another --dtype that computes otherwise is still refused."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    (tmp_path / "a").mkdir()
+    shutil.copytree(tokens, tmp_path / "a" / "held")
+    run = tmp_path / "run"
+    args = ["--steps", 4, "--save-every", 2, "--eval-data", "held"]
+    monkeypatch.chdir(tmp_path / "a")
+    ctrl_c_at(2, lambda: train(qdir, tokens, plan, run, *args), monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    refused = train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2, "--eval-data", tmp_path / "a" / "held",
+                    "--dtype", "bfloat16")  # fmt: skip
+    assert refused.exit_code == 2 and "compute_dtype float32, not bfloat16" in refused.stderr, refused.output
+    resumed = train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2, "--eval-data", tmp_path / "a" / "held",
+                    "--device", "cpu", "--dtype", "float32")  # fmt: skip
+    assert resumed.exit_code == 0, explain(resumed)
+    assert "resuming from" in resumed.stderr and load_verified(run, RunManifest).summary.steps == 4

@@ -614,6 +614,8 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan: PlanManifest
         del keep["dense_router_grad"]
     if keep["targets"] is None:  # not given: spelled as the fixed default was before it followed the model (the plan's
         keep["targets"] = ",".join(DEFAULT_TARGETS)  # fingerprint pins what trains), so a run from then still resumes
+    if config.eval_data is not None:  # as a real path: a relative one did not resume from another directory (review)
+        keep["eval_data"] = str(_real(Path(config.eval_data)))
     global_batch = config.microbatch * config.grad_accum * world.size
     return {**keep, "global_batch": global_batch, "microbatch": config.microbatch, "model_fingerprint": model_fp,
             "plan_fingerprint": plan.fingerprint, "data_fingerprint": data_fp}  # fmt: skip
@@ -675,6 +677,8 @@ def run_differences(previous: Any, record: dict) -> list[str]:
     for key in sorted((set(previous) | set(record)) - RESUME_IGNORES):
         if key in RECORDED_SINCE and key not in previous:
             continue
+        if key in ("device", "dtype") and "compute_dtype" in previous:  # compared as resolved: --device cpu, auto
+            continue  # and USAF_DEVICE=cpu are one device, --dtype float32 and auto on it one dtype (found in review)
         was, now = previous.get(key), record.get(key)
         same_place = isinstance(was, str) and isinstance(now, str) and _real(Path(was)) == _real(Path(now))
         if key == "eval_data" and same_place:
