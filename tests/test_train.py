@@ -403,7 +403,10 @@ def test_a_non_finite_step_is_skipped_and_counted(prepared, tmp_path, monkeypatc
 
     monkeypatch.setattr(engine_module.SparseEngine, "loss", poisoned)
     run = tmp_path / "run"
-    assert train(qdir, tokens, plan, run, "--steps", 5, "--reselect-every", 0).exit_code == 0
+    result = train(qdir, tokens, plan, run, "--steps", 5, "--reselect-every", 0)
+    assert result.exit_code == 0
+    # said, not only counted in the table (a run of skipped steps read as trained; found in review)
+    assert "1 of the run's 5 steps were skipped (a non-finite loss" in " ".join(result.stderr.split())
     records = [m for m in metrics(run) if "loss" in m]
     assert [m["skipped"] for m in records] == [False, False, True, False, False]
     summary = load_verified(run, RunManifest).summary
@@ -1060,6 +1063,7 @@ def test_a_damaged_training_log_is_no_traceback_and_missing_steps_are_said(prepa
         assert result.exception is None or isinstance(result.exception, SystemExit)
         return
     assert result.exit_code == 0, explain(result)
+    assert "steps were skipped" not in said  # a run without any (the note's control)
     kept = {None: 8, "step-of-another-type": 7, "loss-of-another-type": 7, "removed": 3}[damage]
     note = f"metrics.jsonl holds the loss of {kept} of the run's 8 trained steps"
     assert (note in said) == (damage is not None), said

@@ -293,6 +293,9 @@ def _finish(
     model_fp = inputs.model.fingerprint
     logged = read_metrics(run_dir / METRICS_FILE)[0] if (run_dir / METRICS_FILE).is_file() else []
     window, first_mean, last_mean = loss_ends([loss for _, loss in logged])
+    if state.skipped:  # a count in the summary's table alone before: a run of skipped steps read as trained (review)
+        progress.note(f"{state.skipped:,} of the run's {state.step:,} steps were skipped (a non-finite loss or "
+                      "gradient; their weights were left as they were): a lower --lr, or check the data")  # fmt: skip
     if (trained := state.step - state.skipped) > len({step for step, _ in logged}):  # the summary says of what
         progress.note(f"{METRICS_FILE} holds the loss of {len({s for s, _ in logged}):,} of the run's {trained:,} "
                       "trained steps (lines removed or damaged): the loss means below are of those")  # fmt: skip
