@@ -590,3 +590,24 @@ def test_a_checkpoint_written_again_keeps_the_files_a_user_put_in_it(tmp_path):
     assert sorted(p.name for p in step.iterdir()) == sorted(["mine.txt", "deltas.safetensors", "routers.safetensors",
                                                              "optimizer.pt", "state.json"])  # fmt: skip
     assert (step / "state.json").read_text() != "{}"
+
+
+def test_an_out_inside_an_unfinished_run_is_refused_but_its_own_plan_directory(ws, tmp_path):
+    """``usaf train --out RUN/checkpoints/mine`` wrote a whole run inside an unfinished one, which --overwrite of the
+    outer run then deleted (found in review). Refused now, as inside a finished artifact; ``RUN/plan``, where train
+    scores the plan it was given none of, stays open (the control: a run scoring its plan on the fly finishes)."""
+    run = tmp_path / "run"
+    shutil.copytree(ws["run"], run)
+    (run / "manifest.json").unlink()  # unfinished
+    args = ["train", "--model", ws["model"], "--data", ws["tokens"], "--plan", ws["plan"], "--steps", 1]
+    before = snapshot(run)
+    for inside in (run / "checkpoints" / "mine", run / "inner"):
+        result = invoke(*args, "--out", inside)
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and f"--out {inside} lies inside {run}, an unfinished usaf run" in said, said
+        assert snapshot(run) == before
+    fresh = tmp_path / "fresh"
+    scored = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--steps", 2, "--calib-samples", 4,
+                    "--lr", 1e-3, "--out", fresh)  # fmt: skip
+    assert scored.exit_code == 0, scored.output
+    assert (fresh / "plan" / "manifest.json").is_file()

@@ -64,18 +64,25 @@ def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
 
 
 def check_not_inside_an_artifact(target: Path, flag: str) -> None:
-    """Refuse an output inside a finished usaf artifact (one with a manifest, or an export's marker), an input of
-    this command or not: its files would join the artifact's unlisted, and a command that replaced or deleted the
-    artifact would take them too. ``usaf score --out RUN/final/plan`` wrote a plan into a trained run (found in
-    review). An unfinished run is no artifact yet: train scores its own plan into ``RUN/plan``."""
-    for parent in _real(target).parents:
-        made = _finished(parent)
-        if made is not None:
-            raise UsafError(
-                f"{flag} {target} lies inside {parent}, {made[0]}: writing there would add files its manifest does "
-                "not list",
-                f"pass a {flag} outside every usaf artifact",
-            )
+    """Refuse an output inside a usaf artifact (one with a manifest, an export's marker, or an unfinished run), an
+    input of this command or not: its files would join the artifact's unlisted, and a command that replaced or
+    deleted the artifact would take them too. ``usaf score --out RUN/final/plan`` wrote a plan into a trained run,
+    ``usaf train --out RUN/checkpoints/mine`` a run into an unfinished one (found in review). Only ``RUN/plan`` of an
+    unfinished run is open: train scores the plan it was given none of there."""
+    # lazy: artifacts.run imports the writer, which imports this module
+    from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
+
+    real = _real(target)
+    for parent in real.parents:
+        finished = _finished(parent)
+        if finished is not None:
+            what, harm = finished[0], "add files its manifest does not list"
+        elif (parent / SETTINGS_FILE).is_file() and real != parent / PLAN_DIR:
+            what, harm = "an unfinished usaf run", "mix files into its run directory"
+        else:
+            continue
+        raise UsafError(f"{flag} {target} lies inside {parent}, {what}: writing there would {harm}",
+                        f"pass a {flag} outside every usaf artifact")  # fmt: skip
 
 
 def _finished(directory: Path) -> tuple[str, str] | None:
