@@ -448,8 +448,14 @@ def test_bad_inputs(prepared, tmp_path):
     newest = sorted((out / "checkpoints").iterdir())[-1]
     (newest / "deltas.safetensors").write_bytes(b"garbage")
     result = train(qdir, tokens, plan, out, "--steps", 4, "--save-every", 2, "--reselect-every", 0)
-    assert result.exit_code == 2 and "unreadable checkpoint" in result.stderr
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and f"resuming from {newest}: unreadable checkpoint" in said, said
     assert (newest / "deltas.safetensors").read_bytes() == b"garbage"
+    # its hint works (it named --resume, not given, and an earlier checkpoint no option picks; found in review)
+    assert "move it out of the run directory (the rerun resumes from the newest one left)" in said
+    shutil.move(newest, tmp_path / "damaged")
+    result = train(qdir, tokens, plan, out, "--steps", 4, "--save-every", 2, "--reselect-every", 0)
+    assert result.exit_code == 0 and "resuming from" in result.stderr, explain(result)
 
 
 def test_short_runs_default_to_a_static_mask_and_seq_len_cuts_sequences(prepared, tmp_path):

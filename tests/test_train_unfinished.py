@@ -267,3 +267,25 @@ def test_resume_without_out_and_nothing_unfinished_is_one_clear_error(prepared, 
     assert result.exit_code == 2
     assert f"--resume: no interrupted run of this command in {tmp_path / 'run'}" in result.stderr
     assert not (tmp_path / "run").exists() or runs(tmp_path) == []
+
+
+def test_refusals_name_the_setting_where_it_was_given(prepared, tmp_path):
+    """``USAF_RESUME=1`` on a new --out was told to "drop --resume", and ``[train] frac`` of a --config file beside
+    --plan to "drop --frac": flags never given (found in review). The setting is named where it came from; the flag
+    itself is the control."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    base = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 2]
+    result = invoke(*base, "--out", tmp_path / "new", env={"USAF_RESUME": "1"})
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "nothing to resume there (USAF_RESUME)" in said and "drop USAF_RESUME" in said
+    result = invoke(*base, "--out", tmp_path / "new", "--resume")
+    assert result.exit_code == 2 and "drop --resume to start a new run" in " ".join(result.stderr.split())
+    config = tmp_path / "c.toml"
+    config.write_text("[train]\nfrac = 0.01\n")
+    result = invoke(*base, "--out", tmp_path / "new", "--config", config)
+    assert result.exit_code == 2 and f"drop --config {config} [train] frac" in " ".join(result.stderr.split())
+    result = invoke(*base, "--out", tmp_path / "new", "--frac", 0.01)
+    assert result.exit_code == 2 and "hint: drop --frac," in result.stderr
+    result = invoke(*base, "--out", tmp_path / "new", "--ram", "1KiB")  # a plan's --frac is refused: not offered
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "nothing fits" in said and "or a plan with a smaller --frac" in said, said

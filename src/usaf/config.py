@@ -388,7 +388,7 @@ def _apply_deciders(
     if refused:
         deciders = {decider for _, decider in refused}
         remedies = [cli_meta(fields[d]).get("remedy") for d in sorted(deciders)]
-        given = ", ".join(flag(field) for field, _ in refused)
+        given = ", ".join(origin[field] for field, _ in refused)  # where it came from: a --config table's key too
         raise UsafError(
             "; ".join(f"{origin[field]}: {flag(d)} {values[d]} decides it" for field, d in refused),
             f"drop {given}" + "".join(f", or {r}" for r in remedies if r),

@@ -80,10 +80,12 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
     # The model is already quantized and eval is another command: only train (and scoring on the fly) count.
     relevant = ("train", "score") if first_layer is None else ("train",)
     short = [line for line in plan.shortfalls if line.split(" ", 1)[0] in relevant]
-    if short:
+    if short:  # with a plan its masks' size and layers are fixed: naming --frac there named a refused flag (review)
+        smaller = "a plan with a smaller --frac or fewer trainable layers" if plan_summary is not None else (
+            "a smaller --frac or fewer trainable layers")
         raise UsafError(
             "--vram/--ram: nothing fits: " + "; ".join(short),
-            "more memory, a shorter --seq-len, a smaller --frac or fewer trainable layers; usaf plan shows the table",
+            f"more memory, a shorter --seq-len, or {smaller}; usaf plan shows the table",
         )
     s = plan.settings
     updates: dict[str, Any] = {}

@@ -241,10 +241,11 @@ def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> Non
     # An empty directory (or one of only a kill's lock and temporaries) holds no run: --resume there started a new
     # run in silence (found in review), where the user meant another directory.
     if config.resume and (not run_dir.exists() or not own_entries(run_dir)):
+        given = source_of(config, "resume")  # USAF_RESUME=1 or a --config table too: "drop --resume" named no flag
         if config.out is None:  # the new default: the workspace held no unfinished run of this command
-            raise UsafError(f"--resume: no interrupted run of this command in {run_dir.parent}",
-                            "pass its --out, or drop --resume to start a new run")  # fmt: skip
-        raise UsafError(f"--out {run_dir}: nothing to resume there", "drop --resume to start a new run")
+            raise UsafError(f"{given}: no interrupted run of this command in {run_dir.parent}",
+                            f"pass its --out, or drop {given} to start a new run")  # fmt: skip
+        raise UsafError(f"--out {run_dir}: nothing to resume there ({given})", f"drop {given} to start a new run")
 
 
 def _real(path: Path) -> Path:

@@ -71,7 +71,8 @@ def recorded_threads(checkpoint: Path) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
 
-_HINT = "resume from an earlier checkpoint (remove the damaged one), or pass --overwrite to start again"
+_HINT = "move the damaged checkpoint out of the run directory (the rerun resumes from the newest one left), or pass " \
+    "--overwrite to start again"
 
 
 def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
@@ -87,7 +88,7 @@ def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
             raise RuntimeError("a checkpoint is restored into a fresh engine only")
         frozen = records[name].frozen if name in records else None
         if frozen is None:
-            raise UsafError(f"--resume {directory}: malformed delta for {name}", "resume from an earlier one")
+            raise UsafError(f"resuming from {directory}: malformed delta for {name}", _HINT)
         if frozen[0].numel():  # dropped-and-kept deltas: back into the record and the resident base
             weight.fold(*frozen)
     with torch.no_grad():
@@ -123,7 +124,7 @@ def _refused(path: Path) -> Iterator[None]:
         yield
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UsafError(f"--resume {path}: not the optimizer state of this run ({detail})", _HINT) from None
+        raise UsafError(f"resuming from {path}: not the optimizer state of this run ({detail})", _HINT) from None
 
 
 def _check_rng(rng: Any) -> None:
@@ -150,20 +151,21 @@ def _check_schedule(schedule: Any) -> None:
 def _train_state(state: Any, path: Path) -> TrainState:
     """The trainer's counters from ``state.json``: only its fields, and whole-number counters from 0."""
     if not isinstance(state, dict):
-        raise UsafError(f"--resume {path}: not the state usaf writes (a JSON object)", _HINT)
+        raise UsafError(f"resuming from {path}: not the state usaf writes (a JSON object)", _HINT)
     unknown = sorted(set(state) - {f.name for f in dataclasses.fields(TrainState)})
     if unknown:
-        raise UsafError(f"--resume {path}: not the state usaf writes (unknown keys {unknown})", _HINT)
+        raise UsafError(f"resuming from {path}: not the state usaf writes (unknown keys {unknown})", _HINT)
     for key in ("step", "tokens", "skipped", "world_size", "microbatch", "grad_accum", "company_size"):
         value = state.get(key, 0)
         optional = key in ("microbatch", "grad_accum", "company_size") and value is None
         if not optional and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise UsafError(f"--resume {path}: {key} {value!r} is not a count (a whole number from 0)", _HINT)
+            raise UsafError(f"resuming from {path}: {key} {value!r} is not a count (a whole number from 0)", _HINT)
     threads = state.get("threads")
     if threads is not None and thread_count(threads) is None:
-        raise UsafError(f"--resume {path}: threads {threads!r} is not a thread count (a whole number from 1)", _HINT)
+        raise UsafError(f"resuming from {path}: threads {threads!r} is not a thread count (a whole number from 1)",
+                        _HINT)  # fmt: skip
     if state.get("company_size") == 0:  # sequences per company (usaf.stages.train.companies): at least one
-        raise UsafError(f"--resume {path}: company_size 0 is not a number of sequences (1 or more)", _HINT)
+        raise UsafError(f"resuming from {path}: company_size 0 is not a number of sequences (1 or more)", _HINT)
     return TrainState(**state)
 
 
@@ -172,11 +174,11 @@ def _check_routers(masters: dict[str, torch.Tensor], saved: dict[str, torch.Tens
     missing, extra = sorted(set(masters) - set(saved)), sorted(set(saved) - set(masters))
     if missing or extra:
         parts = [f"{what} {names[:3]}" for what, names in (("missing", missing), ("not this run's", extra)) if names]
-        raise UsafError(f"--resume {path}: routers {'; '.join(parts)}", _HINT)
+        raise UsafError(f"resuming from {path}: routers {'; '.join(parts)}", _HINT)
     for name, master in masters.items():
         if tuple(saved[name].shape) != tuple(master.shape):
             raise UsafError(
-                f"--resume {path}: router {name} has shape {tuple(saved[name].shape)}, the model's is "
+                f"resuming from {path}: router {name} has shape {tuple(saved[name].shape)}, the model's is "
                 f"{tuple(master.shape)}",
                 _HINT,
             )

@@ -424,7 +424,9 @@ class Trainer:
         # lazy: an import cycle (resume imports TrainState from this module)
         from usaf.stages.train.resume import restore
 
-        restore(self, read_checkpoint(directory, flag="--resume", max_step=self.steps), directory)
+        # not "--resume": a rerun resumes without it, and the hint says what a user can do (found in review)
+        hint = "move it out of the run directory (the rerun resumes from the newest one left), or --overwrite"
+        restore(self, read_checkpoint(directory, flag="resuming from", hint=hint, max_step=self.steps), directory)
 
     def _memory_now(self) -> dict[str, int]:
         """Process RSS, and the accelerator's peak allocation when the backend reports one (bytes)."""
