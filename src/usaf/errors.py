@@ -24,6 +24,10 @@ class UsafError(Exception):
         return self.message if not self.hint else f"{self.message} ({self.hint})"
 
 
+# Ctrl-C; kill, schedulers and container stops; a closed terminal (Windows has no SIGHUP).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 class StopSignal(KeyboardInterrupt):
     """A run stopped at a step boundary by a signal: Ctrl-C (SIGINT), ``kill``/a scheduler/a container stop
     (SIGTERM) or a closed terminal (SIGHUP). Handled like Ctrl-C; the command exits with the shell's

@@ -29,17 +29,23 @@ copied first (``torch.save`` would write its whole base storage and keep the str
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import signal
 import sys
+import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.serialization import DEFAULT_PROTOCOL
+
+from usaf.errors import STOP_SIGNALS
 
 try:  # torch >= 2.5
     from torch.serialization import _get_storage_alignment, get_crc32_options
@@ -58,6 +64,29 @@ def _file_writer(file: Any) -> Any:
 
 
 _TMP_TAG = ".usaf-tmp-"  # same tag as usaf.artifacts.writer, so stray temporaries are recognisable
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) that arrives while a record is written is delivered after it.
+
+    Raised inside the writer's call into the file, the signal's KeyboardInterrupt tore the archive the C++ writer was
+    building; its destructor then wrote the zip's end over the torn record, threw, and the process aborted with a C++
+    stack dump instead of stopping (``usaf quantize`` Ctrl-C'd while assembling experts_q4.pt; found in review).
+    Main thread only (Python's rule for signal handlers); elsewhere signals are the main thread's anyway.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            signal.raise_signal(received[0])  # to the handler it would have met, now that the record is whole
 
 
 class _StorageRef:
@@ -138,7 +167,8 @@ class StreamingTorchSave:
             raise TypeError(f"entry names must be str, got {type(name).__name__}")
         if name in self._entries:
             raise ValueError(f"{self.path}: entry {name!r} added twice")
-        self._entries[name] = self._stash(entry, name)
+        with _stop_signals_deferred():
+            self._entries[name] = self._stash(entry, name)
 
     def close(self) -> None:
         """Write ``data.pkl`` and the format records, finish the archive and rename it into place."""
@@ -147,14 +177,15 @@ class StreamingTorchSave:
         try:
             buf = _pickle(self._entries)
             w = self._writer
-            w.write_record("data.pkl", buf, len(buf))
-            if _get_storage_alignment is not None:  # torch 2.4's torch.save writes neither record
-                w.write_record(".format_version", "1", 1)  # 1: storages numbered, not sorted by name
-                alignment = str(_storage_alignment())
-                w.write_record(".storage_alignment", alignment, len(alignment))
-            w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            w.write_end_of_file()
-            self._writer = None
+            with _stop_signals_deferred():
+                w.write_record("data.pkl", buf, len(buf))
+                if _get_storage_alignment is not None:  # torch 2.4's torch.save writes neither record
+                    w.write_record(".format_version", "1", 1)  # 1: storages numbered, not sorted by name
+                    alignment = str(_storage_alignment())
+                    w.write_record(".storage_alignment", alignment, len(alignment))
+                w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+                w.write_end_of_file()
+                self._writer = None
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()

@@ -11,10 +11,9 @@ import signal
 import threading
 
 from usaf.distributed import PeerLost, World
-from usaf.errors import StopSignal
+from usaf.errors import STOP_SIGNALS, StopSignal
 
-# Ctrl-C; kill, schedulers and container stops; a closed terminal (Windows has no SIGHUP).
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+__all__ = ["STOP_SIGNALS", "StopRequest", "rerun_to_resume"]
 
 
 class StopRequest:
