@@ -217,8 +217,12 @@ def test_interrupted_after_the_experts_are_assembled_no_layer_is_quantized_again
 
     monkeypatch.setattr(module, stop_in, stopped)
     resumed = tmp_path / "resumed"
-    assert quantize(source, "--out", resumed, *args).exit_code == 130
+    stopped_run = quantize(source, "--out", resumed, *args)
+    assert stopped_run.exit_code == 130
     partial = tmp_path / ".resumed.usaf-partial"
+    if stop_in == "copy_model_files":  # the kept layers are said there too, not only in the layer loop (review)
+        said = " ".join(stopped_run.stderr.split())
+        assert f"interrupted: 4 of 4 MoE layers quantized and kept in {partial}" in said, said
     assert (partial / "experts_q4.pt").is_file() and len(list((partial / "layers").iterdir())) == 4
 
     monkeypatch.setattr(module, stop_in, real)
@@ -471,6 +475,11 @@ def test_non_finite_expert_weights_are_one_clear_error(tiny_model, tmp_path):
     assert len(errors) == 1 and "Traceback" not in result.output and not out.exists()
     assert "non-finite weights" in errors[0] and "down_proj" in errors[0] and str(damaged) in result.stderr
     assert "the checkpoint is damaged" in result.stderr
+    # no partial kept for a resume no rerun gets past: it refused the next try as "an interrupted run with other
+    # settings" (found in review); the next try meets the same damage
+    assert [p.name for p in tmp_path.iterdir()] == ["damaged"]
+    again = quantize(damaged, "--out", out, "--method", "hqq")
+    assert again.exit_code == 2 and "non-finite weights" in again.stderr and "interrupted" not in again.stderr
 
 
 def test_not_a_moe_model(tmp_path):
@@ -554,3 +563,18 @@ def test_every_tokenizer_file_is_carried_over(tiny_model, tmp_path):
     assert quantize(source, "--method", "rtn", "--group-size", 8, "--out", out).exit_code == 0
     for name in ("added_tokens.json", "qwen.tiktoken", "config.json"):
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
+
+
+def test_an_out_or_workspace_inside_the_model_is_refused_before_anything_is_made_there(tiny_model, tmp_path):
+    """The refusal came after the output's lock had made its parent directories inside the input model, and a
+    --workspace inside it was named --out (found in review)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3_moe"), model)
+    before = sorted(p.name for p in model.iterdir())
+    result = quantize(model, "--out", model / "a" / "b" / "c")
+    assert result.exit_code == 2 and "lies inside the input MODEL" in result.stderr, result.output
+    result = quantize(model, "--workspace", model)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "--workspace" in said and "lies inside the input MODEL" in said, said
+    assert "pass a --workspace outside every input" in said
+    assert sorted(p.name for p in model.iterdir()) == before

@@ -191,6 +191,10 @@ def _estimate_note(weights: dict[str, torch.Tensor], config: QuantizeConfig, dev
     )
 
 
+class DamagedModel(UsafError):
+    """The source model's weights cannot be quantized (non-finite, or scales past fp16): no rerun gets past them."""
+
+
 @contextlib.contextmanager
 def _kept_on_stop(work: Path, layers: int, progress: Progress, *, force: bool) -> Iterator[None]:
     """On Ctrl-C (or SIGTERM), say how many layers are kept and how to go on: it said only that nothing half-written
@@ -251,11 +255,14 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
         if out is not None:
             progress.note(f"resuming the interrupted quantization that was writing {out} (no --out given)")
     out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", label))
+    flag = "--out" if config.out is not None else "--workspace"  # the default output is the workspace's: name that
     writer = ArtifactWriter(out, kinds=(QuantizedModelManifest.KIND,), overwrite=config.force, overwrite_flag="--force",
-                            inputs={"MODEL": model_dir}, resumable=True, markers=(PARTIAL_SETTINGS,))  # fmt: skip
+                            inputs={"MODEL": model_dir}, resumable=True, markers=(PARTIAL_SETTINGS,),
+                            flag=flag)  # fmt: skip
+    # first: --out MODEL of a usaf-made model was told to pass --resume or --force, both refused; and before the lock,
+    # whose directory was made inside the input before the refusal (both found in review)
+    check_not_an_input(out, flag, {"MODEL": model_dir})
     with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it
-        # first: --out MODEL of a usaf-made model was told to pass --resume or --force, both refused (found in review)
-        check_not_an_input(out, "--out", {"MODEL": model_dir})
         found = found_at(out)
         if found.state == "usaf":  # another command's output: refused before --resume or --force is offered for it
             refuse_unless_replaceable(out, found, "--out", overwrite=True, overwrite_flag="--force", kinds=writer.kinds,
@@ -311,12 +318,17 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             write_text_atomic(art.dir / PARTIAL_SETTINGS, json.dumps({**settings, SOURCE_FILES: files}))
             if art.resumed:
                 progress.note(f"resuming the interrupted run in {art.dir}")
+            # through the assembly too: stopped there, all layers were kept and the rerun resumes, unsaid (review)
             with _kept_on_stop(art.dir, len(plan.experts), progress, force=config.force):
-                records, packing, digests = _quantize_layers(config, plan, model_dir, infos, art.dir, backend.device,
-                                                             progress)  # fmt: skip
-            write_base_shards(shards, model_dir, infos, art.dir, progress)
-            _assemble_experts(plan, art.dir, progress)
-            copy_model_files(model_dir, art.dir)
+                try:
+                    records, packing, digests = _quantize_layers(config, plan, model_dir, infos, art.dir,
+                                                                 backend.device, progress)  # fmt: skip
+                except DamagedModel:  # no rerun gets past it: the partial kept for one blocked the next (review)
+                    art.resumable = False
+                    raise
+                write_base_shards(shards, model_dir, infos, art.dir, progress)
+                _assemble_experts(plan, art.dir, progress)
+                copy_model_files(model_dir, art.dir)
             summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards,
                                digests)  # fmt: skip
             manifest = art.commit(
@@ -386,8 +398,8 @@ def _quantize_layers(
                     q = quantize_experts(w, method=config.method, nbits=config.nbits, group_size=config.group_size,
                                          transposed=layer.layout.transposed, device=device)  # fmt: skip
                 except ValueError as e:  # non-finite weights, or scales past fp16: a traceback (found in review)
-                    raise UsafError(f"MODEL {model_dir}: {name}: {e}",
-                                    "the checkpoint is damaged: re-download or re-save it") from None  # fmt: skip
+                    raise DamagedModel(f"MODEL {model_dir}: {name}: {e}",
+                                       "the checkpoint is damaged: re-download or re-save it") from None  # fmt: skip
                 entries[name] = q
                 errors[name] = _relative_error(w, q)
             saved = {"entries": {k: q.to_dict() for k, q in entries.items()}, "errors": errors, "digest": digest}
