@@ -371,7 +371,9 @@ def test_use_multi_gpu_is_a_warning(value: str, warned: bool) -> None:
     warnings = [n for n in backend.notes if n.level == "warning"]
     assert bool(warnings) is warned
     if warned:
-        assert "not supported" in warnings[0].message and "torchrun" in warnings[0].message
+        # it said data parallel was a later feature, which usaf train --nproc is (found in review)
+        assert "is not read" in warnings[0].message and "usaf train --nproc N" in warnings[0].message
+        assert "later" not in warnings[0].message
     assert backend.name == "cpu"
 
 
@@ -397,7 +399,8 @@ def test_explain_env() -> None:
     }
     assert set(rows) == {"USE_CUDA", "USE_AMP", "USE_MULTI_GPU", "CUDA_VISIBLE_DEVICES"}
     assert "device cuda" in rows["USE_CUDA"] and "fp32" in rows["USE_AMP"]
-    assert "not supported" in rows["USE_MULTI_GPU"]
+    assert "not read" in rows["USE_MULTI_GPU"] and "--nproc" in rows["USE_MULTI_GPU"]
+    assert "later" not in rows["USE_MULTI_GPU"]
 
 
 # --- a real GPU ------------------------------------------------------------------------------------

@@ -62,8 +62,8 @@ def read_legacy_env(env: Mapping[str, str]) -> LegacySettings:
         notes.append(
             Note(
                 "warning",
-                f"{USE_MULTI_GPU}={env[USE_MULTI_GPU]!r} is not supported: usaf runs on one device "
-                "(data parallel through torchrun is a separate, later feature); using one device",
+                f"{USE_MULTI_GPU}={env[USE_MULTI_GPU]!r} is not read: a usaf process runs on one device; "
+                "data parallel is torchrun's (usaf train --nproc N, or torchrun -m usaf train); using one device",
             )
         )
     return LegacySettings(use_cuda=use_cuda, amp=amp, notes=tuple(notes))
@@ -77,7 +77,7 @@ _FLAG_MEANINGS = {
     (USE_AMP, False): "legacy: mixed precision off (fp32 everywhere)",
 }
 _OTHER_MEANINGS = {
-    USE_MULTI_GPU: "legacy: not supported (one device per run; data parallel via torchrun comes later)",
+    USE_MULTI_GPU: "legacy: not read (one device per process; data parallel: usaf train --nproc N, or torchrun)",
     "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees, renumbered from cuda:0",
     "HIP_VISIBLE_DEVICES": "which AMD GPUs a ROCm build of torch sees, renumbered from cuda:0",
     "ROCR_VISIBLE_DEVICES": "which AMD GPUs the ROCm runtime exposes",
