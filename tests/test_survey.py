@@ -136,3 +136,24 @@ def test_an_output_being_written_is_said_to_be_in_use(workspace, tmp_path):
         assert entry["in_use"] is None
     finally:
         lock.unlink()
+
+
+def test_a_damaged_manifest_is_listed_and_named_where_a_stage_looks_for_its_kind(prepared, tmp_path):
+    """A quantized model whose manifest.json was cut was left out of ``usaf inspect WORKSPACE``, and a stage that took
+    the workspace's newest said there was none and to run quantize first (found in review). Listed as damaged, and
+    named by the stage. Control: a web app's own manifest.json (no usaf fields) is still no usaf entry."""
+    import shutil
+
+    qdir, _, _ = prepared("qwen3_moe")
+    model = tmp_path / "quantized_model" / "q"
+    shutil.copytree(qdir, model)
+    (model / "manifest.json").write_text('{"kind":')
+    (tmp_path / "webapp").mkdir()
+    (tmp_path / "webapp" / "manifest.json").write_text('{"name": "my app", "start_url": "/"}')
+    (entry,) = surveyed(tmp_path)
+    assert (entry["state"], entry["kind"], entry["path"]) == ("damaged", "quantized_model", str(model)), entry
+    assert f"usaf inspect {model} says what is wrong" in entry["next"]
+    result = invoke("generate", "--workspace", tmp_path, "hello")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and f"{model} is one with a damaged manifest.json" in said, said
+    assert f"usaf inspect {model} says what is wrong with it" in said

@@ -112,6 +112,18 @@ def find_artifacts(workspace: Path, cls: type[M]) -> list[Found[M]]:
     return found
 
 
+def _damaged(workspace: Path, cls: type[Manifest]) -> list[Path]:
+    """Directories where the workspace keeps ``cls``'s kind (``WORKSPACE/<kind>/<name>``) whose manifest does not
+    load: cut, edited, or of a newer schema."""
+    damaged = []
+    for manifest_path in sorted((workspace / cls.KIND).glob(f"*/{MANIFEST_NAME}")):
+        try:
+            load_manifest(manifest_path.parent, cls)
+        except UsafError:
+            damaged.append(manifest_path.parent)
+    return damaged
+
+
 def pick_latest(
     workspace: Path,
     cls: type[M],
@@ -136,9 +148,12 @@ def pick_latest(
     if accept is not None:
         found = [f for f in found if accept(f.manifest)]
     if not found:
+        damaged = _damaged(workspace, cls)  # "no artifact" and "run the stage first" were false of these (review)
+        beside = f"; {damaged[0]} is one with a damaged {MANIFEST_NAME}" if damaged else ""
         raise UsafError(
-            f"{flag}: not given, and no '{cls.KIND}' artifact{wanted} in the workspace {workspace}",
-            f"pass {flag} PATH, or run the stage that makes '{cls.KIND}' first",
+            f"{flag}: not given, and no '{cls.KIND}' artifact{wanted} in the workspace {workspace}{beside}",
+            f"pass {flag} PATH, or run the stage that makes '{cls.KIND}' first"
+            + (f" (usaf inspect {damaged[0]} says what is wrong with it)" if damaged else ""),
         )
     if lineage is not None:
         groups = {lineage(f.manifest) for f in found}

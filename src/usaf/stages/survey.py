@@ -92,7 +92,12 @@ def describe(path: Path) -> Entry | None:
 def _finished(path: Path) -> Entry | None:
     record = _json(path / MANIFEST_NAME)
     if record is None or not isinstance(record.get("kind"), str):
-        return None
+        # a usaf manifest cut or edited was left out, as if nothing were there (found in review); a web app's
+        # manifest.json (a JSON object without usaf's fields) is someone else's
+        if record is not None and "usaf_version" not in record:
+            return None
+        return Entry(path, "damaged", path.parent.name, f"its {MANIFEST_NAME} is unreadable or names no kind",
+                     _size(path), f"usaf inspect {path} says what is wrong; make it again with the stage that made it")
     created = str(record.get("created_at", ""))[:16].replace("T", " ")
     detail = f"made {created}" if created else "made by usaf"
     return Entry(path, "finished", record["kind"], detail, _size(path), f"usaf inspect {path} verifies its files",
