@@ -409,6 +409,10 @@ def test_cli_says_what_is_short_and_exits_2():
     result = invoke("plan", QWEN3_30B, "--vram", "4GiB", "--ram", "32GiB")
     assert result.exit_code == 2
     assert "nothing fits" in result.stderr and "GiB short" in result.stderr and "--vram" in result.stderr
+    # on the CPU the hint names --ram alone: --vram is refused there (found in review)
+    result = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "4GiB")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "hint: more --ram, a shorter --seq-len" in said and "--vram" not in said, said
 
 
 @pytest.mark.parametrize(

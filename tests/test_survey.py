@@ -157,3 +157,11 @@ def test_a_damaged_manifest_is_listed_and_named_where_a_stage_looks_for_its_kind
     said = " ".join(result.stderr.split())
     assert result.exit_code == 2 and f"{model} is one with a damaged manifest.json" in said, said
     assert f"usaf inspect {model} says what is wrong with it" in said
+
+
+def test_inspect_of_a_manifest_file_names_its_directory(workspace):
+    """``usaf inspect ARTIFACT/manifest.json`` answered "not a usaf artifact (no manifest.json)" (found in review)."""
+    plan = workspace / "plan" / "mine"
+    result = invoke("inspect", plan / "manifest.json")
+    assert result.exit_code == 2 and f"hint: pass its directory, {plan}" in " ".join(result.stderr.split())
+    assert invoke("inspect", plan).exit_code == 0  # the control

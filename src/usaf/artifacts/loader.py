@@ -24,7 +24,9 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         hint = "point at a directory written by a usaf command; an interrupted run leaves none"
-        if (path / "config.json").is_file():  # the model a user starts from (found in review: the hint named no way on)
+        if path.name == MANIFEST_NAME and path.is_file():  # the manifest itself: its directory is the artifact
+            hint = f"pass its directory, {path.parent}"
+        elif (path / "config.json").is_file():  # the model a user starts from (found in review: no way on was named)
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
         raise UsafError(f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})", hint)
     try:

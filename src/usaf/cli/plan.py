@@ -61,7 +61,7 @@ def _run(settings: Any, json_output: bool) -> None:
     if not plan.fits:
         raise UsafError(
             "nothing fits: " + "; ".join(plan.shortfalls) + " (at the smallest settings shown above)",
-            "more --vram/--ram, a shorter --seq-len, or a smaller --frac",
+            f"more {'--ram' if kind == 'cpu' else '--vram/--ram'}, a shorter --seq-len, or a smaller --frac",
         )
 
 
