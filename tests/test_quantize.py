@@ -578,3 +578,17 @@ def test_an_out_or_workspace_inside_the_model_is_refused_before_anything_is_made
     assert result.exit_code == 2 and "--workspace" in said and "lies inside the input MODEL" in said, said
     assert "pass a --workspace outside every input" in said
     assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_a_model_without_tokenizer_files_is_said_at_quantize_time(tiny_model, tmp_path):
+    """Quantized in silence, it was refused later by every stage that reads a tokenizer (found in review). Control:
+    the same model with its tokenizer gets no such note."""
+    source = tiny_model("qwen3_moe", tokenizer=True)
+    bare = tmp_path / "bare"
+    shutil.copytree(source, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bare / name).unlink(missing_ok=True)
+    for model, said in ((bare, True), (source, False)):
+        result = quantize(model, "--out", tmp_path / f"q-{said}", "--method", "rtn", "--group-size", "8")
+        assert result.exit_code == 0, result.output
+        assert ("has no tokenizer files" in " ".join(result.stderr.split())) is said, result.stderr

@@ -23,6 +23,13 @@ def _needs_remote_code(local: Path) -> bool:
     return isinstance(config, dict) and "AutoTokenizer" in (config.get("auto_map") or {})
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one is a start
+
+
+def has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "--model") -> Any:
     """A fast (Rust-backed) tokenizer for ``model``, a local directory or a hub id.
 
@@ -35,8 +42,7 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     local = Path(model)
     if (model.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
         raise UsafError(f"{flag} {model}: no such directory", "pass a model directory or a hub id")
-    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if local.is_dir() and not any((local / name).is_file() for name in vocab_files):
+    if local.is_dir() and not has_tokenizer_files(local):
         # transformers would build an empty one-token tokenizer from config.json alone
         raise UsafError(
             f"{flag} {model}: no tokenizer files (tokenizer.json or tokenizer_config.json) in the directory",

@@ -40,6 +40,7 @@ from usaf.backends import resolve_backend
 from usaf.backends.transfer import is_host
 from usaf.config import source_of
 from usaf.data.hub import resolve_model_dir
+from usaf.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from usaf.errors import UsafError
 from usaf.families import load_model_config, load_tensors, map_checkpoint, read_checkpoint, resolve_family
 from usaf.quant import QuantizedTensor, dequantize, quantize_experts
@@ -329,6 +330,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
                 write_base_shards(shards, model_dir, infos, art.dir, progress)
                 _assemble_experts(plan, art.dir, progress)
                 copy_model_files(model_dir, art.dir)
+            if not has_tokenizer_files(model_dir):  # said where it can be mended, not first by generate (review)
+                progress.note(f"MODEL {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): tokenize, "
+                              "score, train, eval and generate read the quantized model's; copy the original's "
+                              "next to MODEL's config.json and quantize again (--force)")  # fmt: skip
             summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards,
                                digests)  # fmt: skip
             manifest = art.commit(
