@@ -140,8 +140,10 @@ def test_loader_errors_are_one_clear_line(tmp_path):
             load_manifest(target)
         assert hint in e.value.hint
     manifest_path.write_text(json.dumps({**data, "kind": "from_the_future"}))
-    with pytest.raises(UsafError, match="unknown artifact kind 'from_the_future'"):
+    with pytest.raises(UsafError, match="unknown artifact kind 'from_the_future'") as e:
         load_manifest(target)
+    # it told every edited kind to upgrade usaf (found in review): the hint names both causes and the version to check
+    assert "else the file was edited" in e.value.hint and f"usaf_version {data['usaf_version']!r}" in e.value.hint
     manifest_path.write_text(json.dumps({**data, "fingerprint": 42}))
     with pytest.raises(UsafError, match="invalid manifest at 'fingerprint'"):
         load_manifest(target)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar, overload
 
 from pydantic import ValidationError
 
+from usaf._version import __version__
 from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
 from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
 from usaf.artifacts.safety import contained
@@ -70,7 +71,8 @@ def load_manifest(path: Path, expect: type[M] | None = None, *, flag: str = "pat
     if cls is None:
         raise UsafError(
             f"{flag} {where}: unknown artifact kind '{kind}' (known: {', '.join(sorted(MANIFEST_KINDS))})",
-            "it was made by a newer usaf; upgrade usaf",
+            f"a newer usaf's, if its usaf_version {data.get('usaf_version')!r} is newer than this one's "
+            f"{__version__} (then upgrade usaf); else the file was edited: re-run the stage that made it",
         )
     if version != cls.SCHEMA_VERSION:
         newer = isinstance(version, int) and version > cls.SCHEMA_VERSION
