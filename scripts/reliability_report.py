@@ -295,7 +295,10 @@ A stop signal ends a long stage at a boundary of its own and keeps what it did; 
 129: `pytest tests/test_train.py -k "ctrl_c or sigterm"`). `usaf score` saves its calibration pass after the
 batch it is in, its lr test's finished probes (the probe it is in runs again) or how far `--cache`'s store got, in
 `.PLAN.usaf-partial/`; the rerun's plan is byte-identical to an uninterrupted run's (`pytest
-tests/test_score_resume.py`, a real SIGINT included). `usaf quantize` keeps the layers it finished. The other
+tests/test_score_resume.py`, a real SIGINT included). `usaf quantize` keeps the layers it finished, and a signal
+that lands while experts_q4.pt is written is delivered after the record it is in (it aborted the process with a C++
+stack dump: `pytest tests/test_ptfile.py -k inside_a_record`). `usaf train` stopped in its final held-out pass saves
+every step too (`pytest tests/test_train.py -k final_held_out`). The other
 stages leave nothing and start over: SIGTERM and SIGHUP stop every command as Ctrl-C does (they ended one where
 it stood, and a stopped `usaf tokenize` left its half-written temporary output; `pytest tests/test_tokenize.py -k
 sigterm`). A second signal leaves at once without saving; the last save stays intact.
