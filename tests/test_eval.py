@@ -720,7 +720,7 @@ def test_out_is_refused_where_it_is_or_lies_in_what_eval_reads_found_in_the_work
     tokens = workspace / "tokens" / "t"
     shutil.copytree(trained["tokens"], tokens)
     step = sorted((trained["run"] / "checkpoints").iterdir())[-1]
-    unfinished = _unfinished(trained["run"], tmp_path / "unfinished")  # no artifact yet: only the input check holds
+    unfinished = _unfinished(trained["run"], tmp_path / "unfinished")  # refused as an unfinished run since 2026-12-07
     unfinished_step = unfinished / "checkpoints" / step.name
     common = ["eval", "--model", trained["q"], "--workspace", workspace, "--max-sequences", 4, "--no-plots"]
     for out, checkpoint, extra, named in [
@@ -730,7 +730,7 @@ def test_out_is_refused_where_it_is_or_lies_in_what_eval_reads_found_in_the_work
         (tokens / "report", step, [], f"lies inside {tokens}, a usaf tokens artifact"),
         (trained["run"] / "report", step, ["--held-out", trained["tokens"]], f"lies inside {trained['run']}, a usaf"),
         (unfinished / "report", unfinished_step, ["--held-out", trained["tokens"]],
-         "lies inside the input the run of --checkpoint"),
+         f"lies inside {unfinished}, an unfinished usaf run"),
     ]:  # fmt: skip
         refused = invoke(*common, "--checkpoint", checkpoint, *extra, "--out", out)
         message = " ".join(refused.stderr.split())
