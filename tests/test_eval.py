@@ -815,12 +815,12 @@ def test_the_base_cache_key_names_the_card_not_only_the_device_type():
 
     from usaf.stages.eval import _cache_key_parts, cache
 
-    def key(card: str) -> str:
-        backend = SimpleNamespace(device=torch.device("cuda", 0), device_name=card,
-                                  policy=SimpleNamespace(compute=torch.bfloat16))  # fmt: skip
-        return cache.cache_key(_cache_key_parts("model", "sequences", 2, backend))
+    def key(card: str, dtype: torch.dtype = torch.bfloat16) -> str:
+        backend = SimpleNamespace(device=torch.device("cuda", 0), device_name=card)
+        return cache.cache_key(_cache_key_parts("model", "sequences", 2, backend, dtype))
 
     assert key("NVIDIA H100 80GB HBM3") != key("NVIDIA GeForce RTX 4070") and key("A") == key("A")
+    assert key("A", torch.float32) != key("A")  # and the dtype the passes computed in (--dtype)
 
 
 def test_a_killed_cache_saves_temporary_is_cleared_by_the_next_save(tmp_path):
