@@ -296,9 +296,10 @@ def _finish(
     if state.skipped:  # a count in the summary's table alone before: a run of skipped steps read as trained (review)
         progress.note(f"{state.skipped:,} of the run's {state.step:,} steps were skipped (a non-finite loss or "
                       "gradient; their weights were left as they were): a lower --lr, or check the data")  # fmt: skip
-    if (trained := state.step - state.skipped) > len({step for step, _ in logged}):  # the summary says of what
-        progress.note(f"{METRICS_FILE} holds the loss of {len({s for s, _ in logged}):,} of the run's {trained:,} "
-                      "trained steps (lines removed or damaged): the loss means below are of those")  # fmt: skip
+    steps_logged = len({step for step, _ in logged})
+    if (trained := state.step - state.skipped) > steps_logged:  # the summary says of what
+        progress.note(f"{METRICS_FILE} holds the loss of {steps_logged:,} of the run's {trained:,} trained steps "
+                      "(lines removed or damaged): the loss means below are of those")  # fmt: skip
     summary = RunSummary(
         model_fingerprint=model_fp,
         plan_fingerprint=inputs.plan.fingerprint,
