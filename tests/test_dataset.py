@@ -50,3 +50,21 @@ def test_a_file_changed_while_it_was_validated_is_refused(tmp_path, monkeypatch)
         TokenDataset(path, vocab_size=VOCAB)
     monkeypatch.setattr(dataset_module, "iter_token_file", validate)  # control: unchanged, it is taken
     assert len(TokenDataset(path, vocab_size=VOCAB)) == 1
+
+
+def test_the_run_is_planned_for_the_longest_line_cut_to_seq_len(tmp_path):
+    """train planned memory (and its prefix companies) for the longest of the first 256 lines, or for --seq-len as
+    given: a longer line further on was missed, and a --seq-len above every line was planned for though it cut
+    nothing (found in review). Now the whole file's longest line, cut to --seq-len."""
+    from types import SimpleNamespace
+
+    from usaf.stages.train.budget import data_seq_len
+
+    path = tmp_path / "train.jsonl"
+    write_rows(path, [[1, 2, 3]] * 300 + [list(range(1, 11))])  # the longest line past the first 256
+    data = TokenDataset(path, vocab_size=VOCAB)
+    assert data.longest == 10 and max(len(data[i].input_ids) for i in range(256)) == 3  # the control: the sample's
+    assert data_seq_len(SimpleNamespace(seq_len=None), data) == 10
+    assert data_seq_len(SimpleNamespace(seq_len=64), data) == 10  # cuts nothing
+    assert data_seq_len(SimpleNamespace(seq_len=4), data) == 4
+    data.close()

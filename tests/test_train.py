@@ -474,6 +474,14 @@ def test_short_runs_default_to_a_static_mask_and_seq_len_cuts_sequences(prepared
                     "--steps", 2, "--seq-len", 10**6)  # fmt: skip
     assert result.exit_code == 2 and "--seq-len 1000000 exceeds the model's context" in result.stderr
     assert not (tmp_path / "long").exists()
+    # --seq-len above every line cuts nothing: said (it was silent), and the run is the one without it
+    result = train(qdir, tokens, plan, tmp_path / "above", "--steps", 2, "--seq-len", 48)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0 and "--seq-len 48 cuts nothing: the longest sequence of --data" in said, said
+    assert "has 32 tokens (tokenize with --seq-len 48 to train on longer ones)" in said
+    assert load_verified(tmp_path / "above", RunManifest).summary.tokens == 2 * 2 * 32
+    assert "cuts nothing" not in " ".join(train(qdir, tokens, plan, tmp_path / "cut", "--steps", 1, "--seq-len", 8)
+                                          .stderr.split())  # fmt: skip
 
 
 def test_an_interval_that_would_replace_nothing_is_a_static_mask_not_a_silent_one(prepared, tmp_path, monkeypatch):
@@ -906,7 +914,13 @@ def test_a_memory_budget_with_a_plan_sizes_the_plans_frac_not_the_default(monkey
     monkeypatch.setattr(memory_plan, "plan_memory", plan_memory)
     memory = types.SimpleNamespace(host_total=2**34, device_total=None)
     backend = types.SimpleNamespace(device=torch.device("cpu"), memory=lambda: memory)
-    data = [types.SimpleNamespace(input_ids=[1] * 32)] * 4
+    class Data:  # 4 sequences of 32 tokens
+        longest = 32
+
+        def __len__(self) -> int:
+            return 4
+
+    data = Data()
     config = TrainConfig(plan=Path("plan"), ram="8GiB")  # --frac not given: its default is not the plan's
     plan = types.SimpleNamespace(frac=0.05, trainable_layers=[3, 4], targets=["experts"])
     with pytest.raises(Asked):

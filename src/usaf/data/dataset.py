@@ -28,8 +28,9 @@ class TokenDataset:
         self.path = Path(path)
         self._file = self.path.open("rb")  # closed with the dataset (close(), or when it is collected)
         self._lock = threading.Lock()  # one seek-and-read at a time on the shared handle
-        for _ in iter_token_file(self.path, vocab_size=vocab_size, context=context, cut=cut):
-            pass  # validates every line (ids and labels, lengths, no pre-shifted labels) and the file's targets
+        # validates every line (ids and labels, lengths, no pre-shifted labels) and the file's targets
+        lines = iter_token_file(self.path, vocab_size=vocab_size, context=context, cut=cut)
+        self.longest = max((len(line.input_ids) for line in lines), default=0)  # tokens, before any cut
         offsets = []
         position = 0
         for raw in self._file:

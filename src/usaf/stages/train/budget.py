@@ -19,13 +19,13 @@ from usaf.settings.fields import EXPERTS_ONLY, parse_targets
 from usaf.stages.progress import Progress
 
 _KINDS = {"cpu": "cpu", "cuda": "cuda", "privateuseone": "directml"}  # torch device type -> planner kind
-SEQ_LEN_SAMPLE = 256  # lines read to find the data's sequence length when --seq-len is not given
 
 
 def data_seq_len(config: Any, data: Any) -> int:
-    """The run's tokens per sequence: ``--seq-len``, else the longest of the data's first :data:`SEQ_LEN_SAMPLE`
-    lines (tokenize cuts every line to one length, so the first ones tell)."""
-    return config.seq_len or max(len(data[i].input_ids) for i in range(min(len(data), SEQ_LEN_SAMPLE)))
+    """The run's longest sequence in tokens: the data's longest line, cut to ``--seq-len``. A ``--seq-len`` above the
+    data's lines was planned for as given, and refused memory the run never used; the longest of the first 256 lines
+    (without ``--seq-len``) missed a longer one further on in a file not packed by usaf tokenize (found in review)."""
+    return min(data.longest, config.seq_len or data.longest)
 
 
 def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_summary: Any, progress: Progress) -> Any:

@@ -121,6 +121,10 @@ def resolve_inputs(
     data = TokenDataset(data_file, vocab_size=len(tokenizer), context=context, cut=config.seq_len)
     if len(data) == 0:
         raise UsafError(f"--data {data_file}: no sequences", "tokenize some text first")
+    if config.seq_len is not None and config.seq_len > data.longest and world.is_main:  # said, not silent (review)
+        progress.note(f"{source_of(config, 'seq_len')} {config.seq_len} cuts nothing: the longest sequence of --data "
+                      f"{data_file} has {data.longest} tokens (tokenize with --seq-len {config.seq_len} to train on "
+                      "longer ones); the run is planned for its longest")  # fmt: skip
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
     if eval_data is not None and world.is_main:  # a note: rank 0's (every rank read the whole data again)
         _say_eval_overlap(eval_data, TrainingTokens(data_file, len(data)), len(tokenizer), context, progress)
