@@ -108,7 +108,8 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     out = tmp_path / "tiny"
     result = invoke("tiny-model", out, "--family", "mixtral", "--layers", "3", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["path"] == str(out)
+    said = json.loads(result.stdout)
+    assert said["path"] == str(out) and said["model"]["model_dir"] == str(out)  # not its temporary (review)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "mixtral" and model.config.num_hidden_layers == 3
     assert len(AutoTokenizer.from_pretrained(out)) == model.config.vocab_size
@@ -137,6 +138,22 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     assert result.exit_code == 2 and "--layers 1: config.json makes all 1 layers dense" in result.stderr
     assert not (tmp_path / "dense").exists()
     assert invoke("tiny-model", tmp_path / "dense", "--family", "deepseek_v3", "--layers", "2").exit_code == 0
+    # A seed out of range was a pydantic traceback (exit 1; review); the control: the largest one builds
+    result = invoke("tiny-model", tmp_path / "seeded", "--seed", -1)
+    assert result.exit_code == 2 and "--seed = -1: Input should be greater than or equal to 0" in result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "seeded").exists()
+    assert invoke("tiny-model", tmp_path / "seeded", "--seed", 2**32 - 1).exit_code == 0
+
+
+def test_tiny_model_help_lists_the_families_it_builds():
+    """--family took one of six names its help did not give (review); the list is kept beside the settings, which sit
+    below usaf.families, so this checks the two agree."""
+    from usaf.families import SUPPORTED_FAMILIES
+    from usaf.settings.tiny_model import FAMILIES
+
+    assert FAMILIES == SUPPORTED_FAMILIES
+    shown = " ".join(invoke("tiny-model", "--help").stdout.split())
+    assert f"Model family (config.json model_type): {', '.join(SUPPORTED_FAMILIES)}." in shown, shown
 
 
 def test_the_example_pipeline_chains_every_stage_through_the_workspace(tmp_path):

@@ -18,11 +18,13 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
         from usaf.artifacts import ArtifactWriter
         from usaf.cli.console import out as stdout
         from usaf.cli.console import print_json
+        from usaf.config import resolve_config
         from usaf.families import SUPPORTED_FAMILIES, describe_model
         from usaf.settings.tiny_model import TinyModelConfig
         from usaf.testing import build_tiny_model
 
-        settings = TinyModelConfig(**{name: value for name, value in cli.items() if value is not None})
+        # a bad value is one line naming its flag, as in every stage (a --seed of -1 was a pydantic traceback)
+        settings = resolve_config(TinyModelConfig, section="tiny-model", cli=cli, env={})  # flags only
         family, layers = settings.family, settings.layers
         if family not in SUPPORTED_FAMILIES:
             raise UsafError(
@@ -35,8 +37,8 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
             except UsafError as e:
                 raise UsafError(f"--family {family} --layers {layers}: {e.message}", "pass more --layers") from None
             path = art.commit_foreign(TINY_MODEL)
-        if json_output:
-            print_json({"path": str(path), "model": description.to_dict()})
+        if json_output:  # described at its path: it named the temporary directory it was built in (review)
+            print_json({"path": str(path), "model": {**description.to_dict(), "model_dir": str(path)}})
         else:
             stdout.print(f"wrote a tiny random {family} model ({layers} layers) with its tokenizer to {path}")
 

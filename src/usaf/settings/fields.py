@@ -158,9 +158,13 @@ def frac(default: float | None = None, **meta: Any) -> Any:
                  json_schema_extra=cli(**{**_DECIDED["cli"], **text, **meta}))  # fmt: skip
 
 
+# usaf score's trainable block when neither --train-from nor --layers is given (stages.score.DEFAULT_TOP_FRACTION)
+TOP_LAYERS_TEXT = "the top quarter of the MoE layers"
+
+
 def train_from() -> Any:
     return Field(None, ge=0, description="First trainable layer (every MoE layer from it up).",
-                 json_schema_extra=_DECIDED)  # fmt: skip
+                 json_schema_extra=cli(decided_by="plan", default_text=TOP_LAYERS_TEXT))  # fmt: skip
 
 
 def layers() -> Any:

@@ -10,6 +10,9 @@ from usaf.config import StageConfig
 from usaf.settings import fields as f
 from usaf.settings.fields import cli
 
+# usaf.families.SUPPORTED_FAMILIES, which settings sit below (tests/test_cli.py checks they agree)
+FAMILIES = ("deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+
 
 class TinyModelConfig(StageConfig):
     """Settings of ``usaf tiny-model``."""
@@ -17,7 +20,7 @@ class TinyModelConfig(StageConfig):
     out: Path = Field(
         description="Directory to write the Hugging Face model directory to.", json_schema_extra=cli(argument=True)
     )
-    family: str = Field("qwen3_moe", description="Model family (config.json model_type).")
-    layers: int = Field(2, ge=1, le=64, description="Decoder layers.", json_schema_extra=cli(min=1, max=64))
+    family: str = Field("qwen3_moe", description=f"Model family (config.json model_type): {', '.join(FAMILIES)}.")
+    layers: int = Field(2, ge=1, le=64, description="Decoder layers.")
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the random weights.")
     overwrite: bool = f.overwrite()

@@ -32,8 +32,15 @@ class TokenizeConfig(StageConfig):
         "source", min_length=1, description="JSONL field naming the source (else 'repo', else the file)."
     )
     source_depth: int = Field(1, ge=0, description="Path components under a directory input that name a file's source.")
-    include: list[str] = Field(default_factory=list, description="Only files matching this glob (repeatable).")
-    exclude: list[str] = Field(default_factory=list, description="Skip files matching this glob (repeatable).")
+    # what the globs match was said nowhere: --include data/x.py matched nothing, --held-out data/x.py did (review)
+    include: list[str] = Field(
+        default_factory=list,
+        description="Only files matching this glob (repeatable): a file's path under its directory input, or its name.",
+    )
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="Skip files matching this glob (repeatable), matched as --include is.",
+    )
     follow_symlinks: bool = Field(
         True,
         description="Follow symbolic links under directory inputs (each real directory and file is read once); "
@@ -46,7 +53,8 @@ class TokenizeConfig(StageConfig):
     )
     held_out: list[str] = Field(
         default_factory=list,
-        description="Hold out this source (glob; repeatable): its sequences go to heldout.jsonl.",
+        description="Hold out this source (glob on source names: an input's name, and under a directory input the "
+        "first --source-depth parts of a file's path, as src/util.py; repeatable): its sequences go to heldout.jsonl.",
     )
     held_out_frac: float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of sources, chosen by --seed."
