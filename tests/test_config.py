@@ -103,3 +103,39 @@ def test_config_is_frozen_and_forbids_extra_keys():
         cfg.frac = 0.5  # type: ignore[misc]
     with pytest.raises(TypeError):
         resolve_config(Demo, section="demo", cli={"nope": 1}, env={})
+
+
+class WithPaths(StageConfig):
+    out: Path | None = None
+    inputs: list[Path] = Field(default_factory=list)
+    name: str = "x"
+
+
+def test_a_home_in_a_path_setting_is_expanded_wherever_it_was_set(tmp_path, monkeypatch):
+    """A shell expands ``~`` only at a word's start: ``--out=~/x``, a quoted path, a variable or a TOML value made a
+    directory named ``~`` in the current one (found in review). The control: a string setting keeps its ``~``."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = tmp_path / "home"
+    cfg = resolve_config(WithPaths, section="demo", cli={"out": Path("~/x"), "inputs": [Path("~/a"), Path("b")],
+                                                         "name": "~/n"}, env={})  # fmt: skip
+    assert cfg.out == home / "x" and cfg.inputs == [home / "a", Path("b")] and cfg.name == "~/n"
+    file = toml(tmp_path, "[demo]\nout = '~/t'\n")
+    assert resolve_config(WithPaths, section="demo", cli={}, config_file=file, env={}).out == home / "t"
+    assert resolve_config(WithPaths, section="demo", cli={}, env={"USAF_OUT": "~/e"}).out == home / "e"
+    (home / "c.toml").parent.mkdir()
+    (home / "c.toml").write_text("[demo]\nname = 'from home'\n")
+    assert resolve_config(WithPaths, section="demo", cli={}, config_file=Path("~/c.toml"), env={}).name == "from home"
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_what_it_is(tmp_path):
+    """A directory given as --config was "no such file", a file given as a model directory "no such directory" (found
+    in review)."""
+    from usaf.data.hub import resolve_model_dir
+
+    with pytest.raises(UsafError, match=f"--config {tmp_path}: a directory, not a file"):
+        resolve_config(Demo, section="demo", cli={}, config_file=tmp_path, env={})
+    (tmp_path / "model.py").write_text("")
+    with pytest.raises(UsafError, match="MODEL .*model.py: a file, not a directory"):
+        resolve_model_dir(str(tmp_path / "model.py"))
+    with pytest.raises(UsafError, match="MODEL .*absent: no such directory"):  # the control: absent is still said so
+        resolve_model_dir(str(tmp_path / "absent"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -405,6 +406,10 @@ def test_settings_come_from_env_and_config_file(tmp_path, tok_dir):
 def test_missing_path(tmp_path, tok_dir):
     out = tmp_path / "out"
     assert_clean_failure(tokenize(tmp_path / "nope", "--model", tok_dir, "--out", out), out, "nope", "no such file")
+    if hasattr(os, "mkfifo"):  # a pipe was walked as a directory: "not a directory", hint "fix its permissions"
+        os.mkfifo(tmp_path / "pipe.txt")
+        assert_clean_failure(tokenize(tmp_path / "pipe.txt", "--model", tok_dir, "--out", out), out,
+                             "pipe.txt: not a file or directory (a pipe, socket or device)")  # fmt: skip
 
 
 def test_empty_corpus(tmp_path, tok_dir):

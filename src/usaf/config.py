@@ -39,9 +39,9 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,11 +64,29 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)  # field -> where resolve_config found it
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _home_expanded(cls, value: Any) -> Any:
+        """``~`` in a path setting is the home directory: a shell expands it only at a word's start, so ``--out=~/x``,
+        a quoted path, a ``USAF_*`` variable or a ``--config`` value wrote into a directory named ``~`` (review)."""
+        if isinstance(value, Path):
+            return _expanded(value)
+        if isinstance(value, list) and value and all(isinstance(v, Path) for v in value):
+            return [_expanded(v) for v in value]
+        return value
+
     def __eq__(self, other: object) -> bool:
         """Equal settings are equal values: where each came from (``_sources``) is no part of them."""
         if not isinstance(other, BaseModel):
             return NotImplemented
         return type(self) is type(other) and self.__dict__ == other.__dict__
+
+
+def _expanded(path: Path) -> Path:
+    try:
+        return path.expanduser()
+    except RuntimeError:  # no home directory to expand to: the path as given
+        return path
 
 
 def source_of(settings: BaseModel, field: str) -> str:
@@ -130,8 +148,9 @@ def env_name(field: str) -> str:
 
 def load_toml(path: Path) -> dict[str, Any]:
     """Read a ``--config`` TOML file, turning every failure into one clear line."""
+    path = _expanded(path)
     if not path.is_file():
-        raise UsafError(f"--config {path}: no such file", "pass the path of a TOML file")
+        raise UsafError(f"--config {path}: {not_a(path, 'file')}", "pass the path of a TOML file")
     try:
         with path.open("rb") as f:
             return tomllib.load(f)

@@ -38,3 +38,18 @@ class StopSignal(KeyboardInterrupt):
         self.signum = signum
         self.exit_code = 128 + signum
         self.name = signal.Signals(signum).name
+
+
+def not_a(path: object, wanted: str) -> str:
+    """Why ``path`` is not the ``wanted`` ("file" or "directory"), for the one line naming it: a file given as a model
+    directory was "no such directory", a directory given as --config "no such file", a pipe "not a directory" with a
+    hint to fix permissions (found in review)."""
+    import os.path  # lazy: errors stays an import of the standard library's signal alone
+
+    if os.path.isdir(path):
+        return "a directory, not a file"
+    if os.path.isfile(path):
+        return "a file, not a directory"
+    if os.path.exists(path):
+        return f"not a {wanted} (a pipe, socket or device)"
+    return f"no such {wanted}"

@@ -32,7 +32,7 @@ from usaf.artifacts.loader import load_verified, read_manifest_json
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors, load_torch
 from usaf.artifacts.writer import write_text_atomic
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 
 if TYPE_CHECKING:  # torch stays out of the CLI's import time
     import torch
@@ -338,7 +338,7 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
     """
     path = Path(path)
     if not path.is_dir():
-        raise UsafError(f"{flag} {path}: no such directory", "pass a run directory written by usaf train")
+        raise UsafError(f"{flag} {path}: {not_a(path, 'directory')}", "pass a run directory written by usaf train")
     if path.name == FINAL_DIR and (path.parent / "manifest.json").is_file():  # RUN/final: the finished run itself
         path = path.parent  # (its checkpoint's run was looked for two levels up; found in review)
     if (path / "manifest.json").is_file():

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from usaf.artifacts.outputs import usaf_made
 from usaf.data.ignore import default_skip, git_rules, is_repository_root
 from usaf.data.jsonl import iter_jsonl_objects
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 
 SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__"})
 JSONL_SUFFIXES = (".jsonl", ".ndjson")  # .ndjson was tokenized as plain text, JSON syntax and all (found in review)
@@ -225,8 +225,8 @@ def discover(
     skipped: list[Path] = []
     walk = _Walk(follow_symlinks=follow_symlinks, all_files=all_files)
     for given in inputs:
-        if not given.exists():
-            raise UsafError(f"{given}: no such file or directory", "check the input paths")
+        if not given.is_file() and not given.is_dir():  # a pipe was walked as a directory: "not a directory" (review)
+            raise UsafError(f"{given}: {not_a(given, 'file or directory')}", "check the input paths")
     for given in inputs:
         if given.is_dir() and (made := usaf_made(given)) is not None:
             raise UsafError(

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 
 # What usaf needs of a hub repository: weights as safetensors, config, tokenizer. Never *.bin
 # pickles, never code (*.py: trust_remote_code is not supported for quantization).
@@ -78,7 +78,7 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = Fal
         return local
     if local.exists() or looks_like_path(model):
         raise UsafError(
-            f"{flag} {model}: no such directory", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
+            f"{flag} {local}: {not_a(local, 'directory')}", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
         )
     # lazy: huggingface_hub only when a hub id must be resolved
     from huggingface_hub import snapshot_download

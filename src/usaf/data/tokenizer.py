@@ -9,7 +9,7 @@ from typing import Any
 from usaf.artifacts.hashing import sha256_file, sha256_text
 from usaf.artifacts.tokens import TokenizerRecord
 from usaf.data.hub import hub_logs_quiet
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 from usaf.families.modules import transformers_major
 
 _UNBOUNDED = 10**8  # transformers' "no limit" model_max_length is ~1e30
@@ -39,9 +39,11 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     # lazy: transformers only when a tokenizer is loaded (usaf.data stays light)
     from transformers import AutoTokenizer
 
-    local = Path(model)
+    local = Path(model).expanduser()  # ~/model read as a hub id (review)
     if (model.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
-        raise UsafError(f"{flag} {model}: no such directory", "pass a model directory or a hub id")
+        raise UsafError(f"{flag} {local}: {not_a(local, 'directory')}", "pass a model directory or a hub id")
+    if local.is_dir():
+        model = str(local)
     if local.is_dir() and not has_tokenizer_files(local):
         # transformers would build an empty one-token tokenizer from config.json alone
         raise UsafError(

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 from usaf.families import fields
 from usaf.families.fallback import StructureRefused, structural_spec
 from usaf.families.modules import installed_transformers, transformers_major
@@ -44,10 +44,8 @@ def registered_families() -> tuple[str, ...]:
 def load_model_config(model_dir: Path) -> dict[str, Any]:
     """Read ``model_dir/config.json`` as a dict, with one clear error for each way it can fail."""
     model_dir = Path(model_dir)
-    if not model_dir.exists():
-        raise UsafError(f"model {model_dir}: no such directory", "pass a Hugging Face model directory")
     if not model_dir.is_dir():
-        raise UsafError(f"model {model_dir}: not a directory", "pass the directory holding config.json")
+        raise UsafError(f"model {model_dir}: {not_a(model_dir, 'directory')}", "pass the directory holding config.json")
     path = model_dir / "config.json"
     if not path.is_file():
         raise UsafError(

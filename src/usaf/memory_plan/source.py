@@ -15,7 +15,7 @@ from typing import Any
 
 from usaf.artifacts import MANIFEST_NAME, QuantizedModelManifest, load_manifest
 from usaf.data.hub import hub_logs_quiet, looks_like_path
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 from usaf.families import load_model_config
 
 
@@ -61,7 +61,7 @@ def read_model(model: str, *, nbits: int | None, group_size: int | None) -> Mode
         return ModelSource(model, config, recorded, local)
     if local.exists() or looks_like_path(model):
         raise UsafError(
-            f"MODEL {model}: no such directory", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
+            f"MODEL {local}: {not_a(local, 'directory')}", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
         )
     return ModelSource(model, _hub_config(model), _requested(nbits, group_size), None)
 
