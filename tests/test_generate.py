@@ -46,6 +46,10 @@ def test_streams_text_and_is_deterministic_with_a_seed(workspace):
     assert "chat template applied (--no-chat: continue the prompt as plain text)" in " ".join(first.stderr.split())
     plain = generate(PROMPT, "--max-new-tokens", 4, "--no-chat", workspace=root)
     assert "chat template" not in plain.stderr  # the control
+    # --stream-experts on a CPU: "streaming moves nothing", then the summary said "experts streamed from host
+    # memory" (found in review); now the note alone
+    asked = " ".join(generate(PROMPT, "--max-new-tokens", 2, "--stream-experts", workspace=root).stderr.split())
+    assert "streaming moves nothing" in asked and "experts streamed" not in asked, asked
 
 
 def test_json_reports_the_change_and_the_chat_template(workspace):
@@ -184,6 +188,23 @@ def test_a_prompt_beyond_the_context_a_refusing_template_and_a_tiny_temperature_
     assert fits.exit_code == 0 and "--max-new-tokens 1000000: at most" in fits.stderr, fits.output  # the control
     tiny = invoke("generate", PROMPT, *args, "--temperature", 1e-45)
     assert tiny.exit_code == 2 and "0 for greedy decoding" in tiny.stderr, tiny.output
+
+
+def test_a_prompt_past_the_tokenizers_limit_is_encoded_without_transformers_warning(monkeypatch):
+    """transformers warned "Token indices sequence length is longer than the specified maximum" (the tokenizer's
+    limit) before usaf's one line naming the model's context (found in review). The control: a plain call warns."""
+    import transformers.tokenization_utils_base as base
+
+    from usaf.stages.generate import render_prompt
+    from usaf.testing import build_tiny_tokenizer
+
+    warned: list[str] = []
+    monkeypatch.setattr(base.logger, "warning", lambda message, *a, **k: warned.append(str(message)))
+    tokenizer = build_tiny_tokenizer(model_max_length=16)
+    text, ids, chat = render_prompt(tokenizer, "word " * 40, chat=False)
+    assert len(ids) > 16 and not chat and warned == []
+    tokenizer("word " * 40)
+    assert any("Token indices sequence length" in w for w in warned), warned
 
 
 def test_a_chat_template_that_refuses_the_conversation_is_one_line_naming_it():

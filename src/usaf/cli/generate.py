@@ -29,10 +29,11 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
             return
         typer.echo("")
         rate = result.new_tokens / max(result.seconds, 1e-9)
+        moved = result.streamed and not result.unified_memory  # on a CPU it said so after "moves nothing" (review)
         change = f"change {result.checkpoint}" if result.checkpoint is not None else "no change (untrained)"
         note(
             f"{result.new_tokens} tokens in {result.seconds:.1f} s ({rate:.1f} tok/s) on {result.device} "
-            f"({result.dtype}{', experts streamed from host memory' if result.streamed else ''}); "
+            f"({result.dtype}{', experts streamed from host memory' if moved else ''}); "
             f"{result.model}, {change}"
             # a base model (the demo's, pretrained on code) continues text: say how to get that
             + ("; chat template applied (--no-chat: continue the prompt as plain text)" if result.chat_template else "")

@@ -134,6 +134,6 @@ def turn_end_ids(tokenizer: Any) -> list[int]:
     except UsafError:  # a template that will not render a reply alone: generation stops at the EOS, as it did
         return []
     _, found, tail = rendered.partition(_MARKER)
-    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if found and tail else []
+    ids = tokenizer(tail, add_special_tokens=False, verbose=False)["input_ids"] if found and tail else []
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return ids[:1] if ids and ids[0] in special else []

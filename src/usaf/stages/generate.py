@@ -47,7 +47,8 @@ class Generation:
     seconds: float
     device: str
     dtype: str  # of the unquantized weights, as the model holds them ("bfloat16")
-    streamed: bool  # whether the 4-bit experts were streamed from host memory
+    streamed: bool  # whether the 4-bit experts were streamed from host memory (through the streaming hooks)
+    unified_memory: bool  # host and device memory are one (CPU, Apple silicon): streaming moved nothing
 
 
 def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> tuple[str, list[int], bool]:
@@ -61,8 +62,10 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> tuple[str, list
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
-        return rendered, list(tokenizer(rendered, add_special_tokens=False)["input_ids"]), True
-    return prompt, list(tokenizer(prompt)["input_ids"]), False
+        return rendered, list(tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"]), True
+    # verbose=False: transformers' "longer than the specified maximum" warning came before usaf's error, with the
+    # tokenizer's limit, not the model's context the error names (found in review)
+    return prompt, list(tokenizer(prompt, verbose=False)["input_ids"]), False
 
 
 def _streamer(tokenizer: Any, on_text: Callable[[str], None]) -> Any:
@@ -185,4 +188,5 @@ def run(
         device=str(backend.device),
         dtype=dtype,
         streamed=streamed,
+        unified_memory=backend.capabilities.unified_memory,
     )
