@@ -212,6 +212,23 @@ def test_short_pre_shifted_lines_are_unshifted_as_their_file(tmp_path, tok_dir, 
     # nothing to fix is said, not passed over in silence (found in review); the shifted file above relabelled
     assert "--fix-shifted-labels: no pre-tokenized line had pre-shifted labels" in untouched.stderr
 
+    # A file of short lines only: their positions together tell (one 3-position shifted line was left shifted and
+    # said to have none; found in review). Without the flag it is refused as a long line is.
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"input_ids": x, "labels": x[1:] + [-100]}) + "\n" for x in lines[1:3]))
+    assert_clean_failure(tokenize(short, "--model", tok_dir, "--out", tmp_path / "s"), tmp_path / "s", "pre-shifted")
+    fixed = tokenize(short, "--model", tok_dir, "--out", tmp_path / "s", "--fix-shifted-labels")
+    assert fixed.exit_code == 0 and [r["labels"] for r in read_jsonl(tmp_path / "s" / "train.jsonl")] == [
+        [-100, *x[1:]] for x in lines[1:3]]  # fmt: skip
+    # Too few positions in the whole file: said, not guessed, with the flag or without
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"input_ids": lines[2], "labels": lines[2][1:] + [-100]}) + "\n")
+    for extra in ([], ["--fix-shifted-labels"]):
+        taken = tokenize(one, "--model", tok_dir, "--out", tmp_path / f"one{len(extra)}", *extra)
+        said = " ".join(taken.stderr.split())
+        assert taken.exit_code == 0 and "1 pre-tokenized line too short to tell whether" in said, said
+        assert "no pre-tokenized line had pre-shifted labels" not in said
+
 
 def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path, tok_dir, tokenizer):
     """Pre-tokenized lines are sequences as they are: a --stride given for them alone would be recorded and do

@@ -18,7 +18,7 @@ from usaf.data.jsonl import iter_jsonl_objects
 from usaf.data.packing import IGNORE_INDEX, scored_targets  # noqa: F401 (scored_targets: imported from here)
 from usaf.errors import UsafError
 
-_MIN_EVIDENCE = 4  # scored positions needed before calling a line shifted
+MIN_SHIFT_EVIDENCE = 4  # scored positions needed before calling a line shifted
 
 
 def labels_look_shifted(input_ids: list[int], labels: list[int]) -> bool:
@@ -31,7 +31,12 @@ def labels_look_shifted(input_ids: list[int], labels: list[int]) -> bool:
 
 def shift_evidence(input_ids: list[int], labels: list[int]) -> bool | None:
     """Whether the labels are pre-shifted (see :func:`labels_look_shifted`); None where the line is too short to
-    tell (under ``_MIN_EVIDENCE`` scored positions): a file's other lines decide it."""
+    tell (under ``MIN_SHIFT_EVIDENCE`` scored positions): a file's other lines decide it."""
+    return _verdict(*_shift_counts(input_ids, labels))
+
+
+def _shift_counts(input_ids: list[int], labels: list[int]) -> tuple[int, int, int]:
+    """(labels equal to their own token, to the next token, scored positions) over the positions that have a next."""
     same = nxt = scored = 0
     for i in range(len(input_ids) - 1):
         label = labels[i]
@@ -40,22 +45,31 @@ def shift_evidence(input_ids: list[int], labels: list[int]) -> bool | None:
         scored += 1
         same += label == input_ids[i]
         nxt += label == input_ids[i + 1]
-    if scored < _MIN_EVIDENCE:
+    return same, nxt, scored
+
+
+def _verdict(same: int, nxt: int, scored: int) -> bool | None:
+    if scored < MIN_SHIFT_EVIDENCE:
         return None
     return nxt >= 0.9 * scored and same < 0.5 * scored
 
 
-def file_looks_shifted(path: Path) -> bool:
+def file_looks_shifted(path: Path) -> bool | None:
     """Whether the first pre-tokenized line of ``path`` long enough to tell is pre-shifted: the original tool wrote
-    whole files so, and its short lines (too short to tell alone) are shifted like the rest."""
+    whole files so, and its short lines (too short to tell alone) are shifted like the rest. In a file of short
+    lines only, their positions together tell (a file of one 4-token shifted line was relabelled by nothing and
+    said to have none; found in review); None where even they are too few."""
+    pooled = [0, 0, 0]
     for _, obj, _ in iter_jsonl_objects(path):
         ids = obj.get("input_ids")
         labels = obj.get("labels", ids)
         if isinstance(ids, list) and isinstance(labels, list) and len(ids) == len(labels):
-            verdict = shift_evidence(ids, labels)
+            counts = _shift_counts(ids, labels)
+            verdict = _verdict(*counts)
             if verdict is not None:
                 return verdict
-    return False
+            pooled = [a + b for a, b in zip(pooled, counts)]
+    return _verdict(*pooled)
 
 
 def unshift_labels(labels: list[int]) -> list[int]:

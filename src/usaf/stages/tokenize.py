@@ -34,7 +34,14 @@ from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
 from usaf.data.packing import Sequence, SourcePacker
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint, tokenizer_record
-from usaf.data.tokens import check_token_values, file_looks_shifted, scored_targets, shift_evidence, unshift_labels
+from usaf.data.tokens import (
+    MIN_SHIFT_EVIDENCE,
+    check_token_values,
+    file_looks_shifted,
+    scored_targets,
+    shift_evidence,
+    unshift_labels,
+)
 from usaf.errors import UsafError
 from usaf.settings.tokenize import TokenizeConfig
 from usaf.stages.progress import NullProgress, Progress
@@ -60,6 +67,7 @@ class _Totals:
     input_bytes: int = 0
     skipped_empty: int = 0
     relabelled: int = 0
+    undecided_shift: int = 0  # pre-tokenized lines too short to tell whether pre-shifted, in files no longer
     undecodable: list[Path] = field(default_factory=list)  # text files not UTF-8, skipped or replaced (--decode-errors)
 
 
@@ -152,7 +160,7 @@ class _Tokenizer:
         self.vocab_size = len(tokenizer)
         self.config = config
         self.totals = totals
-        self.shifted_files: dict[str, bool] = {}  # pre-tokenized file -> its long lines are pre-shifted
+        self.shifted_files: dict[str, bool | None] = {}  # pre-tokenized file -> pre-shifted (None: cannot tell)
 
     def encode_texts(self, batch: list[Document]) -> list[Any] | None:
         """The slow part, run on a worker thread (the Rust tokenizer releases the GIL)."""
@@ -191,11 +199,13 @@ class _Tokenizer:
                 "raise --seq-len, or give the text instead so usaf packs it",
             )
         verdict = shift_evidence(ids, labels)
-        if verdict is None and self.config.fix_shifted_labels:  # too short to tell: as its file's other lines are
-            file = doc.origin.rsplit(":", 1)[0]  # (they were left shifted, in silence; found in review)
+        if verdict is None:  # too short to tell: as its file's other lines are (left shifted in silence; review)
+            file = doc.origin.rsplit(":", 1)[0]
             if file not in self.shifted_files:
                 self.shifted_files[file] = file_looks_shifted(Path(file))
             verdict = self.shifted_files[file]
+            if verdict is None:  # a file of a few scored positions in all: said at the end, not guessed
+                self.totals.undecided_shift += 1
         if verdict:
             if not self.config.fix_shifted_labels:
                 raise UsafError(
@@ -515,7 +525,11 @@ def _tokenize_corpus(
     if not source_field_read and was_given(config, "source_field") and any(f.kind == "jsonl" for f in corpus.files):
         progress.note(f"{source_of(config, 'source_field')} {config.source_field}: no JSONL line has it; their sources "
                       "are their 'repo' fields or their files' names")  # fmt: skip
-    if config.fix_shifted_labels and not totals.relabelled:  # else accepted and doing nothing (found in review)
+    if totals.undecided_shift:
+        progress.note(f"{counted(totals.undecided_shift, 'pre-tokenized line')} too short to tell whether the labels "
+                      f"are pre-shifted (under {MIN_SHIFT_EVIDENCE} scored positions in the whole file): taken as "
+                      "they are; check them, or give their text instead")  # fmt: skip
+    elif config.fix_shifted_labels and not totals.relabelled:  # else accepted and doing nothing (found in review)
         progress.note(f"{source_of(config, 'fix_shifted_labels')}: no pre-tokenized line had pre-shifted labels; "
                       "nothing was relabelled")  # fmt: skip
     if not text_seen and totals.documents and was_given(config, "stride"):  # else accepted and doing nothing
