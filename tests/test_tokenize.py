@@ -455,6 +455,25 @@ def test_a_held_out_split_that_comes_out_empty_is_refused(tmp_path, tok_dir):
     assert load_verified(out, TokensManifest).summary.heldout_sequences > 0
 
 
+def test_utf16_text_is_named_as_such_not_skipped_as_binary(tmp_path, tok_dir):
+    """UTF-16 text has NUL bytes: given by name it was "empty corpus ... (1 binary file skipped)" with a hint about
+    --include (found in review); under a directory it was counted as binary. The control: a binary file still is."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "notes.txt").write_text("hello world\n" * 20, encoding="utf-16")
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(corpus / "notes.txt", "--model", tok_dir, "--out", out), out,
+                         "notes.txt: UTF-16 text; usaf reads UTF-8", "iconv -f UTF-16 -t UTF-8")  # fmt: skip
+    (corpus / "blob.bin").write_bytes(b"\x00" * 10)
+    assert_clean_failure(tokenize(corpus, "--model", tok_dir, "--out", out), out,
+                         "(1 binary file, 1 UTF-16/UTF-32 text file (convert to UTF-8) skipped)",
+                         "convert the UTF-16/UTF-32 files to UTF-8")  # fmt: skip
+    (corpus / "a.py").write_text("a = 1\n" * 40)
+    result = tokenize(corpus, "--model", tok_dir, "--out", out)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0 and f"1 UTF-16 or UTF-32 text file skipped, e.g. {corpus / 'notes.txt'}" in said
+
+
 def test_undecodable_file(tmp_path, tok_dir):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

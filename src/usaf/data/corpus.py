@@ -45,6 +45,7 @@ class Corpus:
     # skipped by default (--all-files reads them), by reason (usaf.data.ignore): hidden, environment, gitignore
     skipped_default: dict[str, list[Path]] = field(default_factory=dict)
     skipped_usaf: list[Path] = field(default_factory=list)  # usaf's own outputs under a directory input, never read
+    skipped_wide: list[Path] = field(default_factory=list)  # UTF-16/UTF-32 text under a directory input
 
     @property
     def total_bytes(self) -> int:
@@ -62,6 +63,18 @@ class Document:
     input_ids: list[int] | None = None
     labels: list[int] | None = None
     source_from_field: bool = False  # a JSONL line's own source, from --source-field (not 'repo' or its file)
+
+
+# Text in UTF-16 or UTF-32 has NUL bytes, so git's rule calls it binary: its byte-order mark tells it apart
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))  # fmt: skip
+
+
+def wide_encoding(path: Path) -> str | None:
+    """"UTF-16" or "UTF-32" where ``path`` starts with that byte-order mark, else None."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    return next((name for bom, name in _WIDE_BOMS if head.startswith(bom)), None)
 
 
 def is_binary(path: Path) -> bool:
@@ -223,6 +236,7 @@ def discover(
     """
     files: list[CorpusFile] = []
     skipped: list[Path] = []
+    wide: list[Path] = []  # UTF-16 or UTF-32 text under a directory input
     walk = _Walk(follow_symlinks=follow_symlinks, all_files=all_files)
     for given in inputs:
         if not given.is_file() and not given.is_dir():  # a pipe was walked as a directory: "not a directory" (review)
@@ -253,12 +267,18 @@ def discover(
             if not path.is_file():
                 continue
             if is_binary(path):
-                skipped.append(path)
+                if (encoding := wide_encoding(path)) is None:
+                    skipped.append(path)
+                elif given.is_file():  # "1 binary file skipped" and a hint about --include (found in review)
+                    raise UsafError(f"{path}: {encoding} text; usaf reads UTF-8",
+                                    f"convert it: iconv -f {encoding} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}")
+                else:
+                    wide.append(path)
                 continue
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.lower().endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size, walked=not given.is_file()))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
-    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf)
+    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf, wide)
 
 
 def input_names(inputs: list[Path]) -> dict[Path, str]:

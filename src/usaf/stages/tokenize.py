@@ -223,6 +223,8 @@ def _skipped_note(corpus: Corpus) -> str:
     parts = []
     if corpus.skipped_binary:
         parts.append(counted(len(corpus.skipped_binary), "binary file"))
+    if corpus.skipped_wide:
+        parts.append(counted(len(corpus.skipped_wide), "UTF-16/UTF-32 text file") + " (convert to UTF-8)")
     if corpus.skipped_links:
         parts.append(counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
     if corpus.broken_links:
@@ -245,6 +247,9 @@ def _report_links(corpus: Corpus, progress: Progress) -> None:
     if corpus.broken_links:
         broken = counted(len(corpus.broken_links), "broken symbolic link")
         progress.note(f"{broken} skipped, e.g. {corpus.broken_links[0]}")
+    if corpus.skipped_wide:  # the user's text, not a binary: named, with the way to read it
+        wide = counted(len(corpus.skipped_wide), "UTF-16 or UTF-32 text file")
+        progress.note(f"{wide} skipped, e.g. {corpus.skipped_wide[0]}: usaf reads UTF-8; convert them (iconv -t UTF-8)")
 
 
 _REASONS = {HIDDEN: "hidden", ENVIRONMENT: "environment", GITIGNORE: "ignored by git"}
@@ -352,6 +357,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
             if corpus.skipped_links
             else "pass --all-files to read them"
             if corpus.skipped_default
+            else "convert the UTF-16/UTF-32 files to UTF-8 (iconv -t UTF-8)"
+            if corpus.skipped_wide
             else "check the paths and --include/--exclude",
         )
     _refuse_unused_input_settings(config, corpus, progress)
