@@ -161,7 +161,10 @@ def test_verification_catches_truncation_and_modification(tmp_path):
     blob = target / "sub" / "more.bin"
     original = blob.read_bytes()
     blob.write_bytes(original[:-1])
-    with pytest.raises(UsafError, match="sub/more.bin: 199 bytes, manifest says 200"):
+    with pytest.raises(UsafError, match=r"sub/more.bin: 199 bytes, manifest says 200 \(truncated\?\)"):
+        load_verified(target, NoteManifest)
+    blob.write_bytes(original + b"x")  # grown: it was "truncated?" too (found in review)
+    with pytest.raises(UsafError, match=r"sub/more.bin: 201 bytes, manifest says 200 \(modified: grown\)"):
         load_verified(target, NoteManifest)
     blob.write_bytes(b"\xff" + original[1:])  # same size, one byte flipped
     with pytest.raises(UsafError, match="sha256 differs"):

@@ -500,13 +500,13 @@ def test_undecodable_file(tmp_path, tok_dir):
     ("line", "needles"),
     [
         ("[1, 2, 3]", ["bad.jsonl:2", "a JSON list, not an object"]),
-        ('{"text": "ok"', ["bad.jsonl:2", "not valid JSON"]),
+        ('{"text": "ok"', ["bad.jsonl:2", "not valid JSON", "at the end of the line: cut short?"]),  # "column 1"
         ('{"text": "a\tb"}', ["bad.jsonl:2", "(Invalid control character at column 12)"]),  # said "at at" (review)
         (
             '{"body": "no text field", "id": 3}',
             ["bad.jsonl:2", "no 'text' field", "keys: body, id", "--text-field"],
         ),
-        ('{"text": 42}', ["bad.jsonl:2", "'text' is a int"]),
+        ('{"text": 42}', ["bad.jsonl:2", "'text' is an integer, not a string"]),
         ('{"messages": [{"role": "user"}]}', ["bad.jsonl:2", "'messages' must be"]),
         ('{"input_ids": [1, 2], "labels": [1]}', ["bad.jsonl:2", "equal-length"]),
         ('{"input_ids": [1, 99999]}', ["bad.jsonl:2", "token id 99999 is outside"]),

@@ -13,5 +13,9 @@ def human_bytes(n: float) -> str:
 
 
 def counted(n: int, thing: str) -> str:
-    """``counted(1, "file") -> '1 file'``, ``counted(3, "file") -> '3 files'``."""
-    return f"{n:,} {thing}" if n == 1 else f"{n:,} {thing}s"
+    """``counted(1, "file") -> '1 file'``, ``counted(3, "file") -> '3 files'``, ``counted(2, "entry") -> '2
+    entries'``."""
+    if n == 1:
+        return f"{n:,} {thing}"
+    plural = thing[:-1] + "ies" if thing.endswith("y") and thing[-2:-1] not in "aeiou" else thing + "s"
+    return f"{n:,} {plural}"

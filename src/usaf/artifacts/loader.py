@@ -108,7 +108,8 @@ def verify_files(path: Path, manifest: Manifest, *, hashes: bool = True, progres
         if not file.is_file():
             checks.append(FileCheck(record.path, False, "missing"))
         elif (size := file.stat().st_size) != record.bytes:
-            checks.append(FileCheck(record.path, False, f"{size} bytes, manifest says {record.bytes} (truncated?)"))
+            how = "truncated?" if size < record.bytes else "modified: grown"  # a grown file was "truncated?" (review)
+            checks.append(FileCheck(record.path, False, f"{size} bytes, manifest says {record.bytes} ({how})"))
         else:
             present.append((record, file))
     with hashing_phase(progress if hashes else None, "checking sha256", [f for _, f in present]) as on_bytes:

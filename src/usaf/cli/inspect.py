@@ -85,7 +85,7 @@ def _print_survey(path: Path, entries: list, *, as_json: bool) -> None:
     from rich.table import Table
 
     from usaf.cli.console import out, print_json
-    from usaf.units import human_bytes
+    from usaf.units import counted, human_bytes
 
     if as_json:
         print_json({"path": str(path), "entries": [e.to_dict() for e in entries]})
@@ -105,7 +105,7 @@ def _print_survey(path: Path, entries: list, *, as_json: bool) -> None:
         if entry.state != "finished":
             out.print(f"  {shown(entry)}: {entry.next}")
     total = sum(entry.bytes for entry in entries)
-    out.print(f"{len(entries)} entries, {human_bytes(total)}")
+    out.print(f"{counted(len(entries), 'entry')}, {human_bytes(total)}")
 
 
 def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]], *, limit: int = 12) -> None:

@@ -26,7 +26,7 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"{getattr(s, f'{split}_loss_tokens'):,}",
         )
     console.print(table)
-    extras = [f"{s.documents:,} documents", f"{s.input_bytes:,} bytes", f"seq_len {s.seq_len}"]
+    extras = [counted(s.documents, "document"), counted(s.input_bytes, "byte"), f"seq_len {s.seq_len}"]
     if s.skipped_binary_files:
         extras.append(f"{counted(s.skipped_binary_files, 'binary file')} skipped")
     if s.skipped_by_default:

@@ -381,7 +381,9 @@ def jsonl_document(
     if text_field in obj:
         text = obj[text_field]
         if not isinstance(text, str):
-            raise UsafError(f"{where}: '{text_field}' is a {type(text).__name__}, not a string", "fix the line")
+            kind = {"int": "an integer", "float": "a number", "bool": "a boolean", "list": "a list",
+                    "dict": "an object", "NoneType": "null"}.get(type(text).__name__, type(text).__name__)  # "a int"
+            raise UsafError(f"{where}: '{text_field}' is {kind}, not a string", "fix the line")
         return Document(source, where, nbytes, True, text=text, source_from_field=named)
     keys = ", ".join(sorted(obj)) or "none"
     hint = "pass --text-field NAME, or give 'messages' (chat) or 'input_ids' (pre-tokenized)"

@@ -32,9 +32,12 @@ def iter_jsonl_objects(path: Path, *, what: str = "JSONL") -> Iterator[tuple[int
             except UnicodeDecodeError:
                 raise UsafError(f"{path}:{number}: not UTF-8 text", f"{what} files must be UTF-8") from None
             except json.JSONDecodeError as e:
+                # past the line's last character json counts from its newline: a line cut short was "column 1" (review)
+                end = len(e.doc.rstrip("\r\n"))
+                where = "at the end of the line: cut short?" if e.pos >= end else f"at column {e.pos + 1}"
                 raise UsafError(
                     # some of json's messages end in " at" ("Invalid control character at"): said "at at column"
-                    f"{path}:{number}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})",
+                    f"{path}:{number}: not valid JSON ({e.msg.removesuffix(' at')} {where})",
                     f"each line of a {what} file must be one JSON object",
                 ) from None
             except RecursionError:  # '[[[[...' nested deeper than Python's parser recurses

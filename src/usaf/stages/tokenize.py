@@ -396,7 +396,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
 
         if totals.documents == 0 or not any(c.sequences for c in totals.per_source.values()):
             raise UsafError(
-                f"empty corpus: {len(corpus.files)} files held no text (empty documents: {totals.skipped_empty}, "
+                f"empty corpus: {counted(len(corpus.files), 'file')} held no text (empty documents: "
+                f"{totals.skipped_empty}, "
                 f"not UTF-8 and skipped: {_skipped_undecodable(config, totals)})",
                 "check the inputs",
             )
