@@ -113,6 +113,10 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "mixtral" and model.config.num_hidden_layers == 3
     assert len(AutoTokenizer.from_pretrained(out)) == model.config.vocab_size
+    # --verify of it said "a Hugging Face model: ... take what usaf quantize makes of it" (review): now what it is
+    result = invoke("inspect", out, "--verify")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "a usaf-made tiny model, which records no sha256s to check" in said, said
     result = invoke("inspect", out, "--json")
     assert result.exit_code == 0, result.output
     described = json.loads(result.stdout)["model"]

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from usaf._version import __version__
 from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
 from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
+from usaf.artifacts.outputs import MADE_MARKER, usaf_made
 from usaf.artifacts.safety import contained
 from usaf.errors import UsafError
 
@@ -27,6 +28,8 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
         hint = "point at a directory written by a usaf command; an interrupted run leaves none"
         if path.name == MANIFEST_NAME and path.is_file():  # the manifest itself: its directory is the artifact
             hint = f"pass its directory, {path.parent}"
+        elif (path / MADE_MARKER).is_file() and (made := usaf_made(path)) is not None:  # a tiny model (review)
+            hint = f"{made}, which records no sha256s to check; usaf inspect {path} describes it"
         elif (path / "config.json").is_file():  # the model a user starts from (found in review: no way on was named)
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
         raise UsafError(f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})", hint)
