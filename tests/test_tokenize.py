@@ -420,6 +420,23 @@ def test_settings_come_from_env_and_config_file(tmp_path, tok_dir):
 # ---- bad input: one clear line, exit 2, nothing written ----------------------------------------
 
 
+def test_inputs_given_as_relative_paths_are_recorded_by_their_absolute_ones(tmp_path, tok_dir, monkeypatch):
+    """"tiny", "data" recorded as given named nothing once the manifest was read from another directory (found in
+    review). The control: a hub id, no path on this machine, is kept as given (usaf.artifacts.writer._absolute)."""
+    from usaf.artifacts.manifest import InputRecord
+    from usaf.artifacts.writer import _absolute
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.py").write_text("a = 1\n" * 40)
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)
+    assert tokenize("data", "--model", "tok", "--out", "toks").exit_code == 0
+    recorded = {i.role: i.path for i in load_verified(tmp_path / "toks", TokensManifest).inputs}
+    assert recorded == {"tokenizer": str(tmp_path / "tok"), "corpus": str(tmp_path / "data")}
+    hub = InputRecord(role="model", kind="hf_model", path="Qwen/Qwen3-30B-A3B", fingerprint="f")
+    assert _absolute(hub) == hub
+
+
 def test_missing_path(tmp_path, tok_dir):
     out = tmp_path / "out"
     assert_clean_failure(tokenize(tmp_path / "nope", "--model", tok_dir, "--out", out), out, "nope", "no such file")

@@ -24,7 +24,7 @@ from usaf._version import __version__
 from usaf.artifacts.disk import raise_disk_error, removed_on_failure
 from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
 from usaf.artifacts.lock import OutputLock
-from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, Manifest
+from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, InputRecord, Manifest
 from usaf.artifacts.outputs import (
     OLD_TAG,
     PARTIAL_TAG,
@@ -274,6 +274,15 @@ class ArtifactWriter:
                 shutil.rmtree(old)
 
 
+def _absolute(record: InputRecord) -> InputRecord:
+    """An input on this machine recorded by its absolute path: relative ones ("toks", "q") named nothing once read
+    from another directory, and eval looked for a run's training data relative to its own (found in review). A hub
+    id, which is no path here, is kept as it is."""
+    if os.path.isabs(record.path) or not os.path.exists(record.path):
+        return record
+    return record.model_copy(update={"path": os.path.abspath(record.path)})
+
+
 def record_files(root: Path, paths: Any, progress: Any = None) -> list[FileRecord]:
     """Size and sha256 of each file (paths under ``root``), sorted, the manifest itself excluded; hashed as a phase
     of ``progress`` when given."""
@@ -285,6 +294,8 @@ def record_files(root: Path, paths: Any, progress: Any = None) -> list[FileRecor
 
 def write_manifest(directory: Path, manifest_cls: type[M], files: list[FileRecord], **fields: Any) -> M:
     """Build the manifest of ``files`` and write it into ``directory`` (temp file, fsync, rename)."""
+    if "inputs" in fields:
+        fields["inputs"] = [_absolute(record) for record in fields["inputs"]]
     manifest = manifest_cls(
         kind=manifest_cls.KIND,
         schema_version=manifest_cls.SCHEMA_VERSION,

@@ -426,7 +426,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
                 InputRecord(
                     role="corpus",
                     kind="files",
-                    path=";".join(str(p) for p in config.inputs),
+                    path=";".join(str(p.absolute()) for p in config.inputs),  # as usaf's write_manifest records
                     fingerprint=_corpus_fingerprint(corpus),
                 ),
             ],
