@@ -116,7 +116,8 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     # --verify of it said "a Hugging Face model: ... take what usaf quantize makes of it" (review): now what it is
     result = invoke("inspect", out, "--verify")
     said = " ".join(result.stderr.split())
-    assert result.exit_code == 2 and "a usaf-made tiny model, which records no sha256s to check" in said, said
+    assert result.exit_code == 2 and "a usaf-made tiny model, a Hugging Face model with no sha256s to check; " \
+        "usaf score, train, eval and generate take what usaf quantize makes of it" in said, said  # the way on too
     result = invoke("inspect", out, "--json")
     assert result.exit_code == 0, result.output
     described = json.loads(result.stdout)["model"]

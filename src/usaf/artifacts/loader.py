@@ -28,10 +28,10 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
         hint = "point at a directory written by a usaf command; an interrupted run leaves none"
         if path.name == MANIFEST_NAME and path.is_file():  # the manifest itself: its directory is the artifact
             hint = f"pass its directory, {path.parent}"
-        elif (path / MADE_MARKER).is_file() and (made := usaf_made(path)) is not None:  # a tiny model (review)
-            hint = f"{made}, which records no sha256s to check; usaf inspect {path} describes it"
         elif (path / "config.json").is_file():  # the model a user starts from (found in review: no way on was named)
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
+            if (path / MADE_MARKER).is_file() and (made := usaf_made(path)) is not None:  # a tiny model (review)
+                hint = f"{made}, a Hugging Face model with no sha256s to check; {hint.split(': ', 1)[1]}"
         raise UsafError(f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})", hint)
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
