@@ -315,7 +315,7 @@ def manifest_cases() -> list[Case]:
         _manifest_case(
             "a listed path '../x' (usaf inspect --verify)", _set("files.0.path", "../x"), verify=True, unsafe=True
         ),
-        _manifest_case("a file's size changed", _set("files.0.bytes", 1), needle="truncated"),
+        _manifest_case("a file's size changed", _set("files.0.bytes", 1), needle="manifest says 1 (modified: grown)"),
         _manifest_case("a listed file missing", add_escape("nothing-here.bin"), needle="missing"),
         _manifest_case("a listed path '../../outside'", add_escape("../../outside"), unsafe=True),
         _manifest_case("a listed absolute path /etc/passwd", add_escape("/etc/passwd"), unsafe=True),
