@@ -760,6 +760,12 @@ def test_a_checkpoint_of_a_run_finished_or_not_is_evaluated_on_its_runs_tokens_a
         result = invoke(*common, "--checkpoint", checkpoint, "--max-sequences", 4, "--out", tmp_path / "r1")
         assert result.exit_code == 0 and f"using the tokens {workspace / 'tokens' / 't'}" in result.stderr, (
             checkpoint, result.output)  # fmt: skip
+        # which checkpoint an unfinished run gave is said (only report.md named it; review), and recorded absolute
+        said = " ".join(result.stderr.split())
+        newest = f"an unfinished run; using its newest checkpoint, {unfinished / 'checkpoints' / step.name}"
+        assert (newest in said) == (checkpoint == unfinished), said  # the control: a checkpoint or a finished run
+        assert json.loads((tmp_path / "r1" / "report.json").read_text())["checkpoint"] == str(
+            unfinished / "checkpoints" / step.name if checkpoint == unfinished else checkpoint)  # fmt: skip
         shutil.rmtree(tmp_path / "r1")
         seen = invoke(*common, "--checkpoint", checkpoint, "--held-out", stdlib_dir() / "textwrap.py",
                       "--seq-len", 32, "--out", tmp_path / "r2")  # fmt: skip

@@ -42,7 +42,7 @@ def resolve_model_and_change(
     Not given, the model is the workspace's newest (the one the change was trained on, if a change was
     given) and the change is the newest run trained on that model.
     """
-    change = load_trained_change(checkpoint, flag="--checkpoint") if checkpoint is not None and use_change else None
+    change = given_change(checkpoint, progress) if checkpoint is not None and use_change else None
     ws = workspace_dir(workspace)
     if model is not None:
         manifest = load_verified(model, QuantizedModelManifest, flag="--model", hashes=False)
@@ -108,6 +108,15 @@ def unfinished_runs(workspace: Path, model_fingerprint: str) -> list[UnfinishedR
         if recorded == model_fingerprint and done:
             found.append((settings.stat().st_mtime, UnfinishedRun(run_dir, done[-1])))
     return [run for _, run in sorted(found, key=lambda pair: pair[0], reverse=True)]
+
+
+def given_change(checkpoint: Path, progress: Progress) -> TrainedChange:
+    """The change ``--checkpoint`` names, saying which checkpoint an unfinished run gave: eval's report and export's
+    output named a step the console never did (found in review)."""
+    change = load_trained_change(checkpoint, flag="--checkpoint")
+    if change.source.parent.parent == Path(checkpoint).absolute():  # a run directory gave one of its checkpoints
+        progress.note(f"--checkpoint {checkpoint}: an unfinished run; using its newest checkpoint, {change.source}")
+    return change
 
 
 def unfinished_note(run: UnfinishedRun) -> str:

@@ -21,7 +21,7 @@ from usaf.config import flag_name, refuse_unused, source_of
 from usaf.data.corpus import JSONL_SUFFIXES
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
-from usaf.stages.change import check_change, unfinished_note, unfinished_runs
+from usaf.stages.change import check_change, given_change, unfinished_note, unfinished_runs
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
 from usaf.stages.eval.overlap import run_data, training_tokens
 from usaf.stages.progress import Progress
@@ -41,7 +41,7 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
     for it (base only when there is none). ``--checkpoint`` alone: the newest model it was trained on.
     ``--model`` alone: base only.
     """
-    change = load_trained_change(config.checkpoint, flag="--checkpoint") if config.checkpoint is not None else None
+    change = given_change(config.checkpoint, progress) if config.checkpoint is not None else None
     if config.model is not None or change is None:
         model_dir, manifest = resolve_model(config, progress)
     else:
