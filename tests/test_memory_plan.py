@@ -523,3 +523,15 @@ def test_the_commands_keep_the_device_index():
         text = " ".join(result.stdout.split())
         assert f"--device {device} " in text or text.endswith(f"--device {device}"), text
         assert device == "cuda" or "--device cuda " not in text
+
+
+def test_the_quantization_row_names_the_group_sizes_quantize_used():
+    """The row said "group 128" of a model quantize had adjusted to groups of 32 and 24, the sizes the plan's
+    figures use (found in review). The control: a model whose tensors all kept the requested size."""
+    from usaf.cli.plan_render import _groups
+    from usaf.memory_plan.source import QuantSettings
+
+    adjusted = QuantSettings(group_size=128, effective={"a": 32, "b": 24, "c": 32})
+    assert _groups(adjusted) == "group 128 asked, 24 and 32 used (each divides its tensor's width)"
+    assert _groups(QuantSettings(group_size=64, effective={"a": 64})) == "group 64"
+    assert _groups(QuantSettings(group_size=128)) == "group 128"  # a source model: nothing quantized yet

@@ -53,7 +53,7 @@ def setting_rows(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[tup
             + (f", {gib(t.device_budget)} GiB device" if t.separate_device else "")
             + f", {gib(t.host_budget)} GiB host; {RESERVE:.0%} of each kept free",
         ),
-        ("quantization", f"{source.quant.nbits}-bit, group {source.quant.group_size} ({source.quant.source})"),
+        ("quantization", f"{source.quant.nbits}-bit, {_groups(source.quant)} ({source.quant.source})"),
         (
             "trainable layers",
             f"--train-from {s.train_from}: {len(s.layers)} of {len(moe)} MoE layers "
@@ -180,3 +180,12 @@ def plan_json(plan: Plan, facts: ModelFacts, source: ModelSource) -> dict[str, A
         "notes": list(plan.notes),
         "commands": commands(plan, facts, source) if plan.fits else [],
     }
+
+
+def _groups(quant: Any) -> str:
+    """The group size, and those quantize used where it adjusted it to divide a tensor's width: the row said the
+    requested 128 of a model whose experts were quantized in groups of 32 and 24 (found in review)."""
+    used = sorted(set(quant.effective.values()))
+    if not used or used == [quant.group_size]:
+        return f"group {quant.group_size}"
+    return f"group {quant.group_size} asked, {' and '.join(map(str, used))} used (each divides its tensor's width)"
