@@ -20,3 +20,5 @@ def test_negative_control_the_unforged_delta_exports(bench, tmp_path):
     result = invoke("export", "--model", bench.quantized, "--checkpoint", delta, "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "verified" in result.stdout and "3 delta entries" in result.stdout
+    said = " ".join(result.stdout.split())  # counts say one of a thing: "1 shards", "1 routers replaced" (review)
+    assert "1 shard," in said and "1 shards" not in said, said

@@ -25,11 +25,14 @@ command = settings_command(
 
 
 def _print_summary(console, manifest, path: Path) -> None:
+    from usaf.units import counted  # lazy: the command's own imports load with it
+
     s = manifest.summary
     if manifest.kind == "delta":
         console.print(
-            f"delta → {path}: {s.expert_entries:,} delta entries in {len(s.tensors)} tensors + "
-            f"{s.router_tensors} router tensors ({s.router_params:,} weights), layers {s.trainable_layers}; "
+            f"delta → {path}: {counted(s.expert_entries, 'delta entry')} in {counted(len(s.tensors), 'tensor')} + "
+            f"{counted(s.router_tensors, 'router tensor')} ({counted(s.router_params, 'weight')}), layers "
+            f"{s.trainable_layers}; "
             f"apply it with usaf export --checkpoint {path}"
         )
         return
@@ -38,11 +41,13 @@ def _print_summary(console, manifest, path: Path) -> None:
         applied = "the dequantized 4-bit base alone (--no-checkpoint)"
     else:
         applied = (
-            f"{s.expert_entries:,} delta entries applied to {s.expert_tensors_changed} tensors, "  # experts, attention
-            f"{s.router_tensors} routers replaced, {s.tensors_copied:,} tensors copied as they were ({base})"
+            f"{counted(s.expert_entries, 'delta entry')} applied to {counted(s.expert_tensors_changed, 'tensor')}, "
+            f"{counted(s.router_tensors, 'router')} replaced, {counted(s.tensors_copied, 'tensor')} copied as they "
+            f"were ({base})"  # changed: experts, attention
         )
     console.print(
-        f"export → {path}: {len(s.shards)} shards, {s.bytes / 2**20:,.1f} MiB, {s.tensors:,} tensors; {applied}"
+        f"export → {path}: {counted(len(s.shards), 'shard')}, {s.bytes / 2**20:,.1f} MiB, "
+        f"{counted(s.tensors, 'tensor')}; {applied}"
     )
     if s.verify is not None:
         console.print(_verified_line(s.verify, alone=s.change_source is None))
