@@ -131,9 +131,11 @@ def test_an_output_being_written_is_said_to_be_in_use(workspace, tmp_path):
     try:
         (entry,) = surveyed(run)
         assert entry["in_use"] == f"PID {parent}: usaf train --steps 6"
+        # being trained: not "rerun the command that started it", which its lock refuses (found in review)
+        assert entry["next"].startswith("being trained now") and "rerun the command that" not in entry["next"]
         lock.write_text(json.dumps({"pid": 2**22 + 7, "command": "usaf train"}))  # no such process
         (entry,) = surveyed(run)
-        assert entry["in_use"] is None
+        assert entry["in_use"] is None and entry["next"].startswith("rerun the command that started it")
     finally:
         lock.unlink()
 

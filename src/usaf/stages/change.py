@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
+from usaf.artifacts.lock import holder_of
 from usaf.artifacts.quantized import open_quantized, read_base_index
 from usaf.artifacts.run import SETTINGS_FILE, TrainedChange, checkpoint_dirs, load_trained_change
 from usaf.engine.engine import SparseEngine
@@ -115,7 +116,9 @@ def given_change(checkpoint: Path, progress: Progress) -> TrainedChange:
     output named a step the console never did (found in review)."""
     change = load_trained_change(checkpoint, flag="--checkpoint")
     if change.source.parent.parent == Path(checkpoint).absolute():  # a run directory gave one of its checkpoints
-        progress.note(f"--checkpoint {checkpoint}: an unfinished run; using its newest checkpoint, {change.source}")
+        live = holder_of(Path(checkpoint))
+        now = f" (being trained now by {live}: later ones will differ)" if live else ""
+        progress.note(f"--checkpoint {checkpoint}: an unfinished run; using its newest checkpoint, {change.source}{now}")
     return change
 
 

@@ -119,9 +119,14 @@ def _unfinished_run(path: Path) -> Entry:
         detail = "stopped while scoring its plan (kept in " + f".{PLAN_DIR}{PARTIAL_TAG})"
     else:
         detail = "no checkpoint yet" + (f" of {planned} steps" if planned else "")
+    writer = holder_of(path)
+    if writer is not None:  # "rerun the command that started it", which its lock refuses (found in review)
+        return Entry(path, "unfinished run", "run", detail, _size(path),
+                     "being trained now: eval, export and generate take its newest checkpoint; to resume it later, "
+                     "stop it (Ctrl-C there saves) and rerun its command", writer)  # fmt: skip
     return Entry(path, "unfinished run", "run", detail, _size(path),
                  f"rerun the command that started it (without --out it finds this run), or: usaf train --out {path} "
-                 "with its settings; --overwrite starts over", holder_of(path))  # fmt: skip
+                 "with its settings; --overwrite starts over")  # fmt: skip
 
 
 def _interrupted(partial: Path, target: Path) -> Entry | None:
