@@ -118,7 +118,8 @@ def given_change(checkpoint: Path, progress: Progress) -> TrainedChange:
     if change.source.parent.parent == Path(checkpoint).absolute():  # a run directory gave one of its checkpoints
         live = holder_of(Path(checkpoint))
         now = f" (being trained now by {live}: later ones will differ)" if live else ""
-        progress.note(f"--checkpoint {checkpoint}: an unfinished run; using its newest checkpoint, {change.source}{now}")
+        progress.note(f"--checkpoint {checkpoint}: an unfinished run; using its newest checkpoint, "
+                      f"{change.source}{now}")  # fmt: skip
     return change
 
 
