@@ -65,4 +65,5 @@ def test_usaf_plan_of_a_hub_id_says_the_retries_once(monkeypatch, capfd):
     result = invoke("plan", "someorg/somemodel")
     said = result.stderr + capfd.readouterr().err
     assert result.exit_code == 2 and "its config.json is not in the local Hugging Face cache" in said, said
+    assert "someorg/somemodel: no such directory, and as a hub id" in " ".join(said.split())  # a typo'd path (review)
     assert said.count("the Hugging Face hub does not answer") == 1 and "Retrying in" not in said

@@ -112,7 +112,8 @@ def _hub_config(repo: str) -> dict[str, Any]:
         raise UsafError(f"MODEL {repo}: neither a directory nor a valid hub id", "check the spelling") from None
     except LocalEntryNotFoundError:
         raise UsafError(
-            f"MODEL {repo}: its config.json is not in the local Hugging Face cache and the hub cannot be reached",
+            f"MODEL {repo}: no such directory, and as a hub id its config.json is not in the local Hugging Face cache "
+            "and the hub cannot be reached",
             "pass a directory holding the model's config.json (no weights are needed)",
         ) from None
     except (RepositoryNotFoundError, EntryNotFoundError):
