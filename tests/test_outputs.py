@@ -611,3 +611,12 @@ def test_an_out_inside_an_unfinished_run_is_refused_but_its_own_plan_directory(w
                     "--lr", 1e-3, "--out", fresh)  # fmt: skip
     assert scored.exit_code == 0, scored.output
     assert (fresh / "plan" / "manifest.json").is_file()
+
+
+def test_a_users_directory_is_named_with_both_marks_usaf_looks_for(tmp_path):
+    """It said "no usaf manifest.json" of the --out of usaf tiny-model, which writes none (its mark is .usaf-made;
+    found in review). The control: the same directory with the mark is usaf's."""
+    found = found_at(_user_dir(tmp_path / "mine"))
+    assert found.state == "foreign" and "no usaf manifest.json or .usaf-made marker" in found.what, found.what
+    mark_usaf_made(tmp_path / "mine", "tiny model")
+    assert found_at(tmp_path / "mine").state == "usaf"

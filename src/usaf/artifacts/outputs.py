@@ -125,7 +125,8 @@ def found_at(target: Path) -> Found:
         return Found("usaf", *made, added=added_files(target, made[1]))
     shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
     count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
-    return Found("foreign", f"a directory usaf did not make ({count}: {shown}; no usaf {MANIFEST_NAME})")
+    marks = f"no usaf {MANIFEST_NAME} or {MADE_MARKER} marker"  # tiny-model's outputs have the marker (review)
+    return Found("foreign", f"a directory usaf did not make ({count}: {shown}; {marks})")
 
 
 def usaf_made(directory: Path, entries: list[str] | None = None) -> str | None:
