@@ -472,6 +472,23 @@ def test_a_held_out_split_that_comes_out_empty_is_refused(tmp_path, tok_dir):
     assert load_verified(out, TokensManifest).summary.heldout_sequences > 0
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_pipe_under_a_directory_input_is_skipped_and_said(tmp_path, tok_dir):
+    """It was skipped in silence (found in review); the control: alone in the directory, it is named in the empty
+    corpus's line."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    os.mkfifo(corpus / "events.txt")
+    out = tmp_path / "out"
+    assert_clean_failure(tokenize(corpus, "--model", tok_dir, "--out", out), out,
+                         "(1 special file (pipe, socket or device) skipped)")  # fmt: skip
+    (corpus / "a.py").write_text("a = 1\n" * 40)
+    result = tokenize(corpus, "--model", tok_dir, "--out", out)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0 and f"1 special file (pipe, socket or device) skipped, e.g. {corpus / 'events.txt'}" \
+        in said, said
+
+
 def test_utf16_text_is_named_as_such_not_skipped_as_binary(tmp_path, tok_dir):
     """UTF-16 text has NUL bytes: given by name it was "empty corpus ... (1 binary file skipped)" with a hint about
     --include (found in review); under a directory it was counted as binary. The control: a binary file still is."""

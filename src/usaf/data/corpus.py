@@ -46,6 +46,7 @@ class Corpus:
     skipped_default: dict[str, list[Path]] = field(default_factory=dict)
     skipped_usaf: list[Path] = field(default_factory=list)  # usaf's own outputs under a directory input, never read
     skipped_wide: list[Path] = field(default_factory=list)  # UTF-16/UTF-32 text under a directory input
+    skipped_special: list[Path] = field(default_factory=list)  # pipes, sockets, devices under a directory input
 
     @property
     def total_bytes(self) -> int:
@@ -237,6 +238,7 @@ def discover(
     files: list[CorpusFile] = []
     skipped: list[Path] = []
     wide: list[Path] = []  # UTF-16 or UTF-32 text under a directory input
+    special: list[Path] = []  # pipes, sockets, devices under a directory input (skipped in silence; review)
     walk = _Walk(follow_symlinks=follow_symlinks, all_files=all_files)
     for given in inputs:
         if not given.is_file() and not given.is_dir():  # a pipe was walked as a directory: "not a directory" (review)
@@ -264,7 +266,9 @@ def discover(
                 continue
             if exclude and _matches(rel, exclude):
                 continue
-            if not path.is_file():
+            if not path.is_file():  # a pipe, socket or device under a directory input: counted, not read
+                if path.exists():
+                    special.append(path)
                 continue
             if is_binary(path):
                 if (encoding := wide_encoding(path)) is None:
@@ -278,7 +282,8 @@ def discover(
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.lower().endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size, walked=not given.is_file()))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
-    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf, wide)
+    return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf, wide,
+                  special)  # fmt: skip
 
 
 def input_names(inputs: list[Path]) -> dict[Path, str]:

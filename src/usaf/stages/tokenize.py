@@ -225,6 +225,8 @@ def _skipped_note(corpus: Corpus) -> str:
         parts.append(counted(len(corpus.skipped_binary), "binary file"))
     if corpus.skipped_wide:
         parts.append(counted(len(corpus.skipped_wide), "UTF-16/UTF-32 text file") + " (convert to UTF-8)")
+    if corpus.skipped_special:
+        parts.append(counted(len(corpus.skipped_special), "special file") + " (pipe, socket or device)")
     if corpus.skipped_links:
         parts.append(counted(len(corpus.skipped_links), "symbolic link") + " (--no-follow-symlinks)")
     if corpus.broken_links:
@@ -247,6 +249,9 @@ def _report_links(corpus: Corpus, progress: Progress) -> None:
     if corpus.broken_links:
         broken = counted(len(corpus.broken_links), "broken symbolic link")
         progress.note(f"{broken} skipped, e.g. {corpus.broken_links[0]}")
+    if corpus.skipped_special:
+        special = counted(len(corpus.skipped_special), "special file")
+        progress.note(f"{special} (pipe, socket or device) skipped, e.g. {corpus.skipped_special[0]}")
     if corpus.skipped_wide:  # the user's text, not a binary: named, with the way to read it
         wide = counted(len(corpus.skipped_wide), "UTF-16 or UTF-32 text file")
         progress.note(f"{wide} skipped, e.g. {corpus.skipped_wide[0]}: usaf reads UTF-8; convert them (iconv -t UTF-8)")
