@@ -775,6 +775,23 @@ def test_a_checkpoint_of_a_run_finished_or_not_is_evaluated_on_its_runs_tokens_a
         shutil.rmtree(tmp_path / "r2")
 
 
+def test_raw_text_eval_cannot_read_is_said_as_tokenize_says_it(trained, tmp_path):
+    """A --held-out directory of UTF-16 text was "no text or JSONL files (binary files are skipped)" (found in
+    review). The control: with a UTF-8 file beside it, it evaluates and names the one it skipped."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "notes.txt").write_text("def f(x):\n    return x\n" * 20, encoding="utf-16")
+    args = ["eval", "--model", trained["q"], "--held-out", texts, "--no-plots", "--workspace", tmp_path / "ws"]
+    refused = invoke(*args, "--out", tmp_path / "r1")
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and "no text or JSONL files (1 UTF-16/UTF-32 text file (convert to UTF-8) " \
+        "skipped)" in said, said
+    (texts / "b.py").write_text("def g(y):\n    return y + 1\n" * 20)
+    done = invoke(*args, "--out", tmp_path / "r2")
+    said = " ".join(done.stderr.split())
+    assert done.exit_code == 0 and f"1 UTF-16 or UTF-32 text file skipped, e.g. {texts / 'notes.txt'}" in said, said
+
+
 def test_settings_eval_would_not_use_are_refused_from_flags_and_noted_from_shared_sources(trained, tmp_path,
                                                                                          monkeypatch):  # fmt: skip
     """USAF_SEQ_LEN (README's example, meant for tokenize and train too) failed every eval of tokenized inputs."""

@@ -218,7 +218,7 @@ class _Tokenizer:
         return ids, labels
 
 
-def _skipped_note(corpus: Corpus) -> str:
+def skipped_note(corpus: Corpus) -> str:
     """`` (3 binary files, 2 symbolic links (--no-follow-symlinks) skipped)``, or "" when nothing was skipped."""
     parts = []
     if corpus.skipped_binary:
@@ -239,8 +239,9 @@ def _skipped_note(corpus: Corpus) -> str:
     return f" ({', '.join(parts)} skipped)" if parts else ""
 
 
-def _report_links(corpus: Corpus, progress: Progress) -> None:
-    """Say which symbolic links were not read: a directory of links skipped in silence looks like an empty corpus."""
+def report_skipped_files(corpus: Corpus, progress: Progress) -> None:
+    """Say what under a directory input was not read (links not followed or broken, special files, UTF-16 text): a
+    directory of them skipped in silence looks like an empty corpus. tokenize and eval's raw-text inputs say it."""
     if corpus.skipped_links:
         progress.note(
             f"{counted(len(corpus.skipped_links), 'symbolic link')} not followed (--no-follow-symlinks), e.g. "
@@ -353,11 +354,11 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
         follow_symlinks=config.follow_symlinks,
         all_files=config.all_files,
     )
-    _report_links(corpus, progress)
+    report_skipped_files(corpus, progress)
     report_skipped_by_default(corpus, progress)
     if not corpus.files:
         raise UsafError(
-            f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{_skipped_note(corpus)}",
+            f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{skipped_note(corpus)}",
             "drop --no-follow-symlinks to read the linked files"
             if corpus.skipped_links
             else "pass --all-files to read them"

@@ -26,7 +26,13 @@ from usaf.data.packing import IGNORE_INDEX
 from usaf.data.tokens import iter_token_file
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
-from usaf.stages.tokenize import TokenizeConfig, pack_corpus, report_skipped_by_default
+from usaf.stages.tokenize import (
+    TokenizeConfig,
+    pack_corpus,
+    report_skipped_by_default,
+    report_skipped_files,
+    skipped_note,
+)
 
 DATA, HELD_OUT = "data", "held-out"  # the two sets, named after their flags
 FLAGS = {DATA: "--data", HELD_OUT: "--held-out"}
@@ -157,9 +163,10 @@ def _token_lines(file: Path, set_name: str, vocab: int, context: int | None) -> 
 def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, progress: Progress) -> list[EvalSequence]:
     flag = FLAGS[set_name]
     corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth, all_files=text.all_files)
+    report_skipped_files(corpus, progress)  # UTF-16 text, pipes, links: said as tokenize says them (review)
     report_skipped_by_default(corpus, progress)
     if not corpus.files:
-        raise UsafError(f"{flag} {path}: no text or JSONL files (binary files are skipped)", "check the path")
+        raise UsafError(f"{flag} {path}: no text or JSONL files{skipped_note(corpus)}", "check the path")
     config = TokenizeConfig(
         inputs=[path],
         model=text.model,
