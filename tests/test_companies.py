@@ -19,6 +19,7 @@ from usaf.engine.prefix import PrefixCache
 from usaf.settings import train as train_settings
 from usaf.settings.train import company_size
 from usaf.stages.train.companies import FirstEpochCompanies, company_prefix_states
+from usaf.testing.hostile import resign_checkpoint
 
 VOCAB = 64
 
@@ -162,6 +163,7 @@ def test_a_resumed_run_recomputes_a_revisits_state_with_its_company(prepared, tm
         if edit is not None:
             (state_file,) = run.glob("checkpoints/*/state.json")
             state_file.write_text(json.dumps(edit(json.loads(state_file.read_text()))))
+            resign_checkpoint(state_file.parent)  # what the state's own reading sees, not the checksums' refusal
         captured.clear()
         monkeypatch.setattr(SparseEngine, "prefix_states", patch or counting)
         result = _train(qdir, data, plan, run)

@@ -13,7 +13,9 @@ import torch
 
 from helpers import invoke, leftovers, stop_at_check
 from usaf.artifacts.eval_report import ResultRow
+from usaf.artifacts.hashing import sha256_file
 from usaf.testing import stdlib_dir
+from usaf.testing.hostile import resign_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +186,7 @@ def _zeroed_change(run, tmp_path, qdir):
                 if name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     routers[name] = f.get_tensor(name).float()
     save_file(routers, str(newest / "routers.safetensors"))
+    resign_checkpoint(newest)  # a consistent forgery: what eval's own check of the change sees
     return copy
 
 
@@ -611,8 +614,13 @@ def test_a_resumed_pass_computes_at_the_thread_count_its_kept_part_ran_at(
         torch.set_num_threads(before)
 
 
-def test_the_resumed_pass_takes_the_kept_sums_as_they_are(trained, straight, tmp_path, monkeypatch):
-    """The control of the resume: kept sums changed on disk change the report, so the rerun did not recompute them."""
+@pytest.mark.parametrize("recorded_again", [True, False])
+def test_kept_sums_changed_on_disk_are_taken_only_with_their_sha256(trained, straight, tmp_path, monkeypatch,
+                                                                    recorded_again):
+    """Kept sums changed on disk, their sha256 recorded again: they change the report, so the rerun took them (the
+    control of the resume: it did not recompute them). Left as recorded (a changed byte that still read as numbers
+    was reported as the base model's loss; found in review): the entry is not taken, the pass runs whole and the
+    report is the straight run's."""
     from safetensors.torch import load_file, save_file
 
     from usaf.stages.eval import cache
@@ -625,10 +633,14 @@ def test_the_resumed_pass_takes_the_kept_sums_as_they_are(trained, straight, tmp
     kept = load_file(str(entry / cache.TENSORS_FILE))
     kept["nll"] = kept["nll"] + 1.0  # every sequence of the kept microbatch one nat worse
     save_file(kept, str(entry / cache.TENSORS_FILE))
+    if recorded_again:
+        meta = json.loads((entry / cache.META_FILE).read_text())
+        (entry / cache.META_FILE).write_text(json.dumps({**meta, "sha256": sha256_file(entry / cache.TENSORS_FILE)}))
     resumed = _eval(trained, ws, out)
-    assert resumed.exit_code == 0 and "base pass: resuming after 1 of" in resumed.stderr, resumed.output
+    assert resumed.exit_code == 0, resumed.output
+    assert ("base pass: resuming after 1 of" in resumed.stderr) == recorded_again, resumed.stderr
     rows = json.loads((out / "report.json").read_text())["rows"]
-    assert [r["base"]["nll"] for r in rows] != [r["base"]["nll"] for r in straight["rows"]]
+    assert ([r["base"]["nll"] for r in rows] == [r["base"]["nll"] for r in straight["rows"]]) != recorded_again
     assert [r["tuned"] for r in rows] == [r["tuned"] for r in straight["rows"]]  # the fine-tuned pass ran in full
 
 
@@ -642,6 +654,7 @@ def _another_run(trained, root):
     deltas = other / "checkpoints" / "step-0000008" / "deltas.safetensors"
     tensors = load_file(str(deltas))
     save_file({k: v * 2 if v.is_floating_point() else v for k, v in tensors.items()}, str(deltas))
+    resign_checkpoint(deltas.parent)
     return other
 
 

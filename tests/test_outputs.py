@@ -588,7 +588,8 @@ def test_a_checkpoint_written_again_keeps_the_files_a_user_put_in_it(tmp_path):
     write_checkpoint(step, checkpoint)
     assert (step / "mine.txt").read_text() == "mine\n"
     assert sorted(p.name for p in step.iterdir()) == sorted(["mine.txt", "deltas.safetensors", "routers.safetensors",
-                                                             "optimizer.pt", "state.json"])  # fmt: skip
+                                                             "optimizer.pt", "state.json",
+                                                             "checksums.json"])  # fmt: skip
     assert (step / "state.json").read_text() != "{}"
 
 

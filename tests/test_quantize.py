@@ -176,7 +176,8 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
     result = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8")
     assert result.exit_code == 130 and not resumed.exists()
     partial = tmp_path / ".resumed.usaf-partial"
-    assert sorted(p.name for p in (partial / "layers").iterdir()) == ["layer-00000.pt", "layer-00001.pt"]
+    assert sorted(p.name for p in (partial / "layers").iterdir()) == ["layer-00000.pt", "layer-00000.pt.sha256",
+                                                                      "layer-00001.pt", "layer-00001.pt.sha256"]
     said = " ".join(result.stderr.split())  # what is kept and how to go on (found in review: nothing said it)
     assert "the 4 MoE layers left" in said and f"2 of 4 MoE layers quantized and kept in {partial}" in said, said
     other = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "16")  # the kept settings, named
@@ -193,6 +194,50 @@ def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, 
     assert digests == load_verified(straight, QuantizedModelManifest).summary.expert_digests and len(digests) == 4
     for name in ["experts_q4.pt", *(p.name for p in straight.glob("base-*.safetensors"))]:
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+def _edit_a_kept_layer(path) -> None:
+    """Change one 4-bit code byte of a kept layer file: it still loads, as numbers the output would take."""
+    import torch
+
+    saved = torch.load(path, weights_only=True)
+    entry = next(iter(saved["entries"].values()))
+    codes = next(v for v in entry.values() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8)
+    codes.view(-1)[0] ^= 0xFF
+    torch.save(saved, path)
+
+
+@pytest.mark.parametrize("resealed", [False, True])
+def test_a_kept_layer_changed_on_disk_is_quantized_again(tiny_model, tmp_path, monkeypatch, resealed):
+    """A kept layer file edited in place (still loading) was merged into the output a resume committed, with fresh
+    hashes (found in review). Its checksum no longer matches: the layer is quantized again, with a note, and the
+    output equals a straight run's. Control (``resealed``: the sidecar rewritten over the edit): the edit is
+    merged and the output differs, so the checksum is what caught it."""
+    import usaf.stages.quantize as stage
+    from usaf.artifacts.checksums import seal
+
+    source = tiny_model("qwen3_moe", num_layers=4)
+    straight = tmp_path / "straight"
+    assert quantize(source, "--out", straight, "--method", "rtn", "--group-size", "8").exit_code == 0
+    _, real = _interrupt_after_two_layers(stage, monkeypatch)
+    resumed = tmp_path / "resumed"
+    assert quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8").exit_code == 130
+    kept = tmp_path / ".resumed.usaf-partial" / "layers" / "layer-00000.pt"
+    _edit_a_kept_layer(kept)
+    if resealed:
+        seal(kept)
+    saved: list[str] = []
+    monkeypatch.setattr(stage, "_save_layer", lambda path, *a: saved.append(path.name) or real(path, *a))
+    result = quantize(source, "--out", resumed, "--method", "rtn", "--group-size", "8")
+    assert result.exit_code == 0, result.output
+    same = (resumed / "experts_q4.pt").read_bytes() == (straight / "experts_q4.pt").read_bytes()
+    if resealed:
+        assert saved == ["layer-00002.pt", "layer-00003.pt"] and not same
+    else:
+        assert saved == ["layer-00000.pt", "layer-00002.pt", "layer-00003.pt"] and same
+        said = " ".join(result.stderr.split())
+        assert "layer-00000.pt: not as usaf wrote it (its sha256 is not the one recorded): quantizing the layer again" \
+            in said, said
 
 
 @pytest.mark.parametrize("stop_in", ["copy_model_files", "write_manifest", "drop"])
@@ -223,7 +268,7 @@ def test_interrupted_after_the_experts_are_assembled_no_layer_is_quantized_again
     if stop_in == "copy_model_files":  # the kept layers are said there too, not only in the layer loop (review)
         said = " ".join(stopped_run.stderr.split())
         assert f"interrupted: 4 of 4 MoE layers quantized and kept in {partial}" in said, said
-    assert (partial / "experts_q4.pt").is_file() and len(list((partial / "layers").iterdir())) == 4
+    assert (partial / "experts_q4.pt").is_file() and len(list((partial / "layers").glob("*.pt"))) == 4
 
     monkeypatch.setattr(module, stop_in, real)
     saved: list[str] = []

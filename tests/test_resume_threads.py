@@ -20,6 +20,7 @@ from usaf.artifacts import PlanManifest, load_verified
 from usaf.backends.cpu import same_threads_as
 from usaf.demo import demo_model_dir
 from usaf.testing import stdlib_dir
+from usaf.testing.hostile import resign_checkpoint
 
 STEPS = 12
 
@@ -104,6 +105,9 @@ def test_a_state_with_a_bad_thread_count_is_refused(demo_inputs, tmp_path):
         assert invoke(*train(demo_inputs, tmp_path / "run")).exit_code == 130
     path = tmp_path / "run" / "checkpoints" / "step-0000004" / "state.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "threads": 0}))
+    result = invoke(*train(demo_inputs, tmp_path / "run"))
+    assert result.exit_code == 2 and "state.json: changed since usaf wrote it" in result.stderr  # the checksums
+    resign_checkpoint(path.parent)  # a consistent forgery: what the state's own check sees
     result = invoke(*train(demo_inputs, tmp_path / "run"))
     assert result.exit_code == 2
     assert "threads 0 is not a thread count (a whole number from 1)" in result.stderr

@@ -105,3 +105,105 @@ def test_bad_run_directories(finished_run, tmp_path):
     newest.write_bytes(newest.read_bytes()[:100])
     with pytest.raises(UsafError, match="unreadable checkpoint"):
         load_trained_change(damaged)
+
+
+def _set_first_value(checkpoint, value: float) -> None:
+    """Change one trained value of a checkpoint in place to a finite number: an edit every content check passes."""
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint / "deltas.safetensors"
+    tensors = load_file(str(path))
+    name = next(n for n in sorted(tensors) if n.endswith(".cumulative_values"))
+    tensors[name][0] = value
+    save_file(tensors, str(path))
+
+
+def test_a_checkpoint_edited_in_place_is_refused_by_its_checksums(finished_run, tmp_path):
+    """A byte changed in a checkpoint that still reads as finite numbers was taken by resume, eval and export (found
+    in review). Each checkpoint records its files' sha256 (checksums.json), checked when it is read. Control: the
+    same edit re-signed is read, with the edited value in it (so the checksums are what refused it)."""
+    from usaf.testing.hostile import resign_checkpoint
+
+    _, _, run = finished_run
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    (partial / "manifest.json").unlink()
+    newest = partial / "checkpoints" / "step-0000008"
+    assert (newest / "checksums.json").is_file()
+    _set_first_value(newest, 1.25)
+    with pytest.raises(UsafError, match=r"step-0000008/deltas.safetensors: changed since usaf wrote it: its sha256"):
+        load_trained_change(partial)
+    resign_checkpoint(newest)
+    change = load_trained_change(partial)
+    assert any(float(values[0]) == 1.25 for _, values in change.deltas.values())
+
+
+def test_a_checkpoint_of_a_usaf_from_before_checksums_is_read_without(finished_run, tmp_path):
+    _, _, run = finished_run
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    (partial / "manifest.json").unlink()
+    (partial / "checkpoints" / "step-0000008" / "checksums.json").unlink()
+    assert load_trained_change(partial).source.name == "step-0000008"
+
+
+def test_a_finished_runs_final_is_checked_by_its_checksums_too(finished_run, tmp_path):
+    """final/ is listed in the run's manifest, whose hashes a read checks; with the manifest re-signed over an edit
+    there, final/'s own checksums still refuse it."""
+    from usaf.testing.hostile import _resign
+
+    _, _, run = finished_run
+    edited = tmp_path / "run"
+    shutil.copytree(run, edited)
+    _set_first_value(edited / "final", 1.25)
+    _resign(edited)
+    with pytest.raises(UsafError, match=r"final/deltas.safetensors: changed since usaf wrote it"):
+        load_trained_change(edited)
+
+
+def test_an_edited_checkpoint_is_refused_from_the_cli_and_a_resume_goes_on_from_an_intact_one(finished_run, tmp_path):
+    """export names the file and the fix; moved out of the run (the hint), the run's next checkpoint is read."""
+    qdir, _, run = finished_run
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    (partial / "manifest.json").unlink()
+    newest = partial / "checkpoints" / "step-0000008"
+    _set_first_value(newest, -3.0)
+    export = ("export", "--checkpoint", partial, "--model", qdir, "--format", "delta", "--out", tmp_path / "delta")
+    result = invoke(*export)
+    assert result.exit_code == 2, result.output
+    assert "deltas.safetensors: changed since usaf wrote it" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "delta").exists()
+    shutil.move(newest, tmp_path / "edited")
+    result = invoke(*export)
+    assert result.exit_code == 0, result.output
+
+
+def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, tmp_path):
+    """A run's checkpoints are not in its manifest, and an unfinished run has none: ``inspect --verify`` said "not a
+    usaf artifact" of one, and verified a finished one without them. Each is now checked against its checksums."""
+    import json
+
+    _, _, run = finished_run
+    result = invoke("inspect", run, "--verify")
+    assert result.exit_code == 0 and f"{run}: 2 checkpoints match their checksums" in result.stdout, result.output
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    (partial / "manifest.json").unlink()
+    result = invoke("inspect", partial, "--verify")
+    assert result.exit_code == 0 and "2 checkpoints match their checksums" in result.stdout, result.output
+    _set_first_value(partial / "checkpoints" / "step-0000004", 0.5)
+    result = invoke("inspect", partial, "--verify")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert "1 checkpoint file not as usaf wrote it" in said and "checkpoints/step-0000004/deltas.safetensors" in said
+    report = json.loads(invoke("inspect", partial, "--verify", "--json").stdout)
+    assert report["verified"] is False and report["checkpoints"] == [
+        {"path": "checkpoints/step-0000004", "changed": ["deltas.safetensors"]},
+        {"path": "checkpoints/step-0000008", "changed": []},
+    ]
+    started = tmp_path / "started"
+    started.mkdir()
+    shutil.copy(run / "run-settings.json", started / "run-settings.json")
+    result = invoke("inspect", started, "--verify")
+    assert result.exit_code == 2 and "no checkpoint yet: nothing to verify" in " ".join(result.stderr.split())

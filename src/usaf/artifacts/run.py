@@ -10,7 +10,9 @@ A checkpoint is one :class:`Checkpoint`, written by :func:`write_checkpoint` and
 the key scheme of its deltas are spelled here only, and every read goes through :mod:`usaf.artifacts.safety`.
 A read refuses, naming the file: a NaN or Inf in a delta or router (it would become NaN weights), a step
 that is not a whole number from 0 to the run's steps, and a ``step-N`` directory whose name is not a step
-or disagrees with its ``state.json`` (:func:`checkpoint_dirs` lists a run's checkpoints by step number).
+or disagrees with its ``state.json`` (:func:`checkpoint_dirs` lists a run's checkpoints by step number), and a
+file whose bytes are not those its ``checksums.json`` recorded when it was written (:mod:`usaf.artifacts.checksums`;
+a checkpoint of a usaf from before those records is read without).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from usaf.artifacts.checksums import unmatched, write_record
 from usaf.artifacts.delta import DeltaManifest, read_delta
 from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import combine, sha256_file
@@ -48,7 +51,8 @@ DELTAS_FILE = "deltas.safetensors"  # "<name>.<part>_indices"/"<name>.<part>_val
 ROUTERS_FILE = "routers.safetensors"  # in-memory router name -> fp32 master weight
 OPTIMIZER_FILE = "optimizer.pt"  # optimizer, schedule, RNG, loss scale, partial grow scores (weights_only)
 STATE_FILE = "state.json"  # the trainer's counters and histories
-CHECKPOINT_FILES = (DELTAS_FILE, ROUTERS_FILE, OPTIMIZER_FILE, STATE_FILE)  # a checkpoint directory's, all of them
+SUMS_FILE = "checksums.json"  # the sha256 of the four above, written last (usaf.artifacts.checksums)
+CHECKPOINT_FILES = (DELTAS_FILE, ROUTERS_FILE, OPTIMIZER_FILE, STATE_FILE, SUMS_FILE)  # a checkpoint directory's, all
 
 
 class ReselectionRecord(Record):
@@ -178,6 +182,7 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
         save_tensors(routers, str(tmp / ROUTERS_FILE))
         torch.save(extra, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
+        write_record(tmp / SUMS_FILE, {name: tmp / name for name in CHECKPOINT_FILES if name != SUMS_FILE})
     if directory.exists():  # a step written again after a resume: what else is in it is a user's, and stays
         for entry in directory.iterdir():
             if entry.name not in CHECKPOINT_FILES:
@@ -222,6 +227,15 @@ def read_checkpoint(
     check_finite(directory / DELTAS_FILE, tensors, flag=flag, hint=hint)
     check_finite(directory / ROUTERS_FILE, routers, flag=flag, hint=hint)
     _check_step(directory, state, max_step, flag=flag, hint=hint)
+    # last: the checks above name what is wrong with a file; this one catches an edit they cannot see
+    read = (DELTAS_FILE, ROUTERS_FILE, STATE_FILE, *((OPTIMIZER_FILE,) if full else ()))
+    if changed := unmatched(directory, read, directory / SUMS_FILE):
+        also = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
+        raise UsafError(
+            f"{flag} {directory / changed[0]}: changed since usaf wrote it{also}: its sha256 is not the one "
+            f"{SUMS_FILE} records",
+            hint,
+        )
     if full and not (isinstance(extra, dict) and all(key in extra for key in ("optimizer", "schedule", "rng"))):
         raise UsafError(
             f"{flag} {directory / OPTIMIZER_FILE}: unreadable checkpoint (not the optimizer state usaf writes: "
@@ -280,6 +294,12 @@ def checkpoint_dirs(run_dir: Path, *, flag: str) -> list[Path]:
         return []
     complete = [p for p in directory.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file()]
     return sorted(complete, key=lambda p: step_of(p, flag=flag))
+
+
+def changed_checkpoint_files(directory: Path) -> list[str] | None:
+    """A checkpoint's files whose bytes are not those its ``checksums.json`` records (``usaf inspect --verify``), or
+    None: a checkpoint of a usaf from before those records."""
+    return unmatched(directory, [name for name in CHECKPOINT_FILES if name != SUMS_FILE], directory / SUMS_FILE)
 
 
 def _delta_records(tensors: dict, directory: Path, *, flag: str, hint: str) -> dict[str, DeltaRecord]:

@@ -33,6 +33,8 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
             _print_survey(path, left, as_json=json_output)
         elif not path.exists():
             raise UsafError(f"{path}: no such file or directory", "check the path")
+        elif verify and not manifest and _is_run(path):
+            _verify_unfinished_run(path, as_json=json_output)
         elif verify:
             _verify_artifact(path, as_json=json_output)
         elif artifact:
@@ -186,21 +188,26 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     bad = [c for c in checks if not c.ok]
     problem = listing_problem(manifest) or fingerprint_problem(manifest)  # the files match, the manifest lies
     extra = unlisted_files(path, manifest)
+    checkpoints = _checkpoint_checks(path) if manifest.kind == "run" else []
     if as_json:
         print_json(
             {
                 "path": str(path),
                 "kind": manifest.kind,
                 "fingerprint": manifest.fingerprint,
-                "verified": not bad and problem is None,
+                "verified": not bad and problem is None and not _changed(checkpoints),
                 "files": len(checks),
                 "problems": [{"path": c.path, "problem": c.problem} for c in bad]
                 + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else []),
                 "unlisted": extra,
+                **({"checkpoints": checkpoints} if manifest.kind == "run" else {}),
             }
         )
-    if extra:  # a run directory also holds its metrics and checkpoints, which its manifest does not cover
-        note(f"{len(extra)} files are not listed in the manifest (not covered by it): {', '.join(extra[:5])}")
+    # a run directory also holds its metrics and checkpoints, which its manifest does not cover (the checkpoints'
+    # own checksums do: said below)
+    uncovered = [f for f in extra if not any(f.startswith(c["path"] + "/") for c in checkpoints)]
+    if uncovered:
+        note(f"{len(uncovered)} files are not listed in the manifest (not covered by it): {', '.join(uncovered[:5])}")
     if bad:
         listing = "; ".join(f"{c.path}: {c.problem}" for c in bad[:5])
         raise UsafError(
@@ -214,6 +221,62 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
             f"{path}: {manifest.kind} artifact verified: {len(checks)} files match their sha256 "
             f"(fingerprint {manifest.fingerprint[:16]})"
         )
+    if checkpoints:
+        _say_checkpoints(path, checkpoints, as_json=as_json)
+
+
+def _is_run(path: Path) -> bool:
+    """An unfinished run: usaf train's settings file, no manifest yet."""
+    from usaf.artifacts.run import SETTINGS_FILE
+
+    return (path / SETTINGS_FILE).is_file()
+
+
+def _checkpoint_checks(run: Path) -> list[dict[str, Any]]:
+    """Each checkpoint of ``run`` against its checksums: its path, and the files that do not match (None: a
+    checkpoint of a usaf from before checksums, not checked)."""
+    from usaf.artifacts.run import changed_checkpoint_files, checkpoint_dirs
+
+    return [{"path": str(d.relative_to(run)), "changed": changed_checkpoint_files(d)}
+            for d in checkpoint_dirs(run, flag="PATH")]  # fmt: skip
+
+
+def _changed(checks: list[dict[str, Any]]) -> list[str]:
+    return [f"{c['path']}/{name}" for c in checks for name in c["changed"] or ()]
+
+
+def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool) -> None:
+    """The checkpoints' verdict: refused where a file changed, else a line (a note for those not checked)."""
+    from usaf.cli.console import note, out
+    from usaf.units import counted
+
+    if changed := _changed(checks):
+        raise UsafError(
+            f"{run}: {counted(len(changed), 'checkpoint file')} not as usaf wrote "
+            f"{'it' if len(changed) == 1 else 'them'} (the sha256 checksums.json records differs): "
+            f"{', '.join(changed[:5])}",
+            "move the changed checkpoints out of the run: resume, eval and export refuse them",
+        )
+    unchecked = [c["path"] for c in checks if c["changed"] is None]
+    if unchecked:
+        note(f"{counted(len(unchecked), 'checkpoint')} of a usaf from before checksums, not checked: "
+             f"{', '.join(unchecked[:5])}")  # fmt: skip
+    if not as_json and len(checks) > len(unchecked):
+        out.print(f"{run}: {counted(len(checks) - len(unchecked), 'checkpoint')} match their checksums")
+
+
+def _verify_unfinished_run(run: Path, *, as_json: bool) -> None:
+    """``--verify`` on a run still training or interrupted: no manifest yet, so its checkpoints' own checksums."""
+    from usaf.cli.console import print_json
+
+    checks = _checkpoint_checks(run)
+    if as_json:
+        print_json({"path": str(run), "kind": "run", "finished": False, "verified": not _changed(checks),
+                    "checkpoints": checks})  # fmt: skip
+    if not checks:
+        raise UsafError(f"{run}: an unfinished usaf run with no checkpoint yet: nothing to verify",
+                        f"usaf inspect {run} says how it goes on")  # fmt: skip
+    _say_checkpoints(run, checks, as_json=as_json)
 
 
 def _inspect_model(path: Path, *, as_json: bool) -> None:

@@ -38,7 +38,7 @@ import sys
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +135,11 @@ class StreamingTorchSave:
         torch.load(out / "experts_q4.pt", weights_only=True, mmap=True)
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, before_rename: Callable[[Path], None] | None = None) -> None:
+        """``before_rename``: called with the finished temporary's path just before it is renamed to ``path`` (to
+        record its checksum: no moment then has the file in place without its record)."""
         self.path = Path(path)
+        self._before_rename = before_rename
         self._tmp = self.path.with_name(f".{self.path.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._entries: dict[str, Any] = {}
         self._next_key = 0
@@ -189,6 +192,8 @@ class StreamingTorchSave:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+            if self._before_rename is not None:
+                self._before_rename(self._tmp)
             os.replace(self._tmp, self.path)
         except BaseException:
             self.abort()

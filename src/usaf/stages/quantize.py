@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
+from usaf.artifacts.checksums import doubt, seal
 from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import sha256_tensors
 from usaf.artifacts.loader import load_verified
@@ -203,23 +204,34 @@ def _kept_on_stop(work: Path, layers: int, progress: Progress, *, force: bool) -
     try:
         yield
     except KeyboardInterrupt:
-        kept = sum(1 for _ in (work / LAYERS_DIR).glob("layer-*.pt")) if (work / LAYERS_DIR).is_dir() else 0
+        kept = kept_layers(work)
         progress.finish()
         again = rerun_to_resume("--force" if force else None)
         progress.note(f"interrupted: {kept} of {layers} MoE layers quantized and kept in {work}; {again}")
         raise
 
 
+def kept_layers(work: Path) -> int:
+    """The finished layer files an interrupted quantize kept in ``work`` (not their checksums, nor a temporary)."""
+    return sum(1 for _ in (work / LAYERS_DIR).glob("layer-*.pt")) if (work / LAYERS_DIR).is_dir() else 0
+
+
 def _save_layer(path: Path, layer: dict[str, Any]) -> None:
+    """Write a finished layer with its checksum (recorded before the rename: no moment has the file without it)."""
     tmp = path.with_suffix(".tmp")
     with removed_on_failure(tmp):  # a full disk leaves no torn layer file
         torch.save(layer, tmp)
+        seal(path, written_at=tmp)
     os.replace(tmp, path)
 
 
-def _load_layer(path: Path) -> dict[str, Any] | None:
-    """A finished layer file, or None if it is absent or unreadable (then it is redone)."""
+def _load_layer(path: Path, progress: Progress) -> dict[str, Any] | None:
+    """A finished layer file, or None if it is absent, unreadable or not the bytes its checksum records (then it
+    is redone: a changed byte that still read as numbers was merged into the output, found in review)."""
     if not path.is_file():
+        return None
+    if why := doubt(path):
+        progress.note(f"{path}: not as usaf wrote it ({why}): quantizing the layer again")
         return None
     try:
         return torch.load(path, weights_only=True)
@@ -385,7 +397,7 @@ def _quantize_layers(
     for done, layer in enumerate(plan.experts, start=1):
         layer_bytes = _source_bytes(layer, infos)
         path = layers_dir / f"layer-{layer.layer:05d}.pt"
-        saved = _load_layer(path)
+        saved = _load_layer(path, progress)
         if saved is None:
             on_disk = load_tensors(model_dir, layer.source_names, infos)
             digest = sha256_tensors(on_disk)  # what export --base checks the original's experts against

@@ -44,6 +44,7 @@ import torch
 import transformers
 
 from usaf._version import __version__
+from usaf.artifacts.checksums import SIDECAR_SUFFIX, doubt, seal
 from usaf.artifacts.disk import cause_of
 from usaf.artifacts.loader import load_manifest, load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
@@ -67,7 +68,8 @@ STORE = "score-store.json"
 THREADS_KEY = "torch_threads"  # in SETTINGS beside the identity, not part of it
 VERSIONS_KEY = "versions"  # torch's and transformers', in the identity since 2026-12-06 (found in review)
 RANK_CALIBRATION = "score-calibration.rank{}.pt"  # rank r > 0's share of the pass, under torchrun
-BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES, STORE)  # top level of the partial directory; never part of the plan
+# top level of the partial directory, never part of the plan: the two saved tensor files' checksums too
+BOOKKEEPING = (SETTINGS, CALIBRATION, PROBES, STORE, *(name + SIDECAR_SUFFIX for name in (CALIBRATION, PROBES)))
 # Config fields the saved work does not depend on: where the inputs and the plan are (the inputs count by their
 # fingerprints), the device as asked (the one used is recorded), and the launcher's settings.
 NOT_RECORDED = frozenset({"model", "data", "out", "workspace", "overwrite", "device", "dist_backend"})
@@ -160,7 +162,7 @@ class ScoreProgress:
 
     def holds_work(self) -> bool:
         """Whether any saved work is here (any rank's)."""
-        names = (name for name in self.bookkeeping() if name != SETTINGS)
+        names = (name for name in self.bookkeeping() if name != SETTINGS and not name.endswith(SIDECAR_SUFFIX))
         return self.directory is not None and any((self.directory / name).is_file() for name in names)
 
     def bookkeeping(self) -> tuple[str, ...]:
@@ -169,7 +171,7 @@ class ScoreProgress:
         if self.directory is None or not self.directory.is_dir():
             return BOOKKEEPING
         ranks = sorted(p.name for p in self.directory.glob(RANK_CALIBRATION.format("*")) if p.is_file())
-        return (*BOOKKEEPING, *ranks)
+        return (*BOOKKEEPING, *ranks, *(name + SIDECAR_SUFFIX for name in ranks))
 
     # -- the calibration pass -----------------------------------------------------------------------------
 
@@ -299,6 +301,9 @@ class ScoreProgress:
     def _load(self, name: str, what: str) -> dict[str, Any] | None:
         if self.directory is None or not (self.directory / name).is_file():
             return None
+        if why := doubt(self.directory / name):  # a changed byte that still loads would be taken (found in review)
+            self.progress.note(f"{self.directory / name}: not as usaf wrote it ({why}): {what} starts over")
+            return None
         try:
             return torch.load(self.directory / name, weights_only=True)
         except Exception as e:  # noqa: BLE001 (any unreadable file: the work is redone, never trusted)
@@ -310,7 +315,8 @@ class ScoreProgress:
         so the file is whole or absent). False, with a note, where the disk refused: the work is done again."""
 
         def write() -> None:
-            with StreamingTorchSave(self.directory / name) as archive:
+            path = self.directory / name
+            with StreamingTorchSave(path, before_rename=lambda tmp: seal(path, written_at=tmp)) as archive:
                 for key, entry in entries:
                     archive.add(key, entry)
 

@@ -25,7 +25,7 @@ from usaf.artifacts.outputs import OLD_TAG, PARTIAL_TAG, TMP_TAG, manifest_kind,
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, checkpoint_dirs
 from usaf.errors import UsafError
 from usaf.stages.eval.cache import CACHE_SUBDIR, META_FILE, TUNED_SUBDIR
-from usaf.stages.quantize import LAYERS_DIR
+from usaf.stages.quantize import kept_layers
 from usaf.stages.quantize_parts import PARTIAL_SETTINGS
 from usaf.stages.score_resume import CALIBRATION, PROBES, RANK_CALIBRATION, STORE
 from usaf.stages.score_resume import SETTINGS as SCORE_SETTINGS
@@ -139,8 +139,8 @@ def _interrupted(partial: Path, target: Path) -> Entry | None:
             detail += f" (under torchrun: {shares + 1} processes' shares)"
         discard = "--overwrite"
     elif (partial / PARTIAL_SETTINGS).is_file():
-        layers = len(list((partial / LAYERS_DIR).glob("*"))) if (partial / LAYERS_DIR).is_dir() else 0
-        kind, detail, discard = "quantized_model", f"usaf quantize kept {layers} quantized layers", "--force"
+        kind, discard = "quantized_model", "--force"
+        detail = f"usaf quantize kept {kept_layers(partial)} quantized layers"
     elif manifest_kind(partial) == "quantized_model":  # killed between its manifest and the rename: unseen before
         kind, discard = "quantized_model", "--force"  # (found in review); quantize's rerun only renames it
         detail = "usaf quantize finished it (its manifest is written), only the rename into place is missing"

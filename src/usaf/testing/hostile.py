@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from typer.testing import CliRunner
 
+from usaf.artifacts.checksums import write_record
 from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.run import CHECKPOINT_FILES, SUMS_FILE
 from usaf.cli.app import app
 from usaf.stages.quantize import QuantizeConfig
 from usaf.stages.quantize import run as quantize
@@ -114,6 +116,13 @@ def _resign(artifact: Path) -> None:
             record["bytes"], record["sha256"] = file.stat().st_size, sha256_file(file)
     data["fingerprint"] = combine((r["path"], r["sha256"]) for r in data["files"])
     path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
+def resign_checkpoint(checkpoint: Path) -> None:
+    """Rewrite a checkpoint's ``checksums.json`` so it matches the files again (a consistent forgery: what the checks
+    behind the checksums see)."""
+    files = {name: checkpoint / name for name in CHECKPOINT_FILES if name != SUMS_FILE}
+    write_record(checkpoint / SUMS_FILE, {name: path for name, path in files.items() if path.is_file()})
 
 
 def _copy_quantized(bench: Bench, case_dir: Path) -> Path:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from usaf.cli.app import app
-from usaf.testing.hostile import Bench, Case, _resign, _RunsCode, marker_of
+from usaf.testing.hostile import Bench, Case, _resign, _RunsCode, marker_of, resign_checkpoint
 
 SETTINGS = "settings values (flags, env, TOML)"
 CHECKPOINTS = "checkpoints"
@@ -252,16 +252,26 @@ def _reshape_router(shape: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[
 
 
 def _checkpoint_case(
-    name: str, tamper: Callable[[Path, Path], Path], command: Command, needle: str, *, finished: bool = True, **kw
+    name: str,
+    tamper: Callable[[Path, Path], Path],
+    command: Command,
+    needle: str,
+    *,
+    finished: bool = True,
+    resigned: bool = True,
+    **kw,
 ) -> Case:
     """``tamper(run, case_dir)`` damages the copied run (finished, or made interrupted) and returns the
-    checkpoint directory it damaged; ``command`` reads the run. A finished run's manifest is re-signed."""
+    checkpoint directory it damaged; ``command`` reads the run. The checkpoint's checksums are re-signed (so the
+    checks behind them are what is tested) unless not ``resigned``, and so is a finished run's manifest."""
 
     def build(bench: Bench, case_dir: Path) -> list[str]:
         run = _copy_run(bench, case_dir)
         if not finished:
             _unfinish(run)
-        tamper(run / "final" if finished else _step_dir(run), case_dir)
+        damaged = tamper(run / "final" if finished else _step_dir(run), case_dir)
+        if resigned:
+            resign_checkpoint(damaged)
         if finished:
             _resign(run)
         return command(bench, case_dir, run)
@@ -369,9 +379,18 @@ def checkpoint_cases() -> list[Case]:
         ("optimizer.pt a plain pickle that runs code",
          lambda p, case_dir: p.write_bytes(pickle.dumps(_RunsCode(marker_of(case_dir)), 2))),
     ]  # fmt: skip
+    finite_delta = _tensor_file(DELTAS, _poison("cumulative_values", 1.25))
+    unsigned = [  # (name, tampering, command, needle, finished): edits that read as sound, checksums not re-signed
+        ("a delta's value changed, finite, manifest re-signed (eval)", finite_delta, _eval, DELTAS, True),
+        ("a delta's value changed, finite, in the newest checkpoint (export)", finite_delta, _export, DELTAS, False),
+        ("state.json with an unknown key (train --resume)", _state(lambda s: s.__setitem__("lr", 1)), _resumed, STATE,
+         False),
+    ]  # fmt: skip
     return [
         *[_checkpoint_case(*row) for row in finished],
         *[_checkpoint_case(*row, finished=False) for row in interrupted],
+        *[_checkpoint_case(f"{name}, checksums not re-signed", tamper, command, needle, finished=done, resigned=False)
+          for name, tamper, command, needle, done in unsigned],
         *[_checkpoint_case(name, _optimizer(write), _resumed, OPTIMIZER, finished=False, unsafe=True)
           for name, write in runs_code],
     ]  # fmt: skip

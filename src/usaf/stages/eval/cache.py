@@ -5,9 +5,10 @@ run, never on the checkpoint, so the key is the sha256 of: the quantized model's
 sequences' fingerprint (set, source, ids, labels), the microbatch (padding), device type, the card's (or CPU's) name
 and compute dtype, and the usaf/torch/transformers versions (a forward may change with any of them). An entry is
 ``<workspace>/cache/eval-base/<key>/`` holding ``base.safetensors`` (per-sequence NLL and tokens, per-layer
-top-k sets) and ``base.json`` (the key's parts, timing); it is written to a temporary directory and
-renamed, so a reader never sees half of one. An entry whose contents do not match its key is ignored
-and replaced.
+top-k sets) and ``base.json`` (the key's parts, timing, and the sha256 of ``base.safetensors``: a byte changed
+there that still read as numbers was reported as the base model's loss, found in review); it is written to a
+temporary directory and renamed, so a reader never sees half of one. An entry whose contents do not match its key
+or its sha256 is ignored and replaced.
 
 A pass stopped by Ctrl-C (SIGTERM, SIGHUP) keeps what it did in the same format, with the microbatches done
 (``batches`` in ``base.json``): the base pass in its own entry (replaced by the whole pass when it ends), the
@@ -29,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from usaf.artifacts.hashing import sha256_text
+from usaf.artifacts.hashing import sha256_file, sha256_text
 from usaf.artifacts.outputs import TMP_TAG, mark_usaf_made
 from usaf.artifacts.tensor_file import save_tensors
 from usaf.artifacts.writer import remove_stale_temporaries
@@ -38,7 +39,7 @@ from usaf.stages.eval.passes import PartialPass, PassResult
 
 CACHE_SUBDIR = Path("cache") / "eval-base"
 TUNED_SUBDIR = Path("cache") / "eval-tuned"  # fine-tuned passes stopped part-way, until their eval ends
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: base.json records base.safetensors' sha256
 TENSORS_FILE = "base.safetensors"
 META_FILE = "base.json"
 
@@ -96,10 +97,13 @@ def drop_kept(directory: Path, key: str) -> None:
 def _read(directory: Path, key: str) -> tuple[dict, dict] | None:
     try:
         meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
-        tensors = load_file(str(directory / TENSORS_FILE))
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            return None
+        if meta.get("sha256") != sha256_file(directory / TENSORS_FILE):
+            return None
+        return meta, load_file(str(directory / TENSORS_FILE))
     except (OSError, ValueError, SafetensorError):
         return None
-    return (meta, tensors) if isinstance(meta, dict) and meta.get("key") == key else None
 
 
 def _result(found: tuple[dict, dict], *, sequences: int, input_tokens: int) -> PassResult | None:
@@ -129,7 +133,8 @@ def save(directory: Path, key: str, parts: dict[str, Any], result: PassResult, *
         save_tensors(tensors, str(tmp / TENSORS_FILE))
         # threads: the CPU's sums are bit-identical at one count only, so a resumed pass computes at this one
         meta = {"key": key, "parts": parts, "input_tokens": result.input_tokens, "seconds": result.seconds,
-                "batches": batches, "threads": torch.get_num_threads()}  # fmt: skip
+                "batches": batches, "threads": torch.get_num_threads(),
+                "sha256": sha256_file(tmp / TENSORS_FILE)}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         mark_usaf_made(tmp, "eval cache entry")  # so a walk of the workspace never reads base.json as text
         if directory.exists():
