@@ -334,8 +334,18 @@ empty text or NaN weights written, until 2026-12-06). `pytest tests/test_hostile
 artifact's `train.jsonl` or `heldout.jsonl` given by itself is checked against the tokenizer as its directory is.
 
 `usaf inspect DIR --verify` re-hashes every file the manifest lists and exits 2 naming each missing,
-truncated or modified one (files not listed, such as a run's metrics and checkpoints, are named as a note),
-and a manifest whose fingerprint no longer matches the files it lists.
+truncated or modified one (files not listed, such as a run's metrics, are named as a note), and a manifest whose
+fingerprint no longer matches the files it lists; a run's checkpoints, finished run or not, against their own
+checksums.
+
+What a stage keeps to be read back before its manifest exists records each file's sha256 when it is written, and
+is checked when read: a run's checkpoints (`checksums.json`: resume, eval and export refuse a changed one, naming
+the file), quantize's finished layer files, score's saved calibration pass and lr-test probes, and eval's kept
+passes (each done again, with a note, where its bytes changed). A byte changed there that still read as finite
+numbers was taken until 2026-12-07, and a resumed quantize sealed it into its manifest. The hostile-input
+catalogue's checkpoint cases re-sign the checksums, so its other checks are what they test, and three cases do
+not. `pytest tests/test_checksums.py tests/test_run_change.py`, and the changed-on-disk tests of
+`tests/test_quantize.py`, `tests/test_score_resume.py` and `tests/test_eval.py`.
 Consumers check presence and size only at every load (hashing a 15 GB `experts_q4.pt` each time would
 cost minutes); the hostile-input table shows both answers for the same modified file.
 
