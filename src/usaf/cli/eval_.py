@@ -11,7 +11,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from usaf.stages.eval.report import fmt_ci, row_label, shown_rows
+    from usaf.stages.eval.report import fmt_ci, plain_ci, row_label, shown_rows
 
     s = manifest.summary
     tuned = s.checkpoint is not None
@@ -30,7 +30,7 @@ def _print_summary(console, manifest, path: Path) -> None:
             delta = f"{d.ppl:+.2f} {fmt_ci(d.ppl_ci)}"
             cells += [f"{r.tuned.ppl:.2f}", f"[{style}]{delta}[/{style}]" if style else delta]
         else:
-            cells.append(f"[{r.base.ppl_ci[0]:.3f}, {r.base.ppl_ci[1]:.3f}]" if r.base.ppl_ci else "(n < 2)")
+            cells.append(plain_ci(r.base.ppl_ci, 2))  # the PPL's digits (the CI had 3: found in review)
         table.add_row(*cells, end_section=r.overall)
     console.print(table)
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -440,7 +441,7 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
             trainable_layers=list(change.trainable_layers) if change is not None else [],
             data_fingerprint=o.data_fingerprint,
             base_cache_key=o.cache_key,
-            base_cache=str(o.cache_entry) if o.cache_entry is not None else None,
+            base_cache=os.path.abspath(o.cache_entry) if o.cache_entry is not None else None,
             base_cached=o.base.cached,
             max_logit_change=o.logit_change,
             experts_resident=o.resident,
@@ -460,7 +461,7 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
             seconds=time.perf_counter() - start,
         )
         (art.dir / REPORT_JSON).write_text(summary.model_dump_json(indent=1) + "\n", encoding="utf-8")
-        (art.dir / REPORT_MD).write_text(markdown(summary, model=str(o.model_dir)), encoding="utf-8")
+        (art.dir / REPORT_MD).write_text(markdown(summary, model=os.path.abspath(o.model_dir)), encoding="utf-8")
         manifest = art.commit(
             EvalReportManifest,
             inputs=_input_records(o),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -143,7 +144,9 @@ def read_input(
         )
     if kind == "text":  # what was evaluated is the packed text: fingerprint that
         fingerprint = sequences_fingerprint(sequences)
-    return EvalInput(set_name, path, kind, fingerprint, sequences, held if held > len(sequences) else None)
+    # absolute: the report names it wherever it is read from (a relative path named nothing there; found in review)
+    sampled_from = held if held > len(sequences) else None
+    return EvalInput(set_name, Path(os.path.abspath(path)), kind, fingerprint, sequences, sampled_from)
 
 
 def _is_tokens_jsonl(path: Path) -> bool:

@@ -183,7 +183,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         for r in shown_rows(s.rows):
             lines.append(
                 f"| {r.set} | {_source(r, s.rows)} | {r.sequences:,} | {r.tokens:,} | {r.base.ppl:.3f} | "
-                f"{_plain_ci(r.base.ppl_ci)} |"
+                f"{plain_ci(r.base.ppl_ci)} |"
             )
     else:
         lines += [
@@ -220,8 +220,9 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
     return "\n".join(lines)
 
 
-def _plain_ci(ci: list[float] | None) -> str:
-    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "(n < 2)"
+def plain_ci(ci: list[float] | None, digits: int = 3) -> str:
+    """An interval of values (a base PPL's), unsigned: :func:`fmt_ci` signs a change's."""
+    return f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else "(n < 2)"
 
 
 def _source(row, rows) -> str:
