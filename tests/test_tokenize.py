@@ -489,6 +489,27 @@ def test_a_pipe_under_a_directory_input_is_skipped_and_said(tmp_path, tok_dir):
         in said, said
 
 
+def test_an_input_given_twice_or_under_another_is_read_once_and_said(tmp_path, tok_dir):
+    """The same file twice, or a directory and a file under it: read once, in silence (found in review). The control:
+    two other files are both read, with no note."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("a = 1\n" * 40)
+    (corpus / "b.py").write_text("b = 2\n" * 40)
+    cases = [((corpus / "a.py", corpus / "a.py"), 1, "a.py"), ((corpus, corpus / "b.py"), 2, "b.py"),
+             ((corpus / "a.py", corpus / "b.py"), 2, None)]  # fmt: skip
+    for i, (inputs, documents, again) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        result = tokenize(*inputs, "--model", tok_dir, "--out", out)
+        assert result.exit_code == 0, result.output
+        assert load_verified(out, TokensManifest).summary.documents == documents
+        said = " ".join(result.stderr.split())
+        if again is None:
+            assert "already given" not in said, said
+        else:
+            assert f"1 input already given by an earlier input, read once: {corpus / again}" in said, said
+
+
 def test_utf16_text_is_named_as_such_not_skipped_as_binary(tmp_path, tok_dir):
     """UTF-16 text has NUL bytes: given by name it was "empty corpus ... (1 binary file skipped)" with a hint about
     --include (found in review); under a directory it was counted as binary. The control: a binary file still is."""

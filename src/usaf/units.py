@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 def human_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'``; binary units, one decimal."""
@@ -19,3 +21,9 @@ def counted(n: int, thing: str) -> str:
         return f"{n:,} {thing}"
     plural = thing[:-1] + "ies" if thing.endswith("y") and thing[-2:-1] not in "aeiou" else thing + "s"
     return f"{n:,} {plural}"
+
+
+def first_few(items: Iterable[object], n: int = 3) -> str:
+    """``first_few(["a", "b", "c", "d"]) -> 'a, b, c, ...'``: the first ``n`` of a list named in a message."""
+    shown = [str(item) for item in items]
+    return ", ".join(shown[:n]) + (", ..." if len(shown) > n else "")

@@ -47,6 +47,8 @@ class Corpus:
     skipped_usaf: list[Path] = field(default_factory=list)  # usaf's own outputs under a directory input, never read
     skipped_wide: list[Path] = field(default_factory=list)  # UTF-16/UTF-32 text under a directory input
     skipped_special: list[Path] = field(default_factory=list)  # pipes, sockets, devices under a directory input
+    # inputs given whose file or directory an earlier input already gave (named twice, or under another): read once
+    repeated_inputs: list[Path] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -125,6 +127,14 @@ class _Walk:
         self.broken_links: list[Path] = []  # pointing at nothing
         self.skipped_default: dict[str, list[Path]] = {}  # reason -> paths (a directory once, not its files)
         self.skipped_usaf: list[Path] = []  # directories usaf made (artifacts, runs): whatever --all-files says
+
+    def read_before(self, path: Path) -> bool:
+        """Whether ``path``'s real file or directory was met already (by an earlier input, or under one)."""
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) in self.seen
 
     def first_visit(self, path: Path | str) -> bool:
         """True the first time ``path``'s real file or directory is met; False after, or when it cannot be read."""
@@ -251,7 +261,11 @@ def discover(
                 "from",
             )
     names = input_names(inputs)
+    repeated: list[Path] = []
     for given in inputs:
+        if walk.read_before(given):  # read once, said (it was in silence: found in review)
+            repeated.append(given)
+            continue
         if given.is_file():
             candidates = [(given, names[given], names[given])] if walk.first_visit(given) else []
         else:
@@ -283,7 +297,7 @@ def discover(
             files.append(CorpusFile(path, kind, source, path.stat().st_size, walked=not given.is_file()))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
     return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf, wide,
-                  special)  # fmt: skip
+                  special, repeated)  # fmt: skip
 
 
 def input_names(inputs: list[Path]) -> dict[Path, str]:

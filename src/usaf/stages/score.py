@@ -70,6 +70,7 @@ from usaf.stages.score_resume import (
     same_run,
 )
 from usaf.stages.stop import StopRequest
+from usaf.units import first_few
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
 LEGACY_ENV = {"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"}  # the original tool's
@@ -449,9 +450,8 @@ def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file,
         raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
     empty = [name for name, mask in masks.items() if mask.numel() == 0]
     if empty and budget in ("per-layer", "global"):  # a shared budget may go to some tensors only: say which lost out
-        shown = ", ".join(empty[:3]) + (", ..." if len(empty) > 3 else "")
         progress.note(f"--budget {budget}: {len(empty)} of the {len(masks)} target tensors got no weights (the "
-                      f"others scored higher) and will not train: {shown}")  # fmt: skip  (found in review)
+                      f"others scored higher) and will not train: {first_few(empty)}")  # fmt: skip  (found in review)
     stability: dict[str, float] = {}
     if halves:
         try:

@@ -45,7 +45,7 @@ from usaf.data.tokens import (
 from usaf.errors import UsafError
 from usaf.settings.tokenize import TokenizeConfig
 from usaf.stages.progress import NullProgress, Progress
-from usaf.units import counted
+from usaf.units import counted, first_few
 
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep the Rust threads busy
 
@@ -253,6 +253,9 @@ def report_skipped_files(corpus: Corpus, progress: Progress) -> None:
     if corpus.skipped_special:
         special = counted(len(corpus.skipped_special), "special file")
         progress.note(f"{special} (pipe, socket or device) skipped, e.g. {corpus.skipped_special[0]}")
+    if corpus.repeated_inputs:
+        progress.note(f"{counted(len(corpus.repeated_inputs), 'input')} already given by an earlier input, read once: "
+                      f"{first_few(corpus.repeated_inputs)}")  # fmt: skip
     if corpus.skipped_wide:  # the user's text, not a binary: named, with the way to read it
         wide = counted(len(corpus.skipped_wide), "UTF-16 or UTF-32 text file")
         progress.note(f"{wide} skipped, e.g. {corpus.skipped_wide[0]}: usaf reads UTF-8; convert them (iconv -t UTF-8)")
@@ -265,17 +268,16 @@ def report_skipped_by_default(corpus: Corpus, progress: Progress) -> None:
     """Say what the walk left out by default and how to read it (a repository's .venv read as the user's code
     would dwarf it; left out in silence, a file the user wanted would look lost), and usaf's own outputs."""
     if corpus.skipped_usaf:
-        shown = ", ".join(str(p) for p in corpus.skipped_usaf[:3]) + (", ..." if len(corpus.skipped_usaf) > 3 else "")
         progress.note(f"skipped {counted(len(corpus.skipped_usaf), 'usaf output')} under the directory inputs "
-                      f"({shown}): usaf's tokens, models, plans and runs are never read as text")  # fmt: skip
+                      f"({first_few(corpus.skipped_usaf)}): usaf's tokens, models, plans and runs are never read as "
+                      "text")  # fmt: skip
     if not corpus.skipped_default:
         return
     parts = []
     for reason, label in _REASONS.items():
         paths = corpus.skipped_default.get(reason, [])
         if paths:
-            shown = ", ".join(p.name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
-            parts.append(f"{len(paths)} {label} ({shown})")
+            parts.append(f"{len(paths)} {label} ({first_few(p.name for p in paths)})")
     progress.note(f"skipped under the directory inputs: {'; '.join(parts)}; --all-files reads them")
 
 
@@ -413,9 +415,9 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
                 "no training sequences: every sequence came from a held-out source", "hold out fewer sources"
             )
         if heldout and summary.heldout_sequences == 0:  # asked for, and exit 0 with an empty split (found in review)
-            names = ", ".join(sorted(heldout)[:3]) + (", ..." if len(heldout) > 3 else "")
             raise UsafError(
-                f"no held-out sequences: the held-out sources ({names}) hold no text (empty, or skipped files)",
+                f"no held-out sequences: the held-out sources ({first_few(sorted(heldout))}) hold no text (empty, or "
+                "skipped files)",
                 "hold out other sources (--held-out NAME), or another --seed for --held-out-frac",
             )
         _refuse_nothing_to_score(config, totals)
