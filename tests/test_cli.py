@@ -45,6 +45,16 @@ def test_every_command_has_help():
         assert "typing." not in result.stdout and "Annotated" not in result.stdout, (command, result.stdout)
 
 
+def test_a_positional_argument_is_named_in_the_usage_as_messages_name_it():
+    """Errors say "MODEL ..." and "INPUTS ..."; the usage line said ``[model]`` and ``[inputs]...`` (found in
+    review). The control: the lowercase name is gone from the usage line."""
+    for command, name in (("quantize", "MODEL"), ("tokenize", "INPUTS"), ("inspect", "PATH"), ("plan", "MODEL")):
+        usage = invoke(command, "--help").stdout.splitlines()[0]
+        assert name in usage and name.lower() not in usage, (command, usage)
+    said = " ".join(invoke("quantize", "--method", "rtn").stderr.split())
+    assert "MODEL is required" in said, said
+
+
 def test_version_and_module_entry_point():
     assert invoke("--version").stdout.strip() == f"usaf {__version__}"
     proc = subprocess.run([sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, check=True)

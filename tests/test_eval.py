@@ -242,6 +242,9 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert {i["kind"] for i in data["inputs"]} == {"text"}
     assert all(d["changed_fraction"] is None for d in data["routing"])
     assert "**base model only**" in (out / "report.md").read_text()
+    total = next(r for r in data["rows"] if r["overall"] and r["input"] is None)["base"]  # the table's last row
+    shown = f"{total['ppl']:.2f} [{total['ppl_ci'][0]:.2f}, {total['ppl_ci'][1]:.2f}]"  # one precision (it was 2 and 3)
+    assert shown in " ".join(result.stdout.replace("│", " ").split()), result.stdout
 
 
 def test_held_out_sequences_the_run_trained_on_are_counted_and_said(trained, report, tmp_path):
@@ -1048,3 +1051,23 @@ def test_dtype_sets_what_both_passes_compute_in_and_keys_the_base_cache(trained,
             for a, b in zip(auto["rows"], bf16["rows"], strict=True)]  # fmt: skip
     assert all(0 < abs(ab - bb) < 0.05 and 0 < abs(at - bt) < 0.05 for ab, bb, at, bt in rows)
     assert "computed in bfloat16" in (tmp_path / "bfloat16" / "report.md").read_text()
+
+
+def test_the_report_names_inputs_given_relative_by_their_absolute_paths(trained, tmp_path, monkeypatch):
+    """The demo's report.md named the model, the data and the base-pass cache relative to where eval ran (a report
+    read elsewhere named nothing; found in review) while the checkpoint was absolute. The control: the paths as given
+    are relative, and none of them is in the report as given."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    model, tokens = (os.path.relpath(trained[k], tmp_path) for k in ("q", "tokens"))
+    assert not os.path.isabs(model) and not os.path.isabs(tokens)
+    result = invoke("eval", "--model", model, "--checkpoint", trained["run"], "--held-out", tokens,
+                    "--workspace", "ws", "--out", "report", "--no-plots")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert f"- model: `{trained['q']}`" in md and f"--held-out `{trained['tokens']}` (tokens)" in md, md
+    assert f"(`{tmp_path / 'ws' / 'cache' / 'eval-base'}/" in md, md
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert {i["path"] for i in report["inputs"]} == {str(trained["tokens"])}
+    assert all(os.path.isabs(r["input"]) for r in report["rows"] if r["input"] is not None)

@@ -67,7 +67,7 @@ def parameters(model: type) -> Iterator[inspect.Parameter]:
         base = cli_type(info.annotation)
         help_ = help_text(info)
         if meta.get("argument"):
-            spec: Any = typer.Argument(help=help_, show_default=False)
+            spec: Any = typer.Argument(help=help_, show_default=False, metavar=name.upper())  # as messages name it
         else:
             bounds = {key: meta[key] for key in ("min", "max") if key in meta}
             spec = typer.Option(declaration(name, info), help=help_, show_default=False, **bounds)
