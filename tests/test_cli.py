@@ -55,6 +55,40 @@ def test_a_positional_argument_is_named_in_the_usage_as_messages_name_it():
     assert "MODEL is required" in said, said
 
 
+def test_ctrl_c_while_a_stage_is_still_importing_is_an_interrupt(monkeypatch):
+    """Ctrl-C in the first second of train or quantize, while torch was being imported: the command's cleanup
+    imported usaf.distributed, which imported the half-loaded torch again, and its traceback replaced the interrupt
+    (exit 1; found in review). The cleanup leaves alone what was never imported. The control: with usaf.distributed
+    imported, its cleanup runs (here, as a spy)."""
+    import importlib
+    import sys
+
+    real = importlib.import_module
+
+    def interrupted(name, *args):
+        if name.startswith("usaf.stages."):
+            raise KeyboardInterrupt
+        return real(name, *args)
+
+    class NoDistributed:  # importing usaf.distributed now fails, as it did after the half-import
+        def find_spec(self, name, *args):
+            if name == "usaf.distributed":
+                raise RuntimeError("duplicate registrations for aten.linspace.Tensor_Tensor")
+            return None
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    monkeypatch.delitem(sys.modules, "usaf.distributed", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [NoDistributed(), *sys.meta_path])
+    result = invoke("quantize", "/nowhere", "--method", "rtn")
+    assert result.exit_code == 130 and "interrupted" in result.stderr, result.output
+    assert "Traceback" not in result.output and "duplicate registrations" not in result.output
+
+    shutdowns = []
+    monkeypatch.setitem(sys.modules, "usaf.distributed", type(sys)("usaf.distributed"))
+    sys.modules["usaf.distributed"].shutdown = lambda clean: shutdowns.append(clean)
+    assert invoke("quantize", "/nowhere", "--method", "rtn").exit_code == 130 and shutdowns == [False]
+
+
 def test_version_and_module_entry_point():
     assert invoke("--version").stdout.strip() == f"usaf {__version__}"
     proc = subprocess.run([sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, check=True)

@@ -84,9 +84,12 @@ def _process_group() -> Iterator[None]:
         yield
         clean = True
     finally:
-        from usaf.distributed import shutdown
-
-        shutdown(clean=clean)
+        # only where it was imported (no process group exists before): imported here after a Ctrl-C that cut the
+        # stage's imports short, it imported the half-loaded torch again, whose traceback replaced the interrupt
+        # (exit 1, not 130; found in review)
+        shutdown = getattr(sys.modules.get("usaf.distributed"), "shutdown", None)
+        if shutdown is not None:
+            shutdown(clean=clean)
 
 
 def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:

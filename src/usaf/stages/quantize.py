@@ -5,7 +5,8 @@ layout transformers v5 uses, quantize, and save the layer to ``layers/`` in a re
 directory. Then the non-expert weights are copied, shard by shard, as safetensors in their own dtype,
 and ``experts_q4.pt`` is assembled by a streaming writer, so peak memory is one layer's experts plus
 one shard, whatever the number of layers. The finished directory appears atomically; an interrupted
-run leaves ``.NAME.usaf-partial`` and the same command resumes from it.
+run leaves ``.NAME.usaf-partial`` and the same command resumes from it, taking each finished layer file whose bytes
+are those its ``.sha256`` sidecar recorded (:mod:`usaf.artifacts.checksums`) and quantizing the others again.
 """
 
 from __future__ import annotations
