@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import FAMILIES
 from helpers import ctrl_c_at_step, explain, invoke
-from usaf.artifacts import RunManifest, load_verified
+from usaf.artifacts import PlanManifest, RunManifest, load_verified
 
 
 def train(qdir, tokens, plan, out, *extra):
@@ -206,7 +206,7 @@ def test_an_interrupted_run_resumes_with_what_it_started_with_and_a_refusal_says
 
     ctrl_c_at(2, lambda: invoke(*args, "--out", tmp_path / "other"), monkeypatch)
     refused = invoke(*args, "--lr", 0.01, "--out", tmp_path / "other")
-    assert refused.exit_code == 2 and "lr 0.05, not 0.01" in refused.stderr, refused.output
+    assert refused.exit_code == 2 and "--lr 0.05, not 0.01" in refused.stderr, refused.output
 
 
 def test_a_run_resumes_only_in_the_compute_dtype_it_started_in(prepared, tmp_path, monkeypatch):
@@ -1112,3 +1112,30 @@ def test_a_run_resumes_from_another_directory_and_with_the_device_and_dtype_spel
                     "--device", "cpu", "--dtype", "float32")  # fmt: skip
     assert resumed.exit_code == 0, explain(resumed)
     assert "resuming from" in resumed.stderr and load_verified(run, RunManifest).summary.steps == 4
+
+
+def test_the_run_records_the_selection_its_plan_was_scored_with(prepared, tmp_path, monkeypatch):
+    """With --plan the run's manifest and settings record said calib_samples 64, statistic grad (the defaults) for a
+    plan scored with 8 (found in review). They hold the plan's now. A run whose record holds the defaults (started
+    before) still resumes with the same plan: the plan decides the selection. The control: another plan is refused."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    scored = load_verified(plan, PlanManifest).config
+    run = tmp_path / "run"
+    ctrl_c_at(2, lambda: train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2), monkeypatch)
+    record = json.loads((run / "run-settings.json").read_text())
+    assert (record["calib_samples"], record["frac"], record["train_from"]) == (8, 0.05, 2) == (
+        scored["calib_samples"], scored["frac"], scored["train_from"])
+    (run / "run-settings.json").write_text(json.dumps({**record, "calib_samples": 64, "statistic": "grad"}))
+    result = train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2)
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    assert load_verified(run, RunManifest).config["calib_samples"] == 8
+    other = tmp_path / "other"
+    ctrl_c_at(2, lambda: train(qdir, tokens, plan, other, "--steps", 4, "--save-every", 2), monkeypatch)
+    record = json.loads((other / "run-settings.json").read_text())
+    edited = {**record, "calib_samples": 64, "plan_fingerprint": "0" * 64}
+    (other / "run-settings.json").write_text(json.dumps(edited))
+    refused = train(qdir, tokens, plan, other, "--steps", 4, "--save-every", 2)
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and "the plan 0000000000000000, not" in said and "--calib-samples 64, not 8" in said

@@ -200,6 +200,14 @@ def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:
     return config.model_copy(update={"lr": test.lr}), source
 
 
+def with_selection(config: TrainConfig, plan: PlanManifest) -> TrainConfig:
+    """``config`` with the selection settings the plan was scored with (``--frac``, ``--calib-samples``,
+    ``--statistic``, ...): with ``--plan`` the run's manifest and settings record held the defaults (64, grad,
+    per-tensor) for a plan scored with others (found in review). Train reads none of them once it has a plan."""
+    scored = {name: plan.config[name] for name in SELECTION_FIELDS if name in plan.config}
+    return config.model_copy(update=scored)
+
+
 def _check_run_dir(
     config: TrainConfig, run_dir: Path, model_dir: Path, data_file: Path, world: World, held: contextlib.ExitStack
 ) -> Path:
@@ -416,7 +424,7 @@ class _Settler:
         if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
         _check_plan_uses(budgeted, plan, progress)
-        config, lr_source = with_lr(budgeted, plan)
+        config, lr_source = with_lr(with_selection(budgeted, plan), plan)
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
         # silence (found in review); recorded by runs started since, compared where recorded
@@ -506,11 +514,8 @@ def _data_difference(plan: PlanManifest, data_fingerprint: str) -> list[str]:
 def _selection_differences(plan: PlanManifest, wanted: dict[str, Any]) -> list[str]:
     """The given selection settings a plan was scored without, in a user's words (``--frac 0.01, not 0.05``)."""
 
-    def shown(value: Any) -> str:
-        return "the default" if value is None else str(value)
-
     recorded = plan.config
-    return [f"{flag_name(name)} {shown(recorded.get(name))}, not {shown(value)} (given)"
+    return [f"{flag_name(name)} {_shown(recorded.get(name))}, not {_shown(value)} (given)"
             for name, value in wanted.items() if recorded.get(name) != value]  # fmt: skip
 
 
@@ -684,13 +689,33 @@ def run_differences(previous: Any, record: dict) -> list[str]:
             continue
         if key in ("device", "dtype") and "compute_dtype" in previous:  # compared as resolved: --device cpu, auto
             continue  # and USAF_DEVICE=cpu are one device, --dtype float32 and auto on it one dtype (found in review)
+        if key in SELECTION_FIELDS and previous.get("plan_fingerprint") == record.get("plan_fingerprint"):
+            continue  # the same plan, the same selection (a run started before with_selection recorded defaults)
         was, now = previous.get(key), record.get(key)
         same_place = isinstance(was, str) and isinstance(now, str) and _real(Path(was)) == _real(Path(now))
         if key == "eval_data" and same_place:
             continue
         if was != now:
-            differences.append(f"{key} {was}, not {now}")
+            differences.append(_difference(key, was, now))
     return differences
+
+
+# the record's keys that are no flag, in a user's words
+_RECORD_WORDS = {"model_fingerprint": "the quantized model", "plan_fingerprint": "the plan",
+                 "data_fingerprint": "the tokens", "compute_dtype": "the compute dtype",
+                 "global_batch": "sequences per step (--microbatch × --grad-accum × processes)"}  # fmt: skip
+
+
+def _difference(key: str, was: Any, now: Any) -> str:
+    """One difference in a user's words: ``--reselect-every 50, not the default`` (it said ``reselect_every 50, not
+    None``; found in review), ``the plan a1b2..., not c3d4...``."""
+    if key.endswith("_fingerprint"):
+        was, now = (str(v)[:16] if v is not None else None for v in (was, now))
+    return f"{_RECORD_WORDS.get(key) or flag_name(key)} {_shown(was)}, not {_shown(now)}"
+
+
+def _shown(value: Any) -> str:
+    return "the default" if value is None else str(value)
 
 
 def _started_with(run_dir: Path) -> dict:
