@@ -637,3 +637,13 @@ def test_a_model_without_tokenizer_files_is_said_at_quantize_time(tiny_model, tm
         result = quantize(model, "--out", tmp_path / f"q-{said}", "--method", "rtn", "--group-size", "8")
         assert result.exit_code == 0, result.output
         assert ("has no tokenizer files" in " ".join(result.stderr.split())) is said, result.stderr
+
+
+def test_the_original_tools_multi_gpu_variable_is_said_not_read(tiny_model, tmp_path):
+    """USE_MULTI_GPU=1 was warned about by usaf doctor only; a run used one device in silence (found in review). The
+    control: without it, no such line."""
+    source = tiny_model("qwen3_moe", num_layers=2)
+    said = quantize(source, "--out", tmp_path / "a", "--method", "rtn", env={"USE_MULTI_GPU": "1"})
+    assert said.exit_code == 0 and "USE_MULTI_GPU='1' is not read" in " ".join(said.stderr.split()), said.output
+    quiet = quantize(source, "--out", tmp_path / "b", "--method", "rtn")
+    assert quiet.exit_code == 0 and "USE_MULTI_GPU" not in quiet.stderr

@@ -47,7 +47,7 @@ from usaf.stages.export_base import resolve_base
 from usaf.stages.export_shards import plan_shards, write_shards
 from usaf.stages.export_sources import OriginalSource, QuantizedSource
 from usaf.stages.export_verify import verify
-from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.quantize_parts import copy_model_files
 from usaf.units import human_bytes
 
@@ -206,6 +206,7 @@ def _export_hf(
         source = QuantizedSource(model_dir, spec, change, dtype)
     # not "auto", which picks a GPU, where fp32 models rarely fit; none without verification, which alone computes
     backend = resolve_backend(config.device or "cpu", source=source_of(config, "device")) if config.verify else None
+    say_backend_notes(backend, progress)
     max_bytes = int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30)
     shards = plan_shards(source.units, max_bytes)
     _note_oversized_shards(shards, max_bytes, config, progress)

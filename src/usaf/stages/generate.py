@@ -31,7 +31,7 @@ from usaf.errors import UsafError
 from usaf.settings.generate import GenerateConfig
 from usaf.stages.change import engine_with_change, resolve_model_and_change
 from usaf.stages.engine_setup import load_for_engine, stream_every_layer
-from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ def run(
         config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
     )
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
+    say_backend_notes(backend, progress)
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     rendered, ids, templated = render_prompt(tokenizer, config.prompt, chat=config.chat)
     if config.chat and not templated:

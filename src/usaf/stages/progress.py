@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Progress(Protocol):
@@ -37,3 +37,11 @@ class NullProgress:
 
     def finish(self) -> None:
         pass
+
+
+def say_backend_notes(backend: Any, progress: Progress) -> None:
+    """The device's remarks for the user (``backend.notes``: an unsupported ``USE_MULTI_GPU``, a ``USE_AMP=1`` the
+    device cannot honour, a ``USE_CUDA`` an explicit ``--device`` overrides). Only ``usaf doctor`` showed them: a
+    run with ``USE_MULTI_GPU=1`` used one device in silence (found in review)."""
+    for note in getattr(backend, "notes", ()):
+        progress.note(note.message)

@@ -48,7 +48,7 @@ from usaf.families import load_model_config, load_tensors, map_checkpoint, read_
 from usaf.quant import QuantizedTensor, dequantize, quantize_experts
 from usaf.quant.ptfile import StreamingTorchSave
 from usaf.settings.quantize import QuantizeConfig
-from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.quantize_parts import (
     PARTIAL_SETTINGS,
     base_shard_plan,
@@ -254,6 +254,7 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     plan = map_checkpoint(model_dir, spec)
     source = source_record(config.model, model_dir, spec, infos)
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
+    say_backend_notes(backend, progress)
 
     settings = {
         "source": source.fingerprint,

@@ -59,7 +59,7 @@ from usaf.settings.train import DEFAULT_LR
 from usaf.stages.engine_setup import frozen_layers_resident, load_for_engine
 from usaf.stages.lr_test import CANDIDATES, RULE, cannot_measure, first_divergence, measured, run_lr_test
 from usaf.stages.prefix_cache import sample_states_by_key, write_sample_store, write_store
-from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.score_resume import (
     SavedCalibration,
     SavedProbes,
@@ -220,6 +220,7 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     )
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
+    say_backend_notes(backend, progress)
     if not world.active:  # accepted and unused in one process (found in review)
         refuse_unused(config, "dist_backend", "this is one process, not a torchrun launch",
                       "drop it, or launch with torchrun (or --nproc N)", progress.note)  # fmt: skip

@@ -58,7 +58,7 @@ from usaf.stages.eval.plots import CURVES_FILE, INSTALL_HINT, LOAD_FILE, plot_cu
 from usaf.stages.eval.report import markdown, result_rows, routing_drift
 from usaf.stages.eval.resolve import model_and_change, read_inputs
 from usaf.stages.eval.stats import CONFIDENCE
-from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.stop import StopRequest
 from usaf.units import human_bytes
 
@@ -106,6 +106,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     writer.inputs = {**given, **_read_paths(change, inputs, training)}
     writer.check_target()  # again, before the passes: with the inputs found in the workspace and the run's
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
+    say_backend_notes(backend, progress)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop = StopRequest(world())  # entered around each pass only: elsewhere Ctrl-C stops at once, as before
     outcome = _evaluate(

@@ -28,7 +28,7 @@ from usaf.artifacts.run import (
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
 from usaf.config import refuse_unused, source_of
 from usaf.errors import UsafError
-from usaf.stages.progress import NullProgress, Progress
+from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.train.config import TrainConfig
 
 
@@ -47,6 +47,7 @@ def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunMa
     )
     world = distributed.init(config.dist_backend, backend.device)
     progress = (progress or NullProgress()) if world.is_main else NullProgress()
+    say_backend_notes(backend, progress)
     if not world.active:  # accepted and unused in one process (found in review)
         refuse_unused(config, "dist_backend", "this is one process, not a torchrun launch",
                       "drop it, or launch with torchrun (or --nproc N)", progress.note)  # fmt: skip
