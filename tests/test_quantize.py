@@ -21,6 +21,7 @@ from usaf.artifacts import QuantizedModelManifest, load_verified
 from usaf.families import load_model_config, resolve_family
 from usaf.families.convert import gate_up_halves
 from usaf.quant import QuantizedTensor, dequantize
+from usaf.testing import stdlib_dir
 
 # 4-bit min-max / HQQ on random-normal weights with group 8..32: ~0.08-0.12 relative error.
 MAX_REL_ERROR_4BIT = 0.2
@@ -373,7 +374,8 @@ def test_two_fine_tunes_of_one_architecture_are_two_origins(tmp_path):
     assert f"using the quantized model {made['again']} (newest" in one.stderr, one.output
 
     refused = quantize(second, *rtn, "--out", made["first"], "--resume")
-    assert refused.exit_code == 2 and "holds a quantization of another model" in refused.stderr, refused.output
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and f"holds a quantization with the model in {first}, not {second}" in said, said
     resumed = quantize(first, *rtn, "--out", made["first"], "--resume")
     assert resumed.exit_code == 0 and "already complete" in resumed.stderr, resumed.output
 
@@ -387,7 +389,7 @@ def test_existing_output_resume_and_force(tiny_model, tmp_path):
     result = quantize(source, "--out", out, "--method", "rtn", "--resume")
     assert result.exit_code == 0 and "already complete" in result.stderr
     result = quantize(source, "--out", out, "--method", "rtn", "--nbits", "8", "--resume")
-    assert result.exit_code == 2 and "other settings" in result.stderr
+    assert result.exit_code == 2 and "holds a quantization with --nbits 4, not 8" in result.stderr  # the flag named
     result = quantize(source, "--out", out, "--method", "rtn", "--nbits", "8", "--force")
     assert result.exit_code == 0
     assert load_verified(out, QuantizedModelManifest).summary.quant.nbits == 8
@@ -410,7 +412,7 @@ def test_resume_refuses_a_complete_output_of_the_model_before_it_was_re_saved_in
     build_tiny_model("qwen3_moe", source, num_layers=2, seed=2, tokenizer=False)
     refused = quantize(source, "--out", out, "--method", "rtn", "--resume")
     assert refused.exit_code == 2, refused.output
-    assert "of its files before they changed" in refused.stderr and "--force" in refused.stderr
+    assert "the model's files as they were before they changed" in refused.stderr and "--force" in refused.stderr
 
 
 def test_resume_with_force_and_a_quantized_model_as_model_are_one_clear_error(tiny_model, tmp_path):
@@ -647,3 +649,19 @@ def test_the_original_tools_multi_gpu_variable_is_said_not_read(tiny_model, tmp_
     assert said.exit_code == 0 and "USE_MULTI_GPU='1' is not read" in " ".join(said.stderr.split()), said.output
     quiet = quantize(source, "--out", tmp_path / "b", "--method", "rtn")
     assert quiet.exit_code == 0 and "USE_MULTI_GPU" not in quiet.stderr
+
+
+def test_a_usaf_artifact_given_as_the_model_is_named_as_what_it_is(tmp_path):
+    """A tokens, plan or run directory as MODEL was "no config.json" with a hint about Hugging Face's layout (found in
+    review). The control: a directory usaf did not make still gets that answer."""
+    tokens = tmp_path / "tok"
+    from usaf.demo import demo_model_dir
+
+    made = invoke("tokenize", stdlib_dir() / "shlex.py", "--model", demo_model_dir(), "--out", tokens)
+    assert made.exit_code == 0, made.output
+    refused = quantize(tokens, "--out", tmp_path / "q")
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and f"MODEL {tokens}: a usaf tokens artifact, not a model" in said, said
+    (tmp_path / "mine").mkdir()
+    plain = quantize(tmp_path / "mine", "--out", tmp_path / "q")
+    assert plain.exit_code == 2 and "no config.json" in plain.stderr and not (tmp_path / "q").exists()

@@ -28,7 +28,13 @@ from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import sha256_tensors
 from usaf.artifacts.loader import load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import check_not_an_input, found_at, manifest_kind, refuse_unless_replaceable
+from usaf.artifacts.outputs import (
+    check_not_an_input,
+    found_at,
+    manifest_kind,
+    refuse_unless_replaceable,
+    usaf_made,
+)
 from usaf.artifacts.quantized import (
     EXPERTS_FILE,
     QuantizedModelManifest,
@@ -118,6 +124,25 @@ def _differences(recorded: dict[str, Any], settings: dict[str, Any], files: dict
     elif recorded.get(SOURCE_FILES, files) != files:
         said.append("the model's files changed since")
     return "; ".join(said) or "other settings"
+
+
+def _done_differences(
+    manifest: QuantizedModelManifest, settings: dict[str, Any], origin: str, files: dict[str, Any]
+) -> str:
+    """What keeps a finished output from this run's, in flags, as for an interrupted one (it said "another model ...
+    or other settings", and not which; found in review)."""
+    q, source = manifest.summary.quant, manifest.summary.source
+    recorded = {"source": source.fingerprint, "method": q.method, "nbits": q.nbits,
+                "group_size": q.group_size_requested}  # fmt: skip
+    said = _differences(recorded, settings, files)  # the settings, or another model
+    if said != "other settings":
+        return said
+    done_files = _recorded_files(manifest)
+    if done_files is not None and done_files["path"] != files["path"]:
+        return f"the model in {done_files['path']}, not {files['path']}"
+    if done_files is not None and done_files != files:
+        return "the model's files as they were before they changed"
+    return f"the model in {source.origin}" if source.origin != origin else said
 
 
 def _partial_settings(partial: Path) -> dict[str, Any] | None:
@@ -249,6 +274,9 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     if manifest_kind(model_dir) == QuantizedModelManifest.KIND:  # else "no expert tensors ... the download may be
         raise UsafError(f"MODEL {model_dir}: already a usaf quantized model",  # incomplete" (found in review)
                         "pass the original model (score and train take this one as --model)")  # fmt: skip
+    if model_dir.is_dir() and (made := usaf_made(model_dir)) is not None:  # it said "no config.json" with a hint about
+        raise UsafError(f"MODEL {model_dir}: {made}, not a model",  # Hugging Face's layout (found in review)
+                        "pass the original model's directory or hub id")  # fmt: skip
     spec = resolve_family(load_model_config(model_dir))
     infos = read_checkpoint(model_dir)
     plan = map_checkpoint(model_dir, spec)
@@ -286,11 +314,9 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
             if config.resume:
                 manifest = load_verified(out, QuantizedModelManifest, flag="--out", hashes=False)
                 if not _made_with(manifest, settings, source.origin, files):
-                    raise UsafError(
-                        f"--out {out}: holds a quantization of another model (or of one in another directory, or "
-                        "of its files before they changed) or with other settings",
-                        "pass --force to replace it, or another --out",
-                    )
+                    raise UsafError(f"--out {out}: holds a quantization with "
+                                    f"{_done_differences(manifest, settings, source.origin, files)}",
+                                    "pass --force to replace it, or another --out")  # fmt: skip
                 progress.note(f"{out} is already complete; nothing to do")
                 return manifest, out
             raise UsafError(
