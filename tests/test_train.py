@@ -1139,3 +1139,22 @@ def test_the_run_records_the_selection_its_plan_was_scored_with(prepared, tmp_pa
     refused = train(qdir, tokens, plan, other, "--steps", 4, "--save-every", 2)
     said = " ".join(refused.stderr.split())
     assert refused.exit_code == 2 and "the plan 0000000000000000, not" in said and "--calib-samples 64, not 8" in said
+
+
+def test_text_given_as_data_says_to_tokenize_it_first(prepared, tmp_path):
+    """A directory of text as --data was "not a usaf artifact ... an interrupted run leaves none", a text file a JSON
+    error without the flag (found in review). The controls: a broken tokens JSONL line is still the reader's, with its
+    line; a tokens file trains."""
+    from usaf.testing import stdlib_dir
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    for text in (stdlib_dir() / "json", stdlib_dir() / "json" / "decoder.py"):
+        result = train(qdir, text, plan, tmp_path / "run", "--steps", 2)
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and f"--data {text}: not a tokens" in said and "text to tokenize?" in said, said
+        assert f"tokenize it first: usaf tokenize {text} --model MODEL --out TOKENS, then pass --data TOKENS" in said
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"input_ids": [1, 2\n')
+    result = train(qdir, broken, plan, tmp_path / "run", "--steps", 2)
+    assert result.exit_code == 2 and f"{broken}:1: not valid JSON" in result.stderr, result.output
+    assert train(qdir, tokens / "train.jsonl", plan, tmp_path / "run", "--steps", 2).exit_code == 0

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 from usaf.artifacts.hashing import sha256_file
 from usaf.artifacts.loader import load_manifest, load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME, Manifest
-from usaf.artifacts.outputs import PARTIAL_TAG
+from usaf.artifacts.outputs import PARTIAL_TAG, usaf_made
 from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
 from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest, check_tokenizer, check_tokens_file
@@ -208,13 +208,36 @@ def resolve_data(
             progress.note(f"using the tokens {found.path} (newest made with this model's tokenizer)")
         data = found.path
     if data.is_dir():
+        if not (data / MANIFEST_NAME).is_file() and usaf_made(data) is None:  # another usaf output: its own message
+            raise UsafError(f"{flag} {data}: not a tokens artifact (no {MANIFEST_NAME}): text to tokenize?",
+                            _TOKENIZE_FIRST.format(data=data, flag=flag))  # fmt: skip
         manifest = load_verified(data, TokensManifest, flag=flag)
         check_tokenizer(data, manifest, tokenizer_fingerprint, flag=flag)
         return data / TRAIN_FILE, manifest.fingerprint
     if not data.is_file():
         raise UsafError(f"{flag} {data}: no such file or directory", "pass a tokens directory or a JSONL file")
+    if not _looks_like_json_lines(data):
+        raise UsafError(f"{flag} {data}: not a tokens JSONL file (its first line is not a JSON object): text to "
+                        "tokenize?", _TOKENIZE_FIRST.format(data=data, flag=flag))  # fmt: skip
     check_tokens_file(data, tokenizer_fingerprint, flag=flag)
     return data, sha256_file(data)
+
+
+# raw text given where tokens are read: the hints pointed at usaf artifacts and JSON lines, never at tokenize (review)
+_TOKENIZE_FIRST = "tokenize it first: usaf tokenize {data} --model MODEL --out TOKENS, then pass {flag} TOKENS"
+
+
+def _looks_like_json_lines(path: Path) -> bool:
+    """Whether the first non-blank line of ``path`` begins as a JSON object does (``{``): one that does but is broken
+    is the reader's to name, with its line; an empty file too."""
+    try:
+        with path.open("rb") as f:
+            for line in f:
+                if line.strip():
+                    return line.lstrip().startswith(b"{")
+    except OSError:  # the reader names it
+        return True
+    return True
 
 
 def _preferred(workspace: Path, cls: type[M], fingerprint: str | None) -> Found[M] | None:
