@@ -106,7 +106,9 @@ def test_the_progress_bar_shows_the_mean_loss_of_the_last_20_steps(prepared, tmp
     train_run(config, progress=resumed)
     begin = resumed.events.index(("training", 25, "steps", 10))
     end = resumed.events.index("finish", begin)
-    counted = [counters["tokens"] for amount, counters in resumed.events[begin + 1 : end] if amount == 1]
+    # named as what they are (the run's steps beside this start's tokens read as the run's; found in review)
+    counted = [counters["tokens since the resume"] for amount, counters in resumed.events[begin + 1 : end]
+               if amount == 1]  # fmt: skip
     at = [m["tokens"] for m in metrics(tmp_path / "resumed") if "loss" in m]
     assert len(counted) == 15 and counted == [tokens - at[9] for tokens in at[10:]]
 
@@ -1158,3 +1160,14 @@ def test_text_given_as_data_says_to_tokenize_it_first(prepared, tmp_path):
     result = train(qdir, broken, plan, tmp_path / "run", "--steps", 2)
     assert result.exit_code == 2 and f"{broken}:1: not valid JSON" in result.stderr, result.output
     assert train(qdir, tokens / "train.jsonl", plan, tmp_path / "run", "--steps", 2).exit_code == 0
+
+
+def test_the_summary_counts_scoring_in_the_wall_time_only_where_the_run_scored(prepared, tmp_path):
+    """"wall time (with loading and scoring)" was said of a run given its plan (found in review). The control: a run
+    that scored its plan on the fly says it."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    given = train(qdir, tokens, plan, tmp_path / "given", "--steps", 2)
+    assert given.exit_code == 0 and "wall time (with loading)" in given.stdout, given.output
+    fly = invoke("train", "--model", qdir, "--data", tokens, "--workspace", tmp_path / "empty", "--steps", 2,
+                 "--frac", 0.05, "--train-from", 2, "--calib-samples", 8, "--out", tmp_path / "fly")  # fmt: skip
+    assert fly.exit_code == 0 and "wall time (with loading and scoring)" in fly.stdout, fly.output

@@ -32,6 +32,8 @@ command = settings_command(
 def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
 
+    from usaf.artifacts.run import PLAN_DIR
+
     s = manifest.summary
     table = Table(title=f"run → {path}", title_justify="left", show_header=False)
     table.add_column(justify="left")
@@ -39,10 +41,15 @@ def _print_summary(console, manifest, path: Path) -> None:
     trained = s.session_tokens if s.session_tokens is not None else s.tokens  # in s.seconds
     rate = trained / s.seconds if s.seconds else 0.0
     since = f" since the resume at step {s.resumed_at_step}" if s.resumed_at_step is not None else ""
+    # scoring is counted where this start scored the run's plan (into RUN/plan, before its first step); it said so
+    # of every run, a plan given or found included (found in review)
+    scored = s.resumed_at_step is None and any(i.role == "plan" and Path(i.path) == path / PLAN_DIR
+                                               for i in manifest.inputs)  # fmt: skip
     rows = [
         ("steps (skipped)", f"{s.steps} ({s.skipped_steps})"),
         ("tokens", f"{s.tokens:,}"),
-        (f"wall time{since} (with loading and scoring)", f"{s.seconds:,.0f} s ({rate:,.0f} tokens/s)"),
+        (f"wall time{since} (with loading{' and scoring' if scored else ''})",
+         f"{s.seconds:,.0f} s ({rate:,.0f} tokens/s)"),
     ]
     if s.loss_window is not None:  # one step's loss is one microbatch's: the ends' means say where training went
         rows.append((f"train loss, mean of the first → last {s.loss_window} steps",

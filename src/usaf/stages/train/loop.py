@@ -78,6 +78,8 @@ SHOWN_LOSS = f"loss ({SHOWN_LOSS_STEPS}-step mean)"
 
 def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> None:
     first, tokens_before = trainer.state.step, trainer.state.tokens  # a resumed run's: the rate counts this start's
+    # named so: a resumed bar's tokens beside the run's step count read as the run's (found in review)
+    counted = "tokens" if first == 0 else "tokens since the resume"
     recent: deque[float] = deque(maxlen=SHOWN_LOSS_STEPS)  # since this start: display only, not resumed
     while trainer.state.step < steps:
         stop.check()
@@ -101,7 +103,7 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
         if not record.get("skipped", False):
             recent.append(record["loss"])
         shown = {SHOWN_LOSS: sum(recent) / len(recent)} if recent else {}
-        progress.advance(1, tokens=trainer.state.tokens - tokens_before, **shown)
+        progress.advance(1, **{counted: trainer.state.tokens - tokens_before}, **shown)
 
 
 def held_out_loss(
