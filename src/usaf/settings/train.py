@@ -89,7 +89,7 @@ class TrainConfig(StageConfig):
         "top-k's (forward unchanged; one extra pass over the trained layers' experts per backward).",
     )
     eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = at the start and end only.")
-    save_every: int = Field(50, ge=0, description="Checkpoint every N steps.")
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps; 0 = none (Ctrl-C still saves one).")
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the data order.")
     deterministic: bool = Field(
         False,

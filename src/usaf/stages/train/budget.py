@@ -83,8 +83,9 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
     if short:  # with a plan its masks' size and layers are fixed: naming --frac there named a refused flag (review)
         smaller = "a plan with a smaller --frac or fewer trainable layers" if plan_summary is not None else (
             "a smaller --frac or fewer trainable layers")
-        raise UsafError(
-            "--vram/--ram: nothing fits: " + "; ".join(short),
+        named = "/".join(source_of(config, f) for f in ("vram", "ram") if getattr(config, f) is not None)
+        raise UsafError(  # it said "--vram/--ram" of a run given --ram alone (found in review)
+            f"{named}: nothing fits: " + "; ".join(short),
             f"more memory, a shorter --seq-len, or {smaller}; usaf plan shows the table",
         )
     s = plan.settings
