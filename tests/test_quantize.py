@@ -665,3 +665,18 @@ def test_a_usaf_artifact_given_as_the_model_is_named_as_what_it_is(tmp_path):
     (tmp_path / "mine").mkdir()
     plain = quantize(tmp_path / "mine", "--out", tmp_path / "q")
     assert plain.exit_code == 2 and "no config.json" in plain.stderr and not (tmp_path / "q").exists()
+    tiny = tmp_path / "tiny"  # made by usaf, and a model: quantized (the pipeline example's; refused once here)
+    assert invoke("tiny-model", tiny).exit_code == 0
+    assert quantize(tiny, "--out", tmp_path / "q", "--method", "rtn").exit_code == 0
+
+
+def test_overwrite_is_another_name_for_force(tiny_model, tmp_path):
+    """Every other command replaces its output with --overwrite; quantize answered it "No such option" (found in
+    review). The control: without either, an existing output is refused."""
+    source = tiny_model("qwen3_moe", num_layers=2)
+    out = tmp_path / "q"
+    assert quantize(source, "--out", out, "--method", "rtn").exit_code == 0
+    assert quantize(source, "--out", out, "--method", "rtn").exit_code == 2
+    replaced = quantize(source, "--out", out, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert load_verified(out, QuantizedModelManifest).summary.quant.method == "hqq"

@@ -274,8 +274,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     if manifest_kind(model_dir) == QuantizedModelManifest.KIND:  # else "no expert tensors ... the download may be
         raise UsafError(f"MODEL {model_dir}: already a usaf quantized model",  # incomplete" (found in review)
                         "pass the original model (score and train take this one as --model)")  # fmt: skip
-    if model_dir.is_dir() and (made := usaf_made(model_dir)) is not None:  # it said "no config.json" with a hint about
-        raise UsafError(f"MODEL {model_dir}: {made}, not a model",  # Hugging Face's layout (found in review)
+    # an artifact (tokens, a plan, a run: a manifest; a tiny model usaf made is a model) was "no config.json" with a
+    # hint about Hugging Face's layout (found in review)
+    if manifest_kind(model_dir) is not None and (made := usaf_made(model_dir)) is not None:
+        raise UsafError(f"MODEL {model_dir}: {made}, not a model",
                         "pass the original model's directory or hub id")  # fmt: skip
     spec = resolve_family(load_model_config(model_dir))
     infos = read_checkpoint(model_dir)
