@@ -70,7 +70,8 @@ def parameters(model: type) -> Iterator[inspect.Parameter]:
             spec: Any = typer.Argument(help=help_, show_default=False, metavar=name.upper())  # as messages name it
         else:
             bounds = {key: meta[key] for key in ("min", "max") if key in meta}
-            spec = typer.Option(declaration(name, info), help=help_, show_default=False, **bounds)
+            names = (declaration(name, info), *([meta["alias"]] if "alias" in meta else []))
+            spec = typer.Option(*names, help=help_, show_default=False, **bounds)
         required = info.is_required()
         annotation = Annotated[base if required else base | None, spec]  # type: ignore[operator]
         default = inspect.Parameter.empty if required else None

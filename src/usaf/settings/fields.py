@@ -7,6 +7,8 @@ optional, under ``json_schema_extra={"cli": {...}}``:
 - ``argument``: a positional argument instead of an option;
 - ``flag``: the declaration where the rule does not give it (``"--resident/--streaming"``); booleans are
   otherwise a plain switch ``--x`` when they default to False, ``--x/--no-x`` when they default to True/None;
+- ``alias``: a second name for the option (quantize's ``--force`` is also ``--overwrite``, every other command's name
+  for it); messages name the first;
 - ``default_text``: what ``[default: …]`` says (``""``: nothing);
 - ``hidden``: not a flag (a ``--config``/``USAF_*`` setting only);
 - ``min``/``max``: checked by the command line itself (a usage error);
