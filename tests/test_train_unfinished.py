@@ -190,6 +190,8 @@ def test_stopped_while_scoring_on_the_fly_the_same_command_resumes_the_score(pre
     assert resumed.exit_code == 0, explain(resumed)
     assert f"resuming the unfinished run {run} (no --out given)" in resumed.stderr
     assert "1 of 4 calibration batches done" in resumed.stderr
+    assert "scoring now into" not in resumed.stderr  # it said so before saying it resumed (found in review)
+    assert "scoring now into" in stopped.stderr  # the control: the first start scores anew, and says so
     assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 2
 
 

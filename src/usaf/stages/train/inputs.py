@@ -528,8 +528,9 @@ def _score_on_the_fly(
             f"--out {run_dir}: holds another run (other settings or inputs)",
             "pass another --out, or --overwrite to replace it",
         )
-    which = "scored with the selection given" if wanted else "for this model"
-    progress.note(f"no --plan and none in the workspace {which}: scoring now into {run_dir / PLAN_DIR}")
+    if not interrupted.is_dir():  # else score says it resumes (this said it scored anew, then that; found in review)
+        which = "scored with the selection given" if wanted else "for this model"
+        progress.note(f"no --plan and none in the workspace {which}: scoring now into {run_dir / PLAN_DIR}")
     world().barrier("run directory check")  # every rank has looked before rank 0 creates it
     made = world().is_main and not run_dir.exists()
     if world().is_main:
