@@ -225,7 +225,7 @@ def test_a_run_resumes_only_in_the_compute_dtype_it_started_in(prepared, tmp_pat
     assert settings["compute_dtype"] == "float32"
     (run / "run-settings.json").write_text(json.dumps({**settings, "compute_dtype": "bfloat16"}))
     refused = train(qdir, tokens, plan, run, *args)
-    assert refused.exit_code == 2 and "compute_dtype bfloat16, not float32" in refused.stderr, refused.output
+    assert refused.exit_code == 2 and "the compute dtype bfloat16, not float32" in refused.stderr, refused.output
     del settings["compute_dtype"]
     (run / "run-settings.json").write_text(json.dumps(settings))
     resumed = train(qdir, tokens, plan, run, *args)
@@ -1109,7 +1109,7 @@ def test_a_run_resumes_from_another_directory_and_with_the_device_and_dtype_spel
     monkeypatch.chdir(tmp_path)
     refused = train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2, "--eval-data", tmp_path / "a" / "held",
                     "--dtype", "bfloat16")  # fmt: skip
-    assert refused.exit_code == 2 and "compute_dtype float32, not bfloat16" in refused.stderr, refused.output
+    assert refused.exit_code == 2 and "the compute dtype float32, not bfloat16" in refused.stderr, refused.output
     resumed = train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2, "--eval-data", tmp_path / "a" / "held",
                     "--device", "cpu", "--dtype", "float32")  # fmt: skip
     assert resumed.exit_code == 0, explain(resumed)
@@ -1171,3 +1171,16 @@ def test_the_summary_counts_scoring_in_the_wall_time_only_where_the_run_scored(p
     fly = invoke("train", "--model", qdir, "--data", tokens, "--workspace", tmp_path / "empty", "--steps", 2,
                  "--frac", 0.05, "--train-from", 2, "--calib-samples", 8, "--out", tmp_path / "fly")  # fmt: skip
     assert fly.exit_code == 0 and "wall time (with loading and scoring)" in fly.stdout, fly.output
+
+
+def test_prefix_states_no_sequence_of_the_run_matches_are_not_read(prepared, tmp_path):
+    """--seq-len shorter than the tokenized sequences: the plan's calibration states (of the uncut ones) were read
+    and held, and said read, for no hit (found in review). The control: uncut, they are read."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    cut = train(qdir, tokens, plan, tmp_path / "cut", "--steps", 2, "--seq-len", 16)
+    said = " ".join(cut.stderr.split())
+    assert cut.exit_code == 0 and "are of none of this run's sequences as it keys them" in said, cut.output
+    assert "read from the plan" not in said
+    whole = train(qdir, tokens, plan, tmp_path / "whole", "--steps", 2)
+    said = " ".join(whole.stderr.split())
+    assert whole.exit_code == 0 and "read from the plan (the calibration sample)" in said and "none of" not in said

@@ -171,6 +171,13 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[t
     hidden = engine.model.get_input_embeddings().embedding_dim  # the width of every stored state
     record = inputs.plan.summary.prefix_cache
     store = open_store(inputs.plan_dir, record, hidden_size=hidden)  # what usaf score kept
+    small = len(inputs.data) <= CALIBRATION_PROBE  # each sequence looked up: read and held in RAM for no hit before
+    if store is not None and record.scope != "data" and small and not _store_probe(engine, inputs, store,
+                                                                                  probes=len(inputs.data))[0]:
+        progress.note("the plan's prefix states (its calibration sample) are of none of this run's sequences as it "
+                      "keys them (--seq-len cuts them, or another --dtype, torch or transformers): not used; the "
+                      "frozen layers run for every sequence")  # fmt: skip  (found in review)
+        store = None
     spill = inputs.run_dir / (PREFIX_SPILL_RANK.format(world.rank) if world.active else PREFIX_SPILL)
     cache = PrefixCache(int(inputs.config.prefix_cache_gib * 2**30), spill, store=store)
     served = False
@@ -190,10 +197,11 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[t
 
 
 STORE_PROBE = 16  # training sequences looked up in a --cache store before the run counts on it for all of them
+CALIBRATION_PROBE = 20_000  # data up to this many sequences: each looked up in a calibration store (about a second)
 
 
-def _store_probe(engine: Any, inputs: Any, store: Any) -> tuple[int, int]:
-    """How many of up to :data:`STORE_PROBE` training sequences, spread over the data and cut as the run cuts them
+def _store_probe(engine: Any, inputs: Any, store: Any, probes: int = STORE_PROBE) -> tuple[int, int]:
+    """How many of up to ``probes`` training sequences, spread over the data and cut as the run cuts them
     (``--seq-len``), the store holds under the keys this run computes (their tokens, the dtype, torch's and
     transformers' versions: ``engine.prefix_key``), and how many were looked up. A store of this very data missed
     every state under ``--seq-len`` or ``--dtype`` while the run said it held them, and left the frozen layers
@@ -202,7 +210,7 @@ def _store_probe(engine: Any, inputs: Any, store: Any) -> tuple[int, int]:
     import torch
 
     n, cut = len(inputs.data), inputs.config.seq_len
-    rows = sorted({i * n // STORE_PROBE for i in range(min(n, STORE_PROBE))})
+    rows = sorted({i * n // probes for i in range(min(n, probes))})
     keys = [engine.prefix_key(torch.tensor(inputs.data[i].input_ids[:cut]), inputs.model.fingerprint) for i in rows]
     return sum(key in store for key in keys), len(keys)
 
