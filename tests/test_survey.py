@@ -135,7 +135,7 @@ def test_an_output_being_written_is_said_to_be_in_use(workspace, tmp_path):
         assert entry["next"].startswith("being trained now") and "rerun the command that" not in entry["next"]
         lock.write_text(json.dumps({"pid": 2**22 + 7, "command": "usaf train"}))  # no such process
         (entry,) = surveyed(run)
-        assert entry["in_use"] is None and entry["next"].startswith("rerun the command that started it")
+        assert entry["in_use"] is None and entry["next"].startswith(f"usaf train --out {run} --resume")
     finally:
         lock.unlink()
 

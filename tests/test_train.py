@@ -1184,3 +1184,27 @@ def test_prefix_states_no_sequence_of_the_run_matches_are_not_read(prepared, tmp
     whole = train(qdir, tokens, plan, tmp_path / "whole", "--steps", 2)
     said = " ".join(whole.stderr.split())
     assert whole.exit_code == 0 and "read from the plan (the calibration sample)" in said and "none of" not in said
+
+
+def test_resume_alone_continues_a_run_with_the_settings_it_recorded(prepared, tmp_path, monkeypatch):
+    """``usaf train --out RUN --resume`` with nothing else was refused ("--model: not given ...", or "holds another
+    run" naming every setting not given again; found in review): the help says it continues the run. It takes what
+    the run recorded for each setting not given, from any directory, and ends where a straight run ends, bit for
+    bit. The control: the same command without --resume is refused. A setting given is still compared."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    args = ["--steps", 6, "--reselect-every", 3, "--reselect-fraction", 0.3, "--grad-accum", 2, "--seed", 3]
+    straight = tmp_path / "straight"
+    assert train(qdir, tokens, plan, straight, *args).exit_code == 0
+    run = tmp_path / "run"
+    ctrl_c_at(4, lambda: train(qdir, tokens, plan, run, *args, "--save-every", 2), monkeypatch)
+    monkeypatch.chdir(tmp_path / "run" / "checkpoints")  # elsewhere: the recorded paths are absolute
+    assert invoke("train", "--out", run).exit_code == 2  # the control: nothing taken without --resume
+    assert invoke("train", "--out", run, "--resume", "--seed", 4).exit_code == 2  # given: compared, not replaced
+    resumed = invoke("train", "--out", run, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    said = " ".join(resumed.stderr.split())
+    assert "settings not given are those recorded in" in said and "resuming from" in said, said
+    a, b = final_deltas(straight), final_deltas(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -117,7 +117,9 @@ class TrainConfig(StageConfig):
         json_schema_extra=cli(default_text="this machine's"),
     )  # fmt: skip
     dist_backend: DistBackend = f.dist_backend()
-    resume: bool = Field(False, description="Continue the interrupted run in --out.")
+    resume: bool = Field(
+        False, description="Continue the interrupted run in --out, with the settings it recorded for those not given."
+    )
     overwrite: bool = f.overwrite("Replace --out.")
 
     @model_validator(mode="after")

@@ -125,8 +125,8 @@ def _unfinished_run(path: Path) -> Entry:
                      "being trained now: eval, export and generate take its newest checkpoint; to resume it later, "
                      "stop it (Ctrl-C there saves) and rerun its command", writer)  # fmt: skip
     return Entry(path, "unfinished run", "run", detail, _size(path),
-                 f"rerun the command that started it (without --out it finds this run), or: usaf train --out {path} "
-                 "with its settings; --overwrite starts over")  # fmt: skip
+                 f"usaf train --out {path} --resume (the settings it recorded), or rerun the command that started it "
+                 "(without --out it finds this run); --overwrite starts over")  # fmt: skip
 
 
 def _interrupted(partial: Path, target: Path) -> Entry | None:

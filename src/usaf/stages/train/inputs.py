@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from usaf.artifacts import (
     PlanManifest,
     QuantizedModelManifest,
@@ -107,6 +109,8 @@ def resolve_inputs(
 ) -> TrainInputs:
     """Resolve and check every input of the run (scoring a plan on the fly when there is none); ``held`` keeps
     the run directory's lock."""
+    if config.resume and config.out is not None:
+        config = with_recorded_settings(config, config.out, world, progress)
     model_dir, model_manifest = resolve_model(config, progress)
     _check_dense_router_grad(config, model_dir)
     if not config.router:
@@ -429,6 +433,9 @@ class _Settler:
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
         # silence (found in review); recorded by runs started since, compared where recorded
         record["compute_dtype"] = str(self.backend.compute_dtype(config.dtype)).removeprefix("torch.")
+        # the inputs as found (not compared: their fingerprints are), for --resume to take them again from anywhere
+        record |= {"model": str(_real(self.model[0])), "data": str(_real(Path(self.source))),
+                   "plan": str(_real(plan_dir))}  # fmt: skip
         return _Settled(config, plan_dir, plan, steps, reselect_every, lr_source, record)
 
     def score_settings(self, config: TrainConfig, run_dir: Path) -> score.ScoreConfig:
@@ -630,6 +637,34 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan: PlanManifest
     global_batch = config.microbatch * config.grad_accum * world.size
     return {**keep, "global_batch": global_batch, "microbatch": config.microbatch, "model_fingerprint": model_fp,
             "plan_fingerprint": plan.fingerprint, "data_fingerprint": data_fp}  # fmt: skip
+
+
+# recorded, not settings to take back: what the record derives (fingerprints, the global batch) or resolves
+_NOT_TAKEN = frozenset({"global_batch", "compute_dtype", "model_fingerprint", "plan_fingerprint", "data_fingerprint"})
+
+
+def with_recorded_settings(config: TrainConfig, run_dir: Path, world: World, progress: Progress) -> TrainConfig:
+    """``--resume`` alone continues the run in ``run_dir`` with the settings its ``run-settings.json`` records, each
+    one not given on the command line, ``USAF_*`` or ``--config`` (those given are compared with the record as
+    always). The help said "continue the interrupted run in --out" and every setting had to be given again; a
+    missing one was "holds another run" (found in review). Nothing recorded (no run there): as given."""
+    record = _started_with(run_dir)
+    fields = TrainConfig.model_fields
+    taken: dict[str, Any] = {}
+    for name, value in record.items():
+        if name in _NOT_TAKEN or name not in fields or was_given(config, name):
+            continue
+        try:
+            taken[name] = TypeAdapter(fields[name].annotation).validate_python(value)
+        except ValueError:  # an edited record: the comparison names what differs
+            continue
+    if "grad_accum" not in taken and not was_given(config, "grad_accum") and "global_batch" in record:
+        per_step = taken.get("microbatch", config.microbatch) * world.size  # the global batch decides the steps
+        if isinstance(record["global_batch"], int) and record["global_batch"] % per_step == 0:
+            taken["grad_accum"] = record["global_batch"] // per_step
+    if taken:
+        progress.note(f"--resume: the {len(taken)} settings not given are those recorded in {run_dir / SETTINGS_FILE}")
+    return config.model_copy(update=taken)
 
 
 def other_split(ran_at: int | None, now: int, given: int) -> str | None:
