@@ -639,8 +639,10 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan: PlanManifest
             "plan_fingerprint": plan.fingerprint, "data_fingerprint": data_fp}  # fmt: skip
 
 
-# recorded, not settings to take back: what the record derives (fingerprints, the global batch) or resolves
-_NOT_TAKEN = frozenset({"global_batch", "compute_dtype", "model_fingerprint", "plan_fingerprint", "data_fingerprint"})
+# recorded, not settings to take back: what the record derives (fingerprints, the global batch) or resolves, and the
+# device, chosen before the record is read (a run is compared by its compute dtype, not by how the device was named)
+_NOT_TAKEN = frozenset({"global_batch", "compute_dtype", "model_fingerprint", "plan_fingerprint", "data_fingerprint",
+                        "device"})  # fmt: skip
 
 
 def with_recorded_settings(config: TrainConfig, run_dir: Path, world: World, progress: Progress) -> TrainConfig:
