@@ -190,9 +190,13 @@ def test_a_plan_refuses_the_command_table_and_drops_shared_sources(tmp_path):
     settings = _train(tmp_path, {"plan": plan}, config_file=toml, env={"USAF_BUDGET": "global", "FRAC": "0.2"},
                       legacy_env={"FRAC": "frac"})  # fmt: skip
     assert (settings.frac, settings.train_from, settings.budget) == (None, None, "per-tensor")
+    # and kept to be said (the run notes each; they were dropped in silence: found in review)
+    assert settings._dropped == {f"--config {toml} [defaults] frac 0.1": f"--plan {plan}",
+                                 f"--config {toml} [defaults] train_from 3": f"--plan {plan}",
+                                 "USAF_BUDGET global": f"--plan {plan}"}  # fmt: skip
     # without a plan, the same shared sources apply
     settings = _train(tmp_path, {}, config_file=toml, env={"USAF_BUDGET": "global"})
-    assert (settings.frac, settings.train_from, settings.budget) == (0.1, 3, "global")
+    assert (settings.frac, settings.train_from, settings.budget) == (0.1, 3, "global") and settings._dropped == {}
 
 
 def test_train_cli_refuses_frac_with_a_plan(tmp_path):

@@ -1208,3 +1208,14 @@ def test_resume_alone_continues_a_run_with_the_settings_it_recorded(prepared, tm
     assert "settings not given are those recorded in" in said and "resuming from" in said, said
     a, b = final_deltas(straight), final_deltas(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_shared_setting_a_given_plan_decides_is_said_not_used(prepared, tmp_path, monkeypatch):
+    """USAF_FRAC with --plan: dropped in silence (found in review); now a note. The control: without it, no note."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    quiet = train(qdir, tokens, plan, tmp_path / "quiet", "--steps", 2)
+    assert quiet.exit_code == 0 and "not used" not in quiet.stderr
+    monkeypatch.setenv("USAF_FRAC", "0.1")
+    said = train(qdir, tokens, plan, tmp_path / "said", "--steps", 2)
+    assert said.exit_code == 0 and f"USAF_FRAC 0.1: not used, --plan {plan} decides it" in " ".join(
+        said.stderr.split()), said.output  # fmt: skip

@@ -63,6 +63,9 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)  # field -> where resolve_config found it
+    # shared-source values (USAF_*, [defaults], legacy) dropped because an artifact given decides them: where each came
+    # from -> the deciding flag and value, for the command to say (dropped in silence before; found in review)
+    _dropped: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -267,7 +270,7 @@ def resolve_config(
         if raw is not None and raw != "" and field in shared:
             offer(field, _parse_env_value(raw, fields[field].annotation), f"legacy env {legacy}")
 
-    _apply_deciders(fields, values, origin, own_table=f"--config {config_file} [{section}] ")
+    dropped = _apply_deciders(fields, values, origin, own_table=f"--config {config_file} [{section}] ")
     _apply_alternatives(fields, values, origin, section)
 
     try:  # the values read are checked even when the file has unknown names: every problem at once
@@ -277,6 +280,7 @@ def resolve_config(
     else:
         if not problems:
             settings._sources = dict(origin)
+            settings._dropped = dropped
             return settings
     raise UsafError(
         "invalid settings: " + "; ".join(problems),
@@ -388,12 +392,14 @@ def _apply_alternatives(
 
 def _apply_deciders(
     fields: Mapping[str, Any], values: dict[str, Any], origin: dict[str, str], *, own_table: str
-) -> None:
-    """Refuse (or, from a shared source, drop) the values that an artifact given in another field decides.
+) -> dict[str, str]:
+    """Refuse (or, from a shared source, drop) the values that an artifact given in another field decides; returns
+    the dropped ones (``USAF_FRAC 0.1`` -> ``--plan p``).
 
     ``own_table``: the origin prefix of the command's own TOML table; with the flag, the sources a user
     writes for this command alone.
     """
+    dropped: dict[str, str] = {}
     flag = flag_name
     refused: list[tuple[str, str]] = []
     for field, info in fields.items():
@@ -403,6 +409,7 @@ def _apply_deciders(
         if origin[field] == flag(field) or origin[field].startswith(own_table):
             refused.append((field, decider))
         else:  # USAF_*, [defaults] or a legacy variable: meant for every command, not against this artifact
+            dropped[f"{origin[field]} {values[field]}"] = f"{flag(decider)} {values[decider]}"
             del values[field], origin[field]
     if refused:
         deciders = {decider for _, decider in refused}
@@ -412,3 +419,4 @@ def _apply_deciders(
             "; ".join(f"{origin[field]}: {flag(d)} {values[d]} decides it" for field, d in refused),
             f"drop {given}" + "".join(f", or {r}" for r in remedies if r),
         )
+    return dropped

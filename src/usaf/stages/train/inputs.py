@@ -109,6 +109,8 @@ def resolve_inputs(
 ) -> TrainInputs:
     """Resolve and check every input of the run (scoring a plan on the fly when there is none); ``held`` keeps
     the run directory's lock."""
+    for dropped, decider in config._dropped.items():  # meant for every command, not against this artifact
+        progress.note(f"{dropped}: not used, {decider} decides it")
     if config.resume and config.out is not None:
         config = with_recorded_settings(config, config.out, world, progress)
     model_dir, model_manifest = resolve_model(config, progress)
