@@ -1159,6 +1159,12 @@ def test_text_given_as_data_says_to_tokenize_it_first(prepared, tmp_path):
     broken.write_text('{"input_ids": [1, 2\n')
     result = train(qdir, broken, plan, tmp_path / "run", "--steps", 2)
     assert result.exit_code == 2 and f"{broken}:1: not valid JSON" in result.stderr, result.output
+    broken.write_text("[1, 2]\n")  # JSON, not an object: the reader's line too (this check took it for text once)
+    result = train(qdir, broken, plan, tmp_path / "run", "--steps", 2)
+    assert result.exit_code == 2 and f"{broken}:1: a JSON list, not an object" in result.stderr, result.output
+    marked = tmp_path / "bom.jsonl"  # tokens behind a UTF-8 byte-order mark: tokens (refused as text once)
+    marked.write_bytes(b"\xef\xbb\xbf" + (tokens / "train.jsonl").read_bytes())
+    assert train(qdir, marked, plan, tmp_path / "bom", "--steps", 2).exit_code == 0
     assert train(qdir, tokens / "train.jsonl", plan, tmp_path / "run", "--steps", 2).exit_code == 0
 
 

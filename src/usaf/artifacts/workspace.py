@@ -10,6 +10,7 @@ picking one would be a guess. Explicit paths always win.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -228,15 +229,24 @@ _TOKENIZE_FIRST = "tokenize it first: usaf tokenize {data} --model MODEL --out T
 
 
 def _looks_like_json_lines(path: Path) -> bool:
-    """Whether the first non-blank line of ``path`` begins as a JSON object does (``{``): one that does but is broken
-    is the reader's to name, with its line; an empty file too."""
+    """Whether the first non-blank line of ``path`` is JSON, or begins as an object or array does: one that is JSON
+    but no object, or broken, is the reader's to name, with its line (an empty file too). Else it is text."""
     try:
         with path.open("rb") as f:
             for line in f:
-                if line.strip():
-                    return line.lstrip().startswith(b"{")
+                line = line.removeprefix(b"\xef\xbb\xbf").strip()  # a UTF-8 byte-order mark: the reader takes it
+                if line:
+                    return line[:1] in (b"{", b"[") or _parses(line)
     except OSError:  # the reader names it
         return True
+    return True
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
     return True
 
 
