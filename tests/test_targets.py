@@ -191,7 +191,15 @@ def test_a_run_without_targets_records_them_as_before_the_default_followed_the_m
     assert settings["targets"] == "experts,attention"
     result = train(tmp_path / "a")
     assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
-    interrupted(tmp_path / "b")  # control: a record with other targets is another run's
+    # the targets are the plan's (a selection setting): with the same plan another recorded spelling resumes; the
+    # control, a record of another plan, is another run's
+    interrupted(tmp_path / "b")
     (tmp_path / "b" / "run-settings.json").write_text(json.dumps({**settings, "targets": "experts"}))
     result = train(tmp_path / "b")
-    assert result.exit_code != 0 and "holds another run" in result.stderr, result.output
+    assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
+    interrupted(tmp_path / "c")
+    other = {**settings, "targets": "experts", "plan_fingerprint": "0" * 64}
+    (tmp_path / "c" / "run-settings.json").write_text(json.dumps(other))
+    result = train(tmp_path / "c")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code != 0 and "holds another run" in said and "--targets experts, not" in said, said
