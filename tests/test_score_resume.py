@@ -19,6 +19,7 @@ import transformers
 from helpers import invoke, leftovers, same_plan, stop_at_check
 from usaf.artifacts import PlanManifest, load_verified
 from usaf.artifacts.checksums import seal
+from usaf.artifacts.prefix_store import STATES_FILE
 from usaf.stages import lr_test
 from usaf.stages.score_resume import CALIBRATION, PROBES, SETTINGS, STORE
 from usaf.testing import stdlib_dir
@@ -235,6 +236,36 @@ def test_interrupted_while_storing_every_prefix_state_resumes_the_store(setup, t
     assert result.exit_code == 0, result.output
     assert f"prefix cache: {saved['lines']:,} sequences stored by the interrupted run" in result.stderr
     same_plan(out, straight)
+
+
+@pytest.mark.parametrize("damage", ["byte", "no checksum"])
+def test_a_changed_byte_in_the_kept_prefix_states_starts_the_store_over(setup, tmp_path, stop_at, damage):
+    """The --cache store a stop kept was appended to as it stood: a byte changed on disk in its states file (still a
+    number) entered the plan, and its manifest hashed it as the plan's own (found in review). The kept bytes' sha256
+    is recorded with the progress; a rerun whose kept bytes differ, or whose progress has no sha256 (an older usaf's),
+    starts the store over, with a note, and the plan is the straight run's. The control: the same stop resumed as it
+    is appends (test_interrupted_while_storing_every_prefix_state_resumes_the_store)."""
+    straight = tmp_path / "straight"
+    assert invoke(*args(setup, straight, "--cache")).exit_code == 0
+    out = tmp_path / "plan"
+    stop_at(BATCHES + 1 + 4 * STEPS + 1 + 3)  # the store's third boundary, as in the test above
+    assert invoke(*args(setup, out, "--cache")).exit_code == 130
+    saved = json.loads((partial(out) / STORE).read_text())
+    states = partial(out) / STATES_FILE
+    if damage == "byte":
+        raw = bytearray(states.read_bytes())
+        raw[5] ^= 0x01  # a low mantissa bit: the state still reads as a finite number
+        states.write_bytes(bytes(raw))
+    else:
+        del saved["store"]["sha256"]
+        (partial(out) / STORE).write_text(json.dumps(saved))
+
+    stop_at(0)
+    result = invoke(*args(setup, out, "--cache"))
+    assert result.exit_code == 0, result.output
+    same_plan(out, straight)
+    why = "its sha256 is not the one recorded" if damage == "byte" else "no checksum"
+    assert f"{STATES_FILE}: not as usaf wrote it ({why}): the prefix store starts over" in result.stderr
 
 
 def test_without_out_the_same_command_finds_the_interrupted_output_in_the_workspace(setup, tmp_path, stop_at):

@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
     import torch
@@ -16,13 +16,18 @@ _CHUNK = 1 << 20
 
 def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
     """``on_bytes``: called with each block's size as it is hashed (a progress bar's bytes)."""
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-            if on_bytes is not None:
-                on_bytes(len(block))
-    return digest.hexdigest()
+        return sha256_rest(f, on_bytes).hexdigest()
+
+
+def sha256_rest(f: BinaryIO, on_bytes: Callable[[int], None] | None = None) -> Any:
+    """A sha256 object fed the bytes of ``f`` from where it stands to its end (to be fed more by the caller)."""
+    digest = hashlib.sha256()
+    while block := f.read(_CHUNK):
+        digest.update(block)
+        if on_bytes is not None:
+            on_bytes(len(block))
+    return digest
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ states of the wrong size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import torch
 
+from usaf.artifacts.hashing import sha256_rest
 from usaf.errors import UsafError
 
 if TYPE_CHECKING:  # the record's module (plan) imports this one's names lazily
@@ -79,35 +81,54 @@ class PrefixStore:
 
 class StoreWriter:
     """A store written entry by entry, and resumable: :meth:`progress` is what has been written (entries, tokens,
-    bytes), and a writer opened with it (``resume``) cuts the states file back to those bytes and appends after
-    them, so a store written in two runs is byte-identical to one written in one."""
+    bytes, and those bytes' sha256), and a writer opened with it (``resume``) cuts the states file back to those bytes
+    and appends after them, so a store written in two runs is byte-identical to one written in one.
+
+    A resumed writer hashes the bytes it keeps: where they are not those the progress recorded (:attr:`doubt` says
+    why), a changed byte that still reads as a number would enter the plan with fresh hashes, so the caller starts
+    the store over (:meth:`restart`)."""
 
     def __init__(self, states_path: Path, *, resume: dict[str, Any] | None = None) -> None:
         self.states_path = Path(states_path)
+        self.doubt: str | None = None
         if resume is None:
-            self._file = self.states_path.open("wb")
-            self.entries: dict[str, list] = {}
-            self.tokens = 0
-        else:
-            self._file = self.states_path.open("r+b")
-            self._file.truncate(int(resume["bytes"]))  # what a stop wrote after its last save
-            self._file.seek(0, os.SEEK_END)
-            self.entries = {key: list(value) for key, value in resume["entries"].items()}
-            self.tokens = int(resume["tokens"])
+            self.restart()
+            return
+        self._file = self.states_path.open("r+b")
+        self._file.truncate(int(resume["bytes"]))  # what a stop wrote after its last save
+        self._sha256 = sha256_rest(self._file)
+        self.entries: dict[str, list] = {key: list(value) for key, value in resume["entries"].items()}
+        self.tokens = int(resume["tokens"])
+        if "sha256" not in resume:
+            self.doubt = "no checksum"  # saved by a usaf from before the record: the bytes cannot be vouched for
+        elif resume["sha256"] != self._sha256.hexdigest():
+            self.doubt = "its sha256 is not the one recorded"
+
+    def restart(self) -> None:
+        """Start the store over: an empty states file, nothing written."""
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+        self._file = self.states_path.open("wb")
+        self._sha256 = hashlib.sha256()
+        self.entries = {}
+        self.tokens = 0
 
     def add(self, key: str, state: torch.Tensor) -> None:
         if key in self.entries:
             return  # a repeated sequence: one state serves every occurrence
         state = state.detach().contiguous().cpu()
         self.entries[key] = [self._file.tell(), list(state.shape), str(state.dtype).removeprefix("torch.")]
-        self._file.write(state.view(torch.uint8).numpy().tobytes())
+        raw = state.view(torch.uint8).numpy().tobytes()
+        self._file.write(raw)
+        self._sha256.update(raw)
         self.tokens += int(state.shape[0])
 
     def progress(self) -> dict[str, Any]:
         """What is written, flushed to the disk: a resumed writer starts from it."""
         self._file.flush()
         os.fsync(self._file.fileno())
-        return {"entries": dict(self.entries), "tokens": self.tokens, "bytes": self._file.tell()}
+        return {"entries": dict(self.entries), "tokens": self.tokens, "bytes": self._file.tell(),
+                "sha256": self._sha256.hexdigest()}  # fmt: skip
 
     def close(self, index_path: Path, *, meta: dict) -> dict[str, int]:
         """Finish the states file and write the index; ``{"samples", "tokens", "bytes"}``."""

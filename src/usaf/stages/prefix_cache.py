@@ -50,13 +50,18 @@ def write_store(
     Resumable: where no batch is pending (after a line stored from ``known``, or a batch computed), every
     ``SAVE_EVERY_S`` seconds and before a stop request (``stop.check()``) is raised, ``on_save`` gets the store's
     progress (``{"lines": lines of the file done, "store": StoreWriter.progress()}``); ``resume`` (one of those)
-    goes on from there, byte for byte as a store written in one go."""
+    goes on from there, byte for byte as a store written in one go, where the bytes it kept are those it recorded
+    (their sha256); else the store starts over, with a note."""
     lengths = [len(line.input_ids) for line in iter_token_file(data_file, vocab_size=vocab_size)]
     total = len(lengths)
     device = next(engine.model.parameters()).device
     known = known or {}
     done = int(resume["lines"]) if resume else 0
     writer = prefix_store.StoreWriter(Path(out_dir) / prefix_store.STATES_FILE, resume=resume and resume["store"])
+    if writer.doubt is not None:  # a changed byte that still reads as a number would be taken into the plan
+        progress.note(f"{writer.states_path}: not as usaf wrote it ({writer.doubt}): the prefix store starts over")
+        writer.restart()
+        done = 0
     last_save = time.perf_counter()
 
     def save(lines: int) -> None:
