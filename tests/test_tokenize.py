@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -699,6 +701,43 @@ def test_inputs_of_the_same_name_stay_separate_sources(tmp_path, tok_dir):
     assert control.exit_code == 0, control.output
     names = sorted(s.source for s in load_verified(tmp_path / "c", TokensManifest).summary.sources)
     assert names == ["lib/util.py", "src/main.py"]
+
+
+def test_a_file_name_that_is_not_utf8_is_a_source_with_its_bytes_escaped(tmp_path, tok_dir):
+    """A Latin-1 file name under a directory input crashed tokenize at its first write, with a traceback (the name, held
+    as surrogate escapes, cannot be written as UTF-8; found in review). Its source name shows the byte escaped, and
+    --held-out takes it by that name. The control: a UTF-8 name is kept as it is."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    latin1 = os.fsdecode(b"caf\xe9.py")  # '\udce9' in Python
+    (root / latin1).write_text("x = 1\n" * 40)
+    (root / "caf\u00e9s.py").write_text("y = 2\n" * 40)
+    out = tmp_path / "out"
+    result = tokenize(root, "--model", tok_dir, "--held-out", "caf\\xe9*", "--out", out)
+    assert result.exit_code == 0, result.output
+    summary = load_verified(out, TokensManifest).summary
+    split = {s.source: s.split for s in summary.sources}
+    assert split == {"corpus/caf\\xe9.py": "heldout", "corpus/caf\u00e9s.py": "train"}, split
+    assert {line["source"] for line in read_jsonl(out / "heldout.jsonl")} == {"corpus/caf\\xe9.py"}
+
+
+def test_an_argument_that_is_not_utf8_is_refused_in_one_line(tmp_path, tok_dir):
+    """Given by name, such a file reached the manifest's record of the inputs and crashed there. usaf refuses any
+    argument that is not UTF-8, naming it escaped, before it runs. The control: the same file under a UTF-8 name is
+    tokenized."""
+    latin1 = tmp_path / os.fsdecode(b"caf\xe9.py")
+    latin1.write_text("x = 1\n" * 40)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "usaf", "tokenize", str(latin1), "--model", str(tok_dir), "--out", str(out)]
+    refused = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=300)
+    assert refused.returncode == 2, refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error: ") and "caf\\xe9.py: not UTF-8 text" in lines[0], refused.stderr
+    assert "Traceback" not in refused.stderr and not out.exists() and os.listdir(tmp_path) == [latin1.name]
+    latin1.rename(tmp_path / "cafe.py")
+    command[4] = str(tmp_path / "cafe.py")
+    taken = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert taken.returncode == 0, taken.stderr
 
 
 def test_exclude_prunes_a_directory_only_where_it_excludes_all_of_it_and_jsonl_is_any_case(tmp_path, tok_dir):

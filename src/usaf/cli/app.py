@@ -7,12 +7,15 @@ A command is listed here only once it works; later stages add their module and o
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Annotated
 
 import typer
 
 from usaf._version import __version__
 from usaf.cli import demo, doctor, eval_, export, generate, inspect, plan, quantize, score, tiny_model, tokenize, train
+from usaf.cli.console import handle_errors
+from usaf.errors import UsafError
 
 app = typer.Typer(
     name="usaf",
@@ -60,9 +63,27 @@ app.command("tiny-model")(tiny_model.command)
 
 def main() -> None:
     try:
+        with handle_errors():
+            _refuse_undecodable(sys.argv[1:])
         app()
+    except typer.Exit as e:  # raised outside Typer's own handling (above)
+        sys.exit(e.exit_code)
     finally:
         _over()
+
+
+def _refuse_undecodable(arguments: list[str]) -> None:
+    """An argument that is not UTF-8 (a Latin-1 file name; Python holds its bytes as surrogate escapes) cannot be
+    written into a manifest or a tokens line, all UTF-8: the command crashed at its end with a traceback (found in
+    review). Files *under* a directory input get their names escaped as sources instead (``corpus.name_text``)."""
+    from usaf.data.corpus import name_text  # lazy: usaf --help stays instant (a stage's module)
+
+    for argument in arguments:
+        if (shown := name_text(argument)) != argument:
+            raise UsafError(
+                f"{shown}: not UTF-8 text (shown with its bytes escaped); usaf records every path in UTF-8 files",
+                "rename it to a UTF-8 name, or pass the directory that holds it (its files' names are escaped)",
+            )
 
 
 def _over() -> None:

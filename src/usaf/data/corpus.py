@@ -272,7 +272,7 @@ def discover(
             root_name = names[given]
             candidates = []
             for path, rel in walk.files(given, exclude):
-                parts = rel.split("/")
+                parts = name_text(rel).split("/")
                 source = "/".join([root_name, *parts[: max(source_depth, 0)]]) if source_depth else root_name
                 candidates.append((path, rel, source))
         for path, rel, source in candidates:
@@ -300,6 +300,13 @@ def discover(
                   special, repeated)  # fmt: skip
 
 
+def name_text(name: str) -> str:
+    """A file name as text: the bytes of a name that is not UTF-8 (a Latin-1 name from an old archive; Python holds
+    them as surrogate escapes, which no UTF-8 file can hold) shown as ``\\xNN``. A source name is a label, written
+    into every sequence's line and the manifest: an escaped one crashed the write (found in review)."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def input_names(inputs: list[Path]) -> dict[Path, str]:
     """Each input's name as its sources begin: its own name, with as many parent names as tell it from another
     input of the same name (``pA/src`` and ``pB/src``, not one source ``src`` holding both; found in review)."""
@@ -315,7 +322,7 @@ def input_names(inputs: list[Path]) -> dict[Path, str]:
             by_name.setdefault(name(given), set()).add(resolved[given])
         clashing = [g for g in inputs if len(by_name[name(g)]) > 1 and depth[g] < len(resolved[g].parts) - 1]
         if not clashing:
-            return {given: name(given) for given in inputs}
+            return {given: name_text(name(given)) for given in inputs}
         for given in clashing:
             depth[given] += 1
 

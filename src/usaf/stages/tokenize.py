@@ -29,7 +29,7 @@ from usaf.artifacts.tokens import (
 )
 from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.chat import label_chat
-from usaf.data.corpus import Corpus, Document, discover, iter_documents
+from usaf.data.corpus import Corpus, Document, discover, iter_documents, name_text
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
 from usaf.data.packing import Sequence, SourcePacker
@@ -337,7 +337,8 @@ def _refuse_unused_input_settings(config: TokenizeConfig, corpus: Corpus, progre
 
 
 def _corpus_fingerprint(corpus: Corpus) -> str:
-    return combine((f"{f.source}|{f.path.name}|{i}", sha256_file(f.path)) for i, f in enumerate(corpus.files))
+    files = enumerate(corpus.files)
+    return combine((f"{f.source}|{name_text(f.path.name)}|{i}", sha256_file(f.path)) for i, f in files)
 
 
 def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[TokensManifest, Path]:
