@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import FALLBACK_TYPES, FAMILIES, needs_v5
+from helpers import invoke
 from usaf.errors import UsafError
 from usaf.families import (
     SUPPORTED_FAMILIES,
@@ -468,6 +469,33 @@ def test_missing_required_field_is_refused():
     with pytest.raises(UsafError, match="top-k"):
         resolve_family({"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 32,
                         "num_local_experts": 4, "intermediate_size": 24})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [({"hidden_act": "swiglu"}, "KeyError: 'swiglu'"), ({"vocab_size": -1}, "negative dimension")],
+    ids=["unknown activation", "negative vocabulary"],
+)
+def test_a_config_transformers_cannot_build_is_one_error_naming_its_complaint(tiny_model, edit, said):
+    """A config.json transformers refuses to build (an unknown activation, a negative size) crashed plan, inspect and
+    quantize with its traceback; a ValueError was hidden behind a list of image-text classes tried after it (found in
+    review). The control: the untouched config builds."""
+    from usaf.families.meta import meta_model
+
+    config = json.loads((tiny_model("qwen3_moe") / "config.json").read_text())
+    assert meta_model(config) is not None
+    with pytest.raises(UsafError, match="config.json: transformers .* cannot build this model") as raised:
+        meta_model({**config, **edit})
+    assert said in raised.value.message and "fix the field it names" in raised.value.hint
+
+
+def test_a_config_transformers_cannot_build_is_refused_by_plan_in_one_line(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3_moe"), model)
+    (model / "config.json").write_text((model / "config.json").read_text().replace('"silu"', '"swiglu"'))
+    result = invoke("plan", model)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "error: config.json: transformers" in result.stderr and "KeyError: 'swiglu'" in result.stderr
 
 
 def test_nested_text_config():

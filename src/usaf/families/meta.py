@@ -58,20 +58,31 @@ def _tf_version() -> str:
 def _meta_model_cached(config_json: str):
     # lazy: importing usaf.families stays free of torch and transformers
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    cfg = build_config(json.loads(config_json))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.device("meta"):
-            try:
-                return AutoModelForCausalLM.from_config(cfg)
-            except ValueError:
-                # Multimodal wrappers are not causal LMs for the Auto class; their image-text class is.
-                # lazy: transformers is heavy; only for multimodal configs
-                from transformers import AutoModelForImageTextToText
+    try:
+        cfg = build_config(json.loads(config_json))
+        # Multimodal wrappers are not causal LMs for the Auto class; their image-text class is. Chosen by the
+        # mapping, not by catching from_config's ValueError: that hid the real error of a config transformers
+        # refuses behind a list of image-text classes (found in review).
+        auto = AutoModelForCausalLM if type(cfg) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device("meta"):
+                return auto.from_config(cfg)
+    except UsafError:
+        raise
+    except Exception as e:  # noqa: BLE001 (whatever transformers raises on a config it cannot build: a traceback)
+        raise UsafError(
+            f"config.json: transformers {_tf_version()} cannot build this model from it "
+            f"({type(e).__name__}: {_first_line(e)})",
+            "fix the field it names (or restore the model's original config.json)",
+        ) from None
 
-                return AutoModelForImageTextToText.from_config(cfg)
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else "no message"
 
 
 def meta_model(config: Mapping[str, Any]):
