@@ -24,6 +24,7 @@ from usaf.engine.optim_state import check_state_dict
 from usaf.errors import UsafError
 from usaf.settings import TABLES, table_keys
 from usaf.settings.argv import cli_type
+from usaf.settings.tokenize import TokenizeConfig
 from usaf.settings.train import TrainConfig
 from usaf.stages.train.resume import latest_checkpoint
 
@@ -303,3 +304,23 @@ def test_epochs_and_steps_are_one_choice_the_higher_source_wins():
     assert (config.epochs, config.steps) == (2.0, None)
     with pytest.raises(UsafError, match="pass either --steps or --epochs"):
         resolve_config(TrainConfig, section="train", cli={"steps": 7, "epochs": 1.0}, env={})
+
+
+def test_held_out_and_its_fraction_are_one_choice_the_higher_source_wins(tmp_path):
+    """--held-out with a held_out_frac from --config (the shipped example sets one) or USAF_HELD_OUT_FRAC was refused,
+    under a hint that flags win (found in review). The control: both from flags are still refused."""
+    base = {"inputs": [tmp_path], "model": "m"}
+    toml = tmp_path / "usaf.toml"
+    toml.write_text("[tokenize]\nheld_out_frac = 0.1\n")
+    config = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["json"]}, config_file=toml,
+                            env={})  # fmt: skip
+    assert (config.held_out, config.held_out_frac) == (["json"], 0.0)
+    config = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["json"]},
+                            env={"USAF_HELD_OUT_FRAC": "0.5"})  # fmt: skip
+    assert (config.held_out, config.held_out_frac) == (["json"], 0.0)
+    config = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out_frac": 0.2},
+                            env={"USAF_HELD_OUT": "json"})  # fmt: skip
+    assert (config.held_out, config.held_out_frac) == ([], 0.2)
+    with pytest.raises(UsafError, match="pass either --held-out or --held-out-frac"):
+        resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["json"], "held_out_frac": 0.5},
+                       env={})  # fmt: skip

@@ -57,8 +57,9 @@ class TokenizeConfig(StageConfig):
         "first --source-depth parts of a file's path, as src/util.py; repeatable): its sequences go to heldout.jsonl.",
     )
     held_out_frac: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Hold out this fraction of sources, chosen by --seed."
-    )
+        0.0, ge=0.0, lt=1.0, description="Hold out this fraction of sources, chosen by --seed.",
+        json_schema_extra=cli(alternative_to="held_out"),
+    )  # fmt: skip
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the --held-out-frac choice.")
     decode_errors: Literal["strict", "replace", "skip"] = Field(
         "strict", description="Non-UTF-8 text files: strict (error) | replace | skip."
