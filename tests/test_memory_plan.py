@@ -347,6 +347,18 @@ def test_cli_counts_the_targets_it_is_given():
     assert not any("--targets" in c for c in both["commands"])
 
 
+def test_the_suggested_score_command_computes_in_the_dtype_train_will():
+    """The plan's score command had no --dtype while its train command had one: a plan scored in fp32 keeps fp32
+    prefix states, which a bf16 train does not take (it said so and computed every prefix again; found in review).
+    The control: each dtype asked for is the one both commands name."""
+    for dtype in ("bfloat16", "float32"):
+        result = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "64GiB", "--dtype", dtype, "--json")
+        assert result.exit_code == 0, result.output
+        commands = json.loads(result.stdout)["commands"]
+        for stage in ("usaf score", "usaf train"):
+            assert f"--dtype {dtype}" in next(c for c in commands if c.startswith(stage)), commands
+
+
 def test_grouped_experts_workspace_is_planned_on_cuda_only():
     """CUDA runs a trainable layer's experts grouped (usaf.engine.grouped_deltas): two fp32 blocks of the delta and
     the rows in fp32 are planned there; the CPU's loop keeps the gathered entries' estimate (a quarter of it or less).

@@ -23,7 +23,9 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
         quant = source.quant
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
     model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
-    score = f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch}{device}"
+    # --dtype on both: the plan's prefix states are kept in score's dtype, and train takes them only in its own
+    score = (f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch} "
+             f"--dtype {t.dtype}{device}")  # fmt: skip
     if s.targets != default_targets(facts.spec):
         score += f" --targets {','.join(s.targets)}"
     score += placement
