@@ -941,6 +941,31 @@ def test_an_out_that_is_or_holds_the_workspaces_cache_is_refused_before_any_pass
     assert done.exit_code == 0, done.output
 
 
+def test_a_workspace_inside_an_input_keeps_no_cache_there_and_says_so(trained, tmp_path):
+    """Run from inside its --held-out directory (the workspace is the current directory), eval refused a default
+    --out there but wrote its cache into the user's directory; run from inside the model, into the finished model,
+    whose manifest then did not list it (found in review). Eval goes on without the cache, and says so. The control: a
+    workspace beside the input keeps it."""
+    text = tmp_path / "mytext"
+    text.mkdir()
+    (text / "wrap.py").write_text((stdlib_dir() / "textwrap.py").read_text())
+    common = ["eval", "--model", trained["q"], "--checkpoint", trained["run"], "--max-sequences", 4, "--no-plots"]
+    for workspace, held_out in ((text, text), (trained["q"], trained["tokens"])):
+        before = sorted(p.name for p in workspace.iterdir())
+        report = tmp_path / f"report-{workspace.name}"
+        result = invoke(*common, "--held-out", held_out, "--workspace", workspace, "--out", report)
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.stderr.split())
+        assert "the base pass is not cached" in said and f"{workspace / 'cache' / 'eval-base'} lies inside the input" \
+            in said, said  # fmt: skip
+        assert sorted(p.name for p in workspace.iterdir()) == before
+        assert json.loads((report / "report.json").read_text())["base_cache"] is None
+    beside = tmp_path / "beside"
+    result = invoke(*common, "--held-out", text, "--workspace", beside, "--out", tmp_path / "control")
+    assert result.exit_code == 0 and "not cached" not in result.stderr, result.output
+    assert (beside / "cache" / "eval-base").is_dir()
+
+
 def test_the_training_curves_of_a_checkpoint_mark_the_step_evaluated(trained, tmp_path, monkeypatch):
     """A checkpoint's eval plotted the whole run's curves, past the state evaluated, unmarked (found in review)."""
     pytest.importorskip("matplotlib")

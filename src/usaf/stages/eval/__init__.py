@@ -36,6 +36,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
 from usaf.artifacts.manifest import MANIFEST_NAME
+from usaf.artifacts.outputs import check_not_an_input
 from usaf.artifacts.run import CHECKPOINTS_DIR, METRICS_FILE, step_of
 from usaf.backends import resolve_backend
 from usaf.config import source_of
@@ -105,6 +106,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     found, overlap_note, training = _held_out_in_training(change, workspace, inputs, len(tokenizer), context, progress)
     writer.inputs = {**given, **_read_paths(change, inputs, training)}
     writer.check_target()  # again, before the passes: with the inputs found in the workspace and the run's
+    config = _cache_outside_the_inputs(config, workspace, writer.inputs, progress)
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     say_backend_notes(backend, progress)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -130,6 +132,23 @@ def _refuse_out_holding_the_cache(config: EvalConfig, out: Path, workspace: Path
             "report is written",
             "pass an --out inside the workspace (its default) or elsewhere, or --no-base-cache",
         )
+
+
+def _cache_outside_the_inputs(config: EvalConfig, workspace: Path, inputs: dict, progress: Progress) -> EvalConfig:
+    """The settings with the base cache off, said, where the workspace's cache is, holds or lies inside an input or
+    any usaf artifact (eval run from inside its --held-out directory or its model: the workspace is the current
+    directory). The report's --out was refused there, but the passes wrote the cache into the user's directory or
+    the model, whose manifest then listed files it did not hold (found in review). Eval goes on without it."""
+    if not config.base_cache:
+        return config
+    try:
+        check_not_an_input(workspace / cache.CACHE_SUBDIR, "--workspace", inputs)
+    except UsafError as e:
+        why = e.message.removeprefix("--workspace ").split(": writing there")[0]
+        progress.note(f"the base pass is not cached (nor are stopped passes kept to resume): the workspace's cache "
+                      f"{why}; pass a --workspace outside the inputs to keep them")  # fmt: skip
+        return config.model_copy(update={"base_cache": False})
+    return config
 
 
 def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress, stop) -> _Outcome:
