@@ -856,10 +856,30 @@ def test_the_base_cache_key_names_the_card_not_only_the_device_type():
 
     def key(card: str, dtype: torch.dtype = torch.bfloat16) -> str:
         backend = SimpleNamespace(device=torch.device("cuda", 0), device_name=card)
-        return cache.cache_key(_cache_key_parts("model", "sequences", 2, backend, dtype))
+        model = (Path("/nowhere"), SimpleNamespace(fingerprint="model", files=[]))
+        return cache.cache_key(_cache_key_parts(model, "sequences", 2, backend, dtype))
 
     assert key("NVIDIA H100 80GB HBM3") != key("NVIDIA GeForce RTX 4070") and key("A") == key("A")
     assert key("A", torch.float32) != key("A")  # and the dtype the passes computed in (--dtype)
+
+
+def test_a_model_file_replaced_by_one_of_the_same_size_misses_the_base_cache(trained, tmp_path):
+    """A model's experts_q4.pt replaced by another quantization's of the same size kept the manifest's fingerprint:
+    eval took the first model's cached base pass and reported it beside the second model's fine-tuned pass (found in
+    review). The key holds the files as they stand (size, modification time). The control: the model untouched
+    reuses the cache."""
+    model = tmp_path / "model"
+    shutil.copytree(trained["q"], model)
+    common = ["eval", "--model", model, "--checkpoint", trained["run"], "--held-out", trained["tokens"],
+              "--max-sequences", 4, "--no-plots", "--workspace", tmp_path / "ws"]  # fmt: skip
+    assert invoke(*common, "--out", tmp_path / "first").exit_code == 0
+    again = invoke(*common, "--out", tmp_path / "again")
+    assert again.exit_code == 0 and "base pass: reused from the cache" in again.stderr, again.output
+    experts = model / "experts_q4.pt"
+    experts.write_bytes(experts.read_bytes())  # written again (the same bytes: the key cannot tell, and misses)
+    replaced = invoke(*common, "--out", tmp_path / "replaced")
+    assert replaced.exit_code == 0, replaced.output
+    assert "reused from the cache" not in replaced.stderr and "base pass: computed" in replaced.stderr, replaced.stderr
 
 
 def test_a_killed_cache_saves_temporary_is_cleared_by_the_next_save(tmp_path):

@@ -111,9 +111,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     say_backend_notes(backend, progress)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop = StopRequest(world())  # entered around each pass only: elsewhere Ctrl-C stops at once, as before
-    outcome = _evaluate(
-        config, workspace, model_dir, model_manifest.fingerprint, change, inputs, backend, pad, progress, stop
-    )
+    outcome = _evaluate(config, workspace, (model_dir, model_manifest), change, inputs, backend, pad, progress, stop)
     outcome.heldout_in_training, outcome.overlap_note = found, overlap_note
     written = _write(config, writer, backend, outcome, start, progress)
     if outcome.tuned_kept is not None:  # a stopped fine-tuned pass's work: the report holds it now
@@ -151,14 +149,16 @@ def _cache_outside_the_inputs(config: EvalConfig, workspace: Path, inputs: dict,
     return config
 
 
-def _evaluate(config, workspace, model_dir, model_fp, change, inputs, backend, pad, progress, stop) -> _Outcome:
+def _evaluate(config, workspace, model, change, inputs, backend, pad, progress, stop) -> _Outcome:
     """The base pass (or its cached result) and the fine-tuned pass over the same batches, each from where a stop
-    request kept it in the workspace's cache (not with ``--no-base-cache``, which keeps nothing there)."""
+    request kept it in the workspace's cache (not with ``--no-base-cache``, which keeps nothing there). ``model``:
+    ``(directory, manifest)``."""
+    model_dir, model_fp = model[0], model[1].fingerprint
     sequences = [s for item in inputs for s in item.sequences]
     batches = batches_of(sequences, config.microbatch, pad)
     data_fp = sequences_fingerprint(sequences)
     compute = backend.compute_dtype(config.dtype)
-    key_parts = _cache_key_parts(model_fp, data_fp, config.microbatch, backend, compute)
+    key_parts = _cache_key_parts(model, data_fp, config.microbatch, backend, compute)
     key = cache.cache_key(key_parts)
     entry = cache.entry_dir(workspace, key) if config.base_cache else None
 
@@ -306,9 +306,12 @@ def _label(model_dir: Path, change) -> str:
     return change.source.name if change is not None else f"{model_dir.name}-base"
 
 
-def _cache_key_parts(model_fp: str, data_fp: str, microbatch: int, backend, compute: torch.dtype) -> dict:
+def _cache_key_parts(model, data_fp: str, microbatch: int, backend, compute: torch.dtype) -> dict:
+    """``model``: ``(directory, manifest)``."""
+    directory, manifest = model
     return {
-        "model": model_fp,
+        "model": manifest.fingerprint,
+        "model_files": cache.files_as_they_stand(directory, [f.path for f in manifest.files]),
         "sequences": data_fp,
         "microbatch": microbatch,
         "device": backend.device.type,

@@ -1,14 +1,14 @@
 """The base pass's results, cached in the workspace so evaluating another checkpoint skips it.
 
-The base model's results depend only on the quantized model, the evaluated sequences and how they are
-run, never on the checkpoint, so the key is the sha256 of: the quantized model's fingerprint, the
-sequences' fingerprint (set, source, ids, labels), the microbatch (padding), device type, the card's (or CPU's) name
-and compute dtype, and the usaf/torch/transformers versions (a forward may change with any of them). An entry is
-``<workspace>/cache/eval-base/<key>/`` holding ``base.safetensors`` (per-sequence NLL and tokens, per-layer
-top-k sets) and ``base.json`` (the key's parts, timing, and the sha256 of ``base.safetensors``: a byte changed
-there that still read as numbers was reported as the base model's loss, found in review); it is written to a
-temporary directory and renamed, so a reader never sees half of one. An entry whose contents do not match its key
-or its sha256 is ignored and replaced.
+The base model's results depend only on the quantized model, the evaluated sequences and how they are run, never on
+the checkpoint, so the key is the sha256 of: the quantized model's fingerprint and its files' sizes and modification
+times (:func:`files_as_they_stand`), the sequences' fingerprint (set, source, ids, labels), the microbatch
+(padding), device type, the card's (or CPU's) name and compute dtype, and the usaf/torch/transformers versions (a
+forward may change with any of them). An entry is ``<workspace>/cache/eval-base/<key>/`` holding
+``base.safetensors`` (per-sequence NLL and tokens, per-layer top-k sets) and ``base.json`` (the key's parts, timing,
+and the sha256 of ``base.safetensors``: a byte changed there that still read as numbers was reported as the base
+model's loss, found in review); it is written to a temporary directory and renamed, so a reader never sees half of
+one. An entry whose contents do not match its key or its sha256 is ignored and replaced.
 
 A pass stopped by Ctrl-C (SIGTERM, SIGHUP) keeps what it did in the same format, with the microbatches done
 (``batches`` in ``base.json``): the base pass in its own entry (replaced by the whole pass when it ends), the
@@ -42,6 +42,21 @@ TUNED_SUBDIR = Path("cache") / "eval-tuned"  # fine-tuned passes stopped part-wa
 CACHE_FORMAT = 2  # 2: base.json records base.safetensors' sha256
 TENSORS_FILE = "base.safetensors"
 META_FILE = "base.json"
+
+
+def files_as_they_stand(directory: Path, names: list[str]) -> dict[str, list[int]]:
+    """Each file's size and modification time (ns), for the key: a model file replaced by one of the same size (another
+    quantization's ``experts_q4.pt``) kept its manifest's fingerprint, and the cached base pass of the first model
+    was reported beside the fine-tuned pass of the second (found in review). Loads check sizes, not hashes (hashing
+    a 30B model at every eval costs a minute); a stat costs nothing, and a copied or replaced file misses."""
+    stood = {}
+    for name in names:
+        try:
+            info = (Path(directory) / name).stat()
+        except OSError:
+            continue  # the load names a missing file
+        stood[name] = [info.st_size, info.st_mtime_ns]
+    return stood
 
 
 def cache_key(parts: dict[str, Any]) -> str:
