@@ -365,6 +365,8 @@ def test_each_held_out_input_gets_its_own_total(trained, report, tmp_path):
         assert (mine["sequences"], mine["tokens"]) == (row["sequences"], row["tokens"])
         assert mine["base"]["nll"] == pytest.approx(row["base"]["nll"], abs=1e-6)
         assert mine["tuned"]["nll"] == pytest.approx(row["tuned"]["nll"], abs=1e-6)
+        # and the same interval: seeded by the input's own sequences, not by their positions after other inputs
+        assert mine["delta"]["nll_ci"] == pytest.approx(row["delta"]["nll_ci"], abs=1e-9), (mine, row)
     # negative control: the two inputs score differently, and the pooled row is neither
     held, memorised, pooled = (totals[k]["tuned"]["nll"] for k in totals)
     assert held - memorised > 0.01 and memorised < pooled < held
@@ -450,6 +452,8 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
         (("--held-out", stdlib_dir() / "shlex.py", "--source-depth", 3), ["--source-depth 3", "is a directory"]),
         (("--held-out", stdlib_dir() / "shlex.py", "--text-field", "body"), ["--text-field body", "is a JSONL file"]),
         (("--held-out", tokens, "--bootstrap", 10**8), ["--bootstrap", "1000000"]),  # torch.quantile's limit is 2^24
+        # one input twice: its sequences counted twice in the pooled row, its interval too narrow (found in review)
+        (("--held-out", tokens, "--held-out", f"{tokens}/"), [f"--held-out {tokens}", "the same input given twice"]),
     ]
     for args, expected in cases:
         out = tmp_path / "out"

@@ -10,7 +10,7 @@ import torch
 
 from usaf.artifacts.eval_report import Difference, Estimate, EvalSummary, LayerDrift, ResultRow
 from usaf.engine.routing import changed_tokens, expert_counts, load_summary
-from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput
+from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, sequences_fingerprint
 from usaf.stages.eval.passes import PassResult
 from usaf.stages.eval.stats import bootstrap_row, ppl, row_seed
 
@@ -35,6 +35,7 @@ def result_rows(
     meta: dict[tuple[int, int, int, str], tuple[str, str | None]] = {}  # the same key -> (set, input path)
     per_set = Counter(item.set for item in inputs)
     seen: Counter[str] = Counter()  # inputs of each set so far
+    flat = [s for item in inputs for s in item.sequences]
     i = 0
     for item in inputs:
         order, position = _SET_ORDER.get(item.set, 2), seen[item.set]
@@ -49,7 +50,11 @@ def result_rows(
                     groups.setdefault(key, []).append(i)
                     meta[key] = about
             i += 1
-    return [_row(key, meta[key], groups[key], base, tuned, samples=samples, seed=seed) for key in sorted(groups)]
+    return [
+        _row(key, meta[key], groups[key], base, tuned, samples=samples,
+             seed=row_seed(seed, sequences_fingerprint(flat[i] for i in groups[key])))
+        for key in sorted(groups)
+    ]  # fmt: skip
 
 
 _SET_ORDER = {DATA: 0, HELD_OUT: 1}
@@ -64,7 +69,7 @@ def _row(key, about, indices: list[int], base: PassResult, tuned: PassResult | N
         tuned.nll[idx] if tuned is not None else None,
         base.tokens[idx],
         samples=samples,
-        seed=row_seed(seed, idx),
+        seed=seed,
     )
     return ResultRow(
         set=set_name,

@@ -71,6 +71,22 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
     return model_dir, manifest, change
 
 
+def _refuse_repeated(set_name: str, paths: list[Path]) -> None:
+    """One path given twice in a set (``--held-out T --held-out T/``): its sequences counted twice in the set's pooled
+    row, whose interval was then too narrow (found in review)."""
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        real = Path(path).resolve()
+        if real in seen:
+            shown = f"{seen[real]}" + (f" and {path}" if str(path) != str(seen[real]) else "")
+            raise UsafError(
+                f"--{set_name} {shown}: the same input given twice; its sequences would count twice "
+                "in the pooled row",
+                "give each input once",
+            )
+        seen[real] = Path(path)
+
+
 def read_inputs(
     config: Any, workspace: Path, model_dir: Path, change: Any, tokenizer: Any, context: int | None, progress: Progress
 ) -> list[EvalInput]:
@@ -99,6 +115,7 @@ def read_inputs(
     )
     inputs = []
     for set_name, paths in ((DATA, data), (HELD_OUT, held_out)):
+        _refuse_repeated(set_name, paths)
         for path in paths:
             sample, sampled_by = config.max_sequences, "--max-sequences"
             if picked and set_name == DATA and sample is None:

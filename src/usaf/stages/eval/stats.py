@@ -34,12 +34,12 @@ class RowStats:
     delta_ppl_ci: tuple[float, float] | None = None
 
 
-def row_seed(seed: int, indices: torch.Tensor) -> int:
-    """A row's bootstrap seed from ``--seed`` and the row's sequences: a row's interval does not depend on
-    which other rows exist, and two rows of the same sequences (a set with one source) get the same one."""
-    digest = hashlib.sha256(str(seed).encode())
-    digest.update(indices.to(torch.int64).numpy().tobytes())
-    return int(digest.hexdigest()[:15], 16)
+def row_seed(seed: int, sequences_fingerprint: str) -> int:
+    """A row's bootstrap seed from ``--seed`` and the fingerprint of the row's sequences (their content, in order): a
+    row's interval does not depend on which other rows or inputs exist, nor on their order, and two rows of the same
+    sequences (a set with one source) get the same one. Seeded by the sequences' positions in the run, an input's
+    interval changed with the inputs given before it (found in review)."""
+    return int(hashlib.sha256(f"{seed}:{sequences_fingerprint}".encode()).hexdigest()[:15], 16)
 
 
 def bootstrap_row(
