@@ -703,6 +703,25 @@ def test_inputs_of_the_same_name_stay_separate_sources(tmp_path, tok_dir):
     assert names == ["lib/util.py", "src/main.py"]
 
 
+def test_a_refused_tokenize_leaves_none_of_the_directories_it_made(tmp_path, tok_dir):
+    """A malformed JSONL refused after the output's lock was taken left --out deep/er/out's parents, and an empty
+    workspace folder, behind (found in review). The control: a tokenize that succeeds keeps them, its output in them;
+    a directory that existed before stays."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "broken\n')
+    (tmp_path / "there").mkdir()
+    for where in (("--out", tmp_path / "deep" / "er" / "out"), ("--workspace", tmp_path / "ws" / "a"),
+                  ("--out", tmp_path / "there" / "new" / "out")):  # fmt: skip
+        result = tokenize(bad, "--model", tok_dir, *where)
+        assert result.exit_code == 2 and "not valid JSON" in " ".join(result.stderr.split()), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "there"]
+    assert list((tmp_path / "there").iterdir()) == []
+    good = tmp_path / "good.txt"
+    good.write_text("x = 1\n" * 40)
+    assert tokenize(good, "--model", tok_dir, "--out", tmp_path / "deep" / "er" / "out").exit_code == 0
+    assert (tmp_path / "deep" / "er" / "out" / "manifest.json").is_file()
+
+
 def test_a_file_name_that_is_not_utf8_is_a_source_with_its_bytes_escaped(tmp_path, tok_dir):
     """A Latin-1 file name under a directory input crashed tokenize at its first write, with a traceback (the name, held
     as surrogate escapes, cannot be written as UTF-8; found in review). Its source name shows the byte escaped, and

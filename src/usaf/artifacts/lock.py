@@ -83,6 +83,7 @@ class OutputLock:
         self.flag = flag
         self._fd: int | None = None
         self._pid_file = False  # the fallback without OS locks: our PID in the file is the lock
+        self._made: list[Path] = []  # directories acquire created for the lock file, deepest first
 
     @property
     def held(self) -> bool:
@@ -99,6 +100,7 @@ class OutputLock:
                 f"remove the link, or pass another {self.flag}",
             )
         try:
+            self._made = _missing(self.path.parent)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             while not self._acquire_once():
                 pass
@@ -160,6 +162,15 @@ class OutputLock:
                 _unlock(self._fd)
             os.close(self._fd)
         self._fd, self._pid_file = None, False
+        # The directories made for the lock go with it where nothing else came to be in them: a command refused or
+        # stopped before its output left `--out deep/er/out`'s parents, or an empty workspace folder (found in
+        # review). One that holds the output, or anything else, stays.
+        for directory in self._made:
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        self._made = []
 
     def check_free(self) -> None:
         """Refuse now, before any work, if another process holds the lock (taking and dropping it)."""
@@ -171,6 +182,15 @@ class OutputLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _missing(directory: Path) -> list[Path]:
+    """``directory`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    while not os.path.lexists(directory) and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    return missing
 
 
 def _same_file(fd: int, path: Path) -> bool:
