@@ -121,6 +121,27 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
     assert not stale.exists() and alive.exists()
 
 
+def test_stale_temporaries_of_other_outputs_beside_it_are_removed_under_their_lock(tmp_path):
+    """A default output is named by its start time: a killed tokenize's temporary (GBs) was left for good, no later
+    write having its name, while inspect said the next write of that name deletes it (found in review). A write
+    removes the dead temporaries of the outputs beside it too, each under that output's lock. Controls: one whose
+    output another process is writing (its lock held) stays, and so do a live process's and a replaced output's
+    (.usaf-old: killed mid --overwrite, the only copy of what it replaced)."""
+    from usaf.artifacts.lock import OutputLock
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = dead.stdout.strip()
+    stale = tmp_path / f".20261207-090822-big.usaf-tmp-{pid}-deadbeef"
+    held = tmp_path / f".busy.usaf-tmp-{pid}-deadbeef"
+    alive = tmp_path / f".other.usaf-tmp-{os.getpid()}-cafecafe"
+    replaced = tmp_path / f".older.usaf-old-{pid}-deadbeef"
+    for path in (stale, held, alive, replaced):
+        path.mkdir()
+    with OutputLock(tmp_path / "busy"):  # in this process: the writer below would take its own lock, not this one
+        write_note(tmp_path / "out")
+    assert not stale.exists() and held.exists() and alive.exists() and replaced.exists()
+
+
 def test_loader_errors_are_one_clear_line(tmp_path):
     with pytest.raises(UsafError, match="no such directory"):
         load_manifest(tmp_path / "missing")

@@ -41,16 +41,44 @@ from usaf.errors import UsafError
 M = TypeVar("M", bound=Manifest)
 
 
-def remove_stale_temporaries(target: Path) -> None:
+def remove_stale_temporaries(target: Path, tags: tuple[str, ...] = (TMP_TAG, OLD_TAG)) -> None:
     """Delete temporaries and replaced outputs of this target left by processes that no longer run (SIGKILL)."""
     parent = target.parent
     if not parent.is_dir():
         return
-    for tag in (TMP_TAG, OLD_TAG):
+    for tag in tags:
         for candidate in parent.glob(f".{target.name}{tag}*"):
-            pid_text = candidate.name.rsplit(tag, 1)[1].split("-", 1)[0]
-            if pid_text.isdigit() and not psutil.pid_exists(int(pid_text)) and not candidate.is_symlink():
+            if _of_a_dead_process(candidate, tag):
                 shutil.rmtree(candidate, ignore_errors=True)
+
+
+def remove_stale_sibling_temporaries(target: Path) -> None:
+    """The temporaries of the other outputs beside ``target`` too, each under its output's lock (free: no process
+    writes it, here or on another machine sharing the disk). A default output is named by its start time, so no later
+    write has the name of one that was killed: its temporary (GBs of tokens) stayed for good (found in review). Not
+    their replaced outputs (``.NAME.usaf-old-*``): killed between the two renames of an --overwrite, that is the
+    only copy of the output it was replacing, left for its own rerun to settle."""
+    parent = target.parent
+    if not parent.is_dir():
+        return
+    for candidate in parent.glob(f".*{TMP_TAG}*"):
+        sibling = parent / candidate.name[1:].rsplit(TMP_TAG, 1)[0]
+        if sibling.name == target.name or not _of_a_dead_process(candidate, TMP_TAG):
+            continue
+        lock = OutputLock(sibling)
+        try:
+            lock.acquire()
+        except UsafError:
+            continue  # held: written by a process that is alive somewhere
+        try:
+            remove_stale_temporaries(sibling, tags=(TMP_TAG,))
+        finally:
+            lock.release()
+
+
+def _of_a_dead_process(candidate: Path, tag: str) -> bool:
+    pid_text = candidate.name.rsplit(tag, 1)[1].split("-", 1)[0]
+    return pid_text.isdigit() and not psutil.pid_exists(int(pid_text)) and not candidate.is_symlink()
 
 
 # safetensors >= 0.8 writes ``save_file``'s bytes into ``.tmpXXXXXX`` (Rust's tempfile crate, six random
@@ -207,6 +235,7 @@ class ArtifactWriter:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.target)
+            remove_stale_sibling_temporaries(self.target)
             self.resumed = self.resumable and self.dir.is_dir()
             self.dir.mkdir(exist_ok=self.resumable)
             if self.resumed:  # files a killed run was still writing: never part of the artifact

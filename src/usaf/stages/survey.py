@@ -78,8 +78,9 @@ def describe(path: Path) -> Entry | None:
         if writer is not None:
             return Entry(path, "being written", "temporary", f"the output {target.name}, not yet in place",
                          _size(path), "wait for the process writing it", writer)  # fmt: skip
+        after = f"the next write of {target}" if OLD_TAG in name else "the next usaf output written beside it"
         return Entry(path, "leftover", "temporary", f"a killed write of {target.name}", _size(path),
-                     f"deleted by the next write of {target}; safe to delete")  # fmt: skip
+                     f"deleted by {after}; safe to delete")  # fmt: skip
     if name.startswith(".") and name.endswith(PARTIAL_TAG):
         return _interrupted(path, path.parent / name[1 : -len(PARTIAL_TAG)])
     if (path / MANIFEST_NAME).is_file():
