@@ -297,6 +297,26 @@ def test_verification_failure_leaves_nothing(trained, tmp_path, monkeypatch):
     assert not out.exists() and not leftovers(tmp_path)
 
 
+def test_without_model_or_checkpoint_the_newest_run_and_its_model_are_taken(trained, tiny_model, tmp_path):
+    """README and --help: export takes the workspace's newest run and the model it was trained on. It took the newest
+    model instead, and refused where a model was quantized after the run ("no run trained on this model"; found in
+    review). The control: with --model the newer one, the search for its runs still refuses."""
+    source, qdir, run = trained("qwen3_moe")
+    ws = tmp_path / "ws"
+    shutil.copytree(qdir, ws / "quantized_model" / "first")
+    shutil.copytree(run, ws / "run" / "r1")
+    newer = ws / "quantized_model" / "newer"
+    assert invoke("quantize", tiny_model("mixtral"), "--method", "rtn", "--out", newer).exit_code == 0
+    out = tmp_path / "out"
+    result = invoke("export", "--workspace", ws, "--out", out, "--no-verify")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"using the run {ws / 'run' / 'r1'} (newest in the workspace)" in said, said
+    assert f"using the quantized model {ws / 'quantized_model' / 'first'}" in said, said
+    refused = invoke("export", "--workspace", ws, "--model", newer, "--out", tmp_path / "out2", "--no-verify")
+    assert refused.exit_code == 2 and "trained on this model" in " ".join(refused.stderr.split()), refused.output
+
+
 def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
     source, qdir, run = trained("qwen3_moe")
     other_source, other_q, other_run = trained("mixtral")

@@ -40,11 +40,14 @@ def resolve_model_and_change(
 ) -> tuple[Path, QuantizedModelManifest, TrainedChange | None]:
     """The quantized model directory, its manifest and the change to apply (None if ``use_change`` is False).
 
-    Not given, the model is the workspace's newest (the one the change was trained on, if a change was
-    given) and the change is the newest run trained on that model.
+    Neither given, the change is the workspace's newest finished run and the model the one it was trained on (the
+    newest model first, as before, found no run where a model was quantized after the run: found in review). Only the
+    model given, the change is the newest run trained on it; only the change, the model is the one it was trained on.
     """
     change = given_change(checkpoint, progress) if checkpoint is not None and use_change else None
     ws = workspace_dir(workspace)
+    if model is None and change is None and use_change:
+        change = _newest_run(ws, progress)
     if model is not None:
         manifest = load_verified(model, QuantizedModelManifest, flag="--model", hashes=False)
     elif change is not None:
@@ -109,6 +112,17 @@ def unfinished_runs(workspace: Path, model_fingerprint: str) -> list[UnfinishedR
         if recorded == model_fingerprint and done:
             found.append((settings.stat().st_mtime, UnfinishedRun(run_dir, done[-1])))
     return [run for _, run in sorted(found, key=lambda pair: pair[0], reverse=True)]
+
+
+def _newest_run(ws: Path, progress: Progress) -> TrainedChange | None:
+    """The workspace's newest finished run as a change, or None where it has none (the model's own search below then
+    says why, unfinished runs included)."""
+    try:
+        run = pick_latest(ws, RunManifest, flag="--checkpoint")
+    except UsafError:
+        return None
+    progress.note(f"using the run {run.path} (newest in the workspace)")
+    return load_trained_change(run.path, flag="--checkpoint")
 
 
 def given_change(checkpoint: Path, progress: Progress) -> TrainedChange:
