@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,18 @@ def test_a_workspace_lists_what_usaf_left_and_how_each_goes_on(workspace):
     assert all(e["in_use"] is None for e in entries)
     text = invoke("inspect", workspace)
     assert text.exit_code == 0 and "what usaf left in" in text.stdout and "unfinished run" in text.stdout
+
+
+def test_a_run_outside_the_workspaces_run_folder_is_not_said_to_be_found_without_out(workspace, tmp_path):
+    """inspect told a run of --out run2 that its command, rerun without --out, finds it: train looks among
+    WORKSPACE/run/ only, and started a new run (found in review). The control: the run in run/ is said to be found."""
+    (run,) = [p for p in (workspace / "run").iterdir()]
+    (entry,) = surveyed(run)
+    assert "without --out it finds this run" in entry["next"], entry
+    elsewhere = tmp_path / "run2"
+    shutil.copytree(run, elsewhere)
+    (entry,) = surveyed(elsewhere)
+    assert "without --out" not in entry["next"] and "(with its --out)" in entry["next"], entry
 
 
 def test_one_unfinished_run_or_interrupted_output_is_described_alone(workspace):

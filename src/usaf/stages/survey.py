@@ -22,7 +22,7 @@ from pathlib import Path
 from usaf.artifacts.lock import holder_of
 from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import OLD_TAG, PARTIAL_TAG, TMP_TAG, manifest_kind, usaf_made
-from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, checkpoint_dirs
+from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, RunManifest, checkpoint_dirs
 from usaf.errors import UsafError
 from usaf.stages.eval.cache import CACHE_SUBDIR, META_FILE, TUNED_SUBDIR
 from usaf.stages.quantize import kept_layers
@@ -125,9 +125,11 @@ def _unfinished_run(path: Path) -> Entry:
         return Entry(path, "unfinished run", "run", detail, _size(path),
                      "being trained now: eval, export and generate take its newest checkpoint; to resume it later, "
                      "stop it (Ctrl-C there saves) and rerun its command", writer)  # fmt: skip
+    # train without --out looks for an unfinished run among its workspace's default outputs only (WORKSPACE/run/)
+    found = " (without --out it finds this run)" if path.parent.name == RunManifest.KIND else " (with its --out)"
     return Entry(path, "unfinished run", "run", detail, _size(path),
-                 f"usaf train --out {path} --resume (the settings it recorded), or rerun the command that started it "
-                 "(without --out it finds this run); --overwrite starts over")  # fmt: skip
+                 f"usaf train --out {path} --resume (the settings it recorded), or rerun the command that started it"
+                 f"{found}; --overwrite starts over")  # fmt: skip
 
 
 def _interrupted(partial: Path, target: Path) -> Entry | None:
