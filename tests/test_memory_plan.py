@@ -427,6 +427,20 @@ def test_cli_says_what_is_short_and_exits_2():
     assert result.exit_code == 2 and "hint: more --ram, a shorter --seq-len" in said and "--vram" not in said, said
 
 
+def test_a_given_setting_that_is_the_cause_is_named_where_nothing_fits():
+    """--microbatch 100000 was kept as given, while the refusal said "the smallest settings" and hinted at --seq-len
+    and --frac only (found in review). The given value is named, where it was set, in both. The control: nothing
+    given names nothing."""
+    for args, env, named in ((("--microbatch", 100000), None, "--microbatch 100000"),
+                             ((), {"USAF_MICROBATCH": "100000"}, "USAF_MICROBATCH 100000")):  # fmt: skip
+        result = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "64GiB", *args, env=env)
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and f"with {named} as given)" in said, said
+        assert f"hint: more --ram, smaller values than {named}" in said, said
+    control = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "4GiB")
+    assert control.exit_code == 2 and "as given" not in control.stderr and "smaller values" not in control.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "problem"),
     [

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
-from usaf.config import refuse_unused
+from usaf.config import refuse_unused, source_of, was_given
 from usaf.errors import UsafError
 
 
@@ -59,10 +59,19 @@ def _run(settings: Any, json_output: bool) -> None:
     else:
         render(out, plan, facts, source)
     if not plan.fits:
+        # what was given is kept as given: "the smallest settings" and a fixed hint hid a --microbatch 100000 that
+        # was the cause (found in review); named where it was set (a USAF_* variable, a --config table)
+        given = [f"{source_of(settings, n)} {getattr(settings, n)}" for n in _CHOSEN if was_given(settings, n)]
         raise UsafError(
-            "nothing fits: " + "; ".join(plan.shortfalls) + " (at the smallest settings shown above)",
-            f"more {'--ram' if kind == 'cpu' else '--vram/--ram'}, a shorter --seq-len, or a smaller --frac",
+            "nothing fits: " + "; ".join(plan.shortfalls) + " (at the smallest settings shown above"
+            + (f", with {', '.join(given)} as given)" if given else ")"),
+            f"more {'--ram' if kind == 'cpu' else '--vram/--ram'}, "
+            + (f"smaller values than {' and '.join(given)} (or leave them to the plan), " if given else "")
+            + "a shorter --seq-len, or a smaller --frac",
         )
+
+
+_CHOSEN = ("microbatch", "train_from")  # what the plan chooses as small as needed where it is not given
 
 
 def _check_against_the_model(settings: Any, config: dict, facts: Any, targets: tuple[str, ...]) -> None:
