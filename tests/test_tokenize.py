@@ -703,6 +703,27 @@ def test_inputs_of_the_same_name_stay_separate_sources(tmp_path, tok_dir):
     assert names == ["lib/util.py", "src/main.py"]
 
 
+def test_a_value_refused_after_the_settings_are_read_is_named_where_it_was_set(tmp_path, tok_dir):
+    """A --seq-len from USAF_SEQ_LEN past the model's maximum, a held_out from a --config table matching no source,
+    and a --workspace that is a file were each refused naming a flag never given (--seq-len, --held-out, and an
+    --out made from the workspace; found in review). The control: from the flags, the flags are named."""
+    text = tmp_path / "a.txt"
+    text.write_text("x = 1\n" * 40)
+    toml = tmp_path / "d.toml"
+    toml.write_text('[tokenize]\nheld_out = ["zzz"]\n')
+    (tmp_path / "wsfile").write_text("")
+    cases = [
+        ((), {"USAF_SEQ_LEN": "100000"}, "error: USAF_SEQ_LEN 100000 exceeds the model's maximum"),
+        (("--seq-len", 100000), None, "error: --seq-len 100000 exceeds the model's maximum"),
+        (("--config", toml), None, f"error: --config {toml} [tokenize] held_out zzz: matches no source"),
+        (("--held-out", "zzz"), None, "error: --held-out zzz: matches no source"),
+        (("--workspace", tmp_path / "wsfile"), None, f"error: --workspace {tmp_path / 'wsfile'}: not a directory"),
+    ]
+    for args, env, said in cases:
+        result = tokenize(text, "--model", tok_dir, *args, env=env)
+        assert result.exit_code == 2 and said in " ".join(result.stderr.split()), (args, result.output)
+
+
 def test_a_refused_tokenize_leaves_none_of_the_directories_it_made(tmp_path, tok_dir):
     """A malformed JSONL refused after the output's lock was taken left --out deep/er/out's parents, and an empty
     workspace folder, behind (found in review). The control: a tokenize that succeeds keeps them, its output in them;

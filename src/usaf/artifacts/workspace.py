@@ -34,11 +34,18 @@ WORKSPACE_ENV = "USAF_WORKSPACE"
 
 
 def workspace_dir(explicit: Path | None = None) -> Path:
-    """``--workspace``, else ``$USAF_WORKSPACE``, else the current directory."""
-    if explicit is not None:
-        return Path(explicit)
+    """``--workspace``, else ``$USAF_WORKSPACE``, else the current directory; refused where it is not a directory (a
+    file given there was named as an ``--out`` never given, whose lock file could not be made; found in review)."""
     env = os.environ.get(WORKSPACE_ENV)
-    return Path(env) if env else Path.cwd()
+    if explicit is not None:
+        path, named = Path(explicit), "--workspace"
+    elif env:
+        path, named = Path(env), WORKSPACE_ENV
+    else:
+        return Path.cwd()
+    if path.exists() and not path.is_dir():
+        raise UsafError(f"{named} {path}: not a directory", "pass a directory (a missing one is created)")
+    return path
 
 
 def _slug(label: str) -> str:

@@ -92,20 +92,29 @@ def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress)
     return sorted(sources)
 
 
-def select_heldout(sources: list[str], patterns: list[str], frac: float, seed: int) -> set[str]:
-    """Held-out sources: those matching ``patterns``, or a seeded ``frac`` of them, never all."""
+def select_heldout(
+    sources: list[str],
+    patterns: list[str],
+    frac: float,
+    seed: int,
+    *,
+    named: tuple[str, str] = ("--held-out", "--held-out-frac"),
+) -> set[str]:
+    """Held-out sources: those matching ``patterns``, or a seeded ``frac`` of them, never all. ``named``: where each
+    of the two was set (a flag, ``USAF_*``, a ``--config`` table), for the messages."""
+    patterns_at, frac_at = named
     if patterns:
         chosen = set()
         for pattern in patterns:
             hits = {s for s in sources if fnmatch(s, pattern) or fnmatch(s, "*/" + pattern)}
             if not hits:
                 shown = ", ".join(sources[:12]) + (" ..." if len(sources) > 12 else "")
-                raise UsafError(f"--held-out {pattern}: matches no source (sources: {shown})", "fix the pattern")
+                raise UsafError(f"{patterns_at} {pattern}: matches no source (sources: {shown})", "fix the pattern")
             chosen |= hits
     elif frac > 0:
         if len(sources) < 2:
             raise UsafError(
-                f"--held-out-frac {frac}: the corpus has only {len(sources)} source; nothing left to hold out",
+                f"{frac_at} {frac}: the corpus has only {len(sources)} source; nothing left to hold out",
                 "add sources, or raise --source-depth so that files or subdirectories form separate sources",
             )
         count = min(len(sources) - 1, max(1, round(frac * len(sources))))
@@ -114,7 +123,8 @@ def select_heldout(sources: list[str], patterns: list[str], frac: float, seed: i
     else:
         return set()
     if len(chosen) == len(sources):
-        raise UsafError("--held-out: every source would be held out, leaving nothing to train on", "hold out fewer")
+        raise UsafError(f"{patterns_at if patterns else frac_at}: every source would be held out, leaving nothing to "
+                        "train on", "hold out fewer")  # fmt: skip
     return chosen
 
 
@@ -347,7 +357,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     limit = max_sequence_length(config.model, tokenizer)
     if limit is not None and config.seq_len > limit:
-        raise UsafError(f"--seq-len {config.seq_len} exceeds the model's maximum of {limit} tokens", "lower --seq-len")
+        raise UsafError(f"{source_of(config, 'seq_len')} {config.seq_len} exceeds the model's maximum of {limit} "
+                        "tokens", f"lower it to {limit} or less")  # fmt: skip
 
     corpus = discover(
         config.inputs,
@@ -381,7 +392,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     heldout: set[str] = set()
     if config.held_out or config.held_out_frac:
         sources = _collect_sources(corpus, config, progress)
-        heldout = select_heldout(sources, config.held_out, config.held_out_frac, config.seed)
+        named = (source_of(config, "held_out"), source_of(config, "held_out_frac"))
+        heldout = select_heldout(sources, config.held_out, config.held_out_frac, config.seed, named=named)
 
     out = config.out or default_output(workspace_dir(config.workspace), "tokens", config.inputs[0].resolve().name)
     totals = _Totals()
