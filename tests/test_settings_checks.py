@@ -324,3 +324,17 @@ def test_held_out_and_its_fraction_are_one_choice_the_higher_source_wins(tmp_pat
     with pytest.raises(UsafError, match="pass either --held-out or --held-out-frac"):
         resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["json"], "held_out_frac": 0.5},
                        env={})  # fmt: skip
+
+
+def test_a_table_cannot_hold_an_argument_the_command_line_requires(tmp_path):
+    """[generate] prompt was accepted: the command line requires PROMPT, so the table's value was never used (found in
+    review). Refused as a setting the table does not have. The control: another generate setting is taken."""
+    from usaf.settings.generate import GenerateConfig
+
+    toml = tmp_path / "g.toml"
+    toml.write_text('[generate]\nprompt = "abc"\n')
+    with pytest.raises(UsafError, match=r"\[generate\] has no setting 'prompt'"):
+        resolve_config(GenerateConfig, section="generate", cli={"prompt": "hi"}, config_file=toml, env={})
+    toml.write_text("[generate]\nmax_new_tokens = 7\n")
+    config = resolve_config(GenerateConfig, section="generate", cli={"prompt": "hi"}, config_file=toml, env={})
+    assert (config.prompt, config.max_new_tokens) == ("hi", 7)

@@ -141,6 +141,15 @@ def cli_meta(info: Any) -> dict[str, Any]:
     return dict(extra.get("cli", {})) if isinstance(extra, dict) else {}
 
 
+def table_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The settings a ``--config`` table may hold: every field but a positional argument the command line requires
+    (generate's PROMPT), without which the command does not start, so that a table's value could never be used
+    (``[generate] prompt`` was accepted and ignored; found in review)."""
+    return frozenset(
+        name for name, info in model.model_fields.items() if not (cli_meta(info).get("argument") and info.is_required())
+    )
+
+
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
@@ -257,7 +266,7 @@ def resolve_config(
         document = load_toml(config_file)
         own = document.get(section, {})
         defaults = document.get(DEFAULTS_TABLE, {})
-        problems += document_problems(document, config_file, section, set(fields))
+        problems += document_problems(document, config_file, section, table_fields(cls))
         if isinstance(own, dict):
             for field in fields:
                 offer(field, own.get(field), f"--config {config_file} [{section}] {field}")

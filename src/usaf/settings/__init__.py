@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from usaf.config import register_tables
+from usaf.config import register_tables, table_fields
 from usaf.settings.fields import FRAC, SELECTION_FIELDS
 
 __all__ = ["FRAC", "SELECTION_FIELDS", "TABLES", "table_keys"]
@@ -44,7 +44,7 @@ def table_keys() -> dict[str, frozenset[str]]:
         module, _, name = spec.partition(":")
         # lazy: only a --config file needs every command's model; importing one command's stays cheap
         model = getattr(importlib.import_module(f"usaf.settings.{module}"), name)
-        keys[table] = frozenset(model.model_fields)
+        keys[table] = table_fields(model)
     return keys
 
 
