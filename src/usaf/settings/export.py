@@ -35,7 +35,9 @@ class ExportConfig(StageConfig):
         json_schema_extra=cli(default_text="each keeps the original's", own_only=True),
     )  # fmt: skip
     max_shard_gib: float | None = Field(
-        None, gt=0, le=1024, description="Largest safetensors shard, in GiB.",
+        None, gt=0, le=1024,
+        description="Largest safetensors shard, in GiB; one layer's experts, or one tensor, go whole into one shard "
+        "(said where that is larger).",
         json_schema_extra=cli(default_text=f"{DEFAULT_SHARD_GIB:g}"),
     )  # fmt: skip
     verify: bool = Field(True, description="Reload with transformers and compare logits before committing.")
