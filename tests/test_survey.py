@@ -180,3 +180,16 @@ def test_inspect_of_a_manifest_file_names_its_directory(workspace):
     result = invoke("inspect", plan / "manifest.json")
     assert result.exit_code == 2 and f"hint: pass its directory, {plan}" in " ".join(result.stderr.split())
     assert invoke("inspect", plan).exit_code == 0  # the control
+
+
+def test_an_output_whose_write_was_killed_is_described_by_its_path_and_its_temporary(tmp_path, tiny_model):
+    """inspect OUT of a killed export said "no such file or directory" (inspect of the workspace listed its temporary),
+    and inspect of the temporary described a model as if it were one (found in review). Both describe a killed write.
+    The control: a path with nothing beside it is still "no such file"."""
+    temporary = tmp_path / ".xk.usaf-tmp-999999999-deadbeef"
+    shutil.copytree(tiny_model("qwen3_moe"), temporary)  # half an export: config.json and some shards
+    for path in (tmp_path / "xk", temporary):
+        (entry,) = surveyed(path)
+        assert entry["state"] == "leftover" and "a killed write of xk" in entry["detail"], entry
+    missing = invoke("inspect", tmp_path / "other")
+    assert missing.exit_code == 2 and "no such file or directory" in missing.stderr

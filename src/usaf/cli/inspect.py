@@ -4,6 +4,7 @@ workspace, an unfinished run or an interrupted output, what usaf left there and 
 
 from __future__ import annotations
 
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +69,21 @@ def _left_by_usaf(path: Path) -> list | None:
     """What usaf left at ``path`` that is no finished artifact: an unfinished run, an interrupted output (``path``
     its target, its work beside it), or a workspace's contents; None where there is none of these (a model
     directory, a user's directory: the usual answers)."""
+    from usaf.artifacts.outputs import TMP_TAG
     from usaf.artifacts.writer import ArtifactWriter
     from usaf.stages.survey import describe, survey
 
     partial = ArtifactWriter.partial_dir(path)
     if not path.exists():
-        found = describe(partial) if partial.is_dir() else None
+        if partial.is_dir():
+            found = describe(partial)
+            return [found] if found is not None else None
+        # a killed write of an output that never resumes (export, tokenize): its temporaries beside it (the path
+        # given was "no such file", where inspect of the workspace listed them; found in review)
+        left = [describe(t) for t in sorted(path.parent.glob(f".{glob_escape(path.name)}{TMP_TAG}*"))]
+        return [found for found in left if found is not None] or None
+    if TMP_TAG in path.name and path.name.startswith("."):  # the temporary itself: no model, whatever it holds
+        found = describe(path)
         return [found] if found is not None else None
     if not path.is_dir() or (path / "config.json").is_file():
         return None
