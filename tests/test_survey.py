@@ -193,3 +193,14 @@ def test_an_output_whose_write_was_killed_is_described_by_its_path_and_its_tempo
         assert entry["state"] == "leftover" and "a killed write of xk" in entry["detail"], entry
     missing = invoke("inspect", tmp_path / "other")
     assert missing.exit_code == 2 and "no such file or directory" in missing.stderr
+
+
+def test_a_tiny_model_usaf_wrote_is_listed_and_a_copy_of_a_model_is_not(tmp_path):
+    """README: inspect lists every output usaf made in a workspace; a tiny-model's (the .usaf-made marker, which
+    --overwrite takes as usaf's) was left out (found in review). The control: a model directory without the marker
+    (someone else's) is not listed."""
+    assert invoke("tiny-model", tmp_path / "t8").exit_code == 0
+    shutil.copytree(tmp_path / "t8", tmp_path / "theirs")
+    (tmp_path / "theirs" / ".usaf-made").unlink()
+    (entry,) = surveyed(tmp_path)
+    assert (Path(entry["path"]).name, entry["kind"], entry["state"]) == ("t8", "tiny model", "finished"), entry

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from usaf.artifacts.lock import holder_of
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import OLD_TAG, PARTIAL_TAG, TMP_TAG, manifest_kind, usaf_made
+from usaf.artifacts.outputs import MADE_MARKER, OLD_TAG, PARTIAL_TAG, TMP_TAG, manifest_kind, usaf_made
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, RunManifest, checkpoint_dirs
 from usaf.errors import UsafError
 from usaf.stages.eval.cache import CACHE_SUBDIR, META_FILE, TUNED_SUBDIR
@@ -85,6 +85,10 @@ def describe(path: Path) -> Entry | None:
         return _interrupted(path, path.parent / name[1 : -len(PARTIAL_TAG)])
     if (path / MANIFEST_NAME).is_file():
         return _finished(path)
+    marker = _json(path / MADE_MARKER)  # a directory usaf wrote in another tool's format: tiny-model's (review)
+    if isinstance(marker, dict) and isinstance(marker.get("kind"), str):
+        return Entry(path, "finished", marker["kind"], "made by usaf", _size(path), f"usaf inspect {path} describes it",
+                     holder_of(path))  # fmt: skip
     if (path / SETTINGS_FILE).is_file() or (path / PLAN_DIR).is_dir() or (path / f".{PLAN_DIR}{PARTIAL_TAG}").is_dir():
         return _unfinished_run(path) if usaf_made(path) else None
     return None
