@@ -204,3 +204,16 @@ def test_a_tiny_model_usaf_wrote_is_listed_and_a_copy_of_a_model_is_not(tmp_path
     (tmp_path / "theirs" / ".usaf-made").unlink()
     (entry,) = surveyed(tmp_path)
     assert (Path(entry["path"]).name, entry["kind"], entry["state"]) == ("t8", "tiny model", "finished"), entry
+
+
+def test_inspect_of_a_checkpoint_says_it_is_one_and_what_takes_it(workspace, tmp_path):
+    """inspect RUN/checkpoints/step-N said "not a usaf artifact ... an interrupted run leaves none", misleading for a
+    checkpoint eval --checkpoint takes (found in review). The control: an empty directory keeps the general hint."""
+    (run,) = [p for p in (workspace / "run").iterdir()]
+    (step,) = sorted((run / "checkpoints").iterdir())[-1:]
+    result = invoke("inspect", step)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and f"a checkpoint of the run {run}" in said and "--checkpoint" in said, said
+    (tmp_path / "empty").mkdir()
+    control = invoke("inspect", tmp_path / "empty")
+    assert control.exit_code == 2 and "a checkpoint of" not in control.stderr

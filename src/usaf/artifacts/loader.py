@@ -19,6 +19,18 @@ from usaf.errors import UsafError
 M = TypeVar("M", bound=Manifest)
 
 
+def _run_of_checkpoint(path: Path) -> Path | None:
+    """The run directory of ``RUN/checkpoints/step-N`` or ``RUN/final``, or None where ``path`` is neither."""
+    # lazy: artifacts.run imports this module
+    from usaf.artifacts.run import CHECKPOINTS_DIR, FINAL_DIR, STATE_FILE
+
+    if not (path / STATE_FILE).is_file():
+        return None
+    if path.parent.name == CHECKPOINTS_DIR:
+        return path.parent.parent
+    return path.parent if path.name == FINAL_DIR else None
+
+
 def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
     path = Path(path)
     if not path.exists():
@@ -32,6 +44,9 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
             if (path / MADE_MARKER).is_file() and (made := usaf_made(path)) is not None:  # a tiny model (review)
                 hint = f"{made}, a Hugging Face model with no sha256s to check; {hint.split(': ', 1)[1]}"
+        elif (run := _run_of_checkpoint(path)) is not None:  # "an interrupted run leaves none" was false (review)
+            hint = (f"a checkpoint of the run {run}: eval, export and generate take it as --checkpoint; usaf inspect "
+                    f"{run} --verify checks its files")  # fmt: skip
         raise UsafError(f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})", hint)
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
