@@ -867,6 +867,19 @@ def test_the_base_cache_key_names_the_card_not_only_the_device_type():
     assert key("A", torch.float32) != key("A")  # and the dtype the passes computed in (--dtype)
 
 
+def test_an_input_set_in_a_config_table_is_named_there_when_refused(trained, tmp_path):
+    """[defaults] held_out (a source glob to tokenize) read by eval as a path was refused as "--held-out f4.txt",
+    a flag never given (found in review). Named where it was set. The control: from the flag, the flag."""
+    toml = tmp_path / "d.toml"
+    toml.write_text('[defaults]\nheld_out = ["f4.txt"]\n')
+    common = ["eval", "--model", trained["q"], "--checkpoint", trained["run"], "--workspace", tmp_path / "ws"]
+    cases = ((("--config", toml), f"--config {toml} [defaults] held_out"), (("--held-out", "f4.txt"), "--held-out"))
+    for args, named in cases:
+        result = invoke(*common, *args, "--out", tmp_path / "out")
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and f"error: {named} f4.txt: no such file or directory" in said, said
+
+
 def test_a_model_file_replaced_by_one_of_the_same_size_misses_the_base_cache(trained, tmp_path):
     """A model's experts_q4.pt replaced by another quantization's of the same size kept the manifest's fingerprint:
     eval took the first model's cached base pass and reported it beside the second model's fine-tuned pass (found in

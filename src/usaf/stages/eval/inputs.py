@@ -103,10 +103,12 @@ def read_input(
     seed: int,
     progress: Progress,
     sampled_by: str = "--max-sequences",
+    named: str | None = None,
 ) -> EvalInput:
     """One ``--data``/``--held-out`` path as sequences, validated (vocabulary, length, non-empty): all of them, or a
-    seeded sample of ``max_sequences`` (``sampled_by``: what asked for it, for the messages)."""
-    flag = FLAGS[set_name]
+    seeded sample of ``max_sequences`` (``sampled_by``: what asked for it, for the messages; ``named``: where the
+    path was set, a ``--config`` table or ``USAF_*``, where not on the command line)."""
+    flag = named or FLAGS[set_name]
     if not path.exists():
         raise UsafError(f"{flag} {path}: no such file or directory", "pass a tokens directory, JSONL or text files")
     vocab = len(tokenizer)

@@ -71,7 +71,7 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
     return model_dir, manifest, change
 
 
-def _refuse_repeated(set_name: str, paths: list[Path]) -> None:
+def _refuse_repeated(named: str, paths: list[Path]) -> None:
     """One path given twice in a set (``--held-out T --held-out T/``): its sequences counted twice in the set's pooled
     row, whose interval was then too narrow (found in review)."""
     seen: dict[Path, Path] = {}
@@ -80,7 +80,7 @@ def _refuse_repeated(set_name: str, paths: list[Path]) -> None:
         if real in seen:
             shown = f"{seen[real]}" + (f" and {path}" if str(path) != str(seen[real]) else "")
             raise UsafError(
-                f"--{set_name} {shown}: the same input given twice; its sequences would count twice "
+                f"{named} {shown}: the same input given twice; its sequences would count twice "
                 "in the pooled row",
                 "give each input once",
             )
@@ -115,7 +115,9 @@ def read_inputs(
     )
     inputs = []
     for set_name, paths in ((DATA, data), (HELD_OUT, held_out)):
-        _refuse_repeated(set_name, paths)
+        # where the paths were set ([defaults] held_out, a tokenize glob elsewhere, was named --held-out; review)
+        named = None if picked else source_of(config, "data" if set_name == DATA else "held_out")
+        _refuse_repeated(named or f"--{set_name}", paths)
         for path in paths:
             sample, sampled_by = config.max_sequences, "--max-sequences"
             if picked and set_name == DATA and sample is None:
@@ -131,6 +133,7 @@ def read_inputs(
                 seed=config.seed,
                 progress=progress,
                 sampled_by=sampled_by,
+                named=named,
             )
             if sample != config.max_sequences and item.sampled_from is not None:
                 progress.note(_training_sample_note(item, held_out))
