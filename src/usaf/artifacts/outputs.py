@@ -43,6 +43,15 @@ InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag ->
 def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
     """Refuse an output that is, contains or lies inside one of ``inputs`` (compared after resolving links), or lies
     inside any usaf artifact (:func:`check_not_inside_an_artifact`), the input named first where both hold."""
+    found = output_overlap(target, inputs)
+    if found is not None:
+        where, harm, remedy = found
+        raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass a {flag} {remedy}")
+
+
+def output_overlap(target: Path, inputs: InputPaths) -> tuple[str, str, str] | None:
+    """How writing at ``target`` would touch an input or a usaf artifact (``check_not_an_input``'s refusal, for a
+    caller that goes on without writing there: eval's cache), as ``(where, harm, remedy)``; None where it would not."""
     out = _real(target)
     for name, path in _each_path(inputs):
         if not os.path.lexists(path):
@@ -56,11 +65,8 @@ def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
             shape = "lies inside"
         else:
             continue
-        raise UsafError(
-            f"{flag} {target} {shape} the input {name} {path}: writing there would replace or mix with that input",
-            f"pass a {flag} outside every input",
-        )
-    check_not_inside_an_artifact(target, flag)
+        return f"{shape} the input {name} {path}", "replace or mix with that input", "outside every input"
+    return _inside_an_artifact(target)
 
 
 def check_not_inside_an_artifact(target: Path, flag: str) -> None:
@@ -69,6 +75,13 @@ def check_not_inside_an_artifact(target: Path, flag: str) -> None:
     deleted the artifact would take them too. ``usaf score --out RUN/final/plan`` wrote a plan into a trained run,
     ``usaf train --out RUN/checkpoints/mine`` a run into an unfinished one (found in review). Only ``RUN/plan`` of an
     unfinished run is open: train scores the plan it was given none of there."""
+    found = _inside_an_artifact(target)
+    if found is not None:
+        where, harm, remedy = found
+        raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass a {flag} {remedy}")
+
+
+def _inside_an_artifact(target: Path) -> tuple[str, str, str] | None:
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 
@@ -81,8 +94,8 @@ def check_not_inside_an_artifact(target: Path, flag: str) -> None:
             what, harm = "an unfinished usaf run", "mix files into its run directory"
         else:
             continue
-        raise UsafError(f"{flag} {target} lies inside {parent}, {what}: writing there would {harm}",
-                        f"pass a {flag} outside every usaf artifact")  # fmt: skip
+        return f"lies inside {parent}, {what}", harm, "outside every usaf artifact"
+    return None
 
 
 def _finished(directory: Path) -> tuple[str, str] | None:

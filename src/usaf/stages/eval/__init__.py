@@ -36,7 +36,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import check_not_an_input
+from usaf.artifacts.outputs import output_overlap
 from usaf.artifacts.run import CHECKPOINTS_DIR, METRICS_FILE, step_of
 from usaf.backends import resolve_backend
 from usaf.config import source_of
@@ -139,14 +139,13 @@ def _cache_outside_the_inputs(config: EvalConfig, workspace: Path, inputs: dict,
     the model, whose manifest then listed files it did not hold (found in review). Eval goes on without it."""
     if not config.base_cache:
         return config
-    try:
-        check_not_an_input(workspace / cache.CACHE_SUBDIR, "--workspace", inputs)
-    except UsafError as e:
-        why = e.message.removeprefix("--workspace ").split(": writing there")[0]
-        progress.note(f"the base pass is not cached (nor are stopped passes kept to resume): the workspace's cache "
-                      f"{why}; pass a --workspace outside the inputs to keep them")  # fmt: skip
-        return config.model_copy(update={"base_cache": False})
-    return config
+    cache_dir = workspace / cache.CACHE_SUBDIR
+    found = output_overlap(cache_dir, inputs)
+    if found is None:
+        return config
+    progress.note(f"the base pass is not cached (nor are stopped passes kept to resume): the workspace's cache "
+                  f"{cache_dir} {found[0]}; pass a --workspace {found[2]} to keep them")  # fmt: skip
+    return config.model_copy(update={"base_cache": False})
 
 
 def _evaluate(config, workspace, model, change, inputs, backend, pad, progress, stop) -> _Outcome:
