@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import invoke
 from usaf.artifacts import PlanManifest, QuantizedModelManifest, load_manifest, load_verified
-from usaf.artifacts.loader import fingerprint_problem, listing_problem
+from usaf.artifacts.loader import edit_problem, fingerprint_problem, listing_problem
 from usaf.artifacts.plan import (
     IMPORTANCE_FILE,
     MASKS_FILE,
@@ -200,8 +201,9 @@ def test_negative_control_a_reordered_listing_keeps_its_fingerprint(bench, tmp_p
     data = json.loads((model / "manifest.json").read_text())
     data["files"].reverse()  # the fingerprint does not depend on the order
     (model / "manifest.json").write_text(json.dumps(data))
-    manifest = load_verified(model, QuantizedModelManifest, flag="--model")
+    manifest = load_manifest(model, QuantizedModelManifest, flag="--model")
     assert fingerprint_problem(manifest) is None and listing_problem(manifest) is None
+    assert "edited after usaf wrote it" in edit_problem(manifest)  # the manifest's own checksum sees any edit
 
 
 def test_a_manifest_whose_fingerprint_is_not_its_files_is_refused_by_every_consumer(bench, tmp_path):
@@ -224,6 +226,37 @@ def test_a_manifest_missing_a_file_its_kind_always_holds_is_refused(bench, tmp_p
     with pytest.raises(UsafError, match="does not list experts_q4.pt, which every 'quantized_model' artifact holds"):
         load_verified(model, QuantizedModelManifest, flag="--model", hashes=False)
 
+
+
+def test_an_edited_manifest_is_refused_by_its_consumer_and_by_inspect_verify(bench, plan, tmp_path):
+    """The files' hashes do not cover the manifest itself: a plan whose lr was edited passed every check and train ran
+    at it; an edited delta summary made export blame the model (found in review)."""
+    path = plan / "manifest.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data, indent=4, sort_keys=True))  # the control: a manifest laid out anew says the same
+    assert load_verified(plan, PlanManifest, flag="--plan").summary.lr_test.lr == data["summary"]["lr_test"]["lr"]
+    assert invoke("inspect", "--verify", plan).exit_code == 0
+    data["summary"]["lr_test"]["lr"] *= 10  # a valid value, which no check of the plan's own can tell from the real one
+    path.write_text(json.dumps(data))
+    trained = invoke(*hostile_artifacts.train_args(bench, tmp_path, plan=plan))
+    assert trained.exit_code == 2
+    assert f"error: --plan {path}: edited after usaf wrote it (what it says no longer matches its manifest_sha256 " \
+        in trained.output  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    verified = invoke("inspect", "--verify", plan, "--json")
+    assert verified.exit_code == 2 and "edited after usaf wrote it" in json.loads(verified.stdout)["problems"][0][
+        "problem"]  # fmt: skip
+
+
+def test_a_manifest_an_older_usaf_wrote_has_no_checksum_and_is_read_as_before(plan):
+    """Older manifests have no manifest_sha256: they load, and inspect --verify says their own content is unchecked."""
+    data = json.loads((plan / "manifest.json").read_text())
+    assert len(data.pop("manifest_sha256")) == 64
+    (plan / "manifest.json").write_text(json.dumps(data))
+    assert load_verified(plan, PlanManifest, flag="--plan").manifest_sha256 is None
+    verified = invoke("inspect", "--verify", plan)
+    assert verified.exit_code == 0
+    assert "has no checksum of its own (an older usaf wrote it)" in " ".join(verified.output.split())
 
 # -- the prefix store ----------------------------------------------------------------------------------------
 

@@ -15,7 +15,13 @@ from helpers import invoke, leftovers, stop_at_check
 from usaf.artifacts.eval_report import ResultRow
 from usaf.artifacts.hashing import sha256_file
 from usaf.testing import stdlib_dir
-from usaf.testing.hostile import resign_checkpoint
+from usaf.testing.hostile import _resign, resign_checkpoint
+
+
+def _rewrite_manifest(artifact: Path, manifest: dict) -> None:
+    """A test's edit to a manifest, stamped with its new checksum (as a consistent edit would be)."""
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    _resign(artifact)
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +281,7 @@ def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_
     for record in manifest["inputs"]:
         if record["role"] == "data":
             record["path"] = str(tmp_path / "moved" / "train.jsonl")
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    _rewrite_manifest(run, manifest)
     found, why_not = training_tokens(load_trained_change(run), tmp_path / "empty-workspace")
     assert found is None and "are not in the workspace or where it ran" in why_not
     found, _ = training_tokens(load_trained_change(trained["run"]), tmp_path / "empty-workspace")  # the control
@@ -289,7 +295,7 @@ def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_
         if record["role"] == "data":
             record["path"] = str(jsonl)
     manifest["summary"]["data_fingerprint"] = sha256_file(jsonl)
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    _rewrite_manifest(run, manifest)
     found, why_not = training_tokens(load_trained_change(run), tmp_path / "empty-workspace")
     assert (found.path, found.sequences, why_not) == (jsonl, None, None)
     # that file damaged since: the check is not made, and eval says why instead of failing on a file not passed
@@ -299,7 +305,7 @@ def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_
 
     jsonl.write_text(jsonl.read_text() + "{not json\n")
     manifest["summary"]["data_fingerprint"] = sha256_file(jsonl)
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    _rewrite_manifest(run, manifest)
     held = [EvalInput("held-out", tmp_path / "x", "text", "", [EvalSequence("held-out", "x", [1, 2, 3], [1, 2, 3])])]
     progress = NullProgress()
     count, note, _ = _held_out_in_training(load_trained_change(run), tmp_path, held, 10**6, None, progress)
@@ -936,7 +942,7 @@ def test_a_run_given_a_tokens_file_and_a_delta_are_checked_and_evaluated_on_what
         if record["role"] == "data":
             record["path"] = str(file)
     manifest["summary"]["data_fingerprint"] = sha256_file(file)
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    _rewrite_manifest(run, manifest)
     out = tmp_path / "report"
     result = invoke("eval", "--model", trained["q"], "--checkpoint", run, "--workspace", tmp_path / "ws",
                     "--out", out, "--no-plots", "--max-sequences", 8)  # fmt: skip

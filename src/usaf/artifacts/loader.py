@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from usaf._version import __version__
 from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
-from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest
+from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME, Manifest, manifest_checksum
 from usaf.artifacts.outputs import MADE_MARKER, usaf_made
 from usaf.artifacts.safety import contained
 from usaf.errors import UsafError
@@ -156,6 +156,25 @@ def fingerprint_problem(manifest: Manifest) -> str | None:
     )
 
 
+def edit_problem(manifest: Manifest) -> str | None:
+    """Why the manifest is not as usaf wrote it (its content no longer matches its ``manifest_sha256``), or None.
+
+    The files' hashes do not cover the manifest itself: an edited summary (a delta's trainable layers, a plan's lr)
+    passed every check before, and a consumer then blamed the model or the data for what the edit said (found in
+    review). A manifest an older usaf wrote has no checksum: nothing to compare, so None.
+    """
+    if manifest.manifest_sha256 is None or manifest_checksum(manifest) == manifest.manifest_sha256:
+        return None
+    stamped = manifest.manifest_sha256[:16]
+    return f"edited after usaf wrote it (what it says no longer matches its manifest_sha256 {stamped})"
+
+
+def manifest_problem(manifest: Manifest) -> str | None:
+    """The first thing wrong with the manifest itself, its files aside: a file its kind always holds not listed, a
+    fingerprint that is not its files', an edit since usaf wrote it; or None."""
+    return listing_problem(manifest) or fingerprint_problem(manifest) or edit_problem(manifest)
+
+
 def listing_problem(manifest: Manifest) -> str | None:
     """The first file this kind of artifact always holds that the manifest does not list, or None."""
     listed = {record.path for record in manifest.files}
@@ -174,14 +193,14 @@ def unlisted_files(path: Path, manifest: Manifest) -> list[str]:
 
 
 def load_verified(path: Path, expect: type[M], *, flag: str = "path", hashes: bool = True) -> M:
-    """Load a manifest and refuse the artifact if any of its files is missing, truncated or changed, if it does not
-    list a file its kind always holds, or if its fingerprint does not match the files it lists."""
+    """Load a manifest and refuse the artifact if any of its files is missing, truncated or changed, or if the
+    manifest itself is wrong (:func:`manifest_problem`)."""
     manifest = load_manifest(path, expect, flag=flag)
     bad = [c for c in verify_files(path, manifest, hashes=hashes) if not c.ok]
     if bad:
         listing = "; ".join(f"{c.path}: {c.problem}" for c in bad[:5])
         raise UsafError(f"{flag} {path}: damaged artifact: {listing}", "re-run the stage that made it")
-    problem = listing_problem(manifest) or fingerprint_problem(manifest)
+    problem = manifest_problem(manifest)
     if problem is not None:
         raise UsafError(f"{flag} {Path(path) / MANIFEST_NAME}: {problem}", "re-run the stage that made it")
     return manifest

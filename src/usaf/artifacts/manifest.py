@@ -9,6 +9,8 @@ manifest subclasses :class:`Manifest`, fixes ``kind``/``schema_version`` and typ
 
 from __future__ import annotations
 
+import hashlib
+import json
 import platform
 import sys
 from datetime import datetime
@@ -78,6 +80,11 @@ class Manifest(Record):
     environment: EnvironmentRecord
     files: list[FileRecord]
     summary: Any = None
+    manifest_sha256: str | None = Field(
+        None,
+        description="sha256 of this manifest's other fields (manifest_checksum), so that an edit to it shows; "
+        "None in a manifest an older usaf wrote (not checked then)",
+    )
 
     def required_files(self) -> tuple[str, ...]:
         """Files every artifact of this kind holds; :func:`usaf.artifacts.loader.load_verified` refuses a manifest
@@ -89,6 +96,13 @@ class Manifest(Record):
             if record.path == path:
                 return record
         raise KeyError(path)
+
+
+def manifest_checksum(manifest: Manifest) -> str:
+    """sha256 of what the manifest says, its own ``manifest_sha256`` left out: the fields as they read back from its
+    JSON (what a consumer sees), keys sorted, so key order, spacing and a value's spelling do not count."""
+    content = json.loads(manifest.model_dump_json(exclude={"manifest_sha256"}))
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 M = TypeVar("M", bound=Manifest)

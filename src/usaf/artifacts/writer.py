@@ -24,7 +24,7 @@ from usaf._version import __version__
 from usaf.artifacts.disk import raise_disk_error, removed_on_failure
 from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
 from usaf.artifacts.lock import OutputLock
-from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, InputRecord, Manifest
+from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, InputRecord, Manifest, manifest_checksum
 from usaf.artifacts.outputs import (
     OLD_TAG,
     PARTIAL_TAG,
@@ -334,6 +334,7 @@ def write_manifest(directory: Path, manifest_cls: type[M], files: list[FileRecor
         files=files,
         **fields,
     )
+    manifest = manifest.model_copy(update={"manifest_sha256": manifest_checksum(manifest)})
     tmp = directory / (MANIFEST_NAME + ".tmp")
     with removed_on_failure(tmp), tmp.open("w", encoding="utf-8") as f:  # a full disk leaves no torn temporary
         f.write(manifest.model_dump_json(indent=2))

@@ -139,14 +139,14 @@ def _inspect_artifact(path: Path, *, hashes: bool, as_json: bool) -> None:
     from rich.table import Table
 
     from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
-    from usaf.artifacts.loader import fingerprint_problem, listing_problem
+    from usaf.artifacts.loader import manifest_problem
     from usaf.cli.console import out, print_json
     from usaf.cli.progress import RichProgress
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=hashes, progress=RichProgress())
     bad = [c for c in checks if not c.ok]
-    problem = listing_problem(manifest) or fingerprint_problem(manifest)  # no file read: checked with --no-hash too
+    problem = manifest_problem(manifest)  # no file read: checked with --no-hash too
     if as_json:
         print_json(
             {
@@ -189,14 +189,14 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     """``--verify``: every listed file re-hashed against the manifest, the fingerprint against the files; one
     verdict line."""
     from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
-    from usaf.artifacts.loader import fingerprint_problem, listing_problem, unlisted_files
+    from usaf.artifacts.loader import manifest_problem, unlisted_files
     from usaf.cli.console import note, out, print_json
     from usaf.cli.progress import RichProgress
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=True, progress=RichProgress())
     bad = [c for c in checks if not c.ok]
-    problem = listing_problem(manifest) or fingerprint_problem(manifest)  # the files match, the manifest lies
+    problem = manifest_problem(manifest)  # the files match, the manifest lies
     extra = unlisted_files(path, manifest)
     checkpoints = _checkpoint_checks(path) if manifest.kind == "run" else []
     if as_json:
@@ -218,6 +218,8 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     uncovered = [f for f in extra if not any(f.startswith(c["path"] + "/") for c in checkpoints)]
     if uncovered:
         note(f"{len(uncovered)} files are not listed in the manifest (not covered by it): {', '.join(uncovered[:5])}")
+    if manifest.manifest_sha256 is None:
+        note(f"{MANIFEST_NAME} has no checksum of its own (an older usaf wrote it): an edit to it would not show here")
     if bad:
         listing = "; ".join(f"{c.path}: {c.problem}" for c in bad[:5])
         raise UsafError(

@@ -34,8 +34,11 @@ from typer.testing import CliRunner
 
 from usaf.artifacts.checksums import write_record
 from usaf.artifacts.hashing import combine, sha256_file
+from usaf.artifacts.loader import load_manifest
+from usaf.artifacts.manifest import manifest_checksum
 from usaf.artifacts.run import CHECKPOINT_FILES, SUMS_FILE
 from usaf.cli.app import app
+from usaf.errors import UsafError
 from usaf.stages.quantize import QuantizeConfig
 from usaf.stages.quantize import run as quantize
 from usaf.testing import build_tiny_model
@@ -107,7 +110,7 @@ class Outcome:
 
 
 def _resign(artifact: Path) -> None:
-    """Rewrite an artifact's manifest so its sizes and hashes match the files again (a consistent forgery)."""
+    """Rewrite an artifact's manifest so its sizes, hashes and own checksum match again (a consistent forgery)."""
     path = artifact / "manifest.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     for record in data["files"]:
@@ -115,6 +118,12 @@ def _resign(artifact: Path) -> None:
         if file.is_file():
             record["bytes"], record["sha256"] = file.stat().st_size, sha256_file(file)
     data["fingerprint"] = combine((r["path"], r["sha256"]) for r in data["files"])
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    try:
+        manifest = load_manifest(artifact)
+    except UsafError:
+        return  # a forgery the loader refuses before its checksum is looked at
+    data["manifest_sha256"] = manifest_checksum(manifest)
     path.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
