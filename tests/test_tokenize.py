@@ -706,7 +706,8 @@ def test_inputs_of_the_same_name_stay_separate_sources(tmp_path, tok_dir):
 def test_a_value_refused_after_the_settings_are_read_is_named_where_it_was_set(tmp_path, tok_dir):
     """A --seq-len from USAF_SEQ_LEN past the model's maximum, a held_out from a --config table matching no source,
     and a --workspace that is a file were each refused naming a flag never given (--seq-len, --held-out, and an
-    --out made from the workspace; found in review). The control: from the flags, the flags are named."""
+    --out made from the workspace; found in review), as was a USAF_WORKSPACE that is a file (--workspace). The
+    control: from the flags, the flags are named."""
     text = tmp_path / "a.txt"
     text.write_text("x = 1\n" * 40)
     toml = tmp_path / "d.toml"
@@ -718,6 +719,7 @@ def test_a_value_refused_after_the_settings_are_read_is_named_where_it_was_set(t
         (("--config", toml), None, f"error: --config {toml} [tokenize] held_out zzz: matches no source"),
         (("--held-out", "zzz"), None, "error: --held-out zzz: matches no source"),
         (("--workspace", tmp_path / "wsfile"), None, f"error: --workspace {tmp_path / 'wsfile'}: not a directory"),
+        ((), {"USAF_WORKSPACE": str(tmp_path / "wsfile")}, f"error: USAF_WORKSPACE {tmp_path / 'wsfile'}: not a"),
     ]
     for args, env, said in cases:
         result = tokenize(text, "--model", tok_dir, *args, env=env)

@@ -25,7 +25,7 @@ from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
 from usaf.artifacts.run import RunManifest
 from usaf.artifacts.tokens import TokensManifest, TokensSummary
-from usaf.artifacts.workspace import default_output, find_artifacts, pick_latest, workspace_dir
+from usaf.artifacts.workspace import default_output, find_artifacts, pick_latest, settings_workspace, workspace_dir
 from usaf.artifacts.writer import ArtifactWriter
 
 EXPORT_KINDS = (HfExportManifest.KIND, DeltaManifest.KIND)  # usaf export's formats: its --overwrite replaces either
@@ -55,5 +55,6 @@ __all__ = [
     "pick_latest",
     "register",
     "verify_files",
+    "settings_workspace",
     "workspace_dir",
 ]

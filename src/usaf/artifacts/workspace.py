@@ -26,6 +26,7 @@ from usaf.artifacts.outputs import PARTIAL_TAG, usaf_made
 from usaf.artifacts.plan import PlanManifest
 from usaf.artifacts.quantized import QuantizedModelManifest
 from usaf.artifacts.tokens import TRAIN_FILE, TokensManifest, check_tokenizer, check_tokens_file
+from usaf.config import source_of
 from usaf.errors import UsafError
 
 M = TypeVar("M", bound=Manifest)
@@ -33,12 +34,13 @@ M = TypeVar("M", bound=Manifest)
 WORKSPACE_ENV = "USAF_WORKSPACE"
 
 
-def workspace_dir(explicit: Path | None = None) -> Path:
+def workspace_dir(explicit: Path | None = None, *, named: str = "--workspace") -> Path:
     """``--workspace``, else ``$USAF_WORKSPACE``, else the current directory; refused where it is not a directory (a
-    file given there was named as an ``--out`` never given, whose lock file could not be made; found in review)."""
+    file given there was named as an ``--out`` never given, whose lock file could not be made; found in review).
+    ``named``: where ``explicit`` was set, named in that refusal."""
     env = os.environ.get(WORKSPACE_ENV)
     if explicit is not None:
-        path, named = Path(explicit), "--workspace"
+        path = Path(explicit)
     elif env:
         path, named = Path(env), WORKSPACE_ENV
     else:
@@ -46,6 +48,12 @@ def workspace_dir(explicit: Path | None = None) -> Path:
     if path.exists() and not path.is_dir():
         raise UsafError(f"{named} {path}: not a directory", "pass a directory (a missing one is created)")
     return path
+
+
+def settings_workspace(config: Any) -> Path:
+    """A stage's workspace (:func:`workspace_dir`), a refusal naming where it was set: ``USAF_WORKSPACE`` and a
+    ``--config`` table reach the settings as ``workspace`` too, and were named as a ``--workspace`` never given."""
+    return workspace_dir(config.workspace, named=source_of(config, "workspace"))
 
 
 def _slug(label: str) -> str:
@@ -183,7 +191,7 @@ def resolve_model(config: Any, progress: Any) -> tuple[Path, QuantizedModelManif
     """``config.model`` (verified without rehashing its weights), else the workspace's newest quantized model."""
     if config.model is None:
         found = pick_latest(
-            workspace_dir(config.workspace),
+            settings_workspace(config),
             QuantizedModelManifest,
             flag="--model",
             lineage=lambda m: m.summary.source.origin,
@@ -202,12 +210,12 @@ def resolve_data(
     are there, whatever newer tokens appeared since (else resuming it was refused as another run's)."""
     data = config.data
     if data is None:
-        found = _preferred(workspace_dir(config.workspace), TokensManifest, prefer)
+        found = _preferred(settings_workspace(config), TokensManifest, prefer)
         if found is not None:
             progress.note(f"using the tokens {found.path} (the ones this run started with)")
         else:
             found = pick_latest(
-                workspace_dir(config.workspace),
+                settings_workspace(config),
                 TokensManifest,
                 flag="--data",
                 accept=lambda m: m.summary.tokenizer.fingerprint == tokenizer_fingerprint,

@@ -30,7 +30,7 @@ from usaf.artifacts import (
     QuantizedModelManifest,
     current_environment,
     default_output,
-    workspace_dir,
+    settings_workspace,
 )
 from usaf.artifacts.delta import DELTA_FILE, ROUTERS_FILE, DeltaSummary, DeltaTensorRecord, write_delta_files
 from usaf.artifacts.disk import check_free_space
@@ -58,14 +58,14 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
     started = time.perf_counter()
     _check_device(config)
     model_dir, qmanifest, change = resolve_model_and_change(
-        config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
+        config.model, config.checkpoint, settings_workspace(config), progress, use_change=not config.no_checkpoint
     )
     if change is None:  # --no-checkpoint: the dequantized base alone, an empty change
         change = _no_change(model_dir, qmanifest)
         progress.note(f"--no-checkpoint: exporting the dequantized base of {model_dir} without a change")
     kind = "hf_export" if config.format == "hf" else "delta"
     label = f"{model_dir.name}-base" if config.no_checkpoint else change.source.name
-    out = Path(config.out or default_output(workspace_dir(config.workspace), kind, label))
+    out = Path(config.out or default_output(settings_workspace(config), kind, label))
     given = {
         "--model": model_dir,
         "--checkpoint": None if config.no_checkpoint else change.source,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, TextStreamer
 
+from usaf.artifacts import settings_workspace
 from usaf.artifacts.run import TrainedChange
 from usaf.backends import resolve_backend
 from usaf.config import refuse_unused, source_of
@@ -153,7 +154,7 @@ def run(
             refuse_unused(config, field, "--temperature 0 decodes greedily, drawing nothing",
                           "drop it, or pass a --temperature above 0 to sample", progress.note)  # fmt: skip
     model_dir, _, change = resolve_model_and_change(
-        config.model, config.checkpoint, config.workspace, progress, use_change=not config.no_checkpoint
+        config.model, config.checkpoint, settings_workspace(config), progress, use_change=not config.no_checkpoint
     )
     backend = resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     say_backend_notes(backend, progress)

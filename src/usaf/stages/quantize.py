@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
+from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, settings_workspace
 from usaf.artifacts.checksums import doubt, seal
 from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import sha256_tensors
@@ -296,10 +296,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     out = config.out
     label = _label(config.model, model_dir)
     if out is None:  # a default output is new at every start: the same command finds the one it was writing
-        out = _interrupted_output(workspace_dir(config.workspace), label, settings, files)
+        out = _interrupted_output(settings_workspace(config), label, settings, files)
         if out is not None:
             progress.note(f"resuming the interrupted quantization that was writing {out} (no --out given)")
-    out = Path(out or default_output(workspace_dir(config.workspace), "quantized_model", label))
+    out = Path(out or default_output(settings_workspace(config), "quantized_model", label))
     flag = "--out" if config.out is not None else "--workspace"  # the default output is the workspace's: name that
     writer = ArtifactWriter(out, kinds=(QuantizedModelManifest.KIND,), overwrite=config.force, overwrite_flag="--force",
                             inputs={"MODEL": model_dir}, resumable=True, markers=(PARTIAL_SETTINGS,),

@@ -29,7 +29,7 @@ from usaf.artifacts import (
     current_environment,
     default_output,
     load_verified,
-    workspace_dir,
+    settings_workspace,
 )
 from usaf.artifacts.lock import holder_of
 from usaf.artifacts.manifest import MANIFEST_NAME
@@ -284,7 +284,7 @@ def _output(config: ScoreConfig, label: str, identity: dict, progress: Progress)
     a new default name."""
     if config.out is not None:
         return config.out
-    workspace = workspace_dir(config.workspace)
+    workspace = settings_workspace(config)
     found = _interrupted_output(workspace, label, identity)
     if found is not None:  # without --out every run gets a new name: the same command would not find its work
         what = "starting over (--overwrite)" if config.overwrite else "resuming"

@@ -17,7 +17,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
 
-from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, workspace_dir
+from usaf.artifacts import ArtifactWriter, InputRecord, current_environment, default_output, settings_workspace
 from usaf.artifacts.hashing import combine, sha256_file
 from usaf.artifacts.tokens import (
     HELDOUT_FILE,
@@ -395,7 +395,7 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
         named = (source_of(config, "held_out"), source_of(config, "held_out_frac"))
         heldout = select_heldout(sources, config.held_out, config.held_out_frac, config.seed, named=named)
 
-    out = config.out or default_output(workspace_dir(config.workspace), "tokens", config.inputs[0].resolve().name)
+    out = config.out or default_output(settings_workspace(config), "tokens", config.inputs[0].resolve().name)
     totals = _Totals()
     inputs = {"INPUTS": config.inputs, "--model": config.model}  # --out may not replace or mix with them
     with ArtifactWriter(out, kinds=(TokensManifest.KIND,), overwrite=config.overwrite, inputs=inputs) as art:

@@ -32,7 +32,7 @@ from usaf.artifacts import (
     current_environment,
     default_output,
     disk,
-    workspace_dir,
+    settings_workspace,
 )
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
 from usaf.artifacts.manifest import MANIFEST_NAME
@@ -90,7 +90,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     """Evaluate and write the report; returns its manifest and directory."""
     progress = progress or NullProgress()
     start = time.perf_counter()
-    workspace = workspace_dir(config.workspace)
+    workspace = settings_workspace(config)
     if config.plots and not plots.matplotlib_available():
         raise UsafError("--plots: matplotlib is not installed", f"{INSTALL_HINT}, or pass --no-plots")
     model_dir, model_manifest, change = model_and_change(config, workspace, progress)

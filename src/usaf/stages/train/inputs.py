@@ -27,7 +27,7 @@ from usaf.artifacts import (
     RunManifest,
     default_output,
     load_verified,
-    workspace_dir,
+    settings_workspace,
 )
 from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.outputs import (
@@ -239,7 +239,7 @@ def _check_run_dir(
 
 def _new_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
     """A new default run directory, named by rank 0 (another rank's clock may have passed the next second)."""
-    return world.decided_by_main(lambda: default_output(workspace_dir(config.workspace), "run", model_dir.name),
+    return world.decided_by_main(lambda: default_output(settings_workspace(config), "run", model_dir.name),
                                  "the run directory's name")  # fmt: skip
 
 
@@ -560,7 +560,7 @@ def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) 
     rerun would start over in a new one."""
 
     def look() -> Path | None:
-        candidates = unfinished_outputs(workspace_dir(config.workspace), "run", settler.model[0].name)
+        candidates = unfinished_outputs(settings_workspace(config), "run", settler.model[0].name)
         return next((c for c in candidates if not _in_use(c) and _continues(c, config, settler)), None)
 
     found = settler.world.decided_by_main(look, "the unfinished run")
