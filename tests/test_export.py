@@ -27,6 +27,7 @@ from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManife
 from usaf.artifacts.run import load_trained_change
 from usaf.errors import UsafError
 from usaf.families import load_model_config, read_checkpoint, resolve_family
+from usaf.testing.hostile import _resign
 
 NUM_LAYERS = 3  # layer 2 trains (deepseek_v3: layer 0 dense, 1-2 MoE)
 
@@ -316,6 +317,36 @@ def test_without_model_or_checkpoint_the_newest_run_and_its_model_are_taken(trai
     refused = invoke("export", "--workspace", ws, "--model", newer, "--out", tmp_path / "out2", "--no-verify")
     assert refused.exit_code == 2 and "trained on this model" in " ".join(refused.stderr.split()), refused.output
 
+
+
+def test_checkpoint_alone_away_from_the_model_takes_the_model_its_run_recorded(trained, tmp_path):
+    """``--checkpoint RUN`` from a workspace without the model was refused ("no 'quantized_model' artifact") while the
+    run's manifest named the model it was trained on (found in review). The controls: a recorded path that no longer
+    holds a model, or holds another, gives the refusal as before."""
+    _, qdir, run = trained("qwen3_moe")
+    _, other_q, _ = trained("mixtral")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = invoke("export", "--checkpoint", run, "--workspace", elsewhere, "--out", tmp_path / "d",
+                    "--format", "delta")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"using the quantized model {qdir} (the one the change was trained on, as its run recorded it; " in said
+    assert load_verified(tmp_path / "d", DeltaManifest).inputs[0].path == str(qdir)
+    for recorded in (tmp_path / "gone", other_q):
+        copy = shutil.copytree(run, tmp_path / f"run-{recorded.name}")
+        manifest = json.loads((copy / "manifest.json").read_text())
+        for each in manifest["inputs"]:
+            if each["role"] == "model":
+                each["path"] = str(recorded)
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        _resign(copy)
+        refused = invoke("export", "--checkpoint", copy, "--workspace", elsewhere, "--out", tmp_path / "o",
+                         "--format", "delta")  # fmt: skip
+        assert refused.exit_code == 2, refused.output
+        refusal = " ".join(refused.stderr.split())
+        assert "--model: not given, and no 'quantized_model' artifact that the change" in refusal, refusal
+        assert not (tmp_path / "o").exists()
 
 def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
     source, qdir, run = trained("qwen3_moe")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 
 from usaf.artifacts import QuantizedModelManifest, RunManifest, load_verified, pick_latest, workspace_dir
+from usaf.artifacts.loader import read_manifest_json
 from usaf.artifacts.lock import holder_of
+from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.quantized import open_quantized, read_base_index
 from usaf.artifacts.run import SETTINGS_FILE, TrainedChange, checkpoint_dirs, load_trained_change
 from usaf.engine.engine import SparseEngine
@@ -51,15 +54,7 @@ def resolve_model_and_change(
     if model is not None:
         manifest = load_verified(model, QuantizedModelManifest, flag="--model", hashes=False)
     elif change is not None:
-        found = pick_latest(
-            ws,
-            QuantizedModelManifest,
-            flag="--model",
-            accept=lambda m: m.fingerprint == change.model_fingerprint,
-            wanted=f" that the change {checkpoint} was trained on",
-        )
-        model, manifest = found.path, found.manifest
-        progress.note(f"using the quantized model {model} (the one the change was trained on)")
+        model, manifest = model_of_change(ws, change, "the change", progress)
     else:
         found = pick_latest(ws, QuantizedModelManifest, flag="--model", lineage=lambda m: m.summary.source.origin)
         model, manifest = found.path, found.manifest
@@ -85,6 +80,49 @@ def resolve_model_and_change(
     if change is not None:
         check_change(change, manifest, model)
     return Path(model), manifest, change
+
+
+def model_of_change(
+    workspace: Path, change: TrainedChange, named: str, progress: Progress
+) -> tuple[Path, QuantizedModelManifest]:
+    """The quantized model ``change`` was trained on: the newest in the workspace, else the one its run (or delta)
+    recorded, where that still holds it. Run from another directory than the model's, ``--checkpoint RUN`` alone was
+    refused while the run's manifest named the model (found in review). ``named``: the change, as the notes say it."""
+    try:
+        found = pick_latest(workspace, QuantizedModelManifest, flag="--model",
+                            accept=lambda m: m.fingerprint == change.model_fingerprint,
+                            wanted=f" that {named} {change.source} was trained on")  # fmt: skip
+    except UsafError as none:
+        recorded = _recorded_model(change)
+        if recorded is None:
+            raise
+        try:
+            manifest = load_verified(recorded, QuantizedModelManifest, flag="--model", hashes=False)
+        except UsafError:  # damaged since: the workspace's answer stands
+            raise none from None
+        if manifest.fingerprint != change.model_fingerprint:  # another model there now
+            raise none from None
+        progress.note(f"using the quantized model {recorded} (the one {named} was trained on, as its run recorded it; "
+                      f"none in the workspace {workspace})")  # fmt: skip
+        return Path(recorded), manifest
+    progress.note(f"using the quantized model {found.path} (the one {named} was trained on)")
+    return found.path, found.manifest
+
+
+def _recorded_model(change: TrainedChange) -> Path | None:
+    """The model's path as recorded where the change was made: a finished run's or a delta's manifest (absolute), an
+    unfinished run's settings when absolute there (as given to train); None where nothing usable is recorded."""
+    run = change.source if (change.source / MANIFEST_NAME).is_file() else change.source.parent.parent
+    try:
+        if (run / MANIFEST_NAME).is_file():
+            inputs = read_manifest_json(run, flag="--checkpoint").get("inputs") or []
+            paths = [each.get("path") for each in inputs if isinstance(each, dict) and each.get("role") == "model"]
+        else:
+            paths = [json.loads((run / SETTINGS_FILE).read_text(encoding="utf-8")).get("model")]
+    except (OSError, ValueError, AttributeError, UsafError):  # unreadable: nothing recorded to offer
+        return None
+    usable = [Path(path) for path in paths if isinstance(path, str) and os.path.isabs(path) and os.path.isdir(path)]
+    return usable[0] if usable else None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import (
-    QuantizedModelManifest,
     RunManifest,
     TokensManifest,
     find_artifacts,
@@ -21,7 +20,7 @@ from usaf.config import flag_name, refuse_unused, source_of
 from usaf.data.corpus import JSONL_SUFFIXES
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
-from usaf.stages.change import check_change, given_change, unfinished_note, unfinished_runs
+from usaf.stages.change import check_change, given_change, model_of_change, unfinished_note, unfinished_runs
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
 from usaf.stages.eval.overlap import run_data, training_tokens
 from usaf.stages.progress import Progress
@@ -45,15 +44,7 @@ def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[
     if config.model is not None or change is None:
         model_dir, manifest = resolve_model(config, progress)
     else:
-        found = pick_latest(
-            workspace,
-            QuantizedModelManifest,
-            flag="--model",
-            accept=lambda m: m.fingerprint == change.model_fingerprint,
-            wanted=" that --checkpoint was trained on",
-        )
-        model_dir, manifest = found.path, found.manifest
-        progress.note(f"using the quantized model {model_dir} (the one --checkpoint was trained on)")
+        model_dir, manifest = model_of_change(workspace, change, "--checkpoint", progress)
     if config.model is None and config.checkpoint is None:
         runs = [
             f
