@@ -874,12 +874,12 @@ def test_the_base_cache_key_names_the_card_not_only_the_device_type():
 
 
 def test_an_input_set_in_a_config_table_is_named_there_when_refused(trained, tmp_path):
-    """[defaults] held_out (a source glob to tokenize) read by eval as a path was refused as "--held-out f4.txt",
-    a flag never given (found in review). Named where it was set. The control: from the flag, the flag."""
+    """A held_out from a --config table was refused as "--held-out f4.txt", a flag never given (found in review).
+    Named where it was set. The control: from the flag, the flag."""
     toml = tmp_path / "d.toml"
-    toml.write_text('[defaults]\nheld_out = ["f4.txt"]\n')
+    toml.write_text('[eval]\nheld_out = ["f4.txt"]\n')
     common = ["eval", "--model", trained["q"], "--checkpoint", trained["run"], "--workspace", tmp_path / "ws"]
-    cases = ((("--config", toml), f"--config {toml} [defaults] held_out"), (("--held-out", "f4.txt"), "--held-out"))
+    cases = ((("--config", toml), f"--config {toml} [eval] held_out"), (("--held-out", "f4.txt"), "--held-out"))
     for args, named in cases:
         result = invoke(*common, *args, "--out", tmp_path / "out")
         said = " ".join(result.stderr.split())

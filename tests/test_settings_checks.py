@@ -318,8 +318,9 @@ def test_held_out_and_its_fraction_are_one_choice_the_higher_source_wins(tmp_pat
     config = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["json"]},
                             env={"USAF_HELD_OUT_FRAC": "0.5"})  # fmt: skip
     assert (config.held_out, config.held_out_frac) == (["json"], 0.0)
-    config = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out_frac": 0.2},
-                            env={"USAF_HELD_OUT": "json"})  # fmt: skip
+    toml.write_text('[tokenize]\nheld_out = ["json"]\n')
+    config = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out_frac": 0.2}, config_file=toml,
+                            env={})  # fmt: skip
     assert (config.held_out, config.held_out_frac) == ([], 0.2)
     with pytest.raises(UsafError, match="pass either --held-out or --held-out-frac"):
         resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["json"], "held_out_frac": 0.5},
@@ -338,3 +339,32 @@ def test_a_table_cannot_hold_an_argument_the_command_line_requires(tmp_path):
     toml.write_text("[generate]\nmax_new_tokens = 7\n")
     config = resolve_config(GenerateConfig, section="generate", cli={"prompt": "hi"}, config_file=toml, env={})
     assert (config.prompt, config.max_new_tokens) == ("hi", 7)
+
+
+def test_held_out_is_read_from_no_shared_source_and_one_set_there_is_refused(tmp_path):
+    """held_out is a source glob to tokenize and a path to eval: [defaults] held_out and USAF_HELD_OUT were read by
+    both, as two different things (found in review). Each command reads it from its flag and its own table; one set
+    in a shared source is refused, naming where to put it. The controls: [tokenize] and [eval] held_out are read,
+    and a --held-out given makes the variable moot."""
+    from usaf.cli.doctor import _usaf_env
+    from usaf.settings.eval import EvalConfig
+
+    base = {"inputs": [tmp_path], "model": "m"}
+    toml = tmp_path / "usaf.toml"
+    toml.write_text('[defaults]\nheld_out = ["json"]\n')
+    for cls, section, cli in ((TokenizeConfig, "tokenize", base), (EvalConfig, "eval", {})):
+        with pytest.raises(UsafError, match=r"\[defaults\] has 'held_out', which eval and tokenize read only from "
+                                            r"their own table .*: put it under \[eval\] or \[tokenize\]"):  # fmt: skip
+            resolve_config(cls, section=section, cli=cli, config_file=toml, env={})
+        with pytest.raises(UsafError, match=r"USAF_HELD_OUT: read by no command .*: pass --held-out, or put held_out "
+                                            rf"under \[{section}\] of a --config file"):  # fmt: skip
+            resolve_config(cls, section=section, cli=cli, env={"USAF_HELD_OUT": "json"})
+    toml.write_text('[tokenize]\nheld_out = ["json"]\n[eval]\nheld_out = ["h.jsonl"]\n')
+    assert resolve_config(TokenizeConfig, section="tokenize", cli=base, config_file=toml, env={}).held_out == ["json"]
+    assert resolve_config(EvalConfig, section="eval", cli={}, config_file=toml, env={}).held_out == [Path("h.jsonl")]
+    given = resolve_config(TokenizeConfig, section="tokenize", cli={**base, "held_out": ["x"]},
+                           env={"USAF_HELD_OUT": "json"})  # fmt: skip
+    assert given.held_out == ["x"]
+    meaning = dict((name, said) for name, _, said in _usaf_env({"USAF_HELD_OUT": "x", "USAF_DTYPE": "float32"}))
+    assert meaning["USAF_HELD_OUT"].startswith("read by no command: --held-out of tokenize, eval is read from the flag")
+    assert meaning["USAF_DTYPE"].startswith("--dtype of ")  # export's own dtype aside, train and others read it

@@ -257,6 +257,12 @@ def resolve_config(
         offer(field, value, flag_name(field))
 
     shared = [field for field, info in fields.items() if not cli_meta(info).get("own_only")]  # see settings.fields
+    read_from_env = (_tables() if _tables is not None else {}).get(DEFAULTS_TABLE)  # by some command
+    for field in sorted(set(fields) - set(shared) - set(values)):  # not given here: the variable may be meant for it
+        if env.get(env_name(field)) and read_from_env is not None and field not in read_from_env:  # read by none
+            problems.append(f"{env_name(field)}: read by no command ({flag_name(field)} means something else to each "
+                            f"that has it): pass {flag_name(field)}, or put {field} under [{section}] of a --config "
+                            "file")  # fmt: skip
     for field, info in fields.items():
         raw = env.get(env_name(field)) if field in shared else None
         if raw is not None and raw != "":
@@ -266,7 +272,7 @@ def resolve_config(
         document = load_toml(config_file)
         own = document.get(section, {})
         defaults = document.get(DEFAULTS_TABLE, {})
-        problems += document_problems(document, config_file, section, table_fields(cls))
+        problems += document_problems(document, config_file, section, table_fields(cls), shared)
         if isinstance(own, dict):
             for field in fields:
                 offer(field, own.get(field), f"--config {config_file} [{section}] {field}")
@@ -339,16 +345,21 @@ def _closest(name: str, known: Collection[str], spell: str = "'{}'") -> str:
     return f" (known: {', '.join(spell.format(k) for k in sorted(known))})" if len(known) <= 60 else ""
 
 
-def document_problems(document: Mapping[str, Any], path: Path, section: str, fields: Collection[str]) -> list[str]:
-    """Every unknown table and key of a ``--config`` document, each with the closest valid name.
+def document_problems(
+    document: Mapping[str, Any], path: Path, section: str, fields: Collection[str], shared_fields: Collection[str]
+) -> list[str]:
+    """Every unknown table and key of a ``--config`` document, each with the closest valid name, and every
+    ``[defaults]`` key no command reads from there.
 
-    ``section``/``fields``: the running command's table and settings (they win over the catalogue, so a
-    settings model that is not a registered command, as in tests, checks its own table all the same).
-    Without a registered catalogue only that table is checked.
+    ``section``/``fields``: the running command's table and settings, ``shared_fields`` those of them it reads from
+    ``[defaults]`` (they win over the catalogue, so a settings model that is not a registered command, as in tests,
+    checks its own table all the same). Without a registered catalogue only that table is checked.
     """
     tables = {name: set(keys) for name, keys in (_tables() if _tables is not None else {}).items()}
+    defaults_keys = tables.pop(DEFAULTS_TABLE, set())  # the names some command reads from [defaults]
     tables[section] = set(fields)
-    shared = set().union(*tables.values())
+    anywhere = set().union(*tables.values())
+    shared = defaults_keys | (set(shared_fields) & set(fields)) if _tables is not None else anywhere
     where = f"--config {path}"
     problems = []
     for name, table in document.items():
@@ -368,6 +379,12 @@ def document_problems(document: Mapping[str, Any], path: Path, section: str, fie
             continue  # which commands exist is unknown: a key of another command's may be right
         known = shared if name == DEFAULTS_TABLE else tables[name]
         for key in sorted(set(table) - known):
+            if name == DEFAULTS_TABLE and key in anywhere:  # read by nobody from [defaults]: it was accepted, unused
+                owners = sorted(command for command, keys in tables.items() if key in keys)
+                problems.append(f"{where}: [{name}] has '{key}', which {' and '.join(owners)} read only from their "
+                                f"own table (it means something else to each): put it under "
+                                f"{' or '.join(f'[{o}]' for o in owners)}")  # fmt: skip
+                continue
             what = f"'{key}', a setting no command has" if name == DEFAULTS_TABLE else f"no setting '{key}'"
             problems.append(f"{where}: [{name}] has {what}{_closest(key, known)}")
     return problems

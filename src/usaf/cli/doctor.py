@@ -93,6 +93,7 @@ def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
     plain = {"USAF_VERBOSE": "--verbose of every command (the flag itself wins)",
              TIMEOUT_ENV: "minutes torchrun's processes wait for one another"}  # fmt: skip
     readers = {env_name(field): (field, commands) for field, commands in _env_readers().items()}
+    own_only = {env_name(field): (field, commands) for field, commands in _env_readers(own_only=True).items()}
     rows = []
     for name in sorted(n for n in env if n.startswith(_ENV_PREFIX)):
         if name in plain:
@@ -100,14 +101,19 @@ def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
         elif name in readers:
             field, commands = readers[name]
             meaning = f"{flag_name(field)} of {', '.join(commands)} (the flag itself wins)"
+        elif name in own_only:  # "misspelt?" was false of these: the setting exists, not in USAF_*
+            field, commands = own_only[name]
+            meaning = (f"read by no command: {flag_name(field)} of {', '.join(commands)} is read from the flag or the "
+                       "command's own --config table only (it means something else to each)")  # fmt: skip
         else:
             meaning = "read by no command: misspelt? (each command's --help names its flags)"
         rows.append((name, env[name], meaning))
     return rows
 
 
-def _env_readers() -> dict[str, list[str]]:
-    """Setting name -> the commands that read it from ``USAF_*`` (every field but those marked ``own_only``)."""
+def _env_readers(*, own_only: bool = False) -> dict[str, list[str]]:
+    """Setting name -> the commands that read it from ``USAF_*`` (every field but those marked ``own_only``); with
+    ``own_only``, those that have it and do not (no command reads it from a shared source) instead."""
     import importlib
 
     from usaf.config import cli_meta
@@ -118,8 +124,11 @@ def _env_readers() -> dict[str, list[str]]:
         module, _, name = spec.partition(":")
         model = getattr(importlib.import_module(f"usaf.settings.{module}"), name)
         for field, info in model.model_fields.items():
-            if not cli_meta(info).get("own_only"):
+            if bool(cli_meta(info).get("own_only")) == own_only:
                 readers.setdefault(field, []).append(command)
+    if own_only:  # a name some other command reads from USAF_* (export's dtype is train's): it is read
+        shared = _env_readers()
+        readers = {field: commands for field, commands in readers.items() if field not in shared}
     return readers
 
 

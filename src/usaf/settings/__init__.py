@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from usaf.config import register_tables, table_fields
+from usaf.config import DEFAULTS_TABLE, cli_meta, register_tables, table_fields
 from usaf.settings.fields import FRAC, SELECTION_FIELDS
 
 __all__ = ["FRAC", "SELECTION_FIELDS", "TABLES", "table_keys"]
@@ -38,14 +38,16 @@ TABLES = {
 
 @functools.cache
 def table_keys() -> dict[str, frozenset[str]]:
-    """Each ``--config`` table's valid keys: its command's setting names."""
-    keys = {}
+    """Each ``--config`` table's valid keys: its command's setting names; and ``[defaults]``'s, the names some command
+    reads from a shared source (every setting but those marked ``own_only``)."""
+    keys, shared = {}, set()
     for table, spec in TABLES.items():
         module, _, name = spec.partition(":")
         # lazy: only a --config file needs every command's model; importing one command's stays cheap
         model = getattr(importlib.import_module(f"usaf.settings.{module}"), name)
         keys[table] = table_fields(model)
-    return keys
+        shared |= {field for field in keys[table] if not cli_meta(model.model_fields[field]).get("own_only")}
+    return {**keys, DEFAULTS_TABLE: frozenset(shared)}
 
 
 register_tables(table_keys)

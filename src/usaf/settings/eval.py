@@ -28,6 +28,7 @@ class EvalConfig(StageConfig):
         default_factory=list,
         description="Held-out sequences: a tokens dir (its heldout.jsonl), tokens JSONL, JSONL of text, or text "
         "files/directories tokenized with the model's tokenizer (repeatable).",
+        json_schema_extra=cli(own_only=True),  # paths here, source globs to tokenize: not from a shared source
     )
     out: Path | None = f.out_dir("eval_report", "Report directory.")
     workspace: Path | None = f.workspace()

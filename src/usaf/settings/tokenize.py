@@ -55,6 +55,7 @@ class TokenizeConfig(StageConfig):
         default_factory=list,
         description="Hold out this source (glob on source names: an input's name, and under a directory input the "
         "first --source-depth parts of a file's path, as src/util.py; repeatable): its sequences go to heldout.jsonl.",
+        json_schema_extra=cli(own_only=True),  # source globs here, paths to eval: not from a shared source
     )
     held_out_frac: float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of sources, chosen by --seed.",
