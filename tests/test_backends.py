@@ -362,6 +362,11 @@ def test_use_amp(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("USE_AMP='0'" in n.message for n in off.notes)
     on_cpu = resolve_backend("cpu", env={"USE_AMP": "1"})
     assert on_cpu.policy.compute == torch.bfloat16
+    # said: a CPU run in bf16 from a USE_AMP=1 left set was silent (found verifying USE_AMP on the CPU)
+    assert [n.message for n in on_cpu.notes if "USE_AMP" in n.message] == [
+        "USE_AMP='1': mixed precision on, so --dtype auto computes in bfloat16 on CPU (fp32 without it)"]
+    default = resolve_backend("cpu", env={})  # the control: fp32, nothing said about precision
+    assert default.policy.compute == torch.float32 and not [n for n in default.notes if "precision" in n.message]
     assert resolve_backend("cpu", env={"USE_AMP": "1"}, amp=False).policy.compute == torch.float32
 
 

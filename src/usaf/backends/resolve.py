@@ -59,6 +59,10 @@ def _precision_notes(backend: Backend, amp: bool | None, source: str) -> list[No
         return [Note("warning", message)]
     if amp is False and backend.capabilities.prefers_half:
         return [Note("info", f"{source}: mixed precision off, computing in fp32 on {backend.label}")]
+    if amp is True and not backend.capabilities.prefers_half:  # a CPU run in bf16 was not said (USE_AMP=1 left set)
+        half = str(backend.policy.compute).removeprefix("torch.")
+        return [Note("info", f"{source}: mixed precision on, so --dtype auto computes in {half} on {backend.label} "
+                             "(fp32 without it)")]  # fmt: skip
     return []
 
 
