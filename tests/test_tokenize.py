@@ -1084,3 +1084,38 @@ def test_loss_tokens_count_the_positions_the_loss_is_taken_at(tmp_path, tok_dir,
     assert sum(c.loss_tokens for c in summary.sources if c.split == "train") == scored
     assert summary.train_loss_tokens < summary.train_tokens  # control: not every token, as it was counted
     assert f"{scored:,}" in result.stdout
+
+
+def test_an_input_named_and_left_out_by_include_or_exclude_is_said(tmp_path, tok_dir):
+    """A JSONL named beside a .py under --include '*.py' was left out in silence, the output named after it; alone it
+    was "no text or JSONL files in a.jsonl" (found in review). The control: without the filter, nothing is said."""
+    (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n')
+    (tmp_path / "b.py").write_text("x = 1\n" * 20)
+    both = tokenize(tmp_path / "a.jsonl", tmp_path / "b.py", "--model", tok_dir, "--include", "*.py",
+                    "--out", tmp_path / "t1")  # fmt: skip
+    said = " ".join(both.stderr.split())
+    named = f"1 input given by name left out by --include *.py ({tmp_path / 'a.jsonl'})"
+    assert both.exit_code == 0 and named in said, both.output
+    alone = tokenize(tmp_path / "a.jsonl", "--model", tok_dir, "--exclude", "*.jsonl", "--out", tmp_path / "t2")
+    assert alone.exit_code == 2
+    assert "(1 file left out by --include/--exclude)" in " ".join(alone.stderr.split()), alone.output
+    plain = tokenize(tmp_path / "a.jsonl", tmp_path / "b.py", "--model", tok_dir, "--out", tmp_path / "t3")
+    assert plain.exit_code == 0 and "left out by" not in plain.stderr
+
+
+def test_a_json_file_named_is_said_to_be_read_as_text(tmp_path, tok_dir):
+    """lines.json holding JSON Lines was trained on as text, JSON syntax and all, in silence (found in review). The
+    controls: the same lines as .jsonl are records, and a .json under a directory input (a project's package.json)
+    is its text without a word."""
+    line = '{"text": "hello world, a record"}\n'
+    (tmp_path / "lines.json").write_text(line * 3)
+    (tmp_path / "lines.jsonl").write_text(line * 3)
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "package.json").write_text('{"name": "app"}\n')
+    (tmp_path / "project" / "main.py").write_text("x = 1\n" * 20)
+    named = tokenize(tmp_path / "lines.json", "--model", tok_dir, "--out", tmp_path / "t1")
+    assert named.exit_code == 0
+    assert "lines.json: a .json file is read as plain text, JSON syntax and all" in " ".join(named.stderr.split())
+    for control in (tmp_path / "lines.jsonl", tmp_path / "project"):
+        result = tokenize(control, "--model", tok_dir, "--out", tmp_path / f"t-{control.name}")
+        assert result.exit_code == 0 and ".json file is read as plain text" not in result.stderr, result.output

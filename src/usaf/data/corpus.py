@@ -49,6 +49,10 @@ class Corpus:
     skipped_special: list[Path] = field(default_factory=list)  # pipes, sockets, devices under a directory input
     # inputs given whose file or directory an earlier input already gave (named twice, or under another): read once
     repeated_inputs: list[Path] = field(default_factory=list)
+    # files --include/--exclude left out, and which of them were inputs given by name (said: left out in silence, a
+    # JSONL named beside a .py under --include '*.py' looked read, and alone it was "no text or JSONL files"; review)
+    filtered_out: list[Path] = field(default_factory=list)
+    named_filtered_out: list[Path] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -249,6 +253,8 @@ def discover(
     skipped: list[Path] = []
     wide: list[Path] = []  # UTF-16 or UTF-32 text under a directory input
     special: list[Path] = []  # pipes, sockets, devices under a directory input (skipped in silence; review)
+    filtered: list[Path] = []  # left out by --include/--exclude
+    named_filtered: list[Path] = []  # of those, inputs given by name
     walk = _Walk(follow_symlinks=follow_symlinks, all_files=all_files)
     for given in inputs:
         if not given.is_file() and not given.is_dir():  # a pipe was walked as a directory: "not a directory" (review)
@@ -276,9 +282,10 @@ def discover(
                 source = "/".join([root_name, *parts[: max(source_depth, 0)]]) if source_depth else root_name
                 candidates.append((path, rel, source))
         for path, rel, source in candidates:
-            if include and not _matches(rel, include):
-                continue
-            if exclude and _matches(rel, exclude):
+            if (include and not _matches(rel, include)) or (exclude and _matches(rel, exclude)):
+                filtered.append(path)
+                if given.is_file():
+                    named_filtered.append(path)
                 continue
             if not path.is_file():  # a pipe, socket or device under a directory input: counted, not read
                 if path.exists():
@@ -297,7 +304,7 @@ def discover(
             files.append(CorpusFile(path, kind, source, path.stat().st_size, walked=not given.is_file()))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
     return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf, wide,
-                  special, repeated)  # fmt: skip
+                  special, repeated, filtered, named_filtered)  # fmt: skip
 
 
 def name_text(name: str) -> str:

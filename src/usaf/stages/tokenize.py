@@ -246,7 +246,10 @@ def skipped_note(corpus: Corpus) -> str:
     if corpus.skipped_default:
         skipped = sum(len(paths) for paths in corpus.skipped_default.values())
         parts.append(counted(skipped, "hidden, environment or git-ignored path") + " (--all-files reads them)")
-    return f" ({', '.join(parts)} skipped)" if parts else ""
+    said = [f"{', '.join(parts)} skipped"] if parts else []
+    if corpus.filtered_out:
+        said.append(f"{counted(len(corpus.filtered_out), 'file')} left out by --include/--exclude")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def report_skipped_files(corpus: Corpus, progress: Progress) -> None:
@@ -272,6 +275,17 @@ def report_skipped_files(corpus: Corpus, progress: Progress) -> None:
 
 
 _REASONS = {HIDDEN: "hidden", ENVIRONMENT: "environment", GITIGNORE: "ignored by git"}
+
+
+def report_json_read_as_text(corpus: Corpus, progress: Progress) -> None:
+    """A ``.json`` file given by name is plain text to usaf: a ``data.json`` of JSON Lines trained on its JSON syntax
+    in silence (found in review). Said, with the rename that reads its records. Under a directory a ``.json`` is a
+    project's file (package.json), read as its text without a word."""
+    named = [file.path for file in corpus.files if not file.walked and file.path.suffix.lower() == ".json"]
+    if named:
+        progress.note(f"{first_few(named)}: a .json file is read as plain text, JSON syntax and all; records (text, "
+                      "messages, input_ids) are read from JSON Lines files: name it .jsonl if it holds one object a "
+                      "line")  # fmt: skip
 
 
 def report_skipped_by_default(corpus: Corpus, progress: Progress) -> None:
@@ -370,6 +384,13 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     )
     report_skipped_files(corpus, progress)
     report_skipped_by_default(corpus, progress)
+    report_json_read_as_text(corpus, progress)
+    if corpus.named_filtered_out:
+        filters = " and ".join(f"{source_of(config, name)} {' '.join(getattr(config, name))}"
+                               for name in ("include", "exclude") if getattr(config, name))  # fmt: skip
+        progress.note(f"{counted(len(corpus.named_filtered_out), 'input')} given by name left out by {filters} "
+                      f"({first_few(corpus.named_filtered_out)}): a file named is filtered as the files under a "
+                      "directory are")  # fmt: skip
     if not corpus.files:
         raise UsafError(
             f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{skipped_note(corpus)}",

@@ -30,6 +30,7 @@ from usaf.stages.progress import Progress
 from usaf.stages.tokenize import (
     TokenizeConfig,
     pack_corpus,
+    report_json_read_as_text,
     report_skipped_by_default,
     report_skipped_files,
     skipped_note,
@@ -170,6 +171,7 @@ def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, pr
     corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth, all_files=text.all_files)
     report_skipped_files(corpus, progress)  # UTF-16 text, pipes, links: said as tokenize says them (review)
     report_skipped_by_default(corpus, progress)
+    report_json_read_as_text(corpus, progress)
     if not corpus.files:
         raise UsafError(f"{flag} {path}: no text or JSONL files{skipped_note(corpus)}", "check the path")
     config = TokenizeConfig(
