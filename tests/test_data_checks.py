@@ -64,9 +64,22 @@ def test_negative_control_labels_at_the_edges_of_the_range_are_read(tmp_path):
 
 def test_a_line_beyond_the_context_is_named(tmp_path):
     path = write(tmp_path / "t.jsonl", GOOD + line(ids(40)))
-    with pytest.raises(UsafError, match=rf"{path}:2: 40 tokens, longer than the model's context of 32"):
+    with pytest.raises(UsafError, match=rf"{path}:2: 40 tokens, longer than the model's context of 32") as caught:
         list(iter_token_file(path, vocab_size=VOCAB, context=32))
+    # a pre-tokenized line cannot be re-tokenized shorter: the hint said only that, which refused it again (review)
+    assert "a pre-tokenized line goes in pieces of 32 tokens or fewer" in caught.value.hint
     assert len(list(iter_token_file(path, vocab_size=VOCAB, context=40))) == 2  # negative control: it fits 40
+
+
+def test_a_negative_token_id_is_not_blamed_on_another_tokenizer(tmp_path):
+    """-5 in input_ids got "the file was tokenized for another model" (found in review). The control: an id past
+    the vocabulary still gets it."""
+    for bad, hint in ((-5, "-100 marks a label not scored, in labels, not input_ids"),
+                      (VOCAB, "the file was tokenized for another model")):  # fmt: skip
+        path = write(tmp_path / "t.jsonl", GOOD + line([1, bad, 3]))
+        with pytest.raises(UsafError, match=rf"{path}:2: token id {bad} is outside the model's vocabulary") as caught:
+            list(iter_token_file(path, vocab_size=VOCAB))
+        assert hint in caught.value.hint
 
 
 def test_a_file_with_nothing_to_score_is_refused_naming_the_file(tmp_path):

@@ -1119,3 +1119,15 @@ def test_a_json_file_named_is_said_to_be_read_as_text(tmp_path, tok_dir):
     for control in (tmp_path / "lines.jsonl", tmp_path / "project"):
         result = tokenize(control, "--model", tok_dir, "--out", tmp_path / f"t-{control.name}")
         assert result.exit_code == 0 and ".json file is read as plain text" not in result.stderr, result.output
+
+
+def test_a_pretokenized_line_past_seq_len_gets_a_hint_that_does_not_go_in_a_circle(tmp_path, tok_dir):
+    """"raise --seq-len", then past the model's maximum "lower it": no way on for a line longer than the model takes
+    (found in review). The hint names splitting the line and the text; the control: a line that fits is read."""
+    (tmp_path / "l.jsonl").write_text(json.dumps({"input_ids": [7] * 600}) + "\n")
+    result = tokenize(tmp_path / "l.jsonl", "--model", tok_dir, "--seq-len", 512, "--out", tmp_path / "t")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "pre-tokenized line of 600 tokens exceeds --seq-len 512" in said, result.output
+    assert "split the line into pieces that fit, or give the text instead" in said
+    fits = tokenize(tmp_path / "l.jsonl", "--model", tok_dir, "--seq-len", 600, "--out", tmp_path / "t2")
+    assert fits.exit_code == 0, fits.output

@@ -95,7 +95,9 @@ def check_token_values(where: str, ids: list[int], labels: list[int], *, vocab_s
     if bad is not None:
         raise UsafError(
             f"{where}: token id {bad} is outside the model's vocabulary (size {vocab_size})",
-            "the file was tokenized for another model; re-run `usaf tokenize --model` with this model",
+            f"token ids are 0 to {vocab_size - 1}: {IGNORE_INDEX} marks a label not scored, in labels, not input_ids"
+            if bad < 0  # "tokenized for another model" was no cause of a negative id (found in review)
+            else "the file was tokenized for another model; re-run `usaf tokenize --model` with this model",
         )
     if labels is ids or labels == ids:  # the common case (plain text): checked above, at C speed here
         return
@@ -113,7 +115,8 @@ def check_length(where: str, length: int, context: int | None) -> None:
     if context is not None and length > context:
         raise UsafError(
             f"{where}: {length} tokens, longer than the model's context of {context} (max_position_embeddings)",
-            f"re-tokenize with `usaf tokenize --seq-len {context}` or less",
+            f"tokenize the text with `usaf tokenize --seq-len {context}` or less; a pre-tokenized line goes in pieces "
+            f"of {context} tokens or fewer",  # re-tokenizing such a line refused it again (found in review)
         )
 
 

@@ -204,9 +204,11 @@ class _Tokenizer:
         ids, labels = doc.input_ids, doc.labels
         check_token_values(doc.origin, ids, labels, vocab_size=self.vocab_size)  # what train/score/eval will check
         if len(ids) > self.config.seq_len:
+            seq_len = source_of(self.config, "seq_len")
             raise UsafError(
-                f"{doc.origin}: pre-tokenized line of {len(ids)} tokens exceeds --seq-len {self.config.seq_len}",
-                "raise --seq-len, or give the text instead so usaf packs it",
+                f"{doc.origin}: pre-tokenized line of {len(ids)} tokens exceeds {seq_len} {self.config.seq_len}",
+                f"raise {seq_len} (up to the model's maximum), split the line into pieces that fit, or give the "
+                "text instead so usaf packs it",  # "raise --seq-len" past the model's maximum was refused (review)
             )
         verdict = shift_evidence(ids, labels)
         if verdict is None:  # too short to tell: as its file's other lines are (left shifted in silence; review)
