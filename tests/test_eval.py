@@ -1139,3 +1139,32 @@ def test_the_report_names_inputs_given_relative_by_their_absolute_paths(trained,
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert {i["path"] for i in report["inputs"]} == {str(trained["tokens"])}
     assert all(os.path.isabs(r["input"]) for r in report["rows"] if r["input"] is not None)
+
+
+def test_sequences_with_nothing_to_score_are_counted_and_said(trained, tmp_path):
+    """A JSONL of 6 sequences, 2 of them all -100: the report said "6 sequences" over rows of 4, without a word (found
+    in review). Said on the console and beside the input in report.md. A base-only report no longer defines a Δ it
+    does not show. The control: all 6 scored, nothing said."""
+    lines = (trained["tokens"] / "train.jsonl").read_text().splitlines()[:6]
+    records = [json.loads(text) for text in lines]
+    for record in records[:2]:
+        record["labels"] = [-100] * len(record["input_ids"])
+    data = tmp_path / "some-unscored.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = ["eval", "--model", trained["q"], "--data", data, "--no-plots", "--workspace", tmp_path / "ws"]
+    result = invoke(*common, "--checkpoint", trained["run"], "--out", tmp_path / "r1")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--data {data}: 2 of its 6 sequences have no token to score" in said, said
+    assert "6 sequences (2 with no scored token, so in no row)" in (tmp_path / "r1" / "report.md").read_text()
+    report = json.loads((tmp_path / "r1" / "report.json").read_text())
+    assert report["inputs"][0]["unscored"] == 2 and {r["sequences"] for r in report["rows"]} == {4}
+    base_only = invoke(*common, "--out", tmp_path / "r2")
+    assert base_only.exit_code == 0 and "Δ = fine-tuned" not in (tmp_path / "r2" / "report.md").read_text()
+    assert "Δ = fine-tuned − base, paired" in (tmp_path / "r1" / "report.md").read_text()
+    whole = tmp_path / "all-scored.jsonl"
+    whole.write_text("".join(line + "\n" for line in lines))
+    control = invoke("eval", "--model", trained["q"], "--data", whole, "--no-plots", "--workspace", tmp_path / "ws",
+                     "--out", tmp_path / "r3")  # fmt: skip
+    assert control.exit_code == 0 and "no token to score" not in control.stderr
+    assert "no scored token" not in (tmp_path / "r3" / "report.md").read_text()

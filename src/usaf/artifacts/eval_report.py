@@ -68,6 +68,11 @@ class InputSummary(Record):
     fingerprint: str
     sequences: int
     tokens: int = Field(description="scored tokens")
+    unscored: int = Field(
+        0,
+        description="of the sequences, those with no scored token (every label -100, or 1 token long): in no row, "
+        "whose counts were then short of this input's without a word (found in review)",
+    )
     sampled_from: int | None = Field(
         None,
         description="the sequences the input holds, where a seeded sample of them was evaluated (--max-sequences, or "

@@ -542,6 +542,7 @@ def _input_summary(item) -> InputSummary:
         fingerprint=item.fingerprint,
         sequences=len(item.sequences),
         tokens=sum(s.scored for s in item.sequences),
+        unscored=sum(1 for s in item.sequences if not s.scored),
         sampled_from=item.sampled_from,
     )
 

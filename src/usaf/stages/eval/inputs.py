@@ -145,6 +145,9 @@ def read_input(
             "would be empty",
             "raise --max-sequences or drop it" if max_sequences else "pass text or tokens with scored labels",
         )
+    if unscored := sum(1 for s in sequences if not s.scored):  # left out of every row: said (found in review)
+        progress.note(f"{flag} {path}: {unscored:,} of its {len(sequences):,} sequences have no token to score "
+                      "(labels all -100, or 1 token long): they are in no row of the report")  # fmt: skip
     if kind == "text":  # what was evaluated is the packed text: fingerprint that
         fingerprint = sequences_fingerprint(sequences)
     # absolute: the report names it wherever it is read from (a relative path named nothing there; found in review)

@@ -174,13 +174,14 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
                  + (f"; computed in {s.compute_dtype}" if s.compute_dtype else ""))  # fmt: skip
     for item in s.inputs:
         sample = f" (a seeded sample of its {item.sampled_from:,})" if item.sampled_from else ""
-        lines.append(f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences{sample}, "
+        unscored = f" ({item.unscored:,} with no scored token, so in no row)" if item.unscored else ""
+        lines.append(f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences{sample}{unscored}, "
                      f"{item.tokens:,} scored tokens")  # fmt: skip
     if s.overlap_note is not None:
         lines.append(("- **warning**: " if s.heldout_in_training else "- ") + s.overlap_note)
     lines.append(
-        f"- intervals: {pct} % percentile bootstrap over sequences, {s.bootstrap_samples} resamples, seed {s.seed}; "
-        "Δ = fine-tuned − base, paired"
+        f"- intervals: {pct} % percentile bootstrap over sequences, {s.bootstrap_samples} resamples, seed {s.seed}"
+        + ("; Δ = fine-tuned − base, paired" if s.checkpoint is not None else "")  # no Δ in a base-only report
     )
     lines += ["", "## Perplexity", ""]
     if s.checkpoint is None:
