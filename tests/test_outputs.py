@@ -63,7 +63,7 @@ def test_quantize_out_is_its_model_is_refused_even_with_force(tiny_model, tmp_pa
     before = snapshot(model)
     result = invoke("quantize", model, "--method", "rtn", "--group-size", 8, "--out", model, *flag)
     assert result.exit_code == 2
-    assert f"--out {model} is the input MODEL {model}" in result.stderr, result.stderr
+    assert f"--out {model} is the input {model}:" in result.stderr, result.stderr
     assert "--force" not in result.stderr.split("(")[-1]  # the fix is another --out, never the flag
     assert snapshot(model) == before
 
@@ -76,8 +76,27 @@ def test_tokenize_out_containing_its_inputs_is_refused(ws, tmp_path):
     before = snapshot(top)
     result = invoke("tokenize", corpus, "--model", ws["model"], "--out", top, "--overwrite")
     assert result.exit_code == 2
-    assert f"--out {top} contains the input INPUTS {corpus}" in result.stderr, result.stderr
+    assert f"--out {top} contains the input {corpus}:" in result.stderr, result.stderr
     assert snapshot(top) == before and leftovers(tmp_path) == []
+
+
+def test_a_default_output_inside_an_input_is_refused_as_the_workspaces(ws, tmp_path, monkeypatch):
+    """``usaf tokenize .`` from inside the corpus: refused as "--out ... lies inside the input INPUTS .", a flag never
+    given and a metavar for a name (found in review). The default output and the workspace are named. The control:
+    with --workspace elsewhere, it is written there."""
+    top = tmp_path / "project"
+    top.mkdir()
+    (top / "x.py").write_text("x = 1\n" * 20)
+    monkeypatch.chdir(top)
+    before = snapshot(top)
+    result = invoke("tokenize", ".", "--model", ws["model"])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and f"error: the default output {top / 'tokens'}/" in said, said
+    assert "lies inside the input .: writing there would replace or mix with that input" in said
+    assert "pass --out DIR outside every input, or --workspace DIR outside every input" in said
+    assert "INPUTS" not in said and snapshot(top) == before
+    elsewhere = invoke("tokenize", ".", "--model", ws["model"], "--workspace", tmp_path / "ws")
+    assert elsewhere.exit_code == 0 and snapshot(top) == before, elsewhere.output
 
 
 def test_train_out_inside_its_data_is_refused(ws, tmp_path):

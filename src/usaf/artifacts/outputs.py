@@ -40,12 +40,18 @@ MADE_MARKER = ".usaf-made"  # in a directory usaf wrote in another tool's format
 InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag -> the path(s) it named
 
 
-def check_not_an_input(target: Path, flag: str, inputs: InputPaths) -> None:
+def check_not_an_input(target: Path, flag: str, inputs: InputPaths, *, defaulted: bool = False) -> None:
     """Refuse an output that is, contains or lies inside one of ``inputs`` (compared after resolving links), or lies
-    inside any usaf artifact (:func:`check_not_inside_an_artifact`), the input named first where both hold."""
+    inside any usaf artifact (:func:`check_not_inside_an_artifact`), the input named first where both hold.
+    ``defaulted``: ``target`` is the workspace's default output, not a ``flag`` given (``usaf tokenize .`` was
+    refused as an ``--out`` nobody passed, with no word of the workspace that placed it; found in review)."""
     found = output_overlap(target, inputs)
     if found is not None:
         where, harm, remedy = found
+        if defaulted:
+            raise UsafError(f"the default output {target} {where}: writing there would {harm}",
+                            f"pass --out DIR {remedy}, or --workspace DIR {remedy} (the workspace is the current "
+                            "directory unless --workspace or USAF_WORKSPACE names one)")  # fmt: skip
         raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass a {flag} {remedy}")
 
 
@@ -65,7 +71,8 @@ def output_overlap(target: Path, inputs: InputPaths) -> tuple[str, str, str] | N
             shape = "lies inside"
         else:
             continue
-        return f"{shape} the input {name} {path}", "replace or mix with that input", "outside every input"
+        named = f"{name} {path}" if name.startswith("-") else str(path)  # not a metavar: "the input INPUTS ." (review)
+        return f"{shape} the input {named}", "replace or mix with that input", "outside every input"
     return _inside_an_artifact(target)
 
 

@@ -146,6 +146,7 @@ class ArtifactWriter:
         inputs: InputPaths | None = None,
         resumable: bool = False,
         markers: tuple[str, ...] = (),
+        defaulted: bool = False,
     ) -> None:
         """Args:
         target: the artifact directory to create.
@@ -159,6 +160,7 @@ class ArtifactWriter:
             Ctrl-C, so a rerun continues from what it holds (``resumed`` says whether it existed).
         markers: with ``resumable``, the file the stage writes first in that directory: one there (or a manifest,
             written after the bookkeeping is gone) makes it usaf's; anything else of that name is refused.
+        defaulted: ``target`` is the workspace's default output, not a ``flag`` given (said so where refused).
         """
         self.target = Path(target).absolute()
         self.flag = flag
@@ -166,6 +168,7 @@ class ArtifactWriter:
         self.overwrite_flag = overwrite_flag
         self.kinds = kinds
         self.inputs = inputs or {}
+        self.defaulted = defaulted
         self.lock = OutputLock(self.target, flag=flag)
         self.resumable = resumable
         self.markers = markers
@@ -186,7 +189,7 @@ class ArtifactWriter:
     def check_target(self) -> None:
         """Refuse early (before any work): an output that is or holds an input, that exists and may not be
         replaced, or that another process is writing."""
-        check_not_an_input(self.target, self.flag, self.inputs)
+        check_not_an_input(self.target, self.flag, self.inputs, defaulted=self.defaulted)
         self._check_replaceable()
         self._check_partial()
         self.lock.check_free()
@@ -220,7 +223,7 @@ class ArtifactWriter:
                                   overwrite_flag=self.overwrite_flag, kinds=self.kinds)  # fmt: skip
 
     def __enter__(self) -> ArtifactWriter:
-        check_not_an_input(self.target, self.flag, self.inputs)
+        check_not_an_input(self.target, self.flag, self.inputs, defaulted=self.defaulted)
         self._check_replaceable()
         self.lock.acquire()  # held until __exit__: one writer per output
         try:

@@ -71,7 +71,8 @@ def run(config: ExportConfig, *, progress: Progress | None = None) -> tuple[Any,
         "--checkpoint": None if config.no_checkpoint else change.source,
         "--base": config.base,
     }
-    writer = ArtifactWriter(out, kinds=EXPORT_KINDS, flag="--out", overwrite=config.overwrite, inputs=given)
+    writer = ArtifactWriter(out, kinds=EXPORT_KINDS, flag="--out", overwrite=config.overwrite, inputs=given,
+                            defaulted=config.out is None)
     writer.check_target()  # before any work: an existing --out is refused at once
     inputs = [InputRecord(role="model", kind="quantized_model", path=str(model_dir), fingerprint=qmanifest.fingerprint)]
     if not config.no_checkpoint:

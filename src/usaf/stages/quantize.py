@@ -303,10 +303,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
     flag = "--out" if config.out is not None else "--workspace"  # the default output is the workspace's: name that
     writer = ArtifactWriter(out, kinds=(QuantizedModelManifest.KIND,), overwrite=config.force, overwrite_flag="--force",
                             inputs={"MODEL": model_dir}, resumable=True, markers=(PARTIAL_SETTINGS,),
-                            flag=flag)  # fmt: skip
+                            flag=flag, defaulted=config.out is None)  # fmt: skip
     # first: --out MODEL of a usaf-made model was told to pass --resume or --force, both refused; and before the lock,
     # whose directory was made inside the input before the refusal (both found in review)
-    check_not_an_input(out, flag, {"MODEL": model_dir})
+    check_not_an_input(out, flag, {"MODEL": model_dir}, defaulted=config.out is None)
     with writer.lock:  # taken before the partial directory is looked at: another quantize may be writing it
         found = found_at(out)
         if found.state == "usaf":  # another command's output: refused before --resume or --force is offered for it

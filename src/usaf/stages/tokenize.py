@@ -421,7 +421,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     out = config.out or default_output(settings_workspace(config), "tokens", config.inputs[0].resolve().name)
     totals = _Totals()
     inputs = {"INPUTS": config.inputs, "--model": config.model}  # --out may not replace or mix with them
-    with ArtifactWriter(out, kinds=(TokensManifest.KIND,), overwrite=config.overwrite, inputs=inputs) as art:
+    with ArtifactWriter(out, kinds=(TokensManifest.KIND,), overwrite=config.overwrite, inputs=inputs,
+                        defaulted=config.out is None) as art:
         with (
             (art.dir / TRAIN_FILE).open("w", encoding="utf-8") as train,
             (art.dir / HELDOUT_FILE).open("w", encoding="utf-8") as held,

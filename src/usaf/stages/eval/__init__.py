@@ -98,7 +98,8 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     out = config.out or default_output(workspace, EvalReportManifest.KIND, _label(model_dir, change))
     given = {"--model": model_dir, "--checkpoint": change.source if change else None, "--data": config.data,
              "--held-out": config.held_out}  # fmt: skip
-    writer = ArtifactWriter(out, kinds=(EvalReportManifest.KIND,), overwrite=config.overwrite, inputs=given)
+    writer = ArtifactWriter(out, kinds=(EvalReportManifest.KIND,), overwrite=config.overwrite, inputs=given,
+                            defaulted=config.out is None)
     writer.check_target()
     _refuse_out_holding_the_cache(config, out, workspace)
     context = max_sequence_length(str(model_dir), tokenizer)

@@ -223,7 +223,7 @@ def _check_run_dir(
     own_plan = run_dir / PLAN_DIR  # the plan this run scored on the fly: inside it by design
     plan = None if config.plan is None or _real(config.plan) == _real(own_plan) else config.plan
     inputs = {"--model": model_dir, "--data": [config.data, data_file], "--eval-data": config.eval_data, "--plan": plan}
-    check_not_an_input(run_dir, "--out", inputs)
+    check_not_an_input(run_dir, "--out", inputs, defaulted=config.out is None)
     if plan is None and config.plan is not None and config.overwrite:  # --overwrite would delete it with the run
         raise UsafError(f"--plan {config.plan} lies inside --out {run_dir}, which --overwrite deletes before training "
                         "(the plan with it)", "copy the plan elsewhere and pass that --plan, or drop --plan to score "
