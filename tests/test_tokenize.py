@@ -782,6 +782,25 @@ def test_an_argument_that_is_not_utf8_is_refused_in_one_line(tmp_path, tok_dir):
     assert taken.returncode == 0, taken.stderr
 
 
+
+def test_a_flag_value_that_is_not_utf8_is_refused_naming_the_flag():
+    """``--out o\\xe9`` was refused as "o\\xe9", no flag named, with a hint to pass the directory holding it, which
+    is for inputs (found in review). The flag is named in both spellings; a switch before an input is not taken for
+    its flag (the control), nor is a UTF-8 argument refused."""
+    from usaf.cli.app import _refuse_undecodable
+    from usaf.errors import UsafError
+
+    name = os.fsdecode(b"o\xe9")
+    for arguments in (["tokenize", "b.py", "--out", name], ["tokenize", "b.py", f"--out={name}"]):
+        with pytest.raises(UsafError) as caught:
+            _refuse_undecodable(arguments)
+        assert caught.value.message.startswith("--out o\\xe9: not UTF-8 text"), caught.value.message
+        assert "the directory that holds it" not in caught.value.hint
+    with pytest.raises(UsafError) as caught:
+        _refuse_undecodable(["tokenize", "--overwrite", name, "--model", "m"])
+    assert caught.value.message.startswith("o\\xe9: not UTF-8 text") and "directory that holds it" in caught.value.hint
+    _refuse_undecodable(["tokenize", "--overwrite", "café.py", "--out", "o"])
+
 def test_exclude_prunes_a_directory_only_where_it_excludes_all_of_it_and_jsonl_is_any_case(tmp_path, tok_dir):
     """--exclude 'a/?' pruned a/ whole, a/xy.py too, which the pattern does not match; an upper-case .JSONL file
     was read as plain text, its JSON tokenized (both found in review). The control: 'a/*' prunes a/."""

@@ -78,12 +78,27 @@ def _refuse_undecodable(arguments: list[str]) -> None:
     review). Files *under* a directory input get their names escaped as sources instead (``corpus.name_text``)."""
     from usaf.data.corpus import name_text  # lazy: usaf --help stays instant (a stage's module)
 
-    for argument in arguments:
-        if (shown := name_text(argument)) != argument:
-            raise UsafError(
-                f"{shown}: not UTF-8 text (shown with its bytes escaped); usaf records every path in UTF-8 files",
-                "rename it to a UTF-8 name, or pass the directory that holds it (its files' names are escaped)",
-            )
+    for i, argument in enumerate(arguments):
+        if (shown := name_text(argument)) == argument:
+            continue
+        flag, _, value = argument.partition("=") if argument.startswith("--") else ("", "", argument)
+        if not flag and i > 0 and _takes_a_value(arguments[0], arguments[i - 1]):
+            flag = arguments[i - 1]
+        if flag:  # a flag's value (--out, --model): named, and no directory of escaped names to offer (review)
+            raise UsafError(f"{flag} {name_text(value)}: not UTF-8 text (shown with its bytes escaped); usaf records "
+                            "every path in UTF-8 files", "give a path whose name is UTF-8 (rename it, or pass "
+                            "another)")  # fmt: skip
+        raise UsafError(
+            f"{shown}: not UTF-8 text (shown with its bytes escaped); usaf records every path in UTF-8 files",
+            "rename it to a UTF-8 name, or pass the directory that holds it (its files' names are escaped)",
+        )
+
+
+def _takes_a_value(command: str, option: str) -> bool:
+    """Whether ``option`` of ``usaf COMMAND`` is one that takes the next argument as its value (not a switch). Read
+    by attribute: typer's parameters are its own click's (``typer._click``), not the installed click's classes."""
+    sub = getattr(typer.main.get_command(app), "commands", {}).get(command)
+    return any(option in p.opts and getattr(p, "is_flag", None) is False for p in getattr(sub, "params", []))
 
 
 def _over() -> None:
