@@ -230,6 +230,12 @@ def test_short_pre_shifted_lines_are_unshifted_as_their_file(tmp_path, tok_dir, 
         said = " ".join(taken.stderr.split())
         assert taken.exit_code == 0 and "1 pre-tokenized line too short to tell whether" in said, said
         assert "no pre-tokenized line had pre-shifted labels" not in said
+    # ... but a line without labels (or labels that are its ids) is the unshifted form: nothing to tell (it was
+    # said to be too short to tell; found in review)
+    for record in ({"input_ids": [1, 2, 3]}, {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}):
+        (tmp_path / "n.jsonl").write_text(json.dumps(record) + "\n")
+        taken = tokenize(tmp_path / "n.jsonl", "--model", tok_dir, "--out", tmp_path / f"n{len(record)}")
+        assert taken.exit_code == 0 and "too short to tell" not in taken.stderr, taken.output
 
 
 def test_stride_over_pre_tokenized_lines_alone_says_it_packs_text_only(tmp_path, tok_dir, tokenizer):

@@ -210,7 +210,9 @@ class _Tokenizer:
                 f"raise {seq_len} (up to the model's maximum), split the line into pieces that fit, or give the "
                 "text instead so usaf packs it",  # "raise --seq-len" past the model's maximum was refused (review)
             )
-        verdict = shift_evidence(ids, labels)
+        # labels that are the ids (none given, or copied) are the unshifted form: nothing to tell ("too short to tell
+        # whether the labels are pre-shifted" was said of lines without labels; found in review)
+        verdict = False if labels == ids else shift_evidence(ids, labels)
         if verdict is None:  # too short to tell: as its file's other lines are (left shifted in silence; review)
             file = doc.origin.rsplit(":", 1)[0]
             if file not in self.shifted_files:
