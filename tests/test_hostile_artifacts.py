@@ -69,3 +69,17 @@ def test_plain_inspect_also_refuses_the_forged_fingerprint_even_without_hashing(
     result = invoke("inspect", plan, "--no-hash")
     assert result.exit_code == 2
     assert f"error: {plan / 'manifest.json'}: its fingerprint 0000000000000000 does not match" in result.stderr
+
+
+def test_inspect_without_hashing_says_a_file_is_size_checked_not_hashed(bench, tmp_path):
+    """``inspect --no-hash`` showed "ok" beside the sha256 column for a file whose bytes had changed at the same size
+    (found in review). The control: hashed, the change is found."""
+    plan = shutil.copytree(hostile_artifacts.bench_plan(bench.root), tmp_path / "plan")
+    index = plan / "prefix_index.json"
+    text = index.read_text()
+    index.write_text(text.replace("1", "2", 1))  # the same size, other bytes
+    unhashed = invoke("inspect", plan, "--no-hash")
+    assert unhashed.exit_code == 0 and "size ok, unhashed" in unhashed.stdout, unhashed.output
+    assert "│ ok" not in unhashed.stdout
+    hashed = invoke("inspect", plan)
+    assert hashed.exit_code == 2 and "sha256 differs from the manifest" in " ".join(hashed.output.split())
