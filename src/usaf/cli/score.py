@@ -6,7 +6,7 @@ from pathlib import Path
 
 from usaf.cli.stage import stage_command
 from usaf.settings.train import DEFAULT_LR
-from usaf.units import human_bytes
+from usaf.units import counted, human_bytes
 
 
 def _measured(s) -> int:
@@ -77,7 +77,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         c = s.prefix_cache
         whose = "every training sequence" if c.scope == "data" else "the calibration sample's; --cache: all"
         console.print(
-            f"prefix cache: {c.samples:,} sequences / {c.tokens:,} tokens entering layer {c.start} "
+            f"prefix cache: {counted(c.samples, 'sequence')} / {counted(c.tokens, 'token')} entering layer {c.start} "
             f"({human_bytes(c.bytes)}, {c.dtype}; {whose})"
         )
 

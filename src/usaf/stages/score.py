@@ -44,7 +44,7 @@ from usaf.artifacts.plan import (
 )
 from usaf.artifacts.workspace import interrupted_outputs, resolve_data, resolve_model
 from usaf.backends import resolve_backend
-from usaf.config import refuse_unused, source_of
+from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.batches import Batch, collate, sample_lines
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length, tokenizer_fingerprint
 from usaf.data.tokens import TokenLine, scored_targets
@@ -70,7 +70,7 @@ from usaf.stages.score_resume import (
     same_run,
 )
 from usaf.stages.stop import StopRequest
-from usaf.units import first_few
+from usaf.units import counted, first_few
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
 LEGACY_ENV = {"FRAC": "frac", "TRAIN_FROM": "train_from", "MICROBATCH": "microbatch"}  # the original tool's
@@ -254,7 +254,9 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     if why_not is not None:  # accepted and unused (found in review)
         refuse_unused(config, "lr_test_steps", f"the lr test will not run ({why_not})", "drop it", progress.note)
     if len(lines) < config.calib_samples:
-        progress.note(f"--calib-samples {config.calib_samples}: the data has only {len(lines)} sequences; using all")
+        given = source_of(config, "calib_samples") + ("" if was_given(config, "calib_samples") else " (default)")
+        progress.note(f"{given} {config.calib_samples}: the data has only {counted(len(lines), 'sequence')}; using "
+                      "all")  # fmt: skip
     settled = _Inputs(config, world, backend, progress, model_dir, model_manifest, tokenizer, data_file,
                       data_fingerprint, lines, start)  # fmt: skip
     with contextlib.ExitStack() as held:
