@@ -64,6 +64,15 @@ def test_json_reports_the_change_and_the_chat_template(workspace):
     assert untrained["checkpoint"] is None
 
 
+def test_a_model_given_relative_is_reported_in_full(workspace, monkeypatch):
+    """``--model q`` gave ``"model": "q"`` beside an absolute checkpoint (found in review)."""
+    root, qdir, run = workspace
+    monkeypatch.chdir(qdir.parent)
+    result = generate(PROMPT, "--max-new-tokens", 2, "--json", "--model", qdir.name, "--checkpoint", run)
+    out = json.loads(result.stdout)
+    assert out["model"] == str(qdir) and out["checkpoint"] == str(run)
+
+
 def test_a_tokenizer_without_chat_template_gets_the_plain_prompt(workspace):
     from usaf.data.tokenizer import load_tokenizer
     from usaf.stages.generate import render_prompt

@@ -1156,3 +1156,17 @@ def test_a_pretokenized_line_past_seq_len_gets_a_hint_that_does_not_go_in_a_circ
     assert "split the line into pieces that fit, or give the text instead" in said
     fits = tokenize(tmp_path / "l.jsonl", "--model", tok_dir, "--seq-len", 600, "--out", tmp_path / "t2")
     assert fits.exit_code == 0, fits.output
+
+
+def test_a_relative_workspace_gives_outputs_named_in_full(tmp_path, tok_dir, monkeypatch):
+    """With a relative USAF_WORKSPACE the outputs were printed relative (``tokens → ws/tokens/...``) beside absolute
+    paths elsewhere (found in review). The control: the output is where the relative workspace says."""
+    (tmp_path / "a.py").write_text("x = 1\n" * 20)
+    monkeypatch.chdir(tmp_path)
+    for env in ({"USAF_WORKSPACE": "ws"}, None):
+        args = ("--workspace", "ws2") if env is None else ()
+        result = tokenize("a.py", "--model", tok_dir, *args, env=env)
+        said = " ".join(result.stdout.split() + result.stderr.split())
+        where = tmp_path / ("ws" if env else "ws2") / "tokens"
+        assert result.exit_code == 0 and f"tokens → {where}/" in said, said
+        assert len(list(where.iterdir())) == 1
