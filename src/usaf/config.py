@@ -260,9 +260,9 @@ def resolve_config(
     read_from_env = (_tables() if _tables is not None else {}).get(DEFAULTS_TABLE)  # by some command
     for field in sorted(set(fields) - set(shared) - set(values)):  # not given here: the variable may be meant for it
         if env.get(env_name(field)) and read_from_env is not None and field not in read_from_env:  # read by none
-            problems.append(f"{env_name(field)}: read by no command ({flag_name(field)} means something else to each "
-                            f"that has it): pass {flag_name(field)}, or put {field} under [{section}] of a --config "
-                            "file")  # fmt: skip
+            problems.append(f"{env_name(field)}: read by no command (each that has {flag_name(field)} reads it from "
+                            f"the flag or its own --config table only): pass {flag_name(field)}, or put {field} under "
+                            f"[{section}] of a --config file")  # fmt: skip
     for field, info in fields.items():
         raw = env.get(env_name(field)) if field in shared else None
         if raw is not None and raw != "":
@@ -381,9 +381,9 @@ def document_problems(
         for key in sorted(set(table) - known):
             if name == DEFAULTS_TABLE and key in anywhere:  # read by nobody from [defaults]: it was accepted, unused
                 owners = sorted(command for command, keys in tables.items() if key in keys)
-                problems.append(f"{where}: [{name}] has '{key}', which {' and '.join(owners)} read only from their "
-                                f"own table (it means something else to each): put it under "
-                                f"{' or '.join(f'[{o}]' for o in owners)}")  # fmt: skip
+                listed = ", ".join(owners[:-1]) + f" and {owners[-1]}" if len(owners) > 1 else owners[0]
+                problems.append(f"{where}: [{name}] has '{key}', which {listed} read only from their own table: put "
+                                f"it under {' or '.join(f'[{o}]' for o in owners)}")  # fmt: skip
                 continue
             what = f"'{key}', a setting no command has" if name == DEFAULTS_TABLE else f"no setting '{key}'"
             problems.append(f"{where}: [{name}] has {what}{_closest(key, known)}")

@@ -104,7 +104,7 @@ def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
         elif name in own_only:  # "misspelt?" was false of these: the setting exists, not in USAF_*
             field, commands = own_only[name]
             meaning = (f"read by no command: {flag_name(field)} of {', '.join(commands)} is read from the flag or the "
-                       "command's own --config table only (it means something else to each)")  # fmt: skip
+                       "command's own --config table only")  # fmt: skip
         else:
             meaning = "read by no command: misspelt? (each command's --help names its flags)"
         rows.append((name, env[name], meaning))

@@ -31,4 +31,4 @@ class DemoConfig(StageConfig):
     )
     device: str = f.device()
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the calibration sample and data order.")
-    overwrite: bool = Field(False, description="Start over instead of reusing finished stages.")
+    overwrite: bool = f.overwrite("Start over instead of reusing finished stages.")

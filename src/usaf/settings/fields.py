@@ -20,7 +20,9 @@ optional, under ``json_schema_extra={"cli": {...}}``:
   different precedence the higher one's wins, the other is dropped;
 - ``own_only``: read from the flag and the command's own TOML table only, never from ``USAF_*``, ``[defaults]``
   or a legacy variable, where the name means something else to other commands (export's ``dtype``, the stored
-  tensors' dtype, is train's compute dtype elsewhere: ``USAF_DTYPE=auto`` failed every export).
+  tensors' dtype, is train's compute dtype elsewhere: ``USAF_DTYPE=auto`` failed every export; ``held_out``), or
+  where a value set once for every command would delete work (``overwrite``, quantize's ``force``). Set in a shared
+  source that no command reads it from, it is refused (:func:`usaf.config.resolve_config`).
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ def device(default: str | None = "auto", **meta: Any) -> Any:
 
 
 def overwrite(description: str = "Replace the output directory if it exists.") -> Any:
-    return Field(False, description=description)
+    # own_only: USAF_OVERWRITE=1 or [defaults] overwrite, set once, started every interrupted run over without a word
+    # (found in review); what deletes work is asked for on the command line or in the command's own table
+    return Field(False, description=description, json_schema_extra=cli(own_only=True))
 
 
 def stream_experts() -> Any:

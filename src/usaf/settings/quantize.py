@@ -33,7 +33,7 @@ class QuantizeConfig(StageConfig):
     device: str = f.device()
     resume: bool = Field(False, description="Accept an existing complete --out made with these settings.")
     force: bool = Field(False, description="Replace an existing --out; discard an interrupted run's work.",
-                        json_schema_extra=cli(alias="--overwrite"))  # fmt: skip
+                        json_schema_extra=cli(alias="--overwrite", own_only=True))  # fmt: skip  # as overwrite
 
     @model_validator(mode="after")
     def _resume_or_force(self) -> QuantizeConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from usaf.config import source_of
 from usaf.distributed import PeerLost, merge_scores
 from usaf.engine.reselect import collect_scores, reselect, update_fraction
 from usaf.errors import UsafError
@@ -47,7 +48,7 @@ def _save_at_stop(trainer: Any, progress: Progress) -> None:
     saved = trainer.save_checkpoint(trainer.checkpoint_dir())
     if trainer.collector is not None:
         trainer.collector.close()
-    again = rerun_to_resume("--overwrite" if trainer.config.overwrite else None)
+    again = rerun_to_resume(source_of(trainer.config, "overwrite") if trainer.config.overwrite else None)
     note = f"interrupted: saved {saved} (step {trainer.state.step}); {again}"
     if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
         note += f" (or pass --out {trainer.run_dir})"
