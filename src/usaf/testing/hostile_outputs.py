@@ -131,7 +131,8 @@ def _collision_case(command: str, which: str, flag: str, shape: str, replace: bo
 
     flag_note = f" with {_flag(command)}" if replace else ""
     name = f"{command}: --out {shape} {'its inputs' if which == 'all' else 'its ' + flag}{flag_note}"
-    return Case(COLLISION, name, build, f"{shape} the input {flag}", after=_intact)
+    needle = f"{shape} the input {flag}" if flag.startswith("-") else f"{shape} the input "  # a positional: its path
+    return Case(COLLISION, name, build, needle, after=_intact)
 
 
 def _existing_case(command: str, what: str, replace: bool) -> Case:
