@@ -201,7 +201,14 @@ class StreamingTorchSave:
 
     def abort(self) -> None:
         """Discard the partial file (idempotent)."""
-        self._writer = None  # its destructor may still write the zip trailer into the open file
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            # Finished here, failing or not: a writer whose write failed (a full disk) wrote the zip's end from its
+            # destructor, which threw there, and the process aborted with a C++ stack dump (usaf score on a full disk;
+            # found in review). A failed end still marks it finished, so the destructor then writes nothing.
+            with contextlib.suppress(Exception):
+                writer.write_end_of_file()
+            del writer
         if not self._file.closed:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
