@@ -389,3 +389,19 @@ def test_overwrite_is_asked_for_on_the_command_line_or_in_the_commands_own_table
     assert resolve_config(TrainConfig, section="train", cli={}, config_file=toml, env={}).overwrite
     assert resolve_config(TrainConfig, section="train", cli={"overwrite": True}, env={"USAF_OVERWRITE": "1"}).overwrite
     assert not resolve_config(TrainConfig, section="train", cli={}, env={}).overwrite
+
+
+def test_train_from_and_layers_are_one_choice_the_higher_source_wins():
+    """USAF_LAYERS with --train-from reached train's on-the-fly score as both, and a pydantic traceback came out
+    (found in review). One choice, as --steps/--epochs: the higher source wins; from one level both are refused, by
+    train as by score (the control)."""
+    from usaf.settings.score import ScoreConfig
+    from usaf.settings.train import TrainConfig
+
+    for cls, section, base in ((TrainConfig, "train", {}), (ScoreConfig, "score", {})):
+        config = resolve_config(cls, section=section, cli={**base, "train_from": 2}, env={"USAF_LAYERS": "3"})
+        assert (config.train_from, config.layers) == (2, None)
+        config = resolve_config(cls, section=section, cli={**base, "layers": [3]}, env={"USAF_TRAIN_FROM": "2"})
+        assert (config.train_from, config.layers) == (None, [3])
+        with pytest.raises(UsafError, match="pass either --train-from or --layers, not both"):
+            resolve_config(cls, section=section, cli={**base, "train_from": 2, "layers": [3]}, env={})

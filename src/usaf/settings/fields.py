@@ -169,8 +169,11 @@ TOP_LAYERS_TEXT = "the top quarter of the MoE layers"
 
 
 def train_from() -> Any:
+    # one choice with --layers: from sources of different precedence the higher one's wins (USAF_LAYERS with
+    # --train-from gave train a pydantic traceback from the plan it scored; found in review)
     return Field(None, ge=0, description="First trainable layer (every MoE layer from it up).",
-                 json_schema_extra=cli(decided_by="plan", default_text=TOP_LAYERS_TEXT))  # fmt: skip
+                 json_schema_extra=cli(decided_by="plan", default_text=TOP_LAYERS_TEXT,
+                                       alternative_to="layers"))  # fmt: skip
 
 
 def layers() -> Any:

@@ -126,6 +126,8 @@ class TrainConfig(StageConfig):
     def _length(self) -> TrainConfig:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("pass either --steps or --epochs, not both")
+        if self.train_from is not None and self.layers is not None:  # as score refuses them, before it is called
+            raise ValueError("pass either --train-from or --layers, not both")
         if self.steps is not None and self.reselect_every is not None and self.reselect_every > self.steps:
             raise ValueError(
                 f"--reselect-every {self.reselect_every} exceeds --steps {self.steps}; "
