@@ -1214,6 +1214,10 @@ def test_resume_alone_continues_a_run_with_the_settings_it_recorded(prepared, tm
     assert "settings not given are those recorded in" in said and "resuming from" in said, said
     a, b = final_deltas(straight), final_deltas(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the lr it took is said to be the record's: it was "from --lr", given to no resume (found in review); the
+    # control: the straight run, given --lr, names it
+    sources = [load_verified(r, RunManifest).summary.lr_source for r in (run, straight)]
+    assert sources == ["the interrupted run's run-settings.json", "--lr"], sources
 
 
 def test_a_shared_setting_a_given_plan_decides_is_said_not_used(prepared, tmp_path, monkeypatch):

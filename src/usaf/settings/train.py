@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
@@ -121,6 +121,9 @@ class TrainConfig(StageConfig):
         False, description="Continue the interrupted run in --out, with the settings it recorded for those not given."
     )
     overwrite: bool = f.overwrite("Replace --out.")
+    # settings --resume took from the interrupted run's record, not given: where they came from, for what is said of
+    # them (a resumed lr was "from --lr", which nobody passed; found in review)
+    _from_record: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
     @model_validator(mode="after")
     def _length(self) -> TrainConfig:

@@ -190,6 +190,8 @@ def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:
     given, else the one the plan's lr test chose, else ``DEFAULT_LR`` (a plan scored with ``--no-lr-test``, or by
     an older usaf). The filled-in lr is in the run's settings record, so a resumed run uses the same."""
     if config.lr is not None:
+        if "lr" in config._from_record:
+            return config, f"the interrupted run's {SETTINGS_FILE}"
         return config, source_of(config, "lr")
     test = plan.summary.lr_test
     if test is None:
@@ -668,7 +670,9 @@ def with_recorded_settings(config: TrainConfig, run_dir: Path, world: World, pro
             taken["grad_accum"] = record["global_batch"] // per_step
     if taken:
         progress.note(f"--resume: the {len(taken)} settings not given are those recorded in {run_dir / SETTINGS_FILE}")
-    return config.model_copy(update=taken)
+    resumed = config.model_copy(update=taken)
+    resumed._from_record = frozenset(taken)
+    return resumed
 
 
 def other_split(ran_at: int | None, now: int, given: int) -> str | None:
