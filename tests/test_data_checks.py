@@ -247,3 +247,16 @@ def test_tokenize_follows_links_and_says_what_no_follow_skipped(bench, tmp_path)
     assert result.exit_code == 0, result.output
     assert "3 symbolic links not followed (--no-follow-symlinks)" in " ".join(result.output.split())
     assert load_verified(tmp_path / "o2", TokensManifest).summary.documents == 1
+
+
+def test_a_line_without_input_ids_is_named_as_such_labels_being_optional(tmp_path):
+    """A line of text given as tokens was told it "needs 'input_ids' and 'labels'", though labels may be left out
+    (found in review). The control: mismatched lengths still name both."""
+    path = write(tmp_path / "t.jsonl", '{"text": "hello"}\n')
+    with pytest.raises(UsafError, match=rf"{path}:1: no 'input_ids' \(a list of token ids; 'labels' is optional\); "
+                                        r"the keys are 'text'") as caught:  # fmt: skip
+        list(iter_token_file(path, vocab_size=VOCAB))
+    assert "usaf tokenize" in caught.value.hint
+    path = write(tmp_path / "u.jsonl", line([1, 2, 3], [1, 2]))
+    with pytest.raises(UsafError, match=r"needs 'input_ids' \(and 'labels', if any\) as equal-length non-empty"):
+        list(iter_token_file(path, vocab_size=VOCAB))

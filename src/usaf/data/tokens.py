@@ -161,9 +161,12 @@ def iter_token_file(
         ids = obj.get("input_ids")
         labels = obj.get("labels", ids)
         if not isinstance(ids, list) or not isinstance(labels, list) or len(ids) != len(labels) or not ids:
+            # labels may be left out (the ids then): "needs 'input_ids' and 'labels'" was said of a line of text
+            what = "no 'input_ids'" if ids is None else "needs 'input_ids' (and 'labels', if any) as equal-length"
             raise UsafError(
-                f"{where}: needs 'input_ids' and 'labels' as equal-length non-empty lists",
-                "tokenize text with `usaf tokenize`",
+                f"{where}: {what} non-empty lists" if ids is not None else f"{where}: {what} (a list of token ids; "
+                f"'labels' is optional); the keys are {', '.join(map(repr, list(obj)[:5]))}",
+                "tokenize text or chat lines with `usaf tokenize`, and pass its output",
             )
         if not all(type(v) is int for v in ids) or not all(type(v) is int for v in labels):
             raise UsafError(f"{where}: 'input_ids'/'labels' must hold integers only", "fix the line")
