@@ -338,6 +338,22 @@ def test_a_frac_under_one_weight_per_tensor_is_said(setup, tmp_path):
     assert f"frac 1e-12: under one weight in {tensors} of the {tensors} target tensors, each of which trains" in said
     whole = score(*common, "--frac", 0.05, "--out", tmp_path / "whole")
     assert whole.exit_code == 0 and "under one weight" not in whole.stderr, whole.output
+    # per expert the unit is the expert's slice: a frac of whole weights per tensor but not per expert went unsaid,
+    # and where an expert then had nothing scored, "a smaller --frac" was offered for a budget at its minimum (review)
+    experts = ("--targets", "experts", "--budget", "per-expert")
+    slices = score(*common, *experts, "--frac", 1e-4, "--out", tmp_path / "slices")
+    said = " ".join(slices.stderr.split())
+    assert "frac 0.0001: under one weight in each expert of " in said and "each expert of which trains one" in said
+    # an expert routed to but with no score was said to have "received too few calibration tokens", and a smaller
+    # --frac was offered for a budget at its minimum (found in review)
+    assert slices.exit_code == 2 and "expert 3 has 0 scored weights" in said, said
+    assert "(its scores were zero or fell out of the candidate pool; --full-maps keeps every score)" in said
+    assert "hint: use more --calib-samples, or another --budget" in said
+    full = score(*common, *experts, "--frac", 1e-4, "--full-maps", "--out", tmp_path / "full")
+    assert full.exit_code == 0, full.output  # every score kept: each expert's own best (the tensor's best had none)
+    summary = load_verified(tmp_path / "full", PlanManifest).summary
+    assert all(t.selected == t.shape[0] for t in summary.tensors), [(t.selected, t.shape) for t in summary.tensors]
+    assert "under one weight" not in score(*common, *experts, "--frac", 0.05, "--out", tmp_path / "e5").stderr
 
 
 def test_a_tensor_nothing_was_selected_from_has_no_stability_and_a_shared_budget_says_who_lost_out(setup, tmp_path):

@@ -621,3 +621,30 @@ def test_a_paired_sink_adds_a_block_to_both(exact):
         for got, want in zip(acc.ranked(), alone.ranked()):
             assert torch.equal(got, want)
         assert torch.equal(acc.counts, alone.counts)
+
+
+def test_a_per_expert_budget_names_why_an_expert_has_too_few_candidates():
+    """"it received too few calibration tokens" was said of an expert outscored out of the pool as of one that got no
+    token (found in review). The expert that got none is named so; a tiny frac's pool holds one an expert."""
+    from usaf.engine.selection import SelectionError, pool_size, select
+
+    shape = (3, 4, 4)
+    assert pool_size({"w": shape}, 1e-9, "per-expert", {"w": 0}) == {"w": 3}  # one an expert, not one in all
+    acc = ScoreAccumulator(shape, candidates=3)
+    for expert in (0, 1):  # expert 2 is never routed to
+        acc.add(expert, torch.rand(4, 4) + 0.1)
+    acc.end_batch()
+    with pytest.raises(SelectionError, match=r"expert 2 has 0 scored weights .*\(it received no calibration token\)"):
+        select({"w": acc}, frac=1e-9, mode="per-expert", layer_of={"w": 0})
+    acc.add(2, torch.rand(4, 4) + 0.1)  # the control: routed to, it is served
+    acc.end_batch()
+    assert select({"w": acc}, frac=1e-9, mode="per-expert", layer_of={"w": 0})["w"].numel() == 3
+    # exact maps: each expert's own best, though another's scores are all higher (its best-of-tensor held none)
+    exact = ScoreAccumulator(shape, candidates=3, exact=True)
+    for expert, scale in ((0, 10.0), (1, 10.0), (2, 0.01)):
+        exact.add(expert, (torch.rand(4, 4) + 0.1) * scale)
+    exact.end_batch()
+    chosen = select({"w": exact}, frac=1e-9, mode="per-expert", layer_of={"w": 0})["w"]
+    assert sorted((chosen // 16).tolist()) == [0, 1, 2]
+    dense = exact.dense_scores()
+    assert all(dense.view(3, -1)[e].argmax() == chosen[e] % 16 for e in range(3))

@@ -42,8 +42,11 @@ def pool_size(shapes: Mapping[str, tuple[int, int, int]], frac: float, mode: str
     A shared budget (per-layer, global) can exceed a small tensor's size (a k_proj next to fused experts): no
     tensor is asked for more candidates than it has weights.
     """
-    if mode in ("per-tensor", "per-expert"):
+    if mode == "per-tensor":
         return {name: max(1, int(frac * numel(shape))) for name, shape in shapes.items()}
+    if mode == "per-expert":  # every expert's own budget, at least one each: a tiny frac asked one for the tensor
+        per_slice = {name: max(1, int(frac * numel(shape[1:]))) for name, shape in shapes.items()}
+        return {name: min(numel(shape), shape[0] * per_slice[name]) for name, shape in shapes.items()}
     if mode == "per-layer":
         per_layer: dict[int, int] = {}
         for name, shape in shapes.items():
@@ -110,16 +113,27 @@ def select(
 def _per_expert(name: str, acc: ScoreAccumulator, frac: float) -> torch.Tensor:
     experts, rows, cols = acc.shape
     k = max(1, int(frac * rows * cols))
+    dense = acc.dense_scores()
+    if dense is not None:  # every score kept: each expert's own best (the tensor's best few held none of some; review)
+        scores, local = dense.reshape(experts, rows * cols).topk(k, dim=1)  # (E, k) each
+        if (short := (scores <= 0).any(dim=1).nonzero()).numel():
+            e = int(short[0])
+            why = "it received no calibration token" if int(acc.counts[e]) == 0 else "its gradient was zero there"
+            raise SelectionError(f"{name}: expert {e} has {int((dense[e] > 0).sum())} scored weights for a per-expert "
+                                 f"budget of {k} ({why})")  # fmt: skip
+        offsets = torch.arange(experts, device=local.device).unsqueeze(1) * (rows * cols)  # (E, 1): flat index bases
+        return (local + offsets).flatten().sort().values
     indices, scores = acc.ranked()
     owner = indices // (rows * cols)
     chosen = []
     for e in range(experts):
         mine = indices[owner == e]  # already by score, descending
         if mine.numel() < k:
-            raise SelectionError(
-                f"{name}: expert {e} has {mine.numel()} scored weights for a per-expert budget of {k} "
-                "(it received too few calibration tokens)"
-            )
+            # "it received too few calibration tokens" was said of any of these (found in review)
+            why = ("it received no calibration token" if int(acc.counts[e]) == 0 else
+                   "its scores were zero or fell out of the candidate pool; --full-maps keeps every score")
+            raise SelectionError(f"{name}: expert {e} has {mine.numel()} scored weights for a per-expert budget of {k} "
+                                 f"({why})")  # fmt: skip
         chosen.append(mine[:k])
     return torch.cat(chosen).sort().values
 

@@ -360,12 +360,12 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     shapes = {name: w.shape for name, w in engine.weights.items()}
     layer_of = {name: loaded.spec.layer_of(name) for name in shapes}
     frac = _selected_share(config.frac, sum(numel(shape) for shape in shapes.values()), progress)
-    floored = [name for name, shape in shapes.items() if int(frac * numel(shape)) < 1]
-    if floored and config.budget in ("per-tensor", "per-expert"):  # the frac alone misstated what trains, in silence
-        progress.note(
-            f"frac {frac:g}: under one weight in {len(floored)} of the {len(shapes)} target tensors, each "
-            "of which trains one"
-        )  # fmt: skip  (found in review)
+    floored = _under_one_weight(shapes, frac, config.budget)
+    if floored:  # the frac alone misstated what trains, in silence (found in review)
+        per_expert = config.budget == "per-expert"
+        progress.note(f"frac {frac:g}: under one weight in {'each expert of ' if per_expert else ''}{len(floored)} of "
+                      f"the {len(shapes)} target tensors, {'each expert' if per_expert else 'each'} of which trains "
+                      "one")  # fmt: skip
     pools = pool_size(shapes, frac, config.budget, layer_of)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -442,12 +442,25 @@ def _refuse_unused_selection(config: ScoreConfig, progress: Progress) -> None:
                       "drop it, or add experts to --targets", progress.note)  # fmt: skip
 
 
+def _under_one_weight(shapes, frac: float, budget: str) -> list[str]:
+    """The tensors whose own budget ``frac`` puts under one weight, which :func:`select` raises to one: per tensor, or
+    per expert slice (``per-expert``: the tensor's whole size hid it; found in review). A shared budget (per-layer,
+    global) is one for the tensors together: none of its own."""
+    if budget not in ("per-tensor", "per-expert"):
+        return []
+    unit = {name: shape[1:] if budget == "per-expert" else shape for name, shape in shapes.items()}
+    return [name for name, shape in unit.items() if int(frac * numel(shape)) < 1]
+
+
 def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file, progress: Progress):
     """``(masks, stability)``: the plan's selection, and each tensor's overlap of the two halves' selections."""
+    floored = _under_one_weight({name: acc.shape for name, acc in accumulators.items()}, frac, budget)
     try:
         masks = select(accumulators, frac=frac, mode=budget, layer_of=layer_of)
     except SelectionError as e:
-        hint = "use more --calib-samples, a smaller --frac, or another --budget"
+        # a budget already at its minimum of one weight cannot shrink: "a smaller --frac" was offered (review)
+        smaller = "" if len(floored) == len(accumulators) else ", a smaller --frac"
+        hint = f"use more --calib-samples{smaller}, or another --budget"
         if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
             hint += " (attention's q/k learn only past a sequence's first token: longer lines, or --targets experts)"
         raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
