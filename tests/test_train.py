@@ -510,6 +510,25 @@ def test_an_interval_that_would_replace_nothing_is_a_static_mask_not_a_silent_on
     assert loop.collecting(29, 10, 50, 0.2) and not loop.collecting(39, 10, 50, 0.2)  # 40 is past 75 % of 50
 
 
+def test_a_reselection_that_would_replace_under_one_weight_or_a_zero_share_is_refused(prepared, tmp_path):
+    """--steps 100 --reselect-every 74: one reselection at a share of 8.8e-05, which replaced no weight of the plan's
+    tensors, accepted; --reselect-fraction 0 was refused naming --reselect-every, whose lowering cannot help (found in
+    review). The control: --reselect-every 10 of 100 reselects."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    late = train(qdir, tokens, plan, tmp_path / "late", "--steps", 100, "--reselect-every", 74)
+    said = " ".join(late.stderr.split())
+    assert late.exit_code == 2 and "--reselect-every 74: no reselection of this 100-step run would replace one " \
+        "weight (the plan's largest tensor trains" in said, late.output  # fmt: skip
+    zero = train(qdir, tokens, plan, tmp_path / "zero", "--steps", 12, "--reselect-every", 4, "--reselect-fraction", 0)
+    said = " ".join(zero.stderr.split())
+    assert zero.exit_code == 2 and "--reselect-fraction 0: no reselection replaces anything" in said, zero.output
+    assert "pass a fraction above 0, or --reselect-every 0 for a static mask" in said
+    assert not (tmp_path / "late").exists() and not (tmp_path / "zero").exists()
+    control = train(qdir, tokens, plan, tmp_path / "ten", "--steps", 30, "--reselect-every", 10)
+    assert control.exit_code == 0, control.output
+    assert len(load_verified(tmp_path / "ten", RunManifest).summary.reselections) == 2
+
+
 def test_routing_collapse_is_warned_once_per_layer():
     from usaf.engine.engine import LayerLoad
     from usaf.stages.train.trainer import Trainer, TrainState

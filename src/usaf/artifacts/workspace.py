@@ -174,7 +174,8 @@ def pick_latest(
     if lineage is not None:
         groups = {lineage(f.manifest) for f in found}
         if len(groups) > 1:
-            listing = ", ".join(str(f.path) for f in found[:6])
+            more = f" and {len(found) - 6} more" if len(found) > 6 else ""  # 7 origins were listed as 6 (review)
+            listing = ", ".join(str(f.path) for f in found[:6]) + more
             raise UsafError(
                 f"{flag}: not given, and the workspace {workspace} holds '{cls.KIND}' artifacts "
                 f"of {len(groups)} different origins: {listing}",

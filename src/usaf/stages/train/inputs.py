@@ -338,19 +338,43 @@ def _reselect_every(config: TrainConfig, steps: int, progress: Progress) -> int:
             f"--reselect-every {requested} exceeds the run's {steps} steps", "lower it, or pass 0 for a static mask"
         )
     every = DEFAULT_RESELECT_EVERY if requested is None else requested
+    if every and not config.reselect_fraction:  # nothing is ever replaced: named, not --reselect-every (review)
+        return _static(config, "reselect_fraction", f"{config.reselect_fraction:g}: no reselection replaces anything",
+                       "pass a fraction above 0, or --reselect-every 0 for a static mask", progress)  # fmt: skip
     if every == 0 or (every < steps and update_fraction(every, steps, config.reselect_fraction) > 0):
         return every
     if requested is None:
         progress.note(f"a {steps}-step run is too short for a reselection every {every}: static mask")
         return 0
-    source = source_of(config, "reselect_every")
-    problem = (f"{source} {every}: no reselection of this {steps}-step run would replace anything (the share "
-               f"replaced, --reselect-fraction {config.reselect_fraction:g} at first, is 0 from step "
-               f"{math.ceil(0.75 * steps)}, 75 % of the run)")  # fmt: skip
-    if source == flag_name("reselect_every"):
-        raise UsafError(problem, "lower it, or pass 0 for a static mask")
-    progress.note(f"{problem}: static mask")
+    return _static(config, "reselect_every", f"{every}: no reselection of this {steps}-step run would replace "
+                   f"anything (the share replaced, --reselect-fraction {config.reselect_fraction:g} at first, is 0 "
+                   f"from step {math.ceil(0.75 * steps)}, 75 % of the run)", "lower it, or pass 0 for a static mask",
+                   progress)  # fmt: skip
+
+
+def _static(config: TrainConfig, field: str, problem: str, remedy: str, progress: Progress) -> int:
+    """A reselection that would replace nothing, because of ``field``: refused where its flag gave it, else said,
+    and the mask static (0)."""
+    source = source_of(config, field)
+    said = f"{source} {problem}"
+    if source == flag_name(field):
+        raise UsafError(said, remedy)
+    progress.note(f"{said}: static mask")
     return 0
+
+
+def reselection_acting(config: TrainConfig, plan: PlanManifest, steps: int, every: int, progress: Progress) -> int:
+    """``every``, or a static mask (0) where no reselection of the run would replace one weight of the plan's largest
+    tensor: each replaces ``round(share × its active weights)``, and a share decayed near 0 by the first one (``--steps
+    100 --reselect-every 74``) replaced none while its scores were collected (found in review)."""
+    largest = max((t.selected for t in plan.summary.tensors), default=0)
+    shares = [update_fraction(step, steps, config.reselect_fraction) for step in range(every, steps, every or steps)]
+    if not every or any(round(share * largest) >= 1 for share in shares):
+        return every
+    return _static(config, "reselect_every", f"{every}: no reselection of this {steps}-step run would replace one "
+                   f"weight (the plan's largest tensor trains {largest:,}; the share replaced decays from "
+                   f"{config.reselect_fraction:g} at step 0 to 0 at step {math.ceil(0.75 * steps)})",
+                   "lower it, or pass 0 for a static mask", progress)  # fmt: skip
 
 
 def _check_plan_uses(config: TrainConfig, plan: PlanManifest, progress: Progress) -> None:
@@ -432,6 +456,7 @@ class _Settler:
         if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
             budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
         _check_plan_uses(budgeted, plan, progress)
+        reselect_every = reselection_acting(budgeted, plan, steps, reselect_every, progress)
         config, lr_source = with_lr(with_selection(budgeted, plan), plan)
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
