@@ -640,6 +640,26 @@ def test_a_model_without_tokenizer_files_is_said_at_quantize_time(tiny_model, tm
         result = quantize(model, "--out", tmp_path / f"q-{said}", "--method", "rtn", "--group-size", "8")
         assert result.exit_code == 0, result.output
         assert ("has no tokenizer files" in " ".join(result.stderr.split())) is said, result.stderr
+        assert "does not load" not in result.stderr
+
+
+def test_a_model_whose_tokenizer_does_not_load_is_said_at_quantize_time(tiny_model, tmp_path):
+    """tokenizer_config.json without tokenizer.json passed the files check: quantized in silence, then refused by
+    score with a hint to pass a directory holding tokenizer.json, which --model (a quantized model) cannot be (found
+    in review). Said at quantize time; score's hint names the source model."""
+    half = tmp_path / "half"
+    shutil.copytree(tiny_model("qwen3_moe", tokenizer=True), half)
+    (half / "tokenizer.json").unlink()
+    result = quantize(half, "--out", tmp_path / "q", "--method", "rtn", "--group-size", "8")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0 and f"MODEL {half}: its tokenizer does not load (no usable tokenizer" in said, said
+    from usaf.data.tokenizer import load_tokenizer
+    from usaf.errors import UsafError
+
+    with pytest.raises(UsafError) as caught:
+        load_tokenizer(str(tmp_path / "q"))
+    assert caught.value.hint == ("its tokenizer files are its source model's as they were: mend them there and rerun "
+                                 "(usaf quantize)")  # fmt: skip
 
 
 def test_the_original_tools_multi_gpu_variable_is_said_not_read(tiny_model, tmp_path):

@@ -70,10 +70,10 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
                     f"{'matches' if len(changed) == 1 else 'match'} the usaf manifest there (changed or damaged since)",
                     f"restore the file, or rerun the usaf command that made the directory{maker}",
                 ) from None
-            raise UsafError(
-                f"{flag} {model}: no usable tokenizer ({first})",
-                "pass a model directory holding tokenizer.json, or a hub id available offline in HF_HOME",
-            ) from None
+            hint = "pass a model directory holding tokenizer.json, or a hub id available offline in HF_HOME"
+            if maker:  # usaf made it as it is: the files came from its source (the hint above can't apply; review)
+                hint = f"its tokenizer files are its source model's as they were: mend them there and rerun{maker}"
+            raise UsafError(f"{flag} {model}: no usable tokenizer ({first})", hint) from None
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise UsafError(
             f"{flag} {model}: the tokenizer has no fast (tokenizer.json) version",

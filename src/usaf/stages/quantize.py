@@ -48,7 +48,7 @@ from usaf.backends import resolve_backend
 from usaf.backends.transfer import is_host
 from usaf.config import source_of
 from usaf.data.hub import resolve_model_dir
-from usaf.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+from usaf.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files, load_tokenizer
 from usaf.errors import UsafError
 from usaf.families import load_model_config, load_tensors, map_checkpoint, read_checkpoint, resolve_family
 from usaf.quant import QuantizedTensor, dequantize, quantize_experts
@@ -223,6 +223,16 @@ class DamagedModel(UsafError):
     """The source model's weights cannot be quantized (non-finite, or scales past fp16): no rerun gets past them."""
 
 
+def _tokenizer_problem(directory: Path) -> str | None:
+    """Why the tokenizer the later stages will read from ``directory`` does not load, as they load it (no remote
+    code), or None where it does."""
+    try:
+        load_tokenizer(str(directory), flag="MODEL")
+    except UsafError as e:
+        return e.message.split(": ", 1)[-1]
+    return None
+
+
 @contextlib.contextmanager
 def _kept_on_stop(work: Path, layers: int, progress: Progress, *, force: bool) -> Iterator[None]:
     """On Ctrl-C (or SIGTERM), say how many layers are kept and how to go on: it said only that nothing half-written
@@ -376,6 +386,10 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
                 progress.note(f"MODEL {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): tokenize, "
                               "score, train, eval and generate read the quantized model's; copy the original's "
                               "next to MODEL's config.json and quantize again (--force)")  # fmt: skip
+            elif (broken := _tokenizer_problem(art.dir)) is not None:  # some files, no
+                progress.note(f"MODEL {model_dir}: its tokenizer does not load ({broken}): score, train, eval and "
+                              "generate read the quantized model's; mend the original's tokenizer files and quantize "
+                              "again (--force)")  # fmt: skip  (a tokenizer_config.json alone passed; found in review)
             summary = _summary(config, source, plan, infos, records, packing, experts_source_bytes, art.dir, shards,
                                digests)  # fmt: skip
             manifest = art.commit(
