@@ -590,6 +590,24 @@ def test_without_a_plan_it_scores_on_the_fly_like_usaf_score(prepared, tmp_path,
     assert [i.path for i in manifest.inputs if i.role == "plan"] == [str(run / "plan")]
 
 
+
+def test_a_workspace_plan_is_taken_when_the_settings_given_are_what_its_defaults_chose(prepared, tmp_path):
+    """A plan scored without --frac/--targets was passed over for "--frac the default, not 0.1 (given)" when 0.1 was
+    the share its default chose, and a plan scored again (found in review). The control: another --frac scores."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    ws = tmp_path / "ws"
+    scored = invoke("score", "--model", qdir, "--data", tokens, "--out", ws / "plan" / "default", "--train-from", 2,
+                    "--calib-samples", 8, "--no-lr-test", "--no-stability")  # fmt: skip
+    assert scored.exit_code == 0, scored.output
+    summary = load_verified(ws / "plan" / "default", PlanManifest).summary
+    args = ["--model", qdir, "--data", tokens, "--workspace", ws, "--steps", 2, "--calib-samples", 8, "--train-from", 2]
+    same = invoke("train", *args, "--frac", summary.frac, "--targets", ",".join(reversed(summary.targets)),
+                  "--out", tmp_path / "same")  # fmt: skip
+    assert same.exit_code == 0 and "not using the plan" not in same.stderr and "scoring now" not in same.stderr, (
+        same.output)  # fmt: skip
+    other = invoke("train", *args, "--frac", summary.frac / 2, "--out", tmp_path / "other")
+    assert other.exit_code == 0 and "not using the plan" in other.stderr and "scoring now" in other.stderr
+
 def test_a_workspace_plan_scored_with_other_selection_settings_is_not_taken(prepared, tmp_path, monkeypatch):
     """Without --plan, train takes the workspace's newest plan for the model; the plan decides the masks, so with a
     --frac it was not scored with the --frac would be ignored. Such a plan is passed over (saying so) and one is

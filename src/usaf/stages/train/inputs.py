@@ -548,11 +548,23 @@ def _data_difference(plan: PlanManifest, data_fingerprint: str) -> list[str]:
 
 
 def _selection_differences(plan: PlanManifest, wanted: dict[str, Any]) -> list[str]:
-    """The given selection settings a plan was scored without, in a user's words (``--frac 0.01, not 0.05``)."""
-
-    recorded = plan.config
+    """The given selection settings a plan was scored without, in a user's words (``--frac 0.01, not 0.05``). A
+    setting the plan left at its default counts as the value that default chose (its summary's frac and targets): a
+    plan of frac 0.1 by default was "scored with --frac the default, not 0.1 (given)" and scored again (review)."""
+    recorded = dict(plan.config)
+    chosen = {"frac": plan.summary.frac, "targets": plan.summary.targets}
     return [f"{flag_name(name)} {_shown(recorded.get(name))}, not {_shown(value)} (given)"
-            for name, value in wanted.items() if recorded.get(name) != value]  # fmt: skip
+            for name, value in wanted.items()
+            if recorded.get(name) != value and not _same_choice(name, chosen.get(name), value)]  # fmt: skip
+
+
+def _same_choice(name: str, chosen: Any, given: Any) -> bool:
+    """Whether ``given`` asks for what the plan's default chose (``chosen``: its summary's value; None: unknown)."""
+    if chosen is None or given is None:
+        return False
+    if name == "targets":
+        return set(parse_targets(given)) == set(parse_targets(chosen))
+    return chosen == given
 
 
 def _score_on_the_fly(
