@@ -745,7 +745,8 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
         shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
         raise UsafError(
             f"--out {run_dir}: holds another run (other settings or inputs: {shown})",
-            "give the settings it was started with to resume it, another --out, or --overwrite to replace it",
+            "give the settings and inputs it was started with to resume it (an input replaced since, as a plan "
+            "scored again with --overwrite, cannot be given again), another --out, or --overwrite to replace it",
         )
     return None
 
