@@ -39,6 +39,13 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     # the control: the same settings with the workspace spelled another way (relative) are the same demo
     relative = invoke("demo", "--quick", "--workspace", os.path.relpath(workspace))
     assert relative.exit_code == 0 and relative.stderr.count("reusing") == 5, relative.output
+    # an edited stage's manifest is refused as any consumer refuses it: its edited numbers were shown (found in review)
+    report = workspace / "eval_report" / "demo" / "manifest.json"
+    data = json.loads(report.read_text())
+    data["summary"]["max_logit_change"] = 99.0
+    report.write_text(json.dumps(data))
+    edited = invoke("demo", "--quick", "--workspace", workspace)
+    assert edited.exit_code == 2 and "edited after usaf wrote it" in " ".join(edited.stderr.split()), edited.output
 
 
 def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monkeypatch):

@@ -1266,3 +1266,16 @@ def test_a_shared_setting_a_given_plan_decides_is_said_not_used(prepared, tmp_pa
     said = train(qdir, tokens, plan, tmp_path / "said", "--steps", 2)
     assert said.exit_code == 0 and f"USAF_FRAC 0.1: not used, --plan {plan} decides it" in " ".join(
         said.stderr.split()), said.output  # fmt: skip
+
+
+def test_a_run_whose_held_out_loss_is_nan_is_read_back(prepared, tmp_path):
+    """A held-out loss of NaN (a diverged run: --lr 1e30) is JSON's null in the manifest, which the reader refused as
+    "edited or truncated": the run could not be exported or used (found in review). Read back, said as nan."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    run = tmp_path / "run"
+    result = train(qdir, tokens, plan, run, "--steps", 2, "--reselect-every", 0, "--eval-data", tokens, "--lr", 1e30)
+    assert result.exit_code == 0, result.output
+    losses = load_verified(run, RunManifest).summary.eval_losses
+    assert any(loss is None for _, loss in losses), losses  # the control of this test: the loss did go NaN
+    assert "→ nan" in result.stdout, result.stdout
+    assert invoke("inspect", "--verify", run).exit_code == 0

@@ -80,7 +80,10 @@ class RunSummary(Record):
     )
     first_losses_mean: float | None = Field(None, description="mean training loss of the first loss_window steps")
     last_losses_mean: float | None = Field(None, description="mean training loss of the last loss_window steps")
-    eval_losses: list[list[float]] = Field(description="[step, held-out loss] pairs")
+    eval_losses: list[list[float | None]] = Field(
+        description="[step, held-out loss] pairs; a loss None: not a number (a diverged run's NaN, which JSON writes "
+        "as null: a manifest holding one was refused as edited or truncated; found in review)"
+    )
     expert_entries: int
     router_params: int
     frozen_entries: int = Field(description="dropped-by-reselection entries kept in the cumulative delta")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,9 @@ def _print_summary(console, manifest, path: Path) -> None:
     if s.eval_losses:
         untrained = s.eval_losses[0][0] == 0  # measured before the first step (a run of an older usaf: not)
         label = "held-out loss untrained → trained" if untrained else "held-out loss first → last"
-        rows.append((label, f"{s.eval_losses[0][1]:.4f} → {s.eval_losses[-1][1]:.4f}"))
+        first, last = (f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "nan"
+                       for loss in (s.eval_losses[0][1], s.eval_losses[-1][1]))  # fmt: skip
+        rows.append((label, f"{first} → {last}"))
     rows += [
         ("layers", ", ".join(map(str, s.trainable_layers))),
         *([("lr", f"{s.lr:.1e} (from {s.lr_source})")] if s.lr is not None else []),

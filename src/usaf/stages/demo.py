@@ -21,11 +21,13 @@ from typing import Any
 from usaf.artifacts import (
     EXPORT_KINDS,
     EvalReportManifest,
+    HfExportManifest,
     PlanManifest,
     QuantizedModelManifest,
     RunManifest,
     TokensManifest,
     load_manifest,
+    load_verified,
 )
 from usaf.artifacts.outputs import found_at, refuse_unless_replaceable, remove_usaf_made
 from usaf.artifacts.writer import discard_partial
@@ -151,7 +153,10 @@ def run(
         command = command_line(name, settings)
         step = DemoStep(name, command, p[_ARTIFACT[name]])
         if (step.path / "manifest.json").is_file():
-            step.manifest, step.reused = load_manifest(step.path), True
+            # verified as any consumer does (sizes, the manifest's own checksum): an edited report was reused and its
+            # edited numbers shown as the demo's (found in review)
+            step.manifest = load_verified(step.path, _MANIFESTS[name], flag="--workspace", hashes=False)
+            step.reused = True
             _check_made_with(name, step, settings, config.workspace, p[_ARTIFACT["score"]])
             progress.note(f"{name}: reusing {step.path} (rerun with --overwrite to start over)")
         else:
@@ -261,5 +266,7 @@ def outcomes(config: DemoConfig, report: dict) -> list[Outcome]:
 _PARTIAL_MARKERS = (PARTIAL_SETTINGS, SCORE_SETTINGS)  # what quantize and score write first in a partial directory
 _ARTIFACT = {"tokenize": "tokens", "quantize": "quantized", "score": "plan", "train": "run", "eval": "eval",
              "export": "export"}  # fmt: skip
+_MANIFESTS = {"tokenize": TokensManifest, "quantize": QuantizedModelManifest, "score": PlanManifest,
+              "train": RunManifest, "eval": EvalReportManifest, "export": HfExportManifest}  # fmt: skip
 _KINDS = {"tokens": (TokensManifest.KIND,), "quantized": (QuantizedModelManifest.KIND,), "plan": (PlanManifest.KIND,),
           "run": (RunManifest.KIND,), "eval": (EvalReportManifest.KIND,), "export": EXPORT_KINDS}  # fmt: skip
