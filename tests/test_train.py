@@ -524,6 +524,11 @@ def test_a_reselection_that_would_replace_under_one_weight_or_a_zero_share_is_re
     assert zero.exit_code == 2 and "--reselect-fraction 0: no reselection replaces anything" in said, zero.output
     assert "pass a fraction above 0, or --reselect-every 0 for a static mask" in said
     assert not (tmp_path / "late").exists() and not (tmp_path / "zero").exists()
+    tiny = train(qdir, tokens, plan, tmp_path / "tiny", "--steps", 100, "--reselect-every", 1, "--reselect-fraction",
+                 1e-6)  # fmt: skip  (--reselect-every 1 was blamed, which cannot go lower; found in review)
+    said = " ".join(tiny.stderr.split())
+    assert tiny.exit_code == 2 and "--reselect-fraction 1e-06: no reselection would replace one weight" in said, said
+    assert "hint: raise it above" in said
     control = train(qdir, tokens, plan, tmp_path / "ten", "--steps", 30, "--reselect-every", 10)
     assert control.exit_code == 0, control.output
     assert len(load_verified(tmp_path / "ten", RunManifest).summary.reselections) == 2

@@ -371,6 +371,11 @@ def reselection_acting(config: TrainConfig, plan: PlanManifest, steps: int, ever
     shares = [update_fraction(step, steps, config.reselect_fraction) for step in range(every, steps, every or steps)]
     if not every or any(round(share * largest) >= 1 for share in shares):
         return every
+    if round(config.reselect_fraction * largest) < 1:  # under one weight at its start: the fraction, not the interval
+        return _static(config, "reselect_fraction", f"{config.reselect_fraction:g}: no reselection would replace one "
+                       f"weight (the plan's largest tensor trains {largest:,}, and the share replaced only decays "
+                       "from this)", f"raise it above {1 / (2 * largest):.2g}, or pass --reselect-every 0 for a "
+                       "static mask", progress)  # fmt: skip  (--reselect-every was blamed; found in review)
     return _static(config, "reselect_every", f"{every}: no reselection of this {steps}-step run would replace one "
                    f"weight (the plan's largest tensor trains {largest:,}; the share replaced decays from "
                    f"{config.reselect_fraction:g} at step 0 to 0 at step {math.ceil(0.75 * steps)})",
