@@ -387,6 +387,10 @@ def test_overwrite_is_asked_for_on_the_command_line_or_in_the_commands_own_table
             resolve_config(cls, section=section, cli=cli, env={variable: "1"})
     toml.write_text("[train]\noverwrite = true\n")
     assert resolve_config(TrainConfig, section="train", cli={}, config_file=toml, env={}).overwrite
+    # the table the refusal names, already there, was refused all the same; USAF_OVERWRITE=0 asks for what happens
+    # anyway, and was told to pass --overwrite (found in review)
+    assert resolve_config(TrainConfig, section="train", cli={}, config_file=toml, env={"USAF_OVERWRITE": "1"}).overwrite
+    assert not resolve_config(TrainConfig, section="train", cli={}, env={"USAF_OVERWRITE": "0"}).overwrite
     assert resolve_config(TrainConfig, section="train", cli={"overwrite": True}, env={"USAF_OVERWRITE": "1"}).overwrite
     assert not resolve_config(TrainConfig, section="train", cli={}, env={}).overwrite
 

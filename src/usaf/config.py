@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, field_validator
 
 from usaf.errors import UsafError, not_a
 
@@ -257,12 +257,6 @@ def resolve_config(
         offer(field, value, flag_name(field))
 
     shared = [field for field, info in fields.items() if not cli_meta(info).get("own_only")]  # see settings.fields
-    read_from_env = (_tables() if _tables is not None else {}).get(DEFAULTS_TABLE)  # by some command
-    for field in sorted(set(fields) - set(shared) - set(values)):  # not given here: the variable may be meant for it
-        if env.get(env_name(field)) and read_from_env is not None and field not in read_from_env:  # read by none
-            problems.append(f"{env_name(field)}: read by no command (each that has {flag_name(field)} reads it from "
-                            f"the flag or its own --config table only): pass {flag_name(field)}, or put {field} under "
-                            f"[{section}] of a --config file")  # fmt: skip
     for field, info in fields.items():
         raw = env.get(env_name(field)) if field in shared else None
         if raw is not None and raw != "":
@@ -279,6 +273,8 @@ def resolve_config(
         if isinstance(defaults, dict):
             for field in shared:
                 offer(field, defaults.get(field), f"--config {config_file} [{DEFAULTS_TABLE}] {field}")
+
+    problems += _unread_variables(fields, shared, values, env, section)
 
     for legacy, field in (legacy_env or {}).items():
         raw = env.get(legacy)
@@ -301,6 +297,32 @@ def resolve_config(
         "invalid settings: " + "; ".join(problems),
         "fix the values above (flags win over USAF_* variables, which win over --config)",
     )
+
+
+def _unread_variables(
+    fields: Mapping[str, Any], shared: Collection[str], values: Mapping[str, Any], env: Mapping[str, str], section: str
+) -> list[str]:
+    """``USAF_<FIELD>`` of a field no command reads from the environment (``own_only`` in every command that has it),
+    set where neither the flag nor the command's own table gave the field: refused, not ignored in silence. One
+    that asks for the field's default (``USAF_OVERWRITE=0``) is moot: what happens anyway (review)."""
+    read_from_env = (_tables() if _tables is not None else {}).get(DEFAULTS_TABLE)  # by some command
+    if read_from_env is None:
+        return []
+    problems = []
+    for field in sorted(set(fields) - set(shared) - set(values) - set(read_from_env)):
+        raw = env.get(env_name(field))
+        if not raw:
+            continue
+        try:  # read as the field reads it (a bool's "0" is False)
+            annotation = fields[field].annotation
+            moot = TypeAdapter(annotation).validate_python(_parse_env_value(raw, annotation)) == fields[field].default
+        except (ValueError, TypeError):
+            moot = False
+        if not moot:
+            problems.append(f"{env_name(field)}: read by no command (each that has {flag_name(field)} reads it from "
+                            f"the flag or its own --config table only): pass {flag_name(field)}, or put {field} under "
+                            f"[{section}] of a --config file")  # fmt: skip
+    return problems
 
 
 def _value_problems(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> list[str]:
