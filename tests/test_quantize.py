@@ -701,3 +701,14 @@ def test_overwrite_is_another_name_for_force(tiny_model, tmp_path):
     replaced = quantize(source, "--out", out, "--overwrite")
     assert replaced.exit_code == 0, replaced.output
     assert load_verified(out, QuantizedModelManifest).summary.quant.method == "hqq"
+
+
+def test_a_model_given_as_dot_names_its_default_output_after_its_directory(tiny_model, tmp_path, monkeypatch):
+    """``cd model && usaf quantize .`` named its output "<stamp>-run", the name of nothing (found in review)."""
+    model = tmp_path / "mymodel"
+    shutil.copytree(tiny_model("qwen3_moe"), model)
+    monkeypatch.chdir(model)
+    result = quantize(".", "--workspace", tmp_path / "ws", "--method", "rtn", "--group-size", "8")
+    assert result.exit_code == 0, result.output
+    (made,) = (tmp_path / "ws" / "quantized_model").iterdir()
+    assert made.name.endswith("-mymodel"), made.name

@@ -1163,10 +1163,11 @@ def test_a_relative_workspace_gives_outputs_named_in_full(tmp_path, tok_dir, mon
     paths elsewhere (found in review). The control: the output is where the relative workspace says."""
     (tmp_path / "a.py").write_text("x = 1\n" * 20)
     monkeypatch.chdir(tmp_path)
-    for env in ({"USAF_WORKSPACE": "ws"}, None):
-        args = ("--workspace", "ws2") if env is None else ()
+    (tmp_path / "sub").mkdir()
+    for env, args, name in (({"USAF_WORKSPACE": "ws"}, (), "ws"), (None, ("--workspace", "ws2"), "ws2"),
+                            (None, ("--workspace", "sub/../ws3"), "ws3")):  # fmt: skip  (the .. was kept; review)
         result = tokenize("a.py", "--model", tok_dir, *args, env=env)
         said = " ".join(result.stdout.split() + result.stderr.split())
-        where = tmp_path / ("ws" if env else "ws2") / "tokens"
+        where = tmp_path / name / "tokens"
         assert result.exit_code == 0 and f"tokens → {where}/" in said, said
         assert len(list(where.iterdir())) == 1

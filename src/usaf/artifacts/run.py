@@ -359,7 +359,7 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
 
     Raises UsafError naming ``flag`` when the directory is none of these or its files are damaged.
     """
-    path = Path(path).absolute()  # the change's source, recorded in eval's report (a relative one there; review)
+    path = Path(os.path.abspath(path))  # the change's source, named in reports: a relative one (or with ..; review)
     if not path.is_dir():
         raise UsafError(f"{flag} {path}: {not_a(path, 'directory')}", "pass a run directory written by usaf train")
     if path.name == FINAL_DIR and (path.parent / "manifest.json").is_file():  # RUN/final: the finished run itself

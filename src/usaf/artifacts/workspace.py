@@ -47,7 +47,7 @@ def workspace_dir(explicit: Path | None = None, *, named: str = "--workspace") -
         return Path.cwd()
     if path.exists() and not path.is_dir():
         raise UsafError(f"{named} {path}: not a directory", "pass a directory (a missing one is created)")
-    return path.absolute()  # what stages print: a relative one's outputs were relative beside absolute inputs (review)
+    return Path(os.path.abspath(path))  # what stages print: a relative one's were relative, or kept '..' (review)
 
 
 def settings_workspace(config: Any) -> Path:

@@ -79,7 +79,7 @@ def resolve_model_and_change(
         change = load_trained_change(run.path, flag="--checkpoint")
     if change is not None:
         check_change(change, manifest, model)
-    return Path(model).absolute(), manifest, change  # named in full wherever printed (a relative one was; review)
+    return Path(os.path.abspath(model)), manifest, change  # named in full wherever printed (a relative one was; review)
 
 
 def model_of_change(

@@ -407,7 +407,9 @@ def run(config: QuantizeConfig, *, progress: Progress | None = None) -> tuple[Qu
 def _label(model: str, model_dir: Path) -> str:
     """What a default output is named after: the directory given, or a hub id's repository name (its snapshot's
     directory is named by the revision's hash: ``quantized_model/0123abcd...-20261206-...``, found in review)."""
-    return model_dir.name if Path(model).expanduser().is_dir() else model.rstrip("/").rsplit("/", 1)[-1]
+    if Path(model).expanduser().is_dir():  # resolved: "." named every output "-run", the name of nothing (review)
+        return model_dir.resolve().name
+    return model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _weight_tensors(layer: Any) -> list[Any]:
