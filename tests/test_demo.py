@@ -39,6 +39,7 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     # the control: the same settings with the workspace spelled another way (relative) are the same demo
     relative = invoke("demo", "--quick", "--workspace", os.path.relpath(workspace))
     assert relative.exit_code == 0 and relative.stderr.count("reusing") == 5, relative.output
+    assert f"report: {workspace / 'eval_report' / 'demo' / 'report.md'}" in " ".join(relative.stdout.split())
     # an edited stage's manifest is refused as any consumer refuses it: its edited numbers were shown (found in review)
     report = workspace / "eval_report" / "demo" / "manifest.json"
     data = json.loads(report.read_text())

@@ -202,6 +202,17 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
         {"path": "checkpoints/step-0000004", "changed": ["deltas.safetensors"]},
         {"path": "checkpoints/step-0000008", "changed": []},
     ]
+    # a finished run with a changed checkpoint: it said "verified" on stdout, then refused; its JSON listed no problem
+    # and the checkpoints' files as unlisted (found in review)
+    finished = tmp_path / "finished"
+    shutil.copytree(run, finished)
+    _set_first_value(finished / "checkpoints" / "step-0000004", 0.5)
+    result = invoke("inspect", finished, "--verify")
+    assert result.exit_code == 2 and "verified" not in result.stdout, result.output
+    report = json.loads(invoke("inspect", finished, "--verify", "--json").stdout)
+    assert report["verified"] is False and [p["path"] for p in report["problems"]] == [
+        "checkpoints/step-0000004/deltas.safetensors"]  # fmt: skip
+    assert not [f for f in report["unlisted"] if f.startswith("checkpoints/")], report["unlisted"]
     started = tmp_path / "started"
     started.mkdir()
     shutil.copy(run / "run-settings.json", started / "run-settings.json")

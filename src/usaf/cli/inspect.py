@@ -201,7 +201,10 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     problem = manifest_problem(manifest)  # the files match, the manifest lies
     extra = unlisted_files(path, manifest)
     checkpoints = _checkpoint_checks(path) if manifest.kind == "run" else []
-    if as_json:
+    # a run directory also holds its metrics and checkpoints, which its manifest does not cover (the checkpoints'
+    # own checksums do: said below)
+    uncovered = [f for f in extra if not any(f.startswith(c["path"] + "/") for c in checkpoints)]
+    if as_json:  # a changed checkpoint is a problem, and its files are not "unlisted" (they were; found in review)
         print_json(
             {
                 "path": str(path),
@@ -210,14 +213,13 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
                 "verified": not bad and problem is None and not _changed(checkpoints),
                 "files": len(checks),
                 "problems": [{"path": c.path, "problem": c.problem} for c in bad]
-                + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else []),
-                "unlisted": extra,
+                + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else [])
+                + [{"path": f, "problem": "not as usaf wrote it (its checkpoint's checksums.json differs)"}
+                   for f in _changed(checkpoints)],
+                "unlisted": uncovered,
                 **({"checkpoints": checkpoints} if manifest.kind == "run" else {}),
             }
         )
-    # a run directory also holds its metrics and checkpoints, which its manifest does not cover (the checkpoints'
-    # own checksums do: said below)
-    uncovered = [f for f in extra if not any(f.startswith(c["path"] + "/") for c in checkpoints)]
     if uncovered:
         note(f"{len(uncovered)} files are not listed in the manifest (not covered by it): {', '.join(uncovered[:5])}")
     if manifest.manifest_sha256 is None:
@@ -230,13 +232,13 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
         )
     if problem is not None:
         raise UsafError(f"{path / MANIFEST_NAME}: {problem}", "re-run the stage that made this artifact")
+    if checkpoints:  # before the verdict: "verified" was printed, then a changed checkpoint refused (found in review)
+        _say_checkpoints(path, checkpoints, as_json=as_json)
     if not as_json:
         out.print(
             f"{path}: {manifest.kind} artifact verified: {len(checks)} files match their sha256 "
             f"(fingerprint {manifest.fingerprint[:16]})"
         )
-    if checkpoints:
-        _say_checkpoints(path, checkpoints, as_json=as_json)
 
 
 def _is_run(path: Path) -> bool:

@@ -62,6 +62,9 @@ class DemoStep:
 
 
 def paths(workspace: Path) -> dict[str, Path]:
+    """Each stage's output, named in full: a relative workspace's report and plots were printed relative beside the
+    absolute cache path (found in review)."""
+    workspace = Path(os.path.abspath(workspace))
     return {
         "tokens": workspace / "tokens" / NAME,
         "quantized": workspace / "quantized_model" / NAME,
