@@ -521,3 +521,38 @@ def test_a_command_that_fails_leaves_without_waiting(monkeypatch):
     with pytest.raises(KeyboardInterrupt), _process_group():
         raise KeyboardInterrupt
     assert seen == [True, False]
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c",
+    "import time; from usaf.distributed import stop_with_launcher; stop_with_launcher(); print('ready', flush=True); "
+    "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+assert rank.stdout.readline().strip() == "ready"
+print(rank.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_rank_stops_when_its_launcher_is_killed():
+    """kill -9 of ``usaf train --nproc 2`` left both ranks training as orphans, holding the run's lock (found in
+    review). A rank now gets SIGTERM when its launcher dies. The control: with the launcher alive, it runs on."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True)
+    rank = int(launcher.stdout.readline())
+    time.sleep(1)
+    os.kill(rank, 0)  # the control: alive while its launcher is
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            return  # gone (reaped by init)
+        with open(f"/proc/{rank}/stat") as stat:
+            if stat.read().split()[2] == "Z":
+                return  # ended, not yet reaped
+        time.sleep(0.2)
+    os.kill(rank, signal.SIGKILL)
+    raise AssertionError("the rank outlived its launcher")
