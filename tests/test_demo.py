@@ -85,6 +85,32 @@ def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monk
     assert unmarked.is_dir()
 
 
+def test_a_demo_stopped_under_overwrite_says_to_drop_it_to_resume(tmp_path, monkeypatch):
+    """Ctrl-C in ``usaf demo --overwrite``: the stage said "run the same command to resume", and the same command's
+    --overwrite discarded the saved work (found in review). The control: without --overwrite nothing more is said."""
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+    from usaf.stages.progress import NullProgress
+
+    class Stage:
+        @staticmethod
+        def run(settings, progress):
+            raise KeyboardInterrupt
+
+    class Notes(NullProgress):
+        said: list[str] = []
+
+        def note(self, message: str) -> None:
+            self.said.append(message)
+
+    monkeypatch.setattr(demo.importlib, "import_module", lambda name: Stage)
+    for overwrite in (True, False):
+        Notes.said = []
+        with pytest.raises(KeyboardInterrupt):
+            demo.run(DemoConfig(workspace=tmp_path / "demo", quick=True, overwrite=overwrite), progress=Notes())
+        assert any("rerun without --overwrite to resume" in n for n in Notes.said) is overwrite, Notes.said
+
+
 def test_quick_caps_the_steps_and_held_out_sequences_not_given():
     """--quick --steps 100 ran 20 steps in silence (found in review): a value given wins, the others are capped."""
     from usaf.config import resolve_config

@@ -164,7 +164,13 @@ def run(
             progress.note(f"{name}: reusing {step.path} (rerun with --overwrite to start over)")
         else:
             progress.note(f"{name}: {shell_line(command)}")
-            step.manifest, _ = importlib.import_module(f"usaf.stages.{name}").run(settings, progress=progress)
+            try:
+                step.manifest, _ = importlib.import_module(f"usaf.stages.{name}").run(settings, progress=progress)
+            except KeyboardInterrupt:  # Ctrl-C, or a StopSignal (SIGTERM, SIGHUP)
+                if config.overwrite:  # the stage's "run the same command to resume": with --overwrite it discards
+                    progress.note("usaf demo: rerun without --overwrite to resume (with it, that saved work is "
+                                  "discarded and the demo starts over)")  # fmt: skip  (found in review)
+                raise
         if on_step is not None:
             on_step(step)
     return load_manifest(p["eval"]), p["eval"]
