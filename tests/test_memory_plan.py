@@ -436,9 +436,14 @@ def test_a_given_setting_that_is_the_cause_is_named_where_nothing_fits():
         result = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "64GiB", *args, env=env)
         said = " ".join(result.stderr.split())
         assert result.exit_code == 2 and f"with {named} as given)" in said, said
-        assert f"hint: more --ram, smaller values than {named}" in said, said
+        source, value = named.split()
+        assert f"hint: more --ram, a smaller {source} than {value} (or leave it to the plan)" in said, said
+    # --train-from: a larger one trains fewer layers (the hint said "smaller values than --train-from 40"; review)
+    late = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "4GiB", "--train-from", 40)
+    said = " ".join(late.stderr.split())
+    assert late.exit_code == 2 and "a larger --train-from than 40 (or leave it to the plan)" in said, said
     control = invoke("plan", QWEN3_30B, "--device", "cpu", "--ram", "4GiB")
-    assert control.exit_code == 2 and "as given" not in control.stderr and "smaller values" not in control.stderr
+    assert control.exit_code == 2 and "as given" not in control.stderr and "than" not in control.stderr.split("hint")[1]
 
 
 @pytest.mark.parametrize(

@@ -62,11 +62,15 @@ def _run(settings: Any, json_output: bool) -> None:
         # what was given is kept as given: "the smallest settings" and a fixed hint hid a --microbatch 100000 that
         # was the cause (found in review); named where it was set (a USAF_* variable, a --config table)
         given = [f"{source_of(settings, n)} {getattr(settings, n)}" for n in _CHOSEN if was_given(settings, n)]
+        # each the way that needs less memory: fewer sequences a microbatch, a later first trained layer (a smaller
+        # --train-from trains more layers: "smaller values than --train-from 40" pointed the wrong way; review)
+        ways = [f"{'a smaller' if n == 'microbatch' else 'a larger'} {source_of(settings, n)} than "
+                f"{getattr(settings, n)}" for n in _CHOSEN if was_given(settings, n)]  # fmt: skip
         raise UsafError(
             "nothing fits: " + "; ".join(plan.shortfalls) + " (at the smallest settings shown above"
             + (f", with {', '.join(given)} as given)" if given else ")"),
             f"more {'--ram' if kind == 'cpu' else '--vram/--ram'}, "
-            + (f"smaller values than {' and '.join(given)} (or leave them to the plan), " if given else "")
+            + (f"{' or '.join(ways)} (or leave {'it' if len(ways) == 1 else 'them'} to the plan), " if ways else "")
             + "a shorter --seq-len, or a smaller --frac",
         )
 
