@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import FALLBACK_TYPES, FAMILIES, needs_v5
+from conftest import FALLBACK_TYPES, FAMILIES, TRANSFORMERS_V5, needs_v5
 from helpers import invoke
 from usaf.errors import UsafError
 from usaf.families import (
@@ -473,8 +473,10 @@ def test_missing_required_field_is_refused():
 
 @pytest.mark.parametrize(
     "edit, said",
-    [({"hidden_act": "swiglu"}, "KeyError: 'swiglu'"), ({"vocab_size": -1}, "negative dimension")],
-    ids=["unknown activation", "negative vocabulary"],
+    [({"hidden_act": "swiglu"}, "KeyError: 'swiglu'"), ({"vocab_size": -1}, "negative dimension"),
+     pytest.param({"layer_types": ["full_attention"]}, "must be equal to the number of `layer_types`",  # its second
+                  marks=pytest.mark.skipif(not TRANSFORMERS_V5, reason="transformers 5's validator"))],  # line (review)
+    ids=["unknown activation", "negative vocabulary", "layer_types of another length"],
 )
 def test_a_config_transformers_cannot_build_is_one_error_naming_its_complaint(tiny_model, edit, said):
     """A config.json transformers refuses to build (an unknown activation, a negative size) crashed plan, inspect and

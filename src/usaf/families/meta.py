@@ -81,8 +81,13 @@ def _meta_model_cached(config_json: str):
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else "no message"
+    """The error's first line, and the next where the first only announces it ("Class validation error for validator
+    'validate_layer_type':" named no field; found in review)."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not text:
+        return "no message"
+    said = f"{text[0]} {text[1]}" if text[0].endswith(":") and len(text) > 1 else text[0]
+    return said[:300]
 
 
 def meta_model(config: Mapping[str, Any]):
