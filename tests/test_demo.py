@@ -142,7 +142,7 @@ def test_a_stage_made_with_a_setting_not_given_now_is_not_reused(tmp_path, monke
         return made
 
     monkeypatch.setattr(demo, "_plan_lr", lambda plan: 1e-3)
-    with pytest.raises(UsafError, match="frac 0.05 there, None now"):
+    with pytest.raises(UsafError, match="frac 0.05 there, the default now"):
         demo._check_made_with("score", step("score", frac=0.05), ScoreConfig(), tmp_path, tmp_path / "plan")
     demo._check_made_with("score", step("score", frac=None), ScoreConfig(), tmp_path, tmp_path / "plan")
     with pytest.raises(UsafError, match="lr 0.5 there, 0.001 now"):

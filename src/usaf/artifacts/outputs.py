@@ -52,7 +52,12 @@ def check_not_an_input(target: Path, flag: str, inputs: InputPaths, *, defaulted
             raise UsafError(f"the default output {target} {where}: writing there would {harm}",
                             f"pass --out DIR {remedy}, or --workspace DIR {remedy} (the workspace is the current "
                             "directory unless --workspace or USAF_WORKSPACE names one)")  # fmt: skip
-        raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass a {flag} {remedy}")
+        raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass {_a(flag)} {remedy}")
+
+
+def _a(flag: str) -> str:
+    """``a --out``, ``an OUT`` ("pass a OUT"; found in review)."""
+    return f"{'an' if flag[:1] in 'AEIOUaeiou' else 'a'} {flag}"
 
 
 def output_overlap(target: Path, inputs: InputPaths) -> tuple[str, str, str] | None:
@@ -85,7 +90,7 @@ def check_not_inside_an_artifact(target: Path, flag: str) -> None:
     found = _inside_an_artifact(target)
     if found is not None:
         where, harm, remedy = found
-        raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass a {flag} {remedy}")
+        raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass {_a(flag)} {remedy}")
 
 
 def _inside_an_artifact(target: Path) -> tuple[str, str, str] | None:

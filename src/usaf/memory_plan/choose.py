@@ -20,6 +20,7 @@ from usaf.memory_plan.sizes import gib
 from usaf.memory_plan.source import QuantSettings
 from usaf.memory_plan.target import GIB, RESERVE, Target
 from usaf.settings.fields import DEFAULT_TARGETS, default_frac
+from usaf.units import counted
 
 DEFAULT_MICROBATCH = 2  # usaf train's default
 DEFAULT_PREFIX_CACHE = 2 * GIB  # usaf train's --prefix-cache-gib default, used when the data size is unknown
@@ -173,7 +174,7 @@ def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.S
     default = w.default_layer_count(m)
     if fits and request.train_from is None and len(s.layers) < default:
         notes.append(
-            f"{len(s.layers)} trainable layers instead of usaf score's default {default} (the top quarter): "
+            f"{counted(len(s.layers), 'trainable layer')} instead of usaf score's default {default} (the top quarter): "
             "more do not fit"
         )
     if "dense" in request.targets and not s.dense_layers:

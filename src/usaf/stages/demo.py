@@ -207,7 +207,7 @@ def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path, 
     wanted = settings.model_dump(mode="json")
     if name == "train" and wanted.get("lr") is None:
         wanted["lr"] = _plan_lr(plan)
-    differ = [f"{key} {recorded.get(key)!r} there, {value!r} now" for key, value in wanted.items()
+    differ = [f"{key} {_shown(recorded.get(key))} there, {_shown(value)} now" for key, value in wanted.items()
               if key in recorded and _named(recorded[key]) != _named(value)]  # fmt: skip
     if differ:
         raise UsafError(
@@ -221,6 +221,11 @@ def _plan_lr(plan: Path) -> float:
     """The lr train takes from the demo's plan (:func:`usaf.stages.train.inputs.with_lr`'s, without --lr)."""
     test = load_manifest(plan).summary.lr_test
     return test.lr if test is not None else DEFAULT_LR
+
+
+def _shown(value: Any) -> str:
+    """A setting as a user reads it: "the default" for one not given ("frac None there"; found in review)."""
+    return "the default" if value is None else repr(value)
 
 
 def _named(value: Any) -> Any:

@@ -53,7 +53,7 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
         )
     if kind == "cpu" and config.vram is not None and source_of(config, "vram") == "--vram":
         raise UsafError(  # else planned for RAM alone, the --vram given read and dropped
-            f"--vram {config.vram}: this run computes on the CPU ({backend.device}), which has no device memory",
+            f"--vram {config.vram}: this run computes on the CPU, which has no device memory",
             "drop --vram (--ram sizes the run), or pass --device cuda",
         )
     memory = backend.memory()
