@@ -348,7 +348,7 @@ def test_a_frac_under_one_weight_per_tensor_is_said(setup, tmp_path):
     # --frac was offered for a budget at its minimum (found in review)
     assert slices.exit_code == 2 and "expert 3 has 0 scored weights" in said, said
     assert "(its scores were zero or fell out of the candidate pool; --full-maps keeps every score)" in said
-    assert "hint: use more --calib-samples, or another --budget" in said
+    assert "hint: pass --full-maps (every score kept, each expert's own best chosen), or another --budget" in said
     full = score(*common, *experts, "--frac", 1e-4, "--full-maps", "--out", tmp_path / "full")
     assert full.exit_code == 0, full.output  # every score kept: each expert's own best (the tensor's best had none)
     summary = load_verified(tmp_path / "full", PlanManifest).summary

@@ -646,5 +646,5 @@ def test_a_per_expert_budget_names_why_an_expert_has_too_few_candidates():
     exact.end_batch()
     chosen = select({"w": exact}, frac=1e-9, mode="per-expert", layer_of={"w": 0})["w"]
     assert sorted((chosen // 16).tolist()) == [0, 1, 2]
-    dense = exact.dense_scores()
+    dense = exact.dense_map()
     assert all(dense.view(3, -1)[e].argmax() == chosen[e] % 16 for e in range(3))

@@ -420,10 +420,6 @@ class ScoreAccumulator:
             raise ValueError("a dense map exists only in exact mode")
         return self._dense if self._dense is not None else torch.zeros(self.shape, dtype=torch.float32)
 
-    def dense_scores(self) -> Tensor | None:
-        """Exact mode: every element's score, ``(E, O, I)`` fp32 (None before the first add, and in pooled mode)."""
-        return self._dense.view(self.shape) if self.exact and self._dense is not None else None
-
     def ranked(self) -> tuple[Tensor, Tensor]:
         """All pooled candidates (exact mode: the ``capacity`` best), by score descending.
 

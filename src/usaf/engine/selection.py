@@ -113,8 +113,8 @@ def select(
 def _per_expert(name: str, acc: ScoreAccumulator, frac: float) -> torch.Tensor:
     experts, rows, cols = acc.shape
     k = max(1, int(frac * rows * cols))
-    dense = acc.dense_scores()
-    if dense is not None:  # every score kept: each expert's own best (the tensor's best few held none of some; review)
+    if acc.exact:  # every score kept: each expert's own best (the tensor's best few held none of some; review)
+        dense = acc.dense_map()
         scores, local = dense.reshape(experts, rows * cols).topk(k, dim=1)  # (E, k) each
         if (short := (scores <= 0).any(dim=1).nonzero()).numel():
             e = int(short[0])

@@ -461,6 +461,8 @@ def _selection(accumulators, halves, frac, layer_of, budget, targets, data_file,
         # a budget already at its minimum of one weight cannot shrink: "a smaller --frac" was offered (review)
         smaller = "" if len(floored) == len(accumulators) else ", a smaller --frac"
         hint = f"use more --calib-samples{smaller}, or another --budget"
+        if "candidate pool" in str(e):  # the pool keeps the tensor's best: more samples need not help (review)
+            hint = "pass --full-maps (every score kept, each expert's own best chosen), or another --budget"
         if "attention" in targets:  # a sequence's first position attends only to itself: no q/k gradient there
             hint += " (attention's q/k learn only past a sequence's first token: longer lines, or --targets experts)"
         raise UsafError(f"--data {data_file}: selection smaller than its budget: {e}", hint) from None
