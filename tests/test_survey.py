@@ -217,3 +217,18 @@ def test_inspect_of_a_checkpoint_says_it_is_one_and_what_takes_it(workspace, tmp
     (tmp_path / "empty").mkdir()
     control = invoke("inspect", tmp_path / "empty")
     assert control.exit_code == 2 and "a checkpoint of" not in control.stderr
+
+
+def test_a_run_stopped_while_scoring_its_plan_is_not_told_to_resume_with_resume_alone(tmp_path):
+    """``inspect`` advised ``usaf train --out RUN --resume (the settings it recorded)`` of a run stopped while scoring
+    its own plan, which records no settings yet: that command was refused (found in review). The control: a run
+    with its settings recorded is advised --resume."""
+    run = tmp_path / "run" / "r1"
+    (run / ".plan.usaf-partial").mkdir(parents=True)
+    (run / ".plan.usaf-partial" / "score-settings.json").write_text("{}")
+    said = " ".join(invoke("inspect", run).output.split())
+    assert "rerun the command that started it" in said and "--resume alone has none to take" in said, said
+    assert f"usaf train --out {run} --resume" not in said
+    (run / "run-settings.json").write_text("{}")
+    said = " ".join(invoke("inspect", run).output.split())
+    assert f"usaf train --out {run} --resume (the settings it recorded)" in said, said

@@ -131,6 +131,10 @@ def _unfinished_run(path: Path) -> Entry:
                      "stop it (Ctrl-C there saves) and rerun its command", writer)  # fmt: skip
     # train without --out looks for an unfinished run among its workspace's default outputs only (WORKSPACE/run/)
     found = " (without --out it finds this run)" if path.parent.name == RunManifest.KIND else " (with its --out)"
+    if not (path / SETTINGS_FILE).is_file():  # stopped while scoring: --resume has no record to take (review)
+        return Entry(path, "unfinished run", "run", detail, _size(path),
+                     f"rerun the command that started it{found}: its settings are recorded once its plan is scored, "
+                     "so --resume alone has none to take; --overwrite starts over")  # fmt: skip
     return Entry(path, "unfinished run", "run", detail, _size(path),
                  f"usaf train --out {path} --resume (the settings it recorded), or rerun the command that started it"
                  f"{found}; --overwrite starts over")  # fmt: skip
