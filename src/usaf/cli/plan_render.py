@@ -22,6 +22,9 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
     if source.quantized_dir is None:
         quant = source.quant
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
+    # the data at the planned length: score has no --seq-len and train's only cuts, so nothing ran at a --seq-len
+    # planned longer than the tokens were packed (found in review)
+    out.append(f"usaf tokenize DATA --model {source.quantized_dir or source.label} --seq-len {s.seq_len}")
     model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
     # --dtype on both: the plan's prefix states are kept in score's dtype, and train takes them only in its own
     score = (f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch} "
