@@ -4,6 +4,7 @@ stability, workspace chaining and bad inputs."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -346,7 +347,7 @@ def test_a_frac_under_one_weight_per_tensor_is_said(setup, tmp_path):
     assert "frac 0.0001: under one weight in each expert of " in said and "each expert of which trains one" in said
     # an expert routed to but with no score was said to have "received too few calibration tokens", and a smaller
     # --frac was offered for a budget at its minimum (found in review)
-    assert slices.exit_code == 2 and "expert 3 has 0 scored weights" in said, said
+    assert slices.exit_code == 2 and re.search(r"expert \d+ has 0 scored weights", said), said
     assert "(its scores were zero or fell out of the candidate pool; --full-maps keeps every score)" in said
     assert "hint: pass --full-maps (every score kept, each expert's own best chosen), or another --budget" in said
     full = score(*common, *experts, "--frac", 1e-4, "--full-maps", "--out", tmp_path / "full")

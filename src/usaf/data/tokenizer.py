@@ -53,7 +53,7 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
     try:
         with hub_logs_quiet():  # a hub id: its retries' log lines are not usaf's error
             tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:  # ImportError: a slow tokenizer's converter needs protobuf
         tokenizer = _saved_by_transformers_5(model, e)
         if tokenizer is None:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
