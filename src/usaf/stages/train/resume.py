@@ -106,6 +106,7 @@ def restore(trainer: Any, checkpoint: Checkpoint, directory: Path) -> None:
         if checkpoint.scores is not None:
             _restore_scores(trainer, checkpoint.scores_by_rank or [checkpoint.scores])
     trainer.state = state
+    trainer.resumed_world_size = state.world_size  # the processes it trained on until now, said where they differ
     same_world = trainer.state.world_size == trainer.world.size
     if trainer.state.microbatch is not None and same_world:  # an out-of-memory retry before the checkpoint
         trainer.microbatch, trainer.grad_accum = trainer.state.microbatch, trainer.state.grad_accum

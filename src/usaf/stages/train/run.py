@@ -30,6 +30,7 @@ from usaf.config import refuse_unused, source_of
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.train.config import TrainConfig
+from usaf.units import counted
 
 
 def run(config: TrainConfig, *, progress: Progress | None = None) -> tuple[RunManifest, Path]:
@@ -104,6 +105,10 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
         ran_at = trainer.state.microbatch or inputs.settings_record.get("microbatch")  # recorded at the run's start
         if (split := other_split(ran_at, trainer.microbatch, config.microbatch)) is not None:
             progress.note(split)
+        if (before := trainer.resumed_world_size) != world.size:  # README said exact; it is not (found in review)
+            progress.note(f"resumed on {counted(world.size, 'process')}, the run trained on {before} until now: the "
+                          "same sums in another order, so equal to an uninterrupted run's to fp32 rounding, not bit "
+                          "for bit (a later reselection may pick a few other weights)")  # fmt: skip
         if not (config.deterministic or backend.capabilities.reproducible):
             progress.note(f"on {backend.name} without --deterministic the resumed run equals an uninterrupted one "
                           "only within the device's run-to-run noise (its sums' order varies)")  # fmt: skip

@@ -110,6 +110,7 @@ class Trainer:
         size = company_size(config.microbatch, data_seq_len(config, data), self.world.size)
         threads = backend.compute_threads() if backend is not None else None
         self.state = TrainState(world_size=self.world.size, company_size=size, threads=threads)  # a resume replaces it
+        self.resumed_world_size = self.world.size  # a resume: the processes the run trained on until its checkpoint
         self._companies: FirstEpochCompanies | None = None
 
     @property
