@@ -381,7 +381,7 @@ def document_problems(
     defaults_keys = tables.pop(DEFAULTS_TABLE, set())  # the names some command reads from [defaults]
     tables[section] = set(fields)
     anywhere = set().union(*tables.values())
-    shared = defaults_keys | (set(shared_fields) & set(fields)) if _tables is not None else anywhere
+    shared = (defaults_keys | (set(shared_fields) & set(fields))) if _tables is not None else anywhere
     where = f"--config {path}"
     problems = []
     for name, table in document.items():
