@@ -247,7 +247,10 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert rows[("held-out", "alpha")]["sequences"] > rows[("held-out", "beta")]["sequences"]
     assert {i["kind"] for i in data["inputs"]} == {"text"}
     assert all(d["changed_fraction"] is None for d in data["routing"])
-    assert "**base model only**" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "**base model only**" in md
+    # what eval packed itself is named so, not "text": a chat JSONL was called text (found in review)
+    assert f"--held-out `{texts}` (tokenized by eval)" in md and "(text)" not in md, md
     total = next(r for r in data["rows"] if r["overall"] and r["input"] is None)["base"]  # the table's last row
     shown = f"{total['ppl']:.2f} [{total['ppl_ci'][0]:.2f}, {total['ppl_ci'][1]:.2f}]"  # one precision (it was 2 and 3)
     assert shown in " ".join(result.stdout.replace("│", " ").split()), result.stdout

@@ -58,6 +58,10 @@ def result_rows(
 
 
 _SET_ORDER = {DATA: 0, HELD_OUT: 1}
+# An input's kind as the report names it: "text" is whatever eval packed itself (text files, text or chat JSONL), so the
+# word alone called a chat JSONL text (found in review).
+_KIND_SHOWN = {"tokens": "tokens", "tokens-jsonl": "pre-tokenized JSONL", "text": "tokenized by eval"}
+
 _SOURCE, _INPUT, _SET = 0, 1, 2  # row kinds, in their order within an input and within a set
 
 
@@ -175,7 +179,8 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
     for item in s.inputs:
         sample = f" (a seeded sample of its {item.sampled_from:,})" if item.sampled_from else ""
         unscored = f" ({item.unscored:,} with no scored token, so in no row)" if item.unscored else ""
-        lines.append(f"- {item.flag} `{item.path}` ({item.kind}): {item.sequences:,} sequences{sample}{unscored}, "
+        kind = _KIND_SHOWN.get(item.kind, item.kind)
+        lines.append(f"- {item.flag} `{item.path}` ({kind}): {item.sequences:,} sequences{sample}{unscored}, "
                      f"{item.tokens:,} scored tokens")  # fmt: skip
     if s.overlap_note is not None:
         lines.append(("- **warning**: " if s.heldout_in_training else "- ") + s.overlap_note)
