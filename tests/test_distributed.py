@@ -137,6 +137,9 @@ def test_nproc_reports_a_ranks_refusal_and_ctrl_c_as_usaf_does(setup, tmp_path):
         code, _, stderr = finished(nproc(locked, "--steps", 2))
     assert code == 2 and "another usaf process is writing it" in stderr, stderr
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
+    # said once, not once per rank (found in review; under a user's own torchrun each rank says it: the test of a
+    # locked out below is the control)
+    assert stderr.count("another usaf process is writing it") == 1, stderr
 
     run = tmp_path / "run"
     proc = nproc(run, "--steps", 300, "--microbatch", 1, "--save-every", 0)
@@ -145,7 +148,37 @@ def test_nproc_reports_a_ranks_refusal_and_ctrl_c_as_usaf_does(setup, tmp_path):
     code, _, stderr = finished(proc)
     assert code == 130 and "interrupted: saved" in stderr, stderr
     assert "Traceback" not in stderr and "SignalException" not in stderr
+    # as one process says it: one line of each, and not torchrun's log of the signal (found in review)
+    assert stderr.count("nothing half-written was left behind") == 1 and "death signal" not in stderr, stderr
     assert len(list((run / "checkpoints").iterdir())) == 1
+
+
+def test_the_launcher_says_what_another_rank_said_that_no_lower_rank_did(tmp_path, monkeypatch):
+    """What the ranks of --nproc said: rank 0 printed its own; a line of rank 1 the same as rank 0's is not said
+    again, one of its own is, under its rank, and so is every line where rank 0 said nothing (killed)."""
+    from usaf.cli import rank_errors
+
+    monkeypatch.setenv(rank_errors.ERRORS_ENV, str(tmp_path))
+    stopped = ("stopped", "interrupted: nothing half-written was left behind", None)
+    for rank, lines in {0: [("error", "--plan x: no such directory", "check the path")],
+                        1: [("error", "--plan x: no such directory", "check the path")],
+                        2: [("error", "out of memory", "lower --microbatch")],
+                        3: [("error", "out of memory", "lower --microbatch")],  # rank 2 said it
+                        10: [stopped]}.items():  # fmt: skip
+        monkeypatch.setenv("RANK", str(rank))
+        for kind, text, hint in lines:
+            assert rank_errors.record(kind, text, hint) is (rank == 0)  # rank 0 prints its own as it happens
+    with open(tmp_path / "rank-3.jsonl", "a") as f:
+        f.write('["error", "cut sho')  # a rank killed as it wrote
+    said = []
+    rank_errors.say_distinct(tmp_path, lambda rank, line: said.append((rank, line)))
+    assert said == [(2, ("error", "out of memory", "lower --microbatch")), (10, stopped)]
+    (tmp_path / "rank-0.jsonl").unlink()  # rank 0 killed before it said anything: rank 1's line is said
+    said.clear()
+    rank_errors.say_distinct(tmp_path, lambda rank, line: said.append((rank, line)))
+    assert said[0] == (1, ("error", "--plan x: no such directory", "check the path")) and len(said) == 3
+    monkeypatch.delenv(rank_errors.ERRORS_ENV)  # control: no launcher collecting (a user's torchrun): each prints
+    assert rank_errors.record("error", "x") is True
 
 
 def test_nproc_status_is_the_failing_ranks_not_the_one_the_launcher_stopped():

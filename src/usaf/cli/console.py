@@ -19,6 +19,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from usaf.cli import rank_errors
 from usaf.errors import StopSignal, UsafError
 
 out = Console(highlight=False, soft_wrap=True)
@@ -50,19 +51,20 @@ def handle_errors(verbose: bool = False) -> Iterator[None]:
             yield
         except UsafError as e:
             reporting()
-            _print_error(e, verbose)
+            _say_error(e, verbose)
             raise typer.Exit(UsafError.exit_code) from None
         except (OSError, RuntimeError) as e:  # a full disk, or memory, where no stage answered it: else a bug
             translated = _stray_disk_error(e) if isinstance(e, OSError) else _out_of_memory(e)
             if translated is None:
                 raise
             reporting()
-            _print_error(translated, verbose)
+            _say_error(translated, verbose)
             raise typer.Exit(UsafError.exit_code) from None
         except KeyboardInterrupt as e:  # a second signal now ends the process (the first one's handler reset it)
             name = getattr(e, "name", "SIGINT")
             what = "interrupted" if name == "SIGINT" else f"stopped by {name}"
-            err.print(f"[yellow]{what}[/yellow]: nothing half-written was left behind")
+            if rank_errors.record("stopped", f"{what}: nothing half-written was left behind"):
+                say_stopped(f"{what}: nothing half-written was left behind")
             raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None
 
 
@@ -99,6 +101,29 @@ def _stop_signals_as_ctrl_c() -> Iterator[Callable[[], None]]:
         for sig, handler in previous.items():
             if handler is not None:  # None: not installed from Python (then nothing to put back)
                 signal.signal(sig, handler)
+
+
+def say_stopped(text: str) -> None:
+    """``interrupted: ...``: the first word yellow."""
+    what, _, rest = text.partition(":")
+    err.print(f"[yellow]{what}[/yellow]:", end="")
+    err.print(rest, markup=False, emoji=False, highlight=False)
+
+
+def say_rank_line(rank: int, said: rank_errors.Said) -> None:
+    """Another rank's last line that rank 0 did not say, under its rank (a launcher's, after torchrun)."""
+    kind, text, hint = said
+    text = text if text.startswith("rank ") else f"rank {rank}: {text}"  # a PeerLost names its rank itself
+    if kind == "stopped":
+        say_stopped(text)
+    else:
+        _print_error(UsafError(text, hint), verbose=False)
+
+
+def _say_error(e: UsafError, verbose: bool) -> None:
+    """The error, where this rank is the one to say it (:mod:`usaf.cli.rank_errors`)."""
+    if rank_errors.record("error", e.message, e.hint):
+        _print_error(e, verbose)
 
 
 def _print_error(e: UsafError, verbose: bool) -> None:

@@ -7,6 +7,7 @@ import importlib
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,8 @@ def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
 
     Exits with torchrun's status. Refused when already launched by torchrun.
     """
-    from usaf.cli.console import handle_errors
+    from usaf.cli import rank_errors
+    from usaf.cli.console import handle_errors, say_rank_line
     from usaf.distributed import launched
 
     with handle_errors(verbose):
@@ -106,7 +108,13 @@ def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
     args = _without_option(sys.argv[1:], "--nproc")
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # cores shared by ranks
     os.environ["OMP_NUM_THREADS"] = threads  # the ranks inherit it
-    raise typer.Exit(_torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args]))
+    if verbose:  # every rank's traceback, as it happens
+        raise typer.Exit(_torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args]))
+    with tempfile.TemporaryDirectory(prefix="usaf-ranks-") as said:  # each rank's last line, said once
+        os.environ[rank_errors.ERRORS_ENV] = said
+        status = _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args])
+        rank_errors.say_distinct(Path(said), say_rank_line)
+    raise typer.Exit(status)
 
 
 def _torchrun(arguments: list[str]) -> int:
@@ -122,7 +130,11 @@ def _torchrun(arguments: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # each of its loggers sets its own level as it is made (LOGLEVEL, else WARNING), so the parent's alone left
+    # "Received 2 death signal, shutting down workers" on a Ctrl-C (found in review)
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(get_args_parser().parse_args(arguments))
     except ChildFailedError as e:
