@@ -163,6 +163,7 @@ def test_stopped_with_force_the_note_says_to_resume_without_it(tiny_model, tmp_p
     said = " ".join(result.stderr.split())
     assert result.exit_code == 130 and "2 of 4 MoE layers quantized and kept" in said, said
     assert "run the same command without --force to resume (with it, it starts over)" in said
+    assert "nothing half-written" not in said  # after "kept in ...", it read as contradicting it (found in review)
 
 
 def test_interrupted_run_resumes_to_byte_identical_output(tiny_model, tmp_path, monkeypatch):

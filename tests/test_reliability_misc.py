@@ -210,3 +210,26 @@ def test_a_stop_signal_while_an_error_is_printed_does_not_cut_it():
     assert during.returncode == 2 and "another process of the run stopped" in during.stderr, during
     before = subprocess.run([sys.executable, "-c", script, "before"], capture_output=True, text=True, env=env)
     assert before.returncode == 143 and "stopped by SIGTERM" in before.stderr, before
+
+
+def test_a_stage_that_said_what_its_interrupt_kept_is_not_followed_by_nothing_half_written(capsys):
+    """After "interrupted: saved ... (step 78); run the same command to resume" the command added "interrupted:
+    nothing half-written was left behind", which read as contradicting it (found in review). Said by the stage, the
+    generic line is left out; the control: an interrupt no stage spoke of still ends with it, and the next command
+    starts afresh."""
+    import typer
+
+    from usaf.cli import console
+    from usaf.stages.progress import NullProgress
+    from usaf.stages.stop import note_at_stop
+
+    def interrupted(*, said: bool) -> str:
+        with pytest.raises(typer.Exit) as e, console.handle_errors():
+            if said:
+                note_at_stop(NullProgress(), "interrupted: saved checkpoints/step-0000078 (step 78)")
+            raise KeyboardInterrupt
+        assert e.value.exit_code == 130
+        return capsys.readouterr().err
+
+    assert "interrupted" not in interrupted(said=True)  # the stage's note said it
+    assert "interrupted: nothing half-written was left behind" in interrupted(said=False)

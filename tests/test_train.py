@@ -327,7 +327,8 @@ def test_sigterm_and_sighup_save_like_ctrl_c_and_exit_with_the_signals_code(prep
     cmd = _train_command(qdir, tokens, plan, run, 150)
     returncode, stderr = _signal_after_two_steps(cmd, run, signum)
     assert returncode == 128 + signum, stderr
-    assert f"stopped by {name}" in stderr and "interrupted: saved" in stderr
+    assert f"stopped by {name}: the work above is kept" in stderr and "interrupted: saved" in stderr
+    assert "nothing half-written" not in stderr  # after "saved", it read as contradicting it (found in review)
     checkpoints = sorted((run / "checkpoints").iterdir())
     assert len(checkpoints) == 1
     done = int(checkpoints[0].name.split("-")[1])

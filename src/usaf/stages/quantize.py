@@ -62,7 +62,7 @@ from usaf.stages.quantize_parts import (
     source_record,
     write_base_shards,
 )
-from usaf.stages.stop import rerun_to_resume
+from usaf.stages.stop import note_at_stop, rerun_to_resume
 
 LAYERS_DIR = "layers"
 # Kept until the manifest is written: a kill while the model's files are copied and hashed (minutes at 30B) once
@@ -243,7 +243,7 @@ def _kept_on_stop(work: Path, layers: int, progress: Progress, *, force: bool) -
         kept = kept_layers(work)
         progress.finish()
         again = rerun_to_resume("--force" if force else None)
-        progress.note(f"interrupted: {kept} of {layers} MoE layers quantized and kept in {work}; {again}")
+        note_at_stop(progress, f"interrupted: {kept} of {layers} MoE layers quantized and kept in {work}; {again}")
         raise
 
 

@@ -69,7 +69,7 @@ from usaf.stages.score_resume import (
     run_identity,
     same_run,
 )
-from usaf.stages.stop import StopRequest
+from usaf.stages.stop import StopRequest, note_at_stop
 from usaf.units import counted, first_few
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -410,8 +410,8 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
                                          model_fingerprint, tokenizer, pad, progress, saved, store_stop)  # fmt: skip
     except KeyboardInterrupt:  # stopped while writing the plan: "nothing half-written" was said of saved work
         if saved.holds_work():  # (found in review): what is kept, and how to go on
-            progress.note(f"interrupted while writing the plan: its work is saved in {saved.directory}; run the same "
-                          "command to resume")  # fmt: skip
+            note_at_stop(progress, f"interrupted while writing the plan: its work is saved in {saved.directory}; run "
+                                   "the same command to resume")  # fmt: skip
         raise
     manifest = writer.commit(  # locked since run took the output
         PlanManifest,
@@ -531,8 +531,11 @@ def _calibration_pass(engine, items, every: int, settings, halves_wanted: bool, 
         progress.finish()  # the bar as it stopped, then the note
         kept = world.gather_objects((saved.directory is not None and save(), done + finished[0]), "the saved pass")
         if all(ok for ok, _ in kept):
-            progress.note(f"interrupted: saved the calibration pass ({sum(n for _, n in kept)} of {every} batches) "
-                          f"in {saved.directory}; {saved.rerun}")  # fmt: skip
+            note_at_stop(
+                progress,
+                f"interrupted: saved the calibration pass ({sum(n for _, n in kept)} of {every} batches) "
+                f"in {saved.directory}; {saved.rerun}",
+            )
         raise
     if finished[0]:  # the pass's end: an interrupt or a kill later on does not cost it
         save()
@@ -579,8 +582,11 @@ def _lr_test(config, engine, masks, lines, pad, progress: Progress, states, save
         progress.finish()
         if saved.holds_work():
             probes = "probe" if finished[0] == 1 else "probes"
-            progress.note(f"interrupted: saved the calibration pass and {finished[0]} finished lr-test {probes} in "
-                          f"{saved.directory}; {saved.rerun}")  # fmt: skip
+            note_at_stop(
+                progress,
+                f"interrupted: saved the calibration pass and {finished[0]} finished lr-test {probes} in "
+                f"{saved.directory}; {saved.rerun}",
+            )
         raise
     finally:
         progress.finish()
@@ -628,8 +634,11 @@ def _with_prefix_store(summary, config, engine, by_key, data_file, work, model_f
         except StopSignal:
             progress.finish()
             if (store := saved.store()) is not None:
-                progress.note(f"interrupted: saved the plan's work and its prefix store's first {store['lines']:,} "
-                              f"sequences in {saved.directory}; {saved.rerun}")  # fmt: skip
+                note_at_stop(
+                    progress,
+                    f"interrupted: saved the plan's work and its prefix store's first {store['lines']:,} "
+                    f"sequences in {saved.directory}; {saved.rerun}",
+                )
             raise
     else:
         stored = write_sample_store(engine, by_key, work, model_fingerprint=model_fingerprint, progress=progress)

@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 from usaf.distributed import PeerLost, World
 from usaf.errors import STOP_SIGNALS, StopSignal
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "rerun_to_resume"]
+__all__ = ["STOP_SIGNALS", "StopRequest", "note_at_stop", "rerun_to_resume", "take_note_at_stop"]
+
+
+# Set once a stage has said what an interrupt kept (its last line): the command's own closing line, "nothing
+# half-written was left behind", then adds nothing, and after "saved ..." it read as contradicting it (found in review).
+_SAID_AT_STOP = threading.Event()
+
+
+def note_at_stop(progress: Any, message: str) -> None:
+    """An interrupted stage's last word: what it kept (or could not keep) and how to go on."""
+    progress.note(message)
+    _SAID_AT_STOP.set()
+
+
+def take_note_at_stop() -> bool:
+    """Whether a stage said what its interrupt kept since the last call (the CLI's handler asks once per command)."""
+    said = _SAID_AT_STOP.is_set()
+    _SAID_AT_STOP.clear()
+    return said
 
 
 class StopRequest:

@@ -60,7 +60,7 @@ from usaf.stages.eval.report import markdown, result_rows, routing_drift
 from usaf.stages.eval.resolve import model_and_change, read_inputs
 from usaf.stages.eval.stats import CONFIDENCE
 from usaf.stages.progress import NullProgress, Progress, say_backend_notes
-from usaf.stages.stop import StopRequest
+from usaf.stages.stop import StopRequest, note_at_stop
 from usaf.units import human_bytes
 
 
@@ -255,10 +255,13 @@ def _keeper(entry: Path | None, key: str, parts: dict, total: int, what: str, pr
             cause = _cache_failure(e)
             if cause is None:
                 raise
-            progress.note(f"interrupted: the {what} pass could not be kept in {entry} ({cause})")
+            progress.note(f"interrupted: the {what} pass could not be kept in {entry} ({cause})")  # nothing kept: said
             return
-        progress.note(f"interrupted: kept the {what} pass ({partial.batches} of {total} microbatches) in {entry}; "
-                      "run the same command to resume")  # fmt: skip
+        note_at_stop(
+            progress,
+            f"interrupted: kept the {what} pass ({partial.batches} of {total} microbatches) in {entry}; "
+            "run the same command to resume",
+        )
 
     return keep
 

@@ -17,7 +17,7 @@ from usaf.distributed import PeerLost, merge_scores
 from usaf.engine.reselect import collect_scores, reselect, update_fraction
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
-from usaf.stages.stop import StopRequest, rerun_to_resume
+from usaf.stages.stop import StopRequest, note_at_stop, rerun_to_resume
 from usaf.stages.train.resume import latest_checkpoint
 from usaf.units import human_bytes
 
@@ -53,7 +53,7 @@ def _save_at_stop(trainer: Any, progress: Progress) -> None:
     if not trainer.config.out:  # it finds the run by its settings; --out names it whatever changes
         note += f" (or pass --out {trainer.run_dir})"
     progress.finish()  # the bar as it stopped, then the note
-    progress.note(note)
+    note_at_stop(progress, note)
 
 
 def final_held_out_loss(trainer: Any, progress: Progress) -> float | None:
