@@ -207,6 +207,29 @@ def test_identical_inputs_give_identical_masks_and_same_data_halves_are_fully_st
     assert set(routing) == {str(i) for i in range(LAYERS)}
 
 
+def test_routing_counts_real_tokens_whatever_the_microbatch(setup, tmp_path):
+    """Padding was counted in score's routing statistics: routing.json's loads and the hottest expert it printed
+    changed with --microbatch (found in review). Each layer's loads now sum to the sample's tokens × top-k, at
+    microbatch 1 (no padding: the control) and 4 alike."""
+    qdir, _, tokens = setup
+    cut = tmp_path / "cut.jsonl"  # sequences of 10 to 52 tokens: a microbatch of 4 pads all but its longest
+    records = [json.loads(line) for line in (tokens / "train.jsonl").read_text().splitlines()[:8]]
+    cut.write_text("".join(json.dumps({k: v[: 10 + 6 * i] if isinstance(v, list) else v for k, v in r.items()}) + "\n"
+                           for i, r in enumerate(records)))  # fmt: skip
+    loads = {}
+    for microbatch in (1, 4):
+        plan = tmp_path / f"mb{microbatch}"
+        result = score("--model", qdir, "--data", cut, "--calib-samples", 8, "--microbatch", microbatch,
+                       "--train-from", 3, "--no-lr-test", "--no-stability", "--out", plan)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        summary = load_verified(plan, PlanManifest).summary
+        routing = json.loads((plan / "routing.json").read_text())
+        top_k = json.loads((qdir / "config.json").read_text())["num_experts_per_tok"]
+        assert all(sum(r["tokens_per_expert"]) == summary.calib_tokens * top_k for r in routing.values()), routing
+        loads[microbatch] = routing
+    assert loads[1] == loads[4]
+
+
 def test_stages_chain_through_the_workspace(setup, tmp_path):
     qdir, _, tokens = setup
     shutil.copytree(qdir, tmp_path / "quantized_model" / "q")

@@ -129,6 +129,10 @@ class LayerExperts(nn.Module):
         self.down = down
         self.num_experts = gate_up.shape[0]
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # since last reset
+        # (T,) bool, True on the forward's real tokens, where it has padding (set around each forward by
+        # :func:`count_real_tokens`); None: every token is real. Padding is routed and computed like any token, but
+        # counted in the load statistics it skewed score's routing.json by --microbatch (found in review).
+        self.real_tokens: torch.Tensor | None = None
         # False where the device lacks nonzero/index_add_/scatter (Capabilities.index_ops, DirectML):
         # the forward then routes on the host and combines by permutation gathers (:func:`_index_free_forward`).
         self.index_ops = True
@@ -160,7 +164,13 @@ class LayerExperts(nn.Module):
         """``(E,)`` tokens per expert of this forward, in host memory (one copy back from a device: every caller
         reads them there), added to the load statistics."""
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts].cpu()
-        self.tokens_per_expert += counts
+        real = self.real_tokens
+        if real is None or real.numel() != top_k_index.shape[0]:  # no padding (or a forward of other tokens)
+            self.tokens_per_expert += counts
+        else:  # the real tokens' choices only; a boolean mask is a nonzero, which DirectML lacks: there on the host
+            index = top_k_index if self.index_ops else top_k_index.cpu()
+            chosen = index[real.to(index.device)].reshape(-1)
+            self.tokens_per_expert += torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts].cpu()
         if self.routing_sink is not None:
             self.routing_sink(self.layer, top_k_index)
         return counts
@@ -353,3 +363,21 @@ def register() -> None:
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, usaf_experts_forward)
+
+
+def count_real_tokens(model: nn.Module, experts: dict[int, LayerExperts]) -> None:
+    """Around each forward of ``model``, tell its MoE layers which tokens are real (``attention_mask``), so their
+    load statistics leave padding out; the forward itself still routes and computes every token."""
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)  # (B, S), 1 on real tokens
+        real = None if mask is None or bool(mask.all()) else mask.reshape(-1).bool()  # (B*S,), row-major as routed
+        for state in experts.values():
+            state.real_tokens = real
+
+    def after(module: nn.Module, args: tuple, output: object) -> None:
+        for state in experts.values():
+            state.real_tokens = None
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, always_call=True)  # a forward that raised leaves no stale mask either

@@ -21,7 +21,7 @@ from torch import nn
 from usaf.artifacts import QuantizedModelManifest
 from usaf.artifacts.quantized import EXPERTS_FILE, QuantizedFiles, open_quantized
 from usaf.backends.transfer import check_allocation, device_capabilities, move
-from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, register
+from usaf.engine.experts import IMPLEMENTATION, ExpertWeight, LayerExperts, count_real_tokens, register
 from usaf.engine.legacy import adapt_block
 from usaf.errors import UsafError
 from usaf.families import FamilySpec, load_model_config, resolve_family
@@ -173,6 +173,7 @@ def load_quantized_model(
         )
     model.requires_grad_(False)
     model.eval()
+    count_real_tokens(model, experts)  # padding out of the experts' load statistics
     return LoadedModel(model, spec, experts, manifest, path)
 
 
