@@ -626,6 +626,15 @@ def test_an_out_inside_an_unfinished_run_is_refused_but_its_own_plan_directory(w
         said = " ".join(result.stderr.split())
         assert result.exit_code == 2 and f"--out {inside} lies inside {run}, an unfinished usaf run" in said, said
         assert snapshot(run) == before
+    # RUN/plan is the run's own plan's alone: a user's score or export written there was deleted with the run by
+    # train --overwrite (found in review)
+    plan = run / "plan"
+    for command in (["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 4, "--no-lr-test"],
+                    ["export", "--model", ws["model"], "--checkpoint", ws["run"]]):  # fmt: skip
+        result = invoke(*command, "--out", plan)
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and f"--out {plan} lies inside {run}, an unfinished usaf run" in said, said
+        assert snapshot(run) == before
     fresh = tmp_path / "fresh"
     scored = invoke("train", "--model", ws["model"], "--data", ws["tokens"], "--steps", 2, "--calib-samples", 4,
                     "--lr", 1e-3, "--out", fresh)  # fmt: skip

@@ -40,12 +40,15 @@ MADE_MARKER = ".usaf-made"  # in a directory usaf wrote in another tool's format
 InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag -> the path(s) it named
 
 
-def check_not_an_input(target: Path, flag: str, inputs: InputPaths, *, defaulted: bool = False) -> None:
+def check_not_an_input(
+    target: Path, flag: str, inputs: InputPaths, *, defaulted: bool = False, runs_own_plan: bool = False
+) -> None:
     """Refuse an output that is, contains or lies inside one of ``inputs`` (compared after resolving links), or lies
     inside any usaf artifact (:func:`check_not_inside_an_artifact`), the input named first where both hold.
     ``defaulted``: ``target`` is the workspace's default output, not a ``flag`` given (``usaf tokenize .`` was
-    refused as an ``--out`` nobody passed, with no word of the workspace that placed it; found in review)."""
-    found = output_overlap(target, inputs)
+    refused as an ``--out`` nobody passed, with no word of the workspace that placed it; found in review).
+    ``runs_own_plan``: ``target`` is the plan a run scores for itself, in its run directory (train's score)."""
+    found = output_overlap(target, inputs, runs_own_plan=runs_own_plan)
     if found is not None:
         where, harm, remedy = found
         if defaulted:
@@ -60,7 +63,7 @@ def _a(flag: str) -> str:
     return f"{'an' if flag[:1] in 'AEIOUaeiou' else 'a'} {flag}"
 
 
-def output_overlap(target: Path, inputs: InputPaths) -> tuple[str, str, str] | None:
+def output_overlap(target: Path, inputs: InputPaths, *, runs_own_plan: bool = False) -> tuple[str, str, str] | None:
     """How writing at ``target`` would touch an input or a usaf artifact (``check_not_an_input``'s refusal, for a
     caller that goes on without writing there: eval's cache), as ``(where, harm, remedy)``; None where it would not."""
     out = _real(target)
@@ -78,22 +81,23 @@ def output_overlap(target: Path, inputs: InputPaths) -> tuple[str, str, str] | N
             continue
         named = f"{name} {path}" if name.startswith("-") else str(path)  # not a metavar: "the input INPUTS ." (review)
         return f"{shape} the input {named}", "replace or mix with that input", "outside every input"
-    return _inside_an_artifact(target)
+    return _inside_an_artifact(target, runs_own_plan=runs_own_plan)
 
 
 def check_not_inside_an_artifact(target: Path, flag: str) -> None:
     """Refuse an output inside a usaf artifact (one with a manifest, an export's marker, or an unfinished run), an
     input of this command or not: its files would join the artifact's unlisted, and a command that replaced or
     deleted the artifact would take them too. ``usaf score --out RUN/final/plan`` wrote a plan into a trained run,
-    ``usaf train --out RUN/checkpoints/mine`` a run into an unfinished one (found in review). Only ``RUN/plan`` of an
-    unfinished run is open: train scores the plan it was given none of there."""
+    ``usaf train --out RUN/checkpoints/mine`` a run into an unfinished one (found in review). ``RUN/plan`` of an
+    unfinished run is open only to the score train runs there (``runs_own_plan``): a user's score or export there
+    was deleted with the run by ``train --overwrite`` (found in review)."""
     found = _inside_an_artifact(target)
     if found is not None:
         where, harm, remedy = found
         raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass {_a(flag)} {remedy}")
 
 
-def _inside_an_artifact(target: Path) -> tuple[str, str, str] | None:
+def _inside_an_artifact(target: Path, *, runs_own_plan: bool = False) -> tuple[str, str, str] | None:
     # lazy: artifacts.run imports the writer, which imports this module
     from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
 
@@ -102,7 +106,7 @@ def _inside_an_artifact(target: Path) -> tuple[str, str, str] | None:
         finished = _finished(parent)
         if finished is not None:
             what, harm = finished[0], "add files its manifest does not list"
-        elif (parent / SETTINGS_FILE).is_file() and real != parent / PLAN_DIR:
+        elif (parent / SETTINGS_FILE).is_file() and not (runs_own_plan and real == parent / PLAN_DIR):
             what, harm = "an unfinished usaf run", "mix files into its run directory"
         else:
             continue

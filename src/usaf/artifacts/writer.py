@@ -147,6 +147,7 @@ class ArtifactWriter:
         resumable: bool = False,
         markers: tuple[str, ...] = (),
         defaulted: bool = False,
+        runs_own_plan: bool = False,
     ) -> None:
         """Args:
         target: the artifact directory to create.
@@ -161,6 +162,8 @@ class ArtifactWriter:
         markers: with ``resumable``, the file the stage writes first in that directory: one there (or a manifest,
             written after the bookkeeping is gone) makes it usaf's; anything else of that name is refused.
         defaulted: ``target`` is the workspace's default output, not a ``flag`` given (said so where refused).
+        runs_own_plan: ``target`` is the plan an unfinished run scores for itself (``RUN/plan``), the one place
+            inside an unfinished run a writer may be; any other writer there is refused.
         """
         self.target = Path(target).absolute()
         self.flag = flag
@@ -169,6 +172,7 @@ class ArtifactWriter:
         self.kinds = kinds
         self.inputs = inputs or {}
         self.defaulted = defaulted
+        self.runs_own_plan = runs_own_plan
         self.lock = OutputLock(self.target, flag=flag)
         self.resumable = resumable
         self.markers = markers
@@ -189,7 +193,8 @@ class ArtifactWriter:
     def check_target(self) -> None:
         """Refuse early (before any work): an output that is or holds an input, that exists and may not be
         replaced, or that another process is writing."""
-        check_not_an_input(self.target, self.flag, self.inputs, defaulted=self.defaulted)
+        check_not_an_input(self.target, self.flag, self.inputs, defaulted=self.defaulted,
+                           runs_own_plan=self.runs_own_plan)  # fmt: skip
         self._check_replaceable()
         self._check_partial()
         self.lock.check_free()
@@ -223,7 +228,8 @@ class ArtifactWriter:
                                   overwrite_flag=self.overwrite_flag, kinds=self.kinds)  # fmt: skip
 
     def __enter__(self) -> ArtifactWriter:
-        check_not_an_input(self.target, self.flag, self.inputs, defaulted=self.defaulted)
+        check_not_an_input(self.target, self.flag, self.inputs, defaulted=self.defaulted,
+                           runs_own_plan=self.runs_own_plan)  # fmt: skip
         self._check_replaceable()
         self.lock.acquire()  # held until __exit__: one writer per output
         try:

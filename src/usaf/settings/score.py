@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from usaf.config import StageConfig
 from usaf.settings import fields as f
@@ -15,6 +15,10 @@ LR_TEST_STEPS = 16  # per probe: 4 probes x 16 steps at the default microbatch 4
 
 class ScoreConfig(StageConfig):
     """Settings of ``usaf score``."""
+
+    # usaf train scoring the plan it was given none of into RUN/plan (``out``): the one writer an unfinished run's
+    # plan directory is open to. A user's score or export there was later deleted with the run by train --overwrite.
+    _into_run: bool = PrivateAttr(False)
 
     model: Path | None = f.quantized_model()
     data: Path | None = Field(

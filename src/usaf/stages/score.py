@@ -235,7 +235,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
     out = world.decided_by_main(lambda: _output(config, model_dir.name, identity, progress), "the output's name")
     inputs = {"--model": model_dir, "--data": [config.data, data_file]}
     writer = ArtifactWriter(out, kinds=(PlanManifest.KIND,), overwrite=config.overwrite, inputs=inputs,
-                            resumable=True, markers=(SCORE_PARTIAL_MARKER,), defaulted=config.out is None)  # fmt: skip
+                            resumable=True, markers=(SCORE_PARTIAL_MARKER,), defaulted=config.out is None,
+                            runs_own_plan=config._into_run)  # fmt: skip
     # rank 0 alone: the lock's check takes the lock for a moment, so two ranks checking at once could refuse each other
     world.decided_by_main(writer.check_target, "the output checked")
 

@@ -475,7 +475,7 @@ class _Settler:
     def score_settings(self, config: TrainConfig, run_dir: Path) -> score.ScoreConfig:
         """What train scores a plan with when it has none: into RUN/plan, with the settings score shares."""
         options = (*SELECTION_FIELDS, "router", "device", "dtype", "seed", "stream_experts")  # scored as it trains
-        return score.ScoreConfig(
+        settings = score.ScoreConfig(
             model=self.model[0],
             data=self.source,
             out=run_dir / PLAN_DIR,
@@ -484,6 +484,8 @@ class _Settler:
             lr_test=config.lr is None,  # an lr given to train makes the test's choice moot
             **{name: getattr(config, name) for name in options},
         )
+        settings._into_run = True  # RUN/plan is open to this score alone
+        return settings
 
     def selection_given(self, config: TrainConfig, budgeted: TrainConfig, run_dir: Path) -> dict[str, Any]:
         """The selection settings given (a flag, ``USAF_*``, ``--config``, a legacy variable: whatever scoring on the
