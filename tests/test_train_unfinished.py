@@ -291,3 +291,22 @@ def test_refusals_name_the_setting_where_it_was_given(prepared, tmp_path):
     result = invoke(*base, "--out", tmp_path / "new", "--ram", "1KiB")  # a plan's --frac is refused: not offered
     said = " ".join(result.stderr.split())
     assert result.exit_code == 2 and "nothing fits" in said and "or a plan with a smaller --frac" in said, said
+
+
+def test_stopped_while_scoring_on_the_fly_other_settings_are_refused_in_trains_words(prepared, tmp_path,
+                                                                                      stop_scoring_at):
+    """A rerun with other settings was refused as "--out RUN/plan: ... (--lr-test False there, True now)": a path and
+    a flag the user never gave, whose --overwrite would discard the whole run (found in review). The control: the
+    same command resumes (the test above)."""
+    qdir, tokens, _ = prepared("qwen3_moe")
+    out = tmp_path / "out"
+    command = [*train(tmp_path, qdir, tokens, "--calib-samples", 8, "--microbatch", 2, "--train-from", 2), "--out", out]
+    stop_scoring_at(2)
+    assert invoke(*command).exit_code == 130
+    stop_scoring_at(0)
+    without_lr = [arg for i, arg in enumerate(command) if arg != "--lr" and command[i - 1] != "--lr"]
+    refused = invoke(*without_lr)
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and f"--out {out}: the run was stopped while scoring its plan" in said, said
+    assert "--lr given there, none now" in said and "--lr-test" not in said and "True" not in said, said
+    assert "--overwrite to start the run over" in said

@@ -268,7 +268,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
             if writer.resumed and (finished := _moved_finished_plan(writer, identity, config.overwrite, progress)):
                 return finished
             ScoreProgress.open(writer.dir, identity, out=writer.target, discard=config.overwrite, progress=progress,
-                               threads=backend.compute_threads())  # fmt: skip
+                               threads=backend.compute_threads(),
+                               run=writer.target.parent if config._into_run else None)  # fmt: skip
             return None
 
         finished = world.decided_by_main(take, "the output taken")

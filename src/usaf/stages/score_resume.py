@@ -135,10 +135,12 @@ class ScoreProgress:
         discard: bool,
         progress: Progress,
         threads: int | None = None,
+        run: Path | None = None,
     ) -> ScoreProgress:
         """The work saved in ``directory`` by a run with this ``identity``; another run's is refused, or deleted
         with ``discard`` (--overwrite). Records the identity for the next run, with ``threads`` (torch's intra-op
-        threads on the CPU, which a resume runs at again: :meth:`recorded_threads`)."""
+        threads on the CPU, which a resume runs at again: :meth:`recorded_threads`). ``run``: the train run whose
+        plan this is (``out`` is its ``RUN/plan``), named in the refusal in train's words."""
         saved = cls(directory, progress)
         saved.rerun = rerun_to_resume("--overwrite" if discard else None)
         if directory is None:
@@ -146,6 +148,12 @@ class ScoreProgress:
         recorded = saved.recorded_identity()
         same = recorded is not None and same_run(recorded, identity)
         if recorded is not None and not same and saved.holds_work() and not discard:
+            if run is not None:  # train scoring its plan: the user gave train's flags, and --out RUN, not RUN/plan
+                raise UsafError(
+                    f"--out {run}: the run was stopped while scoring its plan with other settings or inputs (kept in "
+                    f"{directory}: {_differences(recorded, identity, for_train=True)})",
+                    "rerun with the settings it started with to resume it, or pass --overwrite to start the run over",
+                )
             raise UsafError(
                 f"--out {out}: an interrupted usaf score with other settings or inputs left its work in "
                 f"{directory} ({_differences(recorded, identity)})",
@@ -406,17 +414,30 @@ def plan_identity(manifest: PlanManifest) -> dict[str, Any]:
     }
 
 
-def _differences(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
-    """The recorded values that differ, in a user's words (``--frac 0.01 there, 0.02 now``)."""
+def _differences(recorded: dict[str, Any], identity: dict[str, Any], *, for_train: bool = False) -> str:
+    """The recorded values that differ, in a user's words (``--frac 0.01 there, 0.02 now``; a switch as its flag,
+    ``--no-stability there, --stability now``: "--stability True there, False now" was found in review).
+    ``for_train``: train's score, whose lr test follows train's ``--lr`` (the user gave no ``--lr-test``)."""
 
-    def shown(value: Any) -> str:
-        return "not given" if value is None else str(value)
+    def shown(key: str, value: Any) -> str:
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            return flag if value else f"--no-{flag[2:]}"
+        return f"{flag} not given" if value is None else f"{flag} {value}"
 
     parts = []
     theirs, mine = recorded.get("settings", {}), identity["settings"]
     for key in sorted(set(theirs) | set(mine)):
-        if theirs.get(key) != mine.get(key):
-            parts.append(f"--{key.replace('_', '-')} {shown(theirs.get(key))} there, {shown(mine.get(key))} now")
+        if theirs.get(key) == mine.get(key):
+            continue
+        if for_train and key == "lr_test":  # train runs the lr test unless --lr is given
+            parts.append("no --lr there (the lr test ran), --lr given now" if theirs.get(key) else
+                         "--lr given there, none now (the lr test would run)")  # fmt: skip
+        elif isinstance(theirs.get(key), bool) or isinstance(mine.get(key), bool):
+            parts.append(f"{shown(key, theirs.get(key))} there, {shown(key, mine.get(key))} now")
+        else:
+            value = "not given" if mine.get(key) is None else mine.get(key)
+            parts.append(f"{shown(key, theirs.get(key))} there, {value} now")
     for key in ("model_fingerprint", "data_fingerprint", "device", "dtype", "usaf"):
         if recorded.get(key) != identity[key]:
             parts.append(f"{key.replace('_', ' ')} {recorded.get(key)} there, {identity[key]} now")
