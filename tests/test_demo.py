@@ -111,6 +111,34 @@ def test_a_demo_stopped_under_overwrite_says_to_drop_it_to_resume(tmp_path, monk
         assert any("rerun without --overwrite to resume" in n for n in Notes.said) is overwrite, Notes.said
 
 
+def test_a_stages_refusal_of_its_out_is_said_of_the_demo_s_workspace(tmp_path, monkeypatch):
+    """An interrupted demo rerun with other --steps: "--out .../usaf-demo/run/demo: holds another run", a flag the
+    demo does not take (found in review). The control: a refusal of anything else passes through as it is."""
+    from usaf.errors import UsafError
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    workspace = tmp_path / "demo"
+    refusal = []
+
+    class Stage:
+        @staticmethod
+        def run(settings, progress):
+            raise UsafError(*refusal)
+
+    monkeypatch.setattr(demo.importlib, "import_module", lambda name: Stage)
+    tokens = demo.paths(workspace)["tokens"]
+    refusal[:] = [f"--out {tokens}: holds another run (other settings)", "another --out, or --overwrite to replace it"]
+    with pytest.raises(UsafError) as e:
+        demo.run(DemoConfig(workspace=workspace, quick=True))
+    assert e.value.message == f"--workspace {workspace}: its tokenize stage ({tokens}): holds another run (other " \
+                              "settings)" and e.value.hint == "another --workspace, or --overwrite to replace it"
+    refusal[:] = ["--model x: no such directory", "check the path"]
+    with pytest.raises(UsafError) as e:
+        demo.run(DemoConfig(workspace=workspace, quick=True))
+    assert e.value.message == "--model x: no such directory"
+
+
 def test_quick_caps_the_steps_and_held_out_sequences_not_given():
     """--quick --steps 100 ran 20 steps in silence (found in review): a value given wins, the others are capped."""
     from usaf.config import resolve_config

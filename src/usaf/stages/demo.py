@@ -166,6 +166,8 @@ def run(
             progress.note(f"{name}: {shell_line(command)}")
             try:
                 step.manifest, _ = importlib.import_module(f"usaf.stages.{name}").run(settings, progress=progress)
+            except UsafError as e:
+                raise _in_demo_words(e, name, step.path, config.workspace) from None
             except KeyboardInterrupt:  # Ctrl-C, or a StopSignal (SIGTERM, SIGHUP)
                 if config.overwrite:  # the stage's "run the same command to resume": with --overwrite it discards
                     progress.note("usaf demo: rerun without --overwrite to resume (with it, that saved work is "
@@ -195,6 +197,16 @@ def _refuse_before_any_work(config: DemoConfig, p: dict[str, Path]) -> None:
         if artifact != "export" or config.export:  # passes: absent, empty, a demo artifact of the stage's kind
             refuse_unless_replaceable(path, found_at(path), "--workspace", overwrite=True, overwrite_flag="--overwrite",
                                       kinds=_KINDS[artifact], replacing=config.overwrite)  # fmt: skip
+
+
+def _in_demo_words(error: UsafError, name: str, path: Path, workspace: Path) -> UsafError:
+    """A stage's refusal of its ``--out`` as the demo's: the demo has no ``--out`` (its workspace places each stage's
+    output), and "--out .../usaf-demo/run/demo: holds another run" named a flag it does not take (found in review)."""
+    prefix = f"--out {path}"
+    if not error.message.startswith(prefix):
+        return error
+    message = f"--workspace {workspace}: its {name} stage ({path}){error.message[len(prefix):]}"
+    return UsafError(message, error.hint.replace("--out", "--workspace") if error.hint else error.hint)
 
 
 def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path, plan: Path) -> None:
