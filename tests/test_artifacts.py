@@ -73,6 +73,20 @@ def test_failure_inside_the_writer_leaves_nothing(tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_a_resumable_writer_stopped_before_its_first_file_leaves_nothing_and_one_with_work_keeps_it(tmp_path):
+    """Ctrl-C as quantize began writing its first file left ``.q.usaf-partial`` holding only that temporary, after
+    "nothing half-written was left behind", unlisted by usaf inspect (found in review). The control: work in it stays
+    for the rerun to resume."""
+    for first, kept in (("settings.json.usaf-tmp-1-0a1b2c3d", False), ("settings.json", True)):
+        target = tmp_path / f"out-{kept}"
+        writer = ArtifactWriter(target, kinds=(NoteManifest.KIND,), resumable=True)
+        with pytest.raises(KeyboardInterrupt), writer as art:
+            (art.dir / "layers").mkdir()
+            (art.dir / first).write_text("{")
+            raise KeyboardInterrupt
+        assert ArtifactWriter.partial_dir(target).is_dir() is kept and not target.exists()
+
+
 def test_existing_output_needs_overwrite_and_is_replaced_atomically(tmp_path):
     target = tmp_path / "out"
     write_note(target, "one")

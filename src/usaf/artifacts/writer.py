@@ -124,6 +124,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _nothing_to_resume(work: Path) -> bool:
+    """A resumable writer's work directory that holds no file but usaf's temporaries: stopped before its first file
+    was in place (Ctrl-C at once), it was left behind, unlisted by ``usaf inspect``, after "nothing half-written was
+    left behind" (found in review)."""
+    if not work.is_dir() or work.is_symlink():
+        return False
+    return all(path.is_dir() and not path.is_symlink() or TMP_TAG in path.name for path in work.rglob("*"))
+
+
 class ArtifactWriter:
     """Context manager that builds an artifact in a temporary directory and commits it atomically.
 
@@ -257,7 +266,7 @@ class ArtifactWriter:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if not self.committed and not self.resumable:
+            if not self.committed and (not self.resumable or _nothing_to_resume(self.dir)):
                 shutil.rmtree(self.dir, ignore_errors=True)
             if exc is not None:  # a full or read-only disk while writing or committing: one line naming the output
                 raise_disk_error(exc, self.target, flag=self.flag, needed=self.needed, resumable=self.resumable)
