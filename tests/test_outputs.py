@@ -487,6 +487,17 @@ def test_the_lock_is_released_on_an_error_and_in_process_writers_exclude_each_ot
     OutputLock(out).acquire().release()  # free again: released on the exception
 
 
+def test_an_out_under_a_file_names_the_file(tmp_path):
+    """``--out afile/sub`` said "cannot create its lock file .sub.usaf-lock: File exists" (found in review). Now the
+    file in the way, at any depth; the control: the same path under a directory locks."""
+    (tmp_path / "afile").write_text("data\n")
+    for out in (tmp_path / "afile" / "sub", tmp_path / "afile" / "sub" / "deeper"):
+        with pytest.raises(UsafError, match=f"--out {out}: {tmp_path / 'afile'} is a file, not a directory"):
+            OutputLock(out).acquire()
+    assert (tmp_path / "afile").read_text() == "data\n"
+    OutputLock(tmp_path / "dir" / "sub" / "deeper").acquire().release()
+
+
 def test_without_os_locks_the_pid_in_the_file_decides(tmp_path, monkeypatch):
     """On a file system without advisory locks: a live PID holds it, a dead one's lock is stale."""
     import errno

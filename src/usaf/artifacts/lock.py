@@ -99,8 +99,13 @@ class OutputLock:
                 "files of its own",
                 f"remove the link, or pass another {self.flag}",
             )
+        made = _missing(self.path.parent)
+        above = (made[-1] if made else self.path).parent  # the deepest part of the path that exists
+        if not above.is_dir():  # "cannot create its lock file: File exists" named neither the file nor the fix (review)
+            raise UsafError(f"{self.flag} {self.target}: {above} is a file, not a directory",
+                            f"pass another {self.flag}, in a directory")  # fmt: skip
         try:
-            self._made = _missing(self.path.parent)
+            self._made = made
             self.path.parent.mkdir(parents=True, exist_ok=True)
             while not self._acquire_once():
                 pass
