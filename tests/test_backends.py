@@ -355,6 +355,17 @@ def test_explicit_spec_wins_over_use_cuda(monkeypatch: pytest.MonkeyPatch) -> No
     assert resolve_backend("auto", env={"USE_CUDA": "0"}).name == "cuda"
 
 
+def test_a_commands_own_default_device_gives_way_to_use_cuda_1_and_is_not_called_explicit(monkeypatch) -> None:
+    """usaf export verifies on the CPU by default, passed as the spec: ``USE_CUDA=1`` was then "ignored: the device
+    is set explicitly (cpu)" though nothing was set (found in review). As ``default``: USE_CUDA=1 means cuda, as
+    export's help says; USE_CUDA=0 or none leaves the default, with no note. The control is the test above."""
+    simulate_cuda(monkeypatch)
+    assert resolve_backend(None, env={"USE_CUDA": "1"}, default="cpu").name == "cuda"
+    for env in ({"USE_CUDA": "0"}, {}):
+        backend = resolve_backend(None, env=env, default="cpu")
+        assert backend.name == "cpu" and not [n for n in backend.notes if "ignored" in n.message], backend.notes
+
+
 def test_use_amp(monkeypatch: pytest.MonkeyPatch) -> None:
     simulate_cuda(monkeypatch, capability=(8, 9))
     off = resolve_backend("cuda", env={"USE_AMP": "0"})

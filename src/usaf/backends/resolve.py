@@ -72,6 +72,7 @@ def resolve_backend(
     source: str = "--device",
     env: Mapping[str, str] | None = None,
     amp: bool | None = None,
+    default: str = AUTO,
 ) -> Backend:
     """Turn a device spec into a ready :class:`Backend`.
 
@@ -84,6 +85,8 @@ def resolve_backend(
         source: where ``spec`` came from (``--device``, ``USAF_DEVICE``, a ``--config`` key), as errors name it.
         env: environment for the legacy variables and device visibility (``os.environ`` by default).
         amp: force mixed precision on/off; ``None``: ``USE_AMP`` if set, else the backend's default.
+        default: the device where neither ``spec`` nor ``USE_CUDA=1`` names one (``usaf export`` verifies on
+            ``cpu``: passed as ``spec``, a ``USE_CUDA`` was said to be overridden by a device "set explicitly").
 
     Returns:
         The backend; its ``notes`` hold remarks for the user (ignored or unsupported variables).
@@ -103,6 +106,8 @@ def resolve_backend(
             notes.append(Note("info", ignored))
     elif legacy.use_cuda:
         parsed, origin = DeviceSpec(CUDA), f"{USE_CUDA}={env[USE_CUDA]!r} (legacy for --device cuda)"
+    elif default != AUTO and not legacy.use_cuda:
+        parsed, origin = parse_device_spec(default, source=source), f"{source} {default} (the default)"
     else:
         parsed, origin = DeviceSpec(AUTO), "--device auto"
 

@@ -206,7 +206,8 @@ def _export_hf(
     else:
         source = QuantizedSource(model_dir, spec, change, dtype)
     # not "auto", which picks a GPU, where fp32 models rarely fit; none without verification, which alone computes
-    backend = resolve_backend(config.device or "cpu", source=source_of(config, "device")) if config.verify else None
+    verify_on = source_of(config, "device")
+    backend = resolve_backend(config.device, source=verify_on, default="cpu") if config.verify else None
     say_backend_notes(backend, progress)
     max_bytes = int((config.max_shard_gib or DEFAULT_SHARD_GIB) * 2**30)
     shards = plan_shards(source.units, max_bytes)
