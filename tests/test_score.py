@@ -293,9 +293,18 @@ def test_token_ids_beyond_the_vocabulary_and_empty_data(setup, tmp_path):
 def test_not_a_quantized_model_and_bad_layers(setup, tmp_path):
     qdir, source, tokens = setup
     out = tmp_path / "plan"
-    assert_clean_failure(
-        score("--model", source, "--data", tokens, "--out", out), out, "--model", "not a usaf artifact"
+    assert_clean_failure(  # named as what it is, with the command that makes what score takes (found in review)
+        score("--model", source, "--data", tokens, "--out", out), out, f"--model {source}: a ", " not ",
+        f"run usaf quantize {source} first"
     )
+    # a directory that holds artifacts (a workspace's tokens/, or the workspace) was "text to tokenize?" (review)
+    ws = tmp_path / "ws"
+    shutil.copytree(tokens, ws / "tokens" / "t")
+    assert_clean_failure(score("--model", qdir, "--data", ws / "tokens", "--out", out), out,
+                         f"--data {ws / 'tokens'}: holds 1 usaf artifact, and is not one",
+                         f"--data {ws / 'tokens' / 't'}")  # fmt: skip
+    assert_clean_failure(score("--model", ws, "--data", tokens, "--out", out), out,
+                         f"--model {ws}: a usaf workspace, not an artifact", f"--workspace {ws}")  # fmt: skip
     assert_clean_failure(
         score("--model", tokens, "--data", tokens, "--out", out),
         out,

@@ -31,6 +31,28 @@ def _run_of_checkpoint(path: Path) -> Path | None:
     return path.parent if path.name == FINAL_DIR else None
 
 
+def artifacts_inside(path: Path) -> list[Path]:
+    """The usaf artifacts directly in ``path`` (a workspace's ``tokens/``, say), newest name last."""
+    try:
+        return sorted(child for child in path.iterdir() if (child / MANIFEST_NAME).is_file())
+    except OSError:
+        return []
+
+
+def holds_artifacts(path: Path, flag: str) -> UsafError | None:
+    """The refusal of a directory that holds usaf artifacts as one: a workspace's ``tokens/`` as --data was called
+    "text to tokenize?", and tokenizing it, as the hint said, found no text (found in review)."""
+    inside = artifacts_inside(path)
+    if inside:
+        return UsafError(f"{flag} {path}: holds {len(inside)} usaf artifact{'s' if len(inside) > 1 else ''}, and is "
+                         "not one", f"pass one of them (the newest by name: {flag} {inside[-1]})")  # fmt: skip
+    if any(artifacts_inside(child) for child in path.iterdir() if child.is_dir()):  # a workspace: kind/artifact
+        return UsafError(f"{flag} {path}: a usaf workspace, not an artifact",
+                         f"pass --workspace {path} (each command takes the newest it needs there), or an artifact "
+                         "in it")  # fmt: skip
+    return None
+
+
 def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
     path = Path(path)
     if not path.exists():
@@ -41,9 +63,17 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
         if path.name == MANIFEST_NAME and path.is_file():  # the manifest itself: its directory is the artifact
             hint = f"pass its directory, {path.parent}"
         elif (path / "config.json").is_file():  # the model a user starts from (found in review: no way on was named)
+            made = usaf_made(path) if (path / MADE_MARKER).is_file() else None
+            if flag != "path":  # a command's input: "not a usaf artifact" of a tiny model usaf made, and a hint that
+                what = f"{made}, not quantized" if made else "a Hugging Face model, not one usaf quantized"  # named
+                raise UsafError(f"{flag} {path}: {what}",  # no command (found in review)
+                                f"run usaf quantize {path} first, and pass the directory it writes (usaf score, "
+                                "train, eval and generate take a quantized model)")  # fmt: skip
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
-            if (path / MADE_MARKER).is_file() and (made := usaf_made(path)) is not None:  # a tiny model (review)
+            if made is not None:  # usaf inspect --verify of a tiny model (review)
                 hint = f"{made}, a Hugging Face model with no sha256s to check; {hint.split(': ', 1)[1]}"
+        elif path.is_dir() and (inside := holds_artifacts(path, flag)) is not None:
+            raise inside
         elif (run := _run_of_checkpoint(path)) is not None:  # "an interrupted run leaves none" was false (review)
             hint = (f"a checkpoint of the run {run}: eval, export and generate take it as --checkpoint; usaf inspect "
                     f"{run} --verify checks its files")  # fmt: skip

@@ -31,7 +31,7 @@ from usaf.artifacts.checksums import unmatched, write_record
 from usaf.artifacts.delta import DeltaManifest, read_delta
 from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import combine, sha256_file
-from usaf.artifacts.loader import load_verified, read_manifest_json
+from usaf.artifacts.loader import holds_artifacts, load_verified, read_manifest_json
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors, load_torch
 from usaf.artifacts.writer import write_text_atomic
@@ -387,6 +387,8 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
                     f"{flag} {path}: an unfinished usaf run with no checkpoint yet",
                     "wait for its first checkpoint (--save-every), or resume it with the same usaf train command",
                 )
+            if (inside := holds_artifacts(path, flag)) is not None:  # a workspace's run/ (found in review)
+                raise inside
             raise UsafError(
                 f"{flag} {path}: not a usaf run (no manifest.json, no checkpoint)",
                 "pass the --out directory of usaf train, or one of its checkpoints/step-N",

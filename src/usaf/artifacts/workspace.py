@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from usaf.artifacts.hashing import sha256_file
-from usaf.artifacts.loader import load_manifest, load_verified
+from usaf.artifacts.loader import holds_artifacts, load_manifest, load_verified
 from usaf.artifacts.manifest import MANIFEST_NAME, Manifest
 from usaf.artifacts.outputs import PARTIAL_TAG, usaf_made
 from usaf.artifacts.plan import PlanManifest
@@ -226,6 +226,8 @@ def resolve_data(
         data = found.path
     if data.is_dir():
         if not (data / MANIFEST_NAME).is_file() and usaf_made(data) is None:  # another usaf output: its own message
+            if (inside := holds_artifacts(data, flag)) is not None:
+                raise inside
             raise UsafError(f"{flag} {data}: not a tokens artifact (no {MANIFEST_NAME}): text to tokenize?",
                             _TOKENIZE_FIRST.format(data=data, flag=flag))  # fmt: skip
         manifest = load_verified(data, TokensManifest, flag=flag)
