@@ -533,7 +533,8 @@ def test_base_as_a_hub_id_is_the_snapshot_quantized_or_the_cache_never_the_netwo
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert resolve_base("org/tiny", spec, manifest, qdir, change).dir == source.resolve() and calls == []
-    with pytest.raises(UsafError, match=r"--base org/other: not in the local Hugging Face cache \(download"):
+    cached = r"--base org/other: no such directory, and as a hub id not in the local Hugging Face cache \(download"
+    with pytest.raises(UsafError, match=cached):
         resolve_base("org/other", spec, manifest, qdir, change)
     assert calls == [("org/other", True)]
 

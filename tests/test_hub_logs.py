@@ -67,3 +67,22 @@ def test_usaf_plan_of_a_hub_id_says_the_retries_once(monkeypatch, capfd):
     assert result.exit_code == 2 and "its config.json is not in the local Hugging Face cache" in said, said
     assert "someorg/somemodel: no such directory, and as a hub id" in " ".join(said.split())  # a typo'd path (review)
     assert said.count("the Hugging Face hub does not answer") == 1 and "Retrying in" not in said
+
+
+def test_a_mistyped_local_name_is_no_such_directory_at_once(monkeypatch, tmp_path):
+    """``usaf tokenize notes.txt --model tiny-mo`` (a typo of a local directory) went to the hub, a minute of retries
+    offline, and never said that no such directory exists; quantize said "not in the local Hugging Face cache" (found
+    in review). A name with no ORG/ is no MoE hub id: refused at once, the hub never asked. The control: an ORG/NAME
+    id is still looked up."""
+    from helpers import invoke
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **k: asked.append(repo) or 1 / 0)
+    (tmp_path / "notes.txt").write_text("hello\n")
+    for command in (["tokenize", tmp_path / "notes.txt", "--model", "tiny-mo"], ["quantize", "tiny-mo"]):
+        result = invoke(*command)
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and "tiny-mo: no such directory (and not a hub id, which reads ORG/NAME)" in said
+    assert asked == []
+    assert invoke("quantize", "someorg/tiny-mo").exit_code != 0 and asked == ["someorg/tiny-mo"]
+

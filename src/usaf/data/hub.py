@@ -66,6 +66,15 @@ def looks_like_path(model: str) -> bool:
     return model.startswith((".", "/", "~")) or "\\" in model or model.count("/") > 1
 
 
+def refuse_a_missing_directory(model: str, flag: str) -> None:
+    """A MODEL that is no directory here and no ORG/NAME hub id: a mistyped local name (``tiny-mo``). It went to the
+    hub, which took a minute to fail where it cannot be reached and never said that no such directory exists (found in
+    review). Every Mixture-of-Experts model on the hub has an organisation in its id."""
+    if "/" not in model and not Path(model).expanduser().exists():
+        raise UsafError(f"{flag} {model}: no such directory (and not a hub id, which reads ORG/NAME)",
+                        "check the path, or pass a hub id like Qwen/Qwen3-30B-A3B")  # fmt: skip
+
+
 def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = False) -> Path:
     """A local directory for ``model``: the directory itself, or the hub snapshot (cache first; ``cache_only``:
     the cache alone, never the network).
@@ -80,6 +89,7 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = Fal
         raise UsafError(
             f"{flag} {local}: {not_a(local, 'directory')}", "pass a model directory or a hub id like Qwen/Qwen3-30B-A3B"
         )
+    refuse_a_missing_directory(model, flag)
     # lazy: huggingface_hub only when a hub id must be resolved
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -93,10 +103,11 @@ def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = Fal
     except LocalEntryNotFoundError:
         where = "" if cache_only else ", and the hub cannot be reached (HF_HUB_OFFLINE?)"
         raise UsafError(
-            f"{flag} {model}: not in the local Hugging Face cache{where}",
+            f"{flag} {model}: no such directory, and as a hub id not in the local Hugging Face cache{where}",
             "download it once with network access, or pass a local model directory",
         ) from None
     except RepositoryNotFoundError:
-        raise UsafError(f"{flag} {model}: no such repository on the hub (or it is gated)", "check the id") from None
+        raise UsafError(f"{flag} {model}: no such directory, and no such repository on the hub (or it is gated)",
+                        "check the path or the id") from None  # fmt: skip
     except OSError as e:
         raise UsafError(f"{flag} {model}: download failed ({e})", "retry, or pass a local model directory") from None

@@ -8,7 +8,7 @@ from typing import Any
 
 from usaf.artifacts.hashing import sha256_file, sha256_text
 from usaf.artifacts.tokens import TokenizerRecord
-from usaf.data.hub import hub_logs_quiet
+from usaf.data.hub import hub_logs_quiet, refuse_a_missing_directory
 from usaf.errors import UsafError, not_a
 from usaf.families.modules import transformers_major
 
@@ -44,6 +44,7 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
         raise UsafError(f"{flag} {local}: {not_a(local, 'directory')}", "pass a model directory or a hub id")
     if local.is_dir():
         model = str(local)
+    refuse_a_missing_directory(model, flag)
     if local.is_dir() and not has_tokenizer_files(local):
         # transformers would build an empty one-token tokenizer from config.json alone
         raise UsafError(
