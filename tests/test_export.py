@@ -558,12 +558,25 @@ def test_delta_entries_the_output_dtype_rounds_away_are_counted_and_said(bench, 
     large = hostile_exporteval.write_delta(bench, tmp_path / "large")
     common = ["--model", bench.quantized, "--no-verify"]
     summaries = {}
+    below_fp32 = hostile_exporteval.write_delta(
+        bench, tmp_path / "below", hostile_exporteval._deltas(lambda i, v: (i, v * 1e-30))
+    )
     for name, delta, dtype in (("tiny-bf16", tiny, "bfloat16"), ("tiny-f32", tiny, "float32"),
-                               ("large-bf16", large, "bfloat16")):  # fmt: skip
+                               ("large-bf16", large, "bfloat16"), ("below-f32", below_fp32, "float32")):  # fmt: skip
         out = tmp_path / name
         summaries[name] = export(*common, "--checkpoint", delta, "--dtype", dtype, "--out", out)["summary"]
     said = [n for n in summaries["tiny-bf16"]["notes"] if "round away" in n]
     assert summaries["tiny-bf16"]["expert_entries_rounded_away"] == 3 and said and "3 of the 3 delta entries" in said[0]
+    assert "--dtype float32 writes it whole" in said[0]
+    # in float32 already, that advice was false (found in review): too small for float32 itself, and said so
+    said = [n for n in summaries["below-f32"]["notes"] if "round away" in n]
+    assert said and "below float32's own step" in said[0] and "--dtype float32" not in said[0], said
+    # config.json's dtype is said where it changed, not where it already was the one written (found in review)
+    config_dtype = json.loads((bench.quantized / "config.json").read_text()).get("dtype")
+    assert config_dtype == "float32"  # so the float32 export is the case that changes nothing
+    for name, dtype in (("tiny-bf16", "bfloat16"), ("tiny-f32", "float32")):
+        changed = any(n.startswith("config.json: dtype set to") for n in summaries[name]["notes"])
+        assert changed is (config_dtype != dtype), (name, config_dtype, summaries[name]["notes"])
     for name in ("tiny-f32", "large-bf16"):
         assert summaries[name]["expert_entries_rounded_away"] == 0, name
         assert not any("round away" in n for n in summaries[name]["notes"]), name

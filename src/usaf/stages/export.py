@@ -313,8 +313,8 @@ def _model_files(source_dir: Path, work: Path, dtype: str | None) -> list[str]:
     if "quantization_config" in config:  # the export's weights are dense: a stale entry would misload them
         config.pop("quantization_config")
         notes.append("config.json: quantization_config removed (the exported weights are not quantized)")
-    if dtype is not None:
-        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    if dtype is not None and any(config.get(key) != dtype for key in keys):  # said only of a change (found in review)
         for key in keys:
             config[key] = dtype
         notes.append(f"config.json: {'/'.join(keys)} set to {dtype}")
