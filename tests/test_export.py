@@ -380,7 +380,9 @@ def test_bad_inputs_exit_2_and_leave_nothing(trained, tiny_model, tmp_path):
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--base", lookalike, expect=("--base", "differs"))
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "onnx", expect=("--format",))
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--base", source,
-            expect=("--base", "--format hf"))  # fmt: skip
+            expect=("--base applies to --format hf only; drop it",))  # fmt: skip  (one flag: "apply", review)
+    refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--base", source, "--dtype",
+            "bfloat16", expect=("apply to --format hf only; drop them",))  # fmt: skip
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--format", "delta", "--device", "cpu",
             expect=("--device", "--format hf"))  # fmt: skip
     refused("--model", qdir, "--checkpoint", run, "--out", out, "--no-verify", "--device", "cpu",

@@ -293,9 +293,12 @@ def resolve_config(
             settings._sources = dict(origin)
             settings._dropped = dropped
             return settings
+    # which source wins matters only where one was not a flag: said of every error, it read as unrelated (review)
+    shared_source = any(("USAF_" in p or "--config" in p or "legacy env" in p) for p in problems)
     raise UsafError(
         "invalid settings: " + "; ".join(problems),
-        "fix the values above (flags win over USAF_* variables, which win over --config)",
+        f"fix {'the setting' if len(problems) == 1 else 'each setting'} named"
+        + (" (flags win over USAF_* variables, which win over --config)" if shared_source else ""),
     )
 
 

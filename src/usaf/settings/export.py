@@ -66,5 +66,6 @@ class ExportConfig(StageConfig):
             hf_only = {"--base": self.base, "--dtype": self.dtype, "--max-shard-gib": self.max_shard_gib}
             given = [flag for flag, value in hf_only.items() if value is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} apply to --format hf only; drop them or pass --format hf")
+                verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")  # "--dtype apply" (review)
+                raise ValueError(f"{', '.join(given)} {verb} to --format hf only; drop {them} or pass --format hf")
         return self
