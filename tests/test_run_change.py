@@ -213,6 +213,13 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     assert report["verified"] is False and [p["path"] for p in report["problems"]] == [
         "checkpoints/step-0000004/deltas.safetensors"]  # fmt: skip
     assert not [f for f in report["unlisted"] if f.startswith("checkpoints/")], report["unlisted"]
+    # its log and settings are named as the run's own, not as files the manifest fails to list (found in review);
+    # the control: a file of the user's there still is one
+    (finished / "notes.txt").write_text("mine\n")
+    said = " ".join(invoke("inspect", run, "--verify").stderr.split()) + " | " + " ".join(
+        invoke("inspect", finished, "--verify").stderr.split())  # fmt: skip
+    assert "metrics.jsonl, run-settings.json: the run's own log and settings" in said, said
+    assert "1 file is not listed in the manifest (not covered by it): notes.txt" in said, said
     started = tmp_path / "started"
     started.mkdir()
     shutil.copy(run / "run-settings.json", started / "run-settings.json")

@@ -295,11 +295,11 @@ def added_files(directory: Path, kind: str | None) -> tuple[str, ...]:
     known = {path for path in paths if isinstance(path, str)} | {MANIFEST_NAME, MADE_MARKER}
     added = [rel for rel in _files_under(directory) if rel not in known]
     if kind == "run":
-        added = [rel for rel in added if not _run_working_file(rel)] + _added_to_the_runs_plan(directory)
+        added = [rel for rel in added if not run_working_file(rel)] + _added_to_the_runs_plan(directory)
     return tuple(sorted(added))
 
 
-def _run_working_file(rel: str) -> bool:
+def run_working_file(rel: str) -> bool:
     """A file a run writes that its manifest does not list: settings, metrics, prefix-state spills, a checkpoint's
     files (``checkpoints/step-N/``, ``final/`` before the run ends, and the ``.tmp`` a killed write leaves), and its
     on-the-fly plan's (:func:`_added_to_the_runs_plan` looks inside that)."""

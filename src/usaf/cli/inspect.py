@@ -192,6 +192,7 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     verdict line."""
     from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
     from usaf.artifacts.loader import manifest_problem, unlisted_files
+    from usaf.artifacts.outputs import run_working_file
     from usaf.cli.console import note, out, print_json
     from usaf.cli.progress import RichProgress
 
@@ -220,8 +221,15 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
                 **({"checkpoints": checkpoints} if manifest.kind == "run" else {}),
             }
         )
-    if uncovered:
-        note(f"{len(uncovered)} files are not listed in the manifest (not covered by it): {', '.join(uncovered[:5])}")
+    # a run's log and settings are usaf's, written as it trained: named as files "not listed in the manifest", a
+    # fresh run read as something wrong (found in review)
+    own = [f for f in uncovered if manifest.kind == "run" and run_working_file(f)]
+    if own:
+        note(f"{', '.join(own[:5])}: the run's own log and settings, written as it trained; its manifest does not "
+             "cover them")  # fmt: skip
+    if others := [f for f in uncovered if f not in own]:
+        are = "1 file is" if len(others) == 1 else f"{len(others)} files are"
+        note(f"{are} not listed in the manifest (not covered by it): {', '.join(others[:5])}")
     if manifest.manifest_sha256 is None:
         note(f"{MANIFEST_NAME} has no checksum of its own (an older usaf wrote it): an edit to it would not show here")
     if bad:
