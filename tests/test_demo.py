@@ -139,6 +139,20 @@ def test_a_stages_refusal_of_its_out_is_said_of_the_demo_s_workspace(tmp_path, m
     assert e.value.message == "--model x: no such directory"
 
 
+def test_the_step_by_step_commands_name_the_workspace_in_full():
+    """Every path of the printed commands was absolute but eval's --workspace, which a copy run elsewhere read as
+    another workspace (found in review)."""
+    from pathlib import Path
+
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    (_, eval_line), = [(name, line) for name, line in demo.commands(DemoConfig(workspace=Path("rel-demo")))
+                       if name == "eval"]  # fmt: skip
+    given = eval_line[eval_line.index("--workspace") + 1]
+    assert Path(given).is_absolute() and Path(given).name == "rel-demo", eval_line
+
+
 def test_quick_caps_the_steps_and_held_out_sequences_not_given():
     """--quick --steps 100 ran 20 steps in silence (found in review): a value given wins, the others are capped."""
     from usaf.config import resolve_config

@@ -119,8 +119,8 @@ def stage_settings(config: DemoConfig) -> dict[str, Any]:
                              steps=config.steps, lr=config.lr, seed=config.seed, out=p["run"], device=device),
         "eval": EvalConfig(model=p["quantized"], checkpoint=p["run"], data=[p["tokens"]],
                            held_out=[p["tokens"], *forgetting_inputs()], max_sequences=config.eval_sequences,
-                           out=p["eval"], device=device, seed=config.seed,
-                           workspace=config.workspace),  # the base-pass cache stays inside the demo's workspace
+                           out=p["eval"], device=device, seed=config.seed,  # the base-pass cache stays inside the
+                           workspace=Path(os.path.abspath(config.workspace))),  # demo's workspace, named in full
     }  # fmt: skip
     if config.export:
         stages["export"] = ExportConfig(model=p["quantized"], checkpoint=p["run"], base=model, out=p["export"])
