@@ -233,3 +233,19 @@ def test_a_stage_that_said_what_its_interrupt_kept_is_not_followed_by_nothing_ha
 
     assert "interrupted" not in interrupted(said=True)  # the stage's note said it
     assert "interrupted: nothing half-written was left behind" in interrupted(said=False)
+
+
+def test_a_second_stop_signal_leaves_at_once_and_says_so(capsys):
+    """A second Ctrl-C during training ended the command with exit 130 and no line at all (found in review). The
+    control: the first only asks the run to stop at its next boundary, silently."""
+    import signal as signals
+
+    from usaf.distributed import World
+    from usaf.stages.stop import SECOND_STOP, StopRequest
+
+    stop = StopRequest(World())
+    stop._handle(signals.SIGINT, None)
+    assert stop.requested and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:
+        stop._handle(signals.SIGINT, None)
+    assert e.value.code == 130 and SECOND_STOP in capsys.readouterr().err

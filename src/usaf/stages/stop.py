@@ -8,6 +8,7 @@ whole units of work.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -16,6 +17,9 @@ from usaf.errors import STOP_SIGNALS, StopSignal
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "note_at_stop", "rerun_to_resume", "take_note_at_stop"]
 
+
+SECOND_STOP = ("stopped at once by a second signal, without saving: what was saved before stays; run the same command "
+               "to resume from it")
 
 # Set once a stage has said what an interrupt kept (its last line): the command's own closing line, "nothing
 # half-written was left behind", then adds nothing, and after "saved ..." it read as contradicting it (found in review).
@@ -72,8 +76,10 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and not self.world.active:
-            raise SystemExit(128 + signum)  # the second signal: leave now, no checkpoint
+        if self.requested and not self.world.active:  # the second signal: leave now, no checkpoint
+            # said: the command ended silently, where the first signal's save had not come (found in review)
+            sys.stderr.write(f"\n{SECOND_STOP}\n")
+            raise SystemExit(128 + signum)
         self.signum = self.signum or signum
 
     def check(self, *, alone: bool = False) -> None:
