@@ -448,6 +448,10 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"text": "fine", "source": "a"}) + "\n{not json\n")
     model_fp = json.loads((q / "manifest.json").read_text())["fingerprint"]
+    pretokenized, copy = tmp_path / "held.jsonl", tmp_path / "held-copy.jsonl"
+    lines = (tokens / "heldout.jsonl").read_text().splitlines()[:4]
+    for path in (pretokenized, copy):
+        path.write_text("".join(json.dumps({"input_ids": json.loads(line)["input_ids"]}) + "\n" for line in lines))
     cases = [
         (("--checkpoint", foreign, "--held-out", tokens), [f"--checkpoint {foreign}", "f" * 16, model_fp[:16]]),
         (("--held-out", empty), [f"--held-out {empty}", "holds no sequences"]),
@@ -463,6 +467,9 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
         (("--held-out", tokens, "--bootstrap", 10**8), ["--bootstrap", "1000000"]),  # torch.quantile's limit is 2^24
         # one input twice: its sequences counted twice in the pooled row, its interval too narrow (found in review)
         (("--held-out", tokens, "--held-out", f"{tokens}/"), [f"--held-out {tokens}", "the same input given twice"]),
+        # ... or a copy of it under another name (found in review)
+        (("--held-out", pretokenized, "--held-out", copy), [f"--held-out {pretokenized} and {copy}",
+                                                            "the same sequences (one fingerprint)"]),  # fmt: skip
     ]
     for args, expected in cases:
         out = tmp_path / "out"

@@ -78,6 +78,18 @@ def _refuse_repeated(named: str, paths: list[Path]) -> None:
         seen[real] = Path(path)
 
 
+def _refuse_a_copy(named: str, item: EvalInput, earlier: list[EvalInput]) -> None:
+    """The same sequences under another name in a set (a copied file): as a path given twice, counted twice in the
+    pooled row, whose interval was too narrow (found in review; the paths differed, so the check above passed)."""
+    for other in earlier:
+        if other.fingerprint == item.fingerprint:
+            raise UsafError(
+                f"{named} {other.path} and {item.path}: the same sequences (one fingerprint); they would count twice "
+                "in the pooled row",
+                "give each input once",
+            )
+
+
 def read_inputs(
     config: Any, workspace: Path, model_dir: Path, change: Any, tokenizer: Any, context: int | None, progress: Progress
 ) -> list[EvalInput]:
@@ -128,6 +140,7 @@ def read_inputs(
             )
             if sample != config.max_sequences and item.sampled_from is not None:
                 progress.note(_training_sample_note(item, held_out))
+            _refuse_a_copy(named or f"--{set_name}", item, [i for i in inputs if i.set == set_name])
             inputs.append(item)
     raw = [item.path for item in inputs if item.kind == "text"]
     if not raw:
