@@ -272,6 +272,14 @@ def test_held_out_sequences_the_run_trained_on_are_counted_and_said(trained, rep
     said = f"{held['sequences']} of the {held['sequences']} held-out sequences"
     assert said in " ".join(result.stderr.split()) and said in " ".join(result.stdout.split())
     assert "**warning**: " + said in (out / "report.md").read_text()
+    # the same text packed at another length is not found: that 0 read as a clean result (found in review); said
+    out = tmp_path / "repacked"
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", trained["run"], "--seq-len", 40, "--no-plots",
+                    "--held-out", text, "--workspace", tmp_path / "ws", "--out", out)  # fmt: skip
+    data = json.loads((out / "report.json").read_text())
+    assert result.exit_code == 0 and data["heldout_in_training"] == 0, result.output
+    assert f"the text eval packed itself ({text}) is found there only where it was packed as the training tokens " \
+        "were" in data["overlap_note"] and "warning" not in result.stderr, data["overlap_note"]
 
 
 def test_the_runs_training_tokens_are_found_by_fingerprint_and_not_claimed_when_gone(trained, tmp_path):

@@ -284,9 +284,10 @@ def _held_out_in_training(change, workspace: Path, inputs, vocab: int, context, 
         found = overlap.held_out_overlap(inputs, training, vocab_size=vocab, context=context, progress=progress)
     except UsafError as e:  # a check on a file the user did not pass: say why it was not made, and go on
         return not_checked(e.message)
-    note = overlap.overlap_note(found)
+    packed_here = [item.path for item in inputs if item.set == HELD_OUT and item.kind == "text"]
+    note = overlap.overlap_note(found, packed_here)
     if note is not None:
-        progress.note("warning: " + note)
+        progress.note(("warning: " if found.found else "") + note)
     return found.found, note, training.path
 
 

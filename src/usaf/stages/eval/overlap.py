@@ -149,10 +149,17 @@ def held_out_overlap(
     return Overlap(training.path, sum(per_input.values()), sum(len(item.sequences) for item in held), per_input)
 
 
-def overlap_note(overlap: Overlap) -> str | None:
-    """The warning for the report and the console, or None when nothing overlaps."""
+def overlap_note(overlap: Overlap, packed_here: list[Path] | None = None) -> str | None:
+    """The warning for the report and the console when held-out sequences overlap; where none does but eval packed
+    some held-out text itself (``packed_here``), what the 0 means: a source the run trained on, given as text, packed
+    at another length, read as "0 in training" with no word (found in review). Otherwise None."""
     if not overlap.found:
-        return None
+        if not packed_here:
+            return None
+        return (f"0 of the {overlap.held_out:,} held-out sequences are in the run's training data ({overlap.training})"
+                f"; the text eval packed itself ({', '.join(map(str, packed_here))}) is found there only where it was "
+                "packed as the training tokens were (their --seq-len and sources): text the run trained on, packed "
+                "otherwise, is not found")  # fmt: skip
     inputs = ", ".join(f"{path}: {n:,}" for path, n in overlap.per_input.items() if n)
     return (
         f"{overlap.found:,} of the {overlap.held_out:,} held-out sequences ({inputs}) are in the run's training data "
