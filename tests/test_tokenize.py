@@ -535,6 +535,10 @@ def test_utf16_text_is_named_as_such_not_skipped_as_binary(tmp_path, tok_dir):
     result = tokenize(corpus, "--model", tok_dir, "--out", out)
     said = " ".join(result.stderr.split())
     assert result.exit_code == 0 and f"1 UTF-16 or UTF-32 text file skipped, e.g. {corpus / 'notes.txt'}" in said
+    # the artifact records it too: its manifest said nothing was skipped (found in review)
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    assert summary["skipped_wide_files"] == 1 and summary["skipped_binary_files"] == 1
+    assert "1 UTF-16/UTF-32 file skipped" in " ".join(result.stdout.split())
 
 
 def test_undecodable_file(tmp_path, tok_dir):

@@ -52,6 +52,9 @@ class TokensSummary(Record):
     )
     skipped_empty_documents: int
     skipped_undecodable_files: int = Field(0, description="text files not UTF-8, skipped (--decode-errors skip)")
+    skipped_wide_files: int = Field(
+        0, description="UTF-16 or UTF-32 text files under a directory input, skipped (usaf reads UTF-8)"
+    )  # said on the console only, the manifest recorded nothing skipped (found in review)
     replaced_undecodable_files: int = Field(
         0, description="text files not UTF-8, read with their bad bytes replaced by U+FFFD (--decode-errors replace)"
     )

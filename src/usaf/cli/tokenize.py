@@ -29,6 +29,8 @@ def _print_summary(console, manifest, path: Path) -> None:
     extras = [counted(s.documents, "document"), counted(s.input_bytes, "byte"), f"seq_len {s.seq_len}"]
     if s.skipped_binary_files:
         extras.append(f"{counted(s.skipped_binary_files, 'binary file')} skipped")
+    if s.skipped_wide_files:
+        extras.append(f"{counted(s.skipped_wide_files, 'UTF-16/UTF-32 file')} skipped")
     if s.skipped_by_default:
         extras.append(f"{counted(sum(s.skipped_by_default.values()), 'path')} skipped by default (--all-files)")
     if s.skipped_empty_documents:

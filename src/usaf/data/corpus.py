@@ -10,7 +10,7 @@ else the file's name.
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from usaf.artifacts.outputs import usaf_made
+from usaf.data.globs import Glob
 from usaf.data.ignore import default_skip, git_rules, is_repository_root
 from usaf.data.jsonl import iter_jsonl_objects
 from usaf.errors import UsafError, not_a
@@ -53,6 +54,7 @@ class Corpus:
     # JSONL named beside a .py under --include '*.py' looked read, and alone it was "no text or JSONL files"; review)
     filtered_out: list[Path] = field(default_factory=list)
     named_filtered_out: list[Path] = field(default_factory=list)
+    unmatched_patterns: list[str] = field(default_factory=list)  # "--exclude tests" that matched no file or directory
 
     @property
     def total_bytes(self) -> int:
@@ -99,20 +101,18 @@ def unreadable(path: Path, e: OSError) -> UsafError:
                      "fix its permissions, or leave it out with --exclude")  # fmt: skip
 
 
-def _matches(rel: str, patterns: list[str]) -> bool:
-    name = rel.rsplit("/", 1)[-1]
-    return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(name, p) for p in patterns)
+def _excluded_dir(rel: str, *, globs: list[Glob], root: str, matched: set[str]) -> bool:
+    return _first_match(rel, globs, root, matched)
 
 
-# Paths under a directory no real file has (NUL is in no name), of two lengths and depths: a pattern matching both
-# matches whatever lies under it ("build/*"); "a/?" or "a/[!x]" match the first only (they pruned a/ whole, the
-# files they do not match included; found in review).
-_ANY_UNDER = ("\0", "\0\0\0/\0\0")
-
-
-def _excludes_all_under(directory_rel: str, patterns: list[str]) -> bool:
-    """Whether ``--exclude`` excludes every file under the directory, so the walk need not enter it."""
-    return any(all(_matches(f"{directory_rel}/{tail}", [p]) for tail in _ANY_UNDER) for p in patterns)
+def _first_match(rel: str, globs: list[Glob], root: str | None, matched: set[str]) -> bool:
+    """Whether ``rel`` matches one of ``globs`` (:mod:`usaf.data.globs`); the pattern that did is added to ``matched``
+    (a pattern that matched nothing is said: it was a no-op in silence, found in review)."""
+    for glob in globs:
+        if glob.matches(rel, root):
+            matched.add(glob.pattern)
+            return True
+    return False
 
 
 class _Walk:
@@ -152,22 +152,28 @@ class _Walk:
         self.seen.add(key)
         return True
 
-    def files(self, root: Path, exclude: list[str]) -> Iterator[tuple[Path, str]]:
+    def files(self, root: Path, excluded: Callable[[str], bool]) -> Iterator[tuple[Path, str]]:
         """``(path, relative posix path)`` of every file under ``root``, sorted within each directory.
 
-        Directories that an exclude glob covers entirely (``site-packages/*``) are not entered.
+        Directories ``excluded`` (their path under ``root``) are not entered: an exclude pattern that matches a
+        directory matches everything under it (``site-packages``, ``build/*``).
         """
         queue = [(root, "")]  # the input, then each symlinked directory met, with its path under the input
         linked: list[tuple[Path, str]] = []  # symlinked files, read once the real ones are known
         while queue:
             top, base = queue.pop(0)
-            yield from self._tree(top, base, exclude, queue, linked)
+            yield from self._tree(top, base, excluded, queue, linked)
         for path, rel in linked:
             if self.first_visit(path):
                 yield path, rel
 
     def _tree(
-        self, top: Path, base: str, exclude: list[str], queue: list[tuple[Path, str]], linked: list[tuple[Path, str]]
+        self,
+        top: Path,
+        base: str,
+        excluded: Callable[[str], bool],
+        queue: list[tuple[Path, str]],
+        linked: list[tuple[Path, str]],
     ) -> Iterator[tuple[Path, str]]:
         """The real files under ``top`` (``base`` + their path under it); links met are queued or counted."""
         if base and self._usaf_output(top):  # a linked directory (an input given by name was checked first)
@@ -182,7 +188,7 @@ class _Walk:
             prefix = base + local  # under the input
             if local and not self.all_files and is_repository_root(Path(dirpath)):  # a nested repository's rules
                 rules += [r for r in [git_rules(Path(dirpath), local)] if r is not None]
-            kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not _excludes_all_under(prefix + d, exclude))
+            kept = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not excluded(prefix + d))
             kept = [d for d in kept if not self._skipped_by_default(Path(dirpath, d), f"{local}{d}/", rules, True)]
             kept = [d for d in kept if not self._usaf_output(Path(dirpath, d))]
             dirnames[:] = [d for d in kept if not self._is_link(Path(dirpath, d), queue, f"{prefix}{d}/")]
@@ -256,6 +262,8 @@ def discover(
     filtered: list[Path] = []  # left out by --include/--exclude
     named_filtered: list[Path] = []  # of those, inputs given by name
     walk = _Walk(follow_symlinks=follow_symlinks, all_files=all_files)
+    includes, excludes = [Glob(p) for p in include], [Glob(p) for p in exclude]
+    matched: set[str] = set()  # the patterns that matched a file or a directory
     for given in inputs:
         if not given.is_file() and not given.is_dir():  # a pipe was walked as a directory: "not a directory" (review)
             raise UsafError(f"{given}: {not_a(given, 'file or directory')}", "check the input paths")
@@ -277,12 +285,15 @@ def discover(
         else:
             root_name = names[given]
             candidates = []
-            for path, rel in walk.files(given, exclude):
+            excluded = functools.partial(_excluded_dir, globs=excludes, root=root_name, matched=matched)
+            for path, rel in walk.files(given, excluded):
                 parts = name_text(rel).split("/")
                 source = "/".join([root_name, *parts[: max(source_depth, 0)]]) if source_depth else root_name
                 candidates.append((path, rel, source))
         for path, rel, source in candidates:
-            if (include and not _matches(rel, include)) or (exclude and _matches(rel, exclude)):
+            root = None if given.is_file() else names[given]
+            if (includes and not _first_match(rel, includes, root, matched)) or _first_match(rel, excludes, root,
+                                                                                             matched):  # fmt: skip
                 filtered.append(path)
                 if given.is_file():
                     named_filtered.append(path)
@@ -303,8 +314,10 @@ def discover(
             kind: Literal["text", "jsonl"] = "jsonl" if path.name.lower().endswith(JSONL_SUFFIXES) else "text"
             files.append(CorpusFile(path, kind, source, path.stat().st_size, walked=not given.is_file()))
     files.sort(key=lambda f: f.source)  # stable: keeps walk order within a source
+    unmatched = [f"--include {p}" for p in include if p not in matched] + [
+        f"--exclude {p}" for p in exclude if p not in matched]  # fmt: skip
     return Corpus(files, skipped, walk.skipped_links, walk.broken_links, walk.skipped_default, walk.skipped_usaf, wide,
-                  special, repeated, filtered, named_filtered)  # fmt: skip
+                  special, repeated, filtered, named_filtered, unmatched)  # fmt: skip
 
 
 def name_text(name: str) -> str:

@@ -35,7 +35,9 @@ class TokenizeConfig(StageConfig):
     # what the globs match was said nowhere: --include data/x.py matched nothing, --held-out data/x.py did (review)
     include: list[str] = Field(
         default_factory=list,
-        description="Only files matching this glob (repeatable): a file's path under its directory input, or its name.",
+        description="Only files matching this glob (repeatable), read as .gitignore reads it: with a /, from the "
+        "input's top (src/*.py, ** for any depth) or its name (repo/src/*.py); without, any file or directory name "
+        "(*.py, tests); a directory's match takes everything under it.",
     )
     exclude: list[str] = Field(
         default_factory=list,

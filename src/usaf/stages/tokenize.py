@@ -30,6 +30,7 @@ from usaf.artifacts.tokens import (
 from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents, name_text
+from usaf.data.globs import nfc
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
 from usaf.data.packing import Sequence, SourcePacker
@@ -92,6 +93,15 @@ def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress)
     return sorted(sources)
 
 
+def _names(source: str, pattern: str) -> bool:
+    """Whether ``--held-out pattern`` names ``source``: as a glob, or as the name itself (``app[1]``, a glob's class
+    otherwise), at its end or whole; in Unicode NFC both (a name copied from macOS is NFD). Both were "matches no
+    source" of a name listed in the message (found in review)."""
+    source, pattern = nfc(source), nfc(pattern)
+    return (source == pattern or source.endswith("/" + pattern) or fnmatch(source, pattern)
+            or fnmatch(source, "*/" + pattern))  # fmt: skip
+
+
 def select_heldout(
     sources: list[str],
     patterns: list[str],
@@ -106,7 +116,7 @@ def select_heldout(
     if patterns:
         chosen = set()
         for pattern in patterns:
-            hits = {s for s in sources if fnmatch(s, pattern) or fnmatch(s, "*/" + pattern)}
+            hits = {s for s in sources if _names(s, pattern)}
             if not hits:
                 shown = ", ".join(sources[:12]) + (" ..." if len(sources) > 12 else "")
                 raise UsafError(f"{patterns_at} {pattern}: matches no source (sources: {shown})", "fix the pattern")
@@ -395,10 +405,17 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
         progress.note(f"{counted(len(corpus.named_filtered_out), 'input')} given by name left out by {filters} "
                       f"({first_few(corpus.named_filtered_out)}): a file named is filtered as the files under a "
                       "directory are")  # fmt: skip
+    if corpus.unmatched_patterns:  # a no-op in silence (found in review)
+        progress.note(f"{', '.join(corpus.unmatched_patterns)}: matched no file or directory (a pattern with / matches "
+                      "from the input's top, or from its name: src/*.py, repo/src/*.py; one without, any name at "
+                      "any depth: *.py, tests)")  # fmt: skip
     if not corpus.files:
         raise UsafError(
             f"empty corpus: no text or JSONL files in {', '.join(map(str, config.inputs))}{skipped_note(corpus)}",
-            "drop --no-follow-symlinks to read the linked files"
+            # the filter first: --all-files was offered where --include had left out every file (found in review)
+            "check --include/--exclude (a pattern with / matches from the input's top: src/*.py)"
+            if corpus.filtered_out
+            else "drop --no-follow-symlinks to read the linked files"
             if corpus.skipped_links
             else "pass --all-files to read them"
             if corpus.skipped_default
@@ -628,6 +645,7 @@ def _summary(
         skipped_by_default={reason: len(paths) for reason, paths in corpus.skipped_default.items()},
         skipped_empty_documents=totals.skipped_empty,
         skipped_undecodable_files=_skipped_undecodable(config, totals),
+        skipped_wide_files=len(corpus.skipped_wide),
         replaced_undecodable_files=len(totals.undecodable) - _skipped_undecodable(config, totals),
         relabelled_shifted_lines=totals.relabelled,
         heldout_sources=sorted(heldout),
