@@ -1186,3 +1186,23 @@ def test_sequences_with_nothing_to_score_are_counted_and_said(trained, tmp_path)
                      "--out", tmp_path / "r3")  # fmt: skip
     assert control.exit_code == 0 and "no token to score" not in control.stderr
     assert "no scored token" not in (tmp_path / "r3" / "report.md").read_text()
+
+
+def test_the_terminal_table_wraps_a_long_source_rather_than_cutting_it(report):
+    """On 80 columns "http/cookiejar.py" and "http/cookies.py" were both "http/cooki…" (found in review)."""
+    import io
+
+    from rich.console import Console
+
+    from usaf.artifacts import EvalReportManifest, load_verified
+    from usaf.cli.eval_ import _print_summary
+
+    out, _, _ = report
+    manifest = load_verified(out, EvalReportManifest)
+    rows = [r.model_copy(update={"source": "some/long/package/" + r.source}) if not r.overall else r
+            for r in manifest.summary.rows]  # fmt: skip
+    manifest = manifest.model_copy(update={"summary": manifest.summary.model_copy(update={"rows": rows})})
+    shown = io.StringIO()
+    _print_summary(Console(file=shown, width=80), manifest, out)
+    cells = "".join(line.split("│")[2].strip() for line in shown.getvalue().splitlines() if line.count("│") > 3)
+    assert "…" not in shown.getvalue().split("routing")[0] and "some/long/package/" in cells, shown.getvalue()

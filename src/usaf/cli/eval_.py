@@ -20,7 +20,9 @@ def _print_summary(console, manifest, path: Path) -> None:
     columns = ["set", "source", "seqs", "tokens", "base PPL"]
     columns += ["tuned PPL", f"Δ PPL [{round(100 * s.confidence)} % CI]"] if tuned else ["95 % CI"]
     for column in columns:
-        table.add_column(column, justify="left" if column in ("set", "source") else "right")
+        # a source wraps, never cut: "http/cooki…" was cookiejar.py and cookies.py alike on 80 columns (review)
+        table.add_column(column, justify="left" if column in ("set", "source") else "right",
+                         overflow="fold" if column == "source" else "ellipsis")  # fmt: skip
     for r in shown_rows(s.rows):
         label = escape(row_label(r, s.rows, short=True))  # a source, or a total: of one input, of the set
         cells = [r.set, label, f"{r.sequences:,}", f"{r.tokens:,}", f"{r.base.ppl:.2f}"]
