@@ -251,6 +251,14 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert "**base model only**" in md
     # what eval packed itself is named so, not "text": a chat JSONL was called text (found in review)
     assert f"--held-out `{texts}` (tokenized by eval)" in md and "(text)" not in md, md
+    # one model's routing under its own headers, not "base → tuned" (found in review)
+    assert "| layer | entropy | max share | dead experts |" in md and "base → tuned" not in md, md
+    assert "- experts: dequantized" in md  # the pass ran here; the rerun below reads it from the cache
+    again = invoke("eval", "--model", trained["q"], "--held-out", texts, "--held-out", stdlib_dir() / "textwrap.py",
+                   "--seq-len", 64, "--workspace", tmp_path / "ws", "--out", tmp_path / "again")  # fmt: skip
+    md = (tmp_path / "again" / "report.md").read_text()
+    assert again.exit_code == 0 and "- base pass: reused from the cache" in md, again.output
+    assert "- experts: none computed: no pass ran" in md and "dequantized per forward" not in md, md
     total = next(r for r in data["rows"] if r["overall"] and r["input"] is None)["base"]  # the table's last row
     shown = f"{total['ppl']:.2f} [{total['ppl_ci'][0]:.2f}, {total['ppl_ci'][1]:.2f}]"  # one precision (it was 2 and 3)
     assert shown in " ".join(result.stdout.replace("│", " ").split()), result.stdout

@@ -174,7 +174,9 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         lines.append(f"- checkpoint applied: max |Δ logit| on the longest batch = {s.max_logit_change:.3g}")
     how = "reused from the cache" if s.base_cached else "computed"
     lines.append(f"- base pass: {how}" + (f" (`{s.base_cache}`)" if s.base_cache else " (cache off)"))
-    lines.append("- experts: " + ("dequantized once (resident)" if s.experts_resident else "dequantized per forward")
+    ran = not (s.base_cached and s.checkpoint is None)  # a base-only report from the cache ran no forward (review)
+    lines.append("- experts: " + ("none computed: no pass ran" if not ran else "dequantized once (resident)"
+                                  if s.experts_resident else "dequantized per forward")  # fmt: skip
                  + (f"; computed in {s.compute_dtype}" if s.compute_dtype else ""))  # fmt: skip
     for item in s.inputs:
         sample = f" (a seeded sample of its {item.sampled_from:,})" if item.sampled_from else ""
@@ -208,17 +210,19 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
                 f"{r.tuned.ppl:.3f} | {d.ppl:+.3f} {fmt_ci(d.ppl_ci, 3)} | {d.nll:+.4f} {fmt_ci(d.nll_ci, 4)} |"
             )
     lines += ["", "## Routing drift", ""]
-    lines += [
-        "| layer | entropy base → tuned | max share base → tuned | dead experts base → tuned | top-k set changed |",
-        "|---:|---|---|---|---:|",
-    ]
+    if s.checkpoint is not None:
+        lines += ["| layer | entropy base → tuned | max share base → tuned | dead experts base → tuned | top-k set "
+                  "changed |", "|---:|---|---|---|---:|"]  # fmt: skip
+    else:  # a base-only report: one model, no change to show (its headers said "base → tuned"; found in review)
+        lines += ["| layer | entropy | max share | dead experts |", "|---:|---|---|---|"]
     for d in s.routing:
         tuned = d.tuned_entropy is not None
         lines.append(
             f"| {d.layer} | {d.base_entropy:.3f}" + (f" → {d.tuned_entropy:.3f}" if tuned else "")
             + f" | {d.base_max_share:.3f}" + (f" → {d.tuned_max_share:.3f}" if tuned else "")
             + f" | {d.base_dead}" + (f" → {d.tuned_dead}" if tuned else "")
-            + " | " + (f"{100 * d.changed_fraction:.2f} %" if d.changed_fraction is not None else "-") + " |"
+            + (" | " + (f"{100 * d.changed_fraction:.2f} %" if d.changed_fraction is not None else "-")
+               if s.checkpoint is not None else "") + " |"
         )  # fmt: skip
     lines.append("")
     lines.append("Entropy in nats (even load over E experts: log E). Top-k sets compared per token, order ignored.")
