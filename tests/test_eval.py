@@ -419,6 +419,9 @@ def test_tables_show_an_input_total_only_where_the_input_has_several_sources():
     shown = shown_rows(rows)
     assert [row_label(r, rows) for r in shown] == ["a.py", "b", "c", "all: two", "all inputs"]
     assert shown_rows(shown[1:]) == shown[1:]  # negative control: nothing more to drop
+    # a set of one source: its total repeats that source's row too, and was shown (found in review)
+    alone = [row("smtplib.py", "one"), row("all", "one", True), row("all", None, True)]
+    assert [row_label(r, alone) for r in shown_rows(alone)] == ["smtplib.py"]
 
 
 def test_plots_need_matplotlib(trained, report, tmp_path, monkeypatch):
@@ -1214,3 +1217,15 @@ def test_the_terminal_table_wraps_a_long_source_rather_than_cutting_it(report):
     _print_summary(Console(file=shown, width=80), manifest, out)
     cells = "".join(line.split("│")[2].strip() for line in shown.getvalue().splitlines() if line.count("│") > 3)
     assert "…" not in shown.getvalue().split("routing")[0] and "some/long/package/" in cells, shown.getvalue()
+
+
+def test_report_md_counts_one_sequence_in_the_singular(report):
+    """"(tokenized by eval): 1 sequences" (found in review)."""
+    from usaf.artifacts import EvalReportManifest, load_verified
+    from usaf.stages.eval.report import markdown
+
+    out, _, _ = report
+    summary = load_verified(out, EvalReportManifest).summary
+    one = summary.model_copy(update={"inputs": [summary.inputs[0].model_copy(update={"sequences": 1})]})
+    assert "`: 1 sequence, " in markdown(one, model="m").replace("` (tokens): ", "`: ")
+    assert "sequences, " in markdown(summary, model="m")  # the control

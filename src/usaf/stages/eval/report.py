@@ -13,6 +13,7 @@ from usaf.engine.routing import changed_tokens, expert_counts, load_summary
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, sequences_fingerprint
 from usaf.stages.eval.passes import PassResult
 from usaf.stages.eval.stats import bootstrap_row, ppl, row_seed
+from usaf.units import counted
 
 ALL = "all"
 
@@ -89,10 +90,13 @@ def _row(key, about, indices: list[int], base: PassResult, tuned: PassResult | N
 
 
 def shown_rows(rows: Sequence[ResultRow]) -> list[ResultRow]:
-    """The rows a table shows: an input's total is left out where the input has one source, whose row it repeats
-    (the same sequences, so the same numbers and interval); ``report.json`` keeps it for scripts."""
+    """The rows a table shows: a total is left out where it covers one source, whose row it repeats (the same
+    sequences, so the same numbers and interval): an input's, and a set's (it was shown; found in review);
+    ``report.json`` keeps them for scripts."""
     sources = Counter((r.set, r.input) for r in rows if not r.overall)
-    return [r for r in rows if not (r.overall and r.input is not None and sources[(r.set, r.input)] == 1)]
+    in_set = Counter(r.set for r in rows if not r.overall)
+    return [r for r in rows if not (r.overall and (sources[(r.set, r.input)] == 1 if r.input is not None
+                                                   else in_set[r.set] == 1))]  # fmt: skip
 
 
 def row_label(row: ResultRow, rows: Sequence[ResultRow], *, short: bool = False) -> str:
@@ -182,7 +186,7 @@ def markdown(summary: EvalSummary, *, model: str) -> str:
         sample = f" (a seeded sample of its {item.sampled_from:,})" if item.sampled_from else ""
         unscored = f" ({item.unscored:,} with no scored token, so in no row)" if item.unscored else ""
         kind = _KIND_SHOWN.get(item.kind, item.kind)
-        lines.append(f"- {item.flag} `{item.path}` ({kind}): {item.sequences:,} sequences{sample}{unscored}, "
+        lines.append(f"- {item.flag} `{item.path}` ({kind}): {counted(item.sequences, 'sequence')}{sample}{unscored}, "
                      f"{item.tokens:,} scored tokens")  # fmt: skip
     if s.overlap_note is not None:
         lines.append(("- **warning**: " if s.heldout_in_training else "- ") + s.overlap_note)
