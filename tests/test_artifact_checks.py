@@ -258,6 +258,32 @@ def test_a_manifest_an_older_usaf_wrote_has_no_checksum_and_is_read_as_before(pl
     assert verified.exit_code == 0
     assert "has no checksum of its own (an older usaf wrote it)" in " ".join(verified.output.split())
 
+
+def test_a_manifest_made_before_a_field_was_added_still_verifies_and_an_edit_of_it_does_not(bench, tmp_path):
+    """A field added to a manifest with a default (the tokens' skipped_wide_files) made every tokens artifact made
+    before it "edited after usaf wrote it": the checksum counted the default the file never held (found in review).
+    An older file (stamped as usaf stamped it then, without the field) reads as it was; an edit still does not."""
+    from usaf.artifacts import TokensManifest
+    from usaf.artifacts.manifest import manifest_checksum
+
+    tokens = tmp_path / "tokens"
+    (tmp_path / "a.py").write_text("print('hello')\n" * 50)
+    assert invoke("tokenize", tmp_path / "a.py", "--model", bench.model, "--out", tokens).exit_code == 0
+    path = tokens / "manifest.json"
+    data = json.loads(path.read_text())
+    assert data["summary"].pop("skipped_wide_files") == 0  # as an older usaf wrote it
+    older = TokensManifest.model_validate({k: v for k, v in data.items() if k != "manifest_sha256"})
+    stamped = json.loads(older.model_dump_json(exclude_unset=True))  # the fields it had, stamped as written then
+    data["manifest_sha256"] = manifest_checksum(older, as_read=True)  # as_read: the fields it was given
+    assert "skipped_wide_files" not in stamped["summary"]
+    path.write_text(json.dumps(data))
+    assert load_verified(tokens, TokensManifest, flag="--data").summary.skipped_wide_files == 0
+    data["summary"]["documents"] += 1  # the control: an edit of what it does hold
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsafError, match="edited after usaf wrote it"):
+        load_verified(tokens, TokensManifest, flag="--data")
+
+
 # -- the prefix store ----------------------------------------------------------------------------------------
 
 

@@ -193,7 +193,7 @@ def edit_problem(manifest: Manifest) -> str | None:
     passed every check before, and a consumer then blamed the model or the data for what the edit said (found in
     review). A manifest an older usaf wrote has no checksum: nothing to compare, so None.
     """
-    if manifest.manifest_sha256 is None or manifest_checksum(manifest) == manifest.manifest_sha256:
+    if manifest.manifest_sha256 is None or manifest_checksum(manifest, as_read=True) == manifest.manifest_sha256:
         return None
     stamped = manifest.manifest_sha256[:16]
     return f"edited after usaf wrote it (what it says no longer matches its manifest_sha256 {stamped})"

@@ -98,10 +98,15 @@ class Manifest(Record):
         raise KeyError(path)
 
 
-def manifest_checksum(manifest: Manifest) -> str:
+def manifest_checksum(manifest: Manifest, *, as_read: bool = False) -> str:
     """sha256 of what the manifest says, its own ``manifest_sha256`` left out: the fields as they read back from its
-    JSON (what a consumer sees), keys sorted, so key order, spacing and a value's spelling do not count."""
-    content = json.loads(manifest.model_dump_json(exclude={"manifest_sha256"}))
+    JSON (what a consumer sees), keys sorted, so key order, spacing and a value's spelling do not count.
+
+    ``as_read``: of a manifest loaded from its file, the fields the file holds only. A field a later usaf added (with
+    its default) is not in an older file: counted, every artifact made before it read as "edited after usaf wrote
+    it" (found in review, 2026-12-07: a tokens count added to the summary). A writer's manifest holds every field,
+    and writes every one, so both readings agree on what usaf wrote since."""
+    content = json.loads(manifest.model_dump_json(exclude={"manifest_sha256"}, exclude_unset=as_read))
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

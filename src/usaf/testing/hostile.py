@@ -123,7 +123,7 @@ def _resign(artifact: Path) -> None:
         manifest = load_manifest(artifact)
     except UsafError:
         return  # a forgery the loader refuses before its checksum is looked at
-    data["manifest_sha256"] = manifest_checksum(manifest)
+    data["manifest_sha256"] = manifest_checksum(manifest, as_read=True)
     path.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
