@@ -65,11 +65,11 @@ def test_every_problem_is_reported_with_its_source(tmp_path):
     message = e.value.message
     assert "--frac = 2.0" in message and "less than or equal to 1" in message
     assert f"--config {file} [demo] steps = 0" in message
-    assert e.value.hint == "fix each setting named (flags win over USAF_* variables, which win over --config)"
+    assert e.value.hint == "fix each setting the error names (flags win over USAF_* variables, which win over --config)"
     # flags alone: which source wins does not bear on it, and it read as an unrelated hint (found in review)
     with pytest.raises(UsafError) as e:
         resolve_config(Demo, section="demo", cli={"frac": 2.0}, env={})
-    assert e.value.hint == "fix the setting named"
+    assert e.value.hint == "fix the setting the error names"
 
 
 def test_a_toml_boolean_is_not_a_number(tmp_path):

@@ -84,5 +84,13 @@ def test_a_mistyped_local_name_is_no_such_directory_at_once(monkeypatch, tmp_pat
         said = " ".join(result.stderr.split())
         assert result.exit_code == 2 and "tiny-mo: no such directory (and not a hub id, which reads ORG/NAME)" in said
     assert asked == []
+    # a typo under a directory that is here (ws/tiny-mo) took 49 s of hub retries in tokenize (found in review)
+    (tmp_path / "ws").mkdir()
+    monkeypatch.chdir(tmp_path)
+    typo = "ws/tiny-mo"  # relative: the shape of a local path, and of a hub id
+    for command in (["tokenize", tmp_path / "notes.txt", "--model", typo], ["quantize", typo]):
+        said = " ".join(invoke(*command).stderr.split())
+        assert f"{typo}: no such directory" in said, said
+    assert asked == []
     assert invoke("quantize", "someorg/tiny-mo").exit_code != 0 and asked == ["someorg/tiny-mo"]
 

@@ -492,8 +492,11 @@ def test_an_out_under_a_file_names_the_file(tmp_path):
     file in the way, at any depth; the control: the same path under a directory locks."""
     (tmp_path / "afile").write_text("data\n")
     for out in (tmp_path / "afile" / "sub", tmp_path / "afile" / "sub" / "deeper"):
-        with pytest.raises(UsafError, match=f"--out {out}: {tmp_path / 'afile'} is a file, not a directory"):
+        with pytest.raises(UsafError, match=f"--out {out}: {tmp_path / 'afile'}: a file, not a directory"):
             OutputLock(out).acquire()
+    (tmp_path / "dlink").symlink_to(tmp_path / "nowhere")  # a link to nothing is said so, not called a file (review)
+    with pytest.raises(UsafError, match=f"{tmp_path / 'dlink'}: a symbolic link to nothing"):
+        OutputLock(tmp_path / "dlink" / "x").acquire()
     assert (tmp_path / "afile").read_text() == "data\n"
     OutputLock(tmp_path / "dir" / "sub" / "deeper").acquire().release()
 
@@ -651,6 +654,9 @@ def test_an_out_inside_an_unfinished_run_is_refused_but_its_own_plan_directory(w
                     "--lr", 1e-3, "--out", fresh)  # fmt: skip
     assert scored.exit_code == 0, scored.output
     assert (fresh / "plan" / "manifest.json").is_file()
+    # inspect --verify named the plan's files "the run's own log and settings", five of them (found in review)
+    said = " ".join(invoke("inspect", fresh, "--verify").stderr.split())
+    assert "of the plan the run scored for itself (plan/" in said and "plan/manifest.json" not in said, said
 
 
 def test_a_users_directory_is_named_with_both_marks_usaf_looks_for(tmp_path):

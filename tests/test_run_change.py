@@ -218,7 +218,7 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     (finished / "notes.txt").write_text("mine\n")
     said = " ".join(invoke("inspect", run, "--verify").stderr.split()) + " | " + " ".join(
         invoke("inspect", finished, "--verify").stderr.split())  # fmt: skip
-    assert "metrics.jsonl, run-settings.json: the run's own log and settings" in said, said
+    assert "metrics.jsonl, run-settings.json: the run's own log, settings and working files" in said, said
     assert "1 file is not listed in the manifest (not covered by it): notes.txt" in said, said
     started = tmp_path / "started"
     started.mkdir()

@@ -297,7 +297,7 @@ def resolve_config(
     shared_source = any(("USAF_" in p or "--config" in p or "legacy env" in p) for p in problems)
     raise UsafError(
         "invalid settings: " + "; ".join(problems),
-        f"fix {'the setting' if len(problems) == 1 else 'each setting'} named"
+        f"fix {'the setting' if len(problems) == 1 else 'each setting'} the error names"
         + (" (flags win over USAF_* variables, which win over --config)" if shared_source else ""),
     )
 

@@ -68,7 +68,7 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
                 what = f"{made}, not quantized" if made else "a Hugging Face model, not one usaf quantized"  # named
                 raise UsafError(f"{flag} {path}: {what}",  # no command (found in review)
                                 f"run usaf quantize {path} first, and pass the directory it writes (usaf score, "
-                                "train, eval and generate take a quantized model)")  # fmt: skip
+                                "train, eval, export and generate take a quantized model)")  # fmt: skip
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
             if made is not None:  # usaf inspect --verify of a tiny model (review)
                 hint = f"{made}, a Hugging Face model with no sha256s to check; {hint.split(': ', 1)[1]}"

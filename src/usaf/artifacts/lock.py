@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from usaf.artifacts.disk import raise_disk_error
-from usaf.errors import UsafError
+from usaf.errors import UsafError, not_a
 
 LOCK_TAG = ".usaf-lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # the file system has none
@@ -102,7 +102,9 @@ class OutputLock:
         made = _missing(self.path.parent)
         above = (made[-1] if made else self.path).parent  # the deepest part of the path that exists
         if not above.is_dir():  # "cannot create its lock file: File exists" named neither the file nor the fix (review)
-            raise UsafError(f"{self.flag} {self.target}: {above} is a file, not a directory",
+            broken = above.is_symlink() and not above.exists()
+            what = "a symbolic link to nothing" if broken else not_a(above, "directory")
+            raise UsafError(f"{self.flag} {self.target}: {above}: {what}",
                             f"pass another {self.flag}, in a directory")  # fmt: skip
         try:
             self._made = made

@@ -193,8 +193,10 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     from usaf.artifacts import MANIFEST_NAME, load_manifest, verify_files
     from usaf.artifacts.loader import manifest_problem, unlisted_files
     from usaf.artifacts.outputs import run_working_file
+    from usaf.artifacts.run import PLAN_DIR
     from usaf.cli.console import note, out, print_json
     from usaf.cli.progress import RichProgress
+    from usaf.units import counted, first_few
 
     manifest = load_manifest(path)
     checks = verify_files(path, manifest, hashes=True, progress=RichProgress())
@@ -224,9 +226,13 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
     # a run's log and settings are usaf's, written as it trained: named as files "not listed in the manifest", a
     # fresh run read as something wrong (found in review)
     own = [f for f in uncovered if manifest.kind == "run" and run_working_file(f)]
-    if own:
-        note(f"{', '.join(own[:5])}: the run's own log and settings, written as it trained; its manifest does not "
-             "cover them")  # fmt: skip
+    plan = [f for f in own if f.startswith(f"{PLAN_DIR}/") or f.startswith(f".{PLAN_DIR}")]
+    if log := [f for f in own if f not in plan]:
+        note(f"{first_few(log)}: the run's own log, settings and working files, written as it trained; its manifest "
+             "does not cover them")  # fmt: skip
+    if plan:  # "the run's own log and settings" of its plan's files, and the list cut at five (found in review)
+        note(f"{counted(len(plan), 'file')} of the plan the run scored for itself ({PLAN_DIR}/, verified by usaf "
+             f"inspect {path / PLAN_DIR} --verify); the run's manifest does not cover them")  # fmt: skip
     if others := [f for f in uncovered if f not in own]:
         are = "1 file is" if len(others) == 1 else f"{len(others)} files are"
         note(f"{are} not listed in the manifest (not covered by it): {', '.join(others[:5])}")

@@ -70,9 +70,13 @@ def refuse_a_missing_directory(model: str, flag: str) -> None:
     """A MODEL that is no directory here and no ORG/NAME hub id: a mistyped local name (``tiny-mo``). It went to the
     hub, which took a minute to fail where it cannot be reached and never said that no such directory exists (found in
     review). Every Mixture-of-Experts model on the hub has an organisation in its id."""
-    if "/" not in model and not Path(model).expanduser().exists():
+    local = Path(model).expanduser()
+    if "/" not in model and not local.exists():
         raise UsafError(f"{flag} {model}: no such directory (and not a hub id, which reads ORG/NAME)",
                         "check the path, or pass a hub id like Qwen/Qwen3-30B-A3B")  # fmt: skip
+    if not local.exists() and local.parent.is_dir() and str(local.parent) not in ("", "."):  # ws/tiny-mo, ws a dir here
+        raise UsafError(f"{flag} {model}: no such directory in {local.parent}",
+                        "check the path (a hub id's organisation is no directory here)")  # fmt: skip
 
 
 def resolve_model_dir(model: str, *, flag: str = "MODEL", cache_only: bool = False) -> Path:

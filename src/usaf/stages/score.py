@@ -69,7 +69,7 @@ from usaf.stages.score_resume import (
     run_identity,
     same_run,
 )
-from usaf.stages.stop import StopRequest, note_at_stop
+from usaf.stages.stop import StopRequest, note_at_stop, said_at_stop
 from usaf.units import counted, first_few
 
 DEFAULT_TOP_FRACTION = 0.25  # default trainable block: the top quarter of the MoE layers
@@ -411,7 +411,7 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
             summary = _with_prefix_store(summary, config, engine, by_key, data_file, writer.dir,
                                          model_fingerprint, tokenizer, pad, progress, saved, store_stop)  # fmt: skip
     except KeyboardInterrupt:  # stopped while writing the plan: "nothing half-written" was said of saved work
-        if saved.holds_work():  # (found in review): what is kept, and how to go on
+        if saved.holds_work() and not said_at_stop():  # (review): what is kept; once (the store's note said it)
             note_at_stop(progress, f"interrupted while writing the plan: its work is saved in {saved.directory}; run "
                                    "the same command to resume")  # fmt: skip
         raise

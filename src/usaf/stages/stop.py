@@ -18,8 +18,8 @@ from usaf.errors import STOP_SIGNALS, StopSignal
 __all__ = ["STOP_SIGNALS", "StopRequest", "note_at_stop", "rerun_to_resume", "take_note_at_stop"]
 
 
-SECOND_STOP = ("stopped at once by a second signal, without saving: what was saved before stays; run the same command "
-               "to resume from it")
+SECOND_STOP = ("stopped at once by a second signal, without saving: anything saved before stays, and the same command "
+               "resumes from it (where nothing was, it starts over)")
 
 # Set once a stage has said what an interrupt kept (its last line): the command's own closing line, "nothing
 # half-written was left behind", then adds nothing, and after "saved ..." it read as contradicting it (found in review).
@@ -30,6 +30,11 @@ def note_at_stop(progress: Any, message: str) -> None:
     """An interrupted stage's last word: what it kept (or could not keep) and how to go on."""
     progress.note(message)
     _SAID_AT_STOP.set()
+
+
+def said_at_stop() -> bool:
+    """Whether a stage has said what its interrupt kept (and the CLI has not yet taken the word)."""
+    return _SAID_AT_STOP.is_set()
 
 
 def take_note_at_stop() -> bool:
