@@ -305,6 +305,12 @@ def test_not_a_quantized_model_and_bad_layers(setup, tmp_path):
                          f"--data {ws / 'tokens' / 't'}")  # fmt: skip
     assert_clean_failure(score("--model", ws, "--data", tokens, "--out", out), out,
                          f"--model {ws}: a usaf workspace, not an artifact", f"--workspace {ws}")  # fmt: skip
+    # artifacts of another kind are not offered (--data ws/plan named a plan to pass as --data; found in review)
+    shutil.copytree(qdir, ws / "quantized_model" / "q")
+    assert_clean_failure(score("--model", qdir, "--data", ws / "quantized_model", "--out", out), out,
+                         "and none of them a tokens one", "pass a tokens artifact")  # fmt: skip
+    assert_clean_failure(score("--model", ws / "tokens", "--data", tokens, "--out", out), out,
+                         "none of them a quantized_model one")  # fmt: skip
     assert_clean_failure(
         score("--model", tokens, "--data", tokens, "--out", out),
         out,

@@ -39,13 +39,26 @@ def artifacts_inside(path: Path) -> list[Path]:
         return []
 
 
-def holds_artifacts(path: Path, flag: str) -> UsafError | None:
+def _kind_of(artifact: Path) -> str | None:
+    try:
+        data = json.loads((artifact / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("kind") if isinstance(data, dict) else None
+
+
+def holds_artifacts(path: Path, flag: str, kinds: tuple[str, ...] | None = None) -> UsafError | None:
     """The refusal of a directory that holds usaf artifacts as one: a workspace's ``tokens/`` as --data was called
-    "text to tokenize?", and tokenizing it, as the hint said, found no text (found in review)."""
+    "text to tokenize?", and tokenizing it, as the hint said, found no text (found in review). ``kinds``: what
+    ``flag`` takes; the artifact named is one of them (``--data ws/plan`` was sent to a plan; review)."""
     inside = artifacts_inside(path)
     if inside:
-        return UsafError(f"{flag} {path}: holds {len(inside)} usaf artifact{'s' if len(inside) > 1 else ''}, and is "
-                         "not one", f"pass one of them (the newest by name: {flag} {inside[-1]})")  # fmt: skip
+        fitting = [a for a in inside if kinds is None or _kind_of(a) in kinds]
+        many = f"holds {len(inside)} usaf artifact{'s' if len(inside) > 1 else ''}, and is not one"
+        if not fitting:
+            return UsafError(f"{flag} {path}: {many}, and none of them a {' or '.join(kinds or ())} one",
+                             f"pass a {' or '.join(kinds or ())} artifact")  # fmt: skip
+        return UsafError(f"{flag} {path}: {many}", f"pass one of them (the newest by name: {flag} {fitting[-1]})")
     if any(artifacts_inside(child) for child in path.iterdir() if child.is_dir()):  # a workspace: kind/artifact
         return UsafError(f"{flag} {path}: a usaf workspace, not an artifact",
                          f"pass --workspace {path} (each command takes the newest it needs there), or an artifact "
@@ -53,7 +66,7 @@ def holds_artifacts(path: Path, flag: str) -> UsafError | None:
     return None
 
 
-def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
+def read_manifest_json(path: Path, *, flag: str = "path", kinds: tuple[str, ...] | None = None) -> dict:
     path = Path(path)
     if not path.exists():
         raise UsafError(f"{flag} {path}: no such directory", "check the path")
@@ -72,7 +85,7 @@ def read_manifest_json(path: Path, *, flag: str = "path") -> dict:
             hint = "a Hugging Face model: usaf score, train, eval and generate take what usaf quantize makes of it"
             if made is not None:  # usaf inspect --verify of a tiny model (review)
                 hint = f"{made}, a Hugging Face model with no sha256s to check; {hint.split(': ', 1)[1]}"
-        elif path.is_dir() and (inside := holds_artifacts(path, flag)) is not None:
+        elif path.is_dir() and (inside := holds_artifacts(path, flag, kinds)) is not None:
             raise inside
         elif (run := _run_of_checkpoint(path)) is not None:  # "an interrupted run leaves none" was false (review)
             hint = (f"a checkpoint of the run {run}: eval, export and generate take it as --checkpoint; usaf inspect "
@@ -101,7 +114,7 @@ def load_manifest(path: Path, expect: type[M] | None = None, *, flag: str = "pat
         expect: the manifest class the caller needs; ``None`` accepts any registered kind.
         flag: the flag or argument the path came from, named in errors.
     """
-    data = read_manifest_json(path, flag=flag)
+    data = read_manifest_json(path, flag=flag, kinds=(expect.KIND,) if expect is not None else None)
     kind, version = data["kind"], data["schema_version"]
     where = Path(path) / MANIFEST_NAME
     if not isinstance(kind, str) or type(version) is not int:

@@ -387,7 +387,7 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
                     f"{flag} {path}: an unfinished usaf run with no checkpoint yet",
                     "wait for its first checkpoint (--save-every), or resume it with the same usaf train command",
                 )
-            if (inside := holds_artifacts(path, flag)) is not None:  # a workspace's run/ (found in review)
+            if (inside := holds_artifacts(path, flag, ("run", "delta"))) is not None:  # a workspace's run/ (review)
                 raise inside
             raise UsafError(
                 f"{flag} {path}: not a usaf run (no manifest.json, no checkpoint)",

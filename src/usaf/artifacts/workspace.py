@@ -226,7 +226,7 @@ def resolve_data(
         data = found.path
     if data.is_dir():
         if not (data / MANIFEST_NAME).is_file() and usaf_made(data) is None:  # another usaf output: its own message
-            if (inside := holds_artifacts(data, flag)) is not None:
+            if (inside := holds_artifacts(data, flag, (TokensManifest.KIND,))) is not None:
                 raise inside
             raise UsafError(f"{flag} {data}: not a tokens artifact (no {MANIFEST_NAME}): text to tokenize?",
                             _TOKENIZE_FIRST.format(data=data, flag=flag))  # fmt: skip
