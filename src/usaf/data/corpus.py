@@ -101,10 +101,6 @@ def unreadable(path: Path, e: OSError) -> UsafError:
                      "fix its permissions, or leave it out with --exclude")  # fmt: skip
 
 
-def _excluded_dir(rel: str, *, globs: list[Glob], root: str, matched: set[str]) -> bool:
-    return _first_match(rel, globs, root, matched)
-
-
 def _first_match(rel: str, globs: list[Glob], root: str | None, matched: set[str]) -> bool:
     """Whether ``rel`` matches one of ``globs`` (:mod:`usaf.data.globs`); the pattern that did is added to ``matched``
     (a pattern that matched nothing is said: it was a no-op in silence, found in review)."""
@@ -285,7 +281,7 @@ def discover(
         else:
             root_name = names[given]
             candidates = []
-            excluded = functools.partial(_excluded_dir, globs=excludes, root=root_name, matched=matched)
+            excluded = functools.partial(_first_match, globs=excludes, root=root_name, matched=matched)
             for path, rel in walk.files(given, excluded):
                 parts = name_text(rel).split("/")
                 source = "/".join([root_name, *parts[: max(source_depth, 0)]]) if source_depth else root_name
