@@ -72,6 +72,8 @@ class Document:
     input_ids: list[int] | None = None
     labels: list[int] | None = None
     source_from_field: bool = False  # a JSONL line's own source, from --source-field (not 'repo' or its file)
+    first: bool = True  # False: a later piece of a long text (usaf.data.cuts), continuing the one before
+    last: bool = True  # False: more pieces of this text follow
 
 
 # Text in UTF-16 or UTF-32 has NUL bytes, so git's rule calls it binary: its byte-order mark tells it apart

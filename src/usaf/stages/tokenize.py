@@ -1,7 +1,8 @@
 """``usaf tokenize``: corpus -> packed token sequences, held out by source.
 
 Streams: documents are read one at a time and tokenized in batches of about ``BATCH_BYTES`` of
-text, sequences are written as soon as they are full, so memory does not grow with the corpus
+text (a long one in pieces whose tokens are the whole's: :mod:`usaf.data.cuts`), sequences are
+written as soon as they are full, so memory does not grow with the corpus
 (it grows with the number of sources open at once: one for directory inputs, whose files are
 walked source by source; all of a JSONL corpus's sources, at most one sequence each).
 """
@@ -9,11 +10,13 @@ walked source by source; all of a JSONL corpus's sources, at most one sequence e
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +33,7 @@ from usaf.artifacts.tokens import (
 from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents, name_text
+from usaf.data.cuts import BYTES_PER_BYTE, LONG_PIECE_CHARS, cut_points, special_ends
 from usaf.data.globs import nfc
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
@@ -46,7 +50,7 @@ from usaf.data.tokens import (
 from usaf.errors import UsafError
 from usaf.settings.tokenize import TokenizeConfig
 from usaf.stages.progress import NullProgress, Progress
-from usaf.units import counted, first_few
+from usaf.units import counted, first_few, human_bytes
 
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep the Rust threads busy
 
@@ -70,6 +74,7 @@ class _Totals:
     relabelled: int = 0
     undecided_shift: int = 0  # pre-tokenized lines too short to tell whether pre-shifted, in files no longer
     undecodable: list[Path] = field(default_factory=list)  # text files not UTF-8, skipped or replaced (--decode-errors)
+    uncut: list[tuple[str, int, str]] = field(default_factory=list)  # (document, bytes, why): a long piece, uncut
 
 
 def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress) -> list[str]:
@@ -181,25 +186,58 @@ class _Tokenizer:
         self.config = config
         self.totals = totals
         self.shifted_files: dict[str, bool | None] = {}  # pre-tokenized file -> pre-shifted (None: cannot tell)
+        # the ids its post-processor adds around a text (a BOS): a text is encoded without them, in pieces if long
+        self.ends = {jsonl: special_ends(partial(self._ids, jsonl)) for jsonl in (False, True)}
+
+    def _encoder(self, from_jsonl: bool) -> Any:
+        return self.fast if from_jsonl else self.literal
+
+    def _ids(self, from_jsonl: bool, text: str, special: bool) -> list[int]:
+        return self._encoder(from_jsonl).encode(text, add_special_tokens=special).ids
+
+    def in_pieces(self, docs: Iterator[Document]) -> Iterator[Document]:
+        """The documents, each long text cut where its tokens stay the same (:mod:`usaf.data.cuts`)."""
+        for doc in docs:
+            cuttable = doc.text is not None and self.ends[doc.from_jsonl] is not None
+            cuts = cut_points(doc.text, partial(self._ids, doc.from_jsonl, special=False)) if cuttable else []
+            bounds = [0, *cuts, len(doc.text or "")]
+            self._record_if_long(doc, bounds, cuttable)
+            if not cuts:  # none for a text under two pieces
+                yield doc
+                continue
+            for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+                nbytes = doc.nbytes * end // len(doc.text) - doc.nbytes * start // len(doc.text)  # sums to the file's
+                yield replace(doc, text=doc.text[start:end], nbytes=nbytes, first=i == 0, last=end == len(doc.text))
+
+    def _record_if_long(self, doc: Document, bounds: list[int], cuttable: bool) -> None:
+        """A piece long enough to take much memory while encoded, for the note at the end (:func:`_note_uncut`)."""
+        longest = max(b - a for a, b in itertools.pairwise(bounds))
+        if longest > LONG_PIECE_CHARS:
+            why = ("no place near its pieces' ends could be cut keeping the tokenizer's tokens" if cuttable else
+                   "its tokenizer adds more than a start and an end to a text, which usaf does not cut")  # fmt: skip
+            self.totals.uncut.append((doc.origin, doc.nbytes * longest // len(doc.text), why))
 
     def encode_texts(self, batch: list[Document]) -> list[Any] | None:
         """The slow part, run on a worker thread (the Rust tokenizer releases the GIL)."""
         if batch[0].text is None:
             return None
-        encoder = self.fast if batch[0].from_jsonl else self.literal
-        return encoder.encode_batch([d.text for d in batch], add_special_tokens=True)
+        special = self.ends[batch[0].from_jsonl] is None  # ends unknown: the tokenizer adds them; the text is whole
+        return self._encoder(batch[0].from_jsonl).encode_batch([d.text for d in batch], add_special_tokens=special)
 
     def pairs(
         self, batch: list[Document], encodings: list[Any] | None
     ) -> Iterator[tuple[Document, list[int], list[int]]]:
         """``(document, input_ids, labels)`` for each non-empty document of the batch."""
         if encodings is not None:
+            before, after = self.ends[batch[0].from_jsonl] or ([], [])
             for doc, enc in zip(batch, encodings):
-                ids = enc.ids
-                if not ids or not doc.text.strip():
+                ids = [*before, *enc.ids] if doc.first and before else enc.ids
+                if doc.last:
+                    ids.extend(after)
+                if doc.first and doc.last and (not ids or not doc.text.strip()):  # a piece is never empty
                     self.totals.skipped_empty += 1
                     continue
-                if ids[-1] != self.eos:
+                if doc.last and ids[-1] != self.eos:
                     ids.append(self.eos)  # document separator; learning to end a document is intended
                 yield doc, ids, ids
             return
@@ -501,6 +539,16 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     return manifest, art.target
 
 
+def _note_uncut(totals: _Totals, progress: Progress) -> None:
+    """The longest piece of text encoded at once, where it is long: the memory a run took is explained."""
+    if not totals.uncut:
+        return
+    origin, nbytes, why = max(totals.uncut, key=lambda u: u[1])
+    more = f"; {counted(len(totals.uncut) - 1, 'other document')} too" if len(totals.uncut) > 1 else ""
+    progress.note(f"{origin}: {human_bytes(nbytes)} of its text encoded at once, as {why} (about "
+                  f"{human_bytes(nbytes * BYTES_PER_BYTE)} of memory for its encoding){more}")  # fmt: skip
+
+
 def _skipped_undecodable(config: TokenizeConfig, totals: _Totals) -> int:
     """Text files skipped as not UTF-8 (``--decode-errors skip``; with ``replace`` they are read)."""
     return len(totals.undecodable) if config.decode_errors == "skip" else 0
@@ -544,9 +592,9 @@ def _tokenize_corpus(
                     emit(last)
             previous = doc
             source_field_read |= doc.source_from_field
-            totals.documents += 1
             counts = totals.per_source.setdefault(doc.source, _Counts("heldout" if doc.source in heldout else "train"))
-            counts.documents += 1
+            totals.documents += doc.first  # a long text's later pieces are the same document
+            counts.documents += doc.first
             if doc.input_ids is not None:  # pre-tokenized lines are sequences already
                 emit(Sequence(ids, labels, doc.source))
             else:
@@ -575,7 +623,7 @@ def _tokenize_corpus(
     # Pipeline: the worker encodes batch k+1 while this thread packs and writes batch k.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="usaf-encode") as pool:
         pending: tuple[list[Document], Future] | None = None
-        for batch in _text_batches(documents):
+        for batch in _text_batches(encoder.in_pieces(documents)):
             future = pool.submit(encoder.encode_texts, batch)
             if pending is not None:
                 process(pending[0], pending[1].result())
@@ -586,6 +634,7 @@ def _tokenize_corpus(
         if (last := packer.flush()) is not None:
             emit(last)
     progress.finish()
+    _note_uncut(totals, progress)
     if totals.undecodable:  # skipped or replaced as asked, never in silence (eval replaced in silence; review)
         done = ("skipped" if config.decode_errors == "skip" else "read with their undecodable bytes replaced by "
                 "U+FFFD") + (f" ({source_of(config, 'decode_errors')} {config.decode_errors})"

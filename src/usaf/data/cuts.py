@@ -1,0 +1,76 @@
+"""Cutting a long document into pieces that tokenize as the whole does.
+
+A tokenizer's ``Encoding`` of one document holds, for every token, its id, offsets, string and masks: about 170 bytes
+of memory per byte of text (3.4 GB for a 20 MB file, docs/BENCHMARKS.md "Tokenizing one long file"). So a document
+longer than two pieces is encoded in pieces of about :data:`PIECE_CHARS` characters, and the packer, which streams,
+never holds more than a piece's encoding.
+
+A cut may only fall where the tokenizer has a boundary of its own, else the tokens beside it change (byte-level BPE
+keeps a word's leading space with it; SentencePiece's Metaspace puts a "▁" before every separately encoded text that
+does not start with a space). So every cut is checked: the text around it, :data:`WINDOW` characters each side,
+encoded whole gives the same ids as its two sides encoded apart and joined. Pre-tokenization and normalization look
+at a few characters, so a cut that keeps the window's tokens keeps the whole document's. Tried first: the end of a
+word before a space and the start of a line; then any place. Where no place near a piece's end passes, the piece
+grows; after :data:`GIVE_UP` such pieces in a row the rest is one piece (a tokenizer that prepends "▁" to every text,
+as Llama 2's normalizer does, has no such place), and ``usaf tokenize`` says so where that piece is large.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+PIECE_CHARS = 1 << 18  # ~256 KB of text: an encoding of ~45 MB, several to a batch for the Rust threads
+WINDOW = 2048  # characters each side of a cut whose tokens are compared
+TRIES = 32  # candidate places checked near each piece's end, of each sort
+LONG_PIECE_CHARS = 8 * PIECE_CHARS  # a piece that long (uncut) is said: ~350 MB of memory while encoded
+BYTES_PER_BYTE = 170  # an encoding's memory per byte of text (measured; the module's docstring)
+GIVE_UP = 4  # pieces in a row with no place: a tokenizer no place suits (Llama 2's normalizer) is not searched on
+_WHITESPACE_EDGE = re.compile(r"(?<=\S)(?=\s)|(?<=\n)(?=\S)")  # a word's end before a space; a line's start
+
+Encode = Callable[[str], list[int]]  # text -> ids, no special tokens added
+
+
+def cut_points(text: str, encode: Encode) -> list[int]:
+    """Where to cut ``text``: ascending offsets, each at least :data:`PIECE_CHARS` after the last (empty: encode it
+    whole). Every piece but the last is about PIECE_CHARS long; the last is under two pieces."""
+    cuts: list[int] = []
+    target, missed = PIECE_CHARS, 0
+    while len(text) - target > PIECE_CHARS and missed < GIVE_UP:
+        cut = _checked_cut(text, target, encode)
+        if cut is None:
+            target, missed = target + PIECE_CHARS, missed + 1  # no place near here: this piece grows by one more
+            continue
+        cuts.append(cut)
+        target, missed = cut + PIECE_CHARS, 0
+    return cuts
+
+
+def keeps_tokens(text: str, cut: int, encode: Encode) -> bool:
+    """Whether cutting ``text`` at ``cut`` keeps its tokens: the window around it, encoded whole and in two parts."""
+    left, right = text[max(0, cut - WINDOW) : cut], text[cut : cut + WINDOW]
+    return encode(left) + encode(right) == encode(left + right)
+
+
+def _checked_cut(text: str, target: int, encode: Encode) -> int | None:
+    """The first place at or after ``target`` that keeps the tokens: whitespace edges first, then any place."""
+    end = min(len(text), target + PIECE_CHARS // 4)
+    edges = (m.start() for m in _WHITESPACE_EDGE.finditer(text, target, end))
+    for tried, cut in enumerate(edges):
+        if tried == TRIES:
+            break
+        if keeps_tokens(text, cut, encode):
+            return cut
+    return next((cut for cut in range(target, min(end, target + TRIES)) if keeps_tokens(text, cut, encode)), None)
+
+
+def special_ends(encode_with: Callable[[str, bool], list[int]]) -> tuple[list[int], list[int]] | None:
+    """The ids the tokenizer's post-processor puts before and after a text (a BOS; an EOS), from a probe: pieces are
+    encoded without them, the first piece given the ones before, the last the ones after. None where the probe's ids
+    are not ``before + bare + after`` (a post-processor that does more): such a tokenizer's documents stay whole."""
+    probe = "usaf\nprobe"
+    bare, full = encode_with(probe, False), encode_with(probe, True)
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    return None
