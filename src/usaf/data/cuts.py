@@ -1,6 +1,6 @@
 """Cutting a long document into pieces that tokenize as the whole does.
 
-A tokenizer's ``Encoding`` of one document holds, for every token, its id, offsets, string and masks: about 170 bytes
+A tokenizer's ``Encoding`` of one document holds, for every token, its id, offsets, string and masks: about 160 bytes
 of memory per byte of text (3.4 GB for a 20 MB file, docs/BENCHMARKS.md "Tokenizing one long file"). So a document
 longer than two pieces is encoded in pieces of about :data:`PIECE_CHARS` characters, and the packer, which streams,
 never holds more than a piece's encoding.
@@ -24,7 +24,7 @@ PIECE_CHARS = 1 << 18  # ~256 KB of text: an encoding of ~45 MB, several to a ba
 WINDOW = 2048  # characters each side of a cut whose tokens are compared
 TRIES = 32  # candidate places checked near each piece's end, of each sort
 LONG_PIECE_CHARS = 8 * PIECE_CHARS  # a piece that long (uncut) is said: ~350 MB of memory while encoded
-BYTES_PER_BYTE = 170  # an encoding's memory per byte of text (measured; the module's docstring)
+BYTES_PER_BYTE = 160  # an encoding's memory per byte of text (measured: docs/BENCHMARKS.md "Tokenizing one long file")
 GIVE_UP = 4  # pieces in a row with no place: a tokenizer no place suits (Llama 2's normalizer) is not searched on
 _WHITESPACE_EDGE = re.compile(r"(?<=\S)(?=\s)|(?<=\n)(?=\S)")  # a word's end before a space; a line's start
 
