@@ -194,6 +194,22 @@ def test_nproc_status_is_the_failing_ranks_not_the_one_the_launcher_stopped():
     assert failed_status({0: 2, 1: 3}) == 2  # both on their own: the lowest rank's
     assert failed_status({0: -term, 1: -term}) == 128 + term  # control: all stopped, and the status says so
     assert failed_status({1: -int(signal.SIGSEGV)}) == 128 + int(signal.SIGSEGV)
+    assert failed_status({1: -kill, 0: -term}) == 128 + kill  # killed from outside, the other stopped by the launcher
+    assert failed_status({0: -kill, 1: -kill}) == 128 + kill
+
+
+def test_a_rank_killed_from_outside_is_said_and_a_stop_is_not():
+    from usaf.cli.stage import killed_line
+
+    term, kill = int(signal.SIGTERM), int(signal.SIGKILL)
+    message, hint = killed_line({1: -kill, 0: -term})
+    assert message.startswith("rank 1 was killed by SIGKILL from outside usaf (the system's out-of-memory killer")
+    assert "resume" in hint
+    assert killed_line({0: -int(signal.SIGSEGV)})[0] == "rank 0 was killed by SIGSEGV from outside usaf"
+    # controls: a stop every rank says itself, a refusal, the launcher's own stop
+    assert killed_line({0: -term, 1: -term}) is None
+    assert killed_line({0: -term, 1: 2}) is None
+    assert killed_line({-1: 130}) is None
 
 
 def _cut_back_to(run: Path, copy: Path, step: int) -> Path:
@@ -593,3 +609,22 @@ def test_a_rank_stops_when_its_launcher_is_killed():
         time.sleep(0.2)
     os.kill(rank, signal.SIGKILL)
     raise AssertionError("the rank outlived its launcher")
+
+
+def test_nproc_names_a_rank_killed_from_outside(setup, tmp_path):
+    """A rank of ``usaf train --nproc 2`` killed from outside (SIGKILL: the out-of-memory killer's): the command
+    named no rank and no signal, and the other rank's "stopped by SIGTERM" read as if the user had stopped it."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "usaf", *map(str, train_args(setup, run, "--steps", 300, "--microbatch", 1,
+                                                               "--save-every", 5)), "--nproc", "2"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    _wait_for(lambda: (run / "checkpoints" / "step-0000005").is_dir(), proc)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    assert len(ranks) == 1
+    ranks[0].kill()
+    code, _, stderr = finished(proc)
+    assert code == 128 + int(signal.SIGKILL), stderr  # the killed rank's status, not the one the launcher stopped
+    said = " ".join(stderr.split())
+    assert said.count("rank 1 was killed by SIGKILL from outside usaf (the system's out-of-memory killer") == 1, said
+    assert "rank 0" in said and "newest complete checkpoint" in said  # the other rank's own line, as before

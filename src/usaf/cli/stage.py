@@ -109,16 +109,18 @@ def relaunch_under_torchrun(nproc: int, *, verbose: bool = False) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # cores shared by ranks
     os.environ["OMP_NUM_THREADS"] = threads  # the ranks inherit it
     if verbose:  # every rank's traceback, as it happens
-        raise typer.Exit(_torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args]))
+        raise typer.Exit(_said_and_status(_torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf",
+                                                     *args])))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="usaf-ranks-") as said:  # each rank's last line, said once
         os.environ[rank_errors.ERRORS_ENV] = said
-        status = _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args])
+        exitcodes = _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "usaf", *args])
         rank_errors.say_distinct(Path(said), say_rank_line)
-    raise typer.Exit(status)
+    raise typer.Exit(_said_and_status(exitcodes))
 
 
-def _torchrun(arguments: list[str]) -> int:
-    """torchrun's launcher in this process, its status as usaf's: the ranks' own (2 for a refusal, 130 for Ctrl-C).
+def _torchrun(arguments: list[str]) -> dict[int, int]:
+    """torchrun's launcher in this process: the failed ranks' exit codes (negative: killed by that signal; rank -1:
+    the launcher's own stop, as its status), empty where every rank succeeded.
 
     Run as a subprocess, torchrun turned every rank's refusal or interrupt into its own traceback (ChildFailedError,
     SignalException) and exit 1, after the rank's one error line (found in review). Each rank has said why: the
@@ -138,23 +140,64 @@ def _torchrun(arguments: list[str]) -> int:
     try:
         run(get_args_parser().parse_args(arguments))
     except ChildFailedError as e:
-        return failed_status({rank: failure.exitcode for rank, failure in e.failures.items()})
+        return {rank: failure.exitcode for rank, failure in e.failures.items()}
     except SignalException as e:  # Ctrl-C or a kill reached the launcher too: the ranks saved and stopped
-        return 128 + int(e.sigval)
-    return 0
+        return {-1: 128 + int(e.sigval)}
+    return {}
+
+
+def _said_and_status(exitcodes: dict[int, int]) -> int:
+    """The exit status of a launch (:func:`_torchrun`'s codes), saying a rank killed from outside, which could say
+    nothing itself."""
+    if not exitcodes:
+        return 0
+    if (line := killed_line(exitcodes)) is not None:
+        from usaf.cli.console import say_rank_line  # lazy: rich, only to say it
+
+        say_rank_line(cause_rank(exitcodes), ("error", *line))
+    return failed_status(exitcodes)
 
 
 def failed_status(exitcodes: dict[int, int]) -> int:
-    """The command's status from the failed ranks' exit codes (a negative code: killed by that signal, as 128 + s).
+    """The command's status from the failed ranks' exit codes (a negative code: killed by that signal, as 128 + s):
+    the cause's (:func:`cause_rank`)."""
+    code = exitcodes[cause_rank(exitcodes)]
+    return code if code >= 0 else 128 - code
 
-    The lowest rank that failed on its own, not one the launcher stopped (SIGTERM, then SIGKILL) because another
-    failed first: a refusal on rank 1 reached rank 0 as SIGTERM while it was leaving with the same refusal, and the
-    command said 143 instead of 2 (seen in CI).
-    """
+
+def cause_rank(exitcodes: dict[int, int]) -> int:
+    """The rank whose failure ended the launch: the lowest that failed on its own, not one the launcher stopped
+    (SIGTERM, then SIGKILL) because another failed first. A refusal on rank 1 reached rank 0 as SIGTERM while it was
+    leaving with the same refusal, and the command said 143 instead of 2 (seen in CI). Where every rank ended by a
+    signal, one killed (SIGKILL, SIGSEGV) beside ranks the launcher sent SIGTERM was killed from outside: the
+    launcher's SIGKILL follows its SIGTERM only to a rank that outlived it, and usaf's ranks leave on SIGTERM (a
+    rank killed by the out-of-memory killer was reported as the other rank's 143; found in review)."""
+    term = int(signal.SIGTERM)
     statuses = {rank: code if code >= 0 else 128 - code for rank, code in exitcodes.items()}
-    by_launcher = {128 + int(signal.SIGTERM), 128 + int(getattr(signal, "SIGKILL", signal.SIGTERM))}
+    by_launcher = {128 + term, 128 + int(getattr(signal, "SIGKILL", signal.SIGTERM))}
     causes = [rank for rank in sorted(statuses) if statuses[rank] not in by_launcher]
-    return statuses[causes[0] if causes else min(statuses)]
+    if causes:
+        return causes[0]
+    killed = [rank for rank in sorted(statuses) if statuses[rank] != 128 + term]
+    return killed[0] if killed and len(killed) < len(statuses) else min(statuses)
+
+
+def killed_line(exitcodes: dict[int, int]) -> tuple[str, str] | None:
+    """What to say of the cause rank when a signal killed it from outside usaf (a rank's SIGTERM, SIGINT or SIGHUP
+    is its own stop, which it says): message and hint. None otherwise."""
+    rank = cause_rank(exitcodes)
+    number = -exitcodes[rank]
+    if number <= 0 or number == int(signal.SIGTERM):
+        return None
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    why = (" (the system's out-of-memory killer sends SIGKILL: `dmesg` or `journalctl -k` says whether it did)"
+           if name == "SIGKILL" else "")  # fmt: skip
+    return (f"rank {rank} was killed by {name} from outside usaf{why}",
+            "rerun the same command to resume from the last checkpoint (fewer --nproc or a smaller --microbatch "
+            "if it ran out of memory)")
 
 
 def _without_option(args: list[str], name: str) -> list[str]:
