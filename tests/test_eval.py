@@ -1229,3 +1229,30 @@ def test_report_md_counts_one_sequence_in_the_singular(report):
     one = summary.model_copy(update={"inputs": [summary.inputs[0].model_copy(update={"sequences": 1})]})
     assert "`: 1 sequence, " in markdown(one, model="m").replace("` (tokens): ", "`: ")
     assert "sequences, " in markdown(summary, model="m")  # the control
+
+
+def test_a_workspaces_directory_of_artifacts_names_one_as_text_input_and_as_tokenizer(trained, tmp_path):
+    """A workspace's tokens/ as --held-out was read as text, its artifact skipped, and refused as "no text or JSONL
+    files ... check the path"; a workspace's quantized_model/ as tokenize's --model was "no tokenizer files" (found in
+    review). Each now names the artifact to pass, and a workspace given to tokenize's --model is not sent to
+    --workspace (tokenize takes no model from it). The control: the artifacts themselves are taken."""
+    ws = tmp_path / "ws"
+    tokens, qdir = ws / "tokens" / "t", ws / "quantized_model" / "q"
+    shutil.copytree(trained["tokens"], tokens)
+    shutil.copytree(trained["q"], qdir)
+    refused = invoke("eval", "--model", qdir, "--held-out", tokens.parent, "--no-plots", "--out", tmp_path / "r",
+                     "--workspace", ws)
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and f"--held-out {tokens.parent}: holds 1 usaf artifact, and is not one" in said
+    assert f"--held-out {tokens}" in said, said
+    text = stdlib_dir() / "shlex.py"
+    for model, needles in [(qdir.parent, ["holds 1 usaf artifact", f"--model {qdir}"]),
+                           (ws, ["a usaf workspace, not an artifact", f"pass an artifact in it (--model {qdir})"])]:
+        result = invoke("tokenize", text, "--model", model, "--out", tmp_path / "tokens")
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and all(n in said for n in needles) and "--workspace" not in said, said
+        assert not (tmp_path / "tokens").exists()
+    assert invoke("tokenize", text, "--model", qdir, "--out", tmp_path / "tokens").exit_code == 0
+    done = invoke("eval", "--model", qdir, "--held-out", tokens, "--no-plots", "--max-sequences", 4,
+                  "--out", tmp_path / "r", "--workspace", ws)  # fmt: skip
+    assert done.exit_code == 0, done.output

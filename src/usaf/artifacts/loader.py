@@ -47,10 +47,14 @@ def _kind_of(artifact: Path) -> str | None:
     return data.get("kind") if isinstance(data, dict) else None
 
 
-def holds_artifacts(path: Path, flag: str, kinds: tuple[str, ...] | None = None) -> UsafError | None:
+def holds_artifacts(
+    path: Path, flag: str, kinds: tuple[str, ...] | None = None, *, from_workspace: bool = True
+) -> UsafError | None:
     """The refusal of a directory that holds usaf artifacts as one: a workspace's ``tokens/`` as --data was called
     "text to tokenize?", and tokenizing it, as the hint said, found no text (found in review). ``kinds``: what
-    ``flag`` takes; the artifact named is one of them (``--data ws/plan`` was sent to a plan; review)."""
+    ``flag`` takes; the artifact named is one of them (``--data ws/plan`` was sent to a plan; review).
+    ``from_workspace``: whether the command takes ``flag``'s input from ``--workspace`` when it is not given (tokenize's
+    --model does not, and a workspace given there was sent to --workspace; review)."""
     inside = artifacts_inside(path)
     if inside:
         fitting = [a for a in inside if kinds is None or _kind_of(a) in kinds]
@@ -59,10 +63,13 @@ def holds_artifacts(path: Path, flag: str, kinds: tuple[str, ...] | None = None)
             return UsafError(f"{flag} {path}: {many}, and none of them a {' or '.join(kinds or ())} one",
                              f"pass a {' or '.join(kinds or ())} artifact")  # fmt: skip
         return UsafError(f"{flag} {path}: {many}", f"pass one of them (the newest by name: {flag} {fitting[-1]})")
-    if any(artifacts_inside(child) for child in path.iterdir() if child.is_dir()):  # a workspace: kind/artifact
-        return UsafError(f"{flag} {path}: a usaf workspace, not an artifact",
-                         f"pass --workspace {path} (each command takes the newest it needs there), or an artifact "
-                         "in it")  # fmt: skip
+    held = [a for child in sorted(path.iterdir()) if child.is_dir() for a in artifacts_inside(child)]
+    if held:  # a workspace: kind/artifact
+        fitting = [a for a in held if kinds is None or _kind_of(a) in kinds]
+        one = f" ({flag} {fitting[-1]})" if fitting else ""
+        hint = (f"pass --workspace {path} (each command takes the newest it needs there), or an artifact in it{one}"
+                if from_workspace else f"pass an artifact in it{one}")  # fmt: skip
+        return UsafError(f"{flag} {path}: a usaf workspace, not an artifact", hint)
     return None
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts.hashing import sha256_file, sha256_text
+from usaf.artifacts.loader import holds_artifacts
 from usaf.artifacts.tokens import TokenizerRecord
 from usaf.data.hub import hub_logs_quiet, refuse_a_missing_directory
 from usaf.errors import UsafError, not_a
@@ -23,6 +24,7 @@ def _needs_remote_code(local: Path) -> bool:
     return isinstance(config, dict) and "AutoTokenizer" in (config.get("auto_map") or {})
 
 
+TOKENIZER_KINDS = ("quantized_model", "hf_export")  # the usaf artifacts that carry their model's tokenizer files
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one is a start
 
 
@@ -46,6 +48,9 @@ def load_tokenizer(model: str, *, trust_remote_code: bool = False, flag: str = "
         model = str(local)
     refuse_a_missing_directory(model, flag)
     if local.is_dir() and not has_tokenizer_files(local):
+        inside = holds_artifacts(local, flag, TOKENIZER_KINDS, from_workspace=False)  # a workspace's quantized_model/
+        if inside is not None:
+            raise inside
         # transformers would build an empty one-token tokenizer from config.json alone
         raise UsafError(
             f"{flag} {model}: no tokenizer files (tokenizer.json or tokenizer_config.json) in the directory",

@@ -20,6 +20,7 @@ from typing import Any
 
 from usaf.artifacts import TokensManifest, load_verified
 from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.loader import holds_artifacts
 from usaf.artifacts.tokens import HELDOUT_FILE, TRAIN_FILE, check_tokenizer, check_tokens_file
 from usaf.data.corpus import JSONL_SUFFIXES, discover
 from usaf.data.jsonl import iter_jsonl_objects
@@ -176,6 +177,8 @@ def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, pr
     report_skipped_by_default(corpus, progress)
     report_json_read_as_text(corpus, progress)
     if not corpus.files:
+        if path.is_dir() and (inside := holds_artifacts(path, flag, (TokensManifest.KIND,))) is not None:
+            raise inside  # a workspace's tokens/: its artifacts were skipped as text, and "check the path" said little
         raise UsafError(f"{flag} {path}: no text or JSONL files{skipped_note(corpus)}", "check the path")
     config = TokenizeConfig(
         inputs=[path],
