@@ -221,3 +221,36 @@ def test_the_example_pipeline_chains_every_stage_through_the_workspace(tmp_path)
         assert json.loads((artifact / "manifest.json").read_text())["kind"] == kind
     assert "newest made for this model" in proc.stderr
     assert "32 tokens" in proc.stderr and proc.stdout.strip()  # generate's summary line and its text
+
+
+@pytest.mark.parametrize("args", [
+    ["tokenize", "{corpus}", "--model", "{tok}", "--out", ""],
+    ["tokenize", "", "--model", "{tok}", "--out", "{cwd}/tokens"],
+    ["tokenize", "{corpus}", "--model", "", "--out", "{cwd}/tokens"],
+    ["tokenize", "{corpus}", "--model", "{tok}", "--config", ""],
+    ["tokenize", "{corpus}", "--config", "{toml}"],
+    ["export", "--base", "", "--out", "{cwd}/export"],
+    ["quantize", "", "--out", "{cwd}/q"],
+    ["plan", ""],
+], ids=["--out", "INPUTS", "--model", "--config", "toml out", "--base", "quantize MODEL", "plan MODEL"])  # fmt: skip
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch, args):
+    """``--out "$OUT"`` with OUT unset: click read "" as the current directory, which it then wrote into or refused
+    for what it held; ``--base ""`` read the current directory as the model (found in review). The control: "." is
+    the current directory, written into."""
+    from usaf.testing import build_tiny_tokenizer
+
+    tok, cwd, corpus = tmp_path / "tok", tmp_path / "cwd", tmp_path / "corpus.txt"
+    build_tiny_tokenizer(tok)
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40, encoding="utf-8")
+    toml = tmp_path / "settings.toml"
+    toml.write_text(f'[tokenize]\nout = ""\nmodel = "{tok}"\n', encoding="utf-8")
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    result = invoke(*[a.format(corpus=corpus, tok=tok, cwd=cwd, toml=toml) for a in args])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "an empty path" in said, said
+    assert "an empty path (an unset shell variable?): pass a path" in said or 'out = "": an empty path' in said
+    assert list(cwd.iterdir()) == []
+    if args[-2:] == ["--out", ""]:  # control
+        done = invoke(*[a.format(corpus=corpus, tok=tok, cwd=cwd, toml=toml) for a in args[:-1]], ".")
+        assert done.exit_code == 0 and (cwd / "manifest.json").is_file(), done.output

@@ -214,6 +214,15 @@ def _takes_bool(annotation: Any) -> bool:
     return annotation is bool or bool in typing.get_args(annotation)
 
 
+def _names_a_path(info: Any) -> bool:
+    """Whether a field holds a path (``Path``, ``list[Path]``, optional or not) or a directory-or-hub-id text
+    (``names_a_path``), where an empty value would read as the current directory."""
+    annotation = info.annotation
+    args = typing.get_args(annotation)
+    inner = [a for arg in (annotation, *args) for a in (arg, *typing.get_args(arg))]
+    return Path in inner or bool(cli_meta(info).get("names_a_path"))
+
+
 def resolve_config(
     cls: type[C],
     *,
@@ -246,6 +255,9 @@ def resolve_config(
         if field not in values and value is not None:
             if isinstance(value, bool) and not _takes_bool(fields[field].annotation):  # lax pydantic read true as 1
                 problems.append(f"{source} = {str(value).lower()}: a boolean, which this setting does not take")
+                return
+            if _names_a_path(fields[field]) and (value == "" or (isinstance(value, list) and "" in value)):
+                problems.append(f'{source} = "": an empty path, which reads as the current directory')  # (review)
                 return
             values[field] = value
             origin[field] = source

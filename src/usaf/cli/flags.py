@@ -16,11 +16,12 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from usaf.cli.options import STAGE_EXTRAS
+from usaf.cli.options import STAGE_EXTRAS, name_not_empty, path_not_empty
 
 Body = Callable[..., None]
 
@@ -66,12 +67,15 @@ def parameters(model: type) -> Iterator[inspect.Parameter]:
         meta = cli_meta(info)
         base = cli_type(info.annotation)
         help_ = help_text(info)
+        paths = ({"parser": path_not_empty} if base in (Path, list[Path]) else
+                 {"parser": name_not_empty} if meta.get("names_a_path") else {})  # fmt: skip
         if meta.get("argument"):
-            spec: Any = typer.Argument(help=help_, show_default=False, metavar=name.upper())  # as messages name it
+            spec: Any = typer.Argument(help=help_, show_default=False, metavar=name.upper(), **paths)  # as said
         else:
             bounds = {key: meta[key] for key in ("min", "max") if key in meta}
             names = (declaration(name, info), *([meta["alias"]] if "alias" in meta else []))
-            spec = typer.Option(*names, help=help_, show_default=False, **bounds)
+            spec = typer.Option(*names, help=help_, show_default=False, **bounds, **paths,
+                                **({"metavar": "<path>"} if base is Path else {}))  # as click's path type says it
         required = info.is_required()
         annotation = Annotated[base if required else base | None, spec]  # type: ignore[operator]
         default = inspect.Parameter.empty if required else None

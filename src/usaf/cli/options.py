@@ -13,9 +13,24 @@ from typing import Annotated
 
 import typer
 
+
+def path_not_empty(value: str) -> Path:
+    """A path flag's value; an empty one is refused: click read ``--out ""`` (an unset shell variable, ``--out
+    "$OUT"``) as the current directory, and ``--base ""`` read it as the model (found in review)."""
+    return Path(name_not_empty(value))
+
+
+def name_not_empty(value: str) -> str:
+    """A directory or hub id (``names_a_path``): refused empty, as :func:`path_not_empty`."""
+    if value == "":
+        raise typer.BadParameter("an empty path (an unset shell variable?): pass a path")
+    return value
+
+
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", help="TOML file of settings: the command's table over [defaults].", show_default=False),
+    typer.Option("--config", help="TOML file of settings: the command's table over [defaults].", show_default=False,
+                 parser=path_not_empty, metavar="<path>"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 VerboseOpt = Annotated[

@@ -27,7 +27,7 @@ class ExportConfig(StageConfig):
     base: str | None = Field(
         None,
         description="Original model (directory or hub id, offline cache) to merge into.",
-        json_schema_extra=cli(default_text="the dequantized 4-bit experts"),
+        json_schema_extra=cli(default_text="the dequantized 4-bit experts", names_a_path=True),
     )
     format: Literal["hf", "delta"] = Field("hf", description="hf (merged model directory) | delta (change alone).")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

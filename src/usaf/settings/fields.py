@@ -12,6 +12,8 @@ optional, under ``json_schema_extra={"cli": {...}}``:
 - ``default_text``: what ``[default: …]`` says (``""``: nothing);
 - ``hidden``: not a flag (a ``--config``/``USAF_*`` setting only);
 - ``min``/``max``: checked by the command line itself (a usage error);
+- ``names_a_path``: a text field naming a directory or a hub id, refused empty on the command line as a path field
+  is (``--base ""`` read as the current directory);
 - ``decided_by``: the field whose artifact decides this one (``"plan"``); a value given on the command line
   or in the command's own TOML table while that field is set is refused, one from a shared source
   ([defaults], ``USAF_*``, legacy variables) is dropped (:func:`usaf.config.resolve_config`);

@@ -16,7 +16,7 @@ class PlanConfig(StageConfig):
 
     model: str = Field(
         description="Model directory, usaf quantize output, or hub id (config.json only).",
-        json_schema_extra=cli(argument=True),
+        json_schema_extra=cli(argument=True, names_a_path=True),
     )
     vram: str | None = Field(None, description="Device memory: 12GiB, 16GB, ...",
                              json_schema_extra=cli(default_text="this machine's GPU"))  # fmt: skip

@@ -18,7 +18,7 @@ class QuantizeConfig(StageConfig):
     model: str | None = Field(
         None,
         description="Hugging Face model directory or hub id (e.g. Qwen/Qwen3-30B-A3B).",
-        json_schema_extra=cli(argument=True),
+        json_schema_extra=cli(argument=True, names_a_path=True),
     )
     out: Path | None = f.out_dir("quantized_model")
     workspace: Path | None = f.workspace()

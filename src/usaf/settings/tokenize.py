@@ -20,7 +20,8 @@ class TokenizeConfig(StageConfig):
         description="Text files, directories (recursive) and JSONL files (text, chat 'messages', or input_ids).",
         json_schema_extra=cli(argument=True),
     )
-    model: str | None = Field(None, description="Model directory or hub id whose tokenizer to use.")
+    model: str | None = Field(None, description="Model directory or hub id whose tokenizer to use.",
+                              json_schema_extra=cli(names_a_path=True))  # fmt: skip
     out: Path | None = f.out_dir("tokens")
     workspace: Path | None = f.workspace()
     seq_len: int = f.seq_len_field(512)
