@@ -33,7 +33,7 @@ from usaf.artifacts.tokens import (
 from usaf.config import refuse_unused, source_of, was_given
 from usaf.data.chat import label_chat
 from usaf.data.corpus import Corpus, Document, discover, iter_documents, name_text
-from usaf.data.cuts import BYTES_PER_BYTE, LONG_PIECE_CHARS, cut_points, special_ends
+from usaf.data.cuts import BYTES_PER_BYTE, LONG_PIECE_CHARS, can_cut, cut_points, special_ends
 from usaf.data.globs import nfc
 from usaf.data.ignore import ENVIRONMENT, GITIGNORE, HIDDEN
 from usaf.data.jsonl import dumps_sequence, iter_jsonl_objects
@@ -188,6 +188,9 @@ class _Tokenizer:
         self.shifted_files: dict[str, bool | None] = {}  # pre-tokenized file -> pre-shifted (None: cannot tell)
         # the ids its post-processor adds around a text (a BOS): a text is encoded without them, in pieces if long
         self.ends = {jsonl: special_ends(partial(self._ids, jsonl)) for jsonl in (False, True)}
+        self.cuttable = {jsonl: self.ends[jsonl] is not None and can_cut(partial(self._ids, jsonl, special=False))
+                         for jsonl in (False, True)}  # fmt: skip
+        self._tail: int | None = None  # the last id of the text being encoded, over its pieces
 
     def _encoder(self, from_jsonl: bool) -> Any:
         return self.fast if from_jsonl else self.literal
@@ -198,24 +201,37 @@ class _Tokenizer:
     def in_pieces(self, docs: Iterator[Document]) -> Iterator[Document]:
         """The documents, each long text cut where its tokens stay the same (:mod:`usaf.data.cuts`)."""
         for doc in docs:
-            cuttable = doc.text is not None and self.ends[doc.from_jsonl] is not None
+            if doc.text is not None and doc.text.isspace():  # skipped as empty: not encoded, whole or cut (review)
+                yield replace(doc, text="")
+                continue
+            cuttable = doc.text is not None and self.cuttable[doc.from_jsonl]
             cuts = cut_points(doc.text, partial(self._ids, doc.from_jsonl, special=False)) if cuttable else []
-            bounds = [0, *cuts, len(doc.text or "")]
-            self._record_if_long(doc, bounds, cuttable)
+            self._record_if_long(doc, cuts)
             if not cuts:  # none for a text under two pieces
                 yield doc
                 continue
+            bounds = [0, *cuts, len(doc.text)]
             for i, (start, end) in enumerate(itertools.pairwise(bounds)):
                 nbytes = doc.nbytes * end // len(doc.text) - doc.nbytes * start // len(doc.text)  # sums to the file's
                 yield replace(doc, text=doc.text[start:end], nbytes=nbytes, first=i == 0, last=end == len(doc.text))
 
-    def _record_if_long(self, doc: Document, bounds: list[int], cuttable: bool) -> None:
-        """A piece long enough to take much memory while encoded, for the note at the end (:func:`_note_uncut`)."""
-        longest = max(b - a for a, b in itertools.pairwise(bounds))
+    def _record_if_long(self, doc: Document, cuts: list[int]) -> None:
+        """A text or conversation encoded at once that is long enough to take much memory, for the note at the end
+        (:func:`_note_uncut`): what the run's memory went to."""
+        if doc.messages is not None:  # a long one took 2 GB in silence (found in review)
+            longest, why = doc.nbytes, "a chat conversation is encoded whole (its labels follow its turns)"
+        elif doc.text:
+            chars = max(b - a for a, b in itertools.pairwise([0, *cuts, len(doc.text)]))
+            longest = doc.nbytes * chars // len(doc.text)
+            why = ("no place near its pieces' ends could be cut keeping the tokenizer's tokens"
+                   if self.cuttable[doc.from_jsonl] else
+                   "its tokenizer adds more than a start and an end to a text, which usaf does not cut"
+                   if self.ends[doc.from_jsonl] is None else
+                   "its tokenizer changes the start of every text it encodes, so no text of it is cut")  # fmt: skip
+        else:
+            return
         if longest > LONG_PIECE_CHARS:
-            why = ("no place near its pieces' ends could be cut keeping the tokenizer's tokens" if cuttable else
-                   "its tokenizer adds more than a start and an end to a text, which usaf does not cut")  # fmt: skip
-            self.totals.uncut.append((doc.origin, doc.nbytes * longest // len(doc.text), why))
+            self.totals.uncut.append((doc.origin, longest, why))
 
     def encode_texts(self, batch: list[Document]) -> list[Any] | None:
         """The slow part, run on a worker thread (the Rust tokenizer releases the GIL)."""
@@ -226,27 +242,36 @@ class _Tokenizer:
 
     def pairs(
         self, batch: list[Document], encodings: list[Any] | None
-    ) -> Iterator[tuple[Document, list[int], list[int]]]:
-        """``(document, input_ids, labels)`` for each non-empty document of the batch."""
+    ) -> Iterator[tuple[Document, list[int], list[int], bool]]:
+        """``(document, input_ids, labels, first)`` for each non-empty document of the batch, and each piece of a long
+        text that has ids (``first``: the document's first ids)."""
         if encodings is not None:
             before, after = self.ends[batch[0].from_jsonl] or ([], [])
             for doc, enc in zip(batch, encodings):
+                if doc.first:
+                    self._tail = None
+                    if doc.last and (not doc.text or doc.text.isspace()):  # whitespace alone: not a document
+                        self.totals.skipped_empty += 1
+                        continue
                 ids = [*before, *enc.ids] if doc.first and before else enc.ids
                 if doc.last:
                     ids.extend(after)
-                if doc.first and doc.last and (not ids or not doc.text.strip()):  # a piece is never empty
+                first = self._tail is None
+                self._tail = ids[-1] if ids else self._tail  # a piece may have none (whitespace a pre-tokenizer drops)
+                if doc.last and self._tail is None:  # no ids in all of it
                     self.totals.skipped_empty += 1
                     continue
-                if doc.last and ids[-1] != self.eos:
+                if doc.last and self._tail != self.eos:
                     ids.append(self.eos)  # document separator; learning to end a document is intended
-                yield doc, ids, ids
+                if ids:
+                    yield doc, ids, ids, first
             return
         doc = batch[0]
         if doc.messages is not None:
             ids, labels = label_chat(self.hf, doc.messages, doc.origin)
-            yield doc, [*ids, self.eos], [*labels, -100]
+            yield doc, [*ids, self.eos], [*labels, -100], True
             return
-        yield doc, *self._pretokenized(doc)
+        yield doc, *self._pretokenized(doc), True
 
     def _pretokenized(self, doc: Document) -> tuple[list[int], list[int]]:
         ids, labels = doc.input_ids, doc.labels
@@ -583,7 +608,7 @@ def _tokenize_corpus(
 
     def process(batch: list[Document], encodings: list[Any] | None) -> None:
         nonlocal tokens_seen, previous, text_seen, text_field_read, source_field_read
-        for doc, ids, labels in encoder.pairs(batch, encodings):
+        for doc, ids, labels, first in encoder.pairs(batch, encodings):
             # A directory walk visits sources one after another: close the finished one now,
             # so memory holds one source's partial sequence, not every source's.
             if previous is not None and previous.source != doc.source and not previous.from_jsonl:
@@ -593,8 +618,8 @@ def _tokenize_corpus(
             previous = doc
             source_field_read |= doc.source_from_field
             counts = totals.per_source.setdefault(doc.source, _Counts("heldout" if doc.source in heldout else "train"))
-            totals.documents += doc.first  # a long text's later pieces are the same document
-            counts.documents += doc.first
+            totals.documents += first  # a long text's later pieces are the same document
+            counts.documents += first
             if doc.input_ids is not None:  # pre-tokenized lines are sequences already
                 emit(Sequence(ids, labels, doc.source))
             else:
