@@ -529,20 +529,26 @@ def test_plan_refuses_what_score_and_train_refuse_and_reads_any_model_directory(
         assert result.exit_code == 0, (model, result.output)
 
 
-def test_score_and_eval_are_planned_at_the_dtype_they_run_in_whatever_trains_dtype():
-    """Score and eval compute in the device's own dtype (fp32 on the CPU; no --dtype sets it): a CPU plan for train's
-    --dtype bfloat16 counted score's states at 2 bytes, 16 GiB short at Qwen3-30B-A3B (found in review). The
-    control: train's stage follows --dtype."""
+def test_score_and_eval_are_planned_at_the_dtype_the_plans_commands_pass_them():
+    """Score and eval take --dtype, and the plan's commands pass its own; the plan held them at the device's default
+    (a --dtype float32 plan for a GPU counted score's weights at 2 bytes: found in review, 2026-12-07). The eval
+    command is printed now, with the dtype its column is for. On the CPU a dtype other than float32 is said to be
+    unchecked (it measured more memory, not less); the control, float32, says nothing of it."""
 
-    def stages(dtype: str) -> dict:
+    def planned(dtype: str) -> tuple[dict, str]:
         args = ("--device", "cpu", "--ram", "256GiB", "--train-from", 36, "--microbatch", 1, "--dtype", dtype)
         result = invoke("plan", QWEN3_30B, *args, "--json")
         assert result.exit_code == 0, result.output
-        return json.loads(result.stdout)["stages"]
+        text = invoke("plan", QWEN3_30B, *args).stdout
+        return json.loads(result.stdout)["stages"], " ".join(text.split())
 
-    half, full = stages("bfloat16"), stages("float32")
-    assert half["score"] == full["score"] and half["eval"] == full["eval"]
-    assert half["train"] != full["train"]
+    (half, said_half), (full, said_full) = planned("bfloat16"), planned("float32")
+    for stage in ("score", "train", "eval"):
+        assert half[stage] != full[stage], stage
+    assert "usaf eval --held-out DATA --dtype bfloat16" in said_half
+    assert "--dtype bfloat16 on the CPU took more" in said_half
+    assert "usaf eval --held-out DATA --dtype float32" in said_full and "on the CPU took more" not in said_full
+    assert "eval: " in said_full and "KiB more per sequence evaluated" in said_full
 
 
 def test_the_commands_keep_the_device_index():

@@ -40,6 +40,8 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
     if s.train_from > 0:
         train += f" --prefix-cache-gib {s.prefix_ram / 2**30:.2f}"
     out.append(train)
+    # the eval the table's column is for: its dtype (it has its own default), the rest at eval's defaults (review)
+    out.append(f"usaf eval{model} --held-out DATA --dtype {t.dtype}{device}{placement}")
     return out
 
 

@@ -198,6 +198,18 @@ def _notes(m: ModelFacts, q: QuantSettings, t: Target, request: Request, s: st.S
             f"prefix cache: {s.seq_len * m.spec.hidden_size * t.c / 2**10:.0f} KiB per training sequence; pass "
             "--samples N to size it"
         )
+    per_sequence = st.eval_bytes_per_sequence(m, t, s)
+    notes.append(
+        f"eval: {per_sequence / 2**10:.0f} KiB more per sequence evaluated ({gib(1000 * per_sequence)} GiB for 1,000): "
+        "the base pass's states for the fine-tuned pass, and both passes' routing sets; usaf eval checks them "
+        "against the free RAM and names the --max-sequences that fits"
+    )
+    if t.kind == "cpu" and t.dtype != "float32":  # measured (review, 2026-12-07): not what this model counts
+        notes.append(
+            f"--dtype {t.dtype} on the CPU took more memory than float32 where measured (score 2.6 against 1.5 GB, "
+            "train 1.9 against 1.4 GB, on a 6-layer model), not the less this plan counts: float32, the CPU's "
+            "default, is the one these figures were checked at"
+        )
     return notes
 
 

@@ -17,14 +17,14 @@ Placements (where the 4-bit experts of every layer live; everything else is the 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from usaf.memory_plan import activations as act
 from usaf.memory_plan import weights as w
 from usaf.memory_plan.model import ModelFacts
 from usaf.memory_plan.source import QuantSettings
-from usaf.memory_plan.target import Target, default_dtype
+from usaf.memory_plan.target import Target
+from usaf.settings.eval import EvalConfig
 from usaf.settings.train import company_size
 
 PLACEMENTS = {
@@ -34,6 +34,7 @@ PLACEMENTS = {
     "host": "everything in RAM (CPU)",
 }
 STREAM_BUFFER_LAYERS = 2
+EVAL_MICROBATCH = EvalConfig.model_fields["microbatch"].default  # the plan's eval command leaves it at its default
 # usaf quantize holds one MoE layer's source experts several times over at its peak: the per-expert tensors
 # read from disk, the stacked gate and up halves and the fused gate_up (about 2.3 copies by construction,
 # families/convert.py), plus slices and allocator slack. Measured above the command's fixed cost: 3.6-3.9 layers
@@ -198,15 +199,10 @@ def _dense_slice(m: ModelFacts, s: Settings) -> int:
     return max(o * i for _, o, i in _shapes(m, s))
 
 
-def at_own_dtype(t: Target) -> Target:
-    """``t`` at the compute dtype score and eval run in, which no --dtype sets: the device's own (fp32 on the CPU).
-    A CPU plan for train's --dtype bfloat16 counted score's states at 2 bytes where it holds 4 (16 GiB short at
-    Qwen3-30B-A3B; found in review)."""
-    return dataclasses.replace(t, dtype=default_dtype(t.kind))
-
-
 def score_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
-    t = at_own_dtype(t)
+    """At the plan's --dtype, which its score command passes (score computed in the device's own dtype once, and the
+    plan held it there after score took --dtype: a --dtype float32 plan for a GPU counted score's weights in bf16;
+    found in review, 2026-12-07)."""
     shapes = _shapes(m, s)
     routers = w.router_params(m, s.layers)
     entries = w.shapes_delta_entries(shapes, s.frac)
@@ -271,18 +267,29 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
 
 
 def eval_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> StagePlan:
-    """The held-out forward of a trained change (``SparseEngine.apply_change``; no gradients)."""
-    t = at_own_dtype(t)
+    """The held-out forward of a trained change (``SparseEngine.apply_change``; no gradients), at the plan's --dtype
+    and eval's own microbatch, as the plan's eval command runs it. What grows with the sequences evaluated is said
+    apart (:func:`eval_bytes_per_sequence`): the plan does not know how many."""
     routers = w.router_params(m, s.layers)
-    batch = act.Batch(s.microbatch, s.seq_len)
+    batch = act.Batch(EVAL_MICROBATCH, s.seq_len)
     parts = [
         *_framework(t),
         *_model_weights(m, q, t, s),
         _place(t, "deltas + index buffers", w.shapes_delta_bytes(_shapes(m, s), s.frac), "applied change"),
         _place(t, "routers (fp32)", 2 * act.FP32 * routers, "masters, anchors"),
-        _place(t, "forward working memory", act.forward_workspace(m, batch), "loss chunk, hidden states"),
+        _place(t, "forward working memory", act.forward_workspace(m, batch),
+               f"loss chunk, hidden states; eval's --microbatch {EVAL_MICROBATCH}"),  # fmt: skip
     ]
     return StagePlan("eval", tuple(parts))
+
+
+def eval_bytes_per_sequence(m: ModelFacts, t: Target, s: Settings) -> int:
+    """What eval keeps per sequence evaluated, in RAM: the base pass's states entering the first trained layer (for
+    the fine-tuned pass; none where nothing is frozen below it), and both passes' routing sets (a top-k set of each
+    MoE layer per token, ``engine.routing``). Eval's memory grew by them unplanned (found in review, 2026-12-07)."""
+    states = s.seq_len * m.spec.hidden_size * t.c if s.train_from > 0 else 0
+    set_bytes = 1 if m.spec.num_experts <= 256 else 2  # engine.routing.set_dtype
+    return states + 2 * s.seq_len * len(m.spec.moe_layers) * m.spec.top_k * set_bytes
 
 
 def all_stages(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> list[StagePlan]:
