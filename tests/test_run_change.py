@@ -202,6 +202,16 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
         {"path": "checkpoints/step-0000004", "changed": ["deltas.safetensors"]},
         {"path": "checkpoints/step-0000008", "changed": []},
     ]
+    # a deleted file was "not as usaf wrote it", and a checkpoint whose checksums.json was deleted passed as "of a usaf
+    # from before checksums" beside its run's others (found in review): each is missing
+    lost = tmp_path / "lost"
+    shutil.copytree(run, lost)
+    (lost / "checkpoints" / "step-0000004" / "optimizer.pt").unlink()
+    (lost / "checkpoints" / "step-0000008" / "checksums.json").unlink()
+    result = invoke("inspect", lost, "--verify")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "2 checkpoint files missing: checkpoints/step-0000004/optimizer.pt, " \
+        "checkpoints/step-0000008/checksums.json" in said and "not as usaf wrote" not in said, said
     # a finished run with a changed checkpoint: it said "verified" on stdout, then refused; its JSON listed no problem
     # and the checkpoints' files as unlisted (found in review)
     finished = tmp_path / "finished"

@@ -208,12 +208,19 @@ def test_a_tiny_model_usaf_wrote_is_listed_and_a_copy_of_a_model_is_not(tmp_path
 
 def test_inspect_of_a_checkpoint_says_it_is_one_and_what_takes_it(workspace, tmp_path):
     """inspect RUN/checkpoints/step-N said "not a usaf artifact ... an interrupted run leaves none", misleading for a
-    checkpoint eval --checkpoint takes (found in review). The control: an empty directory keeps the general hint."""
+    checkpoint eval --checkpoint takes (found in review); then refused it with exit 2, where eval, export and generate
+    take it (review, 2026-12-07). It is described (step, losses) and checked against its checksums. The control: an
+    empty directory keeps the general hint."""
     (run,) = [p for p in (workspace / "run").iterdir()]
     (step,) = sorted((run / "checkpoints").iterdir())[-1:]
     result = invoke("inspect", step)
+    said = " ".join(result.stdout.split())
+    assert result.exit_code == 0 and f"{step}: a checkpoint of the run {run}, at step " in said, result.output
+    assert "take it as --checkpoint" in said and "1 checkpoint match their checksums" in said
+    (step / "optimizer.pt").unlink()
+    result = invoke("inspect", step)
     said = " ".join(result.stderr.split())
-    assert result.exit_code == 2 and f"a checkpoint of the run {run}" in said and "--checkpoint" in said, said
+    assert result.exit_code == 2 and f"1 checkpoint file missing: checkpoints/{step.name}/optimizer.pt" in said, said
     (tmp_path / "empty").mkdir()
     control = invoke("inspect", tmp_path / "empty")
     assert control.exit_code == 2 and "a checkpoint of" not in control.stderr

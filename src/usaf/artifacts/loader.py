@@ -19,7 +19,7 @@ from usaf.errors import UsafError
 M = TypeVar("M", bound=Manifest)
 
 
-def _run_of_checkpoint(path: Path) -> Path | None:
+def run_of_checkpoint(path: Path) -> Path | None:
     """The run directory of ``RUN/checkpoints/step-N`` or ``RUN/final``, or None where ``path`` is neither."""
     # lazy: artifacts.run imports this module
     from usaf.artifacts.run import CHECKPOINTS_DIR, FINAL_DIR, STATE_FILE
@@ -94,7 +94,7 @@ def read_manifest_json(path: Path, *, flag: str = "path", kinds: tuple[str, ...]
                 hint = f"{made}, a Hugging Face model with no sha256s to check; {hint.split(': ', 1)[1]}"
         elif path.is_dir() and (inside := holds_artifacts(path, flag, kinds)) is not None:
             raise inside
-        elif (run := _run_of_checkpoint(path)) is not None:  # "an interrupted run leaves none" was false (review)
+        elif (run := run_of_checkpoint(path)) is not None:  # "an interrupted run leaves none" was false (review)
             hint = (f"a checkpoint of the run {run}: eval, export and generate take it as --checkpoint; usaf inspect "
                     f"{run} --verify checks its files")  # fmt: skip
         raise UsafError(f"{flag} {path}: not a usaf artifact (no {MANIFEST_NAME})", hint)

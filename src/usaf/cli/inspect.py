@@ -19,6 +19,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
 
     with handle_errors(verbose):
         from usaf.artifacts import MANIFEST_NAME
+        from usaf.artifacts.loader import run_of_checkpoint
         from usaf.settings.inspect import InspectConfig
 
         settings = InspectConfig(**{name: value for name, value in cli.items() if value is not None})
@@ -36,6 +37,8 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
             raise UsafError(f"{path}: no such file or directory", "check the path")
         elif verify and not manifest and _is_run(path):
             _verify_unfinished_run(path, as_json=json_output)
+        elif not manifest and (run := run_of_checkpoint(path)) is not None:
+            _inspect_checkpoint(path, run, as_json=json_output)
         elif verify:
             _verify_artifact(path, as_json=json_output)
         elif artifact:
@@ -217,8 +220,8 @@ def _verify_artifact(path: Path, *, as_json: bool) -> None:
                 "files": len(checks),
                 "problems": [{"path": c.path, "problem": c.problem} for c in bad]
                 + ([{"path": MANIFEST_NAME, "problem": problem}] if problem else [])
-                + [{"path": f, "problem": "not as usaf wrote it (its checkpoint's checksums.json differs)"}
-                   for f in _changed(checkpoints)],
+                + [{"path": f, "problem": "not as usaf wrote it (its checkpoint's checksums.json differs)"
+                    if (path / f).exists() else "missing"} for f in _changed(checkpoints)],
                 "unlisted": uncovered,
                 **({"checkpoints": checkpoints} if manifest.kind == "run" else {}),
             }
@@ -264,11 +267,16 @@ def _is_run(path: Path) -> bool:
 
 def _checkpoint_checks(run: Path) -> list[dict[str, Any]]:
     """Each checkpoint of ``run`` against its checksums: its path, and the files that do not match (None: a
-    checkpoint of a usaf from before checksums, not checked)."""
-    from usaf.artifacts.run import changed_checkpoint_files, checkpoint_dirs
+    checkpoint of a usaf from before checksums, not checked). A checkpoint without its ``checksums.json`` beside
+    others that have theirs lost it: it was passed as "a usaf from before checksums" (found in review)."""
+    from usaf.artifacts.run import SUMS_FILE, changed_checkpoint_files, checkpoint_dirs
 
-    return [{"path": str(d.relative_to(run)), "changed": changed_checkpoint_files(d)}
-            for d in checkpoint_dirs(run, flag="PATH")]  # fmt: skip
+    checks = [{"path": str(d.relative_to(run)), "changed": changed_checkpoint_files(d)}
+              for d in checkpoint_dirs(run, flag="PATH")]  # fmt: skip
+    if any(c["changed"] is not None for c in checks):
+        for c in checks:
+            c["changed"] = [SUMS_FILE] if c["changed"] is None else c["changed"]
+    return checks
 
 
 def _changed(checks: list[dict[str, Any]]) -> list[str]:
@@ -276,23 +284,58 @@ def _changed(checks: list[dict[str, Any]]) -> list[str]:
 
 
 def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool) -> None:
-    """The checkpoints' verdict: refused where a file changed, else a line (a note for those not checked)."""
+    """The checkpoints' verdict: refused where a file changed or is missing, else a line (a note for those not
+    checked). A deleted file was said to differ from its sha256 (found in review)."""
     from usaf.cli.console import note, out
     from usaf.units import counted
 
     if changed := _changed(checks):
-        raise UsafError(
-            f"{run}: {counted(len(changed), 'checkpoint file')} not as usaf wrote "
-            f"{'it' if len(changed) == 1 else 'them'} (the sha256 checksums.json records differs): "
-            f"{', '.join(changed[:5])}",
-            "move the changed checkpoints out of the run: resume, eval and export refuse them",
-        )
+        missing = [f for f in changed if not (run / f).exists()]
+        edited = [f for f in changed if f not in missing]
+        said = [f"{counted(len(missing), 'checkpoint file')} missing: {', '.join(missing[:5])}"] if missing else []
+        if edited:
+            them = "it" if len(edited) == 1 else "them"
+            said.append(f"{counted(len(edited), 'checkpoint file')} not as usaf wrote {them} (the sha256 "
+                        f"checksums.json records differs): {', '.join(edited[:5])}")  # fmt: skip
+        raise UsafError(f"{run}: {'; '.join(said)}",
+                        "move the changed checkpoints out of the run: resume, eval and export refuse them")  # fmt: skip
     unchecked = [c["path"] for c in checks if c["changed"] is None]
     if unchecked:
         note(f"{counted(len(unchecked), 'checkpoint')} of a usaf from before checksums, not checked: "
              f"{', '.join(unchecked[:5])}")  # fmt: skip
     if not as_json and len(checks) > len(unchecked):
         out.print(f"{run}: {counted(len(checks) - len(unchecked), 'checkpoint')} match their checksums")
+
+
+def _inspect_checkpoint(path: Path, run: Path, *, as_json: bool) -> None:
+    """A checkpoint directory (``checkpoints/step-N``, ``final``), which eval, export and generate take as
+    ``--checkpoint``: its step and losses, and its files against its checksums. It was refused as "not a usaf
+    artifact (no manifest.json)" (found in review)."""
+    import json
+
+    from usaf.artifacts.run import STATE_FILE
+    from usaf.cli.console import out, print_json
+
+    checks = [c for c in _checkpoint_checks(run) if (run / c["path"]).resolve() == path.resolve()]
+    if not checks:  # "final", which checkpoint_dirs does not list: its own record alone
+        from usaf.artifacts.run import changed_checkpoint_files
+
+        checks = [{"path": path.name, "changed": changed_checkpoint_files(path)}]
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = {}
+    state = state if isinstance(state, dict) else {}
+    shown = {key: state.get(key) for key in ("step", "tokens", "first_loss", "last_loss")}
+    if as_json:
+        print_json({"path": str(path), "kind": "checkpoint", "run": str(run), **shown,
+                    "verified": not _changed(checks), "checkpoints": checks})  # fmt: skip
+    else:
+        losses = (f", loss {shown['first_loss']:.4f} → {shown['last_loss']:.4f}"
+                  if isinstance(shown["first_loss"], float) and isinstance(shown["last_loss"], float) else "")
+        out.print(f"{path}: a checkpoint of the run {run}, at step {shown['step']}{losses}; eval, export and "
+                  f"generate take it as --checkpoint", markup=False, highlight=False)  # fmt: skip
+    _say_checkpoints(run, checks, as_json=as_json)
 
 
 def _verify_unfinished_run(run: Path, *, as_json: bool) -> None:
