@@ -149,11 +149,7 @@ def test_usaf_variables_name_the_commands_that_read_them_and_a_misspelt_one_read
         (["--device", "gpu"], {}, "--device gpu: unknown device 'gpu'"),
         (["--device", "cuda:x"], {}, "device index 'x' is not a non-negative integer"),
         (["--device", "cpu:0"], {}, "--device cpu:0: 'cpu' takes no index"),
-        (["--device", "cuda"], {}, "--device cuda: CUDA is not available here"),
-        (["--device", "mps"], {}, "--device mps: MPS is not available here"),
-        (["--device", "directml"], {}, "--device directml: DirectML is not available here"),
         ([], {"USAF_DEVICE": "tpu"}, "USAF_DEVICE tpu: unknown device 'tpu'"),  # where the value came from
-        ([], {"USE_CUDA": "1"}, "(legacy for --device cuda): CUDA is not available here"),
     ],
 )
 def test_bad_device_is_one_red_line_and_exit_2(args: list[str], env: dict[str, str], needle: str) -> None:
@@ -162,6 +158,31 @@ def test_bad_device_is_one_red_line_and_exit_2(args: list[str], env: dict[str, s
         assert result.exit_code == 2, result.output
         assert needle in result.stderr and "hint:" in result.stderr
         assert "Traceback" not in result.output and result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--device", "cuda"], {}, "--device cuda: CUDA is not available here"),
+        (["--device", "mps"], {}, "--device mps: MPS is not available here"),
+        (["--device", "directml"], {}, "--device directml: DirectML is not available here"),
+        ([], {"USAF_DEVICE": "cuda"}, "USAF_DEVICE cuda: CUDA is not available here"),
+        ([], {"USE_CUDA": "1"}, "(legacy for --device cuda): CUDA is not available here"),
+    ],
+)
+def test_a_device_not_here_is_said_after_the_whole_report(args: list[str], env: dict[str, str], needle: str) -> None:
+    """Doctor printed the refusal alone, where it is the tool to diagnose it: versions, devices and environment went
+    unshown (found in review). They are shown, then the refusal, exit 2 (a run with the setting would refuse)."""
+    result = runner.invoke(app, ["doctor", *args], env=env)
+    assert result.exit_code == 2 and needle in result.stderr and "hint:" in result.stderr, result.output
+    said = " ".join(result.stdout.split())
+    assert "versions" in said and "unavailable backends" in said and "without the device asked for" in said, said
+    result = runner.invoke(app, ["doctor", "--json", *args], env=env)
+    report = json.loads(result.stdout)
+    assert result.exit_code == 2 and needle in report["refused"]["error"] and needle in result.stderr
+    assert report["run"]["device"] == "cpu" and report["versions"]["torch"] == torch.__version__
+    control = json.loads(runner.invoke(app, ["doctor", "--json"]).stdout)
+    assert control["refused"] is None
 
 
 def test_error_line_is_printed_verbatim(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from usaf.cli.flags import settings_command
+from usaf.errors import UsafError
 
 # Distribution names whose versions matter when a run misbehaves (usaf's own dependencies).
 CORE_PACKAGES = (
@@ -53,6 +54,8 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
             print_json(report)
         else:
             render(report, verbose=verbose)
+        if report["refused"] is not None:  # said last, and exit 2: a run here with this setting would refuse
+            raise UsafError(report["refused"]["error"], report["refused"]["hint"])
 
 
 command = settings_command(
@@ -143,13 +146,20 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
 
     from usaf import distributed
     from usaf.backends import explain_env, probe_backends, resolve_backend
+    from usaf.backends.spec import parse_device_spec
     from usaf.config import resolve_config, source_of
     from usaf.settings.doctor import DoctorConfig
 
     settings = resolve_config(DoctorConfig, section="doctor", cli={"device": device}, config_file=config, env=env)
-    backend = resolve_backend(
-        distributed.device_for_rank(settings.device, env), source=source_of(settings, "device"), env=env
-    )
+    refused = None
+    requested = distributed.device_for_rank(settings.device, env)
+    if requested and requested.strip():  # a malformed value is refused at once, as every command refuses it
+        parse_device_spec(requested.strip(), source=source_of(settings, "device"))
+    try:
+        backend = resolve_backend(requested, source=source_of(settings, "device"), env=env)
+    except UsafError as e:  # a device asked for that is not here: the rest is reported, then this (found in review)
+        refused = {"error": e.message, "hint": e.hint}
+        backend = resolve_backend("cpu", source="doctor", env={})  # what the report's run section can describe
     build = (
         f"ROCm {torch.version.hip}"
         if torch.version.hip
@@ -173,6 +183,7 @@ def collect(*, device: str | None, config: Path | None, env: Mapping[str, str]) 
             "notes": [{"level": n.level, "message": n.message} for n in backend.notes],
         },
         "distributed": distributed.describe(env, backend.device, env.get("USAF_DIST_BACKEND")),
+        "refused": refused,  # the device asked for, where it is not here: the run section is the CPU's then
     }
 
 
@@ -236,7 +247,10 @@ def render(report: dict[str, Any], *, verbose: bool = False) -> None:
 
     run = report["run"]
     policy, caps, memory = run["dtype_policy"], run["capabilities"], run["memory"]
-    table = Table(title="what a run here would use", title_justify="left", show_header=False)
+    title = "what a run here would use"
+    if report["refused"] is not None:
+        title += " without the device asked for (refused: below)"
+    table = Table(title=title, title_justify="left", show_header=False)
     table.add_row("backend", f"{run['label']} ({run['device']}: {run['device_name']})")
     table.add_row("compute dtype", policy["compute"])
     table.add_row("trainables (master)", policy["master"])
