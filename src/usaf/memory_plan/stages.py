@@ -258,7 +258,10 @@ def train_stage(m: ModelFacts, q: QuantSettings, t: Target, s: Settings) -> Stag
     if s.train_from > 0:
         states = batch.tokens * m.spec.hidden_size * t.c
         parts.append(_place(t, "prefix states, one batch", states, "(B, T, H)"))
-        parts.append(Component("prefix cache in RAM", host=s.prefix_ram, basis="--prefix-cache-gib"))
+        # its cap: a run fills it as it first visits sequences, and a small corpus never does (a 0.4 GB train run was
+        # planned at 2.4 GB "peak" with nothing saying so but a note; found in review)
+        parts.append(Component("prefix cache in RAM, at most", host=s.prefix_ram,
+                               basis="--prefix-cache-gib: filled as sequences are first visited"))  # fmt: skip
     staged = entries * (act.FP32 + act.INT64 + 12) + routers * act.FP32
     if t.separate_device:  # a checkpoint copies deltas, the cumulative delta and optimizer state to the host
         staged += w.OPTIMIZER_BYTES_PER_PARAM * (entries + routers)
