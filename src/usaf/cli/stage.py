@@ -151,10 +151,10 @@ def _said_and_status(exitcodes: dict[int, int]) -> int:
     nothing itself."""
     if not exitcodes:
         return 0
-    if (line := killed_line(exitcodes)) is not None:
+    for rank, message, hint in killed_lines(exitcodes):
         from usaf.cli.console import say_rank_line  # lazy: rich, only to say it
 
-        say_rank_line(cause_rank(exitcodes), ("error", *line))
+        say_rank_line(rank, ("error", message, hint))
     return failed_status(exitcodes)
 
 
@@ -166,38 +166,40 @@ def failed_status(exitcodes: dict[int, int]) -> int:
 
 
 def cause_rank(exitcodes: dict[int, int]) -> int:
-    """The rank whose failure ended the launch: the lowest that failed on its own, not one the launcher stopped
-    (SIGTERM, then SIGKILL) because another failed first. A refusal on rank 1 reached rank 0 as SIGTERM while it was
-    leaving with the same refusal, and the command said 143 instead of 2 (seen in CI). Where every rank ended by a
-    signal, one killed (SIGKILL, SIGSEGV) beside ranks the launcher sent SIGTERM was killed from outside: the
-    launcher's SIGKILL follows its SIGTERM only to a rank that outlived it, and usaf's ranks leave on SIGTERM (a
-    rank killed by the out-of-memory killer was reported as the other rank's 143; found in review)."""
+    """The rank whose failure ended the launch. First a rank a signal killed (SIGKILL: the out-of-memory killer's;
+    SIGSEGV): the others' failures follow from it (a peer lost, exit 2; the launcher's SIGTERM), and usaf's ranks
+    leave on SIGTERM, so the launcher's own SIGKILL, after a grace period, does not come. The command said 143 or 2
+    of a rank killed from outside (found in review). Then the lowest rank that failed on its own, not one the
+    launcher stopped (SIGTERM) because another failed first: a refusal on rank 1 reached rank 0 as SIGTERM while it
+    was leaving with the same refusal, and the command said 143 instead of 2 (seen in CI)."""
     term = int(signal.SIGTERM)
+    killed = [rank for rank in sorted(exitcodes) if exitcodes[rank] < 0 and exitcodes[rank] != -term]
+    if killed:
+        return killed[0]
     statuses = {rank: code if code >= 0 else 128 - code for rank, code in exitcodes.items()}
-    by_launcher = {128 + term, 128 + int(getattr(signal, "SIGKILL", signal.SIGTERM))}
-    causes = [rank for rank in sorted(statuses) if statuses[rank] not in by_launcher]
-    if causes:
-        return causes[0]
-    killed = [rank for rank in sorted(statuses) if statuses[rank] != 128 + term]
-    return killed[0] if killed and len(killed) < len(statuses) else min(statuses)
+    causes = [rank for rank in sorted(statuses) if statuses[rank] != 128 + term]
+    return causes[0] if causes else min(statuses)
 
 
-def killed_line(exitcodes: dict[int, int]) -> tuple[str, str] | None:
-    """What to say of the cause rank when a signal killed it from outside usaf (a rank's SIGTERM, SIGINT or SIGHUP
-    is its own stop, which it says): message and hint. None otherwise."""
-    rank = cause_rank(exitcodes)
-    number = -exitcodes[rank]
-    if number <= 0 or number == int(signal.SIGTERM):
-        return None
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = f"signal {number}"
-    why = (" (the system's out-of-memory killer sends SIGKILL: `dmesg` or `journalctl -k` says whether it did)"
-           if name == "SIGKILL" else "")  # fmt: skip
-    return (f"rank {rank} was killed by {name} from outside usaf{why}",
-            "rerun the same command to resume from the last checkpoint (fewer --nproc or a smaller --microbatch "
-            "if it ran out of memory)")
+def killed_lines(exitcodes: dict[int, int]) -> list[tuple[int, str, str]]:
+    """``(rank, message, hint)`` for each rank a signal killed (SIGKILL: the out-of-memory killer's; SIGSEGV), which
+    could say nothing itself; a rank's SIGTERM, SIGINT or SIGHUP is a stop it says. Whichever rank the status comes
+    from: the other rank may have left first, with its own "another process of the run stopped" (exit 1)."""
+    lines = []
+    for rank in sorted(exitcodes):
+        number = -exitcodes[rank]
+        if number <= 0 or number == int(signal.SIGTERM):
+            continue
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        why = (" (the system's out-of-memory killer sends SIGKILL: `dmesg` or `journalctl -k` says whether it did)"
+               if name == "SIGKILL" else "")  # fmt: skip
+        lines.append((rank, f"rank {rank} was killed by {name}{why}",
+                      "rerun the same command to resume from the last checkpoint (fewer --nproc or a smaller "
+                      "--microbatch if it ran out of memory)"))  # fmt: skip
+    return lines
 
 
 def _without_option(args: list[str], name: str) -> list[str]:
