@@ -545,9 +545,10 @@ def test_score_and_eval_are_planned_at_the_dtype_the_plans_commands_pass_them():
     (half, said_half), (full, said_full) = planned("bfloat16"), planned("float32")
     for stage in ("score", "train", "eval"):
         assert half[stage] != full[stage], stage
-    assert "usaf eval --held-out DATA --dtype bfloat16" in said_half
+    assert "usaf eval --checkpoint RUN --held-out DATA --dtype bfloat16" in said_half
     assert "--dtype bfloat16 on the CPU took more" in said_half
-    assert "usaf eval --held-out DATA --dtype float32" in said_full and "on the CPU took more" not in said_full
+    assert "usaf eval --checkpoint RUN --held-out DATA --dtype float32" in said_full
+    assert "on the CPU took more" not in said_full
     assert "eval: " in said_full and "KiB more per sequence evaluated" in said_full
 
 

@@ -212,6 +212,34 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     said = " ".join(result.stderr.split())
     assert result.exit_code == 2 and "2 checkpoint files missing: checkpoints/step-0000004/optimizer.pt, " \
         "checkpoints/step-0000008/checksums.json" in said and "not as usaf wrote" not in said, said
+    # a checkpoint without its state.json dropped out of the check, and the run verified clean (found in review)
+    stateless = tmp_path / "stateless"
+    shutil.copytree(run, stateless)
+    (stateless / "checkpoints" / "step-0000004" / "state.json").unlink()
+    for target in (stateless, stateless / "checkpoints" / "step-0000004"):
+        result = invoke("inspect", target, *(["--verify"] if target == stateless else []))
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and "1 checkpoint file missing: checkpoints/step-0000004/state.json" in said, said
+    # final is checked against the run's manifest too: another checkpoint copied over it passed its own checksums, and
+    # a lost final/checksums.json was "a usaf from before checksums" (found in review)
+    copied = tmp_path / "copied"
+    shutil.copytree(run, copied)
+    shutil.rmtree(copied / "final")
+    shutil.copytree(copied / "checkpoints" / "step-0000004", copied / "final")
+    lost_sums = tmp_path / "lost-sums"
+    shutil.copytree(run, lost_sums)
+    (lost_sums / "final" / "checksums.json").unlink()
+    lost_needle = "1 checkpoint file missing: final/checksums.json"
+    for target, needle in ((copied, "not as usaf wrote them"), (lost_sums, lost_needle)):
+        result = invoke("inspect", target / "final")
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and needle in said, said
+    assert invoke("inspect", run / "final").exit_code == 0  # the control: the run's own final
+    # a checkpoint copied out of its run: "eval, export and generate take it" was false, as they need its settings
+    outside = tmp_path / "outside"
+    shutil.copytree(run / "final", outside / "final")
+    result = invoke("inspect", outside / "final")
+    assert result.exit_code == 2 and "has no run-settings.json: eval, export and generate refuse it" in result.stderr
     # a finished run with a changed checkpoint: it said "verified" on stdout, then refused; its JSON listed no problem
     # and the checkpoints' files as unlisted (found in review)
     finished = tmp_path / "finished"

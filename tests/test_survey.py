@@ -216,7 +216,7 @@ def test_inspect_of_a_checkpoint_says_it_is_one_and_what_takes_it(workspace, tmp
     result = invoke("inspect", step)
     said = " ".join(result.stdout.split())
     assert result.exit_code == 0 and f"{step}: a checkpoint of the run {run}, at step " in said, result.output
-    assert "take it as --checkpoint" in said and "1 checkpoint match their checksums" in said
+    assert "take it as --checkpoint" in said and "1 checkpoint matches its checksums" in said
     (step / "optimizer.pt").unlink()
     result = invoke("inspect", step)
     said = " ".join(result.stderr.split())

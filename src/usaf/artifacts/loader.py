@@ -22,9 +22,11 @@ M = TypeVar("M", bound=Manifest)
 def run_of_checkpoint(path: Path) -> Path | None:
     """The run directory of ``RUN/checkpoints/step-N`` or ``RUN/final``, or None where ``path`` is neither."""
     # lazy: artifacts.run imports this module
-    from usaf.artifacts.run import CHECKPOINTS_DIR, FINAL_DIR, STATE_FILE
+    from usaf.artifacts.run import CHECKPOINTS_DIR, FINAL_DIR, STATE_FILE, SUMS_FILE
 
-    if not (path / STATE_FILE).is_file():
+    # its checksums.json alone will do: a checkpoint is renamed into place whole, so one without its state.json lost
+    # it, and was "not a usaf artifact" (found in review)
+    if not (path / STATE_FILE).is_file() and not (path / SUMS_FILE).is_file():
         return None
     if path.parent.name == CHECKPOINTS_DIR:
         return path.parent.parent

@@ -269,10 +269,13 @@ def _checkpoint_checks(run: Path) -> list[dict[str, Any]]:
     """Each checkpoint of ``run`` against its checksums: its path, and the files that do not match (None: a
     checkpoint of a usaf from before checksums, not checked). A checkpoint without its ``checksums.json`` beside
     others that have theirs lost it: it was passed as "a usaf from before checksums" (found in review)."""
-    from usaf.artifacts.run import SUMS_FILE, changed_checkpoint_files, checkpoint_dirs
+    from usaf.artifacts.run import CHECKPOINTS_DIR, SUMS_FILE, changed_checkpoint_files
 
-    checks = [{"path": str(d.relative_to(run)), "changed": changed_checkpoint_files(d)}
-              for d in checkpoint_dirs(run, flag="PATH")]  # fmt: skip
+    # every step-N, not only those with a state.json (checkpoint_dirs, resume's complete ones): a checkpoint is renamed
+    # into place whole, so one without it lost it, and the run verified clean without that checkpoint (review)
+    directories = sorted(d for d in (run / CHECKPOINTS_DIR).glob("step-*")
+                         if d.is_dir() and not d.name.endswith(".tmp"))  # fmt: skip
+    checks = [{"path": str(d.relative_to(run)), "changed": changed_checkpoint_files(d)} for d in directories]
     if any(c["changed"] is not None for c in checks):
         for c in checks:
             c["changed"] = [SUMS_FILE] if c["changed"] is None else c["changed"]
@@ -296,15 +299,18 @@ def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool) 
         if edited:
             them = "it" if len(edited) == 1 else "them"
             said.append(f"{counted(len(edited), 'checkpoint file')} not as usaf wrote {them} (the sha256 "
-                        f"checksums.json records differs): {', '.join(edited[:5])}")  # fmt: skip
-        raise UsafError(f"{run}: {'; '.join(said)}",
-                        "move the changed checkpoints out of the run: resume, eval and export refuse them")  # fmt: skip
+                        f"recorded differs): {', '.join(edited[:5])}")  # fmt: skip
+        raise UsafError(f"{run}: {'; '.join(said)}",  # the stages read one without checksums.json unchecked (review)
+                        "move the damaged checkpoints out of the run (resume, eval and export refuse a changed file, "
+                        "and read one without its checksums.json unchecked)")  # fmt: skip
     unchecked = [c["path"] for c in checks if c["changed"] is None]
     if unchecked:
         note(f"{counted(len(unchecked), 'checkpoint')} of a usaf from before checksums, not checked: "
              f"{', '.join(unchecked[:5])}")  # fmt: skip
     if not as_json and len(checks) > len(unchecked):
-        out.print(f"{run}: {counted(len(checks) - len(unchecked), 'checkpoint')} match their checksums")
+        checked = len(checks) - len(unchecked)
+        out.print(f"{run}: {counted(checked, 'checkpoint')} {'matches its' if checked == 1 else 'match their'} "
+                  "checksums")  # fmt: skip
 
 
 def _inspect_checkpoint(path: Path, run: Path, *, as_json: bool) -> None:
@@ -313,14 +319,23 @@ def _inspect_checkpoint(path: Path, run: Path, *, as_json: bool) -> None:
     artifact (no manifest.json)" (found in review)."""
     import json
 
-    from usaf.artifacts.run import STATE_FILE
+    from usaf.artifacts import MANIFEST_NAME
+    from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, STATE_FILE, SUMS_FILE, changed_checkpoint_files
     from usaf.cli.console import out, print_json
 
-    checks = [c for c in _checkpoint_checks(run) if (run / c["path"]).resolve() == path.resolve()]
-    if not checks:  # "final", which checkpoint_dirs does not list: its own record alone
-        from usaf.artifacts.run import changed_checkpoint_files
-
-        checks = [{"path": path.name, "changed": changed_checkpoint_files(path)}]
+    if not (run / SETTINGS_FILE).is_file():  # a checkpoint copied out of its run (found in review)
+        raise UsafError(f"{path}: a checkpoint whose run {run} has no {SETTINGS_FILE}: eval, export and generate "
+                        "refuse it", f"pass the checkpoint inside its run, or copy its {SETTINGS_FILE} back there")
+    every = _checkpoint_checks(run)
+    checks = [c for c in every if (run / c["path"]).resolve() == path.resolve()]
+    if not checks:  # "final", which is no step-N: its own record, and the run's manifest, which lists its files
+        finished = (run / MANIFEST_NAME).is_file()
+        changed = changed_checkpoint_files(path)
+        if changed is None and any(c["changed"] is not None for c in every):  # the others have theirs: it lost it
+            changed = [SUMS_FILE]
+        if finished:  # its files, checksums.json too, by the manifest: another checkpoint copied over final passed
+            changed = sorted({*(changed or ()), *_failing_in_manifest(run, FINAL_DIR)})
+        checks = [{"path": FINAL_DIR, "changed": changed}]
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -336,6 +351,16 @@ def _inspect_checkpoint(path: Path, run: Path, *, as_json: bool) -> None:
         out.print(f"{path}: a checkpoint of the run {run}, at step {shown['step']}{losses}; eval, export and "
                   f"generate take it as --checkpoint", markup=False, highlight=False)  # fmt: skip
     _say_checkpoints(run, checks, as_json=as_json)
+
+
+def _failing_in_manifest(run: Path, directory: str) -> list[str]:
+    """The files of ``run``'s ``directory`` whose size or sha256 is not what the run's manifest lists (names within
+    it): ``final`` is in the run's manifest, and another checkpoint copied over it passed its own checksums."""
+    from usaf.artifacts import load_manifest
+    from usaf.artifacts.loader import verify_files
+
+    checks = verify_files(run, load_manifest(run), hashes=True)
+    return [c.path.removeprefix(f"{directory}/") for c in checks if not c.ok and c.path.startswith(f"{directory}/")]
 
 
 def _verify_unfinished_run(run: Path, *, as_json: bool) -> None:

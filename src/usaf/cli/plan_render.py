@@ -41,7 +41,8 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
         train += f" --prefix-cache-gib {s.prefix_ram / 2**30:.2f}"
     out.append(train)
     # the eval the table's column is for: its dtype (it has its own default), the rest at eval's defaults (review)
-    out.append(f"usaf eval{model} --held-out DATA --dtype {t.dtype}{device}{placement}")
+    out.append(f"usaf eval{model} --checkpoint RUN --held-out DATA --dtype {t.dtype}{device}{placement}")  # with
+    # --model alone eval runs the base model only, not the change the column plans for (found in review)
     return out
 
 
