@@ -147,13 +147,13 @@ def _torchrun(arguments: list[str]) -> dict[int, int]:
 
 
 def _said_and_status(exitcodes: dict[int, int]) -> int:
-    """The exit status of a launch (:func:`_torchrun`'s codes), saying a rank killed from outside, which could say
+    """The exit status of a launch (:func:`_torchrun`'s codes), saying each rank a signal killed, which could say
     nothing itself."""
     if not exitcodes:
         return 0
-    for rank, message, hint in killed_lines(exitcodes):
-        from usaf.cli.console import say_rank_line  # lazy: rich, only to say it
+    from usaf.cli.console import say_rank_line  # lazy: rich, only to say it
 
+    for rank, message, hint in killed_lines(exitcodes):
         say_rank_line(rank, ("error", message, hint))
     return failed_status(exitcodes)
 
@@ -172,24 +172,26 @@ def cause_rank(exitcodes: dict[int, int]) -> int:
     of a rank killed from outside (found in review). Then the lowest rank that failed on its own, not one the
     launcher stopped (SIGTERM) because another failed first: a refusal on rank 1 reached rank 0 as SIGTERM while it
     was leaving with the same refusal, and the command said 143 instead of 2 (seen in CI)."""
-    term = int(signal.SIGTERM)
-    killed = [rank for rank in sorted(exitcodes) if exitcodes[rank] < 0 and exitcodes[rank] != -term]
-    if killed:
+    if killed := _killed_ranks(exitcodes):
         return killed[0]
     statuses = {rank: code if code >= 0 else 128 - code for rank, code in exitcodes.items()}
-    causes = [rank for rank in sorted(statuses) if statuses[rank] != 128 + term]
+    causes = [rank for rank in sorted(statuses) if statuses[rank] != 128 + int(signal.SIGTERM)]
     return causes[0] if causes else min(statuses)
+
+
+def _killed_ranks(exitcodes: dict[int, int]) -> list[int]:
+    """The ranks a signal killed, lowest first: a negative code other than SIGTERM's (a rank's SIGTERM, SIGINT or
+    SIGHUP is a stop its handler says, with a status of 128 + s)."""
+    return [rank for rank in sorted(exitcodes) if exitcodes[rank] < 0 and exitcodes[rank] != -int(signal.SIGTERM)]
 
 
 def killed_lines(exitcodes: dict[int, int]) -> list[tuple[int, str, str]]:
     """``(rank, message, hint)`` for each rank a signal killed (SIGKILL: the out-of-memory killer's; SIGSEGV), which
-    could say nothing itself; a rank's SIGTERM, SIGINT or SIGHUP is a stop it says. Whichever rank the status comes
-    from: the other rank may have left first, with its own "another process of the run stopped" (exit 1)."""
+    could say nothing itself (:func:`_killed_ranks`); the other ranks may have left with their own "another process
+    of the run stopped"."""
     lines = []
-    for rank in sorted(exitcodes):
+    for rank in _killed_ranks(exitcodes):
         number = -exitcodes[rank]
-        if number <= 0 or number == int(signal.SIGTERM):
-            continue
         try:
             name = signal.Signals(number).name
         except ValueError:
