@@ -340,9 +340,10 @@ checksums.
 
 What a stage keeps to be read back before its manifest exists records each file's sha256 when it is written, and
 is checked when read: a run's checkpoints (`checksums.json`: resume, eval and export refuse a changed one, naming
-the file), quantize's finished layer files, score's saved calibration pass and lr-test probes, and eval's kept
-passes (each done again, with a note, where its bytes changed). A byte changed there that still read as finite
-numbers was taken until 2026-12-07, and a resumed quantize sealed it into its manifest. The hostile-input
+the file, and one that lost its `checksums.json`), quantize's finished layer files, score's saved calibration pass
+and lr-test probes, and eval's kept passes (each done again, with a note, where its bytes changed). A byte changed
+there that still read as finite numbers was taken until 2026-12-07, and a resumed quantize sealed it into its
+manifest. The hostile-input
 catalogue's checkpoint cases re-sign the checksums, so its other checks are what they test, and three cases do
 not. `pytest tests/test_checksums.py tests/test_run_change.py`, and the changed-on-disk tests of
 `tests/test_quantize.py`, `tests/test_score_resume.py` and `tests/test_eval.py`.

@@ -138,13 +138,66 @@ def test_a_checkpoint_edited_in_place_is_refused_by_its_checksums(finished_run, 
     assert any(float(values[0]) == 1.25 for _, values in change.deltas.values())
 
 
+def _as_from_before_checksums(run):
+    """A run as a usaf before checkpoint checksums left it: no checksums.json anywhere, no mark in state.json."""
+    import json
+
+    from usaf.artifacts.run import CHECKSUMMED
+
+    for state in run.glob("**/state.json"):
+        record = json.loads(state.read_text())
+        del record[CHECKSUMMED]
+        state.write_text(json.dumps(record))
+    for sums in run.glob("**/checksums.json"):
+        sums.unlink()
+
+
 def test_a_checkpoint_of_a_usaf_from_before_checksums_is_read_without(finished_run, tmp_path):
     _, _, run = finished_run
     partial = tmp_path / "partial"
     shutil.copytree(run, partial)
     (partial / "manifest.json").unlink()
-    (partial / "checkpoints" / "step-0000008" / "checksums.json").unlink()
+    _as_from_before_checksums(partial)
     assert load_trained_change(partial).source.name == "step-0000008"
+    said = " ".join(invoke("inspect", partial / "checkpoints" / "step-0000008").output.split())
+    assert "1 checkpoint of a usaf from before checksums, not checked" in said, said
+
+
+def test_a_checkpoint_that_lost_its_checksums_is_refused_not_read_unchecked(finished_run, tmp_path):
+    """A checkpoint without its checksums.json was read unchecked by resume, eval and export, as one from a usaf
+    before the records (found in review). Its state.json says it had one, and so do its run's other checkpoints:
+    either refuses it, from the CLI too. The control: the same run as a usaf before checksums left it is read."""
+    import json
+
+    from usaf.artifacts.run import CHECKSUMMED
+
+    _, _, run = finished_run
+    for alone in (False, True):  # beside checkpoints with theirs; alone, by its state.json's mark
+        partial = tmp_path / f"partial-{alone}"
+        shutil.copytree(run, partial)
+        (partial / "manifest.json").unlink()
+        if alone:
+            shutil.rmtree(partial / "final")
+            shutil.rmtree(partial / "checkpoints" / "step-0000004")
+        else:  # the mark gone: the others' records alone say it lost its own
+            state = partial / "checkpoints" / "step-0000008" / "state.json"
+            state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != CHECKSUMMED}))
+        newest = partial / "checkpoints" / "step-0000008"
+        (newest / "checksums.json").unlink()
+        with pytest.raises(UsafError, match=r"step-0000008/checksums.json: missing, so its files cannot be checked"):
+            load_trained_change(partial)
+        said = invoke("export", "--checkpoint", partial, "--out", tmp_path / f"x-{alone}")
+        assert said.exit_code == 2 and "checksums.json: missing" in said.stderr, said.output
+        said = invoke("inspect", newest)
+        assert said.exit_code == 2 and "1 checkpoint file missing: checkpoints/step-0000008/checksums.json" in " ".join(
+            said.stderr.split()
+        ), said.output
+        assert not (tmp_path / f"x-{alone}").exists()
+    control = tmp_path / "older"
+    shutil.copytree(run, control)
+    (control / "manifest.json").unlink()
+    _as_from_before_checksums(control)
+    assert load_trained_change(control).source.name == "step-0000008"
 
 
 def test_a_finished_runs_final_is_checked_by_its_checksums_too(finished_run, tmp_path):
@@ -263,3 +316,23 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     shutil.copy(run / "run-settings.json", started / "run-settings.json")
     result = invoke("inspect", started, "--verify")
     assert result.exit_code == 2 and "no checkpoint yet: nothing to verify" in " ".join(result.stderr.split())
+
+
+def test_inspect_of_a_checkpoint_with_no_hash_checks_its_files_are_there_and_hashes_none(finished_run, tmp_path):
+    """``inspect CHECKPOINT --no-hash`` hashed every file anyway and said "matches its checksums" (found in review):
+    the flag was accepted and ignored. It now reads no file: an edit at the same size passes, said unhashed, and a
+    missing file is still refused. The control: without --no-hash the same edit is refused, so nothing was hashed."""
+    _, _, run = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for checkpoint in (copy / "checkpoints" / "step-0000008", copy / "final"):
+        _set_first_value(checkpoint, 1.25)
+        unhashed = invoke("inspect", checkpoint, "--no-hash")
+        said = " ".join(unhashed.stdout.split())
+        assert unhashed.exit_code == 0 and "1 checkpoint with all its files, not hashed (--no-hash)" in said, said
+        assert "checksums" not in said.split("--checkpoint", 1)[1]
+        hashed = invoke("inspect", checkpoint)
+        assert hashed.exit_code == 2 and "deltas.safetensors" in hashed.stderr, hashed.output
+    (copy / "final" / "optimizer.pt").unlink()
+    missing = invoke("inspect", copy / "final", "--no-hash")
+    assert missing.exit_code == 2 and "1 checkpoint file missing: final/optimizer.pt" in missing.stderr, missing.output

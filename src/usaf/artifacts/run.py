@@ -31,7 +31,7 @@ from usaf.artifacts.checksums import unmatched, write_record
 from usaf.artifacts.delta import DeltaManifest, read_delta
 from usaf.artifacts.disk import check_free_space, removed_on_failure
 from usaf.artifacts.hashing import combine, sha256_file
-from usaf.artifacts.loader import holds_artifacts, load_verified, read_manifest_json
+from usaf.artifacts.loader import holds_artifacts, load_verified, read_manifest_json, run_of_checkpoint
 from usaf.artifacts.manifest import Manifest, Record, register
 from usaf.artifacts.safety import load_safetensors, load_torch
 from usaf.artifacts.writer import write_text_atomic
@@ -52,6 +52,9 @@ ROUTERS_FILE = "routers.safetensors"  # in-memory router name -> fp32 master wei
 OPTIMIZER_FILE = "optimizer.pt"  # optimizer, schedule, RNG, loss scale, partial grow scores (weights_only)
 STATE_FILE = "state.json"  # the trainer's counters and histories
 SUMS_FILE = "checksums.json"  # the sha256 of the four above, written last (usaf.artifacts.checksums)
+# in state.json: this checkpoint was written with its checksums.json, so one without it lost it (a usaf from before
+# the records wrote none, and its checkpoints are read unchecked)
+CHECKSUMMED = "checksummed"
 CHECKPOINT_FILES = (DELTAS_FILE, ROUTERS_FILE, OPTIMIZER_FILE, STATE_FILE, SUMS_FILE)  # a checkpoint directory's, all
 
 
@@ -184,7 +187,7 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
         save_tensors(tensors, str(tmp / DELTAS_FILE))
         save_tensors(routers, str(tmp / ROUTERS_FILE))
         torch.save(extra, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(checkpoint.state, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps({**checkpoint.state, CHECKSUMMED: True}, indent=1))
         write_record(tmp / SUMS_FILE, {name: tmp / name for name in CHECKPOINT_FILES if name != SUMS_FILE})
     if directory.exists():  # a step written again after a resume: what else is in it is a user's, and stays
         for entry in directory.iterdir():
@@ -231,6 +234,11 @@ def read_checkpoint(
     check_finite(directory / ROUTERS_FILE, routers, flag=flag, hint=hint)
     _check_step(directory, state, max_step, flag=flag, hint=hint)
     # last: the checks above name what is wrong with a file; this one catches an edit they cannot see
+    if lost_checksums(directory, state):  # it was read unchecked, as from a usaf before the records (review)
+        raise UsafError(f"{flag} {directory / SUMS_FILE}: missing, so its files cannot be checked (usaf wrote it "
+                        "with the checkpoint)", hint)  # fmt: skip
+    if isinstance(state, dict):  # a fact about the files, not the training's state (resume refuses unknown keys)
+        state.pop(CHECKSUMMED, None)
     read = (DELTAS_FILE, ROUTERS_FILE, STATE_FILE, *((OPTIMIZER_FILE,) if full else ()))
     if changed := unmatched(directory, read, directory / SUMS_FILE):
         also = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
@@ -249,6 +257,24 @@ def read_checkpoint(
         deltas, dict(routers), state, extra.get("optimizer"), extra.get("schedule"), extra.get("rng"),
         extra.get("scores"), extra.get("scores_by_rank"), extra.get("loss_scale"),
     )  # fmt: skip
+
+
+def lost_checksums(directory: Path, state: Any = None) -> bool:
+    """A checkpoint without its ``checksums.json`` that had one: its ``state.json`` (``state``, read when not
+    given) says it was written with one, or another checkpoint of its run has its own. Only one from a usaf before
+    the records is read unchecked."""
+    if (directory / SUMS_FILE).exists():
+        return False
+    if state is None:
+        try:
+            state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            state = None
+    if isinstance(state, dict) and state.get(CHECKSUMMED) is True:
+        return True
+    run = run_of_checkpoint(directory) or directory.parent
+    others = [d for d in (run / CHECKPOINTS_DIR).glob("step-*") if not d.name.endswith(".tmp")] + [run / FINAL_DIR]
+    return any(other.resolve() != directory.resolve() and (other / SUMS_FILE).is_file() for other in others)
 
 
 def check_finite(path: Path, tensors: dict, *, flag: str, hint: str) -> None:

@@ -38,7 +38,7 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
         elif verify and not manifest and _is_run(path):
             _verify_unfinished_run(path, as_json=json_output)
         elif not manifest and (run := run_of_checkpoint(path)) is not None:
-            _inspect_checkpoint(path, run, as_json=json_output)
+            _inspect_checkpoint(path, run, hashes=not no_hash, as_json=json_output)
         elif verify:
             _verify_artifact(path, as_json=json_output)
         elif artifact:
@@ -265,28 +265,37 @@ def _is_run(path: Path) -> bool:
     return (path / SETTINGS_FILE).is_file()
 
 
-def _checkpoint_checks(run: Path) -> list[dict[str, Any]]:
+def _checkpoint_checks(run: Path, *, hashes: bool = True) -> list[dict[str, Any]]:
     """Each checkpoint of ``run`` against its checksums: its path, and the files that do not match (None: a
-    checkpoint of a usaf from before checksums, not checked). A checkpoint without its ``checksums.json`` beside
-    others that have theirs lost it: it was passed as "a usaf from before checksums" (found in review)."""
-    from usaf.artifacts.run import CHECKPOINTS_DIR, SUMS_FILE, changed_checkpoint_files
+    checkpoint of a usaf from before checksums, not checked). A checkpoint without its ``checksums.json`` that had
+    one (``lost_checksums``) was passed as "a usaf from before checksums" (found in review). Without
+    ``hashes`` (``--no-hash``), the files missing alone: the records hold no sizes to check instead."""
+    from usaf.artifacts.run import CHECKPOINTS_DIR, SUMS_FILE, changed_checkpoint_files, lost_checksums
 
     # every step-N, not only those with a state.json (checkpoint_dirs, resume's complete ones): a checkpoint is renamed
     # into place whole, so one without it lost it, and the run verified clean without that checkpoint (review)
     directories = sorted(d for d in (run / CHECKPOINTS_DIR).glob("step-*")
                          if d.is_dir() and not d.name.endswith(".tmp"))  # fmt: skip
-    checks = [{"path": str(d.relative_to(run)), "changed": changed_checkpoint_files(d)} for d in directories]
-    if any(c["changed"] is not None for c in checks):
-        for c in checks:
-            c["changed"] = [SUMS_FILE] if c["changed"] is None else c["changed"]
+    changed = changed_checkpoint_files if hashes else _missing_checkpoint_files
+    checks = [{"path": str(d.relative_to(run)), "changed": changed(d)} for d in directories]
+    for c in checks:  # one whose state.json says it had its checksums.json, or beside others with theirs, lost it
+        if c["changed"] is None and lost_checksums(run / c["path"]):
+            c["changed"] = [SUMS_FILE]
     return checks
+
+
+def _missing_checkpoint_files(directory: Path) -> list[str]:
+    """``--no-hash``: a checkpoint's files that are not there (none is read)."""
+    from usaf.artifacts.run import CHECKPOINT_FILES
+
+    return [name for name in CHECKPOINT_FILES if not (directory / name).is_file()]
 
 
 def _changed(checks: list[dict[str, Any]]) -> list[str]:
     return [f"{c['path']}/{name}" for c in checks for name in c["changed"] or ()]
 
 
-def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool) -> None:
+def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool, hashes: bool = True) -> None:
     """The checkpoints' verdict: refused where a file changed or is missing, else a line (a note for those not
     checked). A deleted file was said to differ from its sha256 (found in review)."""
     from usaf.cli.console import note, out
@@ -298,43 +307,54 @@ def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool) 
         said = [f"{counted(len(missing), 'checkpoint file')} missing: {', '.join(missing[:5])}"] if missing else []
         if edited:
             them = "it" if len(edited) == 1 else "them"
-            said.append(f"{counted(len(edited), 'checkpoint file')} not as usaf wrote {them} (the sha256 "
-                        f"recorded differs): {', '.join(edited[:5])}")  # fmt: skip
-        raise UsafError(f"{run}: {'; '.join(said)}",  # the stages read one without checksums.json unchecked (review)
-                        "move the damaged checkpoints out of the run (resume, eval and export refuse a changed file, "
-                        "and read one without its checksums.json unchecked)")  # fmt: skip
+            differs = "the sha256 recorded differs" if hashes else "its size is not the one the run's manifest lists"
+            said.append(f"{counted(len(edited), 'checkpoint file')} not as usaf wrote {them} ({differs}): "
+                        f"{', '.join(edited[:5])}")  # fmt: skip
+        raise UsafError(f"{run}: {'; '.join(said)}",
+                        "move the damaged checkpoints out of the run (resume, eval and export refuse them)")
     unchecked = [c["path"] for c in checks if c["changed"] is None]
     if unchecked:
         note(f"{counted(len(unchecked), 'checkpoint')} of a usaf from before checksums, not checked: "
              f"{', '.join(unchecked[:5])}")  # fmt: skip
     if not as_json and len(checks) > len(unchecked):
         checked = len(checks) - len(unchecked)
-        out.print(f"{run}: {counted(checked, 'checkpoint')} {'matches its' if checked == 1 else 'match their'} "
-                  "checksums")  # fmt: skip
+        if hashes:
+            out.print(f"{run}: {counted(checked, 'checkpoint')} {'matches its' if checked == 1 else 'match their'} "
+                      "checksums")  # fmt: skip
+        else:  # --no-hash was hashed anyway, 'matches its checksums' (found in review)
+            out.print(f"{run}: {counted(checked, 'checkpoint')} with all {'its' if checked == 1 else 'their'} "
+                      "files, not hashed (--no-hash)")  # fmt: skip
 
 
-def _inspect_checkpoint(path: Path, run: Path, *, as_json: bool) -> None:
+def _inspect_checkpoint(path: Path, run: Path, *, hashes: bool, as_json: bool) -> None:
     """A checkpoint directory (``checkpoints/step-N``, ``final``), which eval, export and generate take as
     ``--checkpoint``: its step and losses, and its files against its checksums. It was refused as "not a usaf
     artifact (no manifest.json)" (found in review)."""
     import json
 
     from usaf.artifacts import MANIFEST_NAME
-    from usaf.artifacts.run import FINAL_DIR, SETTINGS_FILE, STATE_FILE, SUMS_FILE, changed_checkpoint_files
+    from usaf.artifacts.run import (
+        FINAL_DIR,
+        SETTINGS_FILE,
+        STATE_FILE,
+        SUMS_FILE,
+        changed_checkpoint_files,
+        lost_checksums,
+    )
     from usaf.cli.console import out, print_json
 
     if not (run / SETTINGS_FILE).is_file():  # a checkpoint copied out of its run (found in review)
         raise UsafError(f"{path}: a checkpoint whose run {run} has no {SETTINGS_FILE}: eval, export and generate "
                         "refuse it", f"pass the checkpoint inside its run, or copy its {SETTINGS_FILE} back there")
-    every = _checkpoint_checks(run)
+    every = _checkpoint_checks(run, hashes=hashes)
     checks = [c for c in every if (run / c["path"]).resolve() == path.resolve()]
     if not checks:  # "final", which is no step-N: its own record, and the run's manifest, which lists its files
         finished = (run / MANIFEST_NAME).is_file()
-        changed = changed_checkpoint_files(path)
-        if changed is None and any(c["changed"] is not None for c in every):  # the others have theirs: it lost it
+        changed = changed_checkpoint_files(path) if hashes else _missing_checkpoint_files(path)
+        if changed is None and lost_checksums(path):
             changed = [SUMS_FILE]
         if finished:  # its files, checksums.json too, by the manifest: another checkpoint copied over final passed
-            changed = sorted({*(changed or ()), *_failing_in_manifest(run, FINAL_DIR)})
+            changed = sorted({*(changed or ()), *_failing_in_manifest(run, FINAL_DIR, hashes=hashes)})
         checks = [{"path": FINAL_DIR, "changed": changed}]
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
@@ -344,22 +364,23 @@ def _inspect_checkpoint(path: Path, run: Path, *, as_json: bool) -> None:
     shown = {key: state.get(key) for key in ("step", "tokens", "first_loss", "last_loss")}
     if as_json:
         print_json({"path": str(path), "kind": "checkpoint", "run": str(run), **shown,
-                    "verified": not _changed(checks), "checkpoints": checks})  # fmt: skip
+                    "verified": not _changed(checks), "hashes_checked": hashes, "checkpoints": checks})  # fmt: skip
     else:
         losses = (f", loss {shown['first_loss']:.4f} → {shown['last_loss']:.4f}"
                   if isinstance(shown["first_loss"], float) and isinstance(shown["last_loss"], float) else "")
         out.print(f"{path}: a checkpoint of the run {run}, at step {shown['step']}{losses}; eval, export and "
                   f"generate take it as --checkpoint", markup=False, highlight=False)  # fmt: skip
-    _say_checkpoints(run, checks, as_json=as_json)
+    _say_checkpoints(run, checks, as_json=as_json, hashes=hashes)
 
 
-def _failing_in_manifest(run: Path, directory: str) -> list[str]:
-    """The files of ``run``'s ``directory`` whose size or sha256 is not what the run's manifest lists (names within
-    it): ``final`` is in the run's manifest, and another checkpoint copied over it passed its own checksums."""
+def _failing_in_manifest(run: Path, directory: str, *, hashes: bool) -> list[str]:
+    """The files of ``run``'s ``directory`` whose size or sha256 (with ``hashes``) is not what the run's manifest
+    lists (names within it): ``final`` is in the run's manifest, and another checkpoint copied over it passed its
+    own checksums."""
     from usaf.artifacts import load_manifest
     from usaf.artifacts.loader import verify_files
 
-    checks = verify_files(run, load_manifest(run), hashes=True)
+    checks = verify_files(run, load_manifest(run), hashes=hashes)
     return [c.path.removeprefix(f"{directory}/") for c in checks if not c.ok and c.path.startswith(f"{directory}/")]
 
 

@@ -18,7 +18,9 @@ class InspectConfig(StageConfig):
         "or interrupted output (what usaf left there, and how it resumes).",
         json_schema_extra=cli(argument=True),
     )
-    no_hash: bool = Field(False, description="Check files' presence and sizes only, not their sha256 (faster).")
+    no_hash: bool = Field(
+        False, description="Check files' presence and sizes only (a checkpoint's: presence), not their sha256 (faster)."
+    )
     verify: bool = Field(
         False,
         description="Verify only: re-hash every listed file, print one verdict line, exit 2 if any file is "
