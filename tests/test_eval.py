@@ -1245,6 +1245,7 @@ def test_a_workspaces_directory_of_artifacts_names_one_as_text_input_and_as_toke
     said = " ".join(refused.stderr.split())
     assert refused.exit_code == 2 and f"--held-out {tokens.parent}: holds 1 usaf artifact, and is not one" in said
     assert f"--held-out {tokens}" in said, said
+    assert "skipped 1 usaf output" not in refused.output  # said of the input it refused, first (review)
     text = stdlib_dir() / "shlex.py"
     for model, needles in [(qdir.parent, ["holds 1 usaf artifact", f"--model {qdir}"]),
                            (ws, ["a usaf workspace, not an artifact", f"pass an artifact in it (--model {qdir})"])]:

@@ -173,12 +173,15 @@ def _token_lines(file: Path, set_name: str, vocab: int, context: int | None) -> 
 def _pack_text(path: Path, set_name: str, tokenizer: Any, text: TextSettings, progress: Progress) -> list[EvalSequence]:
     flag = FLAGS[set_name]
     corpus = discover([path], include=[], exclude=[], source_depth=text.source_depth, all_files=text.all_files)
+    # a workspace's tokens/: its artifacts were skipped as text, and "check the path" said little; refused before
+    # the notes, which said "skipped 1 usaf output" of it first (found in review)
+    inside = holds_artifacts(path, flag, (TokensManifest.KIND,)) if not corpus.files and path.is_dir() else None
+    if inside is not None:
+        raise inside
     report_skipped_files(corpus, progress)  # UTF-16 text, pipes, links: said as tokenize says them (review)
     report_skipped_by_default(corpus, progress)
     report_json_read_as_text(corpus, progress)
     if not corpus.files:
-        if path.is_dir() and (inside := holds_artifacts(path, flag, (TokensManifest.KIND,))) is not None:
-            raise inside  # a workspace's tokens/: its artifacts were skipped as text, and "check the path" said little
         raise UsafError(f"{flag} {path}: no text or JSONL files{skipped_note(corpus)}", "check the path")
     config = TokenizeConfig(
         inputs=[path],
