@@ -249,8 +249,32 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, mo
     result = invoke(*[a.format(corpus=corpus, tok=tok, cwd=cwd, toml=toml) for a in args])
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "an empty path" in said, said
-    assert "an empty path (an unset shell variable?): pass a path" in said or 'out = "": an empty path' in said
+    assert "an empty path (an unset shell variable?): pass a path" in said or 'out = "" is an empty path' in said
     assert list(cwd.iterdir()) == []
     if args[-2:] == ["--out", ""]:  # control
         done = invoke(*[a.format(corpus=corpus, tok=tok, cwd=cwd, toml=toml) for a in args[:-1]], ".")
         assert done.exit_code == 0 and (cwd / "manifest.json").is_file(), done.output
+
+
+def test_an_empty_path_in_a_toml_list_is_named_with_its_list_and_nothing_else_is_said_of_it(tmp_path):
+    """``inputs = ["a.txt", ""]`` in a --config table was said as ``inputs = ""``, and with it "no INPUTS given"
+    (the refused value left the field unset); ``model = ""`` added "--model is required" (found in review). The
+    control: a real problem of another setting beside it is still said."""
+    from usaf.testing import build_tiny_tokenizer
+
+    tok, corpus, toml = tmp_path / "tok", tmp_path / "a.txt", tmp_path / "settings.toml"
+    build_tiny_tokenizer(tok)
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40, encoding="utf-8")
+    cases = [
+        (f'inputs = ["{corpus}", ""]\nmodel = "{tok}"', f'inputs = ["{corpus}", ""], whose "" is an empty path'),
+        (f'inputs = ["{corpus}"]\nmodel = ""', 'model = "" is an empty path'),
+        ('inputs = [""]\nmodel = ""\nseq_len = 0', 'inputs = [""], whose "" is an empty path'),
+    ]
+    for table, needle in cases:
+        toml.write_text(f"[tokenize]\n{table}\n", encoding="utf-8")
+        result = invoke("tokenize", "--config", toml, "--out", tmp_path / "tokens")
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and needle in said, said
+        assert "no INPUTS given" not in said and "is required" not in said, said
+        assert not (tmp_path / "tokens").exists()
+    assert "seq_len = 0" in said and 'model = "" is an empty path' in said  # the control: the others still said

@@ -250,6 +250,7 @@ def resolve_config(
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     problems: list[str] = []
+    stand_ins: set[str] = set()  # fields whose refused value was replaced for the checks of the others
 
     def offer(field: str, value: Any, source: str) -> None:
         if field not in values and value is not None:
@@ -257,7 +258,15 @@ def resolve_config(
                 problems.append(f"{source} = {str(value).lower()}: a boolean, which this setting does not take")
                 return
             if _names_a_path(fields[field]) and (value == "" or (isinstance(value, list) and "" in value)):
-                problems.append(f'{source} = "": an empty path, which reads as the current directory')  # (review)
+                # a list was said as `= ""` (review)
+                shown = '""' if value == "" else f'{json.dumps(value, default=str)}, whose ""'
+                problems.append(f"{shown.join((source + ' = ', ''))} is an empty path, which reads as the current "
+                                "directory")  # fmt: skip
+                # the refused value's place held by one that passes, so the checks of the others run without "no
+                # INPUTS given" or "--model is required" of it (found in review); its own errors are not said
+                values[field] = ([v for v in value if v != ""] or ["."]) if isinstance(value, list) else "."
+                origin[field] = source
+                stand_ins.add(field)
                 return
             values[field] = value
             origin[field] = source
@@ -299,7 +308,7 @@ def resolve_config(
     try:  # the values read are checked even when the file has unknown names: every problem at once
         settings = cls(**values)
     except ValidationError as e:
-        problems += _value_problems(e, values, origin)
+        problems += _value_problems(e, values, origin, ignored=stand_ins)
     else:
         if not problems:
             settings._sources = dict(origin)
@@ -340,11 +349,16 @@ def _unread_variables(
     return problems
 
 
-def _value_problems(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> list[str]:
-    """One line per bad value, naming where it came from (the flag, the variable, the file's table)."""
+def _value_problems(
+    e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str], *, ignored: Collection[str] = ()
+) -> list[str]:
+    """One line per bad value, naming where it came from (the flag, the variable, the file's table); none of the
+    ``ignored`` fields (a stand-in for a value already refused)."""
     problems = []
     for err in e.errors():
         field = str(err["loc"][0]) if err["loc"] else ""
+        if field in ignored:
+            continue
         if not field:  # a cross-field check: its message names the flags, renamed to where each came from
             problems.append(_name_sources(str(err["msg"]).removeprefix("Value error, "), origin))
             continue
