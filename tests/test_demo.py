@@ -20,6 +20,7 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     assert "usaf train --model" in result.stdout and "--steps 20" in result.stdout
     assert (workspace / "eval_report" / "demo" / "report.json").is_file()
     assert (workspace / "cache").is_dir()  # the base-pass cache stays inside the demo's workspace
+    assert "matched no file or directory" not in result.output  # 14 patterns of other Pythons were said (review)
 
     again = invoke("demo", "--quick", "--workspace", workspace, "--json")
     assert again.exit_code == 0, again.output
@@ -40,6 +41,24 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     relative = invoke("demo", "--quick", "--workspace", os.path.relpath(workspace))
     assert relative.exit_code == 0 and relative.stderr.count("reusing") == 5, relative.output
     assert f"report: {workspace / 'eval_report' / 'demo' / 'report.md'}" in " ".join(relative.stdout.split())
+    # a demo of before 2026-12-07 recorded the exclude patterns of every Python: the same files, so reused (it was
+    # refused as made with other settings); the control: a pattern that matches a file here is another setting
+    from usaf.demo import DEMO_DOMAIN
+    from usaf.testing.hostile import _resign
+
+    tokens = workspace / "tokens" / "demo"
+    kept = (tokens / "manifest.json").read_text()
+    recorded = json.loads(kept)
+    for exclude, reused in ((list(DEMO_DOMAIN.exclude), True), ([*recorded["config"]["exclude"], "message.py"], False)):
+        (tokens / "manifest.json").write_text(json.dumps({**recorded, "config": {**recorded["config"],
+                                                                                 "exclude": exclude}}))  # fmt: skip
+        _resign(tokens)
+        older = invoke("demo", "--quick", "--workspace", workspace)
+        if reused:
+            assert older.exit_code == 0 and older.stderr.count("reusing") == 5, older.output
+        else:
+            assert older.exit_code == 2 and "'message.py'] there, [" in older.stderr, older.output
+    (tokens / "manifest.json").write_text(kept)
     # an edited stage's manifest is refused as any consumer refuses it: its edited numbers were shown (found in review)
     report = workspace / "eval_report" / "demo" / "manifest.json"
     data = json.loads(report.read_text())
@@ -47,6 +66,30 @@ def test_quick_demo_runs_end_to_end_and_a_rerun_reuses_it(tmp_path):
     report.write_text(json.dumps(data))
     edited = invoke("demo", "--quick", "--workspace", workspace)
     assert edited.exit_code == 2 and "edited after usaf wrote it" in " ".join(edited.stderr.split()), edited.output
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_demo_excludes_what_matches_here_and_selects_the_same_files_as_with_every_pattern(quick):
+    """The demo's tokenize passed the exclude patterns of every Python from 3.10 to 3.13, and tokenize said each one
+    that matched nothing here: every demo began with that note (found in review). The demo keeps those that match;
+    the files are those the whole list selects, and what it dropped is what matched nothing (the control)."""
+    from dataclasses import replace
+
+    from usaf.data.corpus import discover
+    from usaf.demo import DEMO_DOMAIN
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages.demo import domain
+
+    def walked(chosen):
+        options = chosen.tokenize_options()
+        return discover(options["inputs"], include=options["include"], exclude=options["exclude"], source_depth=0)
+
+    kept = domain(DemoConfig(quick=quick))
+    every = replace(kept, exclude=DEMO_DOMAIN.exclude)
+    assert walked(kept).unmatched_patterns == []
+    assert [f.path for f in walked(kept).files] == [f.path for f in walked(every).files]
+    dropped = [f"--exclude {p}" for p in DEMO_DOMAIN.exclude if p not in kept.exclude]
+    assert walked(every).unmatched_patterns == dropped
 
 
 def test_overwrite_also_discards_an_interrupted_stages_saved_work(tmp_path, monkeypatch):

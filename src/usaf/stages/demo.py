@@ -9,11 +9,12 @@ score, train and eval keep their work at Ctrl-C), so Ctrl-C at any point loses l
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from usaf.artifacts.outputs import found_at, refuse_unless_replaceable, remove_u
 from usaf.artifacts.writer import discard_partial
 from usaf.backends import resolve_backend
 from usaf.config import source_of, was_given
+from usaf.data.corpus import discover
 from usaf.demo import DEMO_DOMAIN, PRETRAIN_DOMAIN, demo_model_dir
 from usaf.errors import UsafError
 from usaf.settings.argv import command_line
@@ -87,10 +89,29 @@ def forgetting_inputs() -> list[Path]:
 
 
 def domain(config: DemoConfig):
-    """The fine-tuning domain: ``usaf.demo.DEMO_DOMAIN``, or three of its sources with ``--quick``."""
+    """The fine-tuning domain: ``usaf.demo.DEMO_DOMAIN``, or three of its sources with ``--quick``; with the
+    ``--exclude`` patterns that match a file of this Python only."""
     if not config.quick:
-        return DEMO_DOMAIN
-    return replace(DEMO_DOMAIN, paths=QUICK_SOURCES, held_out=QUICK_SOURCES[-1:])
+        return _excluding_what_is_here(DEMO_DOMAIN)
+    return _excluding_what_is_here(replace(DEMO_DOMAIN, paths=QUICK_SOURCES, held_out=QUICK_SOURCES[-1:]))
+
+
+@functools.cache
+def _excluding_what_is_here(chosen):
+    """``chosen`` without the exclude patterns that match nothing under its inputs here: they leave out files of
+    other Python versions (3.10-3.13), and tokenize says each pattern that matched nothing, so every demo began with
+    a note of 14 "matched no file or directory" patterns, and its shell lines carried them (found in review). The
+    files selected are the same."""
+    options = chosen.tokenize_options()
+    kept = _matching_here(chosen.exclude, options["inputs"], options["include"], options["source_depth"])
+    return replace(chosen, exclude=tuple(kept))
+
+
+def _matching_here(exclude: Sequence[str], inputs: list[Path], include: list[str], source_depth: int) -> list[str]:
+    """The patterns of ``exclude`` that match a file or directory under ``inputs`` here."""
+    corpus = discover(inputs, include=include, exclude=list(exclude), source_depth=source_depth)
+    unmatched = set(corpus.unmatched_patterns)
+    return [p for p in exclude if f"--exclude {p}" not in unmatched]
 
 
 def effective(config: DemoConfig) -> DemoConfig:
@@ -217,6 +238,11 @@ def _check_made_with(name: str, step: DemoStep, settings: Any, workspace: Path, 
     from the plan's lr test (``plan``), which is what the demo's unset lr means."""
     recorded = step.manifest.config
     wanted = settings.model_dump(mode="json")
+    excluded = recorded.get("exclude") if name == "tokenize" else None
+    if isinstance(excluded, list) and all(isinstance(p, str) for p in excluded):  # a demo before 2026-12-07 recorded
+        # the patterns of every Python, and was refused as made with other settings (the same files; found in review)
+        recorded = {**recorded, "exclude": _matching_here(excluded, settings.inputs, settings.include,
+                                                          settings.source_depth)}  # fmt: skip
     if name == "train" and wanted.get("lr") is None:
         wanted["lr"] = _plan_lr(plan)
     differ = [f"{key} {_shown(recorded.get(key))} there, {_shown(value)} now" for key, value in wanted.items()
