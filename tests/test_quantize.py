@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,9 +113,23 @@ def test_hqq_default_beats_rtn_and_reports_estimate(tiny_model, tmp_path):
         out = tmp_path / method
         result = quantize(source, "--out", out, "--method", method, "--group-size", "32")
         assert result.exit_code == 0, result.output
-        assert "estimated" in result.stderr  # CPU runs say what they will cost before starting
+        assert "estimated under a minute on CPU" in result.stderr  # CPU runs say what they cost before starting
+        assert "much faster" not in result.stderr  # offered for a second's work, as "0h00m00s" (review)
         errors[method] = load_verified(out, QuantizedModelManifest).summary.mean_rel_error
     assert errors["hqq"] < errors["rtn"], errors
+
+
+def test_a_long_quantize_is_estimated_in_hours_and_offered_the_faster_method():
+    """The control of the note above: over a minute, the time is spelled out and rtn offered (for hqq alone)."""
+    from usaf.settings.quantize import QuantizeConfig
+    from usaf.stages.quantize import _estimate_note
+
+    weights = {"gate_up": torch.randn(8, 48, 32), "down": torch.randn(8, 32, 24)}
+    for method, offered in (("hqq", True), ("rtn", False)):
+        config = QuantizeConfig(model="m", method=method, group_size=8)
+        said = _estimate_note(weights, config, torch.device("cpu"), layers=10**7)
+        assert re.search(r"estimated \d+h\d\dm\d\ds on CPU for the 10000000 MoE layers left", said), said
+        assert ("--method rtn is much faster on CPU" in said) == offered, said
 
 
 def test_group_size_adjusted_to_divide_the_input_width(tiny_model, tmp_path):

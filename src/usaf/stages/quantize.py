@@ -211,11 +211,13 @@ def _estimate_note(weights: dict[str, torch.Tensor], config: QuantizeConfig, dev
         per_layer += (time.perf_counter() - start) * w.shape[0]
     total = per_layer * layers
     hours, rest = divmod(int(total), 3600)
-    hint = "; --method rtn is much faster on CPU" if config.method == "hqq" else ""
+    # under a minute: "0h00m00s", and a faster method offered for it, read as noise in every demo (found in review)
+    took = "under a minute" if total < 60 else f"{hours}h{rest // 60:02d}m{rest % 60:02d}s"
+    hint = "; --method rtn is much faster on CPU" if config.method == "hqq" and total >= 60 else ""
     slices = layers * sum(w.shape[0] for w in weights.values())
     return (
-        f"estimated {hours}h{rest // 60:02d}m{rest % 60:02d}s on CPU for the {layers} MoE layers left ({slices} expert "
-        f"slices, {per_layer:.1f} s a layer, {config.method}){hint}"
+        f"estimated {took} on CPU for the {layers} MoE layers left ({slices} expert slices, {per_layer:.1f} s a "
+        f"layer, {config.method}){hint}"
     )
 
 
