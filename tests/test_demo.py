@@ -322,3 +322,28 @@ def test_overwrite_refuses_a_stage_holding_a_file_usaf_did_not_write_before_dele
     with pytest.raises(UsafError, match=r"plan/demo: a usaf plan artifact holding 1 file usaf did not write there"):
         demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
     assert all(f.is_file() for f in finished) and (paths["plan"] / "notes.md").read_text() == "mine"
+
+
+def test_a_workspace_holding_a_users_artifacts_is_refused_before_any_stage_runs(tmp_path):
+    """``usaf demo --workspace W`` wrote the demo's artifacts beside a user's in W, where they became the newest: a
+    later command there without its inputs named took them or refused to choose (found in review). Refused before
+    anything is written. The control: the same artifact moved to another workspace leaves W to the demo's tokenize."""
+    from usaf.demo import demo_model_dir
+    from usaf.testing import stdlib_dir
+
+    workspace = tmp_path / "mine"
+    made = invoke("tokenize", stdlib_dir() / "textwrap.py", "--model", demo_model_dir(), "--seq-len", 64,
+                  "--workspace", workspace)  # fmt: skip
+    assert made.exit_code == 0, made.output
+    (theirs,) = (workspace / "tokens").iterdir()
+    before = sorted(p.relative_to(workspace) for p in workspace.rglob("*"))
+    refused = invoke("demo", "--quick", "--workspace", workspace)
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and f"holds usaf artifacts that are not the demo's ({theirs})" in said, said
+    assert "tokenize:" not in refused.output
+    assert sorted(p.relative_to(workspace) for p in workspace.rglob("*")) == before
+    theirs.rename(tmp_path / "moved")  # the control: the check passes W with the demo's own stages to come
+    from usaf.settings.demo import DemoConfig
+    from usaf.stages import demo
+
+    demo._refuse_before_any_work(DemoConfig(quick=True, workspace=workspace), demo.paths(workspace))

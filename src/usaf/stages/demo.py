@@ -30,6 +30,7 @@ from usaf.artifacts import (
     load_manifest,
     load_verified,
 )
+from usaf.artifacts.loader import artifacts_inside
 from usaf.artifacts.outputs import found_at, refuse_unless_replaceable, remove_usaf_made
 from usaf.artifacts.writer import discard_partial
 from usaf.backends import resolve_backend
@@ -48,6 +49,7 @@ from usaf.settings.train import DEFAULT_LR, TrainConfig
 from usaf.stages.progress import NullProgress, Progress
 from usaf.stages.quantize_parts import PARTIAL_SETTINGS
 from usaf.stages.score_resume import SETTINGS as SCORE_SETTINGS
+from usaf.units import first_few
 
 NAME = "demo"  # every artifact of the demo is WORKSPACE/<kind>/demo
 
@@ -213,11 +215,29 @@ def _refuse_before_any_work(config: DemoConfig, p: dict[str, Path]) -> None:
             "file, not a directory",
             "pass a directory (new, or a demo workspace) as --workspace",
         )
+    if others := _others_artifacts(config.workspace, p):
+        raise UsafError(
+            f"--workspace {config.workspace}: holds usaf artifacts that are not the demo's ({first_few(others)}): the "
+            "demo's would be the newest there, and a command there without its inputs named would take them or "
+            "refuse to choose",
+            "pass another --workspace (a new directory, or a demo workspace such as the default ./usaf-demo)",
+        )
     resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     for artifact, path in p.items():
         if artifact != "export" or config.export:  # passes: absent, empty, a demo artifact of the stage's kind
             refuse_unless_replaceable(path, found_at(path), "--workspace", overwrite=True, overwrite_flag="--overwrite",
                                       kinds=_KINDS[artifact], replacing=config.overwrite)  # fmt: skip
+
+
+def _others_artifacts(workspace: Path, p: dict[str, Path]) -> list[Path]:
+    """The usaf artifacts in ``workspace`` (``KIND/NAME``, as every command's --workspace keeps them) that are not the
+    demo's own: the demo wrote its artifacts beside a user's, which then took the demo's as the newest (found in
+    review)."""
+    if not workspace.is_dir():
+        return []
+    own = {path.resolve() for path in p.values()}
+    found = [a for kind in sorted(workspace.iterdir()) if kind.is_dir() for a in artifacts_inside(kind)]
+    return [a for a in found if a.resolve() not in own]
 
 
 def _in_demo_words(error: UsafError, name: str, path: Path, workspace: Path) -> UsafError:
