@@ -14,6 +14,7 @@ import torch
 from helpers import invoke, leftovers, stop_at_check
 from usaf.artifacts.eval_report import ResultRow
 from usaf.artifacts.hashing import sha256_file
+from usaf.artifacts.run import run_settings_text
 from usaf.testing import stdlib_dir
 from usaf.testing.hostile import _resign, resign_checkpoint
 
@@ -459,7 +460,7 @@ def test_bad_inputs_name_the_file_and_leave_nothing(trained, tmp_path):
     shutil.copytree(trained["run"], foreign)
     (foreign / "manifest.json").unlink()
     settings = json.loads((foreign / "run-settings.json").read_text())
-    (foreign / "run-settings.json").write_text(json.dumps({**settings, "model_fingerprint": "f" * 64}))
+    (foreign / "run-settings.json").write_text(run_settings_text({**settings, "model_fingerprint": "f" * 64}))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     long_line = tmp_path / "long.jsonl"

@@ -9,6 +9,7 @@ import torch
 from conftest import FAMILIES
 from helpers import reference_model
 from helpers_engine import FAMILY_LAYERS, backward_with_random_deltas, hold_deltas, make_engine
+from usaf.artifacts.run import run_settings_text
 from usaf.engine.linear_target import LinearTarget
 from usaf.families.modules import FusedView
 from usaf.families.targets import linear_target_modules, parse_targets, target_of, targets_of
@@ -194,12 +195,12 @@ def test_a_run_without_targets_records_them_as_before_the_default_followed_the_m
     # the targets are the plan's (a selection setting): with the same plan another recorded spelling resumes; the
     # control, a record of another plan, is another run's
     interrupted(tmp_path / "b")
-    (tmp_path / "b" / "run-settings.json").write_text(json.dumps({**settings, "targets": "experts"}))
+    (tmp_path / "b" / "run-settings.json").write_text(run_settings_text({**settings, "targets": "experts"}))
     result = train(tmp_path / "b")
     assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
     interrupted(tmp_path / "c")
     other = {**settings, "targets": "experts", "plan_fingerprint": "0" * 64}
-    (tmp_path / "c" / "run-settings.json").write_text(json.dumps(other))
+    (tmp_path / "c" / "run-settings.json").write_text(run_settings_text(other))
     result = train(tmp_path / "c")
     said = " ".join(result.stderr.split())
     assert result.exit_code != 0 and "holds another run" in said and "--targets experts, not" in said, said

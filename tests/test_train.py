@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from conftest import FAMILIES
 from helpers import ctrl_c_at_step, explain, invoke
 from usaf.artifacts import PlanManifest, RunManifest, load_verified
+from usaf.artifacts.run import run_settings_text
 
 
 def train(qdir, tokens, plan, out, *extra):
@@ -223,11 +224,11 @@ def test_a_run_resumes_only_in_the_compute_dtype_it_started_in(prepared, tmp_pat
     ctrl_c_at(2, lambda: train(qdir, tokens, plan, run, *args), monkeypatch)
     settings = json.loads((run / "run-settings.json").read_text())
     assert settings["compute_dtype"] == "float32"
-    (run / "run-settings.json").write_text(json.dumps({**settings, "compute_dtype": "bfloat16"}))
+    (run / "run-settings.json").write_text(run_settings_text({**settings, "compute_dtype": "bfloat16"}))
     refused = train(qdir, tokens, plan, run, *args)
     assert refused.exit_code == 2 and "the compute dtype bfloat16, not float32" in refused.stderr, refused.output
     del settings["compute_dtype"]
-    (run / "run-settings.json").write_text(json.dumps(settings))
+    (run / "run-settings.json").write_text(run_settings_text(settings))
     resumed = train(qdir, tokens, plan, run, *args)
     assert resumed.exit_code == 0 and "resuming from" in resumed.stderr, resumed.output
 
@@ -1172,7 +1173,7 @@ def test_the_run_records_the_selection_its_plan_was_scored_with(prepared, tmp_pa
     record = json.loads((run / "run-settings.json").read_text())
     assert (record["calib_samples"], record["frac"], record["train_from"]) == (8, 0.05, 2) == (
         scored["calib_samples"], scored["frac"], scored["train_from"])
-    (run / "run-settings.json").write_text(json.dumps({**record, "calib_samples": 64, "statistic": "grad"}))
+    (run / "run-settings.json").write_text(run_settings_text({**record, "calib_samples": 64, "statistic": "grad"}))
     result = train(qdir, tokens, plan, run, "--steps", 4, "--save-every", 2)
     assert result.exit_code == 0 and "resuming from" in result.stderr, result.output
     assert load_verified(run, RunManifest).config["calib_samples"] == 8
@@ -1180,7 +1181,7 @@ def test_the_run_records_the_selection_its_plan_was_scored_with(prepared, tmp_pa
     ctrl_c_at(2, lambda: train(qdir, tokens, plan, other, "--steps", 4, "--save-every", 2), monkeypatch)
     record = json.loads((other / "run-settings.json").read_text())
     edited = {**record, "calib_samples": 64, "plan_fingerprint": "0" * 64}
-    (other / "run-settings.json").write_text(json.dumps(edited))
+    (other / "run-settings.json").write_text(run_settings_text(edited))
     refused = train(qdir, tokens, plan, other, "--steps", 4, "--save-every", 2)
     said = " ".join(refused.stderr.split())
     assert refused.exit_code == 2 and "the plan 0000000000000000, not" in said and "--calib-samples 64, not 8" in said
@@ -1261,6 +1262,40 @@ def test_resume_alone_continues_a_run_with_the_settings_it_recorded(prepared, tm
     # control: the straight run, given --lr, names it
     sources = [load_verified(r, RunManifest).summary.lr_source for r in (run, straight)]
     assert sources == ["the interrupted run's run-settings.json", "--lr"], sources
+
+
+def test_an_edited_run_settings_is_refused_and_resume_alone_takes_the_plans_lr_as_the_plans(
+    prepared, tmp_path, monkeypatch
+):
+    """An lr edited in run-settings.json was trained with by ``--resume`` and recorded as the whole run's, the steps
+    before it trained at the other; the same edit given as --lr is refused (found in review). The record carries the
+    sha256 of what it holds: an edit is refused by the resume, by the rerun command and by eval of the unfinished
+    run. And an lr the plan chose was recorded by ``--resume`` as "the interrupted run's run-settings.json"; it is
+    the plan's again. The control: the record put back resumes, to the straight run's lr and its source."""
+    from helpers_trained import interrupt_at as ctrl_c_at
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 4]
+    straight = invoke(*command, "--out", tmp_path / "straight")
+    assert straight.exit_code == 0, straight.output
+    run = tmp_path / "run"
+    ctrl_c_at(2, lambda: invoke(*command, "--out", run, "--save-every", 2), monkeypatch)
+    path = run / "run-settings.json"
+    kept = path.read_text()
+    edited = json.loads(kept)
+    edited["lr"] /= 3
+    path.write_text(json.dumps(edited, indent=1))
+    for again in (["train", "--out", run, "--resume"], [*command, "--out", run, "--save-every", 2],
+                  ["eval", "--checkpoint", run, "--model", qdir, "--data", tokens, "--out", tmp_path / "r"]):
+        refused = invoke(*again)
+        said = " ".join(refused.stderr.split())
+        assert refused.exit_code == 2 and f"{path}: changed since usaf wrote it" in said, (again[0], said)
+    assert not (run / "manifest.json").exists() and not (tmp_path / "r").exists()
+    path.write_text(kept)
+    resumed = invoke("train", "--out", run, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    (a, b) = (load_verified(r, RunManifest).summary for r in (tmp_path / "straight", run))
+    assert (b.lr, b.lr_source) == (a.lr, a.lr_source) and not a.lr_source.startswith("the interrupted"), (a, b)
 
 
 def test_a_shared_setting_a_given_plan_decides_is_said_not_used(prepared, tmp_path, monkeypatch):

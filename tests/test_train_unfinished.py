@@ -130,6 +130,15 @@ def test_resume_at_an_out_holding_no_run_is_refused_and_at_the_stopped_run_resum
         assert refused.exit_code == 2, explain(refused)
         assert f"--out {out}: nothing to resume there" in refused.stderr and "drop --resume" in refused.stderr
     assert list(empty.iterdir()) == [] and not (leftover / "manifest.json").exists()
+    # before the inputs are looked for: with none given in a workspace of no model (or of several), the answer was
+    # "--model: not given ..." of a mistyped --out, or of another artifact's (found in review)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    for out, said in ((workspace / "typo", "nothing to resume there (--resume)"),
+                      (tokens, "a usaf tokens artifact, no run to resume (--resume)")):  # fmt: skip
+        refused = invoke("train", "--out", out, "--resume", "--workspace", workspace)
+        assert refused.exit_code == 2 and f"--out {out}: {said}" in " ".join(refused.stderr.split()), explain(refused)
+        assert "--model" not in refused.stderr
 
     run, _ = stopped_at_step_2(command, tmp_path)
     resumed = invoke(*command, "--out", run, "--resume")

@@ -17,6 +17,7 @@ a checkpoint of a usaf from before those records is read without).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -44,6 +45,9 @@ CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 SETTINGS_FILE = "run-settings.json"
+# in run-settings.json: the sha256 of the rest of it, so an edit is seen (an lr edited there was trained with on
+# resume, and recorded as the whole run's; found in review)
+SETTINGS_SHA256 = "settings_sha256"
 PREFIX_SPILL = "prefix-cache.bin"  # train's prefix states beyond --prefix-cache-gib, until the run finishes
 PREFIX_SPILL_RANK = "prefix-cache-rank{}.bin"  # rank r's, under torchrun
 PLAN_DIR = "plan"  # the plan usaf train scored on the fly, when it was given none and found none
@@ -277,6 +281,47 @@ def lost_checksums(directory: Path, state: Any = None) -> bool:
     return any(other.resolve() != directory.resolve() and (other / SUMS_FILE).is_file() for other in others)
 
 
+def run_settings_text(record: dict) -> str:
+    """``run-settings.json``'s text: ``record`` and the sha256 of its contents (:func:`read_run_settings`)."""
+    body = {key: value for key, value in record.items() if key != SETTINGS_SHA256}  # one read back and rewritten
+    return json.dumps({**body, SETTINGS_SHA256: _settings_sha256(body)}, indent=1)
+
+
+def read_run_settings(path: Path) -> Any:
+    """A run's settings record as :func:`run_settings_text` wrote it, its sha256 checked and taken out; None where
+    it does not read (no file, not JSON). One without the sha256 (a usaf before it) reads as it is. Refused where
+    the sha256 is not that of what it holds: the run's checkpoints were trained with what it held before."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or SETTINGS_SHA256 not in record:
+        return record
+    recorded = record.pop(SETTINGS_SHA256)
+    if recorded != _settings_sha256(record):
+        raise UsafError(
+            f"{path}: changed since usaf wrote it (its {SETTINGS_SHA256} is not the sha256 of what it holds): the "
+            "run's checkpoints were trained with the settings it held",
+            "put back what was edited: a run goes on with the settings it started with (to train with others, start "
+            "another run: another --out, or --overwrite)",
+        )
+    return record
+
+
+def _settings_sha256(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def newest_intact_checkpoint(run_dir: Path) -> Path | None:
+    """The newest ``checkpoints/step-N`` of ``run_dir`` whose files match its checksums, or None: what a finished run
+    whose ``final/`` is damaged still offers (its last one holds the same change as ``final/``)."""
+    try:
+        done = checkpoint_dirs(run_dir, flag="--checkpoint")
+    except UsafError:  # a step-N name that is none
+        return None
+    return next((d for d in reversed(done) if changed_checkpoint_files(d) == []), None)
+
+
 def check_finite(path: Path, tensors: dict, *, flag: str, hint: str) -> None:
     """Refuse a NaN or Inf in any floating tensor of a checkpoint's or delta's file: applied, it makes NaN weights."""
     for name, tensor in tensors.items():
@@ -393,7 +438,14 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
     if (path / "manifest.json").is_file():
         if read_manifest_json(path, flag=flag)["kind"] == DeltaManifest.KIND:
             return read_delta(path, load_verified(path, DeltaManifest, flag=flag), flag=flag)
-        manifest = load_verified(path, RunManifest, flag=flag)
+        try:
+            manifest = load_verified(path, RunManifest, flag=flag)
+        except UsafError as e:  # "re-run the stage" needs --overwrite, which discards every checkpoint (review)
+            intact = newest_intact_checkpoint(path)
+            if intact is None:
+                raise
+            raise UsafError(e.message, f"its newest checkpoint is intact: pass {flag} {intact} (step "
+                            f"{step_of(intact, flag=flag)})") from None  # fmt: skip
         return _read_checkpoint(
             path / FINAL_DIR,
             flag=flag,
@@ -422,10 +474,10 @@ def load_trained_change(path: Path, *, flag: str = "--checkpoint") -> TrainedCha
         checkpoint = done[-1]
     settings = run_dir / SETTINGS_FILE
     try:
-        record = json.loads(settings.read_text(encoding="utf-8"))
+        record = read_run_settings(settings)
         model_fingerprint = record["model_fingerprint"]
         steps = record.get("steps")  # None for a run of --epochs
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # None, or no dict: a TypeError
         raise UsafError(
             f"{flag} {checkpoint}: its run's {SETTINGS_FILE} is missing or unreadable",
             "pass the run directory written by usaf train",

@@ -10,7 +10,6 @@ directory holds this run's checkpoints to resume from. Nothing here loads the mo
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -37,7 +36,7 @@ from usaf.artifacts.outputs import (
     refuse_unless_replaceable,
     remove_usaf_made,
 )
-from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE
+from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, read_run_settings, run_settings_text
 from usaf.artifacts.workspace import (
     check_plan_model,
     resolve_data,
@@ -112,6 +111,7 @@ def resolve_inputs(
     for dropped, decider in config._dropped.items():  # meant for every command, not against this artifact
         progress.note(f"{dropped}: not used, {decider} decides it")
     if config.resume and config.out is not None:
+        _check_resumable(config, Path(config.out))
         config = with_recorded_settings(config, config.out, world, progress)
     model_dir, model_manifest = resolve_model(config, progress)
     _check_dense_router_grad(config, model_dir)
@@ -243,6 +243,20 @@ def _new_run_dir(config: TrainConfig, model_dir: Path, world: World) -> Path:
     """A new default run directory, named by rank 0 (another rank's clock may have passed the next second)."""
     return world.decided_by_main(lambda: default_output(settings_workspace(config), "run", model_dir.name),
                                  "the run directory's name")  # fmt: skip
+
+
+def _check_resumable(config: TrainConfig, run_dir: Path) -> None:
+    """``--resume`` of an ``--out`` that holds no run to resume, refused before any input is looked for: in a
+    workspace of several models, a mistyped --out, or an export's, was answered "--model: not given, and the
+    workspace holds 'quantized_model' artifacts of 3 different origins" (found in review). A finished run is said
+    as before (:func:`_check_existing_run`), with the flags that decide what is done with it."""
+    given = source_of(config, "resume")
+    found = found_at(run_dir)
+    if found.state in ("absent", "empty") or (found.state == "usaf" and found.kind is None):
+        raise UsafError(f"--out {run_dir}: nothing to resume there ({given})", f"drop {given} to start a new run")
+    if found.kind != RunManifest.KIND:
+        raise UsafError(f"--out {run_dir}: {found.what}, no run to resume ({given})",
+                        f"pass the --out of the interrupted run, or drop {given} to start a new run")  # fmt: skip
 
 
 def _check_existing_run(run_dir: Path, config: TrainConfig, world: World) -> None:
@@ -464,6 +478,7 @@ class _Settler:
         reselect_every = reselection_acting(budgeted, plan, steps, reselect_every, progress)
         config, lr_source = with_lr(with_selection(budgeted, plan), plan)
         record = _settings_fingerprint(config, self.model[1], plan, self.data_fingerprint, self.world)
+        record[LR_FROM_PLAN] = budgeted.lr is None  # --resume takes it from the plan again, and says so (review)
         # the dtype "auto" resolved to here: a bf16 GPU run resumed where only the CPU is seen went on in fp32, in
         # silence (found in review); recorded by runs started since, compared where recorded
         record["compute_dtype"] = str(self.backend.compute_dtype(config.dtype)).removeprefix("torch.")
@@ -650,7 +665,7 @@ def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
 def _record_settings(run_dir: Path, record: dict, world: World) -> None:
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
-        write_text_atomic(run_dir / SETTINGS_FILE, json.dumps(record, indent=1))  # all or nothing
+        write_text_atomic(run_dir / SETTINGS_FILE, run_settings_text(record))  # all or nothing
     world.barrier("run settings")
 
 
@@ -687,6 +702,8 @@ def _settings_fingerprint(config: TrainConfig, model_fp: str, plan: PlanManifest
             "plan_fingerprint": plan.fingerprint, "data_fingerprint": data_fp}  # fmt: skip
 
 
+LR_FROM_PLAN = "lr_from_plan"  # in the record: the lr was not given, but the plan's (or the default where it has none)
+
 # recorded, not settings to take back: what the record derives (fingerprints, the global batch) or resolves, and the
 # device, chosen before the record is read (a run is compared by its compute dtype, not by how the device was named)
 _NOT_TAKEN = frozenset({"global_batch", "compute_dtype", "model_fingerprint", "plan_fingerprint", "data_fingerprint",
@@ -704,6 +721,8 @@ def with_recorded_settings(config: TrainConfig, run_dir: Path, world: World, pro
     for name, value in record.items():
         if name in _NOT_TAKEN or name not in fields or was_given(config, name):
             continue
+        if name == "lr" and record.get(LR_FROM_PLAN) is True:  # the same plan's lr test gives it again, said as
+            continue  # such: the run's manifest called it "the interrupted run's run-settings.json" (found in review)
         try:
             taken[name] = TypeAdapter(fields[name].annotation).validate_python(value)
         except ValueError:  # an edited record: the comparison names what differs
@@ -762,7 +781,7 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
 # relative or absolute refused the same run; found in review), when checkpoints and held-out losses are written
 # (nothing trained depends on them), and the microbatch (another one at the same global batch resumes, with a note:
 # other_split).
-RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch"})
+RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch", "lr_from_plan"})
 RECORDED_SINCE = frozenset({"compute_dtype"})  # 2026-12-06
 
 
@@ -814,8 +833,6 @@ def _started_with(run_dir: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _read_settings(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # unreadable: treated as another run's, never a traceback
-        return None
+def _read_settings(path: Path) -> Any:
+    """The record (unreadable: None, treated as another run's, never a traceback); refused where edited."""
+    return read_run_settings(path)

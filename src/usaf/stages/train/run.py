@@ -6,7 +6,6 @@ with :func:`run`.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from usaf.artifacts.run import (
     ReselectionRecord,
     RunSummary,
     read_metrics,
+    run_settings_text,
     trim_metrics,
 )
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
@@ -89,7 +89,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / SETTINGS_FILE, json.dumps(inputs.settings_record, indent=1))  # all or nothing
+        write_text_atomic(run_dir / SETTINGS_FILE, run_settings_text(inputs.settings_record))  # all or nothing
     world.barrier("run directory")
 
     scaler = DynamicLossScaler() if compute == torch.float16 else None  # fp16 gradients underflow without it
