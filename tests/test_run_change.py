@@ -252,8 +252,8 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     assert "1 checkpoint file not as usaf wrote it" in said and "checkpoints/step-0000004/deltas.safetensors" in said
     report = json.loads(invoke("inspect", partial, "--verify", "--json").stdout)
     assert report["verified"] is False and report["checkpoints"] == [
-        {"path": "checkpoints/step-0000004", "changed": ["deltas.safetensors"]},
-        {"path": "checkpoints/step-0000008", "changed": []},
+        {"path": "checkpoints/step-0000004", "changed": ["deltas.safetensors"], "missing": []},
+        {"path": "checkpoints/step-0000008", "changed": [], "missing": []},
     ]
     # a deleted file was "not as usaf wrote it", and a checkpoint whose checksums.json was deleted passed as "of a usaf
     # from before checksums" beside its run's others (found in review): each is missing
@@ -265,6 +265,8 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     said = " ".join(result.stderr.split())
     assert result.exit_code == 2 and "2 checkpoint files missing: checkpoints/step-0000004/optimizer.pt, " \
         "checkpoints/step-0000008/checksums.json" in said and "not as usaf wrote" not in said, said
+    report = json.loads(invoke("inspect", lost, "--verify", "--json").stdout)  # a deleted file was only "changed"
+    assert [c["missing"] for c in report["checkpoints"]] == [["optimizer.pt"], ["checksums.json"]], report
     # a checkpoint without its state.json dropped out of the check, and the run verified clean (found in review)
     stateless = tmp_path / "stateless"
     shutil.copytree(run, stateless)
@@ -287,6 +289,17 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
         result = invoke("inspect", target / "final")
         said = " ".join(result.stderr.split())
         assert result.exit_code == 2 and needle in said, said
+        # the hint names the intact checkpoint eval, export and generate take ("move the damaged checkpoints out of
+        # the run" led nowhere; found in review), and it is not said first that they take final/
+        newest = target / "checkpoints" / "step-0000008"
+        assert f"hint: eval, export and generate take its newest intact checkpoint, --checkpoint {newest}" in said
+        assert "take it as --checkpoint" not in result.stdout
+        refused = invoke("export", "--checkpoint", target, "--out", tmp_path / "x")
+        said = " ".join(refused.stderr.split())
+        assert refused.exit_code == 2 and f"pass --checkpoint {newest} (step 8)" in said, said
+    _set_first_value(copied / "checkpoints" / "step-0000008", 0.5)  # the control: the newest damaged too
+    said = " ".join(invoke("inspect", copied / "final").stderr.split())
+    assert f"--checkpoint {copied / 'checkpoints' / 'step-0000004'}" in said, said
     assert invoke("inspect", run / "final").exit_code == 0  # the control: the run's own final
     # a checkpoint copied out of its run: "eval, export and generate take it" was false, as they need its settings
     outside = tmp_path / "outside"

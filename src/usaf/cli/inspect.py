@@ -281,7 +281,14 @@ def _checkpoint_checks(run: Path, *, hashes: bool = True) -> list[dict[str, Any]
     for c in checks:  # one whose state.json says it had its checksums.json, or beside others with theirs, lost it
         if c["changed"] is None and lost_checksums(run / c["path"]):
             c["changed"] = [SUMS_FILE]
-    return checks
+    return [_with_missing(run, c) for c in checks]
+
+
+def _with_missing(run: Path, check: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's check with the files of its ``changed`` that are not there: ``--json`` listed a deleted file
+    as changed, and a script could not tell the two apart (found in review)."""
+    missing = [name for name in check["changed"] or () if not (run / check["path"] / name).exists()]
+    return {**check, "missing": missing}
 
 
 def _missing_checkpoint_files(directory: Path) -> list[str]:
@@ -295,9 +302,12 @@ def _changed(checks: list[dict[str, Any]]) -> list[str]:
     return [f"{c['path']}/{name}" for c in checks for name in c["changed"] or ()]
 
 
-def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool, hashes: bool = True) -> None:
-    """The checkpoints' verdict: refused where a file changed or is missing, else a line (a note for those not
-    checked). A deleted file was said to differ from its sha256 (found in review)."""
+def _say_checkpoints(
+    run: Path, checks: list[dict[str, Any]], *, as_json: bool, hashes: bool = True, instead: str | None = None
+) -> None:
+    """The checkpoints' verdict: refused where a file changed or is missing (``instead``: the hint, where there is a
+    better one than moving them out), else a line (a note for those not checked). A deleted file was said to differ
+    from its sha256 (found in review)."""
     from usaf.cli.console import note, out
     from usaf.units import counted
 
@@ -311,7 +321,7 @@ def _say_checkpoints(run: Path, checks: list[dict[str, Any]], *, as_json: bool, 
             said.append(f"{counted(len(edited), 'checkpoint file')} not as usaf wrote {them} ({differs}): "
                         f"{', '.join(edited[:5])}")  # fmt: skip
         raise UsafError(f"{run}: {'; '.join(said)}",
-                        "move the damaged checkpoints out of the run (resume, eval and export refuse them)")
+                        instead or "move the damaged checkpoints out of the run (resume, eval and export refuse them)")
     unchecked = [c["path"] for c in checks if c["changed"] is None]
     if unchecked:
         note(f"{counted(len(unchecked), 'checkpoint')} of a usaf from before checksums, not checked: "
@@ -340,6 +350,7 @@ def _inspect_checkpoint(path: Path, run: Path, *, hashes: bool, as_json: bool) -
         SUMS_FILE,
         changed_checkpoint_files,
         lost_checksums,
+        newest_intact_checkpoint,
     )
     from usaf.cli.console import out, print_json
 
@@ -355,7 +366,7 @@ def _inspect_checkpoint(path: Path, run: Path, *, hashes: bool, as_json: bool) -
             changed = [SUMS_FILE]
         if finished:  # its files, checksums.json too, by the manifest: another checkpoint copied over final passed
             changed = sorted({*(changed or ()), *_failing_in_manifest(run, FINAL_DIR, hashes=hashes)})
-        checks = [{"path": FINAL_DIR, "changed": changed}]
+        checks = [_with_missing(run, {"path": FINAL_DIR, "changed": changed})]
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -365,12 +376,16 @@ def _inspect_checkpoint(path: Path, run: Path, *, hashes: bool, as_json: bool) -
     if as_json:
         print_json({"path": str(path), "kind": "checkpoint", "run": str(run), **shown,
                     "verified": not _changed(checks), "hashes_checked": hashes, "checkpoints": checks})  # fmt: skip
-    else:
+    elif not _changed(checks):  # "eval, export and generate take it" was printed of a damaged one (review)
         losses = (f", loss {shown['first_loss']:.4f} → {shown['last_loss']:.4f}"
                   if isinstance(shown["first_loss"], float) and isinstance(shown["last_loss"], float) else "")
         out.print(f"{path}: a checkpoint of the run {run}, at step {shown['step']}{losses}; eval, export and "
                   f"generate take it as --checkpoint", markup=False, highlight=False)  # fmt: skip
-    _say_checkpoints(run, checks, as_json=as_json, hashes=hashes)
+    intact = newest_intact_checkpoint(run) if path.name == FINAL_DIR and _changed(checks) else None
+    # "move the damaged checkpoints out of the run" of final/ led nowhere: the run was still refused (review)
+    instead = None if intact is None else (f"eval, export and generate take its newest intact checkpoint, "
+                                           f"--checkpoint {intact}")  # fmt: skip
+    _say_checkpoints(run, checks, as_json=as_json, hashes=hashes, instead=instead)
 
 
 def _failing_in_manifest(run: Path, directory: str, *, hashes: bool) -> list[str]:
