@@ -168,6 +168,12 @@ def test_a_damaged_manifest_is_listed_and_named_where_a_stage_looks_for_its_kind
     (entry,) = surveyed(tmp_path)
     assert (entry["state"], entry["kind"], entry["path"]) == ("damaged", "quantized_model", str(model)), entry
     assert f"usaf inspect {model} says what is wrong" in entry["next"]
+    # one directly in the workspace: its kind was the workspace's name (found in review); its place names none
+    loose = tmp_path / "loose" / "qbad"
+    shutil.copytree(model, loose)
+    entries = {Path(e["path"]).name: e for e in surveyed(tmp_path / "loose")}
+    assert (entries["qbad"]["state"], entries["qbad"]["kind"]) == ("damaged", "unknown"), entries
+    shutil.rmtree(tmp_path / "loose")
     result = invoke("generate", "--workspace", tmp_path, "hello")
     said = " ".join(result.stderr.split())
     assert result.exit_code == 2 and f"{model} is one with a damaged manifest.json" in said, said

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.artifacts.lock import holder_of
-from usaf.artifacts.manifest import MANIFEST_NAME
+from usaf.artifacts.manifest import MANIFEST_KINDS, MANIFEST_NAME
 from usaf.artifacts.outputs import MADE_MARKER, OLD_TAG, PARTIAL_TAG, TMP_TAG, manifest_kind, usaf_made
 from usaf.artifacts.run import PLAN_DIR, SETTINGS_FILE, STATE_FILE, RunManifest, checkpoint_dirs
 from usaf.errors import UsafError
@@ -101,7 +101,9 @@ def _finished(path: Path) -> Entry | None:
         # manifest.json (a JSON object without usaf's fields) is someone else's
         if record is not None and "usaf_version" not in record:
             return None
-        return Entry(path, "damaged", path.parent.name, f"its {MANIFEST_NAME} is unreadable or names no kind",
+        # the kind its place in a workspace says (KIND/NAME); else unknown: the workspace's own name was shown (review)
+        kind = path.parent.name if path.parent.name in MANIFEST_KINDS else "unknown"
+        return Entry(path, "damaged", kind, f"its {MANIFEST_NAME} is unreadable or names no kind",
                      _size(path), f"usaf inspect {path} says what is wrong; make it again with the stage that made it")
     created = str(record.get("created_at", ""))[:16].replace("T", " ")
     detail = f"made {created}" if created else "made by usaf"
