@@ -15,6 +15,7 @@ import typer
 from usaf._version import __version__
 from usaf.cli import demo, doctor, eval_, export, generate, inspect, plan, quantize, score, tiny_model, tokenize, train
 from usaf.cli.console import handle_errors
+from usaf.cli.once import OptionsGivenOnce
 from usaf.errors import UsafError
 
 app = typer.Typer(
@@ -47,18 +48,18 @@ def _root(
     """usaf command line."""
 
 
-app.command("demo")(demo.command)
-app.command("tokenize", no_args_is_help=False)(tokenize.command)
-app.command("quantize")(quantize.command)
-app.command("score")(score.command)
-app.command("train")(train.command)
-app.command("eval")(eval_.command)
-app.command("plan")(plan.command)
-app.command("export")(export.command)
-app.command("generate")(generate.command)
-app.command("inspect")(inspect.command)
-app.command("doctor")(doctor.command)
-app.command("tiny-model")(tiny_model.command)
+app.command("demo", cls=OptionsGivenOnce)(demo.command)
+app.command("tokenize", no_args_is_help=False, cls=OptionsGivenOnce)(tokenize.command)
+app.command("quantize", cls=OptionsGivenOnce)(quantize.command)
+app.command("score", cls=OptionsGivenOnce)(score.command)
+app.command("train", cls=OptionsGivenOnce)(train.command)
+app.command("eval", cls=OptionsGivenOnce)(eval_.command)
+app.command("plan", cls=OptionsGivenOnce)(plan.command)
+app.command("export", cls=OptionsGivenOnce)(export.command)
+app.command("generate", cls=OptionsGivenOnce)(generate.command)
+app.command("inspect", cls=OptionsGivenOnce)(inspect.command)
+app.command("doctor", cls=OptionsGivenOnce)(doctor.command)
+app.command("tiny-model", cls=OptionsGivenOnce)(tiny_model.command)
 
 
 def main() -> None:
