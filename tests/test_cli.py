@@ -280,18 +280,20 @@ def test_an_empty_path_in_a_toml_list_is_named_with_its_list_and_nothing_else_is
     assert "seq_len = 0" in said and 'model = "" is an empty path' in said  # the control: the others still said
 
 
-def test_a_single_valued_option_given_twice_with_other_values_is_refused(tmp_path):
-    """``usaf generate --checkpoint A --checkpoint B`` used B, the first accepted and ignored (found in review);
-    ``--stability --no-stability`` kept the last. Refused, naming both. The controls: the same value twice, and an
-    option that takes several values (--held-out), are taken; a value that looks like an option is a value."""
+def test_a_single_valued_option_given_twice_with_other_values_says_the_one_used(tmp_path):
+    """``usaf generate --checkpoint A --checkpoint B`` used B, the first accepted and ignored in silence (found in
+    review); ``--stability --no-stability`` kept the last. The last still wins (a script's ``$CMD --save-every 2``
+    overrides its defaults), and a note names the one used. The controls: the same value twice, and an option that
+    takes several values (--include), say nothing; a value that looks like an option is a value."""
     from usaf.testing import build_tiny_tokenizer
 
     twice = invoke("generate", "hello", "--checkpoint", tmp_path / "a", "--checkpoint", tmp_path / "b")
-    said = " ".join(twice.output.split())
-    assert twice.exit_code == 2 and f"--checkpoint given more than once, with other values (--checkpoint " \
-        f"{tmp_path / 'a'}, --checkpoint {tmp_path / 'b'}): give it once" in said, said
+    said = " ".join(twice.stderr.split())
+    assert f"--checkpoint given more than once (--checkpoint {tmp_path / 'a'}, --checkpoint {tmp_path / 'b'}): the " \
+        f"last, --checkpoint {tmp_path / 'b'}, is used" in said, said
+    assert f"--checkpoint {tmp_path / 'b'}: no such directory" in said  # the last was the one used
     both = invoke("score", "--stability", "--no-stability", "--model", tmp_path / "m")
-    assert both.exit_code == 2 and "--stability given more than once" in both.output, both.output
+    assert "(--stability, --no-stability): the last, --no-stability, is used" in both.stderr, both.output
     tok, corpus = tmp_path / "tok", tmp_path / "a.jsonl"
     build_tiny_tokenizer(tok)
     corpus.write_text('{"--out": "def f(x):\\n    return x + 1\\n"}\n' * 40, encoding="utf-8")
@@ -299,3 +301,4 @@ def test_a_single_valued_option_given_twice_with_other_values_is_refused(tmp_pat
     same = invoke("tokenize", corpus, "--model", tok, "--model", tok, "--include", "*.jsonl", "--include", "*.txt",
                   "--text-field", "--out", "--out", out)  # fmt: skip
     assert same.exit_code == 0 and (out / "manifest.json").is_file(), same.output
+    assert "more than once" not in same.stderr

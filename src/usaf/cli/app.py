@@ -15,7 +15,7 @@ import typer
 from usaf._version import __version__
 from usaf.cli import demo, doctor, eval_, export, generate, inspect, plan, quantize, score, tiny_model, tokenize, train
 from usaf.cli.console import handle_errors
-from usaf.cli.once import OptionsGivenOnce
+from usaf.cli.once import SaysTheValueUsed
 from usaf.errors import UsafError
 
 app = typer.Typer(
@@ -48,18 +48,18 @@ def _root(
     """usaf command line."""
 
 
-app.command("demo", cls=OptionsGivenOnce)(demo.command)
-app.command("tokenize", no_args_is_help=False, cls=OptionsGivenOnce)(tokenize.command)
-app.command("quantize", cls=OptionsGivenOnce)(quantize.command)
-app.command("score", cls=OptionsGivenOnce)(score.command)
-app.command("train", cls=OptionsGivenOnce)(train.command)
-app.command("eval", cls=OptionsGivenOnce)(eval_.command)
-app.command("plan", cls=OptionsGivenOnce)(plan.command)
-app.command("export", cls=OptionsGivenOnce)(export.command)
-app.command("generate", cls=OptionsGivenOnce)(generate.command)
-app.command("inspect", cls=OptionsGivenOnce)(inspect.command)
-app.command("doctor", cls=OptionsGivenOnce)(doctor.command)
-app.command("tiny-model", cls=OptionsGivenOnce)(tiny_model.command)
+app.command("demo", cls=SaysTheValueUsed)(demo.command)
+app.command("tokenize", no_args_is_help=False, cls=SaysTheValueUsed)(tokenize.command)
+app.command("quantize", cls=SaysTheValueUsed)(quantize.command)
+app.command("score", cls=SaysTheValueUsed)(score.command)
+app.command("train", cls=SaysTheValueUsed)(train.command)
+app.command("eval", cls=SaysTheValueUsed)(eval_.command)
+app.command("plan", cls=SaysTheValueUsed)(plan.command)
+app.command("export", cls=SaysTheValueUsed)(export.command)
+app.command("generate", cls=SaysTheValueUsed)(generate.command)
+app.command("inspect", cls=SaysTheValueUsed)(inspect.command)
+app.command("doctor", cls=SaysTheValueUsed)(doctor.command)
+app.command("tiny-model", cls=SaysTheValueUsed)(tiny_model.command)
 
 
 def main() -> None:

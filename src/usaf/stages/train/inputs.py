@@ -647,7 +647,7 @@ def _continues(candidate: Path, config: TrainConfig, settler: _Settler) -> bool:
         saved = candidate / SETTINGS_FILE
         if saved.is_file():
             settled = settler.settle(config, candidate, NullProgress(), score_now=False)
-            return settled is not None and not run_differences(_read_settings(saved), settled.record)
+            return settled is not None and not run_differences(read_run_settings(saved), settled.record)
         partial = ArtifactWriter.partial_dir(candidate / PLAN_DIR)
         if own_entries(candidate) != [partial.name]:
             return False
@@ -764,7 +764,7 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
     if not run_dir.exists():
         return None
     previous = run_dir / SETTINGS_FILE
-    differences = run_differences(_read_settings(previous), record) if previous.is_file() else ["no settings"]
+    differences = run_differences(read_run_settings(previous), record) if previous.is_file() else ["no settings"]
     if not differences:
         return latest_checkpoint(run_dir)
     if any(name != PLAN_DIR for name in own_entries(run_dir)):  # a stale lock or temporary is no run's
@@ -781,7 +781,7 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
 # relative or absolute refused the same run; found in review), when checkpoints and held-out losses are written
 # (nothing trained depends on them), and the microbatch (another one at the same global batch resumes, with a note:
 # other_split).
-RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch", "lr_from_plan"})
+RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch", LR_FROM_PLAN})
 RECORDED_SINCE = frozenset({"compute_dtype"})  # 2026-12-06
 
 
@@ -829,10 +829,6 @@ def _shown(value: Any) -> str:
 def _started_with(run_dir: Path) -> dict:
     """The settings record of the run interrupted in ``run_dir`` (empty where none is readable): the plan and tokens
     it started with are taken again, whatever newer ones appeared in the workspace since (found in review)."""
-    record = _read_settings(run_dir / SETTINGS_FILE)
+    record = read_run_settings(run_dir / SETTINGS_FILE)
     return record if isinstance(record, dict) else {}
 
-
-def _read_settings(path: Path) -> Any:
-    """The record (unreadable: None, treated as another run's, never a traceback); refused where edited."""
-    return read_run_settings(path)
