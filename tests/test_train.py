@@ -534,6 +534,13 @@ def test_a_reselection_that_would_replace_under_one_weight_or_a_zero_share_is_re
     control = train(qdir, tokens, plan, tmp_path / "ten", "--steps", 30, "--reselect-every", 10)
     assert control.exit_code == 0, control.output
     assert len(load_verified(tmp_path / "ten", RunManifest).summary.reselections) == 2
+    # the default interval, not given, where its one reselection would replace no weight (steps 67-69): it was
+    # refused as if given, after a plan scored on the fly (found in review); said, and the mask static
+    default = train(qdir, tokens, plan, tmp_path / "default", "--steps", 67)
+    said = " ".join(default.stderr.split())
+    assert default.exit_code == 0 and "the default --reselect-every 50: no reselection of this 67-step run would " \
+        "replace one weight" in said and ": static mask" in said, said  # fmt: skip
+    assert load_verified(tmp_path / "default", RunManifest).summary.reselections == []
 
 
 def test_routing_collapse_is_warned_once_per_layer():
