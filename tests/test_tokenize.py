@@ -174,6 +174,26 @@ def test_chat_jsonl_scores_assistant_turns_only(tmp_path, tok_dir, tokenizer):
     assert "Say hello." in unscored and "Be brief." in unscored and "Hello there" not in unscored
 
 
+def test_sequences_with_no_target_are_left_out_and_said(tmp_path, tok_dir, tokenizer):
+    """A chat whose prompt is longer than --seq-len packed sequences of prompt alone (every label -100): written to
+    train.jsonl, each training step of them ran at loss 0.0 and pulled the run's loss means down (found in review).
+    They are left out, with a note. The control: the same chat with a short prompt leaves nothing out."""
+    prompt = "def f(x):\n    return x + 1\n" * 60
+    for name, user, left in (("long", prompt, True), ("short", "Write f.", False)):
+        chat = tmp_path / f"{name}.jsonl"
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": "It is done. " * 20}]
+        chat.write_text(json.dumps({"messages": messages}) + "\n")
+        out = tmp_path / name
+        result = tokenize(chat, "--model", tok_dir, "--seq-len", 32, "--out", out)
+        assert result.exit_code == 0, result.output
+        rows = read_jsonl(out / "train.jsonl")
+        assert rows and all(any(label != -100 for label in r["labels"][1:]) for r in rows)
+        said = " ".join(result.stderr.split())
+        assert ("with no token to learn from left out" in said) == left, said
+        summary = load_verified(out, TokensManifest).summary
+        assert summary.train_sequences == len(rows)
+
+
 def test_original_format_pre_shifted_labels_are_detected_and_fixable(tmp_path, tok_dir, tokenizer):
     ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"][:40]
     original = tmp_path / "orig.jsonl"  # the original README's recipe: labels = chunk[1:] + [eos]

@@ -63,6 +63,7 @@ class _Counts:
     tokens: int = 0
     loss_tokens: int = 0
     targets: int = 0  # positions with a loss (labels 1.. not -100): what train learns from, eval scores
+    untrained: int = 0  # sequences left out for having no target (a chat's prompt longer than --seq-len)
 
 
 @dataclass
@@ -407,15 +408,25 @@ def _note_uneven_heldout(config: TokenizeConfig, summary: TokensSummary, progres
 
 def _refuse_nothing_to_score(config: TokenizeConfig, totals: _Totals) -> None:
     """A split of sequences without one position to score is refused: train would run at loss 0 on it, eval
-    would report nothing. Sequences without targets among others are fine (a chat's user-only turns)."""
+    would report nothing. Sequences without targets among others are left out (:func:`_note_untrained`)."""
     for split in ("train", "heldout"):
         counts = [c for c in totals.per_source.values() if c.split == split]
-        if sum(c.sequences for c in counts) and not sum(c.targets for c in counts):
+        if sum(c.sequences + c.untrained for c in counts) and not sum(c.targets for c in counts):
             raise UsafError(
                 f"{', '.join(map(str, config.inputs))}: the {split} sequences have no token to learn from or to "
                 "score (every label is -100, or every sequence is 1 token long)",
                 "give text, chats with assistant turns, or pre-tokenized lines whose labels are not all -100",
             )
+
+
+def _note_untrained(totals: _Totals, progress: Progress) -> None:
+    """Sequences with no target left out, said: they were written, and a training step of them ran at loss 0.0,
+    its Adam update moving the weights anyway, and pulled the run's loss means down (found in review)."""
+    counts = list(totals.per_source.values())
+    if left := sum(c.untrained for c in counts):
+        sources = [name for name, c in totals.per_source.items() if c.untrained]
+        progress.note(f"{counted(left, 'sequence')} with no token to learn from left out (every label -100: a chat "
+                      f"prompt longer than --seq-len, say), of {first_few(sources)}")  # fmt: skip
 
 
 def _refuse_unused_input_settings(config: TokenizeConfig, corpus: Corpus, progress: Progress) -> None:
@@ -513,6 +524,9 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
 
             def emit(seq: Sequence) -> None:
                 counts = totals.per_source[seq.source]
+                if not scored_targets(seq.labels):  # trained at loss 0, and counted in the run's loss means (review)
+                    counts.untrained += 1
+                    return
                 counts.sequences += 1
                 counts.tokens += len(seq.input_ids)
                 counts.loss_tokens += seq.loss_tokens
@@ -521,6 +535,8 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
 
             _tokenize_corpus(corpus, config, tokenizer, heldout, totals, emit, progress)
 
+        _refuse_nothing_to_score(config, totals)
+        _note_untrained(totals, progress)
         if totals.documents == 0 or not any(c.sequences for c in totals.per_source.values()):
             raise UsafError(
                 f"empty corpus: {counted(len(corpus.files), 'file')} held no text (empty documents: "
@@ -539,7 +555,6 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
                 "skipped files)",
                 "hold out other sources (--held-out NAME), or another --seed for --held-out-frac",
             )
-        _refuse_nothing_to_score(config, totals)
         _note_uneven_heldout(config, summary, progress)
         manifest = art.commit(
             TokensManifest,
