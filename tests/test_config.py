@@ -143,3 +143,25 @@ def test_a_path_of_the_wrong_kind_is_named_as_what_it_is(tmp_path):
         resolve_model_dir(str(tmp_path / "model.py"))
     with pytest.raises(UsafError, match="MODEL .*absent: no such directory"):  # the control: absent is still said so
         resolve_model_dir(str(tmp_path / "absent"))
+
+
+def test_a_setting_read_from_the_original_tools_variable_is_said(tmp_path, monkeypatch):
+    """``STEPS=3 usaf train ...`` trained 3 steps and never said why, where LR_PEAK was named as the lr's source
+    (found in review). Every command that reads the original tool's variables says which it read, as which flag.
+    The control: without them, nothing is said."""
+    from helpers import invoke
+    from usaf.config import legacy_note
+    from usaf.settings.train import TrainConfig
+
+    settings = resolve_config(TrainConfig, section="train", cli={"model": "m"}, env={"STEPS": "3", "LR_PEAK": "1e-3"},
+                              legacy_env={"STEPS": "steps", "LR_PEAK": "lr"})  # fmt: skip
+    assert settings.steps == 3 and legacy_note(settings) == (
+        "read from the original tool's environment variables: STEPS=3 as --steps, LR_PEAK=0.001 as --lr (usaf's "
+        "own: USAF_STEPS, ...)")  # fmt: skip
+    assert legacy_note(resolve_config(TrainConfig, section="train", cli={"model": "m"}, env={})) is None
+    assert invoke("tiny-model", tmp_path / "tm").exit_code == 0
+    monkeypatch.setenv("MICROBATCH", "2")
+    said = invoke("plan", tmp_path / "tm")
+    assert said.exit_code == 0 and "MICROBATCH=2 as --microbatch" in said.stderr, said.output
+    monkeypatch.delenv("MICROBATCH")
+    assert "original tool" not in invoke("plan", tmp_path / "tm").stderr

@@ -92,6 +92,9 @@ def _expanded(path: Path) -> Path:
         return path
 
 
+LEGACY_SOURCE = "legacy env "  # a setting's source: the original tool's variable (``legacy env LR_PEAK``)
+
+
 def source_of(settings: BaseModel, field: str) -> str:
     """Where a resolved setting came from, as a user would look for it: ``--lr``, ``USAF_LR``, ``--config f.toml
     [train] lr``, ``legacy env LR_PEAK``; its flag when it was defaulted or set by code.
@@ -152,6 +155,17 @@ def table_fields(model: type[BaseModel]) -> frozenset[str]:
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
+
+
+def legacy_note(settings: BaseModel) -> str | None:
+    """The settings read from the original tool's variables, said: ``STEPS=3`` set a 3-step run in silence, where
+    ``LR_PEAK`` was named as the lr's source (found in review). None where none was read."""
+    read = [(source.removeprefix(LEGACY_SOURCE), field) for field, source in (getattr(settings, "_sources", None) or
+            {}).items() if source.startswith(LEGACY_SOURCE)]  # fmt: skip
+    if not read:
+        return None
+    shown = ", ".join(f"{name}={getattr(settings, field)} as {flag_name(field)}" for name, field in read)
+    return f"read from the original tool's environment variables: {shown} (usaf's own: {env_name(read[0][1])}, ...)"
 
 
 def env_name(field: str) -> str:
@@ -300,7 +314,7 @@ def resolve_config(
     for legacy, field in (legacy_env or {}).items():
         raw = env.get(legacy)
         if raw is not None and raw != "" and field in shared:
-            offer(field, _parse_env_value(raw, fields[field].annotation), f"legacy env {legacy}")
+            offer(field, _parse_env_value(raw, fields[field].annotation), f"{LEGACY_SOURCE}{legacy}")
 
     dropped = _apply_deciders(fields, values, origin, own_table=f"--config {config_file} [{section}] ")
     _apply_alternatives(fields, values, origin, section)

@@ -65,6 +65,7 @@ def run_stage(
             config_file=config_file,
             legacy_env=getattr(stage, "LEGACY_ENV", None),
         )
+        say_legacy(settings)
         manifest, path = stage.run(settings, progress=RichProgress())
         from usaf.distributed import world
 
@@ -74,6 +75,15 @@ def run_stage(
             print_json({"path": str(path), **manifest.model_dump(mode="json")})
         else:
             summary(out, manifest, path)
+
+
+def say_legacy(settings: Any) -> None:
+    """A note of the settings read from the original tool's environment variables (:func:`usaf.config.legacy_note`)."""
+    from usaf.cli.console import err
+    from usaf.config import legacy_note
+
+    if (said := legacy_note(settings)) is not None:
+        err.print(said, style="dim", markup=False, highlight=False)
 
 
 @contextlib.contextmanager
