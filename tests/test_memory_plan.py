@@ -545,9 +545,12 @@ def test_score_and_eval_are_planned_at_the_dtype_the_plans_commands_pass_them():
     (half, said_half), (full, said_full) = planned("bfloat16"), planned("float32")
     for stage in ("score", "train", "eval"):
         assert half[stage] != full[stage], stage
-    assert "usaf eval --checkpoint RUN --held-out DATA --dtype bfloat16" in said_half
+    assert "usaf eval --checkpoint RUN --dtype bfloat16" in said_half
     assert "--dtype bfloat16 on the CPU took more" in said_half
-    assert "usaf eval --checkpoint RUN --held-out DATA --dtype float32" in said_full
+    assert "usaf eval --checkpoint RUN --dtype float32" in said_full
+    # the held-out text eval measures on is the tokens' held-out split: --held-out DATA was the text trained on,
+    # evaluated as held out (found in review)
+    assert "--held-out DATA" not in said_full and "--seq-len 512 --held-out-frac 0.1" in said_full, said_full
     assert "on the CPU took more" not in said_full
     assert "eval: " in said_full and "KiB more per sequence evaluated" in said_full
 

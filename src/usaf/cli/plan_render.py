@@ -24,7 +24,9 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
         out.append(f"usaf quantize {source.label} --nbits {quant.nbits} --group-size {quant.group_size}{device}")
     # the data at the planned length: score has no --seq-len and train's only cuts, so nothing ran at a --seq-len
     # planned longer than the tokens were packed (found in review)
-    out.append(f"usaf tokenize DATA --model {source.quantized_dir or source.label} --seq-len {s.seq_len}")
+    # sources held out, for eval to measure on: it was told --held-out DATA, the text trained on (found in review)
+    out.append(f"usaf tokenize DATA --model {source.quantized_dir or source.label} --seq-len {s.seq_len} "
+               "--held-out-frac 0.1")  # fmt: skip
     model = f" --model {source.quantized_dir}" if source.quantized_dir is not None else ""
     # --dtype on both: the plan's prefix states are kept in score's dtype, and train takes them only in its own
     score = (f"usaf score{model} --train-from {s.train_from} --frac {s.frac:g} --microbatch {s.microbatch} "
@@ -41,8 +43,9 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
         train += f" --prefix-cache-gib {s.prefix_ram / 2**30:.2f}"
     out.append(train)
     # the eval the table's column is for: its dtype (it has its own default), the rest at eval's defaults (review)
-    out.append(f"usaf eval{model} --checkpoint RUN --held-out DATA --dtype {t.dtype}{device}{placement}")  # with
-    # --model alone eval runs the base model only, not the change the column plans for (found in review)
+    # the run's tokens, a sample of its training split and its held-out split, where --held-out DATA evaluated the
+    # text trained on as held out (found in review); with --model alone eval runs the base model only (review)
+    out.append(f"usaf eval{model} --checkpoint RUN --dtype {t.dtype}{device}{placement}")
     return out
 
 
