@@ -194,6 +194,23 @@ def test_sequences_with_no_target_are_left_out_and_said(tmp_path, tok_dir, token
         assert summary.train_sequences == len(rows)
 
 
+def test_a_chat_role_no_template_names_is_said(tmp_path, tok_dir):
+    """A ShareGPT "gpt" turn beside real "assistant" turns was rendered and never learned from, in silence (found in
+    review). Said, with a line holding it. The control: the usual roles say nothing."""
+    chat = tmp_path / "chat.jsonl"
+    lines = [[{"role": "user", "content": "Hi."}, {"role": "gpt", "content": "Hello."},
+              {"role": "user", "content": "Sum 2 and 2."}, {"role": "assistant", "content": "It is 4."}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+              {"role": "assistant", "content": "Hello."}]]  # fmt: skip
+    chat.write_text("".join(json.dumps({"messages": m}) + "\n" for m in lines))
+    result = tokenize(chat, "--model", tok_dir, "--out", tmp_path / "out")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0 and f"'gpt' (1 line, e.g. {chat}:1)" in said and "never learned from" in said, said
+    chat.write_text(json.dumps({"messages": lines[1]}) + "\n")
+    control = tokenize(chat, "--model", tok_dir, "--out", tmp_path / "control")
+    assert control.exit_code == 0 and "chat roles other than" not in control.stderr, control.output
+
+
 def test_original_format_pre_shifted_labels_are_detected_and_fixable(tmp_path, tok_dir, tokenizer):
     ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"][:40]
     original = tmp_path / "orig.jsonl"  # the original README's recipe: labels = chunk[1:] + [eos]

@@ -76,6 +76,7 @@ class _Totals:
     undecided_shift: int = 0  # pre-tokenized lines too short to tell whether pre-shifted, in files no longer
     undecodable: list[Path] = field(default_factory=list)  # text files not UTF-8, skipped or replaced (--decode-errors)
     uncut: list[tuple[str, int, str]] = field(default_factory=list)  # (document, bytes, why): a long piece, uncut
+    other_roles: dict[str, list[str]] = field(default_factory=dict)  # a chat role no reply has -> lines with it
 
 
 def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress) -> list[str]:
@@ -579,6 +580,21 @@ def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[To
     return manifest, art.target
 
 
+# the roles chat templates know; only "assistant" turns are learned from
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def _note_other_roles(totals: _Totals, progress: Progress) -> None:
+    """Chat roles no template names (ShareGPT's "gpt" and "human", a typo): rendered as the template renders them and
+    never learned from, in silence (found in review). Said, with a line holding each."""
+    if not totals.other_roles:
+        return
+    shown = "; ".join(f"'{role}' ({counted(len(lines), 'line')}, e.g. {lines[0]})"
+                      for role, lines in sorted(totals.other_roles.items()))  # fmt: skip
+    progress.note(f"chat roles other than {', '.join(sorted(CHAT_ROLES))}: {shown}; rendered by the chat template and "
+                  "never learned from (only 'assistant' replies are): rename them if they are replies")  # fmt: skip
+
+
 def _note_uncut(totals: _Totals, progress: Progress) -> None:
     """The longest piece of text encoded at once, where it is long: the memory a run took is explained."""
     if not totals.uncut:
@@ -632,6 +648,8 @@ def _tokenize_corpus(
                     emit(last)
             previous = doc
             source_field_read |= doc.source_from_field
+            for role in {m["role"] for m in doc.messages or ()} - CHAT_ROLES:
+                totals.other_roles.setdefault(role, []).append(doc.origin)
             counts = totals.per_source.setdefault(doc.source, _Counts("heldout" if doc.source in heldout else "train"))
             totals.documents += first  # a long text's later pieces are the same document
             counts.documents += first
@@ -675,6 +693,7 @@ def _tokenize_corpus(
             emit(last)
     progress.finish()
     _note_uncut(totals, progress)
+    _note_other_roles(totals, progress)
     if totals.undecodable:  # skipped or replaced as asked, never in silence (eval replaced in silence; review)
         done = ("skipped" if config.decode_errors == "skip" else "read with their undecodable bytes replaced by "
                 "U+FFFD") + (f" ({source_of(config, 'decode_errors')} {config.decode_errors})"
