@@ -1258,3 +1258,22 @@ def test_a_workspaces_directory_of_artifacts_names_one_as_text_input_and_as_toke
     done = invoke("eval", "--model", qdir, "--held-out", tokens, "--no-plots", "--max-sequences", 4,
                   "--out", tmp_path / "r", "--workspace", ws)  # fmt: skip
     assert done.exit_code == 0, done.output
+
+
+def test_eval_with_neither_model_nor_checkpoint_takes_the_newest_run_and_its_model(trained, quantized, tmp_path):
+    """In a workspace with quantized models of two origins, eval with neither --model nor --checkpoint refused to
+    choose, where export and generate took the newest run and the model it was trained on (found in review). It
+    takes them too, and says which. The control: with no run, the base model alone still needs the choice."""
+    ws = tmp_path / "ws"
+    shutil.copytree(trained["q"], ws / "quantized_model" / "a")
+    shutil.copytree(quantized("olmoe", num_layers=3, tokenizer=True), ws / "quantized_model" / "b")
+    shutil.copytree(trained["tokens"], ws / "tokens" / "t")
+    shutil.copytree(trained["run"], ws / "run" / "r")
+    result = invoke("eval", "--workspace", ws, "--max-sequences", 2, "--no-plots", "--out", tmp_path / "report")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0, result.output
+    assert f"using the run {ws / 'run' / 'r'} (newest in the workspace)" in said, said
+    assert f"using the quantized model {ws / 'quantized_model' / 'a'} (the one the run was trained on)" in said, said
+    shutil.rmtree(ws / "run")
+    refused = invoke("eval", "--workspace", ws, "--max-sequences", 2, "--no-plots", "--out", tmp_path / "base")
+    assert refused.exit_code == 2 and "of 2 different origins" in " ".join(refused.stderr.split()), refused.output

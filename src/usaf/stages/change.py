@@ -50,7 +50,7 @@ def resolve_model_and_change(
     change = given_change(checkpoint, progress) if checkpoint is not None and use_change else None
     ws = workspace_dir(workspace)
     if model is None and change is None and use_change:
-        change = _newest_run(ws, progress)
+        change = newest_run(ws, progress)
     if model is not None:
         manifest = load_verified(model, QuantizedModelManifest, flag="--model", hashes=False)
     elif change is not None:
@@ -152,7 +152,7 @@ def unfinished_runs(workspace: Path, model_fingerprint: str) -> list[UnfinishedR
     return [run for _, run in sorted(found, key=lambda pair: pair[0], reverse=True)]
 
 
-def _newest_run(ws: Path, progress: Progress) -> TrainedChange | None:
+def newest_run(ws: Path, progress: Progress) -> TrainedChange | None:
     """The workspace's newest finished run as a change, or None where it has none (the model's own search below then
     says why, unfinished runs included)."""
     try:

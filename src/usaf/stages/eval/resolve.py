@@ -6,21 +6,25 @@ from pathlib import Path
 from typing import Any
 
 from usaf.artifacts import (
-    RunManifest,
     TokensManifest,
-    find_artifacts,
     load_verified,
     pick_latest,
 )
 from usaf.artifacts.outputs import manifest_kind
-from usaf.artifacts.run import load_trained_change
 from usaf.artifacts.tokens import TRAIN_FILE
 from usaf.artifacts.workspace import resolve_model
 from usaf.config import flag_name, refuse_unused, source_of
 from usaf.data.corpus import JSONL_SUFFIXES
 from usaf.data.tokenizer import tokenizer_fingerprint
 from usaf.errors import UsafError
-from usaf.stages.change import check_change, given_change, model_of_change, unfinished_note, unfinished_runs
+from usaf.stages.change import (
+    check_change,
+    given_change,
+    model_of_change,
+    newest_run,
+    unfinished_note,
+    unfinished_runs,
+)
 from usaf.stages.eval.inputs import DATA, HELD_OUT, EvalInput, TextSettings, read_input
 from usaf.stages.eval.overlap import run_data, training_tokens
 from usaf.stages.progress import Progress
@@ -36,27 +40,22 @@ TRAINING_SAMPLE = 512
 def model_and_change(config: Any, workspace: Path, progress: Progress) -> tuple[Path, Any, Any]:
     """The quantized model and the change to evaluate (``None``: base only); refuses a foreign checkpoint.
 
-    No ``--model`` and no ``--checkpoint``: the workspace's newest model and the newest finished run made
-    for it (base only when there is none). ``--checkpoint`` alone: the newest model it was trained on.
-    ``--model`` alone: base only.
+    No ``--model`` and no ``--checkpoint``: the workspace's newest finished run and the model it was trained on, as
+    export and generate take them (the newest model first refused to choose between models of two origins, where
+    they took the newest run; found in review); the base model alone where there is no run. ``--checkpoint``
+    alone: the newest model it was trained on. ``--model`` alone: base only.
     """
     change = given_change(config.checkpoint, progress) if config.checkpoint is not None else None
+    if config.model is None and change is None:
+        change = newest_run(workspace, progress)
     if config.model is not None or change is None:
         model_dir, manifest = resolve_model(config, progress)
     else:
-        model_dir, manifest = model_of_change(workspace, change, "--checkpoint", progress)
-    if config.model is None and config.checkpoint is None:
-        runs = [
-            f
-            for f in find_artifacts(workspace, RunManifest)
-            if f.manifest.summary.model_fingerprint == manifest.fingerprint
-        ]
-        if runs:
-            change = load_trained_change(runs[0].path, flag="--checkpoint")
-            progress.note(f"using the run {runs[0].path} (newest finished run for this model)")
-        elif unfinished := unfinished_runs(workspace, manifest.fingerprint):  # base alone, and why (found in review)
-            progress.note(f"no finished run for this model, so the base model alone: {unfinished_note(unfinished[0])};"
-                          f" --checkpoint {unfinished[0].path} evaluates it")  # fmt: skip
+        named = "--checkpoint" if config.checkpoint is not None else "the run"
+        model_dir, manifest = model_of_change(workspace, change, named, progress)
+    if config.model is None and change is None and (unfinished := unfinished_runs(workspace, manifest.fingerprint)):
+        progress.note(f"no finished run for this model, so the base model alone: {unfinished_note(unfinished[0])}; "
+                      f"--checkpoint {unfinished[0].path} evaluates it")  # base alone, and why (found in review)
     if change is not None:  # export's and generate's checks: its model, tensors, indices and routers
         check_change(change, manifest, model_dir)
     return model_dir, manifest, change
