@@ -302,3 +302,15 @@ def test_a_single_valued_option_given_twice_with_other_values_says_the_one_used(
                   "--text-field", "--out", "--out", out)  # fmt: skip
     assert same.exit_code == 0 and (out / "manifest.json").is_file(), same.output
     assert "more than once" not in same.stderr
+
+
+def test_a_tokenizer_model_set_in_a_config_table_is_named_there_when_missing(tmp_path):
+    """``[tokenize] model = "tm"`` of no such directory was said as "--model tm: no such directory" (found in
+    review): the value was set in the file. The control: the flag is named when the flag set it."""
+    corpus, toml = tmp_path / "a.txt", tmp_path / "settings.toml"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40, encoding="utf-8")
+    toml.write_text(f'[tokenize]\nmodel = "{tmp_path / "nowhere"}"\n', encoding="utf-8")
+    said = " ".join(invoke("tokenize", corpus, "--config", toml, "--out", tmp_path / "t").stderr.split())
+    assert f"--config {toml} [tokenize] model {tmp_path / 'nowhere'}: no such directory" in said, said
+    flag = " ".join(invoke("tokenize", corpus, "--model", tmp_path / "nowhere", "--out", tmp_path / "t").stderr.split())
+    assert f"--model {tmp_path / 'nowhere'}: no such directory" in flag, flag

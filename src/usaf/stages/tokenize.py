@@ -457,7 +457,9 @@ def _corpus_fingerprint(corpus: Corpus) -> str:
 def run(config: TokenizeConfig, *, progress: Progress | None = None) -> tuple[TokensManifest, Path]:
     """Tokenize, pack and split the corpus; returns the manifest and the artifact's path."""
     progress = progress or NullProgress()
-    tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+    # named where it was set: "--model tm: no such directory" of a --config table's model (found in review)
+    tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code,
+                               flag=source_of(config, "model"))  # fmt: skip
     limit = max_sequence_length(config.model, tokenizer)
     if limit is not None and config.seq_len > limit:
         raise UsafError(f"{source_of(config, 'seq_len')} {config.seq_len} exceeds the model's maximum of {limit} "
