@@ -90,11 +90,13 @@ def _extras() -> dict[str, dict[str, str | None]]:
 def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
     """Each ``USAF_*`` variable set and what reads it: a setting's commands, or nothing (a misspelt name was shown
     as a flag of "every command that has it", which none had; found in review)."""
-    from usaf.config import env_name, flag_name
+    from usaf.cli.rank_errors import ERRORS_ENV
+    from usaf.config import _closest, env_name, flag_name
     from usaf.distributed import TIMEOUT_ENV
 
     plain = {"USAF_VERBOSE": "--verbose of every command (the flag itself wins)",
-             TIMEOUT_ENV: "minutes torchrun's processes wait for one another"}  # fmt: skip
+             TIMEOUT_ENV: "minutes torchrun's processes wait for one another",
+             ERRORS_ENV: "where --nproc's processes leave their last line (set by usaf train --nproc)"}  # fmt: skip
     readers = {env_name(field): (field, commands) for field, commands in _env_readers().items()}
     own_only = {env_name(field): (field, commands) for field, commands in _env_readers(own_only=True).items()}
     rows = []
@@ -109,9 +111,20 @@ def _usaf_env(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
             meaning = (f"read by no command: {flag_name(field)} of {', '.join(commands)} is read from the flag or the "
                        "command's own --config table only")  # fmt: skip
         else:
-            meaning = "read by no command: misspelt? (each command's --help names its flags)"
+            known = [n.removeprefix(_ENV_PREFIX) for n in [*readers, *plain]]  # the prefix made every name alike
+            closest = _closest(name.removeprefix(_ENV_PREFIX), known, spell=_ENV_PREFIX + "{}").strip()[1:-1]
+            meaning = f"{UNREAD}? ({closest + '; ' if closest else ''}each command's --help names its flags)"
         rows.append((name, env[name], meaning))
     return rows
+
+
+UNREAD = "read by no command: misspelt"
+
+
+def misspelt_variables(env: Mapping[str, str]) -> list[str]:
+    """The ``USAF_*`` variables no usaf setting has, each with what it may have meant: a command run with
+    ``USAF_SEQLEN`` ignored it in silence, which doctor alone said (found in review)."""
+    return [f"{name}: {meaning}" for name, _, meaning in _usaf_env(env) if meaning.startswith(UNREAD)]
 
 
 def _env_readers(*, own_only: bool = False) -> dict[str, list[str]]:

@@ -78,12 +78,15 @@ def run_stage(
 
 
 def say_legacy(settings: Any) -> None:
-    """A note of the settings read from the original tool's environment variables (:func:`usaf.config.legacy_note`)."""
+    """Notes of the settings read from the original tool's environment variables (:func:`usaf.config.legacy_note`),
+    and of the ``USAF_*`` variables no setting has (:func:`usaf.cli.doctor.misspelt_variables`)."""
     from usaf.cli.console import err
+    from usaf.cli.doctor import misspelt_variables
     from usaf.config import legacy_note
 
-    if (said := legacy_note(settings)) is not None:
-        err.print(said, style="dim", markup=False, highlight=False)
+    said = [legacy_note(settings), *misspelt_variables(os.environ)]
+    for line in filter(None, said):
+        err.print(line, style="dim", markup=False, highlight=False)
 
 
 @contextlib.contextmanager
