@@ -180,3 +180,19 @@ def test_a_usaf_variable_no_setting_has_is_said_by_the_command(tmp_path, monkeyp
     monkeypatch.delenv("USAF_SEQLEN")
     monkeypatch.setenv("USAF_SEQ_LEN", "64")
     assert "misspelt" not in invoke("plan", tmp_path / "tm").stderr
+
+
+def test_a_toml_string_for_a_list_setting_is_shown_as_the_list_to_write(tmp_path):
+    """``[tokenize] held_out = "shlex.py"`` got pydantic's "Input should be a valid list" alone (found in review): the
+    message shows the list to write. The control: the list itself is taken."""
+    from usaf.settings.tokenize import TokenizeConfig
+
+    toml = tmp_path / "usaf.toml"
+    toml.write_text('[tokenize]\nheld_out = "shlex.py"\n')
+    with pytest.raises(UsafError, match=r'held_out = \["shlex.py"\]\)'):
+        resolve_config(TokenizeConfig, section="tokenize", cli={"inputs": [tmp_path], "model": "m"}, config_file=toml,
+                       env={})  # fmt: skip
+    toml.write_text('[tokenize]\nheld_out = ["shlex.py"]\n')
+    taken = resolve_config(TokenizeConfig, section="tokenize", cli={"inputs": [tmp_path], "model": "m"},
+                           config_file=toml, env={})  # fmt: skip
+    assert taken.held_out == ["shlex.py"]

@@ -378,7 +378,10 @@ def _value_problems(
             continue
         where = origin.get(field, f"{flag_name(field)} (default)")
         given = f" = {values[field]!r}" if field in values else ""
-        problems.append(f"{where}{given}: {_reason(err)}")
+        reason = _reason(err)
+        if err["type"] == "list_type" and isinstance(values.get(field), str) and "--config" in where:
+            reason += f' (in TOML, a list: {field} = [{json.dumps(values[field])}])'  # pydantic's words alone (review)
+        problems.append(f"{where}{given}: {reason}")
     return problems
 
 
