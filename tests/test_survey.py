@@ -223,6 +223,7 @@ def test_inspect_of_a_checkpoint_says_it_is_one_and_what_takes_it(workspace, tmp
     said = " ".join(result.stdout.split())
     assert result.exit_code == 0 and f"{step}: a checkpoint of the run {run}, at step " in said, result.output
     assert "take it as --checkpoint" in said and "1 checkpoint matches its checksums" in said
+    assert ", the loss of step 1 " in said and "→" not in said  # single steps, not the run's trend (review)
     (step / "optimizer.pt").unlink()
     result = invoke("inspect", step)
     said = " ".join(result.stderr.split())

@@ -377,7 +377,8 @@ def _inspect_checkpoint(path: Path, run: Path, *, hashes: bool, as_json: bool) -
         print_json({"path": str(path), "kind": "checkpoint", "run": str(run), **shown,
                     "verified": not _changed(checks), "hashes_checked": hashes, "checkpoints": checks})  # fmt: skip
     elif not _changed(checks):  # "eval, export and generate take it" was printed of a damaged one (review)
-        losses = (f", loss {shown['first_loss']:.4f} → {shown['last_loss']:.4f}"
+        # single steps, said as such: "loss a → b" read as the run's trend, which the means of the manifest are (review)
+        losses = (f", the loss of step 1 {shown['first_loss']:.4f} and of step {shown['step']} {shown['last_loss']:.4f}"
                   if isinstance(shown["first_loss"], float) and isinstance(shown["last_loss"], float) else "")
         out.print(f"{path}: a checkpoint of the run {run}, at step {shown['step']}{losses}; eval, export and "
                   f"generate take it as --checkpoint", markup=False, highlight=False)  # fmt: skip
