@@ -551,8 +551,14 @@ def test_workspace_tokens_without_a_held_out_split_are_named_as_training_text(tr
     assert result.exit_code == 0, result.output
     progress = NullProgress()
     assert default_tokens(without, None, fingerprint, progress) == ([without / "tokens"], [])
+    (note,) = progress.notes  # the base model alone: no run's fit to its training text to warn of (review)
+    assert "no held-out split" in note and "fit to the training text" not in note, note
+    from usaf.stages.eval.resolve import _split_of
+
+    progress = NullProgress()  # a run's tokens without a split: the fit is warned of
+    assert _split_of(without / "tokens", 0, progress) == ([without / "tokens"], [])
     (note,) = progress.notes
-    assert "no held-out split" in note and "--held-out-frac" in note
+    assert "no held-out split" in note and "fit to the training text" in note and "--held-out-frac" in note
 
 
 def _eval(trained, workspace, out, *extra, microbatch: int = 4, checkpoint=None):

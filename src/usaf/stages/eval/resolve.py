@@ -210,7 +210,7 @@ def default_tokens(workspace: Path, change, tok_fp: str, progress: Progress) -> 
         progress.note(f"--checkpoint {change.source} records no training data (a delta whose run is not where it "
                       "was exported from): the tokens below are the newest for this tokenizer, not known to be what "
                       "it trained on")  # fmt: skip
-    return _split_of(found.path, found.manifest.summary.heldout_sequences, progress)
+    return _split_of(found.path, found.manifest.summary.heldout_sequences, progress, base_only=change is None)
 
 
 def _the_run_tokens(train_file: Path, progress: Progress) -> tuple[list[Path], list[Path]]:
@@ -225,10 +225,17 @@ def _the_run_tokens(train_file: Path, progress: Progress) -> tuple[list[Path], l
     return [train_file], []
 
 
-def _split_of(tokens: Path, heldout_sequences: int, progress: Progress) -> tuple[list[Path], list[Path]]:
+def _split_of(
+    tokens: Path, heldout_sequences: int, progress: Progress, *, base_only: bool = False
+) -> tuple[list[Path], list[Path]]:
+    """``tokens`` as --data, and as --held-out where they have a held-out split; said. ``base_only``: no run is
+    evaluated, so no fit to its training text to warn of (it was warned of; found in review)."""
     if heldout_sequences:
         progress.note(f"using the tokens {tokens} (train.jsonl as --data, heldout.jsonl as --held-out)")
         return [tokens], [tokens]
+    if base_only:
+        progress.note(f"using the tokens {tokens} (train.jsonl as --data; they have no held-out split)")
+        return [tokens], []
     progress.note(
         f"using the tokens {tokens} (train.jsonl as --data); they have no held-out split, so this measures the "
         "fit to the training text, not generalization (tokenize with --held-out or --held-out-frac for one)"
