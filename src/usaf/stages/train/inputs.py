@@ -600,7 +600,8 @@ def _score_on_the_fly(
             "pass another --out, or --overwrite to replace it",
         )
     if not interrupted.is_dir():  # else score says it resumes (this said it scored anew, then that; found in review)
-        which = "scored with the selection given" if wanted else "for this model"
+        # "for this model" read as none at all after "not using the plan ...: scored with other tokens" (review)
+        which = "scored with the selection given" if wanted else "for this model and these tokens"
         progress.note(f"no --plan and none in the workspace {which}: scoring now into {run_dir / PLAN_DIR}")
     world().barrier("run directory check")  # every rank has looked before rank 0 creates it
     made = world().is_main and not run_dir.exists()
