@@ -250,6 +250,7 @@ def test_inspect_verify_checks_a_runs_checkpoints_finished_or_not(finished_run, 
     assert result.exit_code == 2, result.output
     said = " ".join(result.stderr.split())
     assert "1 checkpoint file not as usaf wrote it" in said and "checkpoints/step-0000004/deltas.safetensors" in said
+    assert "(the sha256 recorded differs: edited, or cut short)" in said, said
     report = json.loads(invoke("inspect", partial, "--verify", "--json").stdout)
     assert report["verified"] is False and report["checkpoints"] == [
         {"path": "checkpoints/step-0000004", "changed": ["deltas.safetensors"], "missing": []},

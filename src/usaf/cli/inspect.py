@@ -317,7 +317,9 @@ def _say_checkpoints(
         said = [f"{counted(len(missing), 'checkpoint file')} missing: {', '.join(missing[:5])}"] if missing else []
         if edited:
             them = "it" if len(edited) == 1 else "them"
-            differs = "the sha256 recorded differs" if hashes else "its size is not the one the run's manifest lists"
+            # a file cut short was said to differ in sha256 alone, where other commands say "truncated?" (review)
+            differs = ("the sha256 recorded differs: edited, or cut short" if hashes
+                       else "its size is not the one the run's manifest lists")  # fmt: skip
             said.append(f"{counted(len(edited), 'checkpoint file')} not as usaf wrote {them} ({differs}): "
                         f"{', '.join(edited[:5])}")  # fmt: skip
         raise UsafError(f"{run}: {'; '.join(said)}",
