@@ -1028,6 +1028,12 @@ def test_a_workspace_plan_scored_on_other_data_is_not_taken_and_a_given_one_is_s
     said = " ".join(passed.stderr.split())
     assert passed.exit_code == 0 and "not using the plan" in said and "scored with other tokens" in said, said
     assert "scoring now into" in said
+    # without the selection given: "none in the workspace for this model" read as no plan at all, after the one
+    # named above (found in review)
+    plain = invoke("train", "--model", qdir, "--workspace", ws, "--steps", 2, "--data", other, "--out", tmp_path / "p")
+    said = " ".join(plain.stderr.split())
+    assert plain.exit_code == 0 and "scored with other tokens" in said, said
+    assert "no --plan and none in the workspace for this model and these tokens: scoring now" in said, said
     given = invoke("train", *args[:-4], "--data", other, "--plan", plan, "--out", tmp_path / "given")
     said = " ".join(given.stderr.split())
     assert given.exit_code == 0 and f"--plan {plan}: scored with other tokens" in said, said
