@@ -15,12 +15,12 @@ def _command(cli: dict[str, Any], *, config: Path | None, json_output: bool, ver
     from usaf.cli.console import handle_errors
 
     with handle_errors(verbose):
-        from usaf.cli.stage import say_legacy
+        from usaf.cli.stage import say_environment
         from usaf.config import resolve_config
         from usaf.memory_plan.config import LEGACY_ENV, PlanConfig
 
         settings = resolve_config(PlanConfig, section="plan", cli=cli, config_file=config, legacy_env=LEGACY_ENV)
-        say_legacy(settings)
+        say_environment(settings)
         _run(settings, json_output)
 
 

@@ -65,7 +65,7 @@ def run_stage(
             config_file=config_file,
             legacy_env=getattr(stage, "LEGACY_ENV", None),
         )
-        say_legacy(settings)
+        say_environment(settings)
         manifest, path = stage.run(settings, progress=RichProgress())
         from usaf.distributed import world
 
@@ -77,7 +77,7 @@ def run_stage(
             summary(out, manifest, path)
 
 
-def say_legacy(settings: Any) -> None:
+def say_environment(settings: Any) -> None:
     """Notes of the settings read from the original tool's environment variables (:func:`usaf.config.legacy_note`),
     and of the ``USAF_*`` variables no setting has (:func:`usaf.cli.doctor.misspelt_variables`)."""
     from usaf.cli.console import err
