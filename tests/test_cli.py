@@ -256,6 +256,31 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, mo
         assert done.exit_code == 0 and (cwd / "manifest.json").is_file(), done.output
 
 
+@pytest.mark.parametrize(("args", "said", "lists"), [
+    (["train", "--steps", "abc"], "error: invalid value for '--steps'", "usaf train -h` lists its options"),
+    (["train", "--bogus"], "error: no such option: --bogus", "usaf train -h` lists its options"),
+    (["tokenize", "--seq-len"], "error: option '--seq-len' requires an", "usaf tokenize -h` lists its options"),
+    (["inspect"], "error: missing argument 'PATH'", "usaf inspect -h` lists its options"),
+    (["trian"], "error: no such command 'trian'. Did you mean 'train'?", "usaf -h` lists the commands"),
+    (["--bogus"], "error: no such option: --bogus", "usaf -h` lists the commands"),
+])  # fmt: skip
+def test_a_command_line_that_does_not_parse_is_said_as_usafs_errors_are(args, said, lists):
+    """``--steps abc``, an unknown option or command, a missing value: click printed its ``Usage:`` block, a ``Try``
+    line and ``Error: Invalid value ...``, where usaf's errors are an ``error:`` and a ``hint:`` line (found in
+    review). Exit 2 as before. The control: ``usaf`` alone still prints the help (click raises it as a usage error
+    too), and ``-h`` its usage."""
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(said) and lines[1].startswith("hint: `") and lines[1].endswith(
+        lists), lines  # fmt: skip
+    assert "Usage:" not in result.output and "Error:" not in result.output and result.stdout == ""
+    helped = invoke()
+    assert "Usage: usaf [OPTIONS] COMMAND" in helped.output and "Commands" in helped.output
+    if args[0] in ("train", "tokenize", "inspect"):
+        assert invoke(args[0], "-h").output.startswith(f"Usage: usaf {args[0]}")
+
+
 def test_an_empty_path_in_a_toml_list_is_named_with_its_list_and_nothing_else_is_said_of_it(tmp_path):
     """``inputs = ["a.txt", ""]`` in a --config table was said as ``inputs = ""``, and with it "no INPUTS given"
     (the refused value left the field unset); ``model = ""`` added "--model is required" (found in review). The

@@ -16,10 +16,12 @@ from usaf._version import __version__
 from usaf.cli import demo, doctor, eval_, export, generate, inspect, plan, quantize, score, tiny_model, tokenize, train
 from usaf.cli.console import handle_errors
 from usaf.cli.once import SaysTheValueUsed
+from usaf.cli.usage_errors import GroupParseErrorsAsUsaf
 from usaf.errors import UsafError
 
 app = typer.Typer(
     name="usaf",
+    cls=GroupParseErrorsAsUsaf,
     help=(
         "Sparse native fine-tuning of Mixture-of-Experts language models on one consumer GPU or a CPU.\n\n"
         "Stages chain through a workspace: each writes a typed artifact directory the next one finds."

@@ -130,6 +130,11 @@ def say_rank_line(rank: int, said: rank_errors.Said) -> None:
         _print_error(UsafError(text, hint), verbose=False)
 
 
+def say_parse_error(message: str, hint: str) -> None:
+    """A command line click could not parse (:mod:`usaf.cli.usage_errors`), said as usaf's errors are."""
+    _say_error(UsafError(message, hint), verbose=False)
+
+
 def _say_error(e: UsafError, verbose: bool) -> None:
     """The error, where this rank is the one to say it (:mod:`usaf.cli.rank_errors`)."""
     if rank_errors.record("error", e.message, e.hint):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from typer.core import TyperCommand
+from usaf.cli.usage_errors import ParseErrorsAsUsaf
 
 
-class SaysTheValueUsed(TyperCommand):
+class SaysTheValueUsed(ParseErrorsAsUsaf):
     """A Typer command noting each single-valued option given more than once with other values (the same value
     twice is no news). Options that take several values (``--held-out A --held-out B``) are not single-valued."""
 
