@@ -169,14 +169,19 @@ def test_a_setting_read_from_the_original_tools_variable_is_said(tmp_path, monke
 
 def test_a_usaf_variable_no_setting_has_is_said_by_the_command(tmp_path, monkeypatch):
     """``USAF_SEQLEN=64`` (for USAF_SEQ_LEN) was ignored in silence by every command; doctor alone said it (found in
-    review). Each command says it, with the name it may have meant. The control: a variable a setting has says
-    nothing of the kind."""
+    review). Each command says it, with the name it may have meant; under torchrun, rank 0 alone. The control: a
+    variable a setting has says nothing of the kind."""
     from helpers import invoke
 
     assert invoke("tiny-model", tmp_path / "tm").exit_code == 0
     monkeypatch.setenv("USAF_SEQLEN", "64")
     said = " ".join(invoke("plan", tmp_path / "tm").stderr.split())
     assert "USAF_SEQLEN: read by no command: misspelt? (did you mean USAF_SEQ_LEN?;" in said, said
+    monkeypatch.setenv("RANK", "1")  # a rank other than 0 under torchrun: rank 0 says it, once
+    assert "misspelt" not in invoke("plan", tmp_path / "tm").stderr
+    monkeypatch.setenv("RANK", "0")
+    assert "misspelt" in invoke("plan", tmp_path / "tm").stderr
+    monkeypatch.delenv("RANK")
     monkeypatch.delenv("USAF_SEQLEN")
     monkeypatch.setenv("USAF_SEQ_LEN", "64")
     assert "misspelt" not in invoke("plan", tmp_path / "tm").stderr

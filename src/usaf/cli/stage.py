@@ -79,7 +79,11 @@ def run_stage(
 
 def say_environment(settings: Any) -> None:
     """Notes of the settings read from the original tool's environment variables (:func:`usaf.config.legacy_note`),
-    and of the ``USAF_*`` variables no setting has (:func:`usaf.cli.doctor.misspelt_variables`)."""
+    and of the ``USAF_*`` variables no setting has (:func:`usaf.cli.doctor.misspelt_variables`). Under torchrun
+    (``--nproc``) rank 0 alone says them: the launcher gives every rank the same environment, and each rank said
+    them once, N times in all."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     from usaf.cli.console import err
     from usaf.cli.doctor import misspelt_variables
     from usaf.config import legacy_note
