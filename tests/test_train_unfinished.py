@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 
 import pytest
 
@@ -69,6 +70,32 @@ def test_the_same_command_resumes_its_unfinished_run_without_out(prepared, tmp_p
     assert f"resuming the unfinished run {run} (no --out given)" in resumed.stderr
     assert f"(step 2 of {STEPS})" in resumed.stderr
     assert load_verified(run, RunManifest).summary.steps == STEPS and len(runs(tmp_path)) == 3
+
+
+def test_an_unfinished_run_whose_settings_were_edited_is_named_when_passed_over(prepared, tmp_path):
+    """An unfinished run whose run-settings.json was edited (an lr changed by hand) is refused by --resume, but the same
+    command without --out passed it over in silence and started a new run (found in review): a note names it. The
+    control: put back as usaf wrote it, the same command resumes it."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    command = train(tmp_path, qdir, tokens, "--plan", plan)
+    run, _ = stopped_at_step_2(command, tmp_path)
+    saved = run / "run-settings.json"
+    written = saved.read_text(encoding="utf-8")
+    saved.write_text(written.replace('"seed": 0', '"seed": 7'), encoding="utf-8")
+    assert saved.read_text(encoding="utf-8") != written
+    with ctrl_c_at_step(0):  # the new run it starts: stopped at once
+        passed = invoke(*command)
+    said = " ".join(passed.stderr.split())
+    assert f"not resuming the unfinished run {run}: its run-settings.json changed since usaf wrote it" in said, said
+    assert "resuming the unfinished run" not in said.replace("not resuming the unfinished run", "")
+    newer = [r for r in runs(tmp_path) if r != run]
+    for r in newer:
+        shutil.rmtree(r)
+    saved.write_text(written, encoding="utf-8")
+    resumed = invoke(*command)
+    assert resumed.exit_code == 0, explain(resumed)
+    assert f"resuming the unfinished run {run} (no --out given)" in resumed.stderr
+    assert "not resuming" not in resumed.stderr
 
 
 def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):

@@ -623,8 +623,15 @@ def _unfinished_run(config: TrainConfig, settler: _Settler, progress: Progress) 
     rerun would start over in a new one."""
 
     def look() -> Path | None:
-        candidates = unfinished_outputs(settings_workspace(config), "run", settler.model[0].name)
-        return next((c for c in candidates if not _in_use(c) and _continues(c, config, settler)), None)
+        for candidate in unfinished_outputs(settings_workspace(config), "run", settler.model[0].name):
+            if _in_use(candidate):
+                continue
+            if _continues(candidate, config, settler):
+                return candidate
+            if _settings_edited(candidate):  # passed over in silence, a new run started (found in review)
+                progress.note(f"not resuming the unfinished run {candidate}: its {SETTINGS_FILE} changed since usaf "
+                              "wrote it (put back what was edited and rerun to continue that run)")  # fmt: skip
+        return None
 
     found = settler.world.decided_by_main(look, "the unfinished run")
     if found is not None:
@@ -636,6 +643,15 @@ def _in_use(run_dir: Path) -> bool:
     """Whether another process holds ``run_dir``'s lock: the same command started twice at once runs twice."""
     try:
         OutputLock(run_dir).acquire().release()
+    except UsafError:
+        return True
+    return False
+
+
+def _settings_edited(run_dir: Path) -> bool:
+    """Whether ``run_dir``'s recorded settings were edited after usaf wrote them (:func:`read_run_settings`)."""
+    try:
+        read_run_settings(run_dir / SETTINGS_FILE)
     except UsafError:
         return True
     return False
