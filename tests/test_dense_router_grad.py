@@ -259,6 +259,20 @@ def test_train_refuses_it_with_no_router_and_for_a_model_defined_router(prepared
     assert "structural fallback" in result.stderr and "Traceback" not in result.output + result.stderr
 
 
+def test_train_refuses_a_load_balancing_loss_for_a_family_without_one(prepared, tmp_path):
+    """``--aux-loss-coef`` on DeepSeek-V3 (no load-balancing loss: its routing bias balances) scored a plan, loaded
+    the model and crashed at the first step with a traceback, exit 1, leaving an unfinished run (found in review).
+    Refused before anything runs now. The control: Mixtral has one, and trains with it."""
+    qdir, tokens, plan = prepared("deepseek_v3")
+    result = _train(qdir, tokens, plan, tmp_path / "run", "--steps", 2, "--aux-loss-coef", 0.01)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "error: --aux-loss-coef 0.01: deepseek_v3 has no load-balancing loss" in said
+    assert "Traceback" not in result.output + result.stderr and not (tmp_path / "run").exists()
+    qdir, tokens, plan = prepared("mixtral")
+    done = _train(qdir, tokens, plan, tmp_path / "mixtral", "--steps", 2, "--aux-loss-coef", 0.01)
+    assert done.exit_code == 0, done.output
+
+
 class _Rejected(RuntimeError):
     pass
 

@@ -543,7 +543,13 @@ def test_a_reselection_that_would_replace_under_one_weight_or_a_zero_share_is_re
     assert load_verified(tmp_path / "default", RunManifest).summary.reselections == []
 
 
-def test_routing_collapse_is_warned_once_per_layer():
+@pytest.mark.parametrize(("model_type", "ways"), [
+    ("qwen3_moe", "--aux-loss-coef 0.01 or --no-router"),
+    ("deepseek_v3", "--no-router"),  # no load-balancing loss: --aux-loss-coef is refused for it
+])  # fmt: skip
+def test_routing_collapse_is_warned_once_per_layer(model_type, ways):
+    from types import SimpleNamespace
+
     from usaf.engine.engine import LayerLoad
     from usaf.stages.train.trainer import Trainer, TrainState
 
@@ -558,6 +564,7 @@ def test_routing_collapse_is_warned_once_per_layer():
 
     class Engine:
         trainable_layers = (2,)
+        spec = SimpleNamespace(model_type=model_type)
 
         def load_stats(self, reset=True):
             return {1: LayerLoad([0] * 4, 0.0, 0.0, 4), 2: next(loads)}  # layer 1: frozen, skipped by the cache
@@ -569,6 +576,7 @@ def test_routing_collapse_is_warned_once_per_layer():
     assert trainer._check_routing() == [] and trainer._check_routing() == []
     warned = trainer._check_routing()
     assert len(warned) == 1 and warned[0].startswith("layer 2: routing collapsing, one expert takes 85%")
+    assert warned[0].endswith(f"(was 25%); try a lower --router-lr, {ways}"), warned
     assert trainer._check_routing() == [] and trainer.state.routing_warnings == warned
 
 

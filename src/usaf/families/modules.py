@@ -20,6 +20,7 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import sys
@@ -56,6 +57,16 @@ def load_balancing_loss_of(model: Any) -> Any:
     attention_mask) -> loss``: the ``load_balancing_loss_func`` of the model's transformers module; None where
     the family defines none (DeepSeek-V3 balances with its routing bias instead)."""
     return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+
+
+def has_load_balancing_loss(model_type: str) -> bool:
+    """Whether the installed transformers gives the family a ``load_balancing_loss_func`` (what ``--aux-loss-coef``
+    trains with; :func:`load_balancing_loss_of`), read from its modeling module without building a model."""
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return False
+    return hasattr(module, "load_balancing_loss_func")
 
 
 class ModuleLayout(str, Enum):

@@ -53,6 +53,7 @@ from usaf.distributed import SAME_INPUTS, World, world
 from usaf.engine.reselect import update_fraction
 from usaf.errors import UsafError
 from usaf.families import load_model_config, resolve_family
+from usaf.families.modules import has_load_balancing_loss
 from usaf.families.routing import dense_router_grad_refusal
 from usaf.settings import SELECTION_FIELDS
 from usaf.settings.fields import DEFAULT_TARGETS, EXPERTS_ONLY, parse_targets
@@ -115,6 +116,7 @@ def resolve_inputs(
         config = with_recorded_settings(config, config.out, world, progress)
     model_dir, model_manifest = resolve_model(config, progress)
     _check_dense_router_grad(config, model_dir)
+    _check_aux_loss(config, model_dir)
     if not config.router:
         refuse_unused(config, "router_lr", "no router is trained (--no-router)", "drop it, or train the routers",
                       progress.note)  # fmt: skip
@@ -183,6 +185,21 @@ def _check_dense_router_grad(config: TrainConfig, model_dir: Path) -> None:
     refusal = dense_router_grad_refusal(resolve_family(load_model_config(model_dir)))
     if refusal is not None:
         raise UsafError(f"--dense-router-grad: {refusal}", "drop --dense-router-grad")
+
+
+def _check_aux_loss(config: TrainConfig, model_dir: Path) -> None:
+    """``--aux-loss-coef`` is refused for a family with no load-balancing loss (DeepSeek-V3 balances its experts
+    with its routing bias): the run scored its plan, loaded the model and crashed at its first step with a
+    traceback (found in review)."""
+    if config.aux_loss_coef == 0:
+        return
+    model_type = resolve_family(load_model_config(model_dir)).model_type
+    if not has_load_balancing_loss(model_type):
+        raise UsafError(
+            f"{source_of(config, 'aux_loss_coef')} {config.aux_loss_coef:g}: {model_type} has no load-balancing loss "
+            "(it balances its experts with its routing bias)",
+            "drop it (--z-loss-coef keeps the routers' logits small on every family)",
+        )
 
 
 def with_lr(config: TrainConfig, plan: PlanManifest) -> tuple[TrainConfig, str]:

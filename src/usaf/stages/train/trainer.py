@@ -44,6 +44,7 @@ from usaf.engine.engine import SparseEngine
 from usaf.engine.optim import SparseAdamW
 from usaf.engine.schedule import WarmupCosine
 from usaf.errors import UsafError
+from usaf.families.modules import has_load_balancing_loss
 from usaf.settings.train import company_size
 from usaf.stages.train.budget import data_seq_len
 from usaf.stages.train.companies import FirstEpochCompanies, company_prefix_states
@@ -323,6 +324,9 @@ class Trainer:
         sum_expert_loads(self.engine, self.world)
         stats = self.engine.load_stats(reset=True)
         new = []
+        # the family's own load-balancing loss where it has one (DeepSeek-V3 has none: --aux-loss-coef is refused)
+        ways = "--aux-loss-coef 0.01 or --no-router" if has_load_balancing_loss(self.engine.spec.model_type) else (
+            "--no-router")  # fmt: skip
         for layer in self.engine.trainable_layers:
             load, key = stats[layer], str(layer)
             if sum(load.tokens_per_expert) == 0:
@@ -337,12 +341,12 @@ class Trainer:
             if load.max_share > max(0.5, 2 * share):
                 new.append(
                     f"layer {layer}: routing collapsing, one expert takes {load.max_share:.0%} of tokens "
-                    f"(was {share:.0%}); try a lower --router-lr, --aux-loss-coef 0.01 or --no-router"
+                    f"(was {share:.0%}); try a lower --router-lr, {ways}"
                 )
             elif load.dead_experts >= dead + max(1, experts // 4):
                 new.append(
                     f"layer {layer}: {load.dead_experts} of {experts} experts get no tokens (was {int(dead)}); "
-                    "try --aux-loss-coef 0.01 or --no-router"
+                    f"try {ways}"
                 )
         self.state.routing_warnings.extend(new)
         return new
