@@ -1283,3 +1283,23 @@ def test_eval_with_neither_model_nor_checkpoint_takes_the_newest_run_and_its_mod
     shutil.rmtree(ws / "run")
     refused = invoke("eval", "--workspace", ws, "--max-sequences", 2, "--no-plots", "--out", tmp_path / "base")
     assert refused.exit_code == 2 and "of 2 different origins" in " ".join(refused.stderr.split()), refused.output
+
+
+def test_a_change_under_the_weights_rounding_is_said_as_such_not_as_a_bug_alone(prepared, tmp_path):
+    """A run at ``--lr 1e-30`` has deltas that differ from zero and change no weight once added: eval said "the
+    change is not reaching the forward (a bug in usaf)" (found in review). The message names the rounding first,
+    with the largest delta. The control: the same run at a real lr is evaluated."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    common = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 2, "--no-router",
+              "--save-every", 0]  # fmt: skip
+    assert invoke(*common, "--lr", 1e-30, "--out", tmp_path / "tiny").exit_code == 0
+    result = invoke("eval", "--model", qdir, "--checkpoint", tmp_path / "tiny", "--data", tokens, "--no-plots",
+                    "--out", tmp_path / "report", "--workspace", tmp_path)  # fmt: skip
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "leaves the logits of" in said and "(largest |delta| 1" in said, result.output
+    assert "its deltas may be below the rounding of the weights they add to (a tiny --lr or few steps)" in said
+    assert "train with a larger --lr or more steps" in said and not (tmp_path / "report").exists()
+    assert invoke(*common, "--lr", 1e-2, "--out", tmp_path / "real").exit_code == 0
+    done = invoke("eval", "--model", qdir, "--checkpoint", tmp_path / "real", "--data", tokens, "--no-plots",
+                  "--out", tmp_path / "report", "--workspace", tmp_path)  # fmt: skip
+    assert done.exit_code == 0, done.output

@@ -391,12 +391,17 @@ def _tuned_pass(loaded, change, batches, backend, progress: Progress, placement:
         ) from None
     after = batch_hidden(engine.model, probe, backend.device)
     moved = max_logit_change(engine.model, before, after, probe.attention_mask)  # real positions only
-    if moved == 0.0:
+    if moved == 0.0:  # deltas under the weights' rounding came first: a bug was named alone (found in review)
+        largest = max((float(values.abs().max()) for _, values in change.deltas.values() if values.numel()),
+                      default=0.0)  # fmt: skip
         raise UsafError(
             f"--checkpoint {change.source}: applying it leaves the logits of {int(probe.attention_mask.sum())} "
-            "tokens unchanged although its deltas or routers differ from the base model: the change is not "
-            "reaching the forward (a bug in usaf), or none of these tokens routes through a changed expert",
-            "report this with the checkpoint, or evaluate on more text (a larger --microbatch checks more tokens)",
+            "tokens unchanged although its deltas or routers differ from the base model (largest |delta| "
+            f"{largest:.3g}): its deltas may be below the rounding of the weights they add to (a tiny --lr or few "
+            "steps), none of these tokens may route through a changed expert, or the change is not reaching the "
+            "forward (a bug in usaf)",
+            "train with a larger --lr or more steps, or evaluate on more text (a larger --microbatch checks more "
+            "tokens); if neither explains it, report it with the checkpoint",
         )
     del before, after
     if prefix is None:
