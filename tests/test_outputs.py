@@ -254,6 +254,111 @@ def test_overwrite_replaces_usafs_own_artifact_and_an_empty_directory_is_used(ws
     assert leftovers(tmp_path) == []
 
 
+def test_an_empty_directory_is_filled_where_it_is_keeping_its_mode_and_inode(ws, tmp_path):
+    """An empty --out was replaced by a new directory at the end: a ``chmod 2770`` shared directory came back
+    ``drwxr-xr-x`` and world-readable (found in review). It is filled in place now, and so is the usaf artifact
+    there on --overwrite where it cannot be renamed (a mount point: EBUSY below, the rename's answer there). The
+    control: a new --out is made as before."""
+    from usaf.artifacts import in_place, outputs
+
+    empty = tmp_path / "shared"
+    empty.mkdir()
+    empty.chmod(0o2770)
+    before = empty.stat()
+    args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"]
+    assert invoke(*args, "--out", empty).exit_code == 0 and (empty / "manifest.json").is_file()
+    after = empty.stat()
+    assert (after.st_ino, oct(after.st_mode)) == (before.st_ino, oct(before.st_mode))
+    assert sorted(p.name for p in empty.iterdir()) == sorted(p.name for p in ws["plan"].iterdir())
+
+    real_replace = os.replace
+
+    def mount_point(src, dst, *a, **k):  # renaming the output itself fails as at a mount point
+        if Path(src) == empty:
+            raise OSError(16, "Device or resource busy", str(src))
+        return real_replace(src, dst, *a, **k)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(outputs.os, "replace", mount_point)
+        again = invoke(*args, "--seed", 1, "--out", empty, "--overwrite")
+    assert again.exit_code == 0, again.output
+    assert empty.stat().st_ino == before.st_ino and leftovers(tmp_path) == []
+    assert outputs.found_at(empty).state == "usaf" and not (empty / outputs.FILLING_MARKER).exists()
+    assert in_place.cannot_be_moved(OSError(16, "busy"), empty)
+    assert not in_place.cannot_be_moved(OSError(13, "denied"), empty)  # the control: only a mount point's answer
+    new = tmp_path / "new"
+    assert invoke(*args, "--out", new).exit_code == 0 and (new / "manifest.json").is_file()
+
+
+def test_a_fill_cut_short_reads_as_usafs_unfinished_output_and_is_replaced(ws, tmp_path):
+    """A kill while the entries move in (or while a mount point's artifact is deleted in place) leaves the marker:
+    the directory is usaf's unfinished output, which --overwrite replaces, not a user's directory refused for good.
+    Across file systems entries are copied. The control: without the marker the same leftovers are a user's."""
+    from usaf.artifacts import in_place, outputs
+
+    empty = tmp_path / "out"
+    empty.mkdir()
+    args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"]
+    real_move = in_place._move
+    moved = []
+
+    def cut_after_one(src, dst):
+        if moved:
+            raise KeyboardInterrupt
+        moved.append(dst)
+        real_move(src, dst)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(in_place, "_move", cut_after_one)
+        assert invoke(*args, "--out", empty).exit_code == 130
+    assert len(moved) == 1 and not (empty / "manifest.json").exists()
+    found = outputs.found_at(empty)
+    assert (found.state, found.kind) == ("usaf", "plan"), found
+    refused = invoke(*args, "--out", empty)
+    assert refused.exit_code == 2 and "--overwrite to replace it" in refused.stderr, refused.output
+
+    real_rename = os.rename
+
+    def another_file_system(src, dst):
+        if Path(dst).parent == empty:
+            raise OSError(18, "Invalid cross-device link", str(src))
+        return real_rename(src, dst)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(in_place.os, "rename", another_file_system)
+        done = invoke(*args, "--out", empty, "--overwrite")
+    assert done.exit_code == 0, done.output
+    assert outputs.found_at(empty).kind == "plan" and not (empty / outputs.FILLING_MARKER).exists()
+    assert invoke("inspect", empty).exit_code == 0 and leftovers(tmp_path) == []
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "selection.safetensors").write_bytes(b"x")
+    assert outputs.found_at(control).state == "foreign"
+
+
+def test_an_out_name_with_no_room_for_usafs_files_beside_it_is_one_error(ws, tiny_model, tmp_path):
+    """A legal --out name of 245 bytes ended with a traceback (``File name too long`` for its lock file), and one
+    of 236 with "cannot create it" of a path that can be made (found in review): the room usaf needs beside an
+    output is checked first, by every writer. The control: the longest name it allows is written."""
+    from usaf.artifacts.outputs import SIBLING_EXTRA
+
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX") - SIBLING_EXTRA
+    corpus = tmp_path / "x.py"
+    corpus.write_text("x = 1\n" * 20)
+    for args in (["tokenize", corpus, "--model", ws["model"]], ["quantize", tiny_model("qwen3_moe"), "--method", "rtn"],
+                 ["score", "--model", ws["model"], "--data", ws["tokens"]], ["train", "--model", ws["model"], "--data",
+                 ws["tokens"], "--plan", ws["plan"], "--steps", 1]):  # fmt: skip
+        out = tmp_path / "outs" / ("d" * (longest + 1))
+        result = invoke(*args, "--out", out)
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and f"a name of {longest + 1} bytes;" in said, (args[0], result.output)
+        assert f"give it a name of at most {longest} bytes" in said and "Traceback" not in result.output
+        assert not (tmp_path / "outs").exists() or not list((tmp_path / "outs").iterdir())
+    out = tmp_path / "outs" / ("d" * longest)
+    assert invoke("tokenize", corpus, "--model", ws["model"], "--out", out).exit_code == 0
+    assert (out / "manifest.json").is_file()
+
+
 _ANOTHER_KIND = {  # command -> (the artifact of another kind put at its --out, its arguments but --out)
     "score": ("tokens", ["score", "--model", "{model}", "--data", "{tokens}", "--calib-samples", 2, "--no-stability",
                          "--overwrite"]),

@@ -36,6 +36,7 @@ TMP_TAG = ".usaf-tmp-"
 PARTIAL_TAG = ".usaf-partial"  # a resumable run's work: .NAME.usaf-partial beside its output
 SCORE_PARTIAL_MARKER = "score-settings.json"  # what score writes first in its partial directory
 MADE_MARKER = ".usaf-made"  # in a directory usaf wrote in another tool's format (a tiny Hugging Face model)
+FILLING_MARKER = f"{TMP_TAG}filling"  # in an existing directory usaf fills or empties in place (in_place.py)
 
 InputPaths = Mapping[str, "Path | str | Iterable[Path | str] | None"]  # flag -> the path(s) it named
 
@@ -48,6 +49,7 @@ def check_not_an_input(
     ``defaulted``: ``target`` is the workspace's default output, not a ``flag`` given (``usaf tokenize .`` was
     refused as an ``--out`` nobody passed, with no word of the workspace that placed it; found in review).
     ``runs_own_plan``: ``target`` is the plan a run scores for itself, in its run directory (train's score)."""
+    check_name_room(Path(target), flag)
     found = output_overlap(target, inputs, runs_own_plan=runs_own_plan)
     if found is not None:
         where, harm, remedy = found
@@ -56,6 +58,32 @@ def check_not_an_input(
                             f"pass --out DIR {remedy}, or --workspace DIR {remedy} (the workspace is the current "
                             "directory unless --workspace or USAF_WORKSPACE names one)")  # fmt: skip
         raise UsafError(f"{flag} {target} {where}: writing there would {harm}", f"pass {_a(flag)} {remedy}")
+
+
+# The longest name usaf gives a file beside an output: its replaced output, ``.NAME.usaf-old-PID-xxxxxxxx``.
+SIBLING_EXTRA = len(f".{OLD_TAG}{'9' * 7}-{'f' * 8}")
+
+
+def check_name_room(target: Path, flag: str) -> None:
+    """Refuse an output whose name leaves no room for the names usaf writes beside it (its temporaries, lock and
+    replaced output: :data:`SIBLING_EXTRA` bytes more). A legal name of 245 bytes ended the command with a traceback
+    (``File name too long`` for its lock), one of 236 with "cannot create it" of a path that can be made (found in
+    review)."""
+    size, limit = len(os.fsencode(target.name)), _name_max(target.parent)
+    if size + SIBLING_EXTRA > limit:
+        raise UsafError(f"{flag} {target}: a name of {size} bytes; usaf writes files beside it under its name and "
+                        f"{SIBLING_EXTRA} bytes more (temporaries, a lock), past this file system's {limit}",
+                        f"give it a name of at most {limit - SIBLING_EXTRA} bytes")  # fmt: skip
+
+
+def _name_max(directory: Path) -> int:
+    """The longest file name the file system of ``directory`` (or of its nearest existing parent) takes, in bytes."""
+    for place in (directory, *directory.parents):
+        try:
+            return os.pathconf(place, "PC_NAME_MAX")
+        except (OSError, ValueError, AttributeError):  # absent yet, or no pathconf (Windows): its parent's, or 255
+            continue
+    return 255
 
 
 def _a(flag: str) -> str:
@@ -125,6 +153,12 @@ def _finished(directory: Path) -> tuple[str, str] | None:
     return None
 
 
+def finished_kind(directory: Path) -> str | None:
+    """The kind of the finished usaf artifact ``directory`` is (its manifest's or marker's), or None."""
+    finished = _finished(directory)
+    return finished[1] if finished is not None else None
+
+
 @dataclass(frozen=True)
 class Found:
     """What is at an output path before a command writes it."""
@@ -172,6 +206,9 @@ def _made(directory: Path, entries: list[str] | None = None) -> tuple[str, str] 
     finished = _finished(directory)
     if finished is not None:
         return finished
+    filling = _filling_kind(directory)
+    if filling is not None:  # a kill while usaf moved its output into this directory, or emptied it in place
+        return "an unfinished usaf output (stopped while its files were moved in or deleted)", filling
     if (directory / SETTINGS_FILE).is_file():  # written when training starts (atomically; cut by old versions)
         return "an unfinished usaf run", "run"
     entries = entries if entries is not None else own_entries(directory)
@@ -180,6 +217,14 @@ def _made(directory: Path, entries: list[str] | None = None) -> tuple[str, str] 
     if entries == [f".{PLAN_DIR}{PARTIAL_TAG}"] and _score_partial(directory / entries[0]):
         return "an unfinished usaf run (stopped while scoring its plan)", "run"
     return None
+
+
+def _filling_kind(directory: Path) -> str | None:
+    """The kind :data:`FILLING_MARKER` names, where ``directory`` holds one (a ``plan`` being moved in), else None."""
+    try:
+        return (directory / FILLING_MARKER).read_text(encoding="utf-8").strip() or None
+    except (OSError, ValueError):
+        return None
 
 
 def _score_partial(directory: Path) -> bool:
@@ -245,7 +290,9 @@ def set_aside(
     target: Path, flag: str, *, overwrite: bool, overwrite_flag: str, kinds: Collection[str] = ()
 ) -> Path | None:
     """Move what is at ``target`` to a hidden :func:`old_sibling` for deletion, where it may be replaced (else
-    refused, :func:`refuse_unless_replaceable` with ``kinds``); None when nothing is there.
+    refused, :func:`refuse_unless_replaceable` with ``kinds``); None when nothing is there, when it is an empty
+    directory (kept, to be filled in place), or when it is a mount point (emptied in place:
+    :mod:`usaf.artifacts.in_place`).
 
     Looked at again once moved, under a name nobody else uses: between the first look and the rename another
     process may have put something else there (a user's directory), and what is deleted must be what was checked.
@@ -256,8 +303,18 @@ def set_aside(
     if found.state == "absent":
         return None
     refuse_unless_replaceable(target, found, flag, overwrite=overwrite, overwrite_flag=overwrite_flag, kinds=kinds)
+    if found.state == "empty":  # the user's directory, a mount point: kept, and filled in place (in_place.py)
+        return None
     old = old_sibling(target)
-    os.replace(target, old)
+    try:
+        os.replace(target, old)
+    except OSError as e:
+        from usaf.artifacts.in_place import cannot_be_moved, clear_in_place  # lazy: in_place imports this module
+
+        if not cannot_be_moved(e, target):
+            raise
+        clear_in_place(target, found.kind)  # a mount point: its usaf artifact deleted, the directory kept
+        return None
     moved = found_at(old)
     try:
         refuse_unless_replaceable(target, moved, flag, overwrite=overwrite, overwrite_flag=overwrite_flag, kinds=kinds)

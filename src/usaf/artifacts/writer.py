@@ -23,6 +23,7 @@ import psutil
 from usaf._version import __version__
 from usaf.artifacts.disk import raise_disk_error, removed_on_failure
 from usaf.artifacts.hashing import combine, hashing_phase, sha256_file
+from usaf.artifacts.in_place import fill_in_place
 from usaf.artifacts.lock import OutputLock
 from usaf.artifacts.manifest import MANIFEST_NAME, FileRecord, InputRecord, Manifest, manifest_checksum
 from usaf.artifacts.outputs import (
@@ -31,6 +32,7 @@ from usaf.artifacts.outputs import (
     TMP_TAG,
     InputPaths,
     check_not_an_input,
+    finished_kind,
     found_at,
     mark_usaf_made,
     refuse_unless_replaceable,
@@ -315,7 +317,10 @@ class ArtifactWriter:
         # looked at again: it may have appeared or changed while we worked
         old = set_aside(self.target, self.flag, overwrite=self.overwrite, overwrite_flag=self.overwrite_flag,
                         kinds=self.kinds)  # fmt: skip
-        os.replace(self.dir, self.target)
+        if self.target.is_dir():  # an empty directory, or a mount point emptied: kept, its entries moved in
+            fill_in_place(self.dir, self.target, finished_kind(self.dir) or self.kinds[0], self.flag)
+        else:
+            os.replace(self.dir, self.target)
         if old is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(old)
