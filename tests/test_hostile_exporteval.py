@@ -22,3 +22,5 @@ def test_negative_control_the_unforged_delta_exports(bench, tmp_path):
     assert "verified" in result.stdout and "3 delta entries" in result.stdout
     said = " ".join(result.stdout.split())  # counts say one of a thing: "1 shards", "1 routers replaced" (review)
     assert "1 shard," in said and "1 shards" not in said, said
+    # a base quantized at 3 or 8 bits was said "4-bit"; gpt-oss's router weight and bias "2 routers" (review)
+    assert "4-bit" not in said and "0 router tensors replaced" in said and "(dequantized base)" in said, said

@@ -36,14 +36,14 @@ def _print_summary(console, manifest, path: Path) -> None:
             f"apply it with usaf export --checkpoint {path}"
         )
         return
-    base = f"--base {s.base_path}" if s.base == "original" else "dequantized 4-bit base"
+    base = f"--base {s.base_path}" if s.base == "original" else "dequantized base"
     if s.change_source is None:
-        applied = "the dequantized 4-bit base alone (--no-checkpoint)"
+        applied = "the dequantized base alone (--no-checkpoint)"
     else:
         applied = (
             f"{counted(s.expert_entries, 'delta entry')} applied to {counted(s.expert_tensors_changed, 'tensor')}, "
-            f"{counted(s.router_tensors, 'router')} replaced, {counted(s.tensors_copied, 'tensor')} copied as they "
-            f"were ({base})"  # changed: experts, attention
+            f"{counted(s.router_tensors, 'router tensor')} replaced, {counted(s.tensors_copied, 'tensor')} copied as "
+            f"they were ({base})"  # changed: experts, attention
         )
     console.print(
         f"export → {path}: {counted(len(s.shards), 'shard')}, {s.bytes / 2**20:,.1f} MiB, "
@@ -64,7 +64,7 @@ def _verified_line(v, *, alone: bool) -> str:
         f"({'dequantized base' if alone else v.reference}) = {v.max_abs_diff:.3g} (tolerance {v.tolerance:.3g})"
     )
     if alone:
-        line += f"; vs the engine's 4-bit base {v.engine_max_abs_diff:.3g} (the export dtype's rounding)"
+        line += f"; vs the engine's quantized base {v.engine_max_abs_diff:.3g} (the export dtype's rounding)"
     elif v.change_effect_tolerance is not None:
         line += (
             f"; the change moves logits by up to {v.change_max_abs_effect:.3g} (RMS {v.change_rms:.3g} in the "
@@ -74,7 +74,7 @@ def _verified_line(v, *, alone: bool) -> str:
         )
     elif v.engine_max_abs_diff is not None:
         line += (
-            f"; the change moves logits by up to {v.change_max_abs_effect:.3g}; vs the 4-bit engine "
+            f"; the change moves logits by up to {v.change_max_abs_effect:.3g}; vs the quantized engine "
             f"{v.engine_max_abs_diff:.3g}"
         )
     return line

@@ -27,7 +27,7 @@ class ExportConfig(StageConfig):
     base: str | None = Field(
         None,
         description="Original model (directory or hub id, offline cache) to merge into.",
-        json_schema_extra=cli(default_text="the dequantized 4-bit experts", names_a_path=True),
+        json_schema_extra=cli(default_text="the quantized model's experts, dequantized", names_a_path=True),
     )
     format: Literal["hf", "delta"] = Field("hf", description="hf (merged model directory) | delta (change alone).")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -55,7 +55,7 @@ class ExportConfig(StageConfig):
         if self.base is not None:
             raise ValueError(
                 "--no-checkpoint with --base would copy the original unchanged; drop --base to export the "
-                "dequantized 4-bit base"
+                "dequantized base"
             )
         return self
 

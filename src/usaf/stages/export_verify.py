@@ -144,7 +144,7 @@ def _record(out, reference, before, engine, engine_base, *, original: bool) -> V
 
 def _check(v: VerifyRecord, expert_dtype: torch.dtype) -> None:
     if not v.max_abs_diff <= v.tolerance:  # also catches NaN
-        built = "the --base original" if v.reference == "original+change" else "the dequantized 4-bit base"
+        built = "the --base original" if v.reference == "original+change" else "the dequantized base"
         raise UsafError(
             f"verification failed: the reloaded export's logits differ by up to {v.max_abs_diff:.3g} "
             f"(tolerance {v.tolerance:.3g}) from those of the weights it should hold ({built} plus the change, "
