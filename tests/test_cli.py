@@ -187,6 +187,8 @@ def test_tiny_model_then_inspect_describes_it(tmp_path):
     assert result.exit_code == 2 and "--layers 1: config.json makes all 1 layers dense" in result.stderr
     assert not (tmp_path / "dense").exists()
     assert invoke("tiny-model", tmp_path / "dense", "--family", "deepseek_v3", "--layers", "2").exit_code == 0
+    one = invoke("tiny-model", tmp_path / "one", "--layers", "1")  # "(1 layers)" (review)
+    assert one.exit_code == 0 and "model (1 layer) with its tokenizer" in one.stdout, one.output
     # A seed out of range was a pydantic traceback (exit 1; review); the control: the largest one builds
     result = invoke("tiny-model", tmp_path / "seeded", "--seed", -1)
     assert result.exit_code == 2 and "--seed = -1: Input should be greater than or equal to 0" in result.stderr

@@ -110,6 +110,11 @@ def test_score_refuses_the_dense_target_where_no_dense_layer_trains(quantized, t
     assert result.exit_code == 2
     assert "--targets experts,dense" in result.stderr and "--train-from" in result.stderr
     assert not out.exists()
+    # a dense layer alone: the hint offered the layer it refused, with no word of the MoE layer it lacks (review)
+    alone = invoke(*args[:-2], "--layers", 0, "--targets", "dense", "--out", out)
+    said = " ".join(alone.stderr.split())
+    assert alone.exit_code == 2 and "(dense), with at least one MoE layer (the plan scores the routed experts)" in said
+    assert not out.exists()
     result = invoke(*args, "--train-from", 0)
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())

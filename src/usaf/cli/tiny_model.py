@@ -40,7 +40,10 @@ def _run(cli: dict[str, Any], *, json_output: bool, verbose: bool) -> None:
         if json_output:  # described at its path: it named the temporary directory it was built in (review)
             print_json({"path": str(path), "model": {**description.to_dict(), "model_dir": str(path)}})
         else:
-            stdout.print(f"wrote a tiny random {family} model ({layers} layers) with its tokenizer to {path}")
+            from usaf.units import counted  # lazy: usaf --help stays instant
+
+            layered = counted(layers, "layer")  # "1 layers" (review)
+            stdout.print(f"wrote a tiny random {family} model ({layered}) with its tokenizer to {path}")
 
 
 command = settings_command(

@@ -17,7 +17,8 @@ class EvalConfig(StageConfig):
     model: Path | None = f.quantized_model("the one --checkpoint was trained on, else newest")
     checkpoint: Path | None = Field(
         None,
-        description="Run directory, unfinished run or checkpoints/step-N to evaluate. Not given: the base model only; "
+        description="Run directory, unfinished run, checkpoints/step-N or delta directory to evaluate. Not given: the "
+        "base model only; "
         "with neither --model nor --checkpoint, the newest finished run for the workspace's newest model.",
     )
     data: list[Path] = Field(

@@ -90,7 +90,8 @@ def trainable_layers(config: Any, spec: Any) -> list[int]:
             kinds = "MoE or dense" if dense else "MoE"
             raise UsafError(
                 f"--layers {config.layers}: not {kinds} layers of this model, or no MoE layer among them",
-                f"choose from {list(moe_layers)}" + (f" (MoE) and {list(dense)} (dense)" if dense else ""),
+                f"choose from {list(moe_layers)}" + (f" (MoE) and {list(dense)} (dense), with at least one MoE layer "
+                                                     "(the plan scores the routed experts)" if dense else ""),
             )
         return sorted(set(config.layers))
     if config.train_from is not None:
