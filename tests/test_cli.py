@@ -341,3 +341,28 @@ def test_a_tokenizer_model_set_in_a_config_table_is_named_there_when_missing(tmp
     assert f"--config {toml} [tokenize] model {tmp_path / 'nowhere'}: no such directory" in said, said
     flag = " ".join(invoke("tokenize", corpus, "--model", tmp_path / "nowhere", "--out", tmp_path / "t").stderr.split())
     assert f"--model {tmp_path / 'nowhere'}: no such directory" in flag, flag
+
+
+def test_a_progress_bar_into_a_log_is_one_whole_line(monkeypatch):
+    """Into a log (stderr no terminal) rich printed the bar once on 80 columns: a longer line wrapped, leaving "kB"
+    alone on a line and the loss cut to "0:0…" (found in review). There it is one line without a bar. The control:
+    on a terminal the line is drawn on the terminal's width (80 here), cut."""
+    import io
+
+    from usaf.cli import progress
+    from usaf.cli.console import err
+
+    def shown(terminal: bool) -> str:
+        log = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", log)  # rich's stderr consoles write to sys.stderr as it is at each print
+        monkeypatch.setattr(err, "_force_terminal", terminal)
+        bar = progress.RichProgress()
+        bar.start("quantizing experts of a model with a long name " + "x" * 40, 10**10, "bytes")
+        bar.advance(10**10, tokens=10**9, loss=1.25)
+        bar.finish()
+        return log.getvalue()
+
+    line = shown(False)
+    assert len(line.splitlines()) == 1 and "10.0/10.0 GB" in line and "loss 1.2500" in line, line
+    assert "━" not in line
+    assert "…" in shown(True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -17,6 +18,8 @@ from rich.progress import (
 
 from usaf.cli.console import err
 
+_LOG_WIDTH = 400  # a progress line in a log: wider than any usaf writes, so never wrapped
+
 
 class RichProgress:
     def __init__(self, *, enabled: bool = True) -> None:
@@ -26,13 +29,18 @@ class RichProgress:
         self._started = 0.0
 
     def start(self, description: str, total: int | None, unit: str, *, done: int = 0) -> None:
-        columns: list[Any] = [TextColumn("[bold]{task.description}"), BarColumn()]
+        # Into a log (stderr not a terminal) rich prints the bar once, at its end, on 80 columns: a line longer
+        # than that wrapped, leaving "kB" or "MB" alone on the next line and the loss cut to "0:0…" (found in
+        # review). There the line is a log line: no bar, and as wide as it needs.
+        logging = not err.is_terminal
+        console = Console(stderr=True, highlight=False, width=_LOG_WIDTH) if logging else err
+        columns: list[Any] = [TextColumn("[bold]{task.description}")] + ([] if logging else [BarColumn()])
         if unit == "bytes":
             columns += [DownloadColumn(), TransferSpeedColumn()]
         else:
             columns += [TextColumn("{task.completed}/{task.total} " + unit)]
         columns += [TextColumn("{task.fields[rate]}"), TimeRemainingColumn()]
-        self._progress = Progress(*columns, console=err, disable=not self.enabled, transient=False)
+        self._progress = Progress(*columns, console=console, disable=not self.enabled, transient=False)
         self._progress.start()
         # done as the task's start, not an advance: rich's speed and time left count only this process's units (a
         # resumed run's bar showed 137,624 steps/s; found in review)
