@@ -416,3 +416,20 @@ def test_a_damaged_tokenizer_in_a_usaf_model_is_named_as_such(workspace, tmp_pat
     result = invoke("tokenize", tmp_path / "x.py", "--model", export, "--out", tmp_path / "t-export")
     said = " ".join(result.stderr.split())
     assert result.exit_code == 2 and "(usaf export)" in said and "usaf quantize" not in said, said
+
+
+@pytest.mark.parametrize("text", ["def parse(x):\n    return None", ""])
+def test_text_cut_by_ctrl_c_ends_its_line_before_the_interrupt_is_said(monkeypatch, tmp_path, text):
+    """Ctrl-C while text streamed: "interrupted: ..." was printed on the text's last line ("return Noneinterrupted")
+    (found in review). The text ends its line first. The control: with no text streamed, no empty line."""
+    from usaf.stages import generate as stage
+
+    def streams_then_stops(settings, *, on_text=None, progress=None):
+        if text:
+            on_text(text)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "run", streams_then_stops)
+    result = invoke("generate", PROMPT, "--workspace", tmp_path)
+    assert result.exit_code == 130, result.output
+    assert result.stdout == (text + "\n" if text else ""), repr(result.stdout)

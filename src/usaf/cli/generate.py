@@ -22,8 +22,18 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
 
         settings = resolve_config(GenerateConfig, section="generate", cli=cli, config_file=config)
         # Plain writes, not rich: generated text may contain [markup] that rich would interpret.
-        stream = None if json_output else (lambda text: typer.echo(text, nl=False))
-        result = run(settings, on_text=stream, progress=RichProgress())
+        streamed: list[bool] = []
+
+        def stream(text: str) -> None:
+            streamed.append(True)
+            typer.echo(text, nl=False)
+
+        try:
+            result = run(settings, on_text=None if json_output else stream, progress=RichProgress())
+        except KeyboardInterrupt:  # the text ends its line: "interrupted: ..." was glued to it (found in review)
+            if streamed:
+                typer.echo("")
+            raise
         if json_output:
             print_json({k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()})
             return
