@@ -1052,7 +1052,8 @@ def test_the_training_curves_of_a_checkpoint_mark_the_step_evaluated(trained, tm
 
     marked = []
     real = stage.plot_curves
-    monkeypatch.setattr(stage, "plot_curves", lambda *a, **k: marked.append(k["evaluated_step"]) or real(*a, **k))
+    monkeypatch.setattr(stage, "plot_curves", lambda curves, *a, **k: marked.append(curves.evaluated_step) or real(
+        curves, *a, **k))  # fmt: skip
     step = trained["run"] / "checkpoints" / "step-0000008"
     for checkpoint in (step, trained["run"]):  # the finished run's end is the control: nothing to mark
         out = tmp_path / checkpoint.name
@@ -1303,3 +1304,33 @@ def test_a_change_under_the_weights_rounding_is_said_as_such_not_as_a_bug_alone(
     done = invoke("eval", "--model", qdir, "--checkpoint", tmp_path / "real", "--data", tokens, "--no-plots",
                   "--out", tmp_path / "report", "--workspace", tmp_path)  # fmt: skip
     assert done.exit_code == 0, done.output
+
+
+def test_the_training_curves_are_the_runs_as_its_change_was_read(trained, tmp_path, monkeypatch):
+    """The curves were read after the passes: a run replaced with --overwrite meanwhile put the new run's 30 steps
+    beside the old run's numbers (found in review). They are read with the change now: a metrics.jsonl changed
+    during the passes is not drawn. The control: the run's own curves are."""
+    pytest.importorskip("matplotlib")
+    import usaf.stages.eval as stage
+
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    drawn = []
+    real_plot, real_pass = stage.plot_curves, stage.run_pass
+
+    def replaced_during_the_passes(*a, **k):
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + "\n")
+        return real_pass(*a, **k)
+
+    monkeypatch.setattr(stage, "plot_curves", lambda curves, *a, **k: drawn.append(curves) or real_plot(
+        curves, *a, **k))  # fmt: skip
+    monkeypatch.setattr(stage, "run_pass", replaced_during_the_passes)
+    result = invoke("eval", "--model", trained["q"], "--checkpoint", run, "--held-out", trained["tokens"],
+                    "--workspace", trained["workspace"], "--out", tmp_path / "report", "--plots",
+                    "--max-sequences", 4)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (curves,) = drawn
+    assert len(curves.train) > 1 and 99.0 not in [loss for _, loss in curves.train], curves.train
+    from usaf.artifacts.run import read_metrics
+
+    assert curves.train == read_metrics(trained["run"] / "metrics.jsonl")[0]  # the run's, as it was

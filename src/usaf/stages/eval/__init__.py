@@ -37,7 +37,7 @@ from usaf.artifacts import (
 from usaf.artifacts.eval_report import PLOTS_DIR, REPORT_JSON, REPORT_MD, EvalSummary, InputSummary, PassSummary
 from usaf.artifacts.manifest import MANIFEST_NAME
 from usaf.artifacts.outputs import output_overlap
-from usaf.artifacts.run import CHECKPOINTS_DIR, METRICS_FILE, step_of
+from usaf.artifacts.run import CHECKPOINTS_DIR, step_of
 from usaf.backends import resolve_backend
 from usaf.config import source_of
 from usaf.data.tokenizer import load_tokenizer, max_sequence_length
@@ -55,7 +55,7 @@ from usaf.stages.eval.passes import (
     max_logit_change,
     run_pass,
 )
-from usaf.stages.eval.plots import CURVES_FILE, INSTALL_HINT, LOAD_FILE, plot_curves, plot_load
+from usaf.stages.eval.plots import CURVES_FILE, INSTALL_HINT, LOAD_FILE, RunCurves, plot_curves, plot_load, run_curves
 from usaf.stages.eval.report import markdown, result_rows, routing_drift
 from usaf.stages.eval.resolve import model_and_change, read_inputs
 from usaf.stages.eval.stats import CONFIDENCE
@@ -84,6 +84,7 @@ class _Outcome:
     heldout_in_training: int | None = None  # held-out sequences found in the run's training tokens; None: unchecked
     overlap_note: str | None = None  # what that count means, or why it was not checked
     tuned_kept: tuple[Path, str] | None = None  # where and under which key a stopped fine-tuned pass kept its work
+    curves: RunCurves | None = None  # the run's logged losses, read with its change
 
 
 def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalReportManifest, Path]:
@@ -94,6 +95,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     if config.plots and not plots.matplotlib_available():
         raise UsafError("--plots: matplotlib is not installed", f"{INSTALL_HINT}, or pass --no-plots")
     model_dir, model_manifest, change = model_and_change(config, workspace, progress)
+    curves = _curves_of(change) if config.plots is not False else None
     tokenizer = load_tokenizer(str(model_dir), flag="--model")
     out = config.out or default_output(workspace, EvalReportManifest.KIND, _label(model_dir, change))
     given = {"--model": model_dir, "--checkpoint": change.source if change else None, "--data": config.data,
@@ -113,7 +115,7 @@ def run(config: EvalConfig, *, progress: Progress | None = None) -> tuple[EvalRe
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop = StopRequest(world())  # entered around each pass only: elsewhere Ctrl-C stops at once, as before
     outcome = _evaluate(config, workspace, (model_dir, model_manifest), change, inputs, backend, pad, progress, stop)
-    outcome.heldout_in_training, outcome.overlap_note = found, overlap_note
+    outcome.heldout_in_training, outcome.overlap_note, outcome.curves = found, overlap_note, curves
     written = _write(config, writer, backend, outcome, start, progress)
     if outcome.tuned_kept is not None:  # a stopped fine-tuned pass's work: the report holds it now
         cache.drop_kept(*outcome.tuned_kept)
@@ -464,7 +466,7 @@ def _write(config: EvalConfig, writer: ArtifactWriter, backend, o: _Outcome, sta
     rows = result_rows(o.inputs, o.base, o.tuned, samples=config.bootstrap, seed=config.seed)
     drift = routing_drift(o.base, o.tuned, o.num_experts)
     with writer as art:
-        plots, plots_note = _plots(config, art.dir, o.change, drift, rows, progress)
+        plots, plots_note = _plots(config, art.dir, o.curves, drift, rows, progress)
         change = o.change
         summary = EvalSummary(
             model_fingerprint=o.model_fingerprint,
@@ -519,7 +521,8 @@ def _input_records(o: _Outcome) -> list[InputRecord]:
     return records
 
 
-def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progress) -> tuple[list[str], str | None]:
+def _plots(config: EvalConfig, work: Path, curves: RunCurves | None, drift, rows,
+           progress: Progress) -> tuple[list[str], str | None]:  # fmt: skip
     if config.plots is False:
         return [], None
     if not plots.matplotlib_available():
@@ -530,17 +533,20 @@ def _plots(config: EvalConfig, work: Path, change, drift, rows, progress: Progre
     held = [r for r in rows if r.set == HELD_OUT and r.overall and r.input is None]  # the set's, every input
     base_heldout = held[0].base.nll if held else None
     made = []
-    if change is not None:
-        whole_run = (change.source / METRICS_FILE).is_file()  # a finished run: its end; else one of its checkpoints
-        run_dir = change.source if whole_run else change.source.parent.parent
-        metrics = run_dir / METRICS_FILE
-        step = step_of(change.source, flag="--checkpoint") if change.source.parent.name == CHECKPOINTS_DIR else None
-        curves = work / PLOTS_DIR / CURVES_FILE
-        if metrics.is_file() and plot_curves(metrics, curves, base_heldout=base_heldout, evaluated_step=step):
-            made.append(f"{PLOTS_DIR}/{CURVES_FILE}")
+    if curves is not None:
+        plot_curves(curves, work / PLOTS_DIR / CURVES_FILE, base_heldout=base_heldout)
+        made.append(f"{PLOTS_DIR}/{CURVES_FILE}")
     plot_load(drift, work / PLOTS_DIR / LOAD_FILE)
     made.append(f"{PLOTS_DIR}/{LOAD_FILE}")
     return made, None
+
+
+def _curves_of(change) -> RunCurves | None:
+    """The logged losses of the change's run, where it is a run or a checkpoint of one (a delta has none)."""
+    if change is None:
+        return None
+    step = step_of(change.source, flag="--checkpoint") if change.source.parent.name == CHECKPOINTS_DIR else None
+    return run_curves(change.source, step=step)
 
 
 def _input_summary(item) -> InputSummary:

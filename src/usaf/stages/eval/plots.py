@@ -7,16 +7,38 @@ display needed, nothing opens a window).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from usaf.artifacts.eval_report import LayerDrift
-from usaf.artifacts.run import read_metrics
+from usaf.artifacts.run import METRICS_FILE, read_metrics
 
 CURVES_FILE = "training_curves.png"
 LOAD_FILE = "expert_load.png"
 INSTALL_HINT = "pip install 'usaf[plot]' (matplotlib)"
+
+
+@dataclass(frozen=True)
+class RunCurves:
+    """A run's logged losses, read when its change is (:func:`run_curves`)."""
+
+    run: str  # the run directory's name, for the title
+    train: list[tuple[int, float]]  # (step, loss)
+    held: list[tuple[int, float]]  # (step, held-out loss)
+    evaluated_step: int | None  # the checkpoint evaluated, where it is not the run's end
+
+
+def run_curves(source: Path, *, step: int | None) -> RunCurves | None:
+    """The curves of the run that ``source`` (a run directory, or one of its ``checkpoints/step-N``) is in, or None
+    where it logged none. Read with the change, not after the passes: an ``--overwrite`` of the run meanwhile drew
+    the new run's curves beside the old run's numbers (found in review)."""
+    run_dir = source if (source / METRICS_FILE).is_file() else source.parent.parent
+    if not (run_dir / METRICS_FILE).is_file():
+        return None
+    train, held = read_metrics(run_dir / METRICS_FILE)
+    return RunCurves(run_dir.name, train, held, step) if train or held else None
 
 
 def matplotlib_available() -> bool:
@@ -34,19 +56,15 @@ def _pyplot():
     return plt
 
 
-def plot_curves(
-    metrics: Path, out: Path, *, base_heldout: float | None = None, evaluated_step: int | None = None
-) -> bool:
-    """Training loss per step and held-out loss; ``False`` when the run logged no step.
+def plot_curves(curves: RunCurves, out: Path, *, base_heldout: float | None = None) -> None:
+    """Training loss per step and held-out loss.
 
     ``base_heldout``: the base model's held-out NLL from this eval, drawn as the line to beat (it is on the
     same scale as the run's held-out loss only when the held-out sets are the same, as the label says).
-    ``evaluated_step``: the checkpoint evaluated, where it is not the run's end: marked, so a curve that goes on past
-    it is not read as the state evaluated (found in review).
+    ``curves.evaluated_step``: the checkpoint evaluated, where it is not the run's end: marked, so a curve that goes
+    on past it is not read as the state evaluated (found in review).
     """
-    train, held = read_metrics(metrics)
-    if not train and not held:
-        return False
+    train, held, evaluated_step = curves.train, curves.held, curves.evaluated_step
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
@@ -55,7 +73,7 @@ def plot_curves(
         ax.plot(*zip(*held), "o-", label="held-out loss", linewidth=1.5)
     if base_heldout is not None:
         ax.axhline(base_heldout, color="gray", linestyle="--", linewidth=1, label="base model, this eval's held-out")
-    title = f"training curves: {metrics.parent.name}"
+    title = f"training curves: {curves.run}"
     if evaluated_step is not None:
         ax.axvline(evaluated_step, color="black", linestyle=":", linewidth=1, label=f"evaluated: step {evaluated_step}")
         title += f" (evaluated at step {evaluated_step})"
@@ -67,7 +85,6 @@ def plot_curves(
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return True
 
 
 def plot_load(routing: list[LayerDrift], out: Path) -> None:
