@@ -98,6 +98,28 @@ def test_an_unfinished_run_whose_settings_were_edited_is_named_when_passed_over(
     assert "not resuming" not in resumed.stderr
 
 
+def test_score_overwrite_of_the_plan_an_unfinished_run_trains_with_is_refused(prepared, tmp_path):
+    """``usaf score --out PLAN --overwrite`` replaced the plan of an interrupted run in silence, and that run could
+    never resume again (found in review). Refused while the run is unfinished; the control: once it finished, the
+    plan is replaced."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    mine = tmp_path / "plan"
+    shutil.copytree(plan, mine)
+    command = train(tmp_path, qdir, tokens, "--plan", mine)
+    run, _ = stopped_at_step_2(command, tmp_path)
+    before = sorted((p.name, p.stat().st_size) for p in mine.iterdir())
+    rescore = ["score", "--model", qdir, "--data", tokens, "--out", mine, "--overwrite", "--workspace", tmp_path,
+               "--calib-samples", 2, "--no-stability", "--no-lr-test", "--frac", 0.1]  # fmt: skip
+    refused = invoke(*rescore)
+    said = " ".join(refused.stderr.split())
+    assert refused.exit_code == 2 and f"--out {mine}: the plan of the unfinished run {run}" in said, refused.output
+    assert f"usaf train --out {run} --resume" in said
+    assert sorted((p.name, p.stat().st_size) for p in mine.iterdir()) == before
+    assert invoke(*command).exit_code == 0  # resumed and finished
+    done = invoke(*rescore)
+    assert done.exit_code == 0, explain(done)
+
+
 def test_the_out_the_interrupt_note_names_resumes_too(prepared, tmp_path):
     """The note names the run directory as well: --out RUN resumes it whatever else changed in the workspace."""
     qdir, tokens, plan = prepared("qwen3_moe")

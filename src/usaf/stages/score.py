@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from usaf.artifacts import (
 )
 from usaf.artifacts.lock import holder_of
 from usaf.artifacts.manifest import MANIFEST_NAME
-from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER
+from usaf.artifacts.outputs import SCORE_PARTIAL_MARKER, found_at
 from usaf.artifacts.plan import (
     LayerRouting,
     LrTestRecord,
@@ -42,6 +43,7 @@ from usaf.artifacts.plan import (
     TensorSelection,
     write_plan_files,
 )
+from usaf.artifacts.run import SETTINGS_FILE, RunManifest, read_run_settings
 from usaf.artifacts.workspace import interrupted_outputs, resolve_data, resolve_model
 from usaf.backends import resolve_backend
 from usaf.config import refuse_unused, source_of, was_given
@@ -240,6 +242,8 @@ def run(config: ScoreConfig, *, progress: Progress | None = None) -> tuple[PlanM
                             runs_own_plan=config._into_run)  # fmt: skip
     # rank 0 alone: the lock's check takes the lock for a moment, so two ranks checking at once could refuse each other
     world.decided_by_main(writer.check_target, "the output checked")
+    if config.overwrite and not config._into_run:
+        world.decided_by_main(lambda: _refuse_replacing_an_unfinished_runs_plan(out, config), "the runs checked")
 
     # a line beyond the model's context would be scored at positions it never saw (and could exhaust memory)
     context = max_sequence_length(str(model_dir), tokenizer)
@@ -311,6 +315,36 @@ def _interrupted_output(workspace: Path, label: str, identity: dict) -> Path | N
         if finished_there(partial, identity):  # killed before its rename, its bookkeeping gone
             return target
     return None
+
+
+def _refuse_replacing_an_unfinished_runs_plan(out: Path, config: Any) -> None:
+    """``--overwrite`` of the plan an unfinished run of the workspace trains with (interrupted, or training now) is
+    refused: replaced, the run can never resume (its record pins the plan), and a run training now would finish
+    naming a plan it was not trained with. It replaced it without a word (found in review)."""
+    if found_at(out).kind != PlanManifest.KIND:
+        return
+    plan = os.path.realpath(out)
+    for run in _unfinished_runs(settings_workspace(config)):
+        try:
+            record = read_run_settings(run / SETTINGS_FILE)
+        except UsafError:  # an edited record: that run resumes no more either way
+            continue
+        if isinstance(record, dict) and record.get("plan") == plan:
+            raise UsafError(
+                f"--out {out}: the plan of the unfinished run {run} (--overwrite would replace it, and that run "
+                "could never resume)",
+                f"pass another --out, or finish the run first (usaf train --out {run} --resume), or delete {run} "
+                "if it is no longer needed",
+            )
+
+
+def _unfinished_runs(workspace: Path) -> list[Path]:
+    """The workspace's run directories without a manifest that recorded their settings (begun training)."""
+    runs = workspace / RunManifest.KIND
+    if not runs.is_dir():
+        return []
+    return sorted(d for d in runs.iterdir() if d.is_dir() and not d.is_symlink() and not (d / MANIFEST_NAME).exists()
+                  and (d / SETTINGS_FILE).is_file())  # fmt: skip
 
 
 def _moved_finished_plan(
