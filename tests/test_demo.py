@@ -176,6 +176,13 @@ def test_a_stages_refusal_of_its_out_is_said_of_the_demo_s_workspace(tmp_path, m
         demo.run(DemoConfig(workspace=workspace, quick=True))
     assert e.value.message == f"--workspace {workspace}: its tokenize stage ({tokens}): holds another run (other " \
                               "settings)" and e.value.hint == "another --workspace, or --overwrite to replace it"
+    # another demo wrote the stage's output meanwhile: quantize's hint named --resume and --force (review)
+    refusal[:] = [f"--out {tokens}: a usaf tokens artifact already exists there", "pass --resume to accept it, "
+                  "--force to replace it"]  # fmt: skip
+    with pytest.raises(UsafError) as e:
+        demo.run(DemoConfig(workspace=workspace, quick=True))
+    assert e.value.hint.startswith("rerun the demo: it reuses each finished stage there") and "--force" not in \
+        e.value.hint  # fmt: skip
     refusal[:] = ["--model x: no such directory", "check the path"]
     with pytest.raises(UsafError) as e:
         demo.run(DemoConfig(workspace=workspace, quick=True))
@@ -272,8 +279,10 @@ def test_what_a_later_stage_would_refuse_is_refused_before_overwrite_deletes_any
     paths["run"].mkdir(parents=True)
     (paths["run"] / "notes.txt").write_text("mine")
     finished = [paths[name] / "manifest.json" for name in ("tokens", "quantized", "plan")]
-    with pytest.raises(UsafError, match=r"--workspace .*run/demo: a directory usaf did not make"):
+    with pytest.raises(UsafError, match=r"--workspace .*: where the demo writes its run \(.*run/demo\) is a "
+                       "directory usaf did not make") as refused:  # the stage's output, not the workspace (review)
         demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
+    assert refused.value.hint.startswith(f"move {paths['run']} out of the workspace, or pass another --workspace")
     assert all(f.is_file() for f in finished) and (paths["run"] / "notes.txt").read_text() == "mine"
 
     (paths["run"] / "notes.txt").unlink()

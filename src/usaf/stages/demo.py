@@ -225,8 +225,15 @@ def _refuse_before_any_work(config: DemoConfig, p: dict[str, Path]) -> None:
     resolve_backend(None if config.device == "auto" else config.device, source=source_of(config, "device"))
     for artifact, path in p.items():
         if artifact != "export" or config.export:  # passes: absent, empty, a demo artifact of the stage's kind
-            refuse_unless_replaceable(path, found_at(path), "--workspace", overwrite=True, overwrite_flag="--overwrite",
-                                      kinds=_KINDS[artifact], replacing=config.overwrite)  # fmt: skip
+            try:
+                refuse_unless_replaceable(path, found_at(path), "--workspace", overwrite=True,
+                                          overwrite_flag="--overwrite", kinds=_KINDS[artifact],
+                                          replacing=config.overwrite)  # fmt: skip
+            except UsafError as e:  # the stage's output named as the workspace (found in review): said as what it is
+                said = e.message.removeprefix(f"--workspace {path}: ")
+                raise UsafError(f"--workspace {config.workspace}: where the demo writes its {artifact} ({path}) is "
+                                f"{said}", f"move {path} out of the workspace, or pass another --workspace (a new "
+                                "directory, or a demo workspace)") from None  # fmt: skip
 
 
 def _others_artifacts(workspace: Path, p: dict[str, Path]) -> list[Path]:
@@ -247,6 +254,10 @@ def _in_demo_words(error: UsafError, name: str, path: Path, workspace: Path) -> 
     if not error.message.startswith(prefix):
         return error
     message = f"--workspace {workspace}: its {name} stage ({path}){error.message[len(prefix):]}"
+    if message.endswith((" already exists there", " is there")):  # another demo wrote it meanwhile: the stage's hint
+        # named --resume, --force or another --out, which the demo does not take (found in review)
+        return UsafError(message, "rerun the demo: it reuses each finished stage there (another usaf process may "
+                         "have written it meanwhile); --overwrite starts over")  # fmt: skip
     return UsafError(message, error.hint.replace("--out", "--workspace") if error.hint else error.hint)
 
 
