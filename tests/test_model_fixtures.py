@@ -90,3 +90,18 @@ def test_bad_arguments_are_refused(tmp_path):
         build_tiny_model("qwen3_moe", tmp_path / "x", layout="sideways")
     with pytest.raises(UsafError, match="no tiny config"):
         build_tiny_model("llama", tmp_path / "y")
+
+
+def test_the_tiny_deepseek_routes_within_a_group_as_well_as_between_groups(loaded_model):
+    """With 4 experts in 2 groups and top-2, every token took both experts of its chosen group, so the choice within a
+    group, which DeepSeek-V3 makes, was never tested (found in review). With 8 in groups of 4 tokens take pairs that
+    are not whole groups. The control: each token's pair lies in one group (topk_group 1), as the family routes."""
+    model = loaded_model("deepseek_v3")
+    gate = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        _, _, chosen = gate(torch.randn(256, model.config.hidden_size))  # (tokens, top_k)
+    size = model.config.n_routed_experts // model.config.n_group
+    assert size > model.config.num_experts_per_tok
+    pairs = {tuple(sorted(row)) for row in chosen.tolist()}
+    assert all(a // size == b // size for a, b in pairs)  # the control: one group each
+    assert len(pairs) > model.config.n_group  # more pairs than groups: experts chosen within a group
