@@ -65,6 +65,7 @@ from usaf.stages.score_resume import ScoreProgress, finished_there, run_identity
 from usaf.stages.train.budget import apply_budget
 from usaf.stages.train.config import TrainConfig
 from usaf.stages.train.resume import latest_checkpoint
+from usaf.units import counted
 
 DEFAULT_RESELECT_EVERY = 50
 
@@ -345,6 +346,7 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
             "lower --microbatch or --grad-accum, or tokenize more data",
         )
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
+    _note_topped_up(config, steps, sequences, per_step, progress)
     every = _reselect_every(config, steps, progress)
     if every == 0:
         refuse_unused(config, "reselect_fraction", "this run's mask is static, so nothing is reselected",
@@ -355,6 +357,19 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
                       "its start and the one at its end (every run with --eval-data measures both)",
                       f"lower it below {steps}, or drop it", progress.note)  # fmt: skip
     return steps, every
+
+
+def _note_topped_up(config: TrainConfig, steps: int, sequences: int, per_step: int, progress: Progress) -> None:
+    """Whole epochs whose sequences a step's size does not divide: the last step takes the rest from the next
+    epoch's order, so a few sequences train once more than the others. Said, not silent (found in review)."""
+    epochs = config.epochs or 1.0
+    if config.steps is not None or epochs != int(epochs):
+        return
+    extra = steps * per_step - int(epochs) * sequences
+    if extra > 0:
+        given = f"{source_of(config, 'epochs')} {epochs:g}" if config.epochs else "one epoch (the default)"
+        progress.note(f"{given} of {sequences:,} sequences at {per_step} a step: {steps:,} steps, the last one filled "
+                      f"with {counted(extra, 'sequence')} of the next epoch's order (trained once more)")  # fmt: skip
 
 
 def _reselect_every(config: TrainConfig, steps: int, progress: Progress) -> int:
