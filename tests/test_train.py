@@ -1361,3 +1361,47 @@ def test_an_epoch_a_step_does_not_divide_says_the_sequences_trained_once_more(pr
         "the next epoch's order (trained once more)" in said, said  # fmt: skip
     control = invoke(*common, "--microbatch", 1, "--out", tmp_path / "one")
     assert control.exit_code == 0 and "trained once more" not in control.stderr, control.output
+
+
+def test_a_held_out_loss_that_rose_is_said_with_the_checkpoint_of_its_lowest(tmp_path):
+    """A run whose held-out loss rose at every evaluation, to above the untrained model's, was summarised as any other
+    with its last (worst) weights in final/ (found in review). Said, naming the step of the lowest and the checkpoint
+    holding it. Controls: a loss that fell, or rose within 1 %, says nothing."""
+    from usaf.stages.train.run import held_out_rise
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000010").mkdir(parents=True)
+    (run / "checkpoints" / "step-0000010" / "state.json").write_text("{}")
+    said = held_out_rise([[0, 4.45], [10, 4.30], [20, 4.60], [30, 4.90]], run)
+    assert said is not None and said.startswith("warning: the held-out loss rose from 4.3000 at step 10 to 4.9000 "
+                                                "at step 30, above the untrained model's 4.4500: the run overfit")
+    assert f"{run / 'checkpoints' / 'step-0000010'} holds the weights of step 10" in said
+    at_start = held_out_rise([[0, 4.45], [10, 4.60]], run)
+    assert "the untrained weights were the best: train fewer steps, or with a smaller --lr" in at_start
+    assert "above the untrained" not in at_start
+    unkept = held_out_rise([[0, 4.45], [20, 4.20], [30, 4.50]], run)
+    assert "no checkpoint holds step 20: train --steps 20" in unkept
+    assert held_out_rise([[0, 4.45], [10, 4.30], [20, 4.20]], run) is None
+    assert held_out_rise([[0, 4.45], [10, 4.30], [20, 4.34]], run) is None  # within 1 %
+    assert held_out_rise([[0, 4.45]], run) is None and held_out_rise([[0, float("nan")], [5, 4.0]], run) is None
+
+
+def test_train_says_a_held_out_loss_that_rose(prepared, tmp_path, monkeypatch):
+    """Through the CLI: held-out losses that rise after step 2 (the measurements replaced: a tiny random model's loss
+    falls on any text) make the run say so, naming its checkpoint of step 2 (the unit test above has the cases);
+    the control: the real, falling losses say nothing."""
+    from usaf.stages.train import loop
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    common = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--eval-data", tokens, "--steps", 6,
+              "--eval-every", 2, "--save-every", 2, "--reselect-every", 0, "--lr", 1e-3]  # fmt: skip
+    calm = invoke(*common, "--out", tmp_path / "low")
+    assert calm.exit_code == 0 and "held-out loss rose" not in calm.stderr, calm.output
+    rising = iter([6.3, 4.0, 4.5, 5.0])  # steps 0 (untrained), 2, 4, 6
+    monkeypatch.setattr(loop, "held_out_loss", lambda *a, **k: next(rising))
+    monkeypatch.setattr(loop, "final_held_out_loss", lambda *a, **k: 5.0)
+    rose = invoke(*common, "--out", tmp_path / "high")
+    said = " ".join(rose.stderr.split())
+    assert rose.exit_code == 0, rose.output
+    assert "warning: the held-out loss rose from 4.0000 at step 2 to 5.0000 at step 6" in said, said
+    assert f"{tmp_path / 'high' / 'checkpoints' / 'step-0000002'} holds the weights of step 2" in said

@@ -6,6 +6,7 @@ with :func:`run`.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from usaf.artifacts.run import (
     SETTINGS_FILE,
     ReselectionRecord,
     RunSummary,
+    checkpoint_dirs,
     read_metrics,
     run_settings_text,
+    step_of,
     trim_metrics,
 )
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
@@ -279,6 +282,36 @@ def loss_ends(losses: list[float]) -> tuple[int | None, float | None, float | No
     return window, sum(losses[:window]) / window, sum(losses[-window:]) / window
 
 
+RISE = 0.01  # the held-out loss ending this much (relative) above its lowest is said: an overfit, not noise
+
+
+def held_out_rise(eval_losses: list, run_dir: Path) -> str | None:
+    """A warning where the held-out loss ended above its lowest by more than :data:`RISE`, naming the step it was
+    lowest at and the checkpoint that holds it (if one does). A run whose held-out loss rose at every evaluation, to
+    above the untrained model's, was summarised as any other, its last (worst) weights in ``final/`` (found in
+    review)."""
+    measured = [(int(step), float(loss)) for step, loss in eval_losses if loss is not None and math.isfinite(loss)]
+    if len(measured) < 2:
+        return None
+    best_step, best = min(measured, key=lambda point: (point[1], point[0]))
+    last_step, last = measured[-1]
+    if last <= best * (1 + RISE):
+        return None
+    untrained = measured[0][1] if measured[0][0] == 0 else None
+    rose_past = untrained is not None and best_step != 0 and last > untrained
+    above = f", above the untrained model's {untrained:.4f}" if rose_past else ""
+    kept = [d for d in checkpoint_dirs(run_dir, flag="--out") if step_of(d, flag="--out") == best_step]
+    if best_step == 0:
+        way = "the untrained weights were the best: train fewer steps, or with a smaller --lr"
+    elif kept:
+        way = f"{kept[0]} holds the weights of step {best_step} (eval, export and generate take it as --checkpoint)"
+    else:
+        way = (f"no checkpoint holds step {best_step}: train --steps {best_step}, or save checkpoints where the "
+               "held-out loss is measured (--save-every equal to --eval-every)")  # fmt: skip
+    return (f"warning: the held-out loss rose from {best:.4f} at step {best_step} to {last:.4f} at step "
+            f"{last_step}{above}: the run overfit its training data, and final/ holds its last weights; {way}")
+
+
 def _finish(
     inputs: Any, trainer: Any, backend: Any, seconds: float, began: tuple[int, int], progress: Progress
 ) -> tuple[RunManifest, Path]:
@@ -310,6 +343,8 @@ def _finish(
     if state.skipped:  # a count in the summary's table alone before: a run of skipped steps read as trained (review)
         progress.note(f"{state.skipped:,} of the run's {state.step:,} steps were skipped (a non-finite loss or "
                       "gradient; their weights were left as they were): a lower --lr, or check the data")  # fmt: skip
+    if (rose := held_out_rise(state.eval_losses, run_dir)) is not None:
+        progress.note(rose)
     steps_logged = len({step for step, _ in logged})
     if (trained := state.step - state.skipped) > steps_logged:  # the summary says of what
         progress.note(f"{METRICS_FILE} holds the loss of {steps_logged:,} of the run's {trained:,} trained steps "
