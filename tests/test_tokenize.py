@@ -1212,3 +1212,16 @@ def test_a_relative_workspace_gives_outputs_named_in_full(tmp_path, tok_dir, mon
         where = tmp_path / name / "tokens"
         assert result.exit_code == 0 and f"tokens → {where}/" in said, said
         assert len(list(where.iterdir())) == 1
+
+
+def test_a_held_out_fraction_of_a_single_file_says_to_split_it(tmp_path, tok_dir):
+    """One big file and --held-out-frac: the hint offered --source-depth alone, which is refused for a file, a dead
+    end (found in review). It says sources are held out whole and to split the file. The control: two files split."""
+    result = tokenize(STDLIB / "textwrap.py", "--model", tok_dir, "--held-out-frac", 0.1, "--out", tmp_path / "one")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "the corpus has only 1 source; nothing left to hold out" in said, said
+    assert "split a single file into several (a file given by name is one source)" in said
+    assert not (tmp_path / "one").exists()
+    two = tokenize(STDLIB / "textwrap.py", STDLIB / "shlex.py", "--model", tok_dir, "--held-out-frac", 0.5, "--out",
+                   tmp_path / "two")  # fmt: skip
+    assert two.exit_code == 0, two.output

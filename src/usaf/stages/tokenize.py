@@ -132,7 +132,10 @@ def select_heldout(
         if len(sources) < 2:
             raise UsafError(
                 f"{frac_at} {frac}: the corpus has only {len(sources)} source; nothing left to hold out",
-                "add sources, or raise --source-depth so that files or subdirectories form separate sources",
+                # one big file: --source-depth, which the hint offered alone, is refused for a file (found in review)
+                "sources are held out whole: split a single file into several (a file given by name is one source), "
+                "add sources, or for a directory raise --source-depth so that its files or subdirectories form "
+                "separate sources",
             )
         count = min(len(sources) - 1, max(1, round(frac * len(sources))))
         ranked = sorted(sources, key=lambda s: hashlib.sha256(f"{seed}:{s}".encode()).hexdigest())
