@@ -29,8 +29,11 @@ class TokenDataset:
         self._file = self.path.open("rb")  # closed with the dataset (close(), or when it is collected)
         self._lock = threading.Lock()  # one seek-and-read at a time on the shared handle
         # validates every line (ids and labels, lengths, no pre-shifted labels) and the file's targets
-        lines = iter_token_file(self.path, vocab_size=vocab_size, context=context, cut=cut)
-        self.longest = max((len(line.input_ids) for line in lines), default=0)  # tokens, before any cut
+        lengths = [len(line.input_ids) for line in iter_token_file(self.path, vocab_size=vocab_size,
+                                                                   context=context, cut=cut)]  # fmt: skip
+        self.longest = max(lengths, default=0)  # tokens, before any cut
+        self.tokens = sum(lengths)
+        self.cut_tokens = sum(max(0, n - cut) for n in lengths) if cut is not None else 0  # what the cut drops
         offsets = []
         position = 0
         for raw in self._file:

@@ -134,6 +134,11 @@ def resolve_inputs(
         progress.note(f"{source_of(config, 'seq_len')} {config.seq_len} cuts nothing: the longest sequence of --data "
                       f"{data_file} has {data.longest} tokens (tokenize with --seq-len {config.seq_len} to train on "
                       "longer ones); the run is planned for its longest")  # fmt: skip
+    elif data.cut_tokens and world.is_main:  # 75 % of every sequence dropped without a word (found in review)
+        progress.note(f"{source_of(config, 'seq_len')} {config.seq_len} cuts {data.cut_tokens:,} of the "
+                      f"{data.tokens:,} tokens of --data {data_file} ({data.cut_tokens / data.tokens:.0%}): each "
+                      f"sequence trains on its first {config.seq_len} (tokenize with --seq-len {config.seq_len} to "
+                      "train on all of them, in more sequences)")  # fmt: skip
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
     if eval_data is not None and world.is_main:  # a note: rank 0's (every rank read the whole data again)
         _say_eval_overlap(eval_data, TrainingTokens(data_file, len(data)), len(tokenizer), context, progress)
