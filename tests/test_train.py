@@ -685,6 +685,7 @@ def test_eval_data_named_as_a_file_is_read_as_named_and_its_errors_name_the_flag
     # the training file as held-out data was reported as held-out (found in review); the split is not (the control)
     said = " ".join(named.stderr.split())
     assert f"{trained_lines:,} of its {trained_lines:,} sequences are training sequences of --data" in said, said
+    assert "the same text in several sources, a shared header or licence, is on both sides of any split" in said
     assert "are training sequences" not in directory.stderr
     missing = train(qdir, tokens, plan, tmp_path / "missing", "--steps", 1, "--eval-data", tmp_path / "nope")
     assert missing.exit_code == 2 and f"--eval-data {tmp_path / 'nope'}: no such file" in missing.stderr, (

@@ -164,5 +164,6 @@ def overlap_note(overlap: Overlap, packed_here: list[Path] | None = None) -> str
     return (
         f"{overlap.found:,} of the {overlap.held_out:,} held-out sequences ({inputs}) are in the run's training data "
         f"({overlap.training}): for them the held-out perplexity measures the fit to the training text, not "
-        "generalization (hold sources out at tokenize: --held-out, --held-out-frac)"
+        "generalization (hold sources out at tokenize: --held-out, --held-out-frac; the same text in several "
+        "sources, a shared header or licence, is on both sides of any split: deduplicate it)"
     )

@@ -317,7 +317,8 @@ def _say_eval_overlap(eval_data: Any, training: Any, vocab_size: int, context: i
         progress.note(f"--eval-data {eval_data.path}: {found:,} of its {len(eval_data):,} sequences are training "
                       f"sequences of --data {training.path}: for them the held-out loss measures the fit to the "
                       "training text, not generalization (hold sources out at tokenize: --held-out, --held-out-frac; "
-                      "a tokens directory as --eval-data uses its heldout.jsonl)")  # fmt: skip
+                      "a tokens directory as --eval-data uses its heldout.jsonl; the same text in several sources, a "
+                      "shared header or licence, is on both sides of any split: deduplicate it)")  # fmt: skip
 
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
