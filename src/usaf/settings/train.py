@@ -124,6 +124,10 @@ class TrainConfig(StageConfig):
     # settings --resume took from the interrupted run's record, not given: where they came from, for what is said of
     # them (a resumed lr was "from --lr", which nobody passed; found in review)
     _from_record: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    # under --vram/--ram, the planner's choice for the frozen layers' experts (dequantized once or per forward); None:
+    # decided from the free memory. Decided from the free memory under a budget, a 1 GiB --ram run peaked at 1.27 GiB
+    # (found in review)
+    _frozen_resident: bool | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _length(self) -> TrainConfig:

@@ -97,14 +97,15 @@ def make_resident(
     return wanted, needed
 
 
-def frozen_layers_resident(engine: Any, backend: Any, progress: Progress) -> bool:
+def frozen_layers_resident(engine: Any, backend: Any, progress: Progress, *, planned: bool | None = None) -> bool:
     """``usaf score`` and ``usaf train``: the frozen MoE layers' experts dequantized once when they fit.
 
     A frozen layer otherwise dequantizes every routed expert in every forward it runs (a first visit's prefix
     capture, score's calibration, the held-out loss): most of that forward's time on CPU (docs/BENCHMARKS.md,
     "The frozen-layer forward"). Callers ask only when frozen layers will run. The rule is ``usaf eval``'s
     default (``RESIDENT_SHARE`` of the free memory, read after the engine is built), and never with
-    ``--stream-experts``, whose point is keeping them 4-bit.
+    ``--stream-experts``, whose point is keeping them 4-bit. ``planned``: the memory planner's choice under a
+    ``--vram``/``--ram`` budget, which the predicted peak assumed; None decides from the free memory.
 
     Returns:
         Whether they were made resident.
@@ -112,11 +113,12 @@ def frozen_layers_resident(engine: Any, backend: Any, progress: Progress) -> boo
     frozen = [layer for layer in engine.loaded.experts if layer not in engine.trainable_layers]
     if not frozen or engine.streamer is not None:
         return False
-    resident, nbytes = make_resident(engine.loaded, backend, None, frozen, progress)
+    resident, nbytes = make_resident(engine.loaded, backend, planned, frozen, progress)
     where = f"{len(frozen)} frozen MoE layers' experts"
+    why = "the --vram/--ram budget's plan" if planned is not None else "once would exceed half the free memory"
     progress.note(
         f"{where} dequantized once ({human_bytes(nbytes)})"
         if resident
-        else f"{where} dequantized per forward ({human_bytes(nbytes)} once would exceed half the free memory)"
+        else f"{where} dequantized per forward ({human_bytes(nbytes)} dequantized once: {why})"
     )
     return resident

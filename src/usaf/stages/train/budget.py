@@ -40,6 +40,12 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
             planner picks the first trainable layer). Its frac and trainable layers decide the run, whatever
             ``config`` says.
     """
+    if config.vram is not None and backend.device.type == "cpu" and source_of(config, "vram") != "--vram":
+        # from USAF_VRAM or a [train] table, set for a GPU machine: it engaged the planner with no budget given and
+        # shrank the prefix cache (found in review); the flag itself is refused below
+        progress.note(f"{source_of(config, 'vram')} {config.vram}: not used, this run computes on the CPU (no device "
+                      "memory)")  # fmt: skip
+        config = config.model_copy(update={"vram": None})
     if config.vram is None and config.ram is None:
         return config
     # lazy: the planner (a meta-device model) only when --vram/--ram are given
@@ -102,8 +108,13 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
         updates["train_from"] = s.train_from
     chosen = ", ".join(f"--{k.replace('_', '-')} {v:.4g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
                        for k, v in updates.items()) or "the settings as given"  # fmt: skip
+    if s.train_from > 0:  # the frozen layers' experts as the peak was predicted for, not as the free memory allows
+        how = "dequantized once" if s.frozen_resident else "dequantized per forward"
+        chosen += f"; the frozen layers' experts {how}"
     progress.note(f"--vram/--ram: usaf plan's choice: {chosen} (train's predicted peak: {_peaks(plan)})")
-    return config.model_copy(update=updates)
+    budgeted = config.model_copy(update=updates)
+    budgeted._frozen_resident = bool(s.frozen_resident)
+    return budgeted
 
 
 def _peaks(plan: Any) -> str:

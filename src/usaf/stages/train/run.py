@@ -88,7 +88,7 @@ def _train(inputs: Any, backend: Any, world: Any, progress: Progress, start: flo
     engine = _engine(inputs, backend, compute, progress)
     prefix, served = _prefix(engine, inputs, world, progress)  # its store is checked before the run directory is made
     if prefix is not None and _computes_prefixes(prefix[0], inputs, served):
-        frozen_layers_resident(engine, backend, progress)
+        frozen_layers_resident(engine, backend, progress, planned=config._frozen_resident)
     world.barrier("settings check")  # every rank has read the old settings before rank 0 writes the new
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
