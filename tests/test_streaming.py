@@ -156,7 +156,9 @@ def test_score_and_train_with_stream_experts_match_without(prepared, tmp_path):
                         "--save-every", 0, flag)  # fmt: skip
         assert result.exit_code == 0, result.output
         runs.append((out / "final" / "deltas.safetensors").read_bytes())
-        notes.append("streaming moves nothing" in result.stderr)
+        said = " ".join(result.stderr.split())  # what it still does on a CPU is said (found in review)
+        notes.append("streaming moves nothing, but the frozen layers' experts stay 4-bit, dequantized at each forward"
+                     in said)  # fmt: skip
     assert runs[0] == runs[1] and notes == [True, False]
     reports = []
     for flag, name in (("--stream-experts", "s"), ("--no-stream-experts", "n")):
