@@ -582,3 +582,20 @@ def test_delta_entries_the_output_dtype_rounds_away_are_counted_and_said(bench, 
     for name in ("tiny-f32", "large-bf16"):
         assert summaries[name]["expert_entries_rounded_away"] == 0, name
         assert not any("round away" in n for n in summaries[name]["notes"]), name
+
+
+def test_the_rounding_note_gives_a_small_share_as_under_a_tenth_of_a_percent():
+    """42 of 196,602 entries rounded away were said "(0.0%)", as if none (found in review). The control: a share of a
+    percent or more keeps its digit."""
+    import torch
+
+    from usaf.stages.export_sources import Counts, ExportSource
+
+    def note(away: int, entries: int) -> str:
+        source = object.__new__(type("Source", (ExportSource,), {"produce": None}))  # the note alone, no model
+        source.counts = Counts(expert_entries=entries, entries_rounded_away=away, trained_l1=1.0)
+        source.written = {"w": torch.bfloat16}
+        return source.rounding_note()
+
+    assert "42 of the 196,602 delta entries (under 0.1%) round away" in note(42, 196_602)
+    assert "(2.0%) round away" in note(2, 100)

@@ -1464,3 +1464,21 @@ def test_a_vram_from_the_environment_on_the_cpu_is_said_unused_and_plans_nothing
     monkeypatch.delenv("USAF_VRAM")
     flag = invoke(*common, "--vram", "12GiB", "--out", tmp_path / "flag")
     assert flag.exit_code == 2 and "--vram 12GiB: this run computes on the CPU" in flag.stderr, flag.output
+
+
+def test_a_save_interval_past_the_run_and_a_fraction_of_a_step_are_said(prepared, tmp_path):
+    """``--save-every 100`` on a 5-step run saved no checkpoint, and ``--epochs 0.0001`` trained a whole step, both in
+    silence where --eval-every and --reselect-every past the run are said (found in review). The controls: the
+    default --save-every past a short run, and an --epochs of whole steps, say nothing."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    common = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--lr", 1e-3, "--reselect-every", 0]
+    past = invoke(*common, "--steps", 2, "--save-every", 100, "--out", tmp_path / "past")
+    said = " ".join(past.stderr.split())
+    assert past.exit_code == 0 and "--save-every 100: past the run's 2 steps, so no checkpoint before final/" in said
+    assert "for 2 steps of 2 sequences" in said, said
+    tiny = invoke(*common, "--epochs", 0.0001, "--out", tmp_path / "tiny")
+    said = " ".join(tiny.stderr.split())
+    assert tiny.exit_code == 0 and "--epochs 0.0001 is " in said and "1 step is trained" in said, tiny.output
+    assert "for 1 step of 2 sequences" in said  # "1 steps" (review)
+    quiet = invoke(*common, "--steps", 2, "--out", tmp_path / "quiet")
+    assert quiet.exit_code == 0 and "--save-every" not in quiet.stderr and "step is trained" not in quiet.stderr

@@ -353,6 +353,12 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
         )
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
     _note_topped_up(config, steps, sequences, per_step, progress)
+    if config.epochs is not None and config.epochs * sequences < per_step:  # rounded up to one step in silence
+        progress.note(f"{source_of(config, 'epochs')} {config.epochs:g} is {config.epochs * sequences / per_step:.2g} "
+                      f"of a step of {per_step} sequences on this data: 1 step is trained")  # fmt: skip
+    if config.save_every and config.save_every > steps and was_given(config, "save_every"):  # said like eval_every's
+        progress.note(f"{source_of(config, 'save_every')} {config.save_every}: past the run's {counted(steps, 'step')}"
+                      ", so no checkpoint before final/ (Ctrl-C still saves one)")  # fmt: skip
     every = _reselect_every(config, steps, progress)
     if every == 0:
         refuse_unused(config, "reselect_fraction", "this run's mask is static, so nothing is reselected",

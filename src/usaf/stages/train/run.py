@@ -249,7 +249,7 @@ def _plan_line(engine: Any, trainer: Any, steps: int, per_step: int) -> str:
     return (
         f"training {counts['delta_entries']:,} weights of the {'/'.join(engine.targets)} + "
         f"{counts['router_params']:,} router weights "
-        f"in layers {list(engine.layers)} for {steps} steps of {per_step} sequences; "
+        f"in layers {list(engine.layers)} for {counted(steps, 'step')} of {per_step} sequences; "
         f"memory: {memory_parts(memory)}"
     )
 
