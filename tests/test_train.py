@@ -1482,3 +1482,20 @@ def test_a_save_interval_past_the_run_and_a_fraction_of_a_step_are_said(prepared
     assert "for 1 step of 2 sequences" in said  # "1 steps" (review)
     quiet = invoke(*common, "--steps", 2, "--out", tmp_path / "quiet")
     assert quiet.exit_code == 0 and "--save-every" not in quiet.stderr and "step is trained" not in quiet.stderr
+
+
+def test_the_first_steps_memory_line_says_what_the_whole_process_holds(prepared, tmp_path):
+    """The parts usaf accounts for (0.60 GiB) were read as the total where the process held 1.05 GiB (found in
+    review): the line ends with the process's RSS, at least the parts' sum."""
+    import re
+
+    qdir, tokens, plan = prepared("qwen3_moe")
+    result = invoke("train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--lr", 1e-3,
+                    "--reselect-every", 0, "--out", tmp_path / "run")  # fmt: skip
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0, result.output
+    line = re.search(r"memory after the first step: .*?; the whole process holds ([0-9.]+) (KiB|MiB|GiB) of host "
+                     r"memory \(RSS\)", said)  # fmt: skip
+    assert line is not None, said
+    held = float(line.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[line.group(2)]
+    assert held > 50 * 2**20  # torch alone holds more: a real process's figure, not one of the parts
