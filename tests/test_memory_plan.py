@@ -555,6 +555,18 @@ def test_score_and_eval_are_planned_at_the_dtype_the_plans_commands_pass_them():
     assert "eval: " in said_full and "KiB more per sequence evaluated" in said_full
 
 
+def test_the_plans_eval_command_places_the_frozen_experts_as_its_column_does():
+    """The eval column counts the frozen layers' experts dequantized once or per forward, as score and train have
+    them, but the printed eval command left it to eval's default (the free memory): a plan of per-forward ran
+    dequantized once, 0.2 GiB over it (found in review). The command pins the column's choice, either way."""
+    for ram, flag in (("256GiB", "--resident"), ("64GiB", "--streaming")):
+        args = ("--device", "cpu", "--ram", ram, "--train-from", 36, "--microbatch", 1, "--dtype", "float32")
+        plan = json.loads(invoke("plan", QWEN3_30B, *args, "--json").stdout)
+        said = " ".join(invoke("plan", QWEN3_30B, *args).stdout.split())
+        assert plan["settings"]["frozen_layers_resident"] == (flag == "--resident"), ram
+        assert f"usaf eval --checkpoint RUN --dtype float32 {flag}" in said, said
+
+
 def test_the_commands_keep_the_device_index():
     """--device cuda:1 printed commands with --device cuda, which run on the default GPU (found in review). The
     control: no index, none added."""

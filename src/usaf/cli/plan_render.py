@@ -45,7 +45,10 @@ def commands(plan: Plan, facts: ModelFacts, source: ModelSource) -> list[str]:
     # the eval the table's column is for: its dtype (it has its own default), the rest at eval's defaults (review)
     # the run's tokens, a sample of its training split and its held-out split, where --held-out DATA evaluated the
     # text trained on as held out (found in review); with --model alone eval runs the base model only (review)
-    out.append(f"usaf eval{model} --checkpoint RUN --dtype {t.dtype}{device}{placement}")
+    # the frozen layers' experts as its column has them: at eval's default, the free memory decided, and a plan of
+    # per-forward dequantization ran dequantized once, 0.2 GiB over it (found in review)
+    frozen = (" --resident" if s.frozen_resident else " --streaming") if s.train_from > 0 else ""
+    out.append(f"usaf eval{model} --checkpoint RUN --dtype {t.dtype}{device}{placement}{frozen}")
     return out
 
 
