@@ -77,6 +77,23 @@ def test_a_store_keyed_for_other_cuts_is_said_to_miss_and_the_frozen_layers_are_
     assert summary.prefix_cache_hits == 0 and summary.prefix_cache_misses == 2 * 2
 
 
+def test_a_prefix_cache_size_is_said_unused_where_the_plans_store_serves_every_sequence(setup, tmp_path, monkeypatch):
+    """With a plan scored with --cache, ``--prefix-cache-gib 0`` (or any size) gave the same hits and misses: no cache
+    is filled, and the setting was accepted and unused (found in review). Said (not refused: by then an --overwrite
+    has replaced the run directory), from the flag or USAF_*. The control: without it, nothing is said."""
+    qdir, tokens = setup
+    assert score(qdir, tokens, tmp_path / "cached", "--cache").exit_code == 0
+    flagged = train(qdir, tokens, tmp_path / "cached", tmp_path / "flag", "--steps", 2, "--prefix-cache-gib", 0.5)
+    said = " ".join(flagged.stderr.split())
+    assert flagged.exit_code == 0 and "--prefix-cache-gib 0.5: not used, the plan's store serves every" in said, said
+    quiet = train(qdir, tokens, tmp_path / "cached", tmp_path / "quiet", "--steps", 2)
+    assert quiet.exit_code == 0 and "not used, the plan's store" not in quiet.stderr
+    monkeypatch.setenv("USAF_PREFIX_CACHE_GIB", "0.5")
+    noted = train(qdir, tokens, tmp_path / "cached", tmp_path / "env", "--steps", 2)
+    said = " ".join(noted.stderr.split())
+    assert noted.exit_code == 0 and "USAF_PREFIX_CACHE_GIB 0.5: not used, the plan's store" in said, said
+
+
 def test_by_default_the_plan_keeps_the_calibration_samples_states_and_train_reads_them(setup, tmp_path):
     """No flag: the store holds exactly the sample's states, each the sequence's own (computed alone) to rounding;
     a one-epoch run reads those and computes the rest, and learns what a run without the store learns."""

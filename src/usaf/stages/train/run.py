@@ -29,7 +29,7 @@ from usaf.artifacts.run import (
     trim_metrics,
 )
 from usaf.artifacts.writer import record_files, write_manifest, write_text_atomic
-from usaf.config import refuse_unused, source_of
+from usaf.config import refuse_unused, source_of, was_given
 from usaf.errors import UsafError
 from usaf.stages.progress import NullProgress, Progress, say_backend_notes
 from usaf.stages.train.config import TrainConfig
@@ -201,6 +201,10 @@ def _prefix(engine: Any, inputs: Any, world: Any, progress: Progress) -> tuple[t
                 "states were computed for other token cuts or another dtype or library version (--seq-len, --dtype, "
                 "torch, transformers): the frozen layers run for the rest")  # fmt: skip
         progress.note(f"prefix states of {len(store):,} sequences read from the plan ({whose})")
+        config = inputs.config  # said, not refused: by now an --overwrite has replaced the run directory
+        if served and was_given(config, "prefix_cache_gib"):  # the cache it sizes holds nothing (unused; review)
+            progress.note(f"{source_of(config, 'prefix_cache_gib')} {config.prefix_cache_gib:g}: not used, the "
+                          "plan's store serves every training sequence's prefix states (no cache is filled)")
     return (cache, inputs.model.fingerprint), served
 
 
