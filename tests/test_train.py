@@ -1499,3 +1499,19 @@ def test_the_first_steps_memory_line_says_what_the_whole_process_holds(prepared,
     assert line is not None, said
     held = float(line.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[line.group(2)]
     assert held > 50 * 2**20  # torch alone holds more: a real process's figure, not one of the parts
+
+
+def test_a_default_epoch_of_few_steps_says_how_to_train_longer(prepared, tmp_path):
+    """A 4 KB corpus trained one step at the defaults, its held-out loss barely moved, and nothing said so (found in
+    review). The control: an --epochs given is the user's choice, not said."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    lines = (tokens / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:6]
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(lines), encoding="utf-8")
+    common = ["train", "--model", qdir, "--data", data, "--plan", plan, "--lr", 1e-3, "--reselect-every", 0]
+    small = invoke(*common, "--out", tmp_path / "small")
+    said = " ".join(small.stderr.split())
+    assert small.exit_code == 0, small.output
+    assert "one epoch (the default) of 6 sequences is 3 steps: little training; --epochs N or --steps N" in said, said
+    given = invoke(*common, "--epochs", 1, "--out", tmp_path / "given")
+    assert given.exit_code == 0 and "little training" not in given.stderr, given.output

@@ -353,6 +353,9 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
         )
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * sequences / per_step))
     _note_topped_up(config, steps, sequences, per_step, progress)
+    if config.steps is None and config.epochs is None and steps < FEW_STEPS:  # a 4 KB corpus trained 1 step, unsaid
+        progress.note(f"one epoch (the default) of {sequences:,} sequences is {counted(steps, 'step')}: little "
+                      "training; --epochs N or --steps N trains longer (--eval-data shows when it stops helping)")
     if config.epochs is not None and config.epochs * sequences < per_step:  # rounded up to one step in silence
         progress.note(f"{source_of(config, 'epochs')} {config.epochs:g} is {config.epochs * sequences / per_step:.2g} "
                       f"of a step of {per_step} sequences on this data: 1 step is trained")  # fmt: skip
@@ -369,6 +372,9 @@ def _length(config: TrainConfig, sequences: int, world: World, progress: Progres
                       "its start and the one at its end (every run with --eval-data measures both)",
                       f"lower it below {steps}, or drop it", progress.note)  # fmt: skip
     return steps, every
+
+
+FEW_STEPS = 10  # a default epoch shorter than this is said: the data is small for one epoch to train much (review)
 
 
 def _note_topped_up(config: TrainConfig, steps: int, sequences: int, per_step: int, progress: Progress) -> None:
