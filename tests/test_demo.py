@@ -314,9 +314,11 @@ def test_a_workspace_that_is_a_file_and_a_file_at_a_stage_s_output_are_refused_b
     paths["tokens"].rmdir()
     paths["run"].parent.mkdir()
     paths["run"].write_text("x")
-    with pytest.raises(UsafError, match=r"--workspace .*run/demo: a file, not a directory") as refused:
+    with pytest.raises(UsafError, match=r"--workspace .*: where the demo writes its run \(.*run/demo\) is a file, "
+                       "not a directory") as refused:  # fmt: skip
         demo.run(DemoConfig(workspace=workspace, quick=True))
-    assert refused.value.hint == "pass another --workspace"
+    assert refused.value.hint == f"move {paths['run']} out of the workspace, or pass another --workspace (a new " \
+        "directory, or a demo workspace)"  # fmt: skip
 
 
 def test_overwrite_refuses_a_stage_holding_a_file_usaf_did_not_write_before_deleting_any(finished_demo):
@@ -328,8 +330,10 @@ def test_overwrite_refuses_a_stage_holding_a_file_usaf_did_not_write_before_dele
     workspace, paths = finished_demo
     (paths["plan"] / "notes.md").write_text("mine")
     finished = [paths[name] / "manifest.json" for name in ("tokens", "quantized", "plan")]
-    with pytest.raises(UsafError, match=r"plan/demo: a usaf plan artifact holding 1 file usaf did not write there"):
+    with pytest.raises(UsafError, match=r"plan/demo\) is a usaf plan artifact holding 1 file usaf did not write "
+                       "there") as refused:  # fmt: skip
         demo.run(DemoConfig(workspace=workspace, quick=True, overwrite=True))
+    assert refused.value.hint.startswith(f"move them out of {paths['plan']}")  # the refusal's own way on, kept
     assert all(f.is_file() for f in finished) and (paths["plan"] / "notes.md").read_text() == "mine"
 
 

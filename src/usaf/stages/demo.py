@@ -231,9 +231,11 @@ def _refuse_before_any_work(config: DemoConfig, p: dict[str, Path]) -> None:
                                           replacing=config.overwrite)  # fmt: skip
             except UsafError as e:  # the stage's output named as the workspace (found in review): said as what it is
                 said = e.message.removeprefix(f"--workspace {path}: ")
+                hint = e.hint if not (e.hint or "").startswith("pass another --workspace") else (  # else its own way
+                    f"move {path} out of the workspace, or pass another --workspace (a new directory, or a demo "
+                    "workspace)")  # fmt: skip
                 raise UsafError(f"--workspace {config.workspace}: where the demo writes its {artifact} ({path}) is "
-                                f"{said}", f"move {path} out of the workspace, or pass another --workspace (a new "
-                                "directory, or a demo workspace)") from None  # fmt: skip
+                                f"{said}", hint) from None  # fmt: skip
 
 
 def _others_artifacts(workspace: Path, p: dict[str, Path]) -> list[Path]:
