@@ -274,7 +274,7 @@ def test_train_dequantizes_the_frozen_layers_once_and_trains_exactly_as_per_forw
     result = train(qdir, tokens, plan, tmp_path / "resident", *args)
     assert result.exit_code == 0, result.output
     assert made == [([0, 1], True)] and "2 frozen MoE layers' experts dequantized once" in result.stderr
-    monkeypatch.setattr(engine_setup, "frozen_layers_resident", lambda *args: False)
+    monkeypatch.setattr(engine_setup, "frozen_layers_resident", lambda *args, **kwargs: False)
     result = train(qdir, tokens, plan, tmp_path / "per-forward", *args)
     assert result.exit_code == 0, result.output
     assert "dequantized once" not in result.stderr

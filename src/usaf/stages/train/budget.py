@@ -40,9 +40,13 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
             planner picks the first trainable layer). Its frac and trainable layers decide the run, whatever
             ``config`` says.
     """
-    if config.vram is not None and backend.device.type == "cpu" and source_of(config, "vram") != "--vram":
+    kind = _KINDS.get(backend.device.type)
+    if config.vram is not None and kind == "cpu" and source_of(config, "vram") != "--vram":
         # from USAF_VRAM or a [train] table, set for a GPU machine: it engaged the planner with no budget given and
-        # shrank the prefix cache (found in review); the flag itself is refused below
+        # shrank the prefix cache (found in review); the flag itself is refused below, a value that is no size too
+        from usaf.memory_plan import parse_size  # lazy: the planner only when --vram/--ram are given
+
+        parse_size(config.vram, flag=source_of(config, "vram"))
         progress.note(f"{source_of(config, 'vram')} {config.vram}: not used, this run computes on the CPU (no device "
                       "memory)")  # fmt: skip
         config = config.model_copy(update={"vram": None})
@@ -51,7 +55,6 @@ def apply_budget(config: Any, model_dir: Path, backend: Any, data: Any, plan_sum
     # lazy: the planner (a meta-device model) only when --vram/--ram are given
     from usaf.memory_plan import Request, make_target, model_facts, parse_size, plan_memory, read_model
 
-    kind = _KINDS.get(backend.device.type)
     if kind is None:
         raise UsafError(
             f"--vram/--ram: the memory planner models cpu, cuda and directml, not {backend.device.type}",
