@@ -771,3 +771,27 @@ def test_a_users_directory_is_named_with_both_marks_usaf_looks_for(tmp_path):
     assert found.state == "foreign" and "no usaf manifest.json or .usaf-made marker" in found.what, found.what
     mark_usaf_made(tmp_path / "mine", "tiny model")
     assert found_at(tmp_path / "mine").state == "usaf"
+
+
+def test_a_mount_points_artifact_is_looked_at_again_before_it_is_emptied(ws, tmp_path):
+    """Emptied in place (a mount point), the artifact is checked again right before deletion, as the rename's path
+    re-looks: a file a user put there after the first look is kept and refused, not deleted. The control: the test
+    above replaces it when nothing was added."""
+    from usaf.artifacts import outputs
+
+    out = tmp_path / "mounted"
+    args = ["score", "--model", ws["model"], "--data", ws["tokens"], "--calib-samples", 2, "--no-stability"]
+    assert invoke(*args, "--out", out).exit_code == 0
+    real_replace = os.replace
+
+    def busy_after_a_user_adds_a_file(src, dst, *a, **k):
+        if Path(src) == out:
+            (out / "notes.txt").write_text("mine")  # added between the first look and the deletion
+            raise OSError(16, "Device or resource busy", str(src))
+        return real_replace(src, dst, *a, **k)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(outputs.os, "replace", busy_after_a_user_adds_a_file)
+        refused = invoke(*args, "--seed", 1, "--out", out, "--overwrite")
+    assert refused.exit_code == 2 and "usaf did not write there (notes.txt)" in refused.stderr, refused.output
+    assert (out / "notes.txt").read_text() == "mine" and (out / "manifest.json").is_file()

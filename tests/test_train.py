@@ -1515,3 +1515,15 @@ def test_a_default_epoch_of_few_steps_says_how_to_train_longer(prepared, tmp_pat
     assert "one epoch (the default) of 6 sequences is 3 steps: little training; --epochs N or --steps N" in said, said
     given = invoke(*common, "--epochs", 1, "--out", tmp_path / "given")
     assert given.exit_code == 0 and "little training" not in given.stderr, given.output
+
+
+def test_the_held_out_rise_warning_survives_a_checkpoint_renamed_by_hand(tmp_path):
+    """A ``checkpoints/step-N`` renamed by hand (``step-best``) made the warning's lookup raise at a finished run's
+    end. The rise is still said, without a checkpoint to name."""
+    from usaf.stages.train.run import held_out_rise
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-best").mkdir(parents=True)
+    (run / "checkpoints" / "step-best" / "state.json").write_text("{}")
+    said = held_out_rise([[0, 4.45], [10, 4.30], [20, 4.60]], run)
+    assert said is not None and "no checkpoint holds step 10" in said

@@ -313,6 +313,9 @@ def set_aside(
 
         if not cannot_be_moved(e, target):
             raise
+        # looked at again right before anything is deleted, as the rename's path does: a file added since is kept
+        refuse_unless_replaceable(target, found_at(target), flag, overwrite=overwrite, overwrite_flag=overwrite_flag,
+                                  kinds=kinds)  # fmt: skip
         clear_in_place(target, found.kind)  # a mount point: its usaf artifact deleted, the directory kept
         return None
     moved = found_at(old)

@@ -304,7 +304,10 @@ def held_out_rise(eval_losses: list, run_dir: Path) -> str | None:
     untrained = measured[0][1] if measured[0][0] == 0 else None
     rose_past = untrained is not None and best_step != 0 and last > untrained
     above = f", above the untrained model's {untrained:.4f}" if rose_past else ""
-    kept = [d for d in checkpoint_dirs(run_dir, flag="--out") if step_of(d, flag="--out") == best_step]
+    try:
+        kept = [d for d in checkpoint_dirs(run_dir, flag="--out") if step_of(d, flag="--out") == best_step]
+    except UsafError:  # a step-N directory renamed by hand: the warning still says the rise, at a finished run's end
+        kept = []
     if best_step == 0:
         way = "the untrained weights were the best: train fewer steps, or with a smaller --lr"
     elif kept:
