@@ -211,6 +211,22 @@ def test_a_chat_role_no_template_names_is_said(tmp_path, tok_dir):
     assert control.exit_code == 0 and "chat roles other than" not in control.stderr, control.output
 
 
+def test_a_line_holding_messages_and_text_says_which_was_read(tmp_path, tok_dir):
+    """A line with both 'messages' and 'text' (a dataset that keeps the rendered conversation beside it) was read as
+    chat and its 'text' dropped in silence (found in review). Said, naming the line. The control: chat alone says
+    nothing of it."""
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    chat = tmp_path / "both.jsonl"
+    chat.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages, "text": "Hi."}) + "\n")
+    result = tokenize(chat, "--model", tok_dir, "--out", tmp_path / "out")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 0, result.output
+    assert f"1 JSONL line holds both 'messages' and 'text': 'messages' was read, 'text' not (e.g. {chat}:2)" in said
+    chat.write_text(json.dumps({"messages": messages}) + "\n")
+    control = tokenize(chat, "--model", tok_dir, "--out", tmp_path / "control")
+    assert control.exit_code == 0 and "holds both" not in control.stderr, control.output
+
+
 def test_original_format_pre_shifted_labels_are_detected_and_fixable(tmp_path, tok_dir, tokenizer):
     ids = tokenizer("def f(x):\n    return x + 1\n" * 4)["input_ids"][:40]
     original = tmp_path / "orig.jsonl"  # the original README's recipe: labels = chunk[1:] + [eos]

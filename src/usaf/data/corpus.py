@@ -74,6 +74,8 @@ class Document:
     source_from_field: bool = False  # a JSONL line's own source, from --source-field (not 'repo' or its file)
     first: bool = True  # False: a later piece of a long text (usaf.data.cuts), continuing the one before
     last: bool = True  # False: more pieces of this text follow
+    # fields of the line that hold text too but were not read: 'text' beside 'messages', which one line reads first
+    unread_fields: tuple[str, ...] = ()
 
 
 # Text in UTF-16 or UTF-32 has NUL bytes, so git's rule calls it binary: its byte-order mark tells it apart
@@ -398,6 +400,9 @@ def jsonl_document(
     if not isinstance(source, str) or not source:
         raise UsafError(f"{where}: '{source_field}' must be a non-empty string", "fix the line")
     named = source_field in obj
+    # one line is read by the first of these it holds; the others were dropped in silence (found in review)
+    held = [key for key in dict.fromkeys(("input_ids", "messages", text_field)) if key in obj]
+    unread = tuple(held[1:])
     if "input_ids" in obj:
         ids, labels = obj["input_ids"], obj.get("labels", obj["input_ids"])
         if not _int_list(ids) or not _int_list(labels) or len(ids) != len(labels) or not ids:
@@ -405,7 +410,8 @@ def jsonl_document(
                 f"{where}: 'input_ids' and 'labels' must be equal-length non-empty lists of integers",
                 "fix the line, or give raw text in a text field instead",
             )
-        return Document(source, where, nbytes, True, input_ids=ids, labels=labels, source_from_field=named)
+        return Document(source, where, nbytes, True, input_ids=ids, labels=labels, source_from_field=named,
+                        unread_fields=unread)
     if "messages" in obj:
         messages = obj["messages"]
         ok = (
@@ -421,7 +427,7 @@ def jsonl_document(
                 f'{where}: \'messages\' must be a non-empty list of {{"role": str, "content": str}}',
                 "fix the line",
             )
-        return Document(source, where, nbytes, True, messages=messages, source_from_field=named)
+        return Document(source, where, nbytes, True, messages=messages, source_from_field=named, unread_fields=unread)
     if text_field in obj:
         text = obj[text_field]
         if not isinstance(text, str):

@@ -77,6 +77,8 @@ class _Totals:
     undecodable: list[Path] = field(default_factory=list)  # text files not UTF-8, skipped or replaced (--decode-errors)
     uncut: list[tuple[str, int, str]] = field(default_factory=list)  # (document, bytes, why): a long piece, uncut
     other_roles: dict[str, list[str]] = field(default_factory=dict)  # a chat role no reply has -> lines with it
+    # (field read, fields not read) -> lines holding both: 'messages' and 'text' on one line, say
+    unread_fields: dict[tuple[str, tuple[str, ...]], list[str]] = field(default_factory=dict)
 
 
 def _collect_sources(corpus: Corpus, config: TokenizeConfig, progress: Progress) -> list[str]:
@@ -610,6 +612,15 @@ def _note_uncut(totals: _Totals, progress: Progress) -> None:
                   f"{human_bytes(nbytes * BYTES_PER_BYTE)} of memory for its encoding){more}")  # fmt: skip
 
 
+def _note_unread_fields(totals: _Totals, progress: Progress) -> None:
+    """Lines holding two of 'input_ids', 'messages' and the text field are read by the first: said, with which."""
+    for (read, unread), origins in totals.unread_fields.items():
+        others = " and ".join(f"'{name}'" for name in unread)
+        hold = "holds" if len(origins) == 1 else "hold"
+        progress.note(f"{counted(len(origins), 'JSONL line')} {hold} both '{read}' and {others}: '{read}' was read, "
+                      f"{others} not (e.g. {origins[0]}); remove the field you do not want read")  # fmt: skip
+
+
 def _skipped_undecodable(config: TokenizeConfig, totals: _Totals) -> int:
     """Text files skipped as not UTF-8 (``--decode-errors skip``; with ``replace`` they are read)."""
     return len(totals.undecodable) if config.decode_errors == "skip" else 0
@@ -653,6 +664,9 @@ def _tokenize_corpus(
                     emit(last)
             previous = doc
             source_field_read |= doc.source_from_field
+            if doc.unread_fields:
+                read = "input_ids" if doc.input_ids is not None else "messages" if doc.messages else config.text_field
+                totals.unread_fields.setdefault((read, doc.unread_fields), []).append(doc.origin)
             for role in {m["role"] for m in doc.messages or ()} - CHAT_ROLES:
                 totals.other_roles.setdefault(role, []).append(doc.origin)
             counts = totals.per_source.setdefault(doc.source, _Counts("heldout" if doc.source in heldout else "train"))
@@ -699,6 +713,7 @@ def _tokenize_corpus(
     progress.finish()
     _note_uncut(totals, progress)
     _note_other_roles(totals, progress)
+    _note_unread_fields(totals, progress)
     if totals.undecodable:  # skipped or replaced as asked, never in silence (eval replaced in silence; review)
         done = ("skipped" if config.decode_errors == "skip" else "read with their undecodable bytes replaced by "
                 "U+FFFD") + (f" ({source_of(config, 'decode_errors')} {config.decode_errors})"
