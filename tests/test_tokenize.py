@@ -174,6 +174,28 @@ def test_chat_jsonl_scores_assistant_turns_only(tmp_path, tok_dir, tokenizer):
     assert "Say hello." in unscored and "Be brief." in unscored and "Hello there" not in unscored
 
 
+def test_a_chat_conversation_that_fits_is_never_cut_across_sequences(tmp_path, tok_dir, tokenizer):
+    """Conversations were packed as text is: one cut at a window's end trained its second part's reply without its
+    question (about 1 in 20 in a reviewer's set). Each one that fits in --seq-len now lies whole in one sequence, so
+    every sequence opens a conversation; the one longer than --seq-len is cut, its later sequence opening mid-way."""
+    rng = __import__("random").Random(0)
+    conversations = [[{"role": "user", "content": f"Question {i}: " + "why? " * rng.randrange(1, 12)},
+                      {"role": "assistant", "content": "Because. " * rng.randrange(1, 12)}] for i in range(24)]
+    conversations.append([{"role": "user", "content": "Long one."}, {"role": "assistant", "content": "So. " * 160}])
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    out = tmp_path / "out"
+    result = tokenize(chat, "--model", tok_dir, "--seq-len", 256, "--out", out)  # conversations of 50-144 tokens
+    assert result.exit_code == 0, result.output
+    opener = tokenizer(tokenizer.apply_chat_template(conversations[0], tokenize=False))["input_ids"][0]
+    rows = read_jsonl(out / "train.jsonl")
+    mid_way = [r for r in rows if r["input_ids"][0] != opener]
+    pieces = [tokenizer.decode(r["input_ids"]) for r in mid_way]
+    assert pieces and all("So." in piece and "Question" not in piece for piece in pieces), pieces  # the long one's
+    scored = sum(1 for r in rows for lab in r["labels"][1:] if lab != -100)
+    assert scored == load_verified(out, TokensManifest).summary.train_loss_tokens
+
+
 def test_sequences_with_no_target_are_left_out_and_said(tmp_path, tok_dir, tokenizer):
     """A chat whose prompt is longer than --seq-len packed sequences of prompt alone (every label -100): written to
     train.jsonl, each training step of them ran at loss 0.0 and pulled the run's loss means down (found in review).
@@ -217,7 +239,8 @@ def test_a_line_holding_messages_and_text_says_which_was_read(tmp_path, tok_dir)
     nothing of it."""
     messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     chat = tmp_path / "both.jsonl"
-    chat.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages, "text": "Hi."}) + "\n")
+    lines = ({"messages": messages}, {"messages": messages, "text": "Hi."})
+    chat.write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = tokenize(chat, "--model", tok_dir, "--out", tmp_path / "out")
     said = " ".join(result.stderr.split())
     assert result.exit_code == 0, result.output

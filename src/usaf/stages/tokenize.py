@@ -660,7 +660,7 @@ def _tokenize_corpus(
             # so memory holds one source's partial sequence, not every source's.
             if previous is not None and previous.source != doc.source and not previous.from_jsonl:
                 finished = packers.pop(previous.source, None)
-                if finished is not None and (last := finished.flush()) is not None:
+                for last in finished.close() if finished is not None else []:
                     emit(last)
             previous = doc
             source_field_read |= doc.source_from_field
@@ -678,7 +678,8 @@ def _tokenize_corpus(
                 text_seen = True
                 text_field_read |= doc.from_jsonl and doc.text is not None
                 packer = packers.setdefault(doc.source, SourcePacker(doc.source, config.seq_len, config.stride))
-                for seq in packer.add(ids, labels):
+                add = packer.add_whole if doc.messages is not None else packer.add
+                for seq in add(ids, labels):
                     emit(seq)
             tokens_seen += len(ids)
         batch_bytes = sum(d.nbytes for d in batch)
@@ -708,7 +709,7 @@ def _tokenize_corpus(
         if pending is not None:
             process(pending[0], pending[1].result())
     for packer in packers.values():
-        if (last := packer.flush()) is not None:
+        for last in packer.close():
             emit(last)
     progress.finish()
     _note_uncut(totals, progress)
