@@ -1449,6 +1449,31 @@ def test_a_ram_budget_places_the_frozen_experts_as_its_plan_predicted(prepared, 
     assert free.exit_code == 0 and "frozen MoE layers' experts dequantized once" in free.stderr, free.output
 
 
+def test_a_ram_budget_with_a_workspace_plan_does_not_count_scoring(prepared, tmp_path, monkeypatch):
+    """Under --ram, a run that takes its plan from the workspace was budgeted as if it scored on the fly: refused where
+    scoring would not fit though it scores nothing, and told a --train-from the plan decides (found in review). Here
+    the planner finds score short (forced: the tiny model fits any budget). The control: with no plan to find, the
+    run scores, and the same budget refuses it, naming score."""
+    from dataclasses import replace
+
+    import usaf.memory_plan as memory_plan
+
+    real = memory_plan.plan_memory
+    monkeypatch.setattr(memory_plan, "plan_memory", lambda *a: replace(
+        real(*a), shortfalls=("score needs 9 GiB of host memory, 8 GiB given",)))  # fmt: skip
+    qdir, tokens, plan = prepared("qwen3_moe")
+    ws = tmp_path / "ws"
+    shutil.copytree(plan, ws / "plan" / "scored")
+    args = ["train", "--model", qdir, "--data", tokens, "--steps", 1, "--save-every", 0, "--lr", 1e-3,
+            "--reselect-every", 0, "--ram", "8GiB"]  # fmt: skip
+    found = invoke(*args, "--workspace", ws, "--out", tmp_path / "found")
+    said = " ".join(found.stderr.split())
+    assert found.exit_code == 0, found.output
+    assert "using the plan" in said and "usaf plan's choice" in said and "--train-from" not in said, said
+    scoring = invoke(*args, "--workspace", tmp_path / "empty", "--out", tmp_path / "scoring")
+    assert scoring.exit_code == 2 and "nothing fits: score needs 9 GiB" in scoring.stderr, scoring.output
+
+
 def test_a_vram_from_the_environment_on_the_cpu_is_said_unused_and_plans_nothing(prepared, tmp_path, monkeypatch):
     """USAF_VRAM (set for a GPU machine) on a CPU run was taken as a budget: the planner shrank the prefix cache with
     no RAM budget given, where --vram itself is refused (found in review). Said not used; nothing planned. The

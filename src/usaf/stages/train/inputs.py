@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +148,7 @@ def resolve_inputs(
     settler = _Settler(model, backend, world, data, data_fp, source, given)
     # Every refusal of the settings before --overwrite deletes the run there: a command refused for its length,
     # reselection or memory budget destroyed the run it was to replace (found in review). Notes come with the settle.
-    _, steps, _ = settler.budgeted(config, given[1] if given else None, NullProgress())
+    _, steps, _ = settler.budgeted(config, settler.plan_before_run(config), NullProgress())
     if given is not None:
         _check_plan_uses(config, given[1], NullProgress())
     world.refuse_unless_same({"--model": model_manifest.fingerprint, "--data": data_fp, "steps": steps,
@@ -512,19 +512,17 @@ class _Settler:
         """The run in ``run_dir``: ``--plan``, else the plan scored into it by an earlier start, else the workspace's
         newest for this model, else (``score_now``) one scored now into it; None when there is no plan and not
         ``score_now``."""
-        given_plan = self.given[1] if self.given else None
-        budgeted, steps, reselect_every = self.budgeted(config, given_plan, progress)  # before any scoring on the fly
-        wanted = self.selection_given(config, budgeted, run_dir)
+        wanted = self.selection_given(config, run_dir)
         found = self.given or _found_plan(self.model, run_dir, config.workspace, progress, wanted,
                                           self.data_fingerprint)  # fmt: skip
         if found is None and not score_now:
             return None
+        # The budget after the plan is found: planned without one, it counted scoring on the fly and chose a
+        # --train-from, said, for a run whose workspace plan decides both (found in review); before scoring on the fly
+        budgeted, steps, reselect_every = self.budgeted(config, found[1] if found else None, progress)
         plan_dir, plan = found or _score_on_the_fly(self.score_settings(budgeted, run_dir), run_dir, progress, wanted)
         if self.given is not None and (other := _data_difference(plan, self.data_fingerprint)):
             progress.note(f"--plan {plan_dir}: scored with {other[0]}: its masks and lr were chosen on those")
-        first = plan.summary.trainable_layers[0]
-        if self.given is None and budgeted is not config and budgeted.train_from not in (None, first):
-            budgeted, steps, reselect_every = self.budgeted(config, plan, progress)  # a plan from the workspace
         _check_plan_uses(budgeted, plan, progress)
         reselect_every = reselection_acting(budgeted, plan, steps, reselect_every, progress)
         config, lr_source = with_lr(with_selection(budgeted, plan), plan)
@@ -553,13 +551,25 @@ class _Settler:
         settings._into_run = True  # RUN/plan is open to this score alone
         return settings
 
-    def selection_given(self, config: TrainConfig, budgeted: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    def plan_before_run(self, config: TrainConfig) -> PlanManifest | None:
+        """For the checks made before the run directory is known: ``--plan``, else the workspace's plan a run would
+        take (not one scored into a run), else None. Budgeted without the workspace's plan, a ``--ram`` run counted
+        scoring on the fly that it would not do, and could be refused for it (found in review)."""
+        if self.given is not None:
+            return self.given[1]
+        wanted = self.selection_given(config, Path(config.out or "run"))
+        found = resolve_plan(None, config.workspace, self.model, NullProgress(), outside=config.out,
+                             differences=_not_this_runs(wanted, self.data_fingerprint))  # fmt: skip
+        return found[1] if found else None
+
+    def selection_given(self, config: TrainConfig, run_dir: Path) -> dict[str, Any]:
         """The selection settings given (a flag, ``USAF_*``, ``--config``, a legacy variable: whatever scoring on the
         fly would honour), as the plan it scores would record them: a plan scored with others is not this run's.
-        Empty with ``--plan``, which refuses them from a flag or ``[train]`` and drops the others."""
+        Empty with ``--plan``, which refuses them from a flag or ``[train]`` and drops the others. (The memory budget
+        fills only settings not given, so these do not depend on it.)"""
         if self.given is not None:
             return {}
-        recorded = self.score_settings(budgeted, run_dir).model_dump(mode="json")
+        recorded = self.score_settings(config, run_dir).model_dump(mode="json")
         return {name: recorded[name] for name in SELECTION_FIELDS if was_given(config, name)}
 
     def scores_into(self, config: TrainConfig, run_dir: Path) -> dict | None:
@@ -567,10 +577,10 @@ class _Settler:
         when the run would not score (a plan given or in the workspace)."""
         if self.given is not None:
             return None
-        budgeted = self.budgeted(config, None, NullProgress())[0]
-        wanted = self.selection_given(config, budgeted, run_dir)
+        wanted = self.selection_given(config, run_dir)
         if _found_plan(self.model, run_dir, config.workspace, NullProgress(), wanted, self.data_fingerprint):
             return None
+        budgeted = self.budgeted(config, None, NullProgress())[0]
         return run_identity(self.score_settings(budgeted, run_dir), model_fingerprint=self.model[1],
                             data_fingerprint=self.data_fingerprint, backend=self.backend,
                             processes=self.world.size)  # fmt: skip
@@ -604,12 +614,13 @@ def _found_plan(
             )
         return path, manifest
     started = _started_with(run_dir)  # an interrupted run: the plan it started with before any newer one
-
-    def differences(plan: PlanManifest) -> list[str]:
-        return _selection_differences(plan, wanted) + _data_difference(plan, data_fingerprint)
-
     return resolve_plan(None, workspace, model, progress, outside=run_dir, prefer=started.get("plan_fingerprint"),
-                        differences=differences)  # fmt: skip
+                        differences=_not_this_runs(wanted, data_fingerprint))  # fmt: skip
+
+
+def _not_this_runs(wanted: dict[str, Any], data_fingerprint: str) -> Callable[[PlanManifest], list[str]]:
+    """What makes a workspace plan not this run's: selection settings other than those given, or other data."""
+    return lambda plan: _selection_differences(plan, wanted) + _data_difference(plan, data_fingerprint)
 
 
 def _data_difference(plan: PlanManifest, data_fingerprint: str) -> list[str]:
