@@ -433,6 +433,7 @@ def _score(settled: _Inputs, writer: ArtifactWriter, saved: ScoreProgress) -> tu
     seconds = time.perf_counter() - settled.start + earlier + earlier_probes  # an interrupted run's work included
     summary = _summary(config, frac, engine, layers, masks, accumulators, stability, routing, lines, layer_of,
                        model_fingerprint, settled.data_fingerprint, seconds, lr_record)  # fmt: skip
+    _note_uncertified(summary, config, progress)
     if not world.is_main:
         world.barrier("plan written")  # by rank 0
         return load_verified(writer.target, PlanManifest, flag="--out"), writer.target
@@ -708,6 +709,21 @@ def _selected_share(given: float | None, weights: int, progress: Progress) -> fl
             f"{weights:,} target weights, fewer than {MIN_ENTRIES:,} (pass --frac to choose)"
         )
     return frac
+
+
+def _note_uncertified(summary: PlanSummary, config: ScoreConfig, progress: Progress) -> None:
+    """Masks the candidate pool cannot prove to be the exact top-k: said, with the way to the exact one. The printout
+    read as the exact selection, which only ``inspect``'s ``certified: false`` told apart (found in review)."""
+    uncertified = [t.name for t in summary.tensors if not t.certified]
+    if not uncertified or config.full_maps:
+        return
+    n, total = len(uncertified), len(summary.tensors)
+    which = "the mask is" if total == 1 else f"the {n} masks are" if n == total else (
+        f"{n} of the {total} masks {'is' if n == 1 else 'are'}")
+    progress.note(f"{which} not proven the exact top-k of |grad| (e.g. {uncertified[0]}): the candidate "
+                  f"pool (--candidates-factor {config.candidates_factor}) can miss weights whose importance came late; "
+                  "on real text its masks held 90-97 % of the exact ones' importance. --full-maps selects exactly "
+                  "(4 bytes of memory per target weight)")  # fmt: skip
 
 
 def _summary(
