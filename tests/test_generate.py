@@ -64,6 +64,26 @@ def test_json_reports_the_change_and_the_chat_template(workspace):
     assert untrained["checkpoint"] is None
 
 
+def test_an_empty_reply_under_the_chat_template_says_how_to_continue_the_prompt(workspace, monkeypatch):
+    """The demo's model, pretrained on raw code, ends a chat turn at once: generate printed nothing and no word of
+    why (found in review). Said, naming --no-chat (the model is made to end at once here). The control: plain text
+    generated says nothing of it."""
+    import transformers
+
+    root, _, _ = workspace
+    said = " ".join(generate(PROMPT, "--max-new-tokens", 4, workspace=root).stderr.split())
+    assert "the reply is empty" not in said, said
+
+    def ends_at_once(self, input_ids, generation_config, **_):
+        end = generation_config.eos_token_id
+        end = end[0] if isinstance(end, list) else end
+        return torch.cat([input_ids, torch.tensor([[end]])], dim=1)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", ends_at_once)
+    said = " ".join(generate(PROMPT, workspace=root).stderr.split())
+    assert "the reply is empty (1 token, ending it)" in said and "--no-chat" in said and "1 token in" in said, said
+
+
 def test_a_model_given_relative_is_reported_in_full(workspace, monkeypatch):
     """``--model q`` gave ``"model": "q"`` beside an absolute checkpoint (found in review)."""
     root, qdir, run = workspace

@@ -19,6 +19,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
         from usaf.config import resolve_config
         from usaf.settings.generate import GenerateConfig
         from usaf.stages.generate import run
+        from usaf.units import counted
 
         settings = resolve_config(GenerateConfig, section="generate", cli=cli, config_file=config)
         # Plain writes, not rich: generated text may contain [markup] that rich would interpret.
@@ -42,7 +43,7 @@ def _run(cli: dict[str, Any], *, config: Path | None, json_output: bool, verbose
         moved = result.streamed and not result.unified_memory  # on a CPU it said so after "moves nothing" (review)
         change = f"change {result.checkpoint}" if result.checkpoint is not None else "no change (untrained)"
         note(
-            f"{result.new_tokens} tokens in {result.seconds:.1f} s ({rate:.1f} tok/s) on {result.device} "
+            f"{counted(result.new_tokens, 'token')} in {result.seconds:.1f} s ({rate:.1f} tok/s) on {result.device} "
             f"({result.dtype}{', experts streamed from host memory' if moved else ''}); "
             f"{result.model}, {change}"
             # a base model (the demo's, pretrained on code) continues text: say how to get that

@@ -33,6 +33,7 @@ from usaf.settings.generate import GenerateConfig
 from usaf.stages.change import engine_with_change, resolve_model_and_change
 from usaf.stages.engine_setup import load_for_engine, stream_every_layer
 from usaf.stages.progress import NullProgress, Progress, say_backend_notes
+from usaf.units import counted
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,11 @@ def run(
         seconds = time.perf_counter() - started
         dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
     new = output[0, input_ids.shape[1] :].tolist()
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    if templated and not text.strip():  # empty output, no word (a model pretrained on raw text; found in review)
+        progress.note(f"the reply is empty ({counted(len(new), 'token')}, ending it): the prompt was rendered as a "
+                      "chat turn with the tokenizer's template; a model trained on raw text continues a prompt with "
+                      "--no-chat")  # fmt: skip
     return Generation(
         model=model_dir,
         checkpoint=change.source if change is not None else None,
@@ -184,7 +190,7 @@ def run(
         rendered_prompt=rendered,
         chat_template=templated,
         prompt_tokens=len(ids),
-        text=tokenizer.decode(new, skip_special_tokens=True),
+        text=text,
         new_tokens=len(new),
         seconds=seconds,
         device=str(backend.device),
