@@ -599,3 +599,46 @@ def test_the_rounding_note_gives_a_small_share_as_under_a_tenth_of_a_percent():
 
     assert "42 of the 196,602 delta entries (under 0.1%) round away" in note(42, 196_602)
     assert "(2.0%) round away" in note(2, 100)
+
+
+def test_the_rounding_note_counts_trained_router_weights_rounded_away():
+    """45 of the demo's 2,048 trained router weights came out unchanged in bf16, and the note named delta entries
+    alone (found in review). Counted apart, with the entries or alone. The control: none rounded away, no note."""
+    import torch
+
+    from usaf.stages.export_sources import Counts, ExportSource
+
+    def note(**counts: int) -> str | None:
+        source = object.__new__(type("Source", (ExportSource,), {"produce": None}))
+        source.counts = Counts(expert_entries=100, trained_l1=1.0, router_weights_changed=2048, **counts)
+        source.written = {"w": torch.bfloat16}
+        return source.rounding_note()
+
+    both = note(entries_rounded_away=2, router_weights_rounded_away=45)
+    assert "2 of the 100 delta entries (2.0%) round away in the output dtype" in both
+    assert "; so do 45 of the 2,048 trained router weights" in both and "--dtype float32 writes it whole" in both
+    alone = note(router_weights_rounded_away=45)
+    assert alone.startswith("45 of the 2,048 trained router weights round away") and "--dtype float32" in alone
+    assert note() is None
+
+
+def test_trained_router_weights_rounded_away_in_bf16_are_counted():
+    """The count itself: a trained router weight whose change is under half its bf16 step is written as the original
+    value. The control: a change of a whole step is kept."""
+    import types
+
+    import torch
+
+    from usaf.stages.export_sources import Counts, ExportSource
+
+    original = torch.ones(2, 4, dtype=torch.bfloat16)
+    trained = original.float().clone()
+    trained[0, 0] += 1e-4  # under half of bf16's step at 1.0 (2**-8)
+    trained[1, 1] += 2**-7  # a whole step: kept
+    source = object.__new__(type("Source", (ExportSource,), {"produce": None}))
+    source.counts, source.written = Counts(), {}
+    source.change = types.SimpleNamespace(routers={"r": trained})
+    source.out_dtype = lambda dtype: dtype
+    out = source.router("r", original)
+    assert out.dtype == torch.bfloat16 and out[1, 1] != original[1, 1]
+    assert (source.counts.router_weights_changed, source.counts.router_weights_rounded_away) == (2, 1)

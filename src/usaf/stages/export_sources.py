@@ -68,6 +68,8 @@ class Counts:
     entries_rounded_away: int = 0  # delta entries whose written weight is the written base's: the change rounded off
     trained_l1: float = 0.0  # sum |delta| over every entry, as trained
     written_l1_error: float = 0.0  # sum |(written weight - written base) - delta|: what the output dtype did to it
+    router_weights_changed: int = 0  # router weights the training moved (fp32 master against the original)
+    router_weights_rounded_away: int = 0  # of those, written as the original's value in the output dtype
 
 
 def rounded_change(before: torch.Tensor, after: torch.Tensor, values: torch.Tensor) -> tuple[int, float, float]:
@@ -160,7 +162,11 @@ class ExportSource(ABC):
             raise ValueError(f"{memory_name}: trained router {tuple(trained.shape)}, model {tuple(original.shape)}")
         self.counts.router_tensors += 1
         self.written[memory_name] = self.out_dtype(original.dtype)
-        return trained.to(self.written[memory_name]).contiguous()
+        out = trained.to(self.written[memory_name]).contiguous()
+        moved = trained.float() != original.float()  # (E, H) the trained weights
+        self.counts.router_weights_changed += int(moved.sum())
+        self.counts.router_weights_rounded_away += int((moved & (out == original.to(out.dtype))).sum())
+        return out
 
     def kind_of(self, memory_name: str | None) -> str:
         """A non-expert tensor's unit kind: a trained router, a linear target with a delta, or a copy."""
@@ -189,19 +195,24 @@ class ExportSource(ABC):
         self.counts.written_l1_error += error
 
     def rounding_note(self) -> str | None:
-        """What the output dtype did to the change, where it rounded any entry away."""
+        """What the output dtype did to the change, where it rounded any delta entry or trained router weight away."""
         c = self.counts
-        if not c.entries_rounded_away:
+        if not c.entries_rounded_away and not c.router_weights_rounded_away:
             return None
-        share = c.entries_rounded_away / max(c.expert_entries, 1)
-        shown = f"{share:.1%}" if share >= 0.001 else "under 0.1%"  # 42 of 196,602 were "0.0%" (found in review)
-        error = c.written_l1_error / c.trained_l1 if c.trained_l1 else 0.0
         # in float32 already, "--dtype float32 writes it whole" was false: such deltas are below fp32's own step
         way = ("below float32's own step at those weights: the change is too small to hold" if
                all(dtype == torch.float32 for dtype in self.written.values()) else "--dtype float32 writes it whole")
+        # counted apart: the note said delta entries alone (review)
+        routers = (f"{c.router_weights_rounded_away:,} of the {c.router_weights_changed:,} trained router weights"
+                   if c.router_weights_rounded_away else "")
+        if not c.entries_rounded_away:
+            return f"{routers} round away in the output dtype (a change under half the weight's step there); {way}"
+        share = c.entries_rounded_away / max(c.expert_entries, 1)
+        shown = f"{share:.1%}" if share >= 0.001 else "under 0.1%"  # 42 of 196,602 were "0.0%" (found in review)
+        error = c.written_l1_error / c.trained_l1 if c.trained_l1 else 0.0
         return (f"{c.entries_rounded_away:,} of the {c.expert_entries:,} delta entries ({shown}) round away in the "
-                f"output dtype (a delta under half its weight's step there), and the written change differs from the "
-                f"trained one by {error:.1%} (L1); {way}")  # fmt: skip
+                f"output dtype (a delta under half its weight's step there){'; so do ' + routers if routers else ''}, "
+                f"and the written change differs from the trained one by {error:.1%} (L1); {way}")  # fmt: skip
 
     def merge_layer(
         self,
