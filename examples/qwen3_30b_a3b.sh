@@ -4,11 +4,12 @@
 # REQUIRES A DOWNLOAD: about 61 GB of bf16 weights from the Hugging Face hub (set HF_HOME to a disk with
 # room; the quantized model is ~16 GB of 4-bit experts + ~1.3 GB of other weights).
 #
-# Memory: the 4-bit experts of all 48 layers (~15.4 GB) stay in host memory and the frozen layers' are
-# streamed to the GPU one layer ahead (--stream-experts; chosen by default when they would take over half
-# the free device memory), so a 12 GB card with 32 GB of RAM is the target: `usaf plan Qwen/Qwen3-30B-A3B
-# --vram 12GiB --ram 32GiB` shows the predicted peaks. Streaming on a real GPU is not measured yet (no GPU
-# was available to the project; scripts/gpu_check.sh is ready). The settings below: the top 3 of 48 layers
+# Memory: the 4-bit experts of all 48 layers (15.2 GiB, about 16.3 GB, at --group-size 64) stay in host memory
+# and the frozen layers' are streamed to the GPU one layer ahead (--stream-experts; chosen by default when they
+# would take over half the free device memory), so a 12 GB card with 32 GB of RAM is the target: `usaf plan
+# Qwen/Qwen3-30B-A3B --vram 12GiB --ram 32GiB` shows the predicted peaks. Streaming was measured on one GPU (an
+# H200: it lowered the peak by 20 % at no cost in speed; docs/BENCHMARKS.md, "On a GPU"); a 12 GB card's PCIe is
+# not measured. The settings below: the top 3 of 48 layers
 # trainable (their dequantized bases: ~3.4 GB in bf16), microbatch 1 x 8 accumulation at 512 tokens; `usaf plan
 # Qwen/Qwen3-30B-A3B --vram 12GiB --ram 32GiB --train-from 45 --microbatch 1 --group-size 64` predicts score's peak
 # at 10.4 GiB of the 11.4 usable (4 layers would need 12.4: nothing fits).

@@ -48,7 +48,7 @@ command = settings_command(
     doc="""Fine-tune the built-in pretrained MoE on stdlib sources it never saw, end to end, with no download.
 
     Shows every stage, the before/after table, and the shell commands that do the same step by step.
-    Rerunning reuses finished stages and resumes training where Ctrl-C stopped it.
+    Rerunning reuses finished stages and resumes the stage Ctrl-C stopped (quantize, score, training or eval).
     """,
 )
 

@@ -20,7 +20,7 @@ class GenerateConfig(StageConfig):
         description="The prompt (a user message when the chat template is applied).",
         json_schema_extra=cli(argument=True),
     )
-    model: Path | None = f.quantized_model()
+    model: Path | None = f.quantized_model("the one the change was trained on, else newest")
     checkpoint: Path | None = f.checkpoint()
     no_checkpoint: bool = Field(False, description="Use the untrained quantized model (to compare).")
     workspace: Path | None = f.workspace()
