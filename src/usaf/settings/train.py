@@ -73,7 +73,8 @@ class TrainConfig(StageConfig):
     warmup: float = Field(0.05, ge=0, lt=1, description="Warmup as a fraction of the run.")
     reselect_every: int | None = Field(
         None, ge=0, description="Steps between RigL reselections; 0 = static mask.",
-        json_schema_extra=cli(default_text="50; static where none would replace anything (runs of <= 66 steps; a small plan's longer ones)"),
+        json_schema_extra=cli(default_text="50; static where none would replace anything (runs of <= 66 steps; "
+                                           "a small plan's longer ones)"),
     )  # fmt: skip
     seq_len: int | None = f.seq_len_field(None, "Cut longer sequences to N tokens.", default_text="as tokenized")
     reselect_fraction: float = Field(0.2, ge=0, le=1, description="Initial fraction replaced, cosine to 0 at 75%.")
