@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,15 @@ os.environ.setdefault("USAF_LR_TEST", "false")
 # lowers the count on a busy machine (usaf.backends.cpu.choose_threads) unless OMP_NUM_THREADS is set, and the
 # exactness tests compare runs across processes. tests/test_threads.py tests the choice itself.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # torch's own default, read before the variable
+
+# The suite tests how usaf meets signals sent to it in a terminal: Ctrl-C, a closed terminal's SIGHUP. A suite started
+# in the background of a script (SIGINT ignored) or under nohup (SIGHUP ignored) passes those dispositions on to every
+# usaf it starts, which keeps them ignored, as it should (usaf.errors.take_signals; tested with the signal ignored on
+# purpose): so the suite puts back the terminal's.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # The families with their own file, plus two structural-fallback types: glm4_moe (DeepSeek-like
 # routing with shared experts) and phimoe (Mixtral-like on-disk names renamed by transformers).

@@ -339,6 +339,26 @@ def test_sigterm_and_sighup_save_like_ctrl_c_and_exit_with_the_signals_code(prep
     assert f"step {done} of 150" in resumed.stderr
 
 
+@pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
+def test_a_signal_ignored_when_train_starts_stays_ignored(prepared, tmp_path, name):
+    """``nohup usaf train ... &`` ignores SIGHUP, and a job a script starts in the background ignores SIGINT; train
+    took both over, so logging out stopped the run nohup was to keep (found in review). An ignored signal stays
+    ignored: the run goes on to its end. The control (the test above): not ignored, the same signal stops it."""
+    signum = getattr(signal, name)
+    qdir, tokens, plan = prepared("olmoe")
+    run = tmp_path / "run"
+    cmd = _train_command(qdir, tokens, plan, run, 60)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signum, signal.SIG_IGN))  # fmt: skip
+    log, deadline = run / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "interrupted" not in stderr, stderr
+    assert load_verified(run, RunManifest).summary.steps == 60
+
+
 @pytest.mark.parametrize(
     "options",
     [

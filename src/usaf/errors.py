@@ -8,6 +8,7 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 
 class UsafError(Exception):
@@ -26,6 +27,15 @@ class UsafError(Exception):
 
 # Ctrl-C; kill, schedulers and container stops; a closed terminal (Windows has no SIGHUP).
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def take_signals(handler: Any, signals: tuple[int, ...] = STOP_SIGNALS) -> dict[int, Any]:
+    """Install ``handler`` for each of ``signals`` not set to be ignored; the previous handlers of those taken, to put
+    back. A signal ignored when usaf started stays ignored, as Python leaves an ignored SIGINT: nohup's SIGHUP (a
+    closed terminal must not stop the run nohup was to keep), the SIGINT of a job a script started in the background
+    (the terminal's Ctrl-C is not for it). Taken over, ``nohup usaf train ... &`` stopped at logout (found in
+    review). Main thread only (Python's rule for signal handlers)."""
+    return {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 class StopSignal(KeyboardInterrupt):

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 
 from usaf.cli import rank_errors
-from usaf.errors import StopSignal, UsafError
+from usaf.errors import StopSignal, UsafError, take_signals
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -94,10 +94,10 @@ def _stop_signals_as_ctrl_c() -> Iterator[Callable[[], None]]:
         raise StopSignal(signum)
 
     def reporting() -> None:
-        for sig in _STOP_AS_CTRL_C:
+        for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
 
-    previous = {sig: signal.signal(sig, stop) for sig in _STOP_AS_CTRL_C}
+    previous = take_signals(stop, _STOP_AS_CTRL_C)  # nohup's SIGHUP stays ignored
     try:
         yield reporting
     finally:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.serialization import DEFAULT_PROTOCOL
 
-from usaf.errors import STOP_SIGNALS
+from usaf.errors import take_signals
 
 try:  # torch >= 2.5
     from torch.serialization import _get_storage_alignment, get_crc32_options
@@ -79,7 +79,7 @@ def _stop_signals_deferred() -> Iterator[None]:
         yield
         return
     received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in STOP_SIGNALS}
+    previous = take_signals(lambda signum, _frame: received.append(signum))  # an ignored one stays ignored
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from usaf.distributed import PeerLost, World
-from usaf.errors import STOP_SIGNALS, StopSignal
+from usaf.errors import STOP_SIGNALS, StopSignal, take_signals
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "note_at_stop", "rerun_to_resume", "take_note_at_stop"]
 
@@ -67,8 +67,7 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous = take_signals(self._handle)  # one the shell set to be ignored stays so (nohup's SIGHUP)
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
