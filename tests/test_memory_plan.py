@@ -588,3 +588,60 @@ def test_the_quantization_row_names_the_group_sizes_quantize_used():
     assert _groups(adjusted) == "group 128 asked, 24 and 32 used (each divides its tensor's width)"
     assert _groups(QuantSettings(group_size=64, effective={"a": 64})) == "group 64"
     assert _groups(QuantSettings(group_size=128)) == "group 128"  # a source model: nothing quantized yet
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak bytes of tensors made under it and still referenced: each new storage counted until its tensor dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            key = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+            if key is None or key in self.seen:  # an in-place op's own result, or a view
+                continue
+            nbytes = t.untyped_storage().nbytes()
+            self.seen.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._freed, key, nbytes)
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+def test_eval_logit_check_fits_the_planned_forward_working_memory():
+    """Eval checks that the change moves the logits on its largest batch: its expression held four chunks of logits
+    at once, none of them planned, and eval peaked 19-21 % over ``usaf plan`` (found in review). In place, it holds
+    two, which the eval stage's forward working memory now counts. The control: the old expression, under the same
+    meter, holds more than the plan."""
+    import types
+
+    from usaf.memory_plan.activations import forward_workspace
+    from usaf.stages.eval.passes import max_logit_change
+
+    torch.manual_seed(0)
+    vocab, hidden, batch = 1000, 16, Batch(8, 512)
+    head = torch.nn.Linear(hidden, vocab, bias=False).requires_grad_(False)
+    model = types.SimpleNamespace(get_output_embeddings=lambda: head)
+    before, after = torch.randn(8, 512, hidden), torch.randn(8, 512, hidden)
+    mask = torch.ones(8, 512, dtype=torch.int64)
+    facts = types.SimpleNamespace(vocab=vocab, spec=types.SimpleNamespace(hidden_size=hidden))
+    planned = forward_workspace(facts, batch) - 8 * 4 * batch.tokens * hidden  # less the layer's hidden states
+    with _LiveBytes() as meter:
+        max_logit_change(model, before, after, mask)
+    chunk = 4 * batch.tokens * vocab  # the whole batch's logits fit in one 64 MiB chunk here
+    # within 5 %: small buffers (the mask, a reduction's) beside the two chunks
+    assert 2 * chunk <= meter.peak <= 1.05 * planned, (meter.peak, planned)
+    with _LiveBytes() as old, torch.no_grad():  # the expression of before
+        b, a = before.reshape(-1, hidden), after.reshape(-1, hidden)
+        float((head(a).float() - head(b).float()).abs().masked_fill(~(mask.reshape(-1) != 0)[:, None], 0).max())
+    assert old.peak > 1.4 * planned, (old.peak, planned)

@@ -246,14 +246,17 @@ def grouped_delta_workspace(m: ModelFacts, batch: Batch, targets: tuple[str, ...
 
 
 def forward_workspace(m: ModelFacts, batch: Batch) -> int:
-    """No-grad forward (eval): the loss of one sequence at a time, a chunk of positions at a time (taken as
-    large as the training loss's working memory), plus a layer's hidden states.
+    """No-grad forward (eval): the larger of the loss of one sequence at a time, a chunk of positions at a time
+    (taken as large as the training loss's working memory), and the check that the change moves the logits (two
+    fp32 chunks of the whole batch's logits: ``usaf.stages.eval.passes.max_logit_change``; it was not counted, and
+    eval peaked 19-21 % over its plan: found in review), plus a layer's hidden states.
 
     The layer term (eight (N, H) fp32 tensors: residual, norm, attention and MoE outputs) is an assumption,
     not a measurement.
     """
     n = batch.tokens
-    return loss_workspace(m, Batch(1, batch.seq_len)) + 8 * FP32 * n * m.spec.hidden_size
+    check = 2 * FP32 * min(n, max(1, CHUNK_LOGIT_BYTES // (FP32 * m.vocab))) * m.vocab
+    return max(loss_workspace(m, Batch(1, batch.seq_len)), check) + 8 * FP32 * n * m.spec.hidden_size
 
 
 def capture_workspace(m: ModelFacts, batch: Batch, c: int) -> int:
