@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -366,3 +367,32 @@ def test_a_progress_bar_into_a_log_is_one_whole_line(monkeypatch):
     assert len(line.splitlines()) == 1 and "10.0/10.0 GB" in line and "loss 1.2500" in line, line
     assert "━" not in line
     assert "…" in shown(True)
+
+
+def test_a_progress_bar_into_a_log_says_where_it_is_every_so_often(monkeypatch):
+    """Into a log rich prints a bar once, at its end: a train under tee said nothing for 182 of its 189 s (found in
+    review). A line every LOG_EVERY_SECONDS says where it is and the time left. The control: on a terminal, the bar
+    alone (no such lines), with its time left kept at 80 columns, where rich cut it (the counters come after it)."""
+    import io
+
+    from usaf.cli import progress
+    from usaf.cli.console import err
+
+    monkeypatch.setattr(progress, "LOG_EVERY_SECONDS", 0.0)
+
+    def shown(terminal: bool) -> str:
+        log = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", log)
+        monkeypatch.setattr(err, "_force_terminal", terminal)
+        bar = progress.RichProgress()
+        bar.start("training", 1668, "steps", done=400)
+        for _ in range(3):
+            bar.advance(10, **{"tokens since the resume": 266_137, "loss (20-step mean)": 3.3124})
+        bar.finish()
+        return log.getvalue()
+
+    lines = [line for line in shown(False).splitlines() if "so far" in line]
+    assert len(lines) == 3 and lines[-1].startswith("training 430/1,668 steps (26 %), about "), lines
+    assert " left, 0:00:00 so far  loss (20-step mean) 3.3124  266,137 tokens since the resume (" in lines[-1], lines
+    bar = shown(True).splitlines()[0]  # 80 columns
+    assert "so far" not in bar and re.search(r"430/1668 steps \d:\d\d:\d\d loss \(20-step mean\) 3.3", bar), bar
