@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +189,14 @@ class PrefixCache:
         self._spilled[key] = (offset, tuple(state.shape), state.dtype)
         self._spill_bytes += size
         self._mmap = None  # the file grew: remap on the next read
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Drop these states (from RAM; a spilled one's bytes stay in the file, unindexed). The store's are never
+        dropped."""
+        for key in keys:
+            if (state := self._ram.pop(key, None)) is not None:
+                self._ram_bytes -= state.numel() * state.element_size()
+            self._spilled.pop(key, None)
 
     def get(self, key: str) -> torch.Tensor | None:
         if key in self._ram:

@@ -113,6 +113,9 @@ class Trainer:
         self.state = TrainState(world_size=self.world.size, company_size=size, threads=threads)  # a resume replaces it
         self.resumed_world_size = self.world.size  # a resume: the processes the run trained on until its checkpoint
         self._companies: FirstEpochCompanies | None = None
+        # no training sequence is drawn twice (a run of one epoch or less): a cached prefix state would never be read
+        # again, so each is dropped once its step took it
+        self.visits_once = steps * config.microbatch * config.grad_accum * self.world.size <= len(data)
 
     @property
     def companies(self) -> FirstEpochCompanies:
@@ -158,7 +161,7 @@ class Trainer:
             cache, fingerprint = self.prefix
             states = company_prefix_states(
                 self.engine, batch, rows, cache, model_fingerprint=fingerprint, companies=self.companies,
-                load=self._lines, pad_id=self.pad_id, chunk=self._capture_chunk(),
+                load=self._lines, pad_id=self.pad_id, chunk=self._capture_chunk(), once=self.visits_once,
             )  # fmt: skip
         elif self.prefix is not None:  # held-out data: each missing state alone
             cache, fingerprint = self.prefix
