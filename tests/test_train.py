@@ -1494,6 +1494,47 @@ def test_a_ram_budget_with_a_workspace_plan_does_not_count_scoring(prepared, tmp
     assert scoring.exit_code == 2 and "nothing fits: score needs 9 GiB" in scoring.stderr, scoring.output
 
 
+def test_a_run_that_measures_no_held_out_loss_of_a_split_it_has_says_so(prepared, tmp_path):
+    """Train at its defaults measured no held-out loss of the tokens' own held-out split, in silence: the summary's
+    only figure was the training loss, and the warning of a rising held-out loss was off (found in review). Said,
+    with the flags. The control: given --eval-data, nothing of it."""
+    qdir, tokens, plan = prepared("qwen3_moe")
+    common = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 1, "--save-every", 0,
+              "--lr", 1e-3, "--reselect-every", 0]  # fmt: skip
+    silent = invoke(*common, "--out", tmp_path / "none")
+    said = " ".join(silent.stderr.split())
+    assert silent.exit_code == 0, silent.output
+    assert "no held-out loss is measured while training" in said and f"--eval-data {tokens} --eval-every N" in said
+    measured = invoke(*common, "--eval-data", tokens, "--eval-every", 1, "--steps", 2, "--out", tmp_path / "held")
+    assert measured.exit_code == 0 and "no held-out loss" not in measured.stderr, measured.output
+
+
+def test_keep_checkpoints_keeps_the_newest_and_the_lowest_held_out_ones(prepared, tmp_path, monkeypatch):
+    """Every checkpoint was kept: 33 of them were 168 of a run's 174 MB, and nothing said so (found in review).
+    --keep-checkpoints N deletes older ones as each is written, but for the one at the lowest held-out loss, which the
+    overfit warning names; the summary says what is kept. The control: without it, all are kept, and said."""
+    from usaf.stages.train import trainer as trainer_module
+
+    losses = iter([5.0, 4.0, 4.5, 4.6, 4.7, 4.8])  # steps 0..5: lowest at step 1, then rising
+    monkeypatch.setattr(trainer_module.Trainer, "evaluate", lambda self, **kw: next(losses))
+    qdir, tokens, plan = prepared("qwen3_moe")
+    common = ["train", "--model", qdir, "--data", tokens, "--plan", plan, "--steps", 5, "--save-every", 1,
+              "--eval-data", tokens, "--eval-every", 1, "--lr", 1e-3, "--reselect-every", 0, "--json"]  # fmt: skip
+    pruned = invoke(*common, "--keep-checkpoints", 2, "--out", tmp_path / "pruned")
+    assert pruned.exit_code == 0, pruned.output
+    kept = sorted(p.name for p in (tmp_path / "pruned" / "checkpoints").iterdir())
+    assert kept == ["step-0000001", "step-0000004", "step-0000005"], kept
+    said = " ".join(pruned.stderr.split())
+    assert f"{tmp_path / 'pruned' / 'checkpoints' / 'step-0000001'} holds the weights of step 1" in said, said
+    summary = json.loads(pruned.stdout)["summary"]
+    assert summary["checkpoints"] == 3 and summary["checkpoint_bytes"] > 0
+    losses = iter([5.0, 4.0, 4.5, 4.6, 4.7, 4.8])
+    every = invoke(*common[:-1], "--out", tmp_path / "every")
+    assert every.exit_code == 0, every.output
+    assert len(list((tmp_path / "every" / "checkpoints").iterdir())) == 5
+    assert "checkpoints kept (all: --keep-checkpoints N) │ 5 (" in " ".join(every.stdout.split()), every.stdout
+
+
 def test_a_vram_from_the_environment_on_the_cpu_is_said_unused_and_plans_nothing(prepared, tmp_path, monkeypatch):
     """USAF_VRAM (set for a GPU machine) on a CPU run was taken as a budget: the planner shrank the prefix cache with
     no RAM budget given, where --vram itself is refused (found in review). Said not used; nothing planned. The

@@ -107,6 +107,8 @@ class RunSummary(Record):
         "counts are from there on; None: trained from step 0 in one start",
     )  # fmt: skip
     session_tokens: int | None = Field(None, description="tokens trained in seconds (None: a run of an older usaf)")
+    checkpoints: int | None = Field(None, description="checkpoints/step-N kept at the end (None: an older usaf's run)")
+    checkpoint_bytes: int | None = Field(None, description="their size on disk")
 
 
 @register

@@ -34,6 +34,7 @@ def _print_summary(console, manifest, path: Path) -> None:
     from rich.table import Table
 
     from usaf.artifacts.run import PLAN_DIR
+    from usaf.units import human_bytes
 
     s = manifest.summary
     table = Table(title=f"run → {path}", title_justify="left", show_header=False)
@@ -72,6 +73,10 @@ def _print_summary(console, manifest, path: Path) -> None:
     ]
     if s.prefix_cache_hits is not None:
         rows.append((f"prefix cache hits / misses{since}", f"{s.prefix_cache_hits:,} / {s.prefix_cache_misses:,}"))
+    if s.checkpoints:  # what the run holds on disk besides final/; --keep-checkpoints keeps fewer
+        kept = manifest.config.get("keep_checkpoints")
+        how = f"--keep-checkpoints {kept}" if kept else "all: --keep-checkpoints N"
+        rows.append((f"checkpoints kept ({how})", f"{s.checkpoints} ({human_bytes(s.checkpoint_bytes or 0)})"))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

@@ -91,6 +91,12 @@ class TrainConfig(StageConfig):
     )
     eval_every: int = Field(0, ge=0, description="Held-out loss every N steps; 0 = at the start and end only.")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps; 0 = none (Ctrl-C still saves one).")
+    keep_checkpoints: int | None = Field(
+        None, ge=1,
+        description="Keep the newest N checkpoints (and the one at the lowest held-out loss), deleting older ones as "
+        "each is written.",
+        json_schema_extra=cli(default_text="all"),
+    )  # fmt: skip
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the data order.")
     deterministic: bool = Field(
         False,

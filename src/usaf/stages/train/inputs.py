@@ -142,6 +142,8 @@ def resolve_inputs(
     eval_data = _eval_data(config, tokenizer, tokenizer_fp, context, progress)
     if eval_data is not None and world.is_main:  # a note: rank 0's (every rank read the whole data again)
         _say_eval_overlap(eval_data, TrainingTokens(data_file, len(data)), len(tokenizer), context, progress)
+    elif world.is_main and not config.resume:
+        _say_no_held_out_loss(data_file, progress)
     model = (model_dir, model_manifest.fingerprint)
     given = None if config.plan is None else resolve_plan(config.plan, config.workspace, model, progress)
     source = config.data if config.data is not None else data_file.parent
@@ -319,6 +321,20 @@ def _say_eval_overlap(eval_data: Any, training: Any, vocab_size: int, context: i
                       "training text, not generalization (hold sources out at tokenize: --held-out, --held-out-frac; "
                       "a tokens directory as --eval-data uses its heldout.jsonl; the same text in several sources, a "
                       "shared header or licence, is on both sides of any split: deduplicate it)")  # fmt: skip
+
+
+def _say_no_held_out_loss(data_file: Path, progress: Progress) -> None:
+    """A run of a tokens artifact with a held-out split, measuring none: said, with the flags. Its summary's only
+    figure was the training loss, and the warning of a rising held-out loss was off, in silence (found in review)."""
+    heldout = data_file.with_name("heldout.jsonl")
+    if data_file.name != "train.jsonl" or not heldout.is_file():
+        return
+    with heldout.open("rb") as f:
+        sequences = sum(1 for line in f if line.strip())
+    if sequences:
+        progress.note(f"no held-out loss is measured while training (nor is a rising one warned of): "
+                      f"{counted(sequences, 'held-out sequence')} of {heldout.parent} are, with --eval-data "
+                      f"{heldout.parent} --eval-every N; usaf eval measures them after the run")  # fmt: skip
 
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
@@ -860,7 +876,8 @@ def _resume_point(run_dir: Path, record: dict, world: World, latest_checkpoint) 
 # relative or absolute refused the same run; found in review), when checkpoints and held-out losses are written
 # (nothing trained depends on them), and the microbatch (another one at the same global batch resumes, with a note:
 # other_split).
-RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "microbatch", LR_FROM_PLAN})
+RESUME_IGNORES = frozenset({"model", "data", "plan", "save_every", "eval_every", "keep_checkpoints", "microbatch",
+                            LR_FROM_PLAN})  # fmt: skip
 RECORDED_SINCE = frozenset({"compute_dtype"})  # 2026-12-06
 
 

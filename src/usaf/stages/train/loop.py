@@ -18,7 +18,7 @@ from usaf.engine.reselect import collect_scores, reselect, update_fraction
 from usaf.errors import UsafError
 from usaf.stages.progress import Progress
 from usaf.stages.stop import StopRequest, note_at_stop, rerun_to_resume
-from usaf.stages.train.resume import latest_checkpoint
+from usaf.stages.train.resume import latest_checkpoint, prune_checkpoints
 from usaf.units import human_bytes
 
 SCORE_BATCHES = 4  # batches whose gradients rank grow candidates before each reselection
@@ -101,6 +101,8 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
                 trainer.log({"step": done, "eval_loss": loss})
         if config.save_every and done % config.save_every == 0:
             trainer.save_checkpoint(trainer.checkpoint_dir())
+            if config.keep_checkpoints and trainer.world.is_main:
+                prune_checkpoints(trainer.run_dir, config.keep_checkpoints, trainer.state.eval_losses)
         if not record.get("skipped", False):
             recent.append(record["loss"])
         shown = {SHOWN_LOSS: sum(recent) / len(recent)} if recent else {}
