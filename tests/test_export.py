@@ -23,7 +23,7 @@ from helpers import invoke, leftovers
 from helpers_engine import every_target
 from helpers_export import engine_logits, export, hf_logits, ids_for
 from helpers_trained import tokenize, train_run
-from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, load_verified
+from usaf.artifacts import DeltaManifest, HfExportManifest, QuantizedModelManifest, RunManifest, load_verified
 from usaf.artifacts.run import load_trained_change
 from usaf.errors import UsafError
 from usaf.families import load_model_config, read_checkpoint, resolve_family
@@ -84,6 +84,11 @@ def test_dequantized_export_reloads_with_the_engines_logits(family, trained, tmp
     s = manifest.summary
     assert s.expert_entries == change.expert_entries > 0 and s.router_tensors == len(change.routers) > 0
     assert s.verify is not None and s.verify.max_abs_diff <= s.verify.tolerance
+    # train's summary names the count export applies: its other two (active, dropped-and-kept) overlap where a
+    # dropped entry grew back, and a reviewer could not reconcile them with export's (found in review)
+    trained_summary = load_verified(run, RunManifest).summary
+    assert trained_summary.changed_entries == s.expert_entries
+    assert trained_summary.frozen_entries > 0 and trained_summary.expert_entries != s.expert_entries  # RigL ran
     # the family's own on-disk names and shapes, as its save_pretrained wrote the tiny source
     shapes = {n: i.shape for n, i in read_checkpoint(out).items()}
     assert shapes == {n: i.shape for n, i in read_checkpoint(source).items()}

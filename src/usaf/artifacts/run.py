@@ -94,6 +94,10 @@ class RunSummary(Record):
     expert_entries: int
     router_params: int
     frozen_entries: int = Field(description="dropped-by-reselection entries kept in the cumulative delta")
+    changed_entries: int | None = Field(
+        None, description="weights the change touches in all: the active and the dropped-and-kept entries' union "
+        "(some were dropped, then regrown), what export applies (None: an older usaf's run)",
+    )  # fmt: skip
     reselections: list[ReselectionRecord]
     routing_warnings: list[str] = Field(default_factory=list, description="trainable layers whose routing collapsed")
     prefix_cache_hits: int | None = Field(None, description="sequences whose frozen-prefix state was cached")

@@ -71,6 +71,8 @@ def _print_summary(console, manifest, path: Path) -> None:
         ("reselections (grown in total)", f"{len(s.reselections)} ({sum(r.grown for r in s.reselections):,})"),
         ("dropped-and-kept entries", f"{s.frozen_entries:,}"),
     ]
+    if s.changed_entries is not None:  # export's count; the two above overlap where a dropped entry grew back
+        rows.append(("weights changed in all (what export applies)", f"{s.changed_entries:,}"))
     if s.prefix_cache_hits is not None:
         rows.append((f"prefix cache hits / misses{since}", f"{s.prefix_cache_hits:,} / {s.prefix_cache_misses:,}"))
     if s.checkpoints:  # what the run holds on disk besides final/; --keep-checkpoints keeps fewer

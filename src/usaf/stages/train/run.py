@@ -334,6 +334,7 @@ def _finish(
     tokens this start trained from (a resumed run's summary said its whole tokens came in this start's seconds:
     twice the rate; found in review)."""
     # lazy: the package binds run eagerly and imports no torch (usaf.stages.train stays light)
+    from usaf.engine.reselect import cumulative_delta
     from usaf.stages.train import loop
 
     state, run_dir = trainer.state, inputs.run_dir
@@ -381,6 +382,7 @@ def _finish(
         expert_entries=counts["delta_entries"],
         router_params=counts["router_params"],
         frozen_entries=sum(int(w.frozen_indices.numel()) for w in trainer.engine.weights.values()),
+        changed_entries=sum(int(cumulative_delta(w)[0].numel()) for w in trainer.engine.weights.values()),
         reselections=[ReselectionRecord(**r) for r in state.reselections],
         routing_warnings=state.routing_warnings,
         prefix_cache_hits=int(hits) if cache else None,
