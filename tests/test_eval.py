@@ -265,6 +265,31 @@ def test_base_only_on_raw_text_reports_per_repository(trained, tmp_path):
     assert shown in " ".join(result.stdout.replace("│", " ").split()), result.stdout
 
 
+def test_a_table_of_many_sources_shows_the_largest_and_counts_the_rest(trained, tmp_path, monkeypatch):
+    """A corpus of 137 sources printed about 400 lines of table before its total (found in review). The terminal's
+    table shows an input's 12 largest sources and a row counting the rest; report.json keeps every one. The control:
+    with room for all, no such row."""
+    from usaf.cli import eval_
+
+    texts = tmp_path / "texts.jsonl"
+    shlex_src = (stdlib_dir() / "shlex.py").read_text()
+    lines = [{"text": shlex_src[i * 400 : (i + 1) * 400 + 40 * i], "repo": f"repo{i:02d}"} for i in range(15)]
+    texts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common = ["eval", "--model", trained["q"], "--held-out", texts, "--seq-len", 64, "--no-plots",
+              "--workspace", tmp_path / "ws"]  # fmt: skip
+    result = invoke(*common, "--out", tmp_path / "report")
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "report" / "report.json").read_text())["rows"]
+    sources = sorted((r for r in rows if not r["overall"]), key=lambda r: -r["tokens"])
+    assert len(sources) == 15
+    shown = " ".join(result.stdout.replace("│", " ").split())
+    assert "… 3 more: report.md" in shown, result.stdout
+    assert all(r["source"] in shown for r in sources[:12])
+    monkeypatch.setattr(eval_, "SOURCES_SHOWN", 100)
+    every = invoke(*common, "--out", tmp_path / "every")
+    assert every.exit_code == 0 and "more: report.md" not in every.stdout, every.output
+
+
 def test_held_out_sequences_the_run_trained_on_are_counted_and_said(trained, report, tmp_path):
     """Held-out text the run trained on (textwrap.py, packed as training packed it) is counted as such and warned
     about; the tokens' own held-out split is the control (none of it trained on)."""

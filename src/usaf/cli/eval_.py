@@ -23,7 +23,22 @@ def _print_summary(console, manifest, path: Path) -> None:
         # a source wraps, never cut: "http/cooki…" was cookiejar.py and cookies.py alike on 80 columns (review)
         table.add_column(column, justify="left" if column in ("set", "source") else "right",
                          overflow="fold" if column == "source" else "ellipsis")  # fmt: skip
-    for r in shown_rows(s.rows):
+    rows = shown_rows(s.rows)
+    hidden = _beyond_the_largest(rows)
+    unsaid: dict[tuple, int] = {}  # a group's sources left out, said in a row after its last shown one
+
+    def say_unsaid() -> None:
+        for count in unsaid.values():
+            table.add_row("", f"… {count} more: report.md", *[""] * (len(columns) - 2))
+        unsaid.clear()
+
+    for r in rows:
+        group = (r.set, r.input)
+        if unsaid and (r.overall or group not in unsaid):
+            say_unsaid()
+        if id(r) in hidden:
+            unsaid[group] = unsaid.get(group, 0) + 1
+            continue
         label = escape(row_label(r, s.rows, short=True))  # a source, or a total: of one input, of the set
         cells = [r.set, label, f"{r.sequences:,}", f"{r.tokens:,}", f"{r.base.ppl:.2f}"]
         if tuned:
@@ -34,6 +49,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         else:
             cells.append(plain_ci(r.base.ppl_ci, 2))  # the PPL's digits (the CI had 3: found in review)
         table.add_row(*cells, end_section=r.overall)
+    say_unsaid()
     console.print(table)
 
     drift = Table(title="routing drift per MoE layer", title_justify="left")
@@ -71,6 +87,20 @@ def _print_summary(console, manifest, path: Path) -> None:
     elif s.plots_note:
         console.print(s.plots_note, markup=False)
     console.print(f"report: {path / 'report.md'}", markup=False)
+
+
+SOURCES_SHOWN = 12  # per input: a corpus of 137 sources printed about 400 lines before its total (found in review)
+
+
+def _beyond_the_largest(rows) -> set[int]:
+    """The ids of the source rows a terminal table leaves out: past the :data:`SOURCES_SHOWN` with the most tokens of
+    their input (report.md and report.json keep every one)."""
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        if not r.overall:
+            groups.setdefault((r.set, r.input), []).append(r)
+    return {id(r) for members in groups.values()
+            for r in sorted(members, key=lambda r: -r.tokens)[SOURCES_SHOWN:]}  # fmt: skip
 
 
 def _held_out_is_the_training_tokens_alone(inputs) -> bool:
