@@ -137,6 +137,10 @@ def test_the_base_pass_is_cached_and_equals_a_fresh_one(trained, report):
     assert cached["base_cached"] and cached["base_cache"] == first["base_cache"] and not first["base_cached"]
     assert "reused from the cache" in result.stderr
     assert cached["checkpoint"] == str(step8)
+    # the cached base pass keeps no states, so the fine-tuned one runs every layer: twice as long, unsaid before
+    said = " ".join(result.stderr.split())
+    assert "fine-tuned pass: runs every layer, not from layer 1: the base pass came from the cache" in said, said
+    assert "runs every layer" not in report[1].stderr  # the control: the first eval's fresh base pass kept them
     fresh_out = trained["workspace"] / "report-fresh"
     # a fresh base pass, and with experts dequantized per forward instead of once: the same numbers, bit for bit
     result = invoke("eval", *common, "--checkpoint", step8, "--out", fresh_out, "--no-base-cache", "--streaming")
