@@ -95,9 +95,9 @@ def test_a_company_is_computed_once_together_and_served_after(quantized, tmp_pat
 
 def test_a_run_that_visits_each_sequence_once_drops_each_state_once_taken(quantized, tmp_path):
     """A one-epoch run cached every sequence's prefix state for a revisit that never comes: RAM grew to its limit and
-    spilled gigabytes to disk (469 → 1,684 MiB in a reviewer's run). With ``once`` a state stays only until its step
+    spilled gigabytes to disk (469 → 1,684 MiB in a reviewer's run). Forgotten, a state stays only until its step
     takes it: a company computed ahead waits for its other microbatch, then goes. The same states either way. The
-    control: without ``once`` every state stays."""
+    control: not forgotten, every state stays."""
     engine = make_engine(quantized, "qwen3_moe")
     data = token_file(tmp_path / "t.jsonl", rows_of(8))
     kept = {}
@@ -108,7 +108,8 @@ def test_a_run_that_visits_each_sequence_once_drops_each_state_once_taken(quanti
             rows = data.indices_for_step(step, 2, 0)
             batch = collate([data[r] for r in rows], 0, rows=tuple(rows))
             got.append(company_prefix_states(engine, batch, rows, cache, model_fingerprint="m", companies=companies,
-                                             load=lambda rs: [data[r] for r in rs], pad_id=0, chunk=4, once=once))
+                                             load=lambda rs: [data[r] for r in rs], pad_id=0, chunk=4,
+                                             forget=(lambda row: True) if once else None))
             held.append(cache.nbytes["ram"])
         kept[once] = (got, held, len(cache))
     (plain, plain_held, plain_len), (dropped, dropped_held, dropped_len) = kept[False], kept[True]
@@ -116,6 +117,21 @@ def test_a_run_that_visits_each_sequence_once_drops_each_state_once_taken(quanti
     assert plain_len == 8 and dropped_len == 0 and dropped_held[-1] == 0
     assert 0 < dropped_held[0] < plain_held[0] and dropped_held[1] == 0  # the company's second microbatch waited
     assert plain_held[-1] == max(plain_held) > max(dropped_held)
+
+
+def test_the_rows_a_run_draws_again_are_the_next_epochs_first_ones(tmp_path):
+    """Which states a run may drop: an epoch rounded up to whole steps draws a few rows twice, and a yes/no for the
+    whole run switched the dropping off for most data sizes (7 sequences at microbatch 2: 4 steps draw 8; found in
+    review). Those rows keep their states, the others do not; from two epochs on, every row is drawn again."""
+    from usaf.stages.train.trainer import _drawn_again
+
+    data = token_file(tmp_path / "t.jsonl", rows_of(7))
+    assert _drawn_again(data, 6, seed=3) == frozenset()  # under an epoch: none
+    assert _drawn_again(data, 8, seed=3) == {int(data.order(1, 3)[0])}  # the rounded-up step's one extra
+    drawn = [r for step in range(4) for r in data.indices_for_step(step, 2, 3)]
+    assert [r for r in set(drawn) if drawn.count(r) > 1] == [int(data.order(1, 3)[0])]  # what the run draws
+    assert _drawn_again(data, 14, seed=3) is None
+    assert _drawn_again(data, 13, seed=3) == set(data.order(1, 3)[:6].tolist())
 
 
 def test_a_company_leaves_out_the_states_the_plans_store_holds(quantized, tmp_path, monkeypatch):

@@ -75,12 +75,12 @@ def company_prefix_states(
     load: Callable[[Sequence[int]], list[TokenLine]],
     pad_id: int,
     chunk: int,
-    once: bool = False,
+    forget: Callable[[int], bool] | None = None,
 ) -> torch.Tensor:
     """``(B, T, H)`` prefix states of a training microbatch: from the plan's store, else from the cache, else its
-    company computed (and cached) at once. ``once``: no sequence of the run is visited again, so the states this
-    microbatch took are dropped from the cache (kept, a one-epoch run filled its RAM and spilled gigabytes to disk
-    for no hit: 469 → 1,684 MiB in a reviewer's run).
+    company computed (and cached) at once. ``forget(row)``: the run never draws that dataset row again, so the state
+    it took is dropped from the cache (kept, a one-epoch run filled its RAM and spilled gigabytes to disk for no hit:
+    469 → 1,684 MiB in a reviewer's run).
 
     Args:
         batch: the microbatch, right-padded, on the engine's device; ``rows`` its dataset indices.
@@ -104,8 +104,9 @@ def company_prefix_states(
         if miss and key not in cache:  # not computed with an earlier row's company
             companies.ahead.update(_compute(engine, cache, model_fingerprint, company, load, pad_id, chunk) - asked)
     states = [cache.get(key) for key, _ in keys]
-    if once:  # the store's (not in the cache's own memory) are left alone
-        cache.forget(key for key, _ in keys if cache.store is None or key not in cache.store)
+    if forget is not None:  # the store's (not in the cache's own memory) are left alone
+        cache.forget(key for (key, _), row in zip(keys, rows)
+                     if forget(row) and (cache.store is None or key not in cache.store))  # fmt: skip
     return padded_states(states, batch.input_ids.shape[1]).to(batch.input_ids.device)
 
 
