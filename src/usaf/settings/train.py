@@ -93,8 +93,8 @@ class TrainConfig(StageConfig):
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps; 0 = none (Ctrl-C still saves one).")
     keep_checkpoints: int | None = Field(
         None, ge=1,
-        description="Keep the newest N checkpoints (and the one at the lowest held-out loss), deleting older ones as "
-        "each is written.",
+        description="Keep the newest N checkpoints (and, of those where the held-out loss was measured, the lowest), "
+        "deleting older ones as each is written.",
         json_schema_extra=cli(default_text="all"),
     )  # fmt: skip
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of the data order.")

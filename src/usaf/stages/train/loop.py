@@ -45,7 +45,7 @@ def run_loop(trainer: Any, steps: int, progress: Progress) -> None:
 
 def _save_at_stop(trainer: Any, progress: Progress) -> None:
     """A stop request's checkpoint of the steps done (with the scores collected so far) and the note saying so."""
-    saved = trainer.save_checkpoint(trainer.checkpoint_dir())
+    saved = _save(trainer)
     if trainer.collector is not None:
         trainer.collector.close()
     again = rerun_to_resume(source_of(trainer.config, "overwrite") if trainer.config.overwrite else None)
@@ -54,6 +54,14 @@ def _save_at_stop(trainer: Any, progress: Progress) -> None:
         note += f" (or pass --out {trainer.run_dir})"
     progress.finish()  # the bar as it stopped, then the note
     note_at_stop(progress, note)
+
+
+def _save(trainer: Any) -> Any:
+    """A checkpoint of the steps done, then (``--keep-checkpoints``) the older ones pruned; its path."""
+    saved = trainer.save_checkpoint(trainer.checkpoint_dir())
+    if trainer.config.keep_checkpoints and trainer.world.is_main:  # a stop's save too (it kept one more; review)
+        prune_checkpoints(trainer.run_dir, trainer.config.keep_checkpoints, trainer.state.eval_losses)
+    return saved
 
 
 def final_held_out_loss(trainer: Any, progress: Progress) -> float | None:
@@ -100,9 +108,7 @@ def _steps(trainer: Any, steps: int, progress: Progress, stop: StopRequest) -> N
                 trainer.state.eval_losses.append([done, loss])
                 trainer.log({"step": done, "eval_loss": loss})
         if config.save_every and done % config.save_every == 0:
-            trainer.save_checkpoint(trainer.checkpoint_dir())
-            if config.keep_checkpoints and trainer.world.is_main:
-                prune_checkpoints(trainer.run_dir, config.keep_checkpoints, trainer.state.eval_losses)
+            _save(trainer)
         if not record.get("skipped", False):
             recent.append(record["loss"])
         shown = {SHOWN_LOSS: sum(recent) / len(recent)} if recent else {}

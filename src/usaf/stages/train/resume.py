@@ -204,12 +204,16 @@ def _restore_scores(trainer: Any, by_rank: list[dict]) -> None:
 
 
 def prune_checkpoints(run_dir: Path, keep: int, eval_losses: list) -> list[Path]:
-    """Delete the run's complete checkpoints but the newest ``keep`` and the one at the lowest held-out loss so far
-    (the overfit warning names it); the deleted. Called once a new checkpoint is whole, so the newest (what a resume
-    takes) is never one of them. Every checkpoint was kept: 33 of them were 168 of a run's 174 MB (found in review).
-    Only ``step-N`` directories usaf wrote (complete: their state file) are touched."""
+    """Delete the run's complete checkpoints but the newest ``keep`` and the one whose held-out loss is the lowest
+    measured at a checkpoint (the overfit warning names it where it is the lowest of all); the deleted. Called once a
+    new checkpoint is whole, so the newest (what a resume takes) is never one of them. Every checkpoint was kept: 33
+    of them were 168 of a run's 174 MB (found in review). Only complete ``step-N`` directories are touched."""
     done = checkpoint_dirs(run_dir, flag="--out")
-    measured = [(float(loss), int(step)) for step, loss in eval_losses if loss is not None and math.isfinite(loss)]
+    losses = {int(step): float(loss) for step, loss in eval_losses if loss is not None and math.isfinite(loss)}
+    # the lowest of the checkpoints measured: the lowest of all, where no checkpoint holds it (step 0, a step between
+    # saves), kept none (found in review)
+    steps = [step_of(d, flag="--out") for d in done]
+    measured = [(losses[step], step) for step in steps if step in losses]
     best = min(measured)[1] if measured else None
     old = [d for d in done[:-keep] if step_of(d, flag="--out") != best]
     for directory in old:
