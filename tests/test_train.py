@@ -339,6 +339,23 @@ def test_sigterm_and_sighup_save_like_ctrl_c_and_exit_with_the_signals_code(prep
     assert f"step {done} of 150" in resumed.stderr
 
 
+def test_a_run_whose_output_reader_dies_goes_on_and_finishes(prepared, tmp_path):
+    """``nohup usaf train ... 2>&1 | tee log &``: at logout tee died, and the next progress line's write raised
+    BrokenPipeError out of the loop: exit 1, no checkpoint, every step lost (found in review). The streams now
+    outlive their reader: the run finishes, its manifest written. The reader is closed after the first line here,
+    while the run has most of its steps ahead (the control: they are logged after the close)."""
+    qdir, tokens, plan = prepared("olmoe")
+    run = tmp_path / "run"
+    cmd = _train_command(qdir, tokens, plan, run, 150)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stderr.readline()  # the first note: the run has begun
+    proc.stderr.close()  # what a dead tee leaves: no reader on either stream
+    proc.stdout.close()
+    assert proc.wait(timeout=600) == 0
+    assert load_verified(run, RunManifest).summary.steps == 150
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 150  # every step trained after the close
+
+
 @pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
 def test_a_signal_ignored_when_train_starts_stays_ignored(prepared, tmp_path, name):
     """``nohup usaf train ... &`` ignores SIGHUP, and a job a script starts in the background ignores SIGINT; train
@@ -1533,6 +1550,32 @@ def test_keep_checkpoints_keeps_the_newest_and_the_lowest_held_out_ones(prepared
     assert every.exit_code == 0, every.output
     assert len(list((tmp_path / "every" / "checkpoints").iterdir())) == 5
     assert "checkpoints kept (all: --keep-checkpoints N) │ 5 (" in " ".join(every.stdout.split()), every.stdout
+
+
+def test_pruning_keeps_the_lowest_measured_checkpoint_where_the_lowest_loss_has_none(tmp_path):
+    """The untrained model (step 0, no checkpoint) measured lowest: the checkpoint of the lowest loss at a checkpoint
+    was deleted with the others, for it was not the lowest of all (found in review). It is kept. The control: no
+    loss measured, the newest alone are kept; an incomplete directory is never touched."""
+    from usaf.artifacts.run import STATE_FILE
+    from usaf.stages.train.resume import prune_checkpoints
+
+    def run_with(steps):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        for step in steps:
+            (run / "checkpoints" / f"step-{step:07d}").mkdir(parents=True)
+            (run / "checkpoints" / f"step-{step:07d}" / STATE_FILE).write_text("{}")
+        return run
+
+    def left(run):
+        return sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir())
+
+    run = run_with([20, 40, 60, 80])
+    (run / "checkpoints" / "step-0000010").mkdir()  # incomplete (no state file): not one of the run's checkpoints
+    prune_checkpoints(run, 2, [[0, 3.0], [20, 4.2], [40, 4.0], [60, 4.5], [80, 4.6]])
+    assert left(run) == [10, 40, 60, 80]
+    control = run_with([20, 40, 60, 80])
+    prune_checkpoints(control, 2, [])
+    assert left(control) == [60, 80]
 
 
 def test_a_vram_from_the_environment_on_the_cpu_is_said_unused_and_plans_nothing(prepared, tmp_path, monkeypatch):

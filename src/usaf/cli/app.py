@@ -14,6 +14,7 @@ import typer
 
 from usaf._version import __version__
 from usaf.cli import demo, doctor, eval_, export, generate, inspect, plan, quantize, score, tiny_model, tokenize, train
+from usaf.cli.closed_pipes import outlive_readers
 from usaf.cli.console import handle_errors
 from usaf.cli.once import SaysTheValueUsed
 from usaf.cli.usage_errors import GroupParseErrorsAsUsaf
@@ -65,6 +66,7 @@ app.command("tiny-model", cls=SaysTheValueUsed)(tiny_model.command)
 
 
 def main() -> None:
+    outlive_readers()  # a dead `| tee` ended a run with exit 1 and no checkpoint
     try:
         with handle_errors():
             _refuse_undecodable(sys.argv[1:])
