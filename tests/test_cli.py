@@ -364,7 +364,7 @@ def test_a_progress_bar_into_a_log_is_one_whole_line(monkeypatch):
         return log.getvalue()
 
     line = shown(False)
-    assert len(line.splitlines()) == 1 and "10.0/10.0 GB" in line and "loss 1.2500" in line, line
+    assert len(line.splitlines()) == 1 and "9.3 GiB/9.3 GiB (100 %), " in line and "loss 1.2500" in line, line
     assert "━" not in line
     assert "…" in shown(True)
 
@@ -391,8 +391,11 @@ def test_a_progress_bar_into_a_log_says_where_it_is_every_so_often(monkeypatch):
         bar.finish()
         return log.getvalue()
 
-    lines = [line for line in shown(False).splitlines() if "so far" in line]
+    logged = shown(False).splitlines()
+    lines = [line for line in logged if "so far" in line]
     assert len(lines) == 3 and lines[-1].startswith("training 430/1,668 steps (26 %), about "), lines
+    # its end: how far it got and the time taken, said so (rich's line showed a bare time, and no commas)
+    assert logged[-1].startswith("training 430/1,668 steps (26 %), stopped after 0:00:00  loss"), logged
     assert " left, 0:00:00 so far  loss (20-step mean) 3.3124  266,137 tokens since the resume (" in lines[-1], lines
     bar = shown(True).splitlines()[0]  # 80 columns
     assert "so far" not in bar and re.search(r"430/1668 steps \d:\d\d:\d\d loss \(20-step mean\) 3.3", bar), bar

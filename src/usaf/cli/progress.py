@@ -52,7 +52,9 @@ class RichProgress:
             columns += [TextColumn("{task.completed}/{task.total} " + unit)]
         # the time left before the counters, which are cut first where the line is too long
         columns += [TimeRemainingColumn(), TextColumn("{task.fields[rate]}", table_column=_SHRINKS_FIRST)]
-        self._progress = Progress(*columns, console=console, disable=not self.enabled, transient=False,
+        # into a log, rich's line at the end showed a bare time (read as the time taken: it was the time left) and
+        # counts without their commas: the log's lines are usaf's own (_log_line), rich only counts
+        self._progress = Progress(*columns, console=console, disable=not self.enabled or logging, transient=False,
                                   expand=not logging)  # the counters take what the line has left
         self._progress.start()
         # done as the task's start, not an advance: rich's speed and time left count only this process's units (a
@@ -76,21 +78,30 @@ class RichProgress:
         now = time.perf_counter()
         if self._logging and now - self._logged >= LOG_EVERY_SECONDS:
             self._logged = now
-            err.print(self._log_line(now - self._started, rate), highlight=False, soft_wrap=True)
+            err.print(self._log_line(now - self._started), highlight=False, soft_wrap=True)
 
-    def _log_line(self, elapsed: float, rate: str) -> str:
-        """``training 467/1668 steps (28 %), about 0:02:08 left, 0:00:50 so far  loss 3.3124``: where the bar is, as
-        one line of a log."""
+    def _log_line(self, elapsed: float, *, end: bool = False) -> str:
+        """Where the bar is, as one line of a log: ``training 467/1,668 steps (28 %), about 0:02:08 left, 0:00:50 so
+        far  loss 3.3124``; at its ``end``, ``training 1,668/1,668 steps (100 %) in 0:02:58  loss 3.1015`` (or, cut
+        short, ``... (28 %), stopped after 0:00:50``)."""
         description, unit, total, start = self._line
-        done = int(self._progress.tasks[0].completed) if self._progress is not None else start
+        task = self._progress.tasks[0] if self._progress is not None else None
+        done = int(task.completed) if task is not None else start
+        rate = task.fields.get("rate", "") if task is not None else ""
         count = human_bytes if unit == "bytes" else "{:,}".format
         where = f"{count(done)}/{count(total)}" if total else count(done)
         where += "" if unit == "bytes" else f" {unit}"
         if total:
             where += f" ({100 * done / total:.0f} %)"
-            if done > start:  # the units of this process: a resumed run's earlier ones took no time here
+        if unit == "bytes" and done > start:  # as rich's speed column showed it
+            where += f", {human_bytes((done - start) / max(elapsed, 1e-9))}/s"
+        if end:
+            where += f" in {_clock(elapsed)}" if not total or done >= total else f", stopped after {_clock(elapsed)}"
+        else:
+            if total and done > start:  # the units of this process: a resumed run's earlier ones took no time here
                 where += f", about {_clock((total - done) * elapsed / (done - start))} left"
-        return escape(f"{description} {where}, {_clock(elapsed)} so far  {rate}".rstrip())
+            where += f", {_clock(elapsed)} so far"
+        return escape(f"{description} {where}  {rate}".rstrip())
 
     def note(self, message: str) -> None:
         err.print(f"[dim]{escape(message)}[/dim]")  # messages hold paths and hints like usaf[plot]: not markup
@@ -98,6 +109,9 @@ class RichProgress:
     def finish(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+            if self._logging:
+                err.print(self._log_line(time.perf_counter() - self._started, end=True), highlight=False,
+                          soft_wrap=True)  # fmt: skip
             self._progress = None
 
 

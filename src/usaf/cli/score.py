@@ -47,7 +47,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         f"({s.budget}, frac {s.frac:.4g}{_floor_note(s)}, |{s.statistic}| over {s.calib_samples} sequences / "
         f"{s.calib_tokens:,} tokens"
         + (f"; mask stability {s.stability_mean:.3f}, the mean over {_measured(s)} tensors of the overlap (Jaccard) of "
-           "the masks chosen from the sample's two halves: 1, the same weights; a larger --calib-samples raises it"
+           "the masks chosen from the sample's two halves (1 = the same weights; a larger --calib-samples raises it)"
            if s.stability_mean is not None else "")  # fmt: skip
         + ")"
     )

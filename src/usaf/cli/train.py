@@ -72,7 +72,7 @@ def _print_summary(console, manifest, path: Path) -> None:
         ("dropped-and-kept entries", f"{s.frozen_entries:,}"),
     ]
     if s.changed_entries is not None:  # export's count; the two above overlap where a dropped entry grew back
-        rows.append(("weights changed in all (what export applies)", f"{s.changed_entries:,}"))
+        rows.append(("delta weights changed in all (export's count)", f"{s.changed_entries:,}"))
     if s.prefix_cache_hits is not None:
         rows.append((f"prefix cache hits / misses{since}", f"{s.prefix_cache_hits:,} / {s.prefix_cache_misses:,}"))
     if s.checkpoints:  # what the run holds on disk besides final/; --keep-checkpoints keeps fewer

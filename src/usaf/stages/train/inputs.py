@@ -332,9 +332,9 @@ def _say_no_held_out_loss(data_file: Path, progress: Progress) -> None:
     with heldout.open("rb") as f:
         sequences = sum(1 for line in f if line.strip())
     if sequences:
-        progress.note(f"no held-out loss is measured while training (nor is a rising one warned of): "
-                      f"{counted(sequences, 'held-out sequence')} of {heldout.parent} are, with --eval-data "
-                      f"{heldout.parent} --eval-every N; usaf eval measures them after the run")  # fmt: skip
+        progress.note(f"no held-out loss is measured while training, nor a rising one warned of: --eval-data "
+                      f"{heldout.parent} --eval-every N measures its {counted(sequences, 'held-out sequence')} every N "
+                      "steps (usaf eval measures them after the run)")  # fmt: skip
 
 
 def _eval_data(config: TrainConfig, tokenizer: Any, tokenizer_fp: str, context: int | None, progress: Progress) -> Any:
