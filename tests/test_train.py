@@ -978,7 +978,7 @@ def test_a_signal_during_the_stop_checkpoint_does_not_cut_it_short():
     trainer = types.SimpleNamespace(
         world=world, state=types.SimpleNamespace(step=5, tokens=0), s=None, collector=None,
         checkpoint_dir=lambda: "checkpoints/step-0000005", save_checkpoint=save_checkpoint, run_dir=None,
-        config=types.SimpleNamespace(out="run", overwrite=False),
+        config=types.SimpleNamespace(out="run", overwrite=False, keep_checkpoints=None),
     )  # fmt: skip
     progress = NullProgress()
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a job started in the background
