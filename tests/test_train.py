@@ -1576,6 +1576,14 @@ def test_pruning_keeps_the_lowest_measured_checkpoint_where_the_lowest_loss_has_
     control = run_with([20, 40, 60, 80])
     prune_checkpoints(control, 2, [])
     assert left(control) == [60, 80]
+    # a checkpoint linked in by hand, to a folder of the user's: left, and its target untouched
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / STATE_FILE).write_text("{}")
+    linked = run_with([60, 80])
+    (linked / "checkpoints" / "step-0000040").symlink_to(theirs)
+    prune_checkpoints(linked, 1, [])
+    assert left(linked) == [40, 80] and (theirs / STATE_FILE).is_file()
 
 
 def test_a_vram_from_the_environment_on_the_cpu_is_said_unused_and_plans_nothing(prepared, tmp_path, monkeypatch):

@@ -215,7 +215,8 @@ def prune_checkpoints(run_dir: Path, keep: int, eval_losses: list) -> list[Path]
     steps = [step_of(d, flag="--out") for d in done]
     measured = [(losses[step], step) for step in steps if step in losses]
     best = min(measured)[1] if measured else None
-    old = [d for d in done[:-keep] if step_of(d, flag="--out") != best]
+    # a link put there by hand is not usaf's to delete (rmtree refuses one: it would have ended the run)
+    old = [d for d, step in list(zip(done, steps))[:-keep] if step != best and not d.is_symlink()]
     for directory in old:
         shutil.rmtree(directory)
     return old
